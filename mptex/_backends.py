@@ -1,0 +1,74 @@
+"""Lazy detection of the optional native backends (tinycudann, nvdiffrast).
+
+Nothing here imports them at ``import mptex`` time: they are imported on first
+use and the result is cached. tinycudann raises ``OSError``/``EnvironmentError``
+(not ``ImportError``) when its CUDA libraries are missing, so both are caught.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import warnings
+from types import ModuleType
+
+__all__ = ["has_tcnn", "has_nvdiffrast", "import_tcnn", "import_nvdiffrast", "warn_fallback_once"]
+
+
+@functools.lru_cache(maxsize=None)
+def _try_import(name: str) -> tuple[ModuleType | None, str]:
+    try:
+        return importlib.import_module(name), ""
+    except (ImportError, OSError) as exc:  # tcnn raises OSError without CUDA
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def has_tcnn() -> bool:
+    """True when ``tinycudann`` imports and a CUDA device is present."""
+    return _cuda_available() and _try_import("tinycudann")[0] is not None
+
+
+def has_nvdiffrast() -> bool:
+    """True when ``nvdiffrast.torch`` imports and a CUDA device is present."""
+    return _cuda_available() and _try_import("nvdiffrast.torch")[0] is not None
+
+
+def import_tcnn() -> ModuleType:
+    """Return the ``tinycudann`` module or raise ``RuntimeError`` saying why it is unusable."""
+    if not _cuda_available():
+        raise RuntimeError("backend 'tcnn' needs a CUDA device, and torch.cuda.is_available() is False")
+    module, why = _try_import("tinycudann")
+    if module is None:
+        raise RuntimeError(
+            "backend 'tcnn' needs tinycudann, which is not importable "
+            f"({why}); install it with: pip install "
+            "git+https://github.com/NVlabs/tiny-cuda-nn/#subdirectory=bindings/torch"
+        )
+    return module
+
+
+def import_nvdiffrast() -> ModuleType:
+    """Return ``nvdiffrast.torch`` or raise ``RuntimeError`` saying why it is unusable."""
+    if not _cuda_available():
+        raise RuntimeError(
+            "backend 'nvdiffrast' needs a CUDA device, and torch.cuda.is_available() is False"
+        )
+    module, why = _try_import("nvdiffrast.torch")
+    if module is None:
+        raise RuntimeError(
+            f"backend 'nvdiffrast' needs nvdiffrast, which is not importable ({why}); install it "
+            "with: pip install git+https://github.com/NVlabs/nvdiffrast/"
+        )
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def warn_fallback_once(what: str, reason: str) -> None:
+    """Warn once per (what, reason) that ``backend='auto'`` fell back to the torch path."""
+    warnings.warn(f"{what}: using the pure-PyTorch backend ({reason})", RuntimeWarning, stacklevel=3)

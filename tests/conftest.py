@@ -1,19 +1,30 @@
-"""Shared skip markers and tolerances. Markers are registered in pyproject.toml (--strict-markers)."""
+"""Shared skip markers and tolerances.
+
+Mark a test with ``@pytest.mark.requires_cuda``, ``requires_tcnn`` or ``requires_nvdiffrast``;
+the hook below turns the mark into a skip with a reason when the dependency is absent.
+Markers are registered in pyproject.toml, and ``--strict-markers`` rejects typos.
+"""
 
 import pytest
 import torch
 
 from mptex._backends import has_nvdiffrast, has_tcnn
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-requires_tcnn = pytest.mark.skipif(
-    not has_tcnn(), reason="needs tinycudann importable and a CUDA device"
-)
-requires_nvdiffrast = pytest.mark.skipif(
-    not has_nvdiffrast(), reason="needs nvdiffrast importable and a CUDA device"
-)
+_REQUIREMENTS = {
+    "requires_cuda": (torch.cuda.is_available, "needs a CUDA device"),
+    "requires_tcnn": (has_tcnn, "needs tinycudann importable and a CUDA device"),
+    "requires_nvdiffrast": (has_nvdiffrast, "needs nvdiffrast importable and a CUDA device"),
+}
 
-# Tolerances keyed by dtype, from torch.testing's defaults (rtol, atol).
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for name, (available, reason) in _REQUIREMENTS.items():
+            if item.get_closest_marker(name) is not None and not available():
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+# Tolerances keyed by dtype, starting from torch.testing's defaults (rtol, atol).
 TOL = {
     torch.float16: dict(rtol=1e-3, atol=1e-5),
     torch.bfloat16: dict(rtol=1.6e-2, atol=1e-5),

@@ -1,0 +1,7 @@
+"""mptex: mixed-precision neural texture training."""
+
+from mptex._backends import has_nvdiffrast, has_tcnn
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "has_tcnn", "has_nvdiffrast"]

@@ -80,7 +80,8 @@ def _check_tri(tri: torch.Tensor, n_vertices: int, device: torch.device) -> torc
         lo, hi = int(tri.min()), int(tri.max())
         if lo < 0 or hi >= n_vertices:
             raise ValueError(
-                f"tri: expected vertex indices in [0, {n_vertices - 1}], received range [{lo}, {hi}]"
+                f"tri: expected vertex indices in [0, {n_vertices - 1}], "
+                f"received range [{lo}, {hi}]"
             )
     return tri
 
@@ -132,11 +133,10 @@ def _homogeneous_barycentrics(
         (b0, b1, b2, denom): barycentrics [...] and the unnormalised sum ``sum(a x c)``
         (zero for triangles seen edge-on).
     """
-    a0, a1, a2 = v0[..., 0] - x * v0[..., 3], v1[..., 0] - x * v1[..., 3], v2[..., 0] - x * v2[..., 3]
-    c0, c1, c2 = v0[..., 1] - y * v0[..., 3], v1[..., 1] - y * v1[..., 3], v2[..., 1] - y * v2[..., 3]
-    n0 = a1 * c2 - a2 * c1
-    n1 = a2 * c0 - a0 * c2
-    n2 = a0 * c1 - a1 * c0
+    verts = (v0, v1, v2)
+    a = [vk[..., 0] - x * vk[..., 3] for vk in verts]
+    c = [vk[..., 1] - y * vk[..., 3] for vk in verts]
+    n0, n1, n2 = _cross(a, c)
     denom = n0 + n1 + n2
     safe = torch.where(denom == 0, torch.ones_like(denom), denom)
     return n0 / safe, n1 / safe, n2 / safe, denom
@@ -227,7 +227,8 @@ def _visibility(pos: torch.Tensor, tri: torch.Tensor, height: int, width: int) -
     total = int(cum[-1]) if cum.numel() else 0
     done = 0
     while done < total:
-        end = int(torch.searchsorted(cum, torch.tensor(done + max_pairs, device=device), right=True))
+        limit = torch.tensor(done + max_pairs, device=device)
+        end = int(torch.searchsorted(cum, limit, right=True))
         end = max(end, start + 1)  # a single huge triangle still makes progress
         counts = n_tiles[start:end]
         ids = torch.repeat_interleave(tri_ids[start:end], counts)
@@ -411,4 +412,3 @@ def interpolate(
     values = u * a0 + v * a1 + (1 - u - v) * a2
     out = attr.new_zeros(batch * height * width, channels).index_put((covered,), values)
     return out.reshape(batch, height, width, channels), attr.new_empty(0)
-

@@ -201,11 +201,13 @@ def load_obj(path: str | os.PathLike) -> Mesh:
                     else None
                 )
                 corners.append((p, t, n))
-            face_tex = all(c[1] is not None for c in corners)
-            face_nrm = all(c[2] is not None for c in corners)
-            if has_tex is None:
+            tex_given = [c[1] is not None for c in corners]
+            nrm_given = [c[2] is not None for c in corners]
+            face_tex, face_nrm = all(tex_given), all(nrm_given)
+            consistent = face_tex == any(tex_given) and face_nrm == any(nrm_given)
+            if has_tex is None and consistent:
                 has_tex, has_nrm = face_tex, face_nrm
-            elif face_tex != has_tex or face_nrm != has_nrm:
+            elif not consistent or face_tex != has_tex or face_nrm != has_nrm:
                 raise ValueError(
                     f"{path}:{lineno}: faces mix vertex formats (with and without texcoords "
                     "or normals); use one format for the whole mesh"

@@ -94,7 +94,11 @@ class GBufferCache:
         """G-buffers for ``keys``; ``mvp`` [B, 4, 4] gives the cameras of keys not yet cached."""
         if mvp.shape[0] != len(keys):
             raise ValueError(f"mvp: expected {len(keys)} matrices, received {mvp.shape[0]}")
-        missing = [i for i, k in enumerate(keys) if k not in self._store]
+        first_seen: dict[Hashable, int] = {}
+        for i, k in enumerate(keys):
+            if k not in self._store:
+                first_seen.setdefault(k, i)  # a key repeated in one request is rendered once
+        missing = list(first_seen.values())
         if missing:
             fresh = render_gbuffer(self.mesh, mvp[missing], self.resolution, self.backend)
             for row, i in enumerate(missing):

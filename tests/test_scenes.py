@@ -1,6 +1,7 @@
 """Scenes built from their YAML configs; G-buffer caching; NeRF loader on a generated dataset."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -187,5 +188,9 @@ def test_all_names_resolve(module):
 
 def test_import_does_not_load_native_backends():
     code = "import sys, mptex.render, mptex.scenes; print('nvdiffrast' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo)}  # this checkout, not another installed copy
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=repo
+    )
     assert out.stdout.strip() == "False"

@@ -32,8 +32,8 @@ __all__ = ["rasterize", "interpolate", "Backend"]
 Backend = Literal["auto", "torch", "nvdiffrast"]
 
 # Screen tiles are TILE x TILE pixels; each (triangle, tile) pair evaluates all pixels of the
-# tile. 8 keeps the wasted work on small triangles low while amortising the per-pair overhead.
-_TILE = 8
+# tile. 4 measured fastest (vs 8, 16) on a 20k-triangle mesh at 256 and 512 px on a 2-core CPU.
+_TILE = 4
 # Upper bound on (pair, pixel) evaluations per chunk: bounds peak memory to a few hundred MB.
 _MAX_EVALS_PER_CHUNK = 1 << 22
 

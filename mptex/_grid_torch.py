@@ -131,18 +131,23 @@ def grid_geometry(
 # Positions: one float32 rounding of scale * x + 0.5, as fmaf.
 
 
-def _fma_f32(a: torch.Tensor, b: torch.Tensor, c: float) -> torch.Tensor:
+def _fma_f32(a: torch.Tensor, b: torch.Tensor, c: float, nonnegative_product=False):
     """Exactly rounded float32 ``a * b + c`` for float32 tensors (broadcasting), like fmaf.
 
     The product is exact in float64 (24 + 24 bits) and the float64 sum ``s`` is rounded once.
     Rounding ``s`` to float32 is then correct unless ``s`` sits exactly on a float32 midpoint
     (or in float32's subnormal range), where the first rounding may have decided the tie; those
     rare elements are redone with the exact error of the sum (TwoSum), rounding to odd.
+    With ``c = 0.5`` and a product known to be >= 0, ``s`` is exact unless the product is below
+    2^-6 (the sum then spans at most 53 bits), which narrows the suspects further.
     """
     product = a.double() * b.double()
     total = product + c
     low_bits = total.view(torch.int64) & 0x1FFFFFFF  # the 29 bits float32 drops
-    suspect = (low_bits == 0x10000000) | (total.abs() < 2.0**-125)
+    if nonnegative_product and c == 0.5:
+        suspect = (low_bits == 0x10000000) & (product < 2.0**-6)
+    else:
+        suspect = (low_bits == 0x10000000) | (total.abs() < 2.0**-125)
     if bool(suspect.any()):
         p, t = product.expand_as(total)[suspect], total[suspect]
         b_virtual = t - p
@@ -153,12 +158,12 @@ def _fma_f32(a: torch.Tensor, b: torch.Tensor, c: float) -> torch.Tensor:
     return total.float()
 
 
-def _positions(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _positions(x: torch.Tensor, scales: torch.Tensor, in_unit_cube: bool = False) -> torch.Tensor:
     """pos: [D, L, N] = fma(scale_l, x, 0.5) in x's dtype (one rounding for float32)."""
     scale = scales.view(1, -1, 1)
     coords = x.t().unsqueeze(1)  # [D, 1, N]
     if x.dtype == torch.float32:
-        return _fma_f32(scale, coords, 0.5)
+        return _fma_f32(scale, coords, 0.5, nonnegative_product=in_unit_cube)
     return torch.addcmul(torch.full_like(coords, 0.5), scale, coords)
 
 
@@ -227,15 +232,14 @@ def _level_groups(geometry: GridGeometry, device: torch.device) -> tuple[_LevelG
     return tuple(groups)
 
 
-def _corner_rows(cells: torch.Tensor, group: _LevelGroup, in_unit_cube: bool) -> torch.Tensor:
+def _corner_rows(cells: torch.Tensor, group: _LevelGroup, in_unit_cube: bool, out: torch.Tensor):
     """Table rows (entry indices, level offsets included) of the 2^D corners of each cell.
 
     Args:
         cells: [D, Lg, n] int64 lower corners of the group's levels, as uint32 values.
         in_unit_cube: all inputs are in [0, 1], so cells are in [0, res) and no uint32
             arithmetic can wrap; the general path spells out tcnn's uint32 wraparound.
-    Returns:
-        [2^D, Lg, n] int64.
+        out: [2^D, Lg, n] int64, receives the rows.
     """
     corner = torch.stack((cells, cells + 1), dim=1)  # [D, 2, Lg, n]
     if not in_unit_cube:
@@ -252,7 +256,7 @@ def _corner_rows(cells: torch.Tensor, group: _LevelGroup, in_unit_cube: bool) ->
         local = torch.where(local >= group.sizes, local - group.sizes, local)
     else:
         local = (_combine_corners(parts & _UINT32, torch.add) & _UINT32) % group.sizes
-    return local.add_(group.offsets)
+    torch.add(local, group.offsets, out=out)
 
 
 def _axis_weights(frac: torch.Tensor, interpolation: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,16 +314,17 @@ class _Lookup:
 
     def __init__(self, x: torch.Tensor, geometry: GridGeometry, scales: torch.Tensor, in_unit_cube):
         n_levels, n_points = geometry.n_levels, x.shape[0]
-        pos = _positions(x, scales)  # [D, L, n]
+        pos = _positions(x, scales, in_unit_cube)  # [D, L, n]
         floor = torch.floor(pos)
         frac = pos - floor  # exact: pos and floor(pos) are floats of adjacent binades at most
         cells = floor.to(torch.int64)  # (uint32_t)(int)floorf(pos), masked where it matters
         nearest = geometry.interpolation == "Nearest"
-        n_corners = 1 if nearest else 2**geometry.n_input_dims
-        self.rows = torch.empty(n_corners, n_levels, n_points, dtype=torch.int64, device=x.device)
+        n_corners = 2**geometry.n_input_dims
+        rows = torch.empty(n_corners, n_levels, n_points, dtype=torch.int64, device=x.device)
         for group in _level_groups(geometry, x.device):
-            level_rows = _corner_rows(cells[:, group.start : group.stop], group, in_unit_cube)
-            self.rows[:, group.start : group.stop] = level_rows[:n_corners]
+            levels = slice(group.start, group.stop)
+            _corner_rows(cells[:, levels], group, in_unit_cube, out=rows[:, levels])
+        self.rows = rows[:1] if nearest else rows  # Nearest reads the lower corner only
         if nearest:
             self.weights = torch.ones(1, n_levels, n_points, dtype=x.dtype, device=x.device)
             self.axis_weights = self.derivative = None

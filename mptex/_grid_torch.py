@@ -271,33 +271,40 @@ def _axis_weights(frac: torch.Tensor, interpolation: str) -> tuple[torch.Tensor,
 
 
 # ----------------------------------------------------------------------------------------
-# Row gather/scatter: F features move as one complex element where F is even.
+# Rows of F features move as "row elements": one complex number per 2 features (F even), so
+# the gather, the weighting and the gradient scatter are one-dimensional ops with no size-2
+# innermost dimension (a complex times a real weight is exact: (a + bi) * w = aw + bwi).
 
 
 def _row_view(table: torch.Tensor, n_features: int) -> torch.Tensor:
-    """[E * F] -> [E] (F = 2, complex), [E, F / 2] (complex), or [E, F]."""
+    """[E * F] -> [E] (F = 2, complex), [E, F / 2] (complex), or [E] (F = 1)."""
     if n_features % 2 == 0 and table.dtype in (torch.float32, torch.float64):
         rows = torch.view_as_complex(table.view(-1, n_features // 2, 2))
         return rows.squeeze(1) if n_features == 2 else rows
-    return table.view(-1, n_features)
+    return table.view(-1, n_features).squeeze(1)
 
 
-def _gather_rows(table: torch.Tensor, rows: torch.Tensor, n_features: int) -> torch.Tensor:
-    """table: [E * F]; rows: [M] int64 -> [M, F]."""
-    gathered = _row_view(table, n_features).index_select(0, rows)
-    if gathered.is_complex():
-        return torch.view_as_real(gathered).reshape(rows.shape[0], n_features)
-    return gathered
+def _real_rows(elements: torch.Tensor, n_features: int) -> torch.Tensor:
+    """Row elements [..., (k)] -> real values [..., F]."""
+    if elements.is_complex():
+        return torch.view_as_real(elements).reshape(*elements.shape[:3], n_features)
+    return elements.unsqueeze(-1)
+
+
+def _weighted(elements: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Row elements [C, L, n, (k)] times weights [C, L, n]."""
+    return elements * (weights.unsqueeze(-1) if elements.dim() == 4 else weights)
 
 
 def _scatter_rows(grad: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, n_features: int):
-    """Add values [M, F] (any shape holding M * F) into the flat table grad [E * F] at rows [M]."""
+    """Add row elements values (M of them, any shape) into the flat table grad [E * F] at rows
+    [M] int64."""
     grad_rows = _row_view(grad, n_features)
-    value_rows = _row_view(values.contiguous().view(-1), n_features)
+    values = values.reshape(rows.shape[0], *grad_rows.shape[1:])
     if grad_rows.dim() == 1:
-        grad_rows.scatter_add_(0, rows, value_rows)
+        grad_rows.scatter_add_(0, rows, values)
     else:
-        grad_rows.index_add_(0, rows, value_rows)
+        grad_rows.index_add_(0, rows, values)
 
 
 # ----------------------------------------------------------------------------------------
@@ -333,32 +340,35 @@ class _Lookup:
             self.weights = _combine_corners(self.axis_weights, torch.mul)  # [C, L, n]
 
 
-def _interpolate(features: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype):
-    """features [C, L, n, F] (values already in the table dtype), weights [C, L, n]
-    -> [L, n, F] in out_dtype, accumulated over corners in order."""
+def _interpolate(elements, weights, n_features: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """Row elements [C, L, n, (k)] (values already in the table dtype), weights [C, L, n]
+    -> [L, n, F] in out_dtype."""
     if out_dtype == torch.float16:
         # tcnn half mode: each weight * value is formed in float32, rounded to half, and summed
         # in half in corner order (`result += (T)(weight * data)`).
-        out = (features[0] * weights[0].unsqueeze(-1)).to(torch.float16)
-        for corner in range(1, features.shape[0]):
-            out = out + (features[corner] * weights[corner].unsqueeze(-1)).to(torch.float16)
+        terms = _real_rows(_weighted(elements, weights), n_features).to(torch.float16)
+        out = terms[0]
+        for corner in range(1, terms.shape[0]):
+            out = out + terms[corner]
         return out
-    out = features[0] * weights[0].unsqueeze(-1)
-    for corner in range(1, features.shape[0]):
-        out.addcmul_(features[corner], weights[corner].unsqueeze(-1))
-    return out.to(out_dtype)
+    # float32: the corner order of the sum is the reduction's (within float32 rounding of
+    # tcnn's FMA chain).
+    out = _weighted(elements, weights).sum(0, keepdim=True)
+    return _real_rows(out, n_features)[0].to(out_dtype)
 
 
 def _gather_features(params, lookup: _Lookup, geometry: GridGeometry, half: bool):
-    """[C, L, n, F] table values at the lookup's rows (half-rounded in half mode)."""
+    """[C, L, n, (k)] row elements at the lookup's rows (half-rounded in half mode)."""
     n_corners, n_levels, n_points = lookup.rows.shape
     n_features = geometry.n_features_per_level
-    features = _gather_rows(params, lookup.rows.view(-1), n_features)
+    table = _row_view(params, n_features)
+    elements = table.index_select(0, lookup.rows.view(-1))
     if half:
         # Half mode reads a half copy of the table; rounding each gathered entry is the
         # same as rounding the table first.
-        features = features.to(torch.float16).to(params.dtype)
-    return features.view(n_corners, n_levels, n_points, n_features)
+        real = torch.view_as_real(elements) if elements.is_complex() else elements
+        real.copy_(real.to(torch.float16))
+    return elements.view(n_corners, n_levels, n_points, *table.shape[1:])
 
 
 class _HashGridFunction(torch.autograd.Function):
@@ -379,7 +389,9 @@ class _HashGridFunction(torch.autograd.Function):
             end = min(start + _CHUNK, n_points)
             lookup = _Lookup(x[start:end], geometry, scales, in_unit_cube)
             features = _gather_features(params, lookup, geometry, half)
-            out[start:end] = _interpolate(features, lookup.weights, out_dtype).transpose(0, 1)
+            out[start:end] = _interpolate(
+                features, lookup.weights, n_features, out_dtype
+            ).transpose(0, 1)
             if keep:
                 lookup.rows = lookup.rows.to(torch.int32)  # entries < 2^31: half the memory
                 lookups.append((start, end, lookup))
@@ -403,11 +415,13 @@ class _HashGridFunction(torch.autograd.Function):
         for start, end, lookup in ctx.lookups:
             grad = grad_out[start:end].transpose(0, 1).contiguous()  # [L, n, F]
             if want_params:
-                contributions = lookup.weights.unsqueeze(-1) * grad  # [C, L, n, F]
+                grad_elements = _row_view(grad.view(-1), n_features)
+                grad_elements = grad_elements.view(1, *grad.shape[:2], *grad_elements.shape[1:])
+                contributions = _weighted(grad_elements, lookup.weights)  # [C, L, n, (k)]
                 rows = lookup.rows.view(-1).to(torch.int64)
                 _scatter_rows(grad_params, rows, contributions, n_features)
             if want_x:
-                features = _gather_features(params, lookup, geometry, half)
+                features = _real_rows(_gather_features(params, lookup, geometry, half), n_features)
                 grad_x[start:end] = _input_gradient(grad, features, lookup, ctx.scales)
         if want_params and half:
             # tcnn's gradient table is half; it is unscaled in half and then reaches the f32

@@ -42,7 +42,9 @@ def has_nvdiffrast() -> bool:
 def import_tcnn() -> ModuleType:
     """Return the ``tinycudann`` module or raise ``RuntimeError`` saying why it is unusable."""
     if not _cuda_available():
-        raise RuntimeError("backend 'tcnn' needs a CUDA device, and torch.cuda.is_available() is False")
+        raise RuntimeError(
+            "backend 'tcnn' needs a CUDA device, and torch.cuda.is_available() is False"
+        )
     module, why = _try_import("tinycudann")
     if module is None:
         raise RuntimeError(
@@ -71,4 +73,6 @@ def import_nvdiffrast() -> ModuleType:
 @functools.lru_cache(maxsize=None)
 def warn_fallback_once(what: str, reason: str) -> None:
     """Warn once per (what, reason) that ``backend='auto'`` fell back to the torch path."""
-    warnings.warn(f"{what}: using the pure-PyTorch backend ({reason})", RuntimeWarning, stacklevel=3)
+    warnings.warn(
+        f"{what}: using the pure-PyTorch backend ({reason})", RuntimeWarning, stacklevel=3
+    )

@@ -1,7 +1,17 @@
 """mptex: mixed-precision neural texture training."""
 
 from mptex._backends import has_nvdiffrast, has_tcnn
+from mptex.mlp import PrecisionMLP
+from mptex.precision import PrecisionPolicy, PrecisionStepper, StepResult
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "has_tcnn", "has_nvdiffrast"]
+__all__ = [
+    "__version__",
+    "has_tcnn",
+    "has_nvdiffrast",
+    "PrecisionPolicy",
+    "PrecisionStepper",
+    "StepResult",
+    "PrecisionMLP",
+]

@@ -1,5 +1,4 @@
-"""Precision policies: which dtype each part of the texture computes in, and how gradients are
-scaled.
+"""Precision policies: the dtype each part of the texture computes in, and how gradients are scaled.
 
 A :class:`PrecisionPolicy` is a frozen description (buildable from a dict or a Hydra config);
 :class:`PrecisionStepper` is the stateful part that a training loop calls once per iteration to
@@ -10,7 +9,7 @@ Named arms (``PrecisionPolicy.named(name)``, one YAML file each under ``configs/
 ============  =========  =====================  =======  ============  ===================
 arm           encoder    MLP math               masters  loss scaling  notes
 ============  =========  =====================  =======  ============  ===================
-nvdiffrec     f16        f32 (fed ``enc.float()``) f32   nvdiffrec     x128 / /128 hooks
+nvdiffrec     f16        f32 (``enc.float()``)  f32      nvdiffrec     x128 / /128 hooks
 f32           f32        f32                    f32      none
 f16_naive     f16        f16                    none     none          f16 params, f16 Adam
 f16_static    f16        f16                    f32      static 128    tcnn's constant

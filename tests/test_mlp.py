@@ -1,4 +1,4 @@
-"""PrecisionMLP: nvdiffrec's architecture, per-layer compute dtypes, f64 reference, gradient flow."""
+"""PrecisionMLP: nvdiffrec architecture, per-layer compute dtypes, f64 reference, gradient flow."""
 
 import pytest
 import torch

@@ -3,6 +3,7 @@
 from mptex._backends import has_nvdiffrast, has_tcnn
 from mptex.mlp import PrecisionMLP
 from mptex.precision import PrecisionPolicy, PrecisionStepper, StepResult
+from mptex.texture import MLPTexture3D
 
 __version__ = "0.1.0"
 
@@ -14,4 +15,5 @@ __all__ = [
     "PrecisionStepper",
     "StepResult",
     "PrecisionMLP",
+    "MLPTexture3D",
 ]

@@ -22,14 +22,13 @@ class CastLinear(nn.Linear):
     """A ``torch.nn.Linear`` that computes in ``compute_dtype``.
 
     ``forward`` casts the input, the weight and the bias to ``compute_dtype`` and returns the
-    product in
-    that dtype. The parameters keep their own dtype (the f32 "master" copy); the cast is part of the
-    autograd graph, so their gradients arrive in their dtype, as in tcnn's bindings.
-    ``compute_dtype``
-    ``None`` does no cast (used under ``torch.autocast``, which casts itself). State-dict keys are
-    ``nn.Linear``'s.
+    product in that dtype. The parameters keep their own dtype (the f32 "master" copy); the cast
+    is part of the autograd graph, so their gradients arrive in their own dtype, as in tcnn's
+    bindings. ``compute_dtype=None`` casts nothing (used under ``torch.autocast``, which casts
+    itself). State-dict keys are ``nn.Linear``'s.
 
-    Shapes: ``x [N, in_features]`` (any float dtype) -> ``[N, out_features]`` in ``compute_dtype``.
+    Shapes: ``x [N, in_features]`` (any float dtype) -> ``[N, out_features]`` in
+    ``compute_dtype``.
     """
 
     def __init__(
@@ -52,33 +51,27 @@ class CastLinear(nn.Linear):
 class PrecisionMLP(nn.Module):
     """nvdiffrec's texture MLP with the precision of a :class:`~mptex.PrecisionPolicy`.
 
-    Architecture (nvdiffrec's ``_MLP`` by default): ``Linear(n_input_dims, n_neurons)``, activation,
-    ``n_hidden_layers - 1`` times ``Linear(n_neurons, n_neurons)``, activation, then
-    ``Linear(n_neurons, n_output_dims)`` with no output activation: ``n_hidden_layers + 1`` linear
-    layers, bias-free, weights ``kaiming_uniform_(nonlinearity="relu")``. They live in ``self.net``
-    (an
-    ``nn.Sequential`` with nvdiffrec's indices, so state-dict keys ``net.0.weight``,
-    ``net.2.weight``
-    ... match nvdiffrec's) and are listed in ``self.layers``; each is a :class:`CastLinear`
-    (an ``nn.Linear``) whose ``compute_dtype`` is its policy dtype.
+    Architecture (nvdiffrec's ``_MLP`` by default): ``Linear(n_input_dims, n_neurons)``,
+    activation, ``n_hidden_layers - 1`` times ``Linear(n_neurons, n_neurons)`` and activation,
+    then ``Linear(n_neurons, n_output_dims)`` with no output activation: ``n_hidden_layers + 1``
+    bias-free linear layers, weights ``kaiming_uniform_(nonlinearity="relu")``. They live in
+    ``self.net``, an ``nn.Sequential`` with nvdiffrec's indices (state-dict keys
+    ``net.0.weight``, ``net.2.weight``, ... as nvdiffrec's), and are listed in ``self.layers``;
+    each is a :class:`CastLinear` (an ``nn.Linear``) whose ``compute_dtype`` is its policy dtype.
 
     Precision:
-        * parameters are f32 masters, except with ``policy.master_weights=False`` (``f16_naive``)
-          where they are stored in the compute dtype;
+        * parameters are f32 masters, except with ``policy.master_weights=False``
+          (``f16_naive``), where they are stored in the compute dtype;
         * layer ``i`` casts its input and weight to ``policy.layer_dtypes(n)[i]``; the activation
-          runs
-          in that dtype; the next layer casts again (the casts between layers are explicit);
+          runs in that dtype; the next layer casts again (the casts between layers are explicit);
         * ``policy.autocast``: f32 layers, no casts, the whole net under
           ``torch.autocast(x.device.type, dtype=policy.mlp_dtypes[0])``;
         * ``policy.loss_scaling == "nvdiffrec"``: the gradient w.r.t. the (cast) input is
-          multiplied by
-          ``policy.static_loss_scale`` (nvdiffrec's full backward hook on its ``_MLP``);
+          multiplied by ``policy.static_loss_scale`` (nvdiffrec's backward hook on its ``_MLP``);
         * ``policy.mlp_backend == "tcnn"``: a ``tinycudann.Network`` FullyFusedMLP instead (f16,
-          CUDA,
-          tcnn's own init and internal loss scale 128); ``self.layers`` is then empty and the
-          weights
-          are the flat ``self.net.params``. Constructing it without tcnn + CUDA raises
-          ``RuntimeError``.
+          CUDA, tcnn's own init and internal loss scale 128); ``self.layers`` is then empty and
+          the weights are the flat ``self.net.params``. Without tcnn + CUDA the constructor
+          raises ``RuntimeError``.
 
     Args:
         n_input_dims: input features (the encoder's ``n_output_dims``).
@@ -87,13 +80,12 @@ class PrecisionMLP(nn.Module):
         n_neurons: width of the hidden layers.
         policy: a :class:`PrecisionPolicy`, an arm name or a config mapping.
         bias: add biases (nvdiffrec: no).
-        activation: hidden activation: ``"ReLU"`` (default), ``"LeakyReLU"``, ``"Sigmoid"``,
-        ``"Tanh"``.
+        activation: hidden activation, ``"ReLU"`` (default), ``"LeakyReLU"``, ``"Sigmoid"`` or
+            ``"Tanh"``.
 
     Shapes: ``forward(x: [N, n_input_dims] float) -> [N, n_output_dims]`` in the last layer's
-    compute
-    dtype (the autocast dtype with autocast; f16 for tcnn). The caller casts to f32 where it needs
-    to.
+    compute dtype (the autocast dtype with autocast; f16 for tcnn). The caller casts to f32 where
+    it needs to.
     """
 
     def __init__(
@@ -171,9 +163,8 @@ class PrecisionMLP(nn.Module):
         if self.policy.mlp_backend == "tcnn":
             return self.net(x)
         if self.policy.loss_scaling == "nvdiffrec":
-            # nvdiffrec feeds enc.float() and scales the gradient w.r.t. that f32 input by 128, so
-            # the
-            # f16 encoder backward receives 128 x its true gradient (and rounds it in f16).
+            # nvdiffrec feeds enc.float() and scales the gradient w.r.t. that f32 input by 128,
+            # so the f16 encoder backward receives 128 x its true gradient (rounded in f16).
             x = scale_grad(
                 x.to(self.layers[0].compute_dtype or x.dtype), self.policy.static_loss_scale
             )

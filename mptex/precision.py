@@ -59,9 +59,8 @@ _DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf1
 
 
 def parse_dtype(value: str | torch.dtype, field: str = "dtype") -> torch.dtype:
-    """Return the ``torch.dtype`` for ``value`` (``"f16"``, ``"float16"``, ``"half"``, ``"bf16"``,
-    ``"f32"``
-    or a dtype among float16, bfloat16, float32); ``ValueError`` naming ``field`` otherwise."""
+    """The ``torch.dtype`` for ``value``: ``"f16"``/``"float16"``/``"half"``, ``"bf16"``,
+    ``"f32"``/``"float32"``, or one of those dtypes; ``ValueError`` naming ``field`` otherwise."""
     if isinstance(value, torch.dtype):
         if value in _DTYPE_NAMES:
             return value
@@ -110,9 +109,8 @@ class PrecisionPolicy:
         encoder_dtype: hash-grid compute/output dtype, ``f32`` or ``f16`` (tcnn's half mode: f32
             master table, f16 output). tcnn has no bf16 grid, so bf16 is refused.
         mlp_dtypes: the MLP's compute dtype, one for all layers (a single dtype or a 1-list) or one
-            per ``torch.nn.Linear`` layer, input layer first (``per_layer``). With ``autocast`` it
-            is
-            the autocast dtype and must be a single dtype.
+            per ``torch.nn.Linear`` layer, input layer first (``per_layer``). With ``autocast``
+            it is the autocast dtype and must be a single dtype.
         master_weights: keep the MLP's parameters in f32 and cast a copy to the compute dtype inside
             ``forward`` (gradients reach the f32 master as f32, as in tcnn's bindings). ``False``
             stores the parameters themselves in the (single) compute dtype: ``f16_naive``.
@@ -122,7 +120,7 @@ class PrecisionPolicy:
             input gradient divided by it, as nvdiffrec's backward hooks do); ``"tcnn"`` (tcnn scales
             by 128 inside its fused network; only with ``mlp_backend="tcnn"``).
         static_loss_scale: the fixed factor of ``"static"`` and ``"nvdiffrec"`` (default 128,
-        tcnn's).
+            tcnn's).
         init_scale, growth_factor, backoff_factor, growth_interval: ``"dynamic"``'s GradScaler
             arguments (defaults 2**16, 2.0, 0.5, 2000: GradScaler's).
         autocast: run the MLP under ``torch.autocast(device, dtype=mlp_dtypes[0])`` with f32 layers.
@@ -218,8 +216,7 @@ class PrecisionPolicy:
     # ------------------------------------------------------------------ construction
     @classmethod
     def named(cls, name: str) -> PrecisionPolicy:
-        """The registered arm ``name`` (see the module docstring); ``ValueError`` listing the
-        names."""
+        """The registered arm ``name`` (module docstring); ``ValueError`` listing the names."""
         if name not in _ARMS:
             raise ValueError(f"name: unknown precision arm {name!r}; known arms: {sorted(_ARMS)}")
         return _ARMS[name]
@@ -231,11 +228,10 @@ class PrecisionPolicy:
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | PrecisionPolicy | str) -> PrecisionPolicy:
-        """Build a policy from a dict or an OmegaConf/Hydra ``DictConfig`` (or pass a policy/name
-        through).
+        """Build a policy from a dict or an OmegaConf/Hydra ``DictConfig``.
 
-        Keys are the field names. When ``cfg["name"]`` is a registered arm, unspecified fields take
-        that
+        A :class:`PrecisionPolicy` is returned as is and a string is an arm name. Keys are the
+        field names. When ``cfg["name"]`` is a registered arm, unspecified fields take that
         arm's values, so ``{"name": "f16_dynamic", "growth_interval": 100}`` is f16_dynamic with a
         shorter interval; otherwise they take the dataclass defaults. Unknown keys raise
         ``ValueError``.
@@ -263,8 +259,7 @@ class PrecisionPolicy:
         return dataclasses.replace(base, **cfg)
 
     def to_config(self) -> dict[str, Any]:
-        """Plain-dict form (dtypes as ``"f16"``-style strings) that :meth:`from_config` reads
-        back."""
+        """Plain dict (dtypes as ``"f16"``-style strings) that :meth:`from_config` reads back."""
         out = dataclasses.asdict(self)
         out["encoder_dtype"] = dtype_name(self.encoder_dtype)
         out["mlp_dtypes"] = [dtype_name(d) for d in self.mlp_dtypes]
@@ -356,10 +351,9 @@ class PrecisionStepper:
           ``scaler.step(optimizer)`` (unscales the f32 master gradients in place, skips
           ``optimizer.step()`` if any is inf/NaN) then ``scaler.update()`` (scale x backoff_factor
           after a skipped step, x growth_factor after ``growth_interval`` clean steps in a row).
-        * ``"static"``: the same GradScaler calls, but
-          ``scaler.update(new_scale=static_loss_scale)``
-          pins the scale: the overflow check and the skip are GradScaler's, nothing is
-          reimplemented.
+        * ``"static"``: the same GradScaler calls, but ``update(new_scale=static_loss_scale)``
+          pins the scale: the overflow check and the skip are GradScaler's, not reimplemented.
+          (GradScaler alone cannot be static: it requires ``backoff_factor < 1``.)
         * ``"none"``, ``"nvdiffrec"``, ``"tcnn"``: ``loss.backward()`` and ``optimizer.step()``
           (nvdiffrec's and tcnn's fixed x128 happen inside the autograd graph, not on the loss).
 

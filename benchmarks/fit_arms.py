@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from mptex import MLPTexture3D, PrecisionPolicy
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine, print_table  # noqa: E402
+
+from mptex import MLPTexture3D, PrecisionPolicy  # noqa: E402
 
 # Small grid for CPU speed: 8 levels, 2^14 entries, resolutions 4 .. ~68.
 SMALL_ENCODER = {
@@ -109,25 +113,22 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(
-        f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads; {args.steps} steps, batch {args.batch}, "
-        f"encoder {SMALL_ENCODER}"
-    )
-    print("| arm | PSNR (dB) | median ms/step | skipped steps | final loss scale | status |")
-    print("|---|---|---|---|---|---|")
+    print(f"# {machine()}; {args.steps} steps, batch {args.batch}, encoder {SMALL_ENCODER}")
+    headers = ["arm", "PSNR (dB)", "median ms/step", "skipped steps", "final loss scale", "status"]
+    rows = []
     for arm in args.arms:
         ok, why = PrecisionPolicy.named(arm).availability()
         if not ok:
-            print(f"| {arm} | – | – | – | – | unavailable: {why} |")
+            rows.append([arm, "–", "–", "–", "–", f"unavailable: {why}"])
             continue
         r = fit_arm(arm, steps=args.steps, batch=args.batch, seed=args.seed)
         status = f"diverged at step {r['steps_run']}" if r["diverged"] else "ok"
-        print(
-            f"| {arm} | {r['psnr']:.2f} | {1000 * r['median_step_s']:.1f} | {r['skipped']} | "
-            f"{r['final_loss_scale']:g} | {status} |",
-            flush=True,
-        )
+        rows.append([
+            arm, f"{r['psnr']:.2f}", f"{1000 * r['median_step_s']:.1f}", r["skipped"],
+            f"{r['final_loss_scale']:g}", status,
+        ])  # fmt: skip
+        print(f"# {arm} done", file=sys.stderr, flush=True)
+    print_table(headers, rows)
 
 
 if __name__ == "__main__":

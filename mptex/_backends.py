@@ -15,7 +15,7 @@ from types import ModuleType
 __all__ = ["has_tcnn", "has_nvdiffrast", "import_tcnn", "import_nvdiffrast", "warn_fallback_once"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _try_import(name: str) -> tuple[ModuleType | None, str]:
     try:
         return importlib.import_module(name), ""
@@ -70,7 +70,7 @@ def import_nvdiffrast() -> ModuleType:
     return module
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def warn_fallback_once(what: str, reason: str) -> None:
     """Warn once per (what, reason) that ``backend='auto'`` fell back to the torch path."""
     warnings.warn(

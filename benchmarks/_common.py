@@ -1,0 +1,60 @@
+"""Shared helpers of the benchmark scripts: timing and a description of the machine."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["machine", "median_seconds", "print_table", "synchronize"]
+
+
+def synchronize(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_seconds(
+    fn: Callable[[], object], device="cpu", warmup: int = 2, repeats: int = 7
+) -> float:
+    """Median wall time of ``fn`` after ``warmup`` calls, synchronising the device around it."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine(device: torch.device | str = "cpu") -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    threads = torch.get_num_threads()
+    return f"{cpu}, {os.cpu_count()} cores, {threads} torch threads, torch {torch.__version__}"
+
+
+def print_table(headers: list[str], rows: list[list[object]]) -> None:
+    """Print a Markdown table."""
+    cells = [headers] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    print(line(headers))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in cells[1:]:
+        print(line(row))

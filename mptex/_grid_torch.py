@@ -1,0 +1,433 @@
+"""Pure-PyTorch multiresolution hash grid: the twin of tiny-cuda-nn's ``GridEncoding``.
+
+It reproduces tcnn's semantics bit for bit where they are deterministic (level scales,
+resolutions, table sizes and offsets, the ``fmaf`` position, cell, hash and dense indices,
+wraparound, corner order and weights, the half-precision forward accumulation) and to float
+rounding where tcnn itself is order-dependent (atomic gradient accumulation). It runs on any
+device torch supports.
+
+Layout and speed: indices, weights and features are computed level-major (``[L, N, ...]``),
+as tcnn's kernels do one level per block, so that one level's table stays in cache while it is
+gathered from and scattered into. Rows of ``F`` features are moved as single complex/float64
+elements where ``F * 4`` bytes allows it, which turns the gather and the gradient scatter into
+one-dimensional ``index_select``/``scatter_add_`` calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["GridGeometry", "grid_geometry", "hash_grid_encode"]
+
+# tiny-cuda-nn's hash primes (fast_hash in encodings/grid.h); the first is 1 on purpose
+# (memory coherence along x).
+HASH_PRIMES = (1, 2654435761, 805459861, 3674653429, 2097192037, 1434869437, 2165219737)
+_UINT32 = 0xFFFFFFFF
+# tcnn's torch bindings multiply dL/dy by this before a half-precision backward and divide
+# the input and parameter gradients by it afterwards (modules.py, `loss_scale`).
+TCNN_HALF_LOSS_SCALE = 128.0
+INTERPOLATIONS = ("Nearest", "Linear", "Smoothstep")
+GRID_TYPES = ("Hash", "Dense")
+
+
+@dataclass(frozen=True)
+class GridGeometry:
+    """Per-level constants of a grid encoding, as tcnn computes them.
+
+    Attributes:
+        n_input_dims: D, the number of input coordinates.
+        n_features_per_level: F.
+        interpolation: "Nearest", "Linear" or "Smoothstep".
+        scales: [L] float32 values ``exp2f(l * log2f(per_level_scale)) * base_resolution - 1``
+            as the CUDA kernel evaluates them (one fused multiply-add for the last step).
+        resolutions: [L] ``ceil(scale) + 1`` with the kernel's scale (used for indexing).
+        table_sizes: [L] entries per level (host formula: ``min(2^log2_hashmap_size,
+            next_multiple(res^D, 8))`` for hash grids).
+        offsets: [L + 1] first entry of each level; ``offsets[-1]`` is the number of entries.
+        hashed: [L] True where ``res^D`` exceeds the level's table size.
+    """
+
+    n_input_dims: int
+    n_features_per_level: int
+    interpolation: str
+    scales: tuple[float, ...]
+    resolutions: tuple[int, ...]
+    table_sizes: tuple[int, ...]
+    offsets: tuple[int, ...]
+    hashed: tuple[bool, ...]
+
+    @property
+    def n_levels(self) -> int:
+        return len(self.scales)
+
+    @property
+    def n_entries(self) -> int:
+        return self.offsets[-1]
+
+    @property
+    def n_params(self) -> int:
+        return self.offsets[-1] * self.n_features_per_level
+
+    @property
+    def n_output_dims(self) -> int:
+        return self.n_levels * self.n_features_per_level
+
+
+def grid_geometry(
+    n_input_dims: int,
+    n_levels: int,
+    n_features_per_level: int,
+    log2_hashmap_size: int,
+    base_resolution: int,
+    per_level_scale: float,
+    interpolation: str = "Linear",
+    grid_type: str = "Hash",
+) -> GridGeometry:
+    """Compute tcnn's per-level constants (see :class:`GridGeometry`).
+
+    ``per_level_scale`` goes through float32 and ``log2f`` exactly as tcnn's JSON config does,
+    which is what makes nvdiffrec's 16 -> 4096 config give resolution 65 at level 5.
+    """
+    log2_scale = np.log2(np.float32(per_level_scale), dtype=np.float32)
+    base = np.float32(base_resolution)
+    scales, resolutions, table_sizes, offsets, hashed = [], [], [], [0], []
+    for level in range(n_levels):
+        level_pow = np.exp2(np.float32(level) * log2_scale, dtype=np.float32)
+        # Host (offset table): two roundings. Device (kernel): nvcc contracts to one fmaf.
+        host_scale = np.float32(level_pow * base) - np.float32(1.0)
+        kernel_scale = _fma_f32(torch.tensor(level_pow), torch.tensor(base), -1.0).item()
+        host_res = int(math.ceil(float(host_scale))) + 1
+        dense_size = host_res**n_input_dims
+        max_params = np.iinfo(np.uint32).max // 2
+        if float(host_res) ** n_input_dims > max_params:
+            dense_size = max_params
+        size = -(-dense_size // 8) * 8  # next multiple of 8, for aligned accesses
+        if grid_type == "Hash":
+            size = min(size, 1 << log2_hashmap_size)
+        kernel_res = int(math.ceil(float(kernel_scale))) + 1
+        scales.append(kernel_scale)
+        resolutions.append(kernel_res)
+        table_sizes.append(size)
+        offsets.append(offsets[-1] + size)
+        hashed.append(grid_type == "Hash" and kernel_res**n_input_dims > size)
+    return GridGeometry(
+        n_input_dims=n_input_dims,
+        n_features_per_level=n_features_per_level,
+        interpolation=interpolation,
+        scales=tuple(scales),
+        resolutions=tuple(resolutions),
+        table_sizes=tuple(table_sizes),
+        offsets=tuple(offsets),
+        hashed=tuple(hashed),
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Positions: one float32 rounding of scale * x + 0.5, as fmaf.
+
+
+def _fma_f32(a: torch.Tensor, b: torch.Tensor, c: float) -> torch.Tensor:
+    """Exactly rounded float32 ``a * b + c`` for float32 tensors (broadcasting).
+
+    The product is exact in float64; the sum is rounded to float64 *to odd* (TwoSum gives its
+    exact error, and an inexact result with an even last bit moves one ulp towards the error),
+    after which a single rounding to float32 is correct because 53 >= 24 + 2.
+    """
+    product = a.double() * b.double()
+    total = product + c
+    b_virtual = total - product
+    error = (product - (total - b_virtual)) + (c - b_virtual)
+    even = (total.view(torch.int64) & 1) == 0
+    towards = torch.where(error > 0, math.inf, -math.inf).to(total.dtype)
+    total = torch.where((error != 0) & even, torch.nextafter(total, towards), total)
+    return total.float()
+
+
+def _positions(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """pos: [D, L, N] = fma(scale_l, x, 0.5) in x's dtype (one rounding for float32)."""
+    scale = scales.view(1, -1, 1)
+    coords = x.t().unsqueeze(1)  # [D, 1, N]
+    if x.dtype == torch.float32:
+        return _fma_f32(scale, coords, 0.5)
+    return torch.addcmul(torch.full_like(coords, 0.5), scale, coords)
+
+
+# ----------------------------------------------------------------------------------------
+# Everything below is corner-major ([C, L, N] with C = 2^D corners): each elementwise op then
+# runs over long contiguous rows instead of broadcasting over a size-2 innermost dimension,
+# which is ~50x slower in eager PyTorch on CPU.
+
+
+def _combine_corners(parts: torch.Tensor, op) -> torch.Tensor:
+    """[D, 2, ...] per-dimension parts -> [2^D, ...] corners, dimension 0 fastest.
+
+    Corner ``c`` takes part ``(c >> d) & 1`` of dimension ``d``: tcnn's corner order and, for
+    weights, tcnn's multiplication order ``((w_0 * w_1) * w_2) ...``.
+    """
+    out = parts[0]
+    for dim in range(1, parts.shape[0]):
+        out = op(out.unsqueeze(0), parts[dim].unsqueeze(1)).flatten(0, 1)
+    return out
+
+
+@dataclass(frozen=True)
+class _LevelGroup:
+    """A contiguous run of levels indexed the same way (all dense or all hashed), with its
+    constants as [Lg, 1] tensors on one device."""
+
+    start: int
+    stop: int
+    hashed: bool
+    sizes: torch.Tensor
+    offsets: torch.Tensor
+    multipliers: torch.Tensor  # [D, 1, Lg, 1]: hash primes, or dense strides res^d
+
+
+@functools.lru_cache(maxsize=64)
+def _level_groups(geometry: GridGeometry, device: torch.device) -> tuple[_LevelGroup, ...]:
+    # Resolutions grow with the level (per_level_scale >= 1), so the dense levels are a
+    # prefix and the hashed levels the rest.
+    dims, groups = geometry.n_input_dims, []
+    boundary = sum(1 for hashed in geometry.hashed if not hashed)
+    for start, stop, hashed in ((0, boundary, False), (boundary, geometry.n_levels, True)):
+        if start == stop:
+            continue
+        levels = range(start, stop)
+        if hashed:
+            multipliers = (
+                torch.tensor(HASH_PRIMES[:dims]).view(dims, 1, 1).expand(dims, len(levels), 1)
+            )
+        else:
+            res = torch.tensor([geometry.resolutions[l] for l in levels])
+            multipliers = (res.view(1, -1) ** torch.arange(dims).view(-1, 1)).view(dims, -1, 1)
+        groups.append(
+            _LevelGroup(
+                start=start,
+                stop=stop,
+                hashed=hashed,
+                sizes=torch.tensor([geometry.table_sizes[l] for l in levels], device=device).view(
+                    -1, 1
+                ),
+                offsets=torch.tensor([geometry.offsets[l] for l in levels], device=device).view(
+                    -1, 1
+                ),
+                multipliers=multipliers.unsqueeze(1).contiguous().to(device),
+            )
+        )
+    return tuple(groups)
+
+
+def _corner_rows(cells: torch.Tensor, group: _LevelGroup) -> torch.Tensor:
+    """Table rows (entry indices, level offsets included) of the 2^D corners of each cell.
+
+    Args:
+        cells: [D, Lg, n] int64, uint32-wrapped lower corners of the group's levels.
+    Returns:
+        [2^D, Lg, n] int64.
+    """
+    corner = torch.stack((cells, (cells + 1) & _UINT32), dim=1)  # [D, 2, Lg, n]
+    parts = (corner * group.multipliers) & _UINT32
+    if group.hashed:
+        # Hashed tables are powers of two, so `% size` is a mask, and masks distribute over XOR.
+        local = _combine_corners(parts & (group.sizes - 1), torch.bitwise_xor)
+    else:
+        # tcnn applies `% table_size` to dense levels too: this is the wraparound at x = 1.
+        local = (_combine_corners(parts, torch.add) & _UINT32) % group.sizes
+    return local.add_(group.offsets)
+
+
+def _axis_weights(frac: torch.Tensor, interpolation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """[D, L, N] fractions -> (weights [D, 2, L, N] of bits 0/1, d weight_1 / d frac)."""
+    if interpolation == "Smoothstep":
+        weight_one = frac * frac * (3.0 - 2.0 * frac)
+        derivative = 6.0 * frac * (1.0 - frac)
+    else:
+        weight_one = frac
+        derivative = torch.ones_like(frac)
+    return torch.stack((1.0 - weight_one, weight_one), dim=1), derivative
+
+
+# ----------------------------------------------------------------------------------------
+# Row gather/scatter: F features move as one complex element where F is even.
+
+
+def _row_view(table: torch.Tensor, n_features: int) -> torch.Tensor:
+    """[E * F] -> [E] (F = 2, complex), [E, F / 2] (complex), or [E, F]."""
+    if n_features % 2 == 0 and table.dtype in (torch.float32, torch.float64):
+        rows = torch.view_as_complex(table.view(-1, n_features // 2, 2))
+        return rows.squeeze(1) if n_features == 2 else rows
+    return table.view(-1, n_features)
+
+
+def _gather_rows(table: torch.Tensor, rows: torch.Tensor, n_features: int) -> torch.Tensor:
+    """table: [E * F]; rows: [M] int64 -> [M, F]."""
+    gathered = _row_view(table, n_features).index_select(0, rows)
+    if gathered.is_complex():
+        return torch.view_as_real(gathered).reshape(rows.shape[0], n_features)
+    return gathered
+
+
+def _scatter_rows(grad: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, n_features: int):
+    """Add values [M, F] (any shape holding M * F) into the flat table grad [E * F] at rows [M]."""
+    grad_rows = _row_view(grad, n_features)
+    value_rows = _row_view(values.contiguous().view(-1), n_features)
+    if grad_rows.dim() == 1:
+        grad_rows.scatter_add_(0, rows, value_rows)
+    else:
+        grad_rows.index_add_(0, rows, value_rows)
+
+
+# ----------------------------------------------------------------------------------------
+# The op.
+
+
+# Points are processed in chunks so that the [D or C, L, chunk] temporaries stay in cache:
+# eager PyTorch on a CPU is bound by memory traffic here, not arithmetic.
+_CHUNK = 4096
+
+
+class _Lookup:
+    """Rows and weights of one chunk of points, [C, L, n], plus what dL/dx needs."""
+
+    def __init__(self, x: torch.Tensor, geometry: GridGeometry, scales: torch.Tensor):
+        n_levels, n_points = geometry.n_levels, x.shape[0]
+        pos = _positions(x, scales)  # [D, L, n]
+        floor = torch.floor(pos)
+        frac = pos - floor  # exact: pos and floor(pos) are floats of adjacent binades at most
+        cells = floor.to(torch.int64) & _UINT32  # (uint32_t)(int)floorf(pos)
+        nearest = geometry.interpolation == "Nearest"
+        n_corners = 1 if nearest else 2**geometry.n_input_dims
+        self.rows = torch.empty(n_corners, n_levels, n_points, dtype=torch.int64, device=x.device)
+        for group in _level_groups(geometry, x.device):
+            level_rows = _corner_rows(cells[:, group.start : group.stop], group)
+            self.rows[:, group.start : group.stop] = level_rows[:n_corners]
+        if nearest:
+            self.weights = torch.ones(1, n_levels, n_points, dtype=x.dtype, device=x.device)
+            self.axis_weights = self.derivative = None
+        else:
+            self.axis_weights, self.derivative = _axis_weights(frac, geometry.interpolation)
+            self.weights = _combine_corners(self.axis_weights, torch.mul)  # [C, L, n]
+
+
+def _interpolate(features: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype):
+    """features [C, L, n, F] (values already in the table dtype), weights [C, L, n]
+    -> [L, n, F] in out_dtype, accumulated over corners in order."""
+    if out_dtype == torch.float16:
+        # tcnn half mode: each weight * value is formed in float32, rounded to half, and summed
+        # in half in corner order (`result += (T)(weight * data)`).
+        out = (features[0] * weights[0].unsqueeze(-1)).to(torch.float16)
+        for corner in range(1, features.shape[0]):
+            out = out + (features[corner] * weights[corner].unsqueeze(-1)).to(torch.float16)
+        return out
+    out = features[0] * weights[0].unsqueeze(-1)
+    for corner in range(1, features.shape[0]):
+        out.addcmul_(features[corner], weights[corner].unsqueeze(-1))
+    return out.to(out_dtype)
+
+
+def _chunks(n_points: int):
+    return [(start, min(start + _CHUNK, n_points)) for start in range(0, n_points, _CHUNK)]
+
+
+def _gather_features(params, lookup: _Lookup, geometry: GridGeometry, half: bool):
+    """[C, L, n, F] table values at the lookup's rows (half-rounded in half mode)."""
+    n_corners, n_levels, n_points = lookup.rows.shape
+    n_features = geometry.n_features_per_level
+    features = _gather_rows(params, lookup.rows.view(-1), n_features)
+    if half:
+        # Half mode reads a half copy of the table; rounding each gathered entry is the
+        # same as rounding the table first.
+        features = features.to(torch.float16).to(params.dtype)
+    return features.view(n_corners, n_levels, n_points, n_features)
+
+
+class _HashGridFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, params, geometry: GridGeometry, out_dtype: torch.dtype):
+        n_points, n_levels = x.shape[0], geometry.n_levels
+        n_features = geometry.n_features_per_level
+        half = out_dtype == torch.float16
+        scales = torch.tensor(geometry.scales, dtype=x.dtype, device=x.device)
+        out = torch.empty(n_points, n_levels, n_features, dtype=out_dtype, device=x.device)
+        for start, end in _chunks(n_points):
+            lookup = _Lookup(x[start:end], geometry, scales)
+            features = _gather_features(params, lookup, geometry, half)
+            out[start:end] = _interpolate(features, lookup.weights, out_dtype).transpose(0, 1)
+        ctx.geometry, ctx.out_dtype = geometry, out_dtype
+        ctx.save_for_backward(x, params)
+        return out.view(n_points, n_levels * n_features)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        geometry, half = ctx.geometry, ctx.out_dtype == torch.float16
+        x, params = ctx.saved_tensors
+        n_points, n_levels = x.shape[0], geometry.n_levels
+        n_features = geometry.n_features_per_level
+        if half:
+            # tcnn's bindings run the half backward on dL/dy * 128 (overflowing where it does).
+            grad_out = grad_out.to(torch.float16) * TCNN_HALF_LOSS_SCALE
+        grad_out = grad_out.to(x.dtype).view(n_points, n_levels, n_features)
+        scales = torch.tensor(geometry.scales, dtype=x.dtype, device=x.device)
+        want_x, want_params = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x = x.new_empty(x.shape) if want_x else None
+        grad_params = params.new_zeros(params.shape) if want_params else None
+        for start, end in _chunks(n_points):
+            lookup = _Lookup(x[start:end], geometry, scales)
+            grad = grad_out[start:end].transpose(0, 1).contiguous()  # [L, n, F]
+            if want_params:
+                contributions = lookup.weights.unsqueeze(-1) * grad  # [C, L, n, F]
+                _scatter_rows(grad_params, lookup.rows.view(-1), contributions, n_features)
+            if want_x:
+                features = _gather_features(params, lookup, geometry, half)
+                grad_x[start:end] = _input_gradient(grad, features, lookup, scales)
+        if want_params and half:
+            # tcnn's gradient table is half; it is unscaled in half and then reaches the f32
+            # master through the cast.
+            grad_params = (grad_params.to(torch.float16) / TCNN_HALF_LOSS_SCALE).to(x.dtype)
+        if want_x and half:
+            grad_x = grad_x / TCNN_HALF_LOSS_SCALE
+        return grad_x, grad_params, None, None
+
+
+def _input_gradient(grad, features, lookup: _Lookup, scales: torch.Tensor) -> torch.Tensor:
+    """dL/dx: [n, D] from dL/dy [L, n, F] and the corner values [C, L, n, F]."""
+    if lookup.axis_weights is None:  # Nearest: piecewise constant, zero derivative
+        return grad.new_zeros(grad.shape[1], lookup.rows.shape[0])
+    dims = lookup.axis_weights.shape[0]
+    # g_c = sum_f dL/dy_f * value_{c,f}: the loss change per unit of corner weight.
+    corner_grad = (features * grad).sum(-1)  # [C, L, n]
+    sign = torch.tensor([-1.0, 1.0], dtype=grad.dtype, device=grad.device).view(2, 1, 1)
+    columns = []
+    for dim in range(dims):
+        # d weight_c / d frac_dim = (-1 or +1 by bit dim of c) * the other axes' weights.
+        axis_weights = lookup.axis_weights.clone()
+        axis_weights[dim] = sign
+        d_weights = _combine_corners(axis_weights, torch.mul)  # [C, L, n]
+        d_frac = (d_weights * corner_grad).sum(0)  # [L, n]
+        columns.append((d_frac * lookup.derivative[dim] * scales.view(-1, 1)).sum(0))
+    return torch.stack(columns, dim=-1)
+
+
+def hash_grid_encode(
+    x: torch.Tensor, params: torch.Tensor, geometry: GridGeometry, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Encode points with a multiresolution grid, tcnn's ``GridEncoding`` in pure PyTorch.
+
+    Args:
+        x: [N, D] float32 (or float64 with float64 params), nominally in [0, 1]; values outside
+            are not clamped and index the table as tcnn's uint32 arithmetic does.
+        params: [n_params] flat table in tcnn's layout: entry ``i`` of level ``l``, feature
+            ``f`` at ``(offsets[l] + i) * F + f``.
+        geometry: the level constants, from :func:`grid_geometry`.
+        out_dtype: float32 (or float64), or float16 for tcnn's half mode (half table values,
+            half accumulation, half output, backward with tcnn's fixed loss scale of 128).
+
+    Returns:
+        [N, L * F] in ``out_dtype``, level-major (features of level 0 first).
+    """
+    return _HashGridFunction.apply(x, params, geometry, out_dtype)

@@ -1,0 +1,280 @@
+"""Multiresolution hash-grid encoding with two interchangeable backends.
+
+``backend="torch"`` is a pure-PyTorch twin of tiny-cuda-nn's grid encoding (runs on any
+device); ``backend="tcnn"`` wraps ``tinycudann.Encoding``. Both hold ONE flat float32
+``params`` vector in tcnn's layout, so copying ``params`` (or a ``state_dict``) between
+backends gives the same outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from mptex import _backends
+from mptex._grid_torch import (
+    GRID_TYPES,
+    INTERPOLATIONS,
+    GridGeometry,
+    grid_geometry,
+    hash_grid_encode,
+)
+
+__all__ = ["HashGridEncoding", "hash_grid_encode", "GridGeometry"]
+
+Backend = Literal["auto", "torch", "tcnn"]
+_DTYPES = {torch.float32: "float32", torch.float16: "float16"}
+_OTYPES = {"hashgrid": "Hash", "grid": None, "densegrid": "Dense"}
+
+
+def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
+        upper = f" and <= {maximum}" if maximum is not None else ""
+        raise ValueError(f"{name} must be an integer >= {minimum}{upper}, got {value!r}")
+    return value
+
+
+class HashGridEncoding(nn.Module):
+    """tiny-cuda-nn's ``HashGrid`` encoding, as a module with a torch and a tcnn backend.
+
+    Level ``l`` has scale ``s_l = exp2f(l * log2f(per_level_scale)) * base_resolution - 1``
+    (float32) and resolution ``ceil(s_l) + 1``; its table holds ``min(2^log2_hashmap_size,
+    next_multiple(res^D, 8))`` entries of ``n_features_per_level`` values, indexed densely
+    (x fastest) or, where ``res^D`` exceeds the table, by tcnn's XOR-of-primes hash. A point
+    ``x`` is placed at ``pos = fmaf(s_l, x, 0.5)`` and interpolated from the ``2^D`` corners of
+    cell ``floor(pos)``. Nothing is clamped: at ``x = 1`` dense levels wrap around, as in tcnn.
+
+    Args:
+        n_input_dims: D, 2, 3 or 4.
+        n_levels: number of levels L.
+        n_features_per_level: F, 1, 2, 4 or 8.
+        log2_hashmap_size: log2 of the maximum entries per level.
+        base_resolution: resolution parameter of level 0.
+        per_level_scale: growth factor of the scale between levels.
+        interpolation: "Linear", "Smoothstep" or "Nearest".
+        backend: "torch", "tcnn", or "auto" (tcnn when importable and the module lives on
+            CUDA, else torch; decided at each forward from the parameters' device).
+        dtype: float32, or float16 for tcnn's half mode (float32 master ``params``, half table
+            reads and accumulation, half output, backward with tcnn's loss scale of 128).
+        device: where ``params`` is created.
+        seed: seed of the uniform [-1e-4, 1e-4] initialisation (tcnn's range).
+
+    Attributes:
+        params: [n_params] float32 parameter, entry ``i`` of level ``l``, feature ``f`` at
+            ``(offsets[l] + i) * F + f``.
+        n_params, n_output_dims (= L * F), geometry (the per-level constants).
+    """
+
+    def __init__(
+        self,
+        n_input_dims: int,
+        n_levels: int = 16,
+        n_features_per_level: int = 2,
+        log2_hashmap_size: int = 19,
+        base_resolution: int = 16,
+        per_level_scale: float = 2.0,
+        interpolation: str = "Linear",
+        backend: Backend = "auto",
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        seed: int | None = None,
+        grid_type: str = "Hash",
+    ) -> None:
+        super().__init__()
+        _check_int("n_input_dims", n_input_dims, 2, 4)
+        _check_int("n_levels", n_levels, 1, 32)
+        if n_features_per_level not in (1, 2, 4, 8):
+            raise ValueError(
+                f"n_features_per_level must be 1, 2, 4 or 8, got {n_features_per_level!r}"
+            )
+        _check_int("log2_hashmap_size", log2_hashmap_size, 1, 30)
+        _check_int("base_resolution", base_resolution, 1)
+        if not float(per_level_scale) >= 1.0:
+            raise ValueError(f"per_level_scale must be a number >= 1, got {per_level_scale!r}")
+        if interpolation not in INTERPOLATIONS:
+            raise ValueError(
+                f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}"
+            )
+        if grid_type not in GRID_TYPES:
+            raise ValueError(f"grid_type must be one of {GRID_TYPES}, got {grid_type!r}")
+        if backend not in ("auto", "torch", "tcnn"):
+            raise ValueError(f"backend must be 'auto', 'torch' or 'tcnn', got {backend!r}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be torch.float32 or torch.float16, got {dtype!r}")
+        self.config = dict(
+            n_levels=n_levels,
+            n_features_per_level=n_features_per_level,
+            log2_hashmap_size=log2_hashmap_size,
+            base_resolution=base_resolution,
+            per_level_scale=float(per_level_scale),
+            interpolation=interpolation,
+            type=grid_type,
+        )
+        self.n_input_dims = n_input_dims
+        self.dtype = dtype
+        self.backend = backend
+        self.geometry = grid_geometry(
+            n_input_dims,
+            n_levels,
+            n_features_per_level,
+            log2_hashmap_size,
+            base_resolution,
+            per_level_scale,
+            interpolation,
+            grid_type,
+        )
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        initial = torch.rand(self.geometry.n_params, generator=generator) * 2e-4 - 1e-4
+        self.params = nn.Parameter(initial.to(device))
+        self._tcnn_module = None  # built lazily: tinycudann is imported only when used
+        if backend == "tcnn":
+            _backends.import_tcnn()  # fail at construction, not at the first forward
+
+    @classmethod
+    def from_tcnn_config(
+        cls, n_input_dims: int, config: Mapping[str, Any], **kwargs: Any
+    ) -> HashGridEncoding:
+        """Build from the dict passed to ``tinycudann.Encoding`` (nvdiffrec's ``enc_cfg``).
+
+        Keys: ``otype`` ("HashGrid", "Grid" or "DenseGrid"), ``type``, ``n_levels``,
+        ``n_features_per_level``, ``log2_hashmap_size``, ``base_resolution``,
+        ``per_level_scale``, ``interpolation``; missing keys take tcnn's defaults.
+        ``kwargs`` go to the constructor (``backend``, ``dtype``, ``device``, ``seed``).
+        """
+        known = {
+            "otype",
+            "type",
+            "n_levels",
+            "n_features_per_level",
+            "log2_hashmap_size",
+            "base_resolution",
+            "per_level_scale",
+            "interpolation",
+        }
+        unknown = set(config) - known
+        if unknown:
+            raise ValueError(
+                f"config has keys tcnn's grid encoding does not take: {sorted(unknown)}"
+            )
+        otype = str(config.get("otype", "HashGrid"))
+        if otype.lower() not in _OTYPES:
+            raise ValueError(
+                f"config['otype'] must be 'HashGrid', 'Grid' or 'DenseGrid', got {otype!r}"
+            )
+        grid_type = config.get("type", _OTYPES[otype.lower()] or "Hash")
+        return cls(
+            n_input_dims,
+            n_levels=int(config.get("n_levels", 16)),
+            n_features_per_level=int(config.get("n_features_per_level", 2)),
+            log2_hashmap_size=int(config.get("log2_hashmap_size", 19)),
+            base_resolution=int(config.get("base_resolution", 16)),
+            per_level_scale=float(config.get("per_level_scale", 2.0)),
+            interpolation=str(config.get("interpolation", "Linear")),
+            grid_type=str(grid_type),
+            **kwargs,
+        )
+
+    def tcnn_config(self) -> dict[str, Any]:
+        """The equivalent ``tinycudann.Encoding`` config dict."""
+        config = dict(self.config)
+        config["otype"] = "Grid"
+        return config
+
+    @property
+    def n_params(self) -> int:
+        return self.geometry.n_params
+
+    @property
+    def n_output_dims(self) -> int:
+        return self.geometry.n_output_dims
+
+    def resolved_backend(self) -> str:
+        """The backend the next forward uses ("torch" or "tcnn")."""
+        if self.backend != "auto":
+            return self.backend
+        if self.params.device.type != "cuda":
+            return "torch"
+        if _backends.has_tcnn():
+            return "tcnn"
+        _backends.warn_fallback_once(
+            "HashGridEncoding(backend='auto')", "tinycudann is not importable"
+        )
+        return "torch"
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(
+                f"x must be a torch.Tensor of shape [N, {self.n_input_dims}], got {type(x)}"
+            )
+        if x.dim() != 2 or x.shape[1] != self.n_input_dims:
+            raise ValueError(f"x must have shape [N, {self.n_input_dims}], got {list(x.shape)}")
+        allowed = (
+            (torch.float32, torch.float64)
+            if self.params.dtype == torch.float64
+            else (torch.float32,)
+        )
+        if x.dtype not in allowed:
+            expected = " or ".join(map(str, allowed))
+            raise ValueError(f"x must be {expected} (params: {self.params.dtype}), got {x.dtype}")
+        if x.device != self.params.device:
+            raise ValueError(f"x is on {x.device} but params are on {self.params.device}")
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError("x contains non-finite values (inf or NaN)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Encode points.
+
+        Args:
+            x: [N, D] float32 in [0, 1] (float64 allowed after ``.double()``, for gradcheck).
+
+        Returns:
+            [N, n_output_dims] in ``dtype`` (float64 after ``.double()``), level-major.
+        """
+        self._check_input(x)
+        x = x.contiguous()
+        if self.resolved_backend() == "tcnn":
+            return self._forward_tcnn(x)
+        out_dtype = torch.float64 if self.params.dtype == torch.float64 else self.dtype
+        return hash_grid_encode(x, self.params, self.geometry, out_dtype)
+
+    def _forward_tcnn(self, x: torch.Tensor) -> torch.Tensor:
+        if self.params.device.type != "cuda":
+            raise RuntimeError(
+                f"backend 'tcnn' needs the module on CUDA, params are on {self.params.device}"
+            )
+        if self.params.dtype != torch.float32:
+            raise RuntimeError(
+                f"backend 'tcnn' needs float32 master params, got {self.params.dtype}"
+            )
+        tcnn = _backends.import_tcnn()
+        if self._tcnn_module is None or self._tcnn_module[0] != self.params.device:
+            native = tcnn.Encoding(self.n_input_dims, self.tcnn_config(), dtype=self.dtype)
+            if native.n_params != self.n_params:
+                raise RuntimeError(
+                    f"tinycudann reports {native.n_params} params, mptex computed {self.n_params}"
+                )
+            # Kept outside the module tree so that state_dict holds only our params.
+            self._tcnn_module = (self.params.device, native.to(self.params.device))
+        native = self._tcnn_module[1]
+        native.params = self.params  # share the master vector; tcnn casts it per call
+        return native(x)
+
+    def extra_repr(self) -> str:
+        cfg = self.config
+        return (
+            f"n_input_dims={self.n_input_dims}, n_levels={cfg['n_levels']}, "
+            f"n_features_per_level={cfg['n_features_per_level']}, "
+            f"log2_hashmap_size={cfg['log2_hashmap_size']}, "
+            f"base_resolution={cfg['base_resolution']}, "
+            f"per_level_scale={cfg['per_level_scale']:.6g}, "
+            f"interpolation={cfg['interpolation']!r}, "
+            f"backend={self.backend!r}, dtype={_DTYPES.get(self.dtype)}, n_params={self.n_params}"
+        )

@@ -1,0 +1,119 @@
+"""Image I/O through imageio and sRGB <-> linear conversion as nvdiffrec's ``render/util.py``.
+
+8-bit formats (PNG, JPEG) go through Pillow, which imageio always has. Float formats (EXR, HDR)
+need an imageio plugin that can write them (FreeImage or OpenCV); when none is installed,
+``save_image`` / ``load_image`` raise a RuntimeError that says so.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["rgb_to_srgb", "srgb_to_rgb", "save_image", "load_image"]
+
+_FLOAT_FORMATS = (".exr", ".hdr")
+
+
+def _linear_to_srgb(f: torch.Tensor) -> torch.Tensor:
+    # The clamp inside pow keeps the unused branch finite, so gradients stay finite too.
+    return torch.where(
+        f <= 0.0031308, f * 12.92, torch.pow(torch.clamp(f, 0.0031308), 1.0 / 2.4) * 1.055 - 0.055
+    )
+
+
+def _srgb_to_linear(f: torch.Tensor) -> torch.Tensor:
+    return torch.where(
+        f <= 0.04045, f / 12.92, torch.pow((torch.clamp(f, 0.04045) + 0.055) / 1.055, 2.4)
+    )
+
+
+def _per_rgb(fn, f: torch.Tensor, name: str) -> torch.Tensor:
+    if f.shape[-1] not in (3, 4):
+        raise ValueError(f"{name}: expected 3 or 4 channels (last dim), received {f.shape[-1]}")
+    if f.shape[-1] == 3:
+        return fn(f)
+    return torch.cat([fn(f[..., :3]), f[..., 3:]], dim=-1)  # alpha is not a colour
+
+
+def rgb_to_srgb(f: torch.Tensor) -> torch.Tensor:
+    """Linear RGB(A) -> sRGB(A), the piecewise sRGB curve; alpha passes through.
+
+    Args:
+        f: [..., 3] or [..., 4] floating-point image.
+    """
+    return _per_rgb(_linear_to_srgb, f, "f")
+
+
+def srgb_to_rgb(f: torch.Tensor) -> torch.Tensor:
+    """sRGB(A) -> linear RGB(A), the inverse of ``rgb_to_srgb``; alpha passes through."""
+    return _per_rgb(_srgb_to_linear, f, "f")
+
+
+def save_image(path: str | os.PathLike, img: torch.Tensor | np.ndarray, to_srgb: bool = False):
+    """Write an image.
+
+    Args:
+        path: destination; ``.png``/``.jpg`` are written as 8-bit (values clamped to [0, 1]),
+            ``.exr``/``.hdr`` as float32 (needs an imageio plugin that writes them).
+        img: [H, W, C] (C in 1, 3, 4) or [H, W] float image.
+        to_srgb: convert linear RGB to sRGB before writing (8-bit formats only make sense so).
+
+    Raises:
+        RuntimeError: for a float format that no installed imageio plugin can write.
+    """
+    import imageio.v3 as iio
+
+    path = Path(path)
+    data = torch.as_tensor(img).detach().float().cpu()
+    if data.dim() == 3 and data.shape[-1] == 1:
+        data = data[..., 0]
+    if to_srgb:
+        data = rgb_to_srgb(data)
+    if path.suffix.lower() in _FLOAT_FORMATS:
+        try:
+            iio.imwrite(path, data.numpy().astype(np.float32))
+        except Exception as exc:  # imageio raises several types when no plugin fits
+            raise RuntimeError(
+                f"save_image: cannot write {path.suffix} here ({type(exc).__name__}: {exc}); "
+                "install an imageio plugin for it (e.g. `pip install opencv-python-headless` "
+                "or FreeImage) or write .png"
+            ) from exc
+        return
+    data = (data.clamp(0, 1) * 255 + 0.5).to(torch.uint8).numpy()
+    iio.imwrite(path, data)
+
+
+def load_image(path: str | os.PathLike, to_linear: bool = False) -> torch.Tensor:
+    """Read an image as float32.
+
+    Args:
+        path: image file; 8-bit images are scaled to [0, 1], 16-bit to [0, 1], floats kept.
+        to_linear: convert sRGB colour channels to linear RGB (alpha untouched).
+
+    Returns:
+        [H, W, C] float32 tensor (grey images get C = 1).
+    """
+    import imageio.v3 as iio
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"load_image: no such file {path}")
+    try:
+        data = iio.imread(path)
+    except Exception as exc:
+        raise RuntimeError(f"load_image: cannot read {path} ({type(exc).__name__}: {exc})") from exc
+    if data.dtype == np.uint8:
+        out = torch.from_numpy(data.astype(np.float32) / 255.0)
+    elif data.dtype == np.uint16:
+        out = torch.from_numpy(data.astype(np.float32) / 65535.0)
+    else:
+        out = torch.from_numpy(data.astype(np.float32))
+    if out.dim() == 2:
+        out = out.unsqueeze(-1)
+    if to_linear and out.shape[-1] in (3, 4):
+        out = srgb_to_rgb(out)
+    return out

@@ -1,0 +1,24 @@
+"""Scenes for texture fitting: built-in procedural, textured OBJ, NeRF-synthetic.
+
+Use ``build_scene(cfg, device)`` and the returned ``Scene``'s ``sample_train_batch``,
+``train_views`` and ``val_views``; every view's G-buffer is rasterized once and cached.
+"""
+
+from mptex.scenes.build import SCENE_DEFAULTS, build_scene
+from mptex.scenes.builtin import gt_texture, torus_knot
+from mptex.scenes.gbuffer import GBuffer, GBufferCache, render_gbuffer
+from mptex.scenes.nerf import load_nerf_split
+from mptex.scenes.scene import Scene, ViewBatch
+
+__all__ = [
+    "build_scene",
+    "SCENE_DEFAULTS",
+    "Scene",
+    "ViewBatch",
+    "GBuffer",
+    "GBufferCache",
+    "render_gbuffer",
+    "torus_knot",
+    "gt_texture",
+    "load_nerf_split",
+]

@@ -1,0 +1,201 @@
+"""``build_scene``: a ``Scene`` from a config mapping (a Hydra ``scene`` group entry).
+
+Each scene name has a table of defaults; the config is checked against it before any work
+(unknown name or key, missing required value, missing file -> ``ValueError`` naming the key).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from mptex.render.camera import orbit_views, random_views
+from mptex.render.mesh import load_obj, unit_size
+from mptex.render.rasterize import interpolate
+from mptex.render.texture import texture
+from mptex.scenes.builtin import gt_texture, torus_knot
+from mptex.scenes.gbuffer import GBuffer
+from mptex.scenes.nerf import load_nerf_split
+from mptex.scenes.scene import Scene
+
+__all__ = ["build_scene", "SCENE_DEFAULTS"]
+
+_REQUIRED = "???"  # OmegaConf's marker for a mandatory value
+
+_CAMERA_DEFAULTS = dict(
+    resolution=128,
+    n_train_views=64,
+    n_val_views=8,
+    cam_radius=3.0,
+    fovy_deg=45.0,
+    near=0.1,
+    far=1000.0,
+    seed=0,
+    raster_backend="auto",
+)
+
+SCENE_DEFAULTS: dict[str, dict] = {
+    "builtin": dict(name="builtin", **_CAMERA_DEFAULTS, tubular_segments=200, radial_segments=24),
+    "mesh": dict(name="mesh", path=_REQUIRED, normalize=True, **_CAMERA_DEFAULTS),
+    "nerf": dict(
+        name="nerf",
+        path=_REQUIRED,
+        mesh=_REQUIRED,
+        train_split="train",
+        val_split="test",
+        near=0.1,
+        far=1000.0,
+        raster_backend="auto",
+    ),
+}
+
+
+def _to_dict(cfg: Mapping) -> dict:
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    return dict(cfg)
+
+
+def _validate(cfg: Mapping) -> dict:
+    cfg = _to_dict(cfg)
+    name = cfg.get("name")
+    if name not in SCENE_DEFAULTS:
+        raise ValueError(f"scene.name: expected one of {sorted(SCENE_DEFAULTS)}, received {name!r}")
+    defaults = SCENE_DEFAULTS[name]
+    for key in cfg:
+        if key not in defaults:
+            raise ValueError(
+                f"scene.{key}: unknown key for scene {name!r}; expected keys {sorted(defaults)}"
+            )
+    merged = {**defaults, **cfg}
+    for key, value in merged.items():
+        if value == _REQUIRED or (value is None and defaults[key] == _REQUIRED):
+            raise ValueError(f"scene.{key}: required for scene {name!r}, not set")
+    if "resolution" in merged:
+        res = merged["resolution"]
+        res = [res, res] if isinstance(res, int) else list(res)
+        if len(res) != 2 or any(not isinstance(r, int) or r <= 0 for r in res):
+            got = merged["resolution"]
+            raise ValueError(
+                f"scene.resolution: expected a positive int or [H, W], received {got!r}"
+            )
+        merged["resolution"] = tuple(res)
+    for key in ("n_train_views", "n_val_views"):
+        if key in merged and (not isinstance(merged[key], int) or merged[key] <= 0):
+            raise ValueError(f"scene.{key}: expected a positive int, received {merged[key]!r}")
+    return merged
+
+
+def _camera_splits(cfg: dict, device):
+    height, width = cfg["resolution"]
+    common = dict(
+        radius=cfg["cam_radius"],
+        fovy=math.radians(cfg["fovy_deg"]),
+        aspect=width / height,
+        near=cfg["near"],
+        far=cfg["far"],
+        device=device,
+    )
+    generator = torch.Generator().manual_seed(int(cfg["seed"]))
+    train = random_views(cfg["n_train_views"], generator=generator, **common)
+    val = orbit_views(cfg["n_val_views"], **common)
+    return train, val
+
+
+def _coverage_rgba(rgb: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    alpha = mask.unsqueeze(-1).to(rgb.dtype)
+    return torch.cat([rgb * alpha, alpha], dim=-1)
+
+
+def _build_builtin(cfg: dict, device) -> Scene:
+    mesh = torus_knot(cfg["tubular_segments"], cfg["radial_segments"])
+
+    def reference(gbuffer: GBuffer) -> torch.Tensor:
+        rgb = torch.zeros_like(gbuffer.position)
+        rgb[gbuffer.mask] = gt_texture(gbuffer.position[gbuffer.mask])
+        return _coverage_rgba(rgb, gbuffer.mask)
+
+    train, val = _camera_splits(cfg, device)
+    return Scene(
+        "builtin", mesh, cfg["resolution"], train, val, reference, device,
+        backend=cfg["raster_backend"], gt_texture=gt_texture,
+    )  # fmt: skip
+
+
+def _textured_reference(mesh):
+    def reference(gbuffer: GBuffer) -> torch.Tensor:
+        if mesh.kd_texture is not None and mesh.v_tex is not None:
+            uv, _ = interpolate(mesh.v_tex, gbuffer.rast, mesh.t_tex_idx)
+            rgb = texture(mesh.kd_texture.unsqueeze(0), uv)
+        else:
+            rgb = mesh.kd.expand_as(gbuffer.position)
+        return _coverage_rgba(rgb, gbuffer.mask)
+
+    return reference
+
+
+def _build_mesh(cfg: dict, device) -> Scene:
+    path = Path(cfg["path"])
+    if not path.is_file():
+        raise ValueError(f"scene.path: file not found: {path}")
+    mesh = load_obj(path)
+    if mesh.kd_texture is None and mesh.kd is None:
+        raise ValueError(f"scene.path: {path} has no material with Kd or map_Kd to render")
+    if mesh.kd_texture is not None and mesh.v_tex is None:
+        raise ValueError(f"scene.path: {path} has a map_Kd texture but no texture coordinates")
+    if cfg["normalize"]:
+        mesh = unit_size(mesh)
+    mesh = mesh.to(device)
+    train, val = _camera_splits(cfg, device)
+    return Scene(
+        "mesh", mesh, cfg["resolution"], train, val, _textured_reference(mesh), device,
+        backend=cfg["raster_backend"],
+    )  # fmt: skip
+
+
+def _build_nerf(cfg: dict, device) -> Scene:
+    root, mesh_path = Path(cfg["path"]), Path(cfg["mesh"])
+    if not root.is_dir():
+        raise ValueError(f"scene.path: dataset folder not found: {root}")
+    if not mesh_path.is_file():
+        raise ValueError(f"scene.mesh: file not found: {mesh_path}")
+    for key in ("train_split", "val_split"):
+        if not (root / f"transforms_{cfg[key]}.json").is_file():
+            raise ValueError(f"scene.{key}: {root}/transforms_{cfg[key]}.json not found")
+    train, train_rgba = load_nerf_split(root, cfg["train_split"], cfg["near"], cfg["far"])
+    val, val_rgba = load_nerf_split(root, cfg["val_split"], cfg["near"], cfg["far"])
+    if train_rgba.shape[1:3] != val_rgba.shape[1:3]:
+        raise ValueError("scene.val_split: image size differs from the training split")
+    resolution = tuple(train_rgba.shape[1:3])
+    return Scene(
+        "nerf", load_obj(mesh_path), resolution, train, val,
+        {"train": train_rgba.to(device), "val": val_rgba.to(device)}, device,
+        backend=cfg["raster_backend"],
+    )  # fmt: skip
+
+
+_BUILDERS = {"builtin": _build_builtin, "mesh": _build_mesh, "nerf": _build_nerf}
+
+
+def build_scene(cfg: Mapping, device: torch.device | str = "cpu") -> Scene:
+    """Build a scene from its config (a dict or the Hydra ``scene`` node).
+
+    Args:
+        cfg: mapping with ``name`` ("builtin", "mesh" or "nerf") and that scene's keys (see
+            ``SCENE_DEFAULTS``; omitted keys take the defaults).
+        device: where the mesh, cameras, G-buffers and references live.
+
+    Raises:
+        ValueError: naming the key, for an unknown name or key, a missing required value, a
+            bad value or a missing file.
+    """
+    resolved = _validate(cfg)
+    return _BUILDERS[resolved["name"]](resolved, torch.device(device))

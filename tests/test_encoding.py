@@ -1,0 +1,435 @@
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import TOL
+from grid_reference import encode_point, levels, param_gradient
+
+import mptex
+from mptex import HashGridEncoding
+
+NVDIFFREC_SCALE = float(np.exp(np.log(4096 / 16) / 15))
+NVDIFFREC_CONFIG = {
+    "otype": "HashGrid",
+    "n_levels": 16,
+    "n_features_per_level": 2,
+    "log2_hashmap_size": 19,
+    "base_resolution": 16,
+    "per_level_scale": NVDIFFREC_SCALE,
+}
+
+
+def _encoder(n_dims=3, seed=0, **kw):
+    enc = HashGridEncoding(n_dims, backend="torch", **kw)
+    with torch.no_grad():  # params in [-1, 1], the range the accuracy bounds are stated for
+        enc.params.uniform_(-1, 1, generator=torch.Generator().manual_seed(seed))
+    return enc
+
+
+def _reference(enc, x, half=False):
+    cfg = enc.config
+    geometry = levels(
+        enc.n_input_dims,
+        cfg["n_levels"],
+        cfg["log2_hashmap_size"],
+        cfg["base_resolution"],
+        cfg["per_level_scale"],
+        dense_grid=cfg["type"] == "Dense",
+    )
+    params = enc.params.detach().numpy()
+    rows = [
+        encode_point(p, params, cfg["n_features_per_level"], geometry, cfg["interpolation"], half)
+        for p in x.numpy()
+    ]
+    return torch.tensor(rows, dtype=torch.float64), geometry
+
+
+# ---------------------------------------------------------------------------------------
+# tcnn's own constants.
+
+
+def test_param_counts_match_tcnn():
+    # Values printed by tiny-cuda-nn for these configs.
+    assert HashGridEncoding(3, 20, 2, 16, 32, 1.5).n_params == 2_555_904
+    assert HashGridEncoding(3, 16, 2, 19, 16, 2.0).n_params == 14_229_504
+
+
+def test_level_five_of_16_to_1024_is_dense_resolution_65():
+    per_level_scale = float(np.exp2(np.log2(1024 / 16) / 15))
+    enc = HashGridEncoding(3, 16, 2, 19, 16, per_level_scale)
+    geometry = enc.geometry
+    assert geometry.resolutions[5] == 65
+    assert geometry.table_sizes[5] == 274_632  # 65^3 = 274625 rounded up to a multiple of 8
+    assert not geometry.hashed[5] and geometry.hashed[6]
+    assert geometry.offsets[6] - geometry.offsets[5] == 274_632
+
+
+def test_nvdiffrec_config_geometry():
+    enc = HashGridEncoding.from_tcnn_config(3, NVDIFFREC_CONFIG)
+    assert enc.n_output_dims == 32
+    assert enc.geometry.resolutions[0] == 16 and enc.geometry.resolutions[-1] == 4096
+    assert enc.geometry.hashed == (False,) * 5 + (True,) * 11
+    assert enc.params.shape == (enc.n_params,) and enc.params.dtype == torch.float32
+    assert enc.n_params == 2 * sum(enc.geometry.table_sizes)
+
+
+def test_init_is_uniform_in_tcnn_range():
+    params = HashGridEncoding(3, 4, 2, 12, 8, 1.5, seed=3).params.detach()
+    assert params.abs().max() <= 1e-4
+    assert params.std() > 5e-5  # uniform on [-1e-4, 1e-4] has std 5.8e-5
+
+
+# ---------------------------------------------------------------------------------------
+# Forward against the brute-force reference.
+
+CASES = [
+    dict(
+        n_dims=3,
+        n_levels=16,
+        log2_hashmap_size=19,
+        base_resolution=16,
+        per_level_scale=NVDIFFREC_SCALE,
+    ),
+    dict(n_dims=2, n_levels=6, log2_hashmap_size=9, base_resolution=5, per_level_scale=1.7),
+    dict(n_dims=4, n_levels=4, log2_hashmap_size=12, base_resolution=3, per_level_scale=1.9),
+    dict(
+        n_dims=3,
+        n_levels=5,
+        log2_hashmap_size=10,
+        base_resolution=4,
+        per_level_scale=1.5,
+        interpolation="Smoothstep",
+        n_features_per_level=4,
+    ),
+    dict(
+        n_dims=3,
+        n_levels=5,
+        log2_hashmap_size=10,
+        base_resolution=4,
+        per_level_scale=1.5,
+        interpolation="Nearest",
+        n_features_per_level=1,
+    ),
+    dict(
+        n_dims=2,
+        n_levels=3,
+        log2_hashmap_size=6,
+        base_resolution=6,
+        per_level_scale=2.0,
+        grid_type="Dense",
+        n_features_per_level=8,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "case",
+    CASES,
+    ids=lambda c: f"{c['n_dims']}d-{c.get('interpolation', 'Linear')}-{c['n_levels']}L",
+)
+def test_forward_matches_reference_f32(case):
+    case = dict(case)
+    enc = _encoder(case.pop("n_dims"), **case)
+    x = torch.rand(64, enc.n_input_dims, generator=torch.Generator().manual_seed(1))
+    x[0] = 1.0  # the top corner, where dense levels wrap around
+    x[1] = 0.0
+    expected, _ = _reference(enc, x)
+    out = enc(x)
+    assert out.dtype == torch.float32 and out.shape == (64, enc.n_output_dims)
+    # The issue's bound: float32 rounding of an 8-term sum of values in [-1, 1].
+    assert (out.double() - expected).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: f"{c['n_dims']}d-{c['n_levels']}L")
+def test_forward_half_mode_is_bit_exact(case):
+    # Half mode rounds every weight*value term to half and sums in half in corner order; the
+    # twin does the same operations, so it must agree to the bit with the reference.
+    case = dict(case)
+    enc = _encoder(case.pop("n_dims"), dtype=torch.float16, **case)
+    x = torch.rand(48, enc.n_input_dims, generator=torch.Generator().manual_seed(2))
+    expected, _ = _reference(enc, x, half=True)
+    out = enc(x)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=0)
+
+
+def test_wraparound_at_one_by_hand():
+    # 2-D dense level with scale 3 (base 4): resolution 4, 16 entries. x = (1, 0) gives
+    # pos = (3.5, 0.5), cell (3, 0), and the corner (4, 0) has index 4 = entry (0, 1) of the
+    # next row: tcnn's wraparound, not a clamp.
+    enc = HashGridEncoding(2, 1, 1, 10, 4, 2.0, backend="torch")
+    assert enc.geometry.resolutions == (4,) and enc.geometry.table_sizes == (16,)
+    with torch.no_grad():
+        enc.params.copy_(torch.arange(16, dtype=torch.float32))
+    out = enc(torch.tensor([[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]]))
+    # (1, 0): 0.25 * (e3 + e4 + e7 + e8); (1, 1): corners (3,3)=15, (4,3)=16%16=0,
+    # (3,4)=19%16=3, (4,4)=20%16=4; (0, 0): pos 0.5 -> 0.25 * (e0 + e1 + e4 + e5).
+    expected = torch.tensor(
+        [[0.25 * (3 + 4 + 7 + 8)], [0.25 * (15 + 0 + 3 + 4)], [0.25 * (0 + 1 + 4 + 5)]]
+    )
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_fma_single_rounding_matters():
+    # A point where scale * x + 0.5 rounded twice differs from one rounding (found by search
+    # with the exact-rational reference): the encoder must follow fmaf.
+    from grid_reference import fmaf
+
+    enc = HashGridEncoding(1 + 1, 1, 1, 20, 4096, 2.0, backend="torch")
+    scale = np.float32(enc.geometry.scales[0])
+    rng = np.random.default_rng(0)
+    for x in rng.random(20000, dtype=np.float32):
+        two = np.float32(np.float32(scale * x) + np.float32(0.5))
+        if two != fmaf(scale, x, np.float32(0.5)):
+            break
+    else:
+        pytest.fail("no double-rounding point found")
+    from mptex._grid_torch import _positions
+
+    pos = _positions(torch.tensor([[x, x]]), torch.tensor([scale]))
+    assert pos[0, 0, 0].item() == float(fmaf(scale, x, np.float32(0.5)))
+    assert pos[0, 0, 0].item() != float(two)
+
+
+# ---------------------------------------------------------------------------------------
+# Gradients.
+
+
+@pytest.mark.parametrize("interpolation", ["Linear", "Smoothstep"])
+def test_param_gradient_matches_reference(interpolation):
+    enc = _encoder(
+        3,
+        n_levels=6,
+        log2_hashmap_size=10,
+        base_resolution=4,
+        per_level_scale=1.8,
+        interpolation=interpolation,
+    )
+    x = torch.rand(40, 3, generator=torch.Generator().manual_seed(3))
+    grad_out = torch.randn(40, enc.n_output_dims, generator=torch.Generator().manual_seed(4))
+    (grad,) = torch.autograd.grad((enc(x) * grad_out).sum(), enc.params)
+    _, geometry = _reference(enc, x[:1])
+    expected = param_gradient(x.numpy(), grad_out.numpy(), enc.n_params, 2, geometry, interpolation)
+    # float32 accumulation of a few products of magnitude <= 3 (randn cotangent).
+    torch.testing.assert_close(grad.double(), torch.from_numpy(expected), rtol=0, atol=2e-6)
+
+
+def _away_from_cells(enc, n, seed):
+    """Points whose positions are >= 0.05 cells from every cell boundary (gradcheck's finite
+    differences must not cross a kink)."""
+    gen = torch.Generator().manual_seed(seed)
+    scales = torch.tensor(enc.geometry.scales, dtype=torch.float64)
+    keep = []
+    while len(keep) < n:
+        x = torch.rand(256, enc.n_input_dims, generator=gen, dtype=torch.float64) * 0.9 + 0.05
+        frac = torch.frac(scales.view(-1, 1, 1) * x + 0.5)
+        ok = ((frac > 0.05) & (frac < 0.95)).all(0).all(-1)
+        keep.extend(x[ok])
+    return torch.stack(keep[:n])
+
+
+@pytest.mark.parametrize("interpolation", ["Linear", "Smoothstep"])
+def test_gradcheck_float64(interpolation):
+    enc = _encoder(
+        3,
+        n_levels=4,
+        log2_hashmap_size=8,
+        base_resolution=3,
+        per_level_scale=1.6,
+        interpolation=interpolation,
+    ).double()
+    x = _away_from_cells(enc, 6, seed=5).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x_, p: _call_with(enc, p, x_), (x, enc.params))
+
+
+def _call_with(enc, params, x):
+    from mptex._grid_torch import hash_grid_encode
+
+    return hash_grid_encode(x, params, enc.geometry, torch.float64)
+
+
+def test_gradcheck_2d_dense_and_hashed():
+    enc = _encoder(
+        2, n_levels=5, log2_hashmap_size=6, base_resolution=4, per_level_scale=2.0
+    ).double()
+    assert any(enc.geometry.hashed) and not all(enc.geometry.hashed)
+    x = _away_from_cells(enc, 8, seed=6).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x_, p: _call_with(enc, p, x_), (x, enc.params))
+
+
+def test_nearest_has_zero_input_gradient_and_unit_param_weights():
+    enc = _encoder(3, n_levels=3, log2_hashmap_size=8, base_resolution=4, interpolation="Nearest")
+    x = torch.rand(10, 3, generator=torch.Generator().manual_seed(7)).requires_grad_(True)
+    gx, gp = torch.autograd.grad(enc(x).sum(), (x, enc.params))
+    assert torch.equal(gx, torch.zeros_like(gx))
+    assert gp.sum().item() == pytest.approx(10 * enc.n_output_dims)
+
+
+def test_half_mode_agrees_with_f32_forward():
+    enc32 = _encoder(3, n_levels=8, log2_hashmap_size=12, base_resolution=8, per_level_scale=1.5)
+    enc16 = HashGridEncoding(3, 8, 2, 12, 8, 1.5, backend="torch", dtype=torch.float16)
+    enc16.load_state_dict(enc32.state_dict())
+    x = torch.rand(500, 3, generator=torch.Generator().manual_seed(8))
+    # Each of the 8 terms (|value| <= 1) and each partial sum is rounded to half once:
+    # |error| <= 16 half ulps of values <= 1, i.e. 16 * 2^-11.
+    torch.testing.assert_close(enc16(x).float(), enc32(x), rtol=0, atol=16 * 2**-11)
+
+
+def test_half_mode_backward_is_the_exact_gradient_of_half_values():
+    # Half mode differentiates the half-rounded table with the half-rounded cotangent; tcnn's
+    # x128 / 128 are exact powers of two. So its gradients must equal a float64 evaluation of
+    # exactly that, up to float32 accumulation and (for params) the final rounding to half.
+    enc16 = _encoder(
+        3,
+        n_levels=8,
+        log2_hashmap_size=12,
+        base_resolution=8,
+        per_level_scale=1.5,
+        dtype=torch.float16,
+    )
+    enc64 = HashGridEncoding(3, 8, 2, 12, 8, 1.5, backend="torch").double()
+    with torch.no_grad():
+        enc64.params.copy_(enc16.params.half().double())
+    x = _away_from_cells(enc64, 300, seed=8).float()
+    v = torch.randn(300, enc16.n_output_dims, generator=torch.Generator().manual_seed(9))
+    x16 = x.clone().requires_grad_(True)
+    gx16, gp16 = torch.autograd.grad((enc16(x16).float() * v).sum(), (x16, enc16.params))
+    assert gp16.dtype == torch.float32  # the f32 master receives the gradient
+    x64 = x.double().requires_grad_(True)
+    v64 = v.half().double()
+    gx64, gp64 = torch.autograd.grad((enc64(x64) * v64).sum(), (x64, enc64.params))
+    # Bound: one half rounding of the result (2^-11 relative) plus float32 accumulation of at
+    # most 300 points * 8 corners terms (worst case (n - 1) * 2^-24 * sum |term|; the weights
+    # are >= 0, so sum |term| is the gradient for the cotangent |v|).
+    (gp_abs,) = torch.autograd.grad((enc64(x64) * v64.abs()).sum(), enc64.params)
+    # tcnn unscales in half (`params_grad / 128`), which lands gradients below 2^-14 / 128 in
+    # half's subnormal range: one more rounding of up to half a subnormal ulp, 2^-25.
+    bound = 2**-11 * gp64.abs() + 2400 * 2**-24 * gp_abs + 2**-25
+    assert ((gp16.double() - gp64).abs() <= bound).all()
+    # dL/dx sums L*C*F = 128 float32 products with cancellation: error <= 128 * 2^-24 of the
+    # largest term; bounded here by the largest gradient component.
+    torch.testing.assert_close(
+        gx16.double(), gx64, rtol=0, atol=128 * 2**-24 * gx64.abs().max().item()
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# API, configs and errors.
+
+
+def test_from_tcnn_config_equals_constructor():
+    a = HashGridEncoding.from_tcnn_config(3, NVDIFFREC_CONFIG, seed=1)
+    b = HashGridEncoding(3, 16, 2, 19, 16, NVDIFFREC_SCALE, seed=1)
+    assert a.geometry == b.geometry
+    assert torch.equal(a.params, b.params)
+    assert a.tcnn_config()["per_level_scale"] == pytest.approx(NVDIFFREC_SCALE)
+
+
+def test_state_dict_is_one_flat_vector():
+    enc = HashGridEncoding(3, 4, 2, 10, 8)
+    assert list(enc.state_dict()) == ["params"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(n_input_dims=5), "n_input_dims"),
+        (dict(n_input_dims=3, n_levels=0), "n_levels"),
+        (dict(n_input_dims=3, n_features_per_level=3), "n_features_per_level"),
+        (dict(n_input_dims=3, per_level_scale=0.5), "per_level_scale"),
+        (dict(n_input_dims=3, interpolation="Cubic"), "interpolation"),
+        (dict(n_input_dims=3, backend="cuda"), "backend"),
+        (dict(n_input_dims=3, dtype=torch.bfloat16), "dtype"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HashGridEncoding(**kwargs)
+
+
+def test_bad_tcnn_config():
+    with pytest.raises(ValueError, match="n_level"):
+        HashGridEncoding.from_tcnn_config(3, {"otype": "HashGrid", "n_level": 16})
+    with pytest.raises(ValueError, match="otype"):
+        HashGridEncoding.from_tcnn_config(3, {"otype": "Frequency"})
+
+
+@pytest.mark.parametrize(
+    "x, match",
+    [
+        (torch.rand(5, 2), r"shape \[N, 3\]"),
+        (torch.rand(5), r"shape \[N, 3\]"),
+        (torch.rand(5, 3).half(), "float32"),
+        (torch.rand(5, 3).double(), "float32"),
+        (torch.tensor([[0.1, float("nan"), 0.2]]), "non-finite"),
+        (torch.tensor([[0.1, float("inf"), 0.2]]), "non-finite"),
+        (torch.rand(5, 3, device="meta"), "meta"),
+    ],
+)
+def test_bad_inputs(x, match):
+    with pytest.raises(ValueError, match=match):
+        HashGridEncoding(3, 2, 2, 8, 4)(x)
+
+
+def test_tcnn_backend_without_tcnn_is_a_clear_error():
+    if mptex.has_tcnn():
+        pytest.skip("tinycudann is present")
+    with pytest.raises(RuntimeError, match="tcnn"):
+        HashGridEncoding(3, backend="tcnn")
+
+
+def test_auto_backend_on_cpu_is_torch():
+    assert HashGridEncoding(3, 2, 2, 8, 4).resolved_backend() == "torch"
+
+
+def test_empty_batch():
+    enc = HashGridEncoding(3, 2, 2, 8, 4)
+    x = torch.zeros(0, 3, requires_grad=True)
+    out = enc(x)
+    assert out.shape == (0, 4)
+    out.sum().backward()
+    assert torch.equal(enc.params.grad, torch.zeros_like(enc.params))
+
+
+def test_import_mptex_does_not_import_native_backends():
+    code = (
+        "import sys, mptex, mptex.encoding;"
+        "bad = [m for m in ('tinycudann', 'nvdiffrast') if m in sys.modules];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_public_names_resolve():
+    for name in mptex.__all__:
+        assert getattr(mptex, name) is not None
+
+
+# ---------------------------------------------------------------------------------------
+# tinycudann, where present.
+
+
+@pytest.mark.requires_tcnn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_torch_backend_matches_tcnn(dtype):
+    torch_enc = HashGridEncoding.from_tcnn_config(
+        3, NVDIFFREC_CONFIG, backend="torch", dtype=dtype, device="cuda"
+    )
+    tcnn_enc = HashGridEncoding.from_tcnn_config(
+        3, NVDIFFREC_CONFIG, backend="tcnn", dtype=dtype, device="cuda"
+    )
+    with torch.no_grad():
+        torch_enc.params.uniform_(-1, 1)
+    tcnn_enc.load_state_dict(torch_enc.state_dict())
+    x = torch.rand(2**16, 3, device="cuda")
+    v = torch.randn(2**16, 32, device="cuda")
+    out_t, out_c = torch_enc(x), tcnn_enc(x)
+    # f32: order of the 8-term accumulation (tcnn fuses it into FMAs); f16: one half ulp of
+    # values up to 4 per accumulation step.
+    atol = 1e-5 if dtype == torch.float32 else 8 * 2**-11 * 4
+    torch.testing.assert_close(out_t.float(), out_c.float(), rtol=0, atol=atol)
+    g_t = torch.autograd.grad((out_t.float() * v).sum(), torch_enc.params)[0]
+    g_c = torch.autograd.grad((out_c.float() * v).sum(), tcnn_enc.params)[0]
+    torch.testing.assert_close(g_t, g_c, **TOL[dtype])

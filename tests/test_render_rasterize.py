@@ -1,0 +1,303 @@
+"""rasterize / interpolate against hand-computed values, a brute-force reference and nvdiffrast."""
+
+import pytest
+import torch
+
+from mptex.render import interpolate, perspective, rasterize, rotate_x, rotate_y, translate
+from mptex.scenes import torus_knot
+
+TRI1 = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+
+
+def _tri_pos(xy, z=0.0, w=(1.0, 1.0, 1.0)):
+    """Clip-space vertices with NDC positions xy, depth z/w = z, and per-vertex w."""
+    return torch.tensor([[x * wk, y * wk, z * wk, wk] for (x, y), wk in zip(xy, w, strict=True)])
+
+
+def _raster(pos, tri=TRI1, res=(4, 4)):
+    return rasterize(pos, tri, res, backend="torch")[0][0]
+
+
+def test_single_triangle_barycentrics_rows_and_id():
+    # NDC (-0.5,-0.5), (0.5,-0.5), (0, 0.5) on a 4x4 grid: pixel centres at +-0.25, +-0.75.
+    rast = _raster(_tri_pos([(-0.5, -0.5), (0.5, -0.5), (0.0, 0.5)], z=0.25))
+    covered = rast[..., 3] > 0
+    expected = torch.zeros(4, 4, dtype=torch.bool)
+    expected[1, 1:3] = True  # row 1 is NDC y = -0.25: rows count from the bottom
+    assert torch.equal(covered, expected)
+    # At (-0.25, -0.25): b2 = (y + 0.5) / 1 = 0.25, x = -0.5 b0 + 0.5 b1 -> b0 = 0.625, b1 = 0.125.
+    torch.testing.assert_close(rast[1, 1], torch.tensor([0.625, 0.125, 0.25, 1.0]))
+    torch.testing.assert_close(rast[1, 2], torch.tensor([0.125, 0.625, 0.25, 1.0]))
+    assert rast[~expected].abs().max() == 0  # background is all zeros
+
+
+def test_perspective_correct_barycentrics():
+    # Same NDC triangle, vertex w = (1, 2, 4): screen weights l = (0.625, 0.125, 0.25) at
+    # (-0.25, -0.25) become b_k = (l_k / w_k) / sum = (0.625, 0.0625, 0.0625) / 0.75.
+    rast = _raster(_tri_pos([(-0.5, -0.5), (0.5, -0.5), (0.0, 0.5)], w=(1.0, 2.0, 4.0)))
+    torch.testing.assert_close(rast[1, 1, :2], torch.tensor([0.625, 0.0625]) / 0.75)
+
+
+def test_both_windings_and_ids():
+    pos = torch.cat(
+        [
+            _tri_pos([(-0.9, -0.9), (-0.1, -0.9), (-0.5, -0.1)]),  # counter-clockwise
+            _tri_pos([(0.1, 0.1), (0.5, 0.9), (0.9, 0.1)]),  # clockwise
+        ]
+    )
+    tri = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    rast = _raster(pos, tri)
+    assert rast[0, 0, 3] == 1 and rast[0, 1, 3] == 1  # row 0 = bottom: y = -0.75
+    assert rast[2, 2, 3] == 2 and rast[2, 3, 3] == 2  # y = 0.25, x in [0.175, 0.825]
+    assert rast[1, 1, 3] == 0 and rast[3, 3, 3] == 0
+
+
+@pytest.mark.parametrize("near_first", [True, False])
+def test_depth_ordering(near_first):
+    big = [(-2.0, -2.0), (4.0, -2.0), (-2.0, 4.0)]
+    near, far = _tri_pos(big, z=-0.5), _tri_pos(big, z=0.5)
+    pos = torch.cat([near, far] if near_first else [far, near])
+    tri = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    rast = _raster(pos, tri)
+    assert torch.all(rast[..., 3] == (1 if near_first else 2))
+    torch.testing.assert_close(rast[..., 2], torch.full((4, 4), -0.5))
+
+
+def test_triangle_behind_camera_is_not_drawn():
+    # All w < 0: its projection (x/w, y/w) lands on screen, but it is behind the camera.
+    pos = _tri_pos([(-0.5, -0.5), (0.5, -0.5), (0.0, 0.5)], w=(-1.0, -1.0, -1.0))
+    assert _raster(pos).abs().max() == 0
+
+
+def test_triangle_crossing_the_camera_plane():
+    # v2 = (0, 2, 0, -1) is behind the camera. With s = b0 + b1: P.w = 2s - 1, P.y = 2 - 3s,
+    # P.x = b1 - b0. At NDC (0.25, 0.25): 2 - 3s = 0.25 (2s - 1) -> s = 9/14, P.w = 2/7,
+    # b1 - b0 = 1/14 -> b0 = 2/7, b1 = 5/14. A naive projection of v2 to (0, -2) would put the
+    # triangle below the screen and draw nothing.
+    pos = torch.tensor([[-1.0, -1, 0, 1], [1, -1, 0, 1], [0, 2, 0, -1]])
+    rast = _raster(pos)
+    torch.testing.assert_close(rast[2, 2, :2], torch.tensor([2 / 7, 5 / 14]))
+    assert rast[2, 2, 3] == 1
+    # At (0.75, 0.75): s = 11/18, P.w = 2/9, b1 - b0 = 1/6 -> b0 = 2/9, b1 = 7/18.
+    torch.testing.assert_close(rast[3, 3, :2], torch.tensor([2 / 9, 7 / 18]))
+
+
+def test_near_plane_clips_by_depth():
+    # w = 1 everywhere and z = 2x, so z/w < -1 (in front of the near plane) for x < -0.5.
+    pos = torch.tensor([[-1.0, -1, -2, 1], [3, -1, 6, 1], [-1, 3, -2, 1]])
+    rast = _raster(pos)
+    assert torch.all(rast[:, 0, 3] == 0)  # x = -0.75 -> z/w = -1.5
+    assert torch.all(rast[:, 1, 3] == 1)  # x = -0.25 -> z/w = -0.5
+    torch.testing.assert_close(rast[:, 1, 2], torch.full((4,), -0.5))
+    beyond = torch.tensor([[-1.0, -1, 1.5, 1], [3, -1, 1.5, 1], [-1, 3, 1.5, 1]])  # z/w > 1
+    assert _raster(beyond).abs().max() == 0
+
+
+def _brute_force(pos: torch.Tensor, tri: torch.Tensor, height: int, width: int):
+    """Per-pixel loop: screen-space barycentrics, made perspective-correct by 1/w (float64)."""
+    ids = torch.zeros(height, width, dtype=torch.long)
+    bary = torch.zeros(height, width, 2, dtype=torch.float64)
+    margin = torch.full((height, width), float("inf"), dtype=torch.float64)
+    p = pos.double()
+    for j in range(height):
+        for i in range(width):
+            x, y = (2 * i + 1) / width - 1, (2 * j + 1) / height - 1
+            best = (float("inf"), None)
+            hits = []
+            for t, (a, b, c) in enumerate(tri.tolist()):
+                verts = p[[a, b, c]]
+                if (verts[:, 3] <= 0).any():
+                    continue
+                ndc = verts[:, :3] / verts[:, 3:]
+                (x0, y0), (x1, y1), (x2, y2) = ndc[:, :2].tolist()
+                area = (x1 - x0) * (y2 - y0) - (x2 - x0) * (y1 - y0)
+                if area == 0:
+                    continue
+                l0 = ((x1 - x) * (y2 - y) - (x2 - x) * (y1 - y)) / area
+                l1 = ((x2 - x) * (y0 - y) - (x0 - x) * (y2 - y)) / area
+                l2 = 1 - l0 - l1
+                if min(l0, l1, l2) < 0:
+                    hits.append((abs(min(l0, l1, l2)), t))
+                    continue
+                depth = l0 * ndc[0, 2] + l1 * ndc[1, 2] + l2 * ndc[2, 2]
+                if not -1 <= depth <= 1:
+                    continue
+                hits.append((min(l0, l1, l2), t))
+                q = torch.tensor([l0, l1, l2]) / verts[:, 3]
+                q = q / q.sum()
+                if depth < best[0]:
+                    best = (float(depth), t, q)
+            if best[1] is not None:
+                ids[j, i] = best[1] + 1
+                bary[j, i] = best[2][:2]
+            # distance (in barycentric units) to any edge of any triangle near this pixel
+            margin[j, i] = min([h[0] for h in hits], default=float("inf"))
+    return ids, bary, margin
+
+
+def test_matches_brute_force_reference():
+    gen = torch.Generator().manual_seed(3)
+    n_tri, height, width = 24, 13, 17
+    centre = torch.rand(n_tri, 1, 3, generator=gen) * 1.6 - 0.8
+    xyz = (centre + 0.35 * torch.randn(n_tri, 3, 3, generator=gen)).reshape(-1, 3)
+    w = 0.5 + torch.rand(n_tri * 3, 1, generator=gen)
+    pos = torch.cat([xyz[:, :2] * w, xyz[:, 2:] * 0.9 * w, w], dim=1)
+    tri = torch.arange(n_tri * 3, dtype=torch.int32).reshape(-1, 3)
+    ids, bary, margin = _brute_force(pos, tri, height, width)
+    rast = _raster(pos, tri, (height, width))
+    # Pixel centres within 1e-4 (barycentric units) of an edge may go either way in float32.
+    safe = margin > 1e-4
+    assert safe.float().mean() > 0.8
+    assert torch.equal(rast[..., 3].long()[safe], ids[safe])
+    hit = safe & (ids > 0)
+    # float32 edge functions vs float64: ~1e-6 relative, well inside 1e-5.
+    torch.testing.assert_close(rast[..., :2][hit].double(), bary[hit], rtol=0, atol=1e-5)
+
+
+def test_batch_and_unbatched_agree():
+    pos = _tri_pos([(-0.5, -0.5), (0.5, -0.5), (0.0, 0.5)])
+    batched = torch.stack([pos, pos * torch.tensor([-1.0, 1, 1, 1])])
+    rast = rasterize(batched, TRI1, (4, 4), backend="torch")[0]
+    torch.testing.assert_close(rast[0], _raster(pos))
+    # Mirroring x maps pixel column i to W-1-i and vertex k onto the mirror of vertex k.
+    torch.testing.assert_close(rast[1], _raster(pos).flip(1))
+
+
+def test_interpolate_values_and_background():
+    pos = _tri_pos([(-0.5, -0.5), (0.5, -0.5), (0.0, 0.5)])
+    rast = rasterize(pos, TRI1, (4, 4), backend="torch")[0]
+    attr = torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0]])
+    out, _ = interpolate(attr, rast, TRI1, backend="torch")
+    # 0.625 * A0 + 0.125 * A1 + 0.25 * A2
+    torch.testing.assert_close(out[0, 1, 1], torch.tensor([1.625, 16.25]))
+    assert out[0, 3].abs().max() == 0
+
+
+def _small_scene(dtype=torch.float64):
+    pos = torch.tensor(
+        [
+            [-0.6, -0.5, 0.1, 1.0],
+            [0.55, -0.6, 0.2, 1.3],
+            [0.1, 0.6, -0.1, 0.8],
+            [0.7, 0.5, 0.3, 1.1],
+        ],
+        dtype=dtype,
+    )
+    tri = torch.tensor([[0, 1, 2], [1, 3, 2]], dtype=torch.int32)
+    return pos, tri
+
+
+def test_interpolate_gradcheck_attr_and_pos():
+    pos, tri = _small_scene()
+    attr = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    res = (6, 7)
+
+    def f_attr(a):
+        rast = rasterize(pos, tri, res, backend="torch")[0]
+        return interpolate(a, rast, tri, backend="torch")[0]
+
+    def f_pos(p):
+        rast = rasterize(p, tri, res, backend="torch")[0]
+        return interpolate(attr, rast, tri, backend="torch")[0]
+
+    assert torch.autograd.gradcheck(f_attr, (attr.requires_grad_(),))
+    # Finite differences of 1e-6 move no pixel centre across an edge of this mesh.
+    assert torch.autograd.gradcheck(f_pos, (pos.clone().requires_grad_(),), eps=1e-6, atol=1e-5)
+
+
+def test_rast_db_matches_finite_differences():
+    pos, tri = _small_scene()
+    res = (6, 7)
+    rast, rast_db = rasterize(pos, tri, res, backend="torch")
+    j, i = 2, 3
+    t = int(rast[0, j, i, 3]) - 1
+    verts = pos[tri[t].long()]
+
+    def bary_at(x, y):
+        # solve sum b_k V_k ~ (x, y, ., 1) * w with sum b = 1 (3x3 linear system)
+        m = torch.stack(
+            [
+                verts[:, 0] - x * verts[:, 3],
+                verts[:, 1] - y * verts[:, 3],
+                torch.ones(3, dtype=pos.dtype),
+            ]
+        )
+        return torch.linalg.solve(m, torch.tensor([0.0, 0.0, 1.0], dtype=pos.dtype))
+
+    x, y = (2 * i + 1) / res[1] - 1, (2 * j + 1) / res[0] - 1
+    h = 1e-6
+    db_dx = (bary_at(x + h, y) - bary_at(x - h, y)) / (2 * h) * (2 / res[1])
+    db_dy = (bary_at(x, y + h) - bary_at(x, y - h)) / (2 * h) * (2 / res[0])
+    expected = torch.stack([db_dx[0], db_dy[0], db_dx[1], db_dy[1]])
+    torch.testing.assert_close(rast_db[0, j, i], expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(pos=torch.zeros(3, 3)), "pos: expected shape"),
+        (dict(tri=TRI1.long()), "tri: expected dtype torch.int32"),
+        (dict(tri=torch.tensor([[0, 1, 5]], dtype=torch.int32)), "tri: expected vertex indices"),
+        (dict(tri=torch.zeros(2, 4, dtype=torch.int32)), r"tri: expected shape \[T, 3\]"),
+        (dict(resolution=(0, 4)), "resolution: expected positive"),
+        (dict(resolution=4), "resolution: expected"),
+        (dict(backend="cuda"), "backend: expected one of"),
+    ],
+)
+def test_bad_inputs_raise_value_error(kwargs, match):
+    args = dict(pos=torch.zeros(3, 4), tri=TRI1, resolution=(4, 4), backend="torch") | kwargs
+    with pytest.raises(ValueError, match=match):
+        rasterize(**args)
+
+
+def test_interpolate_bad_inputs():
+    rast = torch.zeros(1, 4, 4, 4)
+    with pytest.raises(ValueError, match="rast: expected shape"):
+        interpolate(torch.zeros(3, 2), rast[0], TRI1)
+    with pytest.raises(ValueError, match="attr: expected batch size"):
+        interpolate(torch.zeros(2, 3, 2), rast, TRI1)
+
+
+def test_nvdiffrast_backend_missing_is_a_clear_error():
+    from mptex._backends import has_nvdiffrast
+
+    if has_nvdiffrast():
+        pytest.skip("nvdiffrast is available here")
+    with pytest.raises(RuntimeError, match="nvdiffrast"):
+        rasterize(torch.zeros(3, 4), TRI1, (4, 4), backend="nvdiffrast")
+
+
+def _knot_clip(device, n_views=3):
+    mesh = torus_knot(120, 16)
+    proj = perspective(0.8, 1.0, 0.1, 100.0)
+    mvps = [
+        proj @ translate(0, 0, -3) @ rotate_x(0.3 * k) @ rotate_y(0.7 * k) for k in range(n_views)
+    ]
+    mvp = torch.stack(mvps).to(device)
+    v_hom = torch.nn.functional.pad(mesh.v_pos.to(device), (0, 1), value=1.0)
+    return v_hom @ mvp.transpose(1, 2), mesh.t_pos_idx.to(device)
+
+
+@pytest.mark.requires_nvdiffrast
+def test_torch_matches_nvdiffrast():
+    pos, tri = _knot_clip("cuda")
+    res = (256, 256)
+    ref, _ = rasterize(pos, tri, res, backend="nvdiffrast")
+    ours, _ = rasterize(pos, tri, res, backend="torch")
+    covered = (ref[..., 3] > 0) | (ours[..., 3] > 0)
+    same = (ref[..., 3] == ours[..., 3]) & covered
+    # Ids may differ only on pixel centres that lie on an edge (tie rules differ).
+    assert same.sum() >= 0.995 * covered.sum()
+    torch.testing.assert_close(ours[..., :2][same], ref[..., :2][same], rtol=0, atol=1e-4)
+    attr = torch.randn(pos.shape[1], 3, device="cuda")
+    out_ref, _ = interpolate(attr, ref, tri, backend="nvdiffrast")
+    out, _ = interpolate(attr, ref, tri, backend="torch")
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.requires_cuda
+def test_torch_backend_runs_on_cuda():
+    pos, tri = _knot_clip("cuda", n_views=1)
+    cpu, _ = rasterize(pos.cpu(), tri.cpu(), (64, 64), backend="torch")
+    gpu, _ = rasterize(pos, tri, (64, 64), backend="torch")
+    assert (cpu[..., 3] == gpu[..., 3].cpu()).float().mean() > 0.995

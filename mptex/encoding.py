@@ -257,9 +257,9 @@ class HashGridEncoding(nn.Module):
         tcnn = _backends.import_tcnn()
         if self._tcnn_module is None or self._tcnn_module[0] != self.params.device:
             native = tcnn.Encoding(self.n_input_dims, self.tcnn_config(), dtype=self.dtype)
-            if native.n_params != self.n_params:
+            if native.params.numel() != self.n_params:
                 raise RuntimeError(
-                    f"tinycudann reports {native.n_params} params, mptex computed {self.n_params}"
+                    f"tinycudann has {native.params.numel()} params, mptex computed {self.n_params}"
                 )
             # Kept outside the module tree so that state_dict holds only our params.
             self._tcnn_module = (self.params.device, native.to(self.params.device))

@@ -15,11 +15,10 @@ And :func:`to_host`, the one synchronous device-to-host copy the code above read
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +48,7 @@ def to_host(value: Any) -> Any:
     """Copy tensors (alone or inside dicts/lists/tuples) to CPU, synchronously.
 
     ``Tensor.to("cpu")`` without ``non_blocking`` returns only once the copy is complete, so the
-    result can be read at once. A ``non_blocking=True`` device-to-host copy returns before the
+    result can be read at once. A non-blocking device-to-host copy returns before the
     data has arrived and reads garbage unless the stream is synchronised first; mptex never
     makes one (``tests/test_diagnostics.py`` greps the package for it).
 
@@ -570,6 +569,8 @@ def _run(
             "encoder.params.grad": texture.encoder.params,
             **{f"net.{i}.weight.grad": layer.weight for i, layer in enumerate(layers)},
         }
+        # A tensor cut from the graph (detached, no_grad) has no gradient: left missing.
+        wrt = {name: t for name, t in wrt.items() if t.requires_grad}
         grads = torch.autograd.grad(loss, list(wrt.values()), allow_unused=True)
         stages.update(
             {name: g.double() / loss_scale for name, g in zip(wrt, grads) if g is not None}
@@ -909,7 +910,14 @@ class CheckReport:
         f64 reference, and err/bound (local error over the dtype's bound; > 1 is flagged)."""
         a, b = self.setups
         by_stage = {name: {e.stage: e for e in errors} for name, errors in self.errors.items()}
-        lines = [f"A: {a}", f"B: {b}", "reference: " + str(self.info.get("reference", ""))]
+        scales = self.info.get("loss_scale", {})
+        lines = [
+            f"A: {a}   (loss scale {scales.get(a, 1.0):g})",
+            f"B: {b}   (loss scale {scales.get(b, 1.0):g})",
+            "reference: " + str(self.info.get("reference", "")),
+            "max|err|, rel: vs the reference; err/bound: the stage's own error over what its "
+            "dtype explains (! when > 1)",
+        ]
         head = (
             f"{'stage':<20}"
             + "".join(

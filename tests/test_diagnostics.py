@@ -1,0 +1,282 @@
+"""Diagnostics: statistics on constructed tensors, the monitor in a training loop (f16_naive's
+underflow made visible), the gradient-flow check, host copies, and compare_setups catching and
+localising injected faults while passing every healthy arm."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from mptex import MLPTexture3D, PrecisionPolicy, PrecisionStepper
+from mptex.diagnostics import (
+    TEXTURE_CONFIGS,
+    PrecisionMonitor,
+    Setup,
+    check_gradient_flow,
+    compare_setups,
+    subnormal_threshold,
+    tensor_statistics,
+    to_host,
+)
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mptex"
+AABB = [[-1.0, -1.0, -1.0], [1.0, 1.0, 1.0]]
+CPU_ARMS = [n for n in PrecisionPolicy.names() if n != "tcnn_fused"]
+
+
+def _texture(arm="f32", seed=0):
+    torch.manual_seed(seed)
+    return MLPTexture3D(AABB, precision=arm, backend="torch", **TEXTURE_CONFIGS["small"])
+
+
+def _batch(n=2048, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 3, generator=gen) * 2 - 1, torch.rand(n, 3, generator=gen)
+
+
+# ----------------------------------------------------------------------------- statistics
+def test_subnormal_thresholds():
+    assert subnormal_threshold(torch.float16) == 2.0**-14
+    assert subnormal_threshold(torch.bfloat16) == 2.0**-126
+    assert subnormal_threshold(torch.float32) == 2.0**-126
+
+
+def test_statistics_reproduce_constructed_counts():
+    # 1024 elements: 100 zeros, 37 f16-subnormal (both signs, down to the smallest), 3 inf/NaN,
+    # the rest normal; the largest finite magnitude is 7.5.
+    values = torch.full((1024,), 0.5, dtype=torch.float16)
+    values[:100] = 0
+    values[100:137] = torch.tensor([2.0**-24, -(2.0**-15), 2.0**-14 - 2.0**-24] * 12 + [1e-6])
+    values[137:140] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    values[140] = -7.5
+    values[141] = 2.0**-14  # the smallest normal: not subnormal
+    stats = tensor_statistics(values)
+    # Power-of-two numel: the fractions are exact.
+    assert stats == {
+        "zero_frac": 100 / 1024,
+        "subnormal_frac": 37 / 1024,
+        "nonfinite_frac": 3 / 1024,
+        "maxabs": 7.5,
+    }
+    # The f32 master copy of an f16 gradient holds the same values: same counts with dtype=f16,
+    # none subnormal in f32's own range.
+    assert tensor_statistics(values.float(), torch.float16) == stats
+    assert tensor_statistics(values.float())["subnormal_frac"] == 0.0
+
+
+def test_statistics_bf16_threshold_and_bad_input():
+    values = torch.tensor([0.0, 1e-39, 1.0, 1e-30], dtype=torch.float32)  # 1e-39 < 2^-126
+    assert tensor_statistics(values, torch.bfloat16)["subnormal_frac"] == 0.25
+    with pytest.raises(ValueError, match="tensor"):
+        tensor_statistics(torch.arange(3))
+
+
+def _train(arm, monitor_every=2, steps=5):
+    texture = _texture(arm)
+    points, target = _batch()
+    optimizer = torch.optim.Adam(texture.parameters(), lr=1e-2, eps=1e-4)
+    stepper = PrecisionStepper(arm, optimizer)
+    monitor = PrecisionMonitor(texture, every=monitor_every)
+    history = []
+    for it in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        monitor.start(it)
+        loss = nn.functional.mse_loss(texture.sample(points), target)
+        stepper.backward(loss)
+        result = stepper.step()
+        stats = monitor.collect(result)
+        if stats is not None:
+            history.append(stats)
+    monitor.remove()
+    return history
+
+
+def test_monitor_keys_sampling_and_json():
+    history = _train("f16_dynamic")
+    assert [h["iteration"] for h in history] == [0, 2, 4]
+    stats = history[-1]
+    json.dumps(stats)  # plain floats/bools: goes into metrics.json as is
+    for site in ("encoder", "net.0", "net.1", "net.2"):
+        for key in ("grad_zero_frac", "grad_subnormal_frac", "grad_nonfinite_frac", "grad_maxabs",
+                    "act_maxabs", "act_nonfinite_frac", "out_grad_zero_frac",
+                    "out_grad_subnormal_frac", "out_grad_nonfinite_frac"):  # fmt: skip
+            assert 0.0 <= stats[f"{site}.{key}"] < float("inf"), (site, key)
+    assert stats["loss_scale"] == 65536.0 and stats["skipped"] is False
+    with pytest.raises(ValueError, match="every"):
+        PrecisionMonitor(_texture(), every=0)
+
+
+def test_f16_naive_underflow_is_visible_and_loss_scaling_removes_it():
+    """The mechanism by which f16_naive loses quality: without a loss scale, the gradients of a
+    mean loss are mostly subnormal (or zero) in f16; f16_dynamic's x65536 keeps them normal."""
+    naive, dynamic = _train("f16_naive")[-1], _train("f16_dynamic")[-1]
+    for key in ("net.0.grad_subnormal_frac", "net.1.grad_subnormal_frac",
+                "encoder.out_grad_subnormal_frac", "net.2.out_grad_subnormal_frac"):  # fmt: skip
+        assert naive[key] > 0.5, key  # measured: 0.95-1.0
+        assert dynamic[key] < 0.01, key  # measured: <= 0.001
+    assert naive["loss_scale"] == 1.0
+
+
+def test_monitor_merges_several_forwards_and_is_idle_between_samples():
+    texture = _texture("f32")
+    monitor = PrecisionMonitor(texture, every=10)
+    points, _ = _batch(64)
+    assert monitor.start(3) is False
+    texture.sample(points).sum().backward()
+    assert monitor.collect() is None and not monitor._acc  # nothing computed off-sample
+    assert monitor.start(10) is True
+    (texture.sample(points).sum() + texture.sample(points * 0.5).sum()).backward()
+    stats = monitor.collect()
+    assert stats["iteration"] == 10 and "loss_scale" not in stats
+    assert stats["net.2.act_maxabs"] > 0
+
+
+# ----------------------------------------------------------------------------- gradient flow
+def test_gradient_flow_healthy_and_detached():
+    texture = _texture()
+    points, target = _batch(256)
+    assert check_gradient_flow(texture, (texture.sample(points) - target).square().mean()) == []
+    # A detached tensor in the middle of the graph: everything upstream (the encoder table)
+    # gets no gradient; the layers downstream still do.
+    handle = texture.encoder.register_forward_hook(lambda module, inputs, out: out.detach())
+    problems = check_gradient_flow(texture, texture.sample(points).sum())
+    handle.remove()
+    assert len(problems) == 1 and problems[0].startswith("encoder.params: no gradient")
+
+
+def test_gradient_flow_nan_zero_and_broken_loss():
+    texture = _texture()
+    points, _ = _batch(256)
+    with torch.no_grad():
+        texture.net.layers[0].weight[0, 0] = float("nan")
+    problems = check_gradient_flow(texture, texture.sample(points).sum())
+    assert any(p.startswith("net.net.0.weight: inf/NaN") for p in problems)
+    texture = _texture()
+    assert check_gradient_flow(texture, texture.sample(points).sum() * 0) == [
+        f"{name}: all-zero gradient ({p.numel()} elements)"
+        for name, p in texture.named_parameters()
+    ]
+    with torch.no_grad():
+        loss = texture.sample(points).sum()
+    with pytest.raises(ValueError, match="loss: does not require grad"):
+        check_gradient_flow(texture, loss)
+
+
+# ----------------------------------------------------------------------------- host copies
+def test_to_host_copies_nested_structures():
+    value = {"a": torch.arange(4.0), "b": [torch.ones(2, requires_grad=True), 3], "c": "x"}
+    host = to_host(value)
+    assert host["a"].device.type == "cpu" and torch.equal(host["a"], torch.arange(4.0))
+    assert not host["b"][0].requires_grad and host["b"][1] == 3 and host["c"] == "x"
+
+
+@pytest.mark.requires_cuda
+def test_to_host_waits_for_a_big_kernel_on_cuda():
+    x = torch.randn(4096, 4096, device="cuda")
+    expected = (x.double() @ x.double()).sum().cpu()
+    for _ in range(3):
+        y = x @ x  # queued asynchronously; to_host must wait for it
+    value = to_host(y.sum())
+    torch.testing.assert_close(value.double(), expected, rtol=1e-3, atol=1e-2)
+
+
+def test_no_unsynchronised_non_blocking_copies_in_the_package():
+    """A non_blocking device-to-host copy is read before it lands unless the stream is
+    synchronised; the package makes none (lint over the source)."""
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        for match in re.finditer(r"non_blocking\s*=\s*True", text):
+            window = text[match.end() : match.end() + 400]
+            if "synchronize" not in window:
+                offenders.append(f"{path.name}:{text[: match.start()].count(chr(10)) + 1}")
+    assert offenders == []
+
+
+# ----------------------------------------------------------------------------- compare_setups
+@pytest.mark.parametrize("arm", CPU_ARMS)
+def test_every_healthy_arm_is_within_its_bounds(arm):
+    report = compare_setups("small", "f32", arm, points=1024, seed=0)
+    assert report.ok, report.format_table()
+    worst = max(e.local / e.bound for errors in report.errors.values() for e in errors)
+    assert worst < 0.5  # calibration margin of SAFETY (measured <= 0.21)
+
+
+def _bf16_layer(texture):
+    texture.net.layers[1].compute_dtype = torch.bfloat16  # declares f32, computes bf16
+
+
+def _dropout(texture):
+    texture.net.net.insert(4, nn.Dropout(0.1))  # after net.1's ReLU, before net.2
+
+
+def test_wrong_dtype_layer_is_localised():
+    report = compare_setups("small", "f32", Setup("f32", modify=_bf16_layer), points=1024)
+    a, b = report.setups
+    assert report.first_exceeding == {a: None, b: "net.1"} and not report.ok
+    by_stage = {e.stage: e for e in report.errors[b]}
+    assert not by_stage["encoder"].exceeds and not by_stage["net.0"].exceeds
+    # The error flows downstream, but only the stage that made it is blamed.
+    assert by_stage["net.2"].max_abs > 1e-4 and not by_stage["net.2"].exceeds
+    # Within an f16 setup too: bf16 where f16 is declared exceeds f16's bound.
+    f16 = compare_setups("small", "f16_dynamic", Setup("f16_dynamic", modify=_bf16_layer),
+                         points=1024)  # fmt: skip
+    assert f16.first_exceeding[f16.setups[1]] == "net.1"
+
+
+def test_dropout_left_in_train_mode_is_localised_and_eval_passes():
+    report = compare_setups("small", "f32", Setup("f32", modify=_dropout), points=1024)
+    assert report.first_exceeding[report.setups[1]] == "net.2"
+    evaluated = compare_setups("small", "f32", Setup("f32", modify=_dropout, mode="eval"))
+    assert evaluated.ok
+
+
+def test_detached_tensor_shows_as_missing_gradient():
+    def detach(texture):
+        texture.encoder.register_forward_hook(lambda module, inputs, out: out.detach())
+
+    report = compare_setups("small", "f32", Setup("f32", modify=detach), points=512)
+    errors = {e.stage: e for e in report.errors[report.setups[1]]}
+    assert report.first_exceeding[report.setups[1]] == "encoder.out.grad"
+    assert errors["encoder.params.grad"].exceeds and errors["encoder.params.grad"].local == float(
+        "inf"
+    )
+
+
+def test_no_grad_mode_and_report_outputs(tmp_path):
+    report = compare_setups("small", "f32", Setup("f16_dynamic", mode="no_grad"), points=256)
+    b = report.setups[1]
+    assert report.ok and [e.stage for e in report.errors[b]] == [
+        "encoder", "net.0", "net.1", "net.2", "output",
+    ]  # fmt: skip
+    table = report.format_table()
+    assert "n/a" in table and "every stage within" in table
+    data = json.loads(report.to_json(str(tmp_path / "check.json")))
+    assert data["ok"] is True and json.loads((tmp_path / "check.json").read_text()) == data
+
+
+def test_compare_setups_bad_arguments():
+    with pytest.raises(ValueError, match="points"):
+        compare_setups("small", "f32", "f32", points=0)
+    with pytest.raises(ValueError, match="texture"):
+        compare_setups("huge", "f32", "f32")
+    with pytest.raises(ValueError, match="mode"):
+        Setup("f32", mode="inference")
+    with pytest.raises(ValueError, match="device"):
+        Setup("f32", device="tpu")
+
+
+def test_compare_setups_takes_a_texture_and_points():
+    texture = _texture("f32", seed=3)
+    points, _ = _batch(300)
+    report = compare_setups(texture, "f32", "bf16", points=points)
+    assert report.ok and report.info["points"] == 300
+
+
+@pytest.mark.requires_cuda
+def test_cpu_vs_cuda_is_within_bounds():
+    report = compare_setups("small", "f32", Setup("f32", device="cuda"), points=4096)
+    assert report.ok, report.format_table()

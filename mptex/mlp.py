@@ -1,0 +1,177 @@
+"""The configurable-precision MLP: nvdiffrec's small ReLU network with a compute dtype per layer."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mptex._backends import import_tcnn
+from mptex.precision import PrecisionPolicy, scale_grad
+
+__all__ = ["PrecisionMLP", "CastLinear"]
+
+_ACTIVATIONS = {"ReLU": nn.ReLU, "LeakyReLU": nn.LeakyReLU, "Sigmoid": nn.Sigmoid, "Tanh": nn.Tanh}
+
+
+class CastLinear(nn.Linear):
+    """A ``torch.nn.Linear`` that computes in ``compute_dtype``.
+
+    ``forward`` casts the input, the weight and the bias to ``compute_dtype`` and returns the
+    product in that dtype. The parameters keep their own dtype (the f32 "master" copy); the cast
+    is part of the autograd graph, so their gradients arrive in their own dtype, as in tcnn's
+    bindings. ``compute_dtype=None`` casts nothing (used under ``torch.autocast``, which casts
+    itself). State-dict keys are ``nn.Linear``'s.
+
+    Shapes: ``x [N, in_features]`` (any float dtype) -> ``[N, out_features]`` in
+    ``compute_dtype``.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, *, compute_dtype=None, **kw
+    ):
+        super().__init__(in_features, out_features, bias=bias, **kw)
+        self.compute_dtype: torch.dtype | None = compute_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = self.compute_dtype
+        if dtype is None:
+            return super().forward(x)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(x.to(dtype), self.weight.to(dtype), bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, compute_dtype={self.compute_dtype}"
+
+
+class PrecisionMLP(nn.Module):
+    """nvdiffrec's texture MLP with the precision of a :class:`~mptex.PrecisionPolicy`.
+
+    Architecture (nvdiffrec's ``_MLP`` by default): ``Linear(n_input_dims, n_neurons)``,
+    activation, ``n_hidden_layers - 1`` times ``Linear(n_neurons, n_neurons)`` and activation,
+    then ``Linear(n_neurons, n_output_dims)`` with no output activation: ``n_hidden_layers + 1``
+    bias-free linear layers, weights ``kaiming_uniform_(nonlinearity="relu")``. They live in
+    ``self.net``, an ``nn.Sequential`` with nvdiffrec's indices (state-dict keys
+    ``net.0.weight``, ``net.2.weight``, ... as nvdiffrec's), and are listed in ``self.layers``;
+    each is a :class:`CastLinear` (an ``nn.Linear``) whose ``compute_dtype`` is its policy dtype.
+
+    Precision:
+        * parameters are f32 masters, except with ``policy.master_weights=False``
+          (``f16_naive``), where they are stored in the compute dtype;
+        * layer ``i`` casts its input and weight to ``policy.layer_dtypes(n)[i]``; the activation
+          runs in that dtype; the next layer casts again (the casts between layers are explicit);
+        * ``policy.autocast``: f32 layers, no casts, the whole net under
+          ``torch.autocast(x.device.type, dtype=policy.mlp_dtypes[0])``;
+        * ``policy.loss_scaling == "nvdiffrec"``: the gradient w.r.t. the (cast) input is
+          multiplied by ``policy.static_loss_scale`` (nvdiffrec's backward hook on its ``_MLP``);
+        * ``policy.mlp_backend == "tcnn"``: a ``tinycudann.Network`` FullyFusedMLP instead (f16,
+          CUDA, tcnn's own init and internal loss scale 128); ``self.layers`` is then empty and
+          the weights are the flat ``self.net.params``. Without tcnn + CUDA the constructor
+          raises ``RuntimeError``.
+
+    Args:
+        n_input_dims: input features (the encoder's ``n_output_dims``).
+        n_output_dims: output channels.
+        n_hidden_layers: hidden layers (>= 1), as nvdiffrec's and tcnn's ``n_hidden_layers``.
+        n_neurons: width of the hidden layers.
+        policy: a :class:`PrecisionPolicy`, an arm name or a config mapping.
+        bias: add biases (nvdiffrec: no).
+        activation: hidden activation, ``"ReLU"`` (default), ``"LeakyReLU"``, ``"Sigmoid"`` or
+            ``"Tanh"``.
+
+    Shapes: ``forward(x: [N, n_input_dims] float) -> [N, n_output_dims]`` in the last layer's
+    compute dtype (the autocast dtype with autocast; f16 for tcnn). The caller casts to f32 where
+    it needs to.
+    """
+
+    def __init__(
+        self,
+        n_input_dims: int,
+        n_output_dims: int,
+        n_hidden_layers: int,
+        n_neurons: int,
+        policy: PrecisionPolicy | str | Mapping[str, Any] = "f32",
+        bias: bool = False,
+        activation: str = "ReLU",
+    ):
+        super().__init__()
+        for arg, value in (
+            ("n_input_dims", n_input_dims),
+            ("n_output_dims", n_output_dims),
+            ("n_hidden_layers", n_hidden_layers),
+            ("n_neurons", n_neurons),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{arg}: expected a positive integer, got {value!r}")
+        if activation not in _ACTIVATIONS:
+            raise ValueError(
+                f"activation: expected one of {sorted(_ACTIVATIONS)}, got {activation!r}"
+            )
+        self.policy = PrecisionPolicy.from_config(policy)
+        self.n_input_dims, self.n_output_dims = n_input_dims, n_output_dims
+        self.n_hidden_layers, self.n_neurons = n_hidden_layers, n_neurons
+
+        if self.policy.mlp_backend == "tcnn":
+            self.policy.check_available()
+            tcnn = import_tcnn()
+            self.net = tcnn.Network(
+                n_input_dims,
+                n_output_dims,
+                {
+                    "otype": "FullyFusedMLP",
+                    "activation": activation,
+                    "output_activation": "None",
+                    "n_neurons": n_neurons,
+                    "n_hidden_layers": n_hidden_layers,
+                },
+            )
+            self.layers: list[CastLinear] = []
+            return
+
+        dims = [n_input_dims] + [n_neurons] * n_hidden_layers + [n_output_dims]
+        dtypes = self.policy.layer_dtypes(len(dims) - 1)
+        modules: list[nn.Module] = []
+        for i, dtype in enumerate(dtypes):
+            if i > 0:
+                modules.append(_ACTIVATIONS[activation]())
+            modules.append(
+                CastLinear(
+                    dims[i],
+                    dims[i + 1],
+                    bias=bias,
+                    compute_dtype=None if self.policy.autocast else dtype,
+                )
+            )
+        self.net = nn.Sequential(*modules)
+        self.layers = [m for m in self.net if isinstance(m, CastLinear)]
+        for layer in self.layers:
+            nn.init.kaiming_uniform_(layer.weight, nonlinearity="relu")
+            if layer.bias is not None:
+                nn.init.zeros_(layer.bias)
+        if not self.policy.master_weights:
+            # Initialise in f32, then round once: f16_naive starts from the same weights as the
+            # others.
+            self.net.to(dtypes[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim != 2 or x.shape[1] != self.n_input_dims:
+            raise ValueError(f"x: expected shape [N, {self.n_input_dims}], got {list(x.shape)}")
+        if self.policy.mlp_backend == "tcnn":
+            return self.net(x)
+        if self.policy.loss_scaling == "nvdiffrec":
+            # nvdiffrec feeds enc.float() and scales the gradient w.r.t. that f32 input by 128,
+            # so the f16 encoder backward receives 128 x its true gradient (rounded in f16).
+            x = scale_grad(
+                x.to(self.layers[0].compute_dtype or x.dtype), self.policy.static_loss_scale
+            )
+        ctx = (
+            torch.autocast(x.device.type, dtype=self.policy.mlp_dtypes[0])
+            if self.policy.autocast
+            else contextlib.nullcontext()
+        )
+        with ctx:
+            return self.net(x)

@@ -1,0 +1,440 @@
+"""Precision policies: the dtype each part of the texture computes in, and how gradients are scaled.
+
+A :class:`PrecisionPolicy` is a frozen description (buildable from a dict or a Hydra config);
+:class:`PrecisionStepper` is the stateful part that a training loop calls once per iteration to
+run backward, unscale, check for overflow, step the optimizer (or skip) and update the loss scale.
+
+Named arms (``PrecisionPolicy.named(name)``, one YAML file each under ``configs/precision/``):
+
+============  =========  =====================  =======  ============  ===================
+arm           encoder    MLP math               masters  loss scaling  notes
+============  =========  =====================  =======  ============  ===================
+nvdiffrec     f16        f32 (``enc.float()``)  f32      nvdiffrec     x128 / /128 hooks
+f32           f32        f32                    f32      none
+f16_naive     f16        f16                    none     none          f16 params, f16 Adam
+f16_static    f16        f16                    f32      static 128    tcnn's constant
+f16_dynamic   f16        f16                    f32      dynamic       GradScaler
+amp           f16        autocast f16           f32      dynamic       torch.autocast
+bf16          f32        bf16                   f32      none          tcnn has no bf16 grid
+per_layer     f16        f16, f16, f32          f32      dynamic       explicit casts
+tcnn_fused    f16        tcnn FullyFusedMLP f16 f32      tcnn          CUDA + tinycudann only
+============  =========  =====================  =======  ============  ===================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "PrecisionPolicy",
+    "PrecisionStepper",
+    "StepResult",
+    "LOSS_SCALING_MODES",
+    "parse_dtype",
+    "dtype_name",
+    "scale_grad",
+]
+
+LOSS_SCALING_MODES = ("none", "static", "dynamic", "nvdiffrec", "tcnn")
+_MLP_BACKENDS = ("torch", "tcnn")
+
+_DTYPE_ALIASES = {
+    "f32": torch.float32,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "f16": torch.float16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
+_DTYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+def parse_dtype(value: str | torch.dtype, field: str = "dtype") -> torch.dtype:
+    """The ``torch.dtype`` for ``value``: ``"f16"``/``"float16"``/``"half"``, ``"bf16"``,
+    ``"f32"``/``"float32"``, or one of those dtypes; ``ValueError`` naming ``field`` otherwise."""
+    if isinstance(value, torch.dtype):
+        if value in _DTYPE_NAMES:
+            return value
+    elif isinstance(value, str) and value.lower() in _DTYPE_ALIASES:
+        return _DTYPE_ALIASES[value.lower()]
+    raise ValueError(
+        f"{field}: expected one of {sorted(_DTYPE_ALIASES)} (or torch.float16/bfloat16/float32), "
+        f"got {value!r}"
+    )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Short config name of a supported dtype: ``"f32"``, ``"f16"`` or ``"bf16"``."""
+    return _DTYPE_NAMES[dtype]
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return grad_out * ctx.factor, None
+
+
+def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """Identity in the forward pass; multiplies the gradient flowing back through it by ``factor``.
+
+    This is nvdiffrec's gradient scaling written as an autograd function instead of a full backward
+    hook: it does the same arithmetic (``grad * factor`` in the gradient's dtype) and, unlike the
+    hook, does nothing at all when ``x`` does not require grad (nvdiffrec's hook divides ``None``).
+    """
+    if not x.requires_grad:
+        return x
+    return _ScaleGrad.apply(x, factor)
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Where the texture computes in which dtype, and how its gradients are kept representable.
+
+    Args:
+        name: arm name, used in reports (``"f16_dynamic"``, or anything for a custom policy).
+        encoder_dtype: hash-grid compute/output dtype, ``f32`` or ``f16`` (tcnn's half mode: f32
+            master table, f16 output). tcnn has no bf16 grid, so bf16 is refused.
+        mlp_dtypes: the MLP's compute dtype, one for all layers (a single dtype or a 1-list) or one
+            per ``torch.nn.Linear`` layer, input layer first (``per_layer``). With ``autocast``
+            it is the autocast dtype and must be a single dtype.
+        master_weights: keep the MLP's parameters in f32 and cast a copy to the compute dtype inside
+            ``forward`` (gradients reach the f32 master as f32, as in tcnn's bindings). ``False``
+            stores the parameters themselves in the (single) compute dtype: ``f16_naive``.
+        loss_scaling: ``"none"``; ``"static"`` (fixed ``static_loss_scale``, skip steps with inf/NaN
+            gradients); ``"dynamic"`` (``torch.amp.GradScaler``); ``"nvdiffrec"`` (no loss scaling,
+            but the MLP's input gradient is multiplied by ``static_loss_scale`` and the encoder's
+            input gradient divided by it, as nvdiffrec's backward hooks do); ``"tcnn"`` (tcnn scales
+            by 128 inside its fused network; only with ``mlp_backend="tcnn"``).
+        static_loss_scale: the fixed factor of ``"static"`` and ``"nvdiffrec"`` (default 128,
+            tcnn's).
+        init_scale, growth_factor, backoff_factor, growth_interval: ``"dynamic"``'s GradScaler
+            arguments (defaults 2**16, 2.0, 0.5, 2000: GradScaler's).
+        autocast: run the MLP under ``torch.autocast(device, dtype=mlp_dtypes[0])`` with f32 layers.
+        mlp_backend: ``"torch"`` (``torch.nn.Linear`` layers) or ``"tcnn"`` (``tinycudann.Network``
+            FullyFusedMLP, f16, CUDA only).
+
+    Raises:
+        ValueError: naming the field, for an unknown dtype or mode, a bad number, or a combination
+            that cannot train (e.g. loss scaling with f16 parameters: GradScaler refuses to unscale
+            f16 gradients).
+    """
+
+    name: str = "custom"
+    encoder_dtype: torch.dtype = torch.float32
+    mlp_dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+    master_weights: bool = True
+    loss_scaling: str = "none"
+    static_loss_scale: float = 128.0
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    autocast: bool = False
+    mlp_backend: str = "torch"
+
+    def __post_init__(self) -> None:
+        # Normalise user-friendly spellings (strings, single dtype) once, so the fields are typed.
+        set_ = object.__setattr__
+        set_(self, "encoder_dtype", parse_dtype(self.encoder_dtype, "encoder_dtype"))
+        dtypes = self.mlp_dtypes
+        if isinstance(dtypes, (str, torch.dtype)):
+            dtypes = (dtypes,)
+        if not isinstance(dtypes, Sequence) or len(dtypes) == 0:
+            raise ValueError(
+                f"mlp_dtypes: expected a dtype or a non-empty list of dtypes, got {dtypes!r}"
+            )
+        set_(self, "mlp_dtypes", tuple(parse_dtype(d, "mlp_dtypes") for d in dtypes))
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.encoder_dtype == torch.bfloat16:
+            raise ValueError(
+                "encoder_dtype: the hash grid supports f32 and f16 (as tcnn), got bf16"
+            )
+        if self.loss_scaling not in LOSS_SCALING_MODES:
+            raise ValueError(
+                f"loss_scaling: expected one of {LOSS_SCALING_MODES}, got {self.loss_scaling!r}"
+            )
+        if self.mlp_backend not in _MLP_BACKENDS:
+            raise ValueError(
+                f"mlp_backend: expected one of {_MLP_BACKENDS}, got {self.mlp_backend!r}"
+            )
+        for field in ("static_loss_scale", "init_scale"):
+            if not float(getattr(self, field)) > 0:
+                raise ValueError(
+                    f"{field}: expected a positive number, got {getattr(self, field)!r}"
+                )
+        if not float(self.growth_factor) > 1.0:
+            raise ValueError(
+                f"growth_factor: expected > 1 (GradScaler's rule), got {self.growth_factor!r}"
+            )
+        if not 0.0 < float(self.backoff_factor) < 1.0:
+            raise ValueError(f"backoff_factor: expected in (0, 1), got {self.backoff_factor!r}")
+        if int(self.growth_interval) < 1 or int(self.growth_interval) != self.growth_interval:
+            raise ValueError(
+                f"growth_interval: expected a positive integer, got {self.growth_interval!r}"
+            )
+        if not self.master_weights:
+            if len(self.mlp_dtypes) != 1:
+                raise ValueError(
+                    "master_weights: False needs a single mlp_dtypes (the parameters' dtype)"
+                )
+            if self.loss_scaling in ("static", "dynamic"):
+                raise ValueError(
+                    "master_weights: False cannot be combined with loss_scaling "
+                    f"{self.loss_scaling!r}: GradScaler refuses to unscale non-f32 gradients "
+                    "('Attempting to unscale FP16 gradients'); keep f32 master weights"
+                )
+            if self.autocast:
+                raise ValueError(
+                    "master_weights: autocast needs f32 parameters (master_weights: true)"
+                )
+        if self.autocast and len(self.mlp_dtypes) != 1:
+            raise ValueError("mlp_dtypes: autocast takes a single dtype, got a per-layer list")
+        if (self.mlp_backend == "tcnn") != (self.loss_scaling == "tcnn"):
+            raise ValueError(
+                "loss_scaling: 'tcnn' goes with mlp_backend 'tcnn' and only with it "
+                f"(got loss_scaling={self.loss_scaling!r}, mlp_backend={self.mlp_backend!r})"
+            )
+        if self.mlp_backend == "tcnn" and self.mlp_dtypes != (torch.float16,):
+            raise ValueError("mlp_dtypes: tcnn's FullyFusedMLP computes in f16 only")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def named(cls, name: str) -> PrecisionPolicy:
+        """The registered arm ``name`` (module docstring); ``ValueError`` listing the names."""
+        if name not in _ARMS:
+            raise ValueError(f"name: unknown precision arm {name!r}; known arms: {sorted(_ARMS)}")
+        return _ARMS[name]
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """Names of the registered arms, in the module docstring's order."""
+        return list(_ARMS)
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any] | PrecisionPolicy | str) -> PrecisionPolicy:
+        """Build a policy from a dict or an OmegaConf/Hydra ``DictConfig``.
+
+        A :class:`PrecisionPolicy` is returned as is and a string is an arm name. Keys are the
+        field names. When ``cfg["name"]`` is a registered arm, unspecified fields take that
+        arm's values, so ``{"name": "f16_dynamic", "growth_interval": 100}`` is f16_dynamic with a
+        shorter interval; otherwise they take the dataclass defaults. Unknown keys raise
+        ``ValueError``.
+        """
+        if isinstance(cfg, PrecisionPolicy):
+            return cfg
+        if isinstance(cfg, str):
+            return cls.named(cfg)
+        if not isinstance(cfg, Mapping):
+            raise ValueError(
+                f"precision: expected an arm name, a mapping or a PrecisionPolicy, got {cfg!r}"
+            )
+        try:  # DictConfig -> plain containers, resolving interpolations
+            from omegaconf import OmegaConf
+
+            if OmegaConf.is_config(cfg):
+                cfg = OmegaConf.to_container(cfg, resolve=True)
+        except ImportError:  # pragma: no cover - omegaconf is a dependency
+            pass
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(cfg) - fields)
+        if unknown:
+            raise ValueError(f"precision: unknown key(s) {unknown}; valid keys: {sorted(fields)}")
+        base = _ARMS.get(cfg.get("name"), cls())
+        return dataclasses.replace(base, **cfg)
+
+    def to_config(self) -> dict[str, Any]:
+        """Plain dict (dtypes as ``"f16"``-style strings) that :meth:`from_config` reads back."""
+        out = dataclasses.asdict(self)
+        out["encoder_dtype"] = dtype_name(self.encoder_dtype)
+        out["mlp_dtypes"] = [dtype_name(d) for d in self.mlp_dtypes]
+        return out
+
+    # ------------------------------------------------------------------ queries
+    def layer_dtypes(self, n_layers: int) -> list[torch.dtype]:
+        """Compute dtype of each of ``n_layers`` linear layers (a single dtype is broadcast)."""
+        if len(self.mlp_dtypes) == 1:
+            return list(self.mlp_dtypes) * n_layers
+        if len(self.mlp_dtypes) != n_layers:
+            raise ValueError(
+                f"mlp_dtypes: policy {self.name!r} lists {len(self.mlp_dtypes)} dtypes but the MLP "
+                f"has {n_layers} linear layers (n_hidden_layers + 1)"
+            )
+        return list(self.mlp_dtypes)
+
+    def availability(self) -> tuple[bool, str]:
+        """``(True, "")`` when this policy can run here, else ``(False, reason)``; never raises."""
+        if self.mlp_backend == "tcnn" or self.loss_scaling == "tcnn":
+            from mptex._backends import has_tcnn
+
+            if not has_tcnn():
+                return False, f"precision arm {self.name!r} needs tinycudann and a CUDA device"
+        return True, ""
+
+    def check_available(self) -> None:
+        """Raise ``RuntimeError`` at start when this policy cannot run on this machine."""
+        ok, why = self.availability()
+        if not ok:
+            raise RuntimeError(why)
+
+    def stepper(self, optimizer: torch.optim.Optimizer) -> PrecisionStepper:
+        """Shorthand for ``PrecisionStepper(self, optimizer)``."""
+        return PrecisionStepper(self, optimizer)
+
+
+_f16, _f32, _bf16 = torch.float16, torch.float32, torch.bfloat16
+_ARMS: dict[str, PrecisionPolicy] = {
+    p.name: p
+    for p in (
+        PrecisionPolicy("nvdiffrec", _f16, (_f32,), loss_scaling="nvdiffrec"),
+        PrecisionPolicy("f32", _f32, (_f32,)),
+        PrecisionPolicy("f16_naive", _f16, (_f16,), master_weights=False),
+        PrecisionPolicy("f16_static", _f16, (_f16,), loss_scaling="static"),
+        PrecisionPolicy("f16_dynamic", _f16, (_f16,), loss_scaling="dynamic"),
+        PrecisionPolicy("amp", _f16, (_f16,), loss_scaling="dynamic", autocast=True),
+        PrecisionPolicy("bf16", _f32, (_bf16,)),
+        PrecisionPolicy("per_layer", _f16, (_f16, _f16, _f32), loss_scaling="dynamic"),
+        PrecisionPolicy("tcnn_fused", _f16, (_f16,), loss_scaling="tcnn", mlp_backend="tcnn"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one :meth:`PrecisionStepper.step` did.
+
+    Attributes:
+        skipped: the optimizer step was skipped because a gradient was inf/NaN (only with
+            ``loss_scaling`` ``"static"`` or ``"dynamic"``; otherwise always ``False``).
+        loss_scale: the loss scale after this step's update, i.e. the factor the next
+            :meth:`PrecisionStepper.backward` multiplies the loss by (1.0 without loss scaling).
+    """
+
+    skipped: bool
+    loss_scale: float
+
+
+class PrecisionStepper:
+    """Backward, unscale, overflow check, optimizer step (or skip) and scale update for a policy.
+
+    Call order in a training loop (the same as ``torch.amp.GradScaler``'s)::
+
+        stepper = PrecisionStepper(policy, optimizer)    # or policy.stepper(optimizer)
+        for it in range(n):
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(texture.sample(points), target)
+            stepper.backward(loss)                        # loss * scale, then .backward()
+            # optional: stepper.unscale_() to read true gradients (clipping, statistics)
+            result = stepper.step()                       # StepResult(skipped, loss_scale)
+            scheduler.step()
+
+    ``stepper(loss)`` does ``backward`` then ``step`` in one call.
+
+    Algorithm per ``policy.loss_scaling``:
+        * ``"dynamic"``: ``torch.amp.GradScaler(device, init_scale, growth_factor, backoff_factor,
+          growth_interval)`` itself. ``backward`` = ``scaler.scale(loss).backward()``; ``step`` =
+          ``scaler.step(optimizer)`` (unscales the f32 master gradients in place, skips
+          ``optimizer.step()`` if any is inf/NaN) then ``scaler.update()`` (scale x backoff_factor
+          after a skipped step, x growth_factor after ``growth_interval`` clean steps in a row).
+        * ``"static"``: the same GradScaler calls, but ``update(new_scale=static_loss_scale)``
+          pins the scale: the overflow check and the skip are GradScaler's, not reimplemented.
+          (GradScaler alone cannot be static: it requires ``backoff_factor < 1``.)
+        * ``"none"``, ``"nvdiffrec"``, ``"tcnn"``: ``loss.backward()`` and ``optimizer.step()``
+          (nvdiffrec's and tcnn's fixed x128 happen inside the autograd graph, not on the loss).
+
+    A skipped step never calls ``optimizer.step()``, so every parameter and all optimizer state
+    (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``) stay bit-identical. Gradients are not zeroed.
+
+    GradScaler refuses f16 gradients, which is why the scaled arms keep f32 master weights. The
+    device is taken from the optimizer's first parameter. Reading ``skipped`` and ``loss_scale``
+    makes the CPU wait for the device once per step (two scalar reads).
+
+    Args:
+        policy: the precision policy (a :class:`PrecisionPolicy`, arm name or config mapping).
+        optimizer: the optimizer over the texture's parameters.
+    """
+
+    def __init__(
+        self, policy: PrecisionPolicy | str | Mapping[str, Any], optimizer: torch.optim.Optimizer
+    ):
+        self.policy = PrecisionPolicy.from_config(policy)
+        self.optimizer = optimizer
+        self.scaler: torch.amp.GradScaler | None = None
+        if self.policy.loss_scaling in ("static", "dynamic"):
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            if not params:
+                raise ValueError("optimizer: has no parameters")
+            static = self.policy.loss_scaling == "static"
+            self.scaler = torch.amp.GradScaler(
+                params[0].device.type,
+                init_scale=float(
+                    self.policy.static_loss_scale if static else self.policy.init_scale
+                ),
+                growth_factor=float(self.policy.growth_factor),
+                backoff_factor=float(self.policy.backoff_factor),
+                growth_interval=int(self.policy.growth_interval),
+            )
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor the next :meth:`backward` multiplies the loss by (1.0 without loss
+        scaling)."""
+        return 1.0 if self.scaler is None else float(self.scaler.get_scale())
+
+    def backward(self, loss: torch.Tensor, **backward_kwargs: Any) -> None:
+        """``(loss * loss_scale).backward(**backward_kwargs)``."""
+        if self.scaler is None:
+            loss.backward(**backward_kwargs)
+        else:
+            self.scaler.scale(loss).backward(**backward_kwargs)
+
+    def unscale_(self) -> None:
+        """Divide the gradients by the loss scale in place now (optional; :meth:`step` does it)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+
+    def step(self) -> StepResult:
+        """Unscale, check, step or skip, update the scale; see the class docstring."""
+        if self.scaler is None:
+            self.optimizer.step()
+            return StepResult(skipped=False, loss_scale=1.0)
+        self.scaler.step(self.optimizer)
+        # GradScaler records the inf check per device and clears it in update(), so read it first.
+        found_inf = sum(
+            float(v.item()) for v in self.scaler._found_inf_per_device(self.optimizer).values()
+        )
+        if self.policy.loss_scaling == "static":
+            self.scaler.update(new_scale=float(self.policy.static_loss_scale))
+        else:
+            self.scaler.update()
+        return StepResult(skipped=found_inf > 0, loss_scale=self.loss_scale)
+
+    def __call__(self, loss: torch.Tensor) -> StepResult:
+        """``backward(loss)`` then ``step()``."""
+        self.backward(loss)
+        return self.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state (scale, growth tracker) for checkpoints; empty without loss
+        scaling."""
+        return {} if self.scaler is None else self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if self.scaler is not None and state:
+            self.scaler.load_state_dict(state)

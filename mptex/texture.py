@@ -1,0 +1,185 @@
+"""MLPTexture3D: nvdiffrec's neural 3D texture (hash grid + small MLP) with a precision policy."""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mptex.encoding import HashGridEncoding
+from mptex.mlp import PrecisionMLP
+from mptex.precision import PrecisionPolicy, scale_grad
+
+__all__ = ["MLPTexture3D", "NVDIFFREC_ENCODER_CONFIG"]
+
+# nvdiffrec's render/mlptexture.py: 16 levels from resolution 16 to 4096.
+NVDIFFREC_ENCODER_CONFIG: dict[str, Any] = {
+    "otype": "HashGrid",
+    "n_levels": 16,
+    "n_features_per_level": 2,
+    "log2_hashmap_size": 19,
+    "base_resolution": 16,
+    "per_level_scale": math.exp(math.log(4096 / 16) / (16 - 1)),
+}
+
+
+def _as_plain(value: Any) -> Any:
+    """OmegaConf containers -> plain dicts/lists; anything else unchanged."""
+    try:
+        from omegaconf import OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        return value
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def _bounds(value: Any, arg: str, width: int | None) -> torch.Tensor:
+    """``[2, width]`` float32 tensor (min row, max row) from a tensor or nested sequence."""
+    value = _as_plain(value)
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().to(torch.float32)
+    elif isinstance(value, Sequence) and len(value) == 2:
+        tensor = torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in value])
+    else:
+        raise ValueError(f"{arg}: expected [min, max] rows, got {value!r}")
+    if tensor.ndim != 2 or tensor.shape[0] != 2 or (width is not None and tensor.shape[1] != width):
+        want = f"[2, {width}]" if width is not None else "[2, C]"
+        raise ValueError(f"{arg}: expected shape {want}, got {list(tensor.shape)}")
+    if not torch.isfinite(tensor).all():
+        raise ValueError(f"{arg}: expected finite values, got {tensor.tolist()}")
+    return tensor.clone()
+
+
+class MLPTexture3D(nn.Module):
+    """nvdiffrec's ``MLPTexture3D`` with a selectable precision policy and encoder backend.
+
+    ``sample(texc)`` does what nvdiffrec's does: normalise ``texc`` into the AABB, clamp to
+    [0, 1], hash-grid encode, run the MLP, ``sigmoid``, scale into ``[min_max[0], min_max[1]]``.
+
+    Attributes as nvdiffrec's, so its training code runs unchanged: ``encoder`` (a
+    :class:`~mptex.HashGridEncoding`; its flat f32 ``params`` is what nvdiffrec's script
+    rescales), ``net`` (a :class:`~mptex.PrecisionMLP`; ``net.layers`` are ``torch.nn.Linear``
+    modules), ``channels``, ``internal_dims``, ``AABB``, ``min_max``. State-dict keys are
+    nvdiffrec's (``encoder.params``, ``net.net.0.weight``, ``net.net.2.weight``, ...) whichever
+    encoder backend is used, so a state dict moves between backends and arms.
+
+    Precision (see :class:`~mptex.PrecisionPolicy`): the encoder computes in
+    ``policy.encoder_dtype``, the MLP as the policy says, and the MLP output is cast to f32
+    before the sigmoid, so ``sample`` always returns f32. With ``loss_scaling="nvdiffrec"`` the
+    gradient w.r.t. the encoder's input positions is divided by ``static_loss_scale`` (128),
+    undoing the x128 the MLP puts on the encoder's output gradient, as nvdiffrec's hooks do; the
+    table's own gradient keeps the x128 (nvdiffrec's behaviour; Adam is invariant to it up to
+    ``eps``). Unlike nvdiffrec's hook, nothing fails when the positions do not require grad.
+
+    Args:
+        AABB: ``[2, 3]`` (min corner, max corner) of the texture's domain; tensor or lists.
+        channels: output channels (nvdiffrec: 3 for kd, 9 for kd + ks + normal).
+        internal_dims: MLP width (``n_neurons``).
+        hidden: MLP hidden layers (``n_hidden_layers``; ``hidden + 1`` linear layers).
+        min_max: ``[2, channels]`` output range; ``None`` (nvdiffrec would fail indexing it)
+            means [0, 1] per channel, i.e. the plain sigmoid.
+        precision: a :class:`~mptex.PrecisionPolicy`, an arm name or a config mapping
+            (default ``"nvdiffrec"``).
+        encoder: ``None`` (nvdiffrec's config, :data:`NVDIFFREC_ENCODER_CONFIG`), a tcnn-style
+            config dict (what nvdiffrec passes to ``tcnn.Encoding``), or a ready
+            :class:`~mptex.HashGridEncoding` with 3 input dims (used as given, dtype included).
+        backend: encoder backend for ``None``/dict encoders: ``"auto"``, ``"torch"``, ``"tcnn"``.
+
+    Raises:
+        ValueError: naming the argument, for a malformed AABB/min_max, channel count or encoder.
+        RuntimeError: at construction, for a policy or backend this machine cannot run
+            (``tcnn_fused`` or ``backend="tcnn"`` without tinycudann and CUDA).
+    """
+
+    def __init__(
+        self,
+        AABB: torch.Tensor | Sequence[Sequence[float]],
+        channels: int = 3,
+        internal_dims: int = 32,
+        hidden: int = 2,
+        min_max: torch.Tensor | Sequence[Sequence[float]] | None = None,
+        precision: PrecisionPolicy | str | Mapping[str, Any] = "nvdiffrec",
+        encoder: HashGridEncoding | Mapping[str, Any] | None = None,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        if not isinstance(channels, int) or channels < 1:
+            raise ValueError(f"channels: expected a positive integer, got {channels!r}")
+        self.policy = PrecisionPolicy.from_config(_as_plain(precision))
+        self.policy.check_available()
+        self.channels = channels
+        self.internal_dims = internal_dims
+        # Non-persistent buffers: they follow .to(device) but stay out of the state dict, whose
+        # keys are nvdiffrec's.
+        self.register_buffer("AABB", _bounds(AABB, "AABB", 3), persistent=False)
+        if min_max is None:
+            min_max = torch.stack([torch.zeros(channels), torch.ones(channels)])
+        self.register_buffer("min_max", _bounds(min_max, "min_max", channels), persistent=False)
+
+        encoder = _as_plain(encoder)
+        if encoder is None:
+            encoder = NVDIFFREC_ENCODER_CONFIG
+        if isinstance(encoder, HashGridEncoding):
+            if encoder.n_input_dims != 3:
+                raise ValueError(f"encoder: expected 3 input dims, got {encoder.n_input_dims}")
+            self.encoder = encoder
+        elif isinstance(encoder, Mapping):
+            self.encoder = HashGridEncoding.from_tcnn_config(
+                3, dict(encoder), backend=backend, dtype=self.policy.encoder_dtype
+            )
+        else:
+            raise ValueError(
+                f"encoder: expected None, a config dict or a HashGridEncoding, got {encoder!r}"
+            )
+
+        self.net = PrecisionMLP(
+            self.encoder.n_output_dims, channels, hidden, internal_dims, self.policy
+        )
+
+    def sample(self, texc: torch.Tensor) -> torch.Tensor:
+        """Texture values at positions ``texc``.
+
+        Args:
+            texc: ``[..., 3]`` float positions in world space (outside the AABB is clamped).
+
+        Returns:
+            ``[..., channels]`` float32, in ``[min_max[0], min_max[1]]`` per channel.
+        """
+        if texc.shape[-1] != 3:
+            raise ValueError(f"texc: expected shape [..., 3], got {list(texc.shape)}")
+        flat = texc.reshape(-1, 3).to(torch.float32)
+        lo, hi = self.AABB[0], self.AABB[1]
+        unit = torch.clamp((flat - lo[None]) / (hi - lo)[None], min=0, max=1)
+        if self.policy.loss_scaling == "nvdiffrec":
+            unit = scale_grad(unit, 1.0 / self.policy.static_loss_scale)
+        features = self.encoder(unit.contiguous())
+        out = self.net(features).to(torch.float32)
+        lo_out, hi_out = self.min_max[0], self.min_max[1]
+        out = torch.sigmoid(out) * (hi_out - lo_out)[None] + lo_out[None]
+        return out.view(*texc.shape[:-1], self.channels)
+
+    def forward(self, texc: torch.Tensor) -> torch.Tensor:
+        """Same as :meth:`sample`."""
+        return self.sample(texc)
+
+    @torch.no_grad()
+    def clamp_(self) -> None:
+        """nvdiffrec's in-place clamp after training: a no-op (the sigmoid bounds the output)."""
+
+    def cleanup(self) -> None:
+        """Free temporary memory (tcnn's scratch buffers where tcnn is used), as nvdiffrec's."""
+        gc.collect()
+        uses_tcnn = self.policy.mlp_backend == "tcnn" or self.encoder.resolved_backend() == "tcnn"
+        if uses_tcnn:
+            from mptex._backends import import_tcnn
+
+            import_tcnn().free_temporary_memory()
+
+    def extra_repr(self) -> str:
+        return (
+            f"channels={self.channels}, internal_dims={self.internal_dims}, "
+            f"precision={self.policy.name!r}"
+        )

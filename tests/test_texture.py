@@ -1,0 +1,321 @@
+"""MLPTexture3D: nvdiffrec's constructor and sample(), per-arm forward/gradients, nvdiffrec
+equivalence (against a copy of its module), state dicts across backends, and a small fit per arm."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TOL
+
+from mptex import MLPTexture3D, PrecisionPolicy, PrecisionStepper
+from mptex.encoding import HashGridEncoding
+from mptex.texture import NVDIFFREC_ENCODER_CONFIG
+
+CPU_ARMS = [n for n in PrecisionPolicy.names() if n != "tcnn_fused"]
+SMALL = {
+    "otype": "HashGrid", "n_levels": 4, "n_features_per_level": 2, "log2_hashmap_size": 12,
+    "base_resolution": 4, "per_level_scale": 2.0,
+}  # fmt: skip
+AABB = [[-1.0, -2.0, 0.0], [3.0, 2.0, 1.0]]
+
+
+def _texture(arm, seed=0, encoder=SMALL, **kw):
+    torch.manual_seed(seed)
+    texture = MLPTexture3D(AABB, precision=arm, encoder=encoder, backend="torch", **kw)
+    with torch.no_grad():  # a trained-looking table: features of order 1, not tcnn's 1e-4 init
+        texture.encoder.params.uniform_(-1, 1)
+    return texture
+
+
+def _points(n=1000, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = torch.tensor(AABB[0]), torch.tensor(AABB[1])
+    return lo + (hi - lo) * torch.rand(n, 3, generator=gen)
+
+
+def _lowest_dtype(policy):
+    return max([policy.encoder_dtype, *policy.mlp_dtypes], key=lambda d: torch.finfo(d).eps)
+
+
+def test_nvdiffrec_defaults_and_attributes():
+    texture = MLPTexture3D(AABB, backend="torch")
+    assert texture.policy.name == "nvdiffrec" and texture.channels == 3
+    assert texture.internal_dims == 32 and len(texture.net.layers) == 3
+    assert texture.encoder.dtype == torch.float16 and texture.encoder.n_output_dims == 32
+    expected = HashGridEncoding.from_tcnn_config(3, NVDIFFREC_ENCODER_CONFIG, backend="torch")
+    assert texture.encoder.n_params == expected.n_params
+    assert NVDIFFREC_ENCODER_CONFIG["per_level_scale"] == pytest.approx(1.447269237440378)
+    assert texture.encoder.params.dtype == torch.float32 and texture.encoder.params.requires_grad
+    assert all(isinstance(layer, torch.nn.Linear) for layer in texture.net.layers)
+    # nvdiffrec's keys: its checkpoints load here, and ours in nvdiffrec.
+    assert list(texture.state_dict()) == [
+        "encoder.params", "net.net.0.weight", "net.net.2.weight", "net.net.4.weight",
+    ]  # fmt: skip
+
+
+def test_sample_shapes_range_and_aabb_clamp():
+    min_max = [[0.0, -1.0, 0.5, 0, 0, 0, -1, -1, -1], [1.0, 1.0, 0.6, 1, 1, 1, 1, 1, 1]]
+    texture = _texture("f32", channels=9, min_max=min_max)
+    texc = _points(2 * 5 * 7).view(2, 5, 7, 3)
+    out = texture.sample(texc)
+    assert out.shape == (2, 5, 7, 9) and out.dtype == torch.float32
+    lo, hi = torch.tensor(min_max[0]), torch.tensor(min_max[1])
+    assert torch.all(out >= lo) and torch.all(out <= hi)
+    assert torch.equal(texture(texc), out)
+    # Outside the box, positions clamp to its faces (nvdiffrec's clamp of the normalised coords).
+    outside = torch.tensor([[-5.0, 0.0, 0.5], [9.0, 9.0, 9.0]])
+    clamped = torch.tensor([[-1.0, 0.0, 0.5], [3.0, 2.0, 1.0]])
+    assert torch.equal(texture.sample(outside), texture.sample(clamped))
+    default = _texture("f32")  # min_max None: plain sigmoid in [0, 1]
+    assert torch.equal(default.min_max, torch.tensor([[0.0] * 3, [1.0] * 3]))
+
+
+def test_bad_arguments_name_themselves():
+    with pytest.raises(ValueError, match="AABB"):
+        MLPTexture3D([[0, 0], [1, 1]], encoder=SMALL)
+    with pytest.raises(ValueError, match="min_max"):
+        MLPTexture3D(AABB, channels=3, min_max=[[0] * 4, [1] * 4], encoder=SMALL)
+    with pytest.raises(ValueError, match="channels"):
+        MLPTexture3D(AABB, channels=0, encoder=SMALL)
+    with pytest.raises(ValueError, match="encoder"):
+        MLPTexture3D(AABB, encoder=HashGridEncoding(2, n_levels=2, log2_hashmap_size=8))
+    with pytest.raises(ValueError, match="name"):
+        MLPTexture3D(AABB, precision="f12", encoder=SMALL)
+    with pytest.raises(ValueError, match="texc"):
+        _texture("f32").sample(torch.zeros(4, 2))
+
+
+def test_tcnn_fused_fails_at_construction_without_tcnn():
+    if PrecisionPolicy.named("tcnn_fused").availability()[0]:
+        pytest.skip("tinycudann and CUDA are present")
+    with pytest.raises(RuntimeError, match="tinycudann"):
+        MLPTexture3D(AABB, precision="tcnn_fused", encoder=SMALL)
+
+
+def test_encoder_instance_and_hydra_style_configs_are_accepted():
+    from omegaconf import OmegaConf
+
+    encoder = HashGridEncoding(3, n_levels=2, log2_hashmap_size=8, base_resolution=4)
+    assert MLPTexture3D(AABB, precision="f32", encoder=encoder).encoder is encoder
+    cfg = OmegaConf.create(
+        {"precision": {"name": "f16_dynamic", "growth_interval": 5}, "enc": SMALL}
+    )
+    texture = MLPTexture3D(AABB, precision=cfg.precision, encoder=cfg.enc, backend="torch")
+    assert texture.policy.growth_interval == 5 and texture.encoder.n_output_dims == 8
+
+
+def _reference_f64(texture, texc):
+    """f64 sample() with the same parameters; encoder features from an f32 twin of the encoder.
+    Also returns the magnitude bound |W_L|...|W_1||features| of the MLP's output."""
+    enc32 = HashGridEncoding.from_tcnn_config(3, SMALL, backend="torch")
+    enc32.load_state_dict(texture.encoder.state_dict())
+    lo, hi = texture.AABB.double()
+    unit = ((texc.double() - lo) / (hi - lo)).clamp(0, 1)
+    with torch.no_grad():
+        h = enc32(unit.float()).double()
+    bound = h.abs()
+    for i, layer in enumerate(texture.net.layers):
+        h = h @ layer.weight.double().T
+        bound = bound @ layer.weight.double().abs().T
+        h = h.relu() if i < len(texture.net.layers) - 1 else h
+    mm = texture.min_max.double()
+    return torch.sigmoid(h) * (mm[1] - mm[0]) + mm[0], bound
+
+
+@pytest.mark.parametrize("arm", CPU_ARMS)
+def test_forward_matches_f64_reference(arm):
+    texture = _texture(arm)
+    texc = _points()
+    with torch.no_grad():
+        out = texture.sample(texc)
+    ref, bound = _reference_f64(texture, texc)
+    tol = TOL[_lowest_dtype(texture.policy)]
+    # sigmoid is 1/4-Lipschitz; the MLP's error is bounded relative to |W||x| (cancellation in
+    # the sums makes |out|-relative tolerances meaningless); an f16 encoder adds its own output
+    # rounding (~eps * |features|), which the same bound covers. The f32 arm also differs from
+    # the f64 encoder features by f32 rounding only, covered by TOL's atol.
+    err = (out.double() - ref).abs()
+    assert torch.all(err <= 0.25 * (tol["rtol"] * bound + tol["atol"])), (arm, err.max())
+
+
+@pytest.mark.parametrize("arm", CPU_ARMS)
+def test_gradients_reach_every_parameter(arm):
+    texture = _texture(arm)
+    optimizer = torch.optim.Adam(texture.parameters(), lr=1e-2)
+    stepper = PrecisionStepper(texture.policy, optimizer)
+    texc = _points(512).requires_grad_()
+    stepper.backward(texture.sample(texc).square().mean())
+    stepper.unscale_()
+    named = dict(texture.named_parameters())
+    assert set(named) == {
+        "encoder.params",
+        "net.net.0.weight",
+        "net.net.2.weight",
+        "net.net.4.weight",
+    }
+    for name, param in named.items():
+        assert param.grad is not None and param.grad.dtype == param.dtype, (arm, name)
+        assert torch.isfinite(param.grad).all() and torch.count_nonzero(param.grad) > 0, (arm, name)
+    assert texc.grad is not None and torch.isfinite(texc.grad).all()
+
+
+def test_positions_without_grad_do_not_crash():
+    texture = _texture("nvdiffrec")
+    texture.sample(_points(64)).sum().backward()  # nvdiffrec's hook would divide None by 128
+    assert texture.encoder.params.grad is not None
+
+
+class _NvdiffrecMLP(torch.nn.Module):
+    """nvdiffrec's ``_MLP`` (render/mlptexture.py), rewritten from its published description:
+    bias-free Linear+ReLU stack, Kaiming-uniform init, input cast to f32, and a full backward hook
+    on the Sequential multiplying the input gradient by ``loss_scale``."""
+
+    def __init__(self, n_input_dims, n_output_dims, n_hidden_layers, n_neurons, loss_scale):
+        super().__init__()
+        modules = [torch.nn.Linear(n_input_dims, n_neurons, bias=False), torch.nn.ReLU()]
+        for _ in range(n_hidden_layers - 1):
+            modules += [torch.nn.Linear(n_neurons, n_neurons, bias=False), torch.nn.ReLU()]
+        modules.append(torch.nn.Linear(n_neurons, n_output_dims, bias=False))
+        self.net = torch.nn.Sequential(*modules)
+        for m in self.net:
+            if isinstance(m, torch.nn.Linear):
+                torch.nn.init.kaiming_uniform_(m.weight, nonlinearity="relu")
+        self.net.register_full_backward_hook(lambda mod, gin, gout: (gin[0] * loss_scale,))
+
+    def forward(self, x):
+        return self.net(x.to(torch.float32))
+
+
+class _NvdiffrecTexture(torch.nn.Module):
+    """nvdiffrec's ``MLPTexture3D`` with our torch HashGridEncoding in half mode in place of
+    ``tcnn.Encoding`` (same dtype contract), and its encoder hook dividing the input grad by 128."""
+
+    def __init__(self, AABB, channels, internal_dims, hidden, min_max, enc_cfg):
+        super().__init__()
+        self.AABB, self.min_max, self.channels = AABB, min_max, channels
+        self.encoder = HashGridEncoding.from_tcnn_config(
+            3, enc_cfg, backend="torch", dtype=torch.float16
+        )
+        self.encoder.register_full_backward_hook(lambda mod, gin, gout: (gin[0] / 128.0,))
+        self.net = _NvdiffrecMLP(self.encoder.n_output_dims, channels, hidden, internal_dims, 128.0)
+
+    def sample(self, texc):
+        t = (texc.view(-1, 3) - self.AABB[0][None, ...]) / (
+            self.AABB[1][None, ...] - self.AABB[0][None, ...]
+        )
+        t = torch.clamp(t, min=0, max=1)
+        out = self.net.forward(self.encoder(t.contiguous()))
+        out = (
+            torch.sigmoid(out) * (self.min_max[1][None, :] - self.min_max[0][None, :])
+            + self.min_max[0][None, :]
+        )
+        return out.view(*texc.shape[:-1], self.channels)
+
+
+def test_nvdiffrec_equivalence_outputs_and_gradients():
+    aabb = torch.tensor(AABB)
+    min_max = torch.tensor([[0.0, 0.2, -1.0], [1.0, 0.8, 1.0]])
+    theirs = _NvdiffrecTexture(aabb, 3, 32, 2, min_max, SMALL)
+    with torch.no_grad():
+        theirs.encoder.params.uniform_(-1, 1)
+    ours = MLPTexture3D(
+        aabb, 3, 32, 2, min_max, precision="nvdiffrec", encoder=SMALL, backend="torch"
+    )
+    ours.load_state_dict(theirs.state_dict())  # same keys, nvdiffrec's
+
+    texc = _points(777).view(7, 111, 3)
+    cotangent = torch.randn(7, 111, 3, generator=torch.Generator().manual_seed(5))
+    results = []
+    for module in (theirs, ours):
+        module.zero_grad()
+        positions = texc.clone().requires_grad_()
+        out = module.sample(positions)
+        (out * cotangent).sum().backward()
+        grads = [p.grad.clone() for p in module.parameters()]
+        results.append((out.detach(), positions.grad, grads))
+    (out_t, pos_t, grads_t), (out_o, pos_o, grads_o) = results
+    assert torch.equal(out_o, out_t)
+    assert torch.equal(pos_o, pos_t)
+    assert len(grads_o) == len(grads_t) == 4
+    for g_o, g_t in zip(grads_o, grads_t, strict=True):
+        assert torch.equal(g_o, g_t)
+    # nvdiffrec's recipe leaves the table's gradient x128 (Adam does not care): check we kept it.
+    f32 = MLPTexture3D(aabb, 3, 32, 2, min_max, precision="f32", encoder=SMALL, backend="torch")
+    f32.load_state_dict(theirs.state_dict())
+    (f32.sample(texc) * cotangent).sum().backward()
+    ratio = grads_o[0].norm() / f32.encoder.params.grad.norm()
+    assert ratio.item() == pytest.approx(128.0, rel=1e-2)
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_nvdiffrec_copy_crashes_without_position_grad_and_ours_does_not():
+    theirs = _NvdiffrecTexture(
+        torch.tensor(AABB), 3, 32, 2, torch.tensor([[0.0] * 3, [1.0] * 3]), SMALL
+    )
+    with pytest.raises(TypeError):  # the hook divides a None input gradient
+        theirs.sample(_points(16)).sum().backward()
+    _texture("nvdiffrec").sample(_points(16)).sum().backward()
+
+
+def test_state_dict_round_trips_between_arms_and_devices_of_the_encoder():
+    a, b = _texture("f32", seed=0), _texture("f16_dynamic", seed=1)
+    b.load_state_dict(a.state_dict())
+    for key, value in a.state_dict().items():
+        assert torch.equal(b.state_dict()[key], value)
+    torch.testing.assert_close(b.sample(_points()), a.sample(_points()), **TOL[torch.float16])
+    a.clamp_()  # nvdiffrec's no-op
+    a.cleanup()
+
+
+@pytest.mark.requires_tcnn
+def test_state_dict_round_trips_between_torch_and_tcnn_encoders():
+    torch_tex = _texture("nvdiffrec").cuda()
+    torch.manual_seed(0)
+    tcnn_tex = MLPTexture3D(AABB, precision="nvdiffrec", encoder=SMALL, backend="tcnn").cuda()
+    tcnn_tex.load_state_dict(torch_tex.state_dict())
+    assert tcnn_tex.state_dict().keys() == torch_tex.state_dict().keys()
+    points = _points().cuda()
+    torch.testing.assert_close(
+        tcnn_tex.sample(points), torch_tex.sample(points), rtol=1e-2, atol=1e-3
+    )
+    torch_tex.load_state_dict(tcnn_tex.state_dict())
+    tcnn_tex.cleanup()
+
+
+def _fit_module():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fit_arms.py"
+    spec = importlib.util.spec_from_file_location("fit_arms", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_every_arm_fits_a_3d_function(capsys):
+    fit = _fit_module()
+    results = {arm: fit.fit_arm(arm, steps=150, batch=2048, n_eval=8192) for arm in CPU_ARMS}
+    with capsys.disabled():
+        print("\nfit after 150 steps (PSNR dB, skipped, final loss scale):")
+        for arm, r in results.items():
+            print(f"  {arm:12s} {r['psnr']:7.2f} {r['skipped']:3d} {r['final_loss_scale']:g}")
+    # Recorded, not bent: f16_naive diverges (f16 gradients underflow and f16 Adam's eps is 0).
+    for arm, r in results.items():
+        assert r["diverged"] or math.isfinite(r["psnr"]), arm
+    assert results["f32"]["psnr"] > 20.0  # far above a constant colour (~10 dB here)
+    assert abs(results["f32"]["psnr"] - results["f16_dynamic"]["psnr"]) < 0.5
+
+
+def test_texture_config_builds_nvdiffrecs_texture():
+    from hydra import compose, initialize_config_dir
+
+    config_dir = Path(__file__).resolve().parents[1] / "configs"
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        cfg = compose(
+            overrides=["+texture=default", "+precision=nvdiffrec", "texture.backend=torch"]
+        )
+    assert dict(cfg.texture.encoder) == NVDIFFREC_ENCODER_CONFIG
+    texture = MLPTexture3D(AABB, **cfg.texture, precision=cfg.precision)
+    assert texture.policy == PrecisionPolicy.named("nvdiffrec")
+    assert texture.encoder.n_output_dims == 32 and texture.channels == 3

@@ -9,35 +9,17 @@ from __future__ import annotations
 import functools
 import math
 import os
-import platform
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-from mptex._backends import has_nvdiffrast
-from mptex.render import orbit_views, rasterize
-from mptex.scenes import GBufferCache, torus_knot
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine, median_seconds  # noqa: E402
 
-
-def _median_time(fn, device: str, repeats: int = 7) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _machine(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+from mptex._backends import has_nvdiffrast  # noqa: E402
+from mptex.render import orbit_views, rasterize  # noqa: E402
+from mptex.scenes import GBufferCache, torus_knot  # noqa: E402
 
 
 def main() -> None:
@@ -54,10 +36,10 @@ def main() -> None:
         for backend in backends:
             for res in (256, 512):
                 run = functools.partial(rasterize, pos, tri, (res, res), backend=backend)
-                t = _median_time(run, device)
+                t = median_seconds(run, device)
                 rows.append((f"rasterize {backend} ({device})", f"{n_tri} tris, {res}x{res}", t,
                              f"{n_tri / t / 1e6:.2f} Mtri/s, {res * res / t / 1e6:.1f} Mpix/s",
-                             _machine(device)))  # fmt: skip
+                             machine(device)))  # fmt: skip
         cache = GBufferCache(mesh.to(device), (256, 256), backend="auto")
         mvp = cams.mvp.to(device)
 
@@ -65,20 +47,20 @@ def main() -> None:
             cache.clear()
             cache.get([0], mvp)
 
-        t_miss = _median_time(miss, device)
+        t_miss = median_seconds(miss, device)
         cache.get([0], mvp)
-        t_hit = _median_time(functools.partial(cache.get, [0], mvp), device)
+        t_hit = median_seconds(functools.partial(cache.get, [0], mvp), device)
         rows.append((f"G-buffer miss ({device})", f"{n_tri} tris, 256x256", t_miss,
-                     "rasterize + 2 interpolates", _machine(device)))  # fmt: skip
+                     "rasterize + 2 interpolates", machine(device)))  # fmt: skip
         rows.append((f"G-buffer hit ({device})", "256x256", t_hit,
-                     f"{t_miss / t_hit:.0f}x faster than a miss", _machine(device)))  # fmt: skip
+                     f"{t_miss / t_hit:.0f}x faster than a miss", machine(device)))  # fmt: skip
 
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, nvdiffrast: {has_nvdiffrast()}")
     print("| what | size | median time | throughput | machine |")
     print("|---|---|---|---|---|")
-    for what, size, t, thr, machine in rows:
+    for what, size, t, thr, where in rows:
         ms = f"{t * 1e3:.2f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} us"
-        print(f"| {what} | {size} | {ms} | {thr} | {machine} |")
+        print(f"| {what} | {size} | {ms} | {thr} | {where} |")
     assert math.isfinite(rows[0][2])
 
 

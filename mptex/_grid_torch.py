@@ -131,29 +131,39 @@ def grid_geometry(
 # Positions: one float32 rounding of scale * x + 0.5, as fmaf.
 
 
-def _fma_f32(a: torch.Tensor, b: torch.Tensor, c: float) -> torch.Tensor:
-    """Exactly rounded float32 ``a * b + c`` for float32 tensors (broadcasting).
+def _fma_f32(a: torch.Tensor, b: torch.Tensor, c: float, nonnegative_product=False):
+    """Exactly rounded float32 ``a * b + c`` for float32 tensors (broadcasting), like fmaf.
 
-    The product is exact in float64; the sum is rounded to float64 *to odd* (TwoSum gives its
-    exact error, and an inexact result with an even last bit moves one ulp towards the error),
-    after which a single rounding to float32 is correct because 53 >= 24 + 2.
+    The product is exact in float64 (24 + 24 bits) and the float64 sum ``s`` is rounded once.
+    Rounding ``s`` to float32 is then correct unless ``s`` sits exactly on a float32 midpoint
+    (or in float32's subnormal range), where the first rounding may have decided the tie; those
+    rare elements are redone with the exact error of the sum (TwoSum), rounding to odd.
+    With ``c = 0.5`` and a product known to be >= 0, ``s`` is exact unless the product is below
+    2^-6 (the sum then spans at most 53 bits), which narrows the suspects further.
     """
     product = a.double() * b.double()
     total = product + c
-    b_virtual = total - product
-    error = (product - (total - b_virtual)) + (c - b_virtual)
-    even = (total.view(torch.int64) & 1) == 0
-    towards = torch.where(error > 0, math.inf, -math.inf).to(total.dtype)
-    total = torch.where((error != 0) & even, torch.nextafter(total, towards), total)
+    low_bits = total.view(torch.int64) & 0x1FFFFFFF  # the 29 bits float32 drops
+    if nonnegative_product and c == 0.5:
+        suspect = (low_bits == 0x10000000) & (product < 2.0**-6)
+    else:
+        suspect = (low_bits == 0x10000000) | (total.abs() < 2.0**-125)
+    if bool(suspect.any()):
+        p, t = product.expand_as(total)[suspect], total[suspect]
+        b_virtual = t - p
+        error = (p - (t - b_virtual)) + (c - b_virtual)
+        towards = torch.where(error > 0, math.inf, -math.inf).to(t.dtype)
+        even = (t.view(torch.int64) & 1) == 0
+        total[suspect] = torch.where((error != 0) & even, torch.nextafter(t, towards), t)
     return total.float()
 
 
-def _positions(x: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _positions(x: torch.Tensor, scales: torch.Tensor, in_unit_cube: bool = False) -> torch.Tensor:
     """pos: [D, L, N] = fma(scale_l, x, 0.5) in x's dtype (one rounding for float32)."""
     scale = scales.view(1, -1, 1)
     coords = x.t().unsqueeze(1)  # [D, 1, N]
     if x.dtype == torch.float32:
-        return _fma_f32(scale, coords, 0.5)
+        return _fma_f32(scale, coords, 0.5, nonnegative_product=in_unit_cube)
     return torch.addcmul(torch.full_like(coords, 0.5), scale, coords)
 
 
@@ -222,23 +232,31 @@ def _level_groups(geometry: GridGeometry, device: torch.device) -> tuple[_LevelG
     return tuple(groups)
 
 
-def _corner_rows(cells: torch.Tensor, group: _LevelGroup) -> torch.Tensor:
+def _corner_rows(cells: torch.Tensor, group: _LevelGroup, in_unit_cube: bool, out: torch.Tensor):
     """Table rows (entry indices, level offsets included) of the 2^D corners of each cell.
 
     Args:
-        cells: [D, Lg, n] int64, uint32-wrapped lower corners of the group's levels.
-    Returns:
-        [2^D, Lg, n] int64.
+        cells: [D, Lg, n] int64 lower corners of the group's levels, as uint32 values.
+        in_unit_cube: all inputs are in [0, 1], so cells are in [0, res) and no uint32
+            arithmetic can wrap; the general path spells out tcnn's uint32 wraparound.
+        out: [2^D, Lg, n] int64, receives the rows.
     """
-    corner = torch.stack((cells, (cells + 1) & _UINT32), dim=1)  # [D, 2, Lg, n]
-    parts = (corner * group.multipliers) & _UINT32
+    corner = torch.stack((cells, cells + 1), dim=1)  # [D, 2, Lg, n]
+    if not in_unit_cube:
+        corner &= _UINT32
+    parts = corner * group.multipliers
     if group.hashed:
-        # Hashed tables are powers of two, so `% size` is a mask, and masks distribute over XOR.
+        # Hashed tables are powers of two, so `% size` is a mask, and masks distribute over
+        # XOR; the mask also keeps the low 32 bits of the product, tcnn's uint32 multiply.
         local = _combine_corners(parts & (group.sizes - 1), torch.bitwise_xor)
+    elif in_unit_cube:
+        # index <= res + res^2 + ... + res^D < 2 * size: tcnn's `% size` (the wraparound at
+        # x = 1) is at most one subtraction.
+        local = _combine_corners(parts, torch.add)
+        local = torch.where(local >= group.sizes, local - group.sizes, local)
     else:
-        # tcnn applies `% table_size` to dense levels too: this is the wraparound at x = 1.
-        local = (_combine_corners(parts, torch.add) & _UINT32) % group.sizes
-    return local.add_(group.offsets)
+        local = (_combine_corners(parts & _UINT32, torch.add) & _UINT32) % group.sizes
+    torch.add(local, group.offsets, out=out)
 
 
 def _axis_weights(frac: torch.Tensor, interpolation: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -294,18 +312,19 @@ _CHUNK = 4096
 class _Lookup:
     """Rows and weights of one chunk of points, [C, L, n], plus what dL/dx needs."""
 
-    def __init__(self, x: torch.Tensor, geometry: GridGeometry, scales: torch.Tensor):
+    def __init__(self, x: torch.Tensor, geometry: GridGeometry, scales: torch.Tensor, in_unit_cube):
         n_levels, n_points = geometry.n_levels, x.shape[0]
-        pos = _positions(x, scales)  # [D, L, n]
+        pos = _positions(x, scales, in_unit_cube)  # [D, L, n]
         floor = torch.floor(pos)
         frac = pos - floor  # exact: pos and floor(pos) are floats of adjacent binades at most
-        cells = floor.to(torch.int64) & _UINT32  # (uint32_t)(int)floorf(pos)
+        cells = floor.to(torch.int64)  # (uint32_t)(int)floorf(pos), masked where it matters
         nearest = geometry.interpolation == "Nearest"
-        n_corners = 1 if nearest else 2**geometry.n_input_dims
-        self.rows = torch.empty(n_corners, n_levels, n_points, dtype=torch.int64, device=x.device)
+        n_corners = 2**geometry.n_input_dims
+        rows = torch.empty(n_corners, n_levels, n_points, dtype=torch.int64, device=x.device)
         for group in _level_groups(geometry, x.device):
-            level_rows = _corner_rows(cells[:, group.start : group.stop], group)
-            self.rows[:, group.start : group.stop] = level_rows[:n_corners]
+            levels = slice(group.start, group.stop)
+            _corner_rows(cells[:, levels], group, in_unit_cube, out=rows[:, levels])
+        self.rows = rows[:1] if nearest else rows  # Nearest reads the lower corner only
         if nearest:
             self.weights = torch.ones(1, n_levels, n_points, dtype=x.dtype, device=x.device)
             self.axis_weights = self.derivative = None
@@ -330,10 +349,6 @@ def _interpolate(features: torch.Tensor, weights: torch.Tensor, out_dtype: torch
     return out.to(out_dtype)
 
 
-def _chunks(n_points: int):
-    return [(start, min(start + _CHUNK, n_points)) for start in range(0, n_points, _CHUNK)]
-
-
 def _gather_features(params, lookup: _Lookup, geometry: GridGeometry, half: bool):
     """[C, L, n, F] table values at the lookup's rows (half-rounded in half mode)."""
     n_corners, n_levels, n_points = lookup.rows.shape
@@ -347,18 +362,28 @@ def _gather_features(params, lookup: _Lookup, geometry: GridGeometry, half: bool
 
 
 class _HashGridFunction(torch.autograd.Function):
+    """The encoding as one autograd node. The forward keeps each chunk's lookup (rows as int32,
+    weights) for the backward instead of recomputing it: on a CPU that is ~2x cheaper."""
+
     @staticmethod
     def forward(ctx, x, params, geometry: GridGeometry, out_dtype: torch.dtype):
         n_points, n_levels = x.shape[0], geometry.n_levels
         n_features = geometry.n_features_per_level
         half = out_dtype == torch.float16
         scales = torch.tensor(geometry.scales, dtype=x.dtype, device=x.device)
+        in_unit_cube = n_points == 0 or bool(((x >= 0) & (x <= 1)).all())
+        keep = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         out = torch.empty(n_points, n_levels, n_features, dtype=out_dtype, device=x.device)
-        for start, end in _chunks(n_points):
-            lookup = _Lookup(x[start:end], geometry, scales)
+        lookups = []
+        for start in range(0, n_points, _CHUNK):
+            end = min(start + _CHUNK, n_points)
+            lookup = _Lookup(x[start:end], geometry, scales, in_unit_cube)
             features = _gather_features(params, lookup, geometry, half)
             out[start:end] = _interpolate(features, lookup.weights, out_dtype).transpose(0, 1)
-        ctx.geometry, ctx.out_dtype = geometry, out_dtype
+            if keep:
+                lookup.rows = lookup.rows.to(torch.int32)  # entries < 2^31: half the memory
+                lookups.append((start, end, lookup))
+        ctx.geometry, ctx.out_dtype, ctx.lookups, ctx.scales = geometry, out_dtype, lookups, scales
         ctx.save_for_backward(x, params)
         return out.view(n_points, n_levels * n_features)
 
@@ -372,19 +397,18 @@ class _HashGridFunction(torch.autograd.Function):
             # tcnn's bindings run the half backward on dL/dy * 128 (overflowing where it does).
             grad_out = grad_out.to(torch.float16) * TCNN_HALF_LOSS_SCALE
         grad_out = grad_out.to(x.dtype).view(n_points, n_levels, n_features)
-        scales = torch.tensor(geometry.scales, dtype=x.dtype, device=x.device)
         want_x, want_params = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_x = x.new_empty(x.shape) if want_x else None
         grad_params = params.new_zeros(params.shape) if want_params else None
-        for start, end in _chunks(n_points):
-            lookup = _Lookup(x[start:end], geometry, scales)
+        for start, end, lookup in ctx.lookups:
             grad = grad_out[start:end].transpose(0, 1).contiguous()  # [L, n, F]
             if want_params:
                 contributions = lookup.weights.unsqueeze(-1) * grad  # [C, L, n, F]
-                _scatter_rows(grad_params, lookup.rows.view(-1), contributions, n_features)
+                rows = lookup.rows.view(-1).to(torch.int64)
+                _scatter_rows(grad_params, rows, contributions, n_features)
             if want_x:
                 features = _gather_features(params, lookup, geometry, half)
-                grad_x[start:end] = _input_gradient(grad, features, lookup, scales)
+                grad_x[start:end] = _input_gradient(grad, features, lookup, ctx.scales)
         if want_params and half:
             # tcnn's gradient table is half; it is unscaled in half and then reaches the f32
             # master through the cast.

@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from mptex import MLPTexture3D, PrecisionPolicy
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine, print_table  # noqa: E402
+
+from mptex import MLPTexture3D, PrecisionPolicy  # noqa: E402
 
 # Small grid for CPU speed: 8 levels, 2^14 entries, resolutions 4 .. ~68.
 SMALL_ENCODER = {
@@ -64,7 +68,8 @@ def fit_arm(
     lr: float = 1e-2,
     n_eval: int = 16384,
 ) -> dict:
-    """Train one arm; returns ``psnr``, ``median_step_s``, ``skipped``, ``final_loss_scale``,
+    """Train one arm; returns ``psnr``, ``median_step_s`` (wall), ``median_step_cpu_s`` (process
+    CPU time, all threads: robust to other jobs on the machine), ``skipped``, ``final_loss_scale``,
     ``diverged`` (a non-finite loss with no loss scaling to catch it) and ``steps_run``."""
     torch.manual_seed(seed)
     texture = MLPTexture3D(AABB, precision=arm, encoder=encoder or SMALL_ENCODER, backend="torch")
@@ -73,15 +78,16 @@ def fit_arm(
     gen = torch.Generator().manual_seed(seed + 1)
     eval_points = torch.rand(n_eval, 3, generator=gen) * 2 - 1
     eval_target = target(eval_points)
-    times, skipped, diverged, steps_run = [], 0, False, 0
+    times, cpu_times, skipped, diverged, steps_run = [], [], 0, False, 0
     for _ in range(steps):
         steps_run += 1
         points = torch.rand(batch, 3, generator=gen) * 2 - 1
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         optimizer.zero_grad(set_to_none=True)
         loss = torch.mean((texture.sample(points) - target(points)) ** 2)
         result = stepper(loss)
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
         skipped += result.skipped
         if not math.isfinite(loss.item()) and stepper.scaler is None:
             diverged = True
@@ -92,6 +98,7 @@ def fit_arm(
         "arm": arm,
         "psnr": value,
         "median_step_s": statistics.median(times),
+        "median_step_cpu_s": statistics.median(cpu_times),
         "skipped": skipped,
         "final_loss_scale": stepper.loss_scale,
         "diverged": diverged or not math.isfinite(value),
@@ -109,25 +116,31 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(
-        f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads; {args.steps} steps, batch {args.batch}, "
-        f"encoder {SMALL_ENCODER}"
-    )
-    print("| arm | PSNR (dB) | median ms/step | skipped steps | final loss scale | status |")
-    print("|---|---|---|---|---|---|")
+    print(f"# {machine()}; {args.steps} steps, batch {args.batch}, encoder {SMALL_ENCODER}")
+    headers = [
+        "arm",
+        "PSNR (dB)",
+        "median ms/step",
+        "median CPU ms/step",
+        "skipped steps",
+        "final loss scale",
+        "status",
+    ]
+    rows = []
     for arm in args.arms:
         ok, why = PrecisionPolicy.named(arm).availability()
         if not ok:
-            print(f"| {arm} | – | – | – | – | unavailable: {why} |")
+            rows.append([arm, "–", "–", "–", "–", "–", f"unavailable: {why}"])
             continue
         r = fit_arm(arm, steps=args.steps, batch=args.batch, seed=args.seed)
         status = f"diverged at step {r['steps_run']}" if r["diverged"] else "ok"
-        print(
-            f"| {arm} | {r['psnr']:.2f} | {1000 * r['median_step_s']:.1f} | {r['skipped']} | "
-            f"{r['final_loss_scale']:g} | {status} |",
-            flush=True,
-        )
+        rows.append([
+            arm, f"{r['psnr']:.2f}", f"{1000 * r['median_step_s']:.1f}",
+            f"{1000 * r['median_step_cpu_s']:.1f}", r["skipped"], f"{r['final_loss_scale']:g}",
+            status,
+        ])  # fmt: skip
+        print(f"# {arm} done", file=sys.stderr, flush=True)
+    print_table(headers, rows)
 
 
 if __name__ == "__main__":

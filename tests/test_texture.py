@@ -295,7 +295,14 @@ def _fit_module():
 @pytest.mark.slow
 def test_every_arm_fits_a_3d_function(capsys):
     fit = _fit_module()
-    results = {arm: fit.fit_arm(arm, steps=150, batch=2048, n_eval=8192) for arm in CPU_ARMS}
+    threads = torch.get_num_threads()
+    # One thread: small matmuls gain little from two, and with other jobs on a 2-core CI machine
+    # two spinning OpenMP threads slow this test down ten-fold.
+    torch.set_num_threads(1)
+    try:
+        results = {arm: fit.fit_arm(arm, steps=150, batch=2048, n_eval=8192) for arm in CPU_ARMS}
+    finally:
+        torch.set_num_threads(threads)
     with capsys.disabled():
         print("\nfit after 150 steps (PSNR dB, skipped, final loss scale):")
         for arm, r in results.items():

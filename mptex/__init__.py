@@ -13,6 +13,7 @@ __all__ = [
     "HashGridEncoding",
     "has_tcnn",
     "has_nvdiffrast",
+    "HashGridEncoding",
     "PrecisionPolicy",
     "PrecisionStepper",
     "StepResult",

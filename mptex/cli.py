@@ -1,0 +1,76 @@
+"""Command-line entry points (Hydra apps).
+
+``mptex-train`` (:func:`train_main`) composes ``configs/config.yaml`` (groups ``scene``,
+``precision``, ``texture``, ``train``) and runs :func:`mptex.train.train` in Hydra's run
+directory::
+
+    mptex-train                                   # builtin scene, f32, CPU-sized texture
+    mptex-train precision=f16_dynamic train.iterations=1000
+    mptex-train -m precision=f32,f16_dynamic,bf16 train.seed=0,1
+    mptex-train hydra.run.dir=outputs/a train.iterations=2000 train.resume=true  # continue
+
+The configs are read from the ``configs/`` folder next to the ``mptex`` package, i.e. from a
+source checkout or an editable install (``pip install -e .``); they are deliberately not package
+data, because users edit them and ``experiments/`` sits beside them (see the README).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+__all__ = ["CONFIG_DIR", "train_main"]
+
+# configs/ at the repository root, next to the package (source checkout or editable install).
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+_PROG = "mptex-train"
+
+
+def _error(message: str) -> None:
+    print(f"{_PROG}: error: {message}", file=sys.stderr)
+
+
+def _run(cfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from mptex.train import ConfigError, train
+
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    try:
+        metrics = train(cfg, run_dir)
+    except ConfigError as exc:
+        # A config error (train() checks everything before working): one line, no traceback.
+        _error(str(exc))
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            return  # let the sweep go on; metrics.json records status "failed" for the report
+        sys.exit(2)
+    status = metrics["status"]
+    detail = f" at iteration {metrics['diverged_at']}" if status == "diverged" else ""
+    print(
+        f"{_PROG}: {status}{detail}: PSNR {metrics['psnr']:.2f} dB "
+        f"(constant-colour baseline {metrics['baseline_psnr']:.2f} dB), "
+        f"{metrics['iterations']} iterations, {metrics['time_per_iter_s'] or 0:.4f} s/iteration"
+    )
+    print(f"{_PROG}: results in {run_dir}")
+    print(f"{_PROG}: metrics in {run_dir / 'metrics.json'}")
+
+
+def train_main() -> None:
+    """``mptex-train``: Hydra app over ``configs/config.yaml``; see the module docstring."""
+    if not (CONFIG_DIR / "config.yaml").is_file():
+        _error(
+            f"configs not found at {CONFIG_DIR}; mptex-train needs a source checkout or an "
+            "editable install (pip install -e .) so that configs/ sits next to the mptex package"
+        )
+        sys.exit(2)
+    import hydra
+
+    app = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")(_run)
+    app()
+
+
+if __name__ == "__main__":
+    train_main()

@@ -1,0 +1,42 @@
+"""Hydra's compose API builds every config in configs/ (every option of every group)."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from mptex.cli import CONFIG_DIR
+from mptex.precision import PrecisionPolicy
+from mptex.train import TRAIN_DEFAULTS, validate_config
+
+GROUPS = sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir())
+OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONFIG_DIR / g).glob("*.yaml"))]
+# Options that need a value the user must give (mandatory `???` keys).
+REQUIRED = {
+    ("scene", "mesh"): ["scene.path=/tmp/x.obj"],
+    ("scene", "nerf"): ["scene.path=/tmp/x", "scene.mesh=/tmp/x.obj"],
+}
+
+
+def test_groups_are_the_designed_ones():
+    assert {"scene", "precision", "texture", "train"} <= set(GROUPS)
+
+
+@pytest.mark.parametrize("group, option", OPTIONS)
+def test_every_group_option_composes(group, option):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"{group}={option}", *REQUIRED.get((group, option), [])])
+    assert {"scene", "precision", "texture", "train"} <= set(cfg)
+    if group == "precision":
+        assert PrecisionPolicy.from_config(cfg.precision) == PrecisionPolicy.named(option)
+    if group == "train":
+        assert set(cfg.train) == set(TRAIN_DEFAULTS)
+    if (group, option) != ("precision", "tcnn_fused"):
+        validate_config(cfg)  # every shipped value is valid (tcnn_fused needs tcnn)
+
+
+def test_default_config_matches_the_train_defaults_table():
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config")
+    assert dict(cfg.train) == {**TRAIN_DEFAULTS, "betas": list(TRAIN_DEFAULTS["betas"])}
+    assert (cfg.scene.name, cfg.precision.name) == ("builtin", "f32")

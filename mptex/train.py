@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from mptex._backends import has_nvdiffrast, has_tcnn
+from mptex.diagnostics import PrecisionMonitor
 from mptex.precision import PrecisionPolicy, PrecisionStepper
 from mptex.render.image import rgb_to_srgb, save_image
 from mptex.scenes import Scene, build_scene
@@ -87,6 +88,7 @@ TRAIN_DEFAULTS: dict[str, Any] = dict(
     val_background="white",
     val_interval=50,
     history_interval=1,
+    stats_interval=10,
     checkpoint_interval=100,
     n_val_images=4,
     seed=0,
@@ -469,6 +471,8 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     need("batch_size", _is_int(s["batch_size"]) and s["batch_size"] >= 1, "an integer >= 1")
     for key in ("val_interval", "history_interval", "checkpoint_interval"):
         need(key, _is_int(s[key]) and s[key] >= 0, "an integer >= 0 (0: only at the end)")
+    need("stats_interval", _is_int(s["stats_interval"]) and s["stats_interval"] >= 0,
+         "an integer >= 0 (0: no precision statistics)")  # fmt: skip
     need("warmup_iter", _is_int(s["warmup_iter"]) and s["warmup_iter"] >= 0, "an integer >= 0")
     need("n_val_images", _is_int(s["n_val_images"]) and s["n_val_images"] >= 0, "an integer >= 0")
     need("max_consecutive_skips", _is_int(s["max_consecutive_skips"])
@@ -731,6 +735,9 @@ def _train(
         texture.parameters(), lr=settings["lr"], betas=tuple(settings["betas"]), eps=1e-8
     )
     stepper = PrecisionStepper(policy, optimizer)
+    # Per-layer underflow/overflow statistics of the compute-dtype gradients (issue 7), sampled.
+    stats_every = settings["stats_interval"]
+    monitor = PrecisionMonitor(texture, every=stats_every) if stats_every else None
     light_dir = torch.nn.functional.normalize(
         torch.tensor(settings["light_dir"], dtype=torch.float32, device=device), dim=0
     )
@@ -789,6 +796,8 @@ def _train(
         for group in optimizer.param_groups:
             group["lr"] = settings["lr"] * factor
         optimizer.zero_grad(set_to_none=True)
+        if monitor is not None:
+            monitor.start(it)  # arms the hooks on sampled iterations, before the forward
 
         views = scene.sample_train_batch(settings["batch_size"], view_gen)
         shape = views.mask.shape + (3,)
@@ -815,6 +824,7 @@ def _train(
             break
         stepper.backward(loss)
         result = stepper.step()
+        stats = monitor.collect(result) if monitor is not None else None
         _sync(device)
         iter_times.append(time.perf_counter() - tick)
         skipped_steps += int(result.skipped)
@@ -833,15 +843,19 @@ def _train(
                 writer.add_images("val/prediction", rgb_to_srgb(evaluated["pred"]).clamp(0, 1)
                                   .flip(1).cpu(), completed, dataformats="NHWC")  # fmt: skip
         interval = settings["history_interval"]
-        if evaluated is not None or last or (interval and completed % interval == 0):
-            history.append({
+        sampled = stats is not None
+        if sampled or evaluated is not None or last or (interval and completed % interval == 0):
+            entry = {
                 "iteration": completed,
                 "loss": loss_value,
                 "psnr": None if evaluated is None else evaluated["psnr"],
                 "loss_scale": result.loss_scale,
                 "skipped": bool(result.skipped),
                 "lr": settings["lr"] * factor,
-            })  # fmt: skip
+            }
+            if sampled:
+                entry.update({k: v for k, v in stats.items() if k not in entry})
+            history.append(entry)
         if writer is not None:
             writer.add_scalar("train/loss", loss_value, completed)
             writer.add_scalar("train/loss_scale", result.loss_scale, completed)

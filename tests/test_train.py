@@ -211,3 +211,18 @@ def test_losses_and_psnr_on_known_values():
     zeros[1] = 1.0
     per_image = psnr(ones, zeros)
     assert per_image[0].item() == pytest.approx(0.0, abs=1e-5) and per_image[1].item() == 100.0
+
+
+def test_precision_statistics_reach_the_history(tmp_path):
+    # f16_naive's first step: the first layer's f16 weight gradients all underflow to zero,
+    # the mechanism behind its failure; f32 keeps them.
+    naive = train(tiny_cfg("precision=f16_naive", "train.iterations=2", "train.stats_interval=1"),
+                  tmp_path / "naive")  # fmt: skip
+    f32 = train(tiny_cfg("precision=f32", "train.iterations=2", "train.stats_interval=1"),
+                tmp_path / "f32")  # fmt: skip
+    first = naive["history"][0]
+    assert {"net.0.grad_zero_frac", "encoder.out_grad_subnormal_frac"} <= set(first)
+    assert first["net.0.grad_zero_frac"] > 0.9
+    assert f32["history"][0]["net.0.grad_zero_frac"] < 0.5
+    off = train(tiny_cfg("train.iterations=2", "train.stats_interval=0"), tmp_path / "off")
+    assert "net.0.grad_zero_frac" not in off["history"][0]

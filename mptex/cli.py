@@ -19,10 +19,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-__all__ = ["CONFIG_DIR", "train_main"]
+__all__ = ["CONFIG_DIR", "EXPERIMENTS_DIR", "register_experiments", "train_main"]
 
-# configs/ at the repository root, next to the package (source checkout or editable install).
+# configs/ and experiments/ at the repository root, next to the package (source checkout or
+# editable install).
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+EXPERIMENTS_DIR = CONFIG_DIR.parent / "experiments"
 
 _PROG = "mptex-train"
 
@@ -58,6 +60,24 @@ def _run(cfg) -> None:
     print(f"{_PROG}: metrics in {run_dir / 'metrics.json'}")
 
 
+def register_experiments(directory: Path = EXPERIMENTS_DIR) -> list[str]:
+    """Make ``experiments/*.yaml`` the ``experiment`` config group (``+experiment=NAME``).
+
+    Sweeps live beside ``configs/`` rather than in it (one place for what to run, one for how);
+    Hydra finds a group only under a search-path root, so they are stored in its ConfigStore
+    at the ``_global_`` package, as their ``# @package _global_`` header says.
+    """
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    store, names = ConfigStore.instance(), []
+    for path in sorted(directory.glob("*.yaml")):
+        store.store(group="experiment", name=path.stem, node=OmegaConf.load(path),
+                    package="_global_")  # fmt: skip
+        names.append(path.stem)
+    return names
+
+
 def train_main() -> None:
     """``mptex-train``: Hydra app over ``configs/config.yaml``; see the module docstring."""
     if not (CONFIG_DIR / "config.yaml").is_file():
@@ -68,6 +88,7 @@ def train_main() -> None:
         sys.exit(2)
     import hydra
 
+    register_experiments()
     app = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")(_run)
     app()
 

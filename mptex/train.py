@@ -89,6 +89,7 @@ TRAIN_DEFAULTS: dict[str, Any] = dict(
     val_interval=50,
     history_interval=1,
     stats_interval=10,
+    threads=None,
     checkpoint_interval=100,
     n_val_images=4,
     seed=0,
@@ -471,6 +472,8 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     need("batch_size", _is_int(s["batch_size"]) and s["batch_size"] >= 1, "an integer >= 1")
     for key in ("val_interval", "history_interval", "checkpoint_interval"):
         need(key, _is_int(s[key]) and s[key] >= 0, "an integer >= 0 (0: only at the end)")
+    need("threads", s["threads"] is None or (_is_int(s["threads"]) and s["threads"] >= 1),
+         "null (torch's default) or an integer >= 1")  # fmt: skip
     need("stats_interval", _is_int(s["stats_interval"]) and s["stats_interval"] >= 0,
          "an integer >= 0 (0: no precision statistics)")  # fmt: skip
     need("warmup_iter", _is_int(s["warmup_iter"]) and s["warmup_iter"] >= 0, "an integer >= 0")
@@ -723,6 +726,8 @@ def _train(
     start_wall: float,
 ) -> dict[str, Any]:
     settings = full["train"]
+    if settings["threads"] is not None:
+        torch.set_num_threads(settings["threads"])
     seed = int(settings["seed"])
     _seed_everything(seed)
     view_gen = torch.Generator().manual_seed(seed)

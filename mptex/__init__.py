@@ -1,4 +1,9 @@
-"""mptex: mixed-precision neural texture training."""
+"""mptex: mixed-precision neural texture training.
+
+The public API lives in a few modules: this package (the texture and its parts),
+``mptex.render`` (rasterize, interpolate, cameras, meshes, images), ``mptex.scenes``,
+``mptex.train`` (the loop behind ``mptex-train``), ``mptex.report`` and ``mptex.diagnostics``.
+"""
 
 from mptex._backends import has_nvdiffrast, has_tcnn
 from mptex.encoding import HashGridEncoding
@@ -13,7 +18,6 @@ __all__ = [
     "HashGridEncoding",
     "has_tcnn",
     "has_nvdiffrast",
-    "HashGridEncoding",
     "PrecisionPolicy",
     "PrecisionStepper",
     "StepResult",

@@ -414,6 +414,7 @@ def test_import_mptex_does_not_import_native_backends():
 
 
 def test_public_names_resolve():
+    assert len(set(mptex.__all__)) == len(mptex.__all__)
     for name in mptex.__all__:
         assert getattr(mptex, name) is not None
 

@@ -277,9 +277,17 @@ def test_state_dict_round_trips_between_torch_and_tcnn_encoders():
     tcnn_tex.load_state_dict(torch_tex.state_dict())
     assert tcnn_tex.state_dict().keys() == torch_tex.state_dict().keys()
     points = _points().cuda()
-    torch.testing.assert_close(
-        tcnn_tex.sample(points), torch_tex.sample(points), rtol=1e-2, atol=1e-3
-    )
+    out_tcnn, out_torch = tcnn_tex.sample(points), torch_tex.sample(points)
+    # Both run the grid in half: outputs differ by half rounding of the accumulation order.
+    torch.testing.assert_close(out_tcnn, out_torch, rtol=1e-2, atol=1e-3)
+    cotangent = torch.randn_like(out_torch)
+    (out_tcnn * cotangent).sum().backward()
+    (out_torch * cotangent).sum().backward()
+    for (name, a), b in zip(tcnn_tex.named_parameters(), torch_tex.parameters()):
+        # Half-precision gradient tables (tcnn: half atomics in any order): relative to the
+        # largest gradient of the group.
+        scale = b.grad.abs().max().item()
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=2e-2 * scale, msg=name)
     torch_tex.load_state_dict(tcnn_tex.state_dict())
     tcnn_tex.cleanup()
 

@@ -313,7 +313,13 @@ def _scatter_rows(grad: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, 
 
 # Points are processed in chunks so that the [D or C, L, chunk] temporaries stay in cache:
 # eager PyTorch on a CPU is bound by memory traffic here, not arithmetic.
-_CHUNK = 4096
+# On a GPU there is no cache to fit and every chunk costs ~50 kernel launches, so chunks are
+# large there (2^18 points: ~400 MB of rows and weights for nvdiffrec's 16 levels).
+CHUNK_POINTS = {"cpu": 16384, "other": 1 << 18}
+
+
+def _chunk_size(device: torch.device) -> int:
+    return CHUNK_POINTS["cpu" if device.type == "cpu" else "other"]
 
 
 class _Lookup:
@@ -347,14 +353,11 @@ def _interpolate(elements, weights, n_features: int, out_dtype: torch.dtype) -> 
         # tcnn half mode: each weight * value is formed in float32, rounded to half, and summed
         # in half in corner order (`result += (T)(weight * data)`).
         terms = _real_rows(_weighted(elements, weights), n_features).to(torch.float16)
-        out = terms[0]
-        for corner in range(1, terms.shape[0]):
-            out = out + terms[corner]
-        return out
-    # float32: the corner order of the sum is the reduction's (within float32 rounding of
-    # tcnn's FMA chain).
-    out = _weighted(elements, weights).sum(0, keepdim=True)
-    return _real_rows(out, n_features)[0].to(out_dtype)
+        return _sum_in_order(terms, 0)
+    # float32: summed corner by corner with elementwise adds (a reduction kernel's order can
+    # depend on the chunk's shape, and a point's encoding must not depend on its batch).
+    out = _sum_in_order(_weighted(elements, weights), 0)
+    return _real_rows(out.unsqueeze(0), n_features)[0].to(out_dtype)
 
 
 def _gather_features(params, lookup: _Lookup, geometry: GridGeometry, half: bool):
@@ -386,8 +389,9 @@ class _HashGridFunction(torch.autograd.Function):
         keep = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         out = torch.empty(n_points, n_levels, n_features, dtype=out_dtype, device=x.device)
         lookups = []
-        for start in range(0, n_points, _CHUNK):
-            end = min(start + _CHUNK, n_points)
+        chunk = _chunk_size(x.device)
+        for start in range(0, n_points, chunk):
+            end = min(start + chunk, n_points)
             lookup = _Lookup(x[start:end], geometry, scales, in_unit_cube)
             features = _gather_features(params, lookup, geometry, half)
             out[start:end] = _interpolate(
@@ -431,13 +435,22 @@ class _HashGridFunction(torch.autograd.Function):
         return grad_x, grad_params, None, None
 
 
+def _sum_in_order(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum along ``dim`` slice by slice with elementwise adds: the same rounding whatever the
+    tensor's shape, so a point's result does not depend on the batch or chunk it is in."""
+    out = values.select(dim, 0)
+    for index in range(1, values.shape[dim]):
+        out = out + values.select(dim, index)
+    return out
+
+
 def _input_gradient(grad, features, lookup: _Lookup, scales: torch.Tensor) -> torch.Tensor:
     """dL/dx: [n, D] from dL/dy [L, n, F] and the corner values [C, L, n, F]."""
     if lookup.axis_weights is None:  # Nearest: piecewise constant, zero derivative
         return grad.new_zeros(grad.shape[1], lookup.rows.shape[0])
     dims = lookup.axis_weights.shape[0]
     # g_c = sum_f dL/dy_f * value_{c,f}: the loss change per unit of corner weight.
-    corner_grad = (features * grad).sum(-1)  # [C, L, n]
+    corner_grad = _sum_in_order(features * grad, -1)  # [C, L, n]
     sign = torch.tensor([-1.0, 1.0], dtype=grad.dtype, device=grad.device).view(2, 1, 1)
     columns = []
     for dim in range(dims):
@@ -445,8 +458,9 @@ def _input_gradient(grad, features, lookup: _Lookup, scales: torch.Tensor) -> to
         axis_weights = lookup.axis_weights.clone()
         axis_weights[dim] = sign
         d_weights = _combine_corners(axis_weights, torch.mul)  # [C, L, n]
-        d_frac = (d_weights * corner_grad).sum(0)  # [L, n]
-        columns.append((d_frac * lookup.derivative[dim] * scales.view(-1, 1)).sum(0))
+        d_frac = _sum_in_order(d_weights * corner_grad, 0)  # [L, n]
+        d_pos = d_frac * lookup.derivative[dim] * scales.view(-1, 1)
+        columns.append(_sum_in_order(d_pos, 0))
     return torch.stack(columns, dim=-1)
 
 

@@ -166,6 +166,26 @@ def test_forward_half_mode_is_bit_exact(case):
     torch.testing.assert_close(out.double(), expected, rtol=0, atol=0)
 
 
+def test_chunking_does_not_change_results(monkeypatch):
+    # The twin processes points in chunks (small on a CPU, large on a GPU); results, including
+    # the accumulated table gradient, must not depend on where the chunks split.
+    import mptex._grid_torch as grid
+
+    enc = _encoder(3, n_levels=6, log2_hashmap_size=10, base_resolution=4, per_level_scale=1.8)
+    x = torch.rand(1000, 3, generator=torch.Generator().manual_seed(12), requires_grad=True)
+    v = torch.randn(1000, enc.n_output_dims, generator=torch.Generator().manual_seed(13))
+    results = []
+    for chunk in (4096, 7, 333):
+        monkeypatch.setitem(grid.CHUNK_POINTS, "cpu", chunk)
+        out = enc(x)
+        results.append((out, *torch.autograd.grad((out * v).sum(), (x, enc.params))))
+    for other in results[1:]:
+        torch.testing.assert_close(other[0], results[0][0], rtol=0, atol=0)
+        torch.testing.assert_close(other[1], results[0][1], rtol=0, atol=0)
+        # scatter_add order changes with the chunks: float32 summation rounding only.
+        torch.testing.assert_close(other[2], results[0][2], rtol=1e-5, atol=1e-6)
+
+
 def test_wraparound_at_one_by_hand():
     # 2-D dense level with scale 3 (base 4): resolution 4, 16 entries. x = (1, 0) gives
     # pos = (3.5, 0.5), cell (3, 0), and the corner (4, 0) has index 4 = entry (0, 1) of the

@@ -168,34 +168,35 @@ def _positions(x: torch.Tensor, scales: torch.Tensor, in_unit_cube: bool = False
 
 
 # ----------------------------------------------------------------------------------------
-# Everything below is corner-major ([C, L, N] with C = 2^D corners): each elementwise op then
-# runs over long contiguous rows instead of broadcasting over a size-2 innermost dimension,
-# which is ~50x slower in eager PyTorch on CPU.
+# Everything below is level-major, [L, C, n] with C = 2^D corners and the points innermost:
+# each elementwise op runs over long contiguous rows instead of broadcasting over a size-2
+# innermost dimension (~50x slower in eager PyTorch on a CPU), and the gather and the gradient
+# scatter visit one level's table at a time (cache reuse, as tcnn's kernels do per level).
 
 
 def _combine_corners(parts: torch.Tensor, op) -> torch.Tensor:
-    """[D, 2, ...] per-dimension parts -> [2^D, ...] corners, dimension 0 fastest.
+    """[D, L, 2, n] per-dimension parts -> [L, 2^D, n] corners, dimension 0 fastest.
 
     Corner ``c`` takes part ``(c >> d) & 1`` of dimension ``d``: tcnn's corner order and, for
     weights, tcnn's multiplication order ``((w_0 * w_1) * w_2) ...``.
     """
     out = parts[0]
     for dim in range(1, parts.shape[0]):
-        out = op(out.unsqueeze(0), parts[dim].unsqueeze(1)).flatten(0, 1)
+        out = op(out.unsqueeze(1), parts[dim].unsqueeze(2)).flatten(1, 2)
     return out
 
 
 @dataclass(frozen=True)
 class _LevelGroup:
     """A contiguous run of levels indexed the same way (all dense or all hashed), with its
-    constants as [Lg, 1] tensors on one device."""
+    constants as [Lg, 1, 1] tensors on one device."""
 
     start: int
     stop: int
     hashed: bool
     sizes: torch.Tensor
     offsets: torch.Tensor
-    multipliers: torch.Tensor  # [D, 1, Lg, 1]: hash primes, or dense strides res^d
+    multipliers: torch.Tensor  # [D, Lg, 1, 1]: hash primes, or dense strides res^d
 
 
 @functools.lru_cache(maxsize=64)
@@ -220,16 +221,16 @@ def _level_groups(geometry: GridGeometry, device: torch.device) -> tuple[_LevelG
                 start=start,
                 stop=stop,
                 hashed=hashed,
-                sizes=torch.tensor([geometry.table_sizes[l] for l in levels], device=device).view(
-                    -1, 1
-                ),
-                offsets=torch.tensor([geometry.offsets[l] for l in levels], device=device).view(
-                    -1, 1
-                ),
-                multipliers=multipliers.unsqueeze(1).contiguous().to(device),
+                sizes=_per_level([geometry.table_sizes[l] for l in levels], device),
+                offsets=_per_level([geometry.offsets[l] for l in levels], device),
+                multipliers=multipliers.unsqueeze(-1).contiguous().to(device),
             )
         )
     return tuple(groups)
+
+
+def _per_level(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, device=device).view(-1, 1, 1)
 
 
 def _corner_rows(cells: torch.Tensor, group: _LevelGroup, in_unit_cube: bool, out: torch.Tensor):
@@ -239,9 +240,9 @@ def _corner_rows(cells: torch.Tensor, group: _LevelGroup, in_unit_cube: bool, ou
         cells: [D, Lg, n] int64 lower corners of the group's levels, as uint32 values.
         in_unit_cube: all inputs are in [0, 1], so cells are in [0, res) and no uint32
             arithmetic can wrap; the general path spells out tcnn's uint32 wraparound.
-        out: [2^D, Lg, n] int64, receives the rows.
+        out: [Lg, 2^D, n] int64, receives the rows.
     """
-    corner = torch.stack((cells, cells + 1), dim=1)  # [D, 2, Lg, n]
+    corner = torch.stack((cells, cells + 1), dim=2)  # [D, Lg, 2, n]
     if not in_unit_cube:
         corner &= _UINT32
     parts = corner * group.multipliers
@@ -260,14 +261,14 @@ def _corner_rows(cells: torch.Tensor, group: _LevelGroup, in_unit_cube: bool, ou
 
 
 def _axis_weights(frac: torch.Tensor, interpolation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """[D, L, N] fractions -> (weights [D, 2, L, N] of bits 0/1, d weight_1 / d frac)."""
+    """[D, L, n] fractions -> (weights [D, L, 2, n] of bits 0/1, d weight_1 / d frac)."""
     if interpolation == "Smoothstep":
         weight_one = frac * frac * (3.0 - 2.0 * frac)
         derivative = 6.0 * frac * (1.0 - frac)
     else:
         weight_one = frac
         derivative = torch.ones_like(frac)
-    return torch.stack((1.0 - weight_one, weight_one), dim=1), derivative
+    return torch.stack((1.0 - weight_one, weight_one), dim=2), derivative
 
 
 # ----------------------------------------------------------------------------------------
@@ -292,7 +293,7 @@ def _real_rows(elements: torch.Tensor, n_features: int) -> torch.Tensor:
 
 
 def _weighted(elements: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Row elements [C, L, n, (k)] times weights [C, L, n]."""
+    """Row elements [L, C, n, (k)] times weights [L, C, n]."""
     return elements * (weights.unsqueeze(-1) if elements.dim() == 4 else weights)
 
 
@@ -323,7 +324,7 @@ def _chunk_size(device: torch.device) -> int:
 
 
 class _Lookup:
-    """Rows and weights of one chunk of points, [C, L, n], plus what dL/dx needs."""
+    """Rows and weights of one chunk of points, [L, C, n], plus what dL/dx needs."""
 
     def __init__(self, x: torch.Tensor, geometry: GridGeometry, scales: torch.Tensor, in_unit_cube):
         n_levels, n_points = geometry.n_levels, x.shape[0]
@@ -333,36 +334,38 @@ class _Lookup:
         cells = floor.to(torch.int64)  # (uint32_t)(int)floorf(pos), masked where it matters
         nearest = geometry.interpolation == "Nearest"
         n_corners = 2**geometry.n_input_dims
-        rows = torch.empty(n_corners, n_levels, n_points, dtype=torch.int64, device=x.device)
+        rows = torch.empty(n_levels, n_corners, n_points, dtype=torch.int64, device=x.device)
         for group in _level_groups(geometry, x.device):
             levels = slice(group.start, group.stop)
-            _corner_rows(cells[:, levels], group, in_unit_cube, out=rows[:, levels])
-        self.rows = rows[:1] if nearest else rows  # Nearest reads the lower corner only
+            _corner_rows(cells[:, levels], group, in_unit_cube, out=rows[levels])
+        self.n_dims = geometry.n_input_dims
+        # Nearest reads the lower corner only.
+        self.rows = rows[:, :1].contiguous() if nearest else rows
         if nearest:
-            self.weights = torch.ones(1, n_levels, n_points, dtype=x.dtype, device=x.device)
+            self.weights = torch.ones(n_levels, 1, n_points, dtype=x.dtype, device=x.device)
             self.axis_weights = self.derivative = None
         else:
             self.axis_weights, self.derivative = _axis_weights(frac, geometry.interpolation)
-            self.weights = _combine_corners(self.axis_weights, torch.mul)  # [C, L, n]
+            self.weights = _combine_corners(self.axis_weights, torch.mul)  # [L, C, n]
 
 
 def _interpolate(elements, weights, n_features: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """Row elements [C, L, n, (k)] (values already in the table dtype), weights [C, L, n]
+    """Row elements [L, C, n, (k)] (values already in the table dtype), weights [L, C, n]
     -> [L, n, F] in out_dtype."""
     if out_dtype == torch.float16:
         # tcnn half mode: each weight * value is formed in float32, rounded to half, and summed
         # in half in corner order (`result += (T)(weight * data)`).
         terms = _real_rows(_weighted(elements, weights), n_features).to(torch.float16)
-        return _sum_in_order(terms, 0)
+        return _sum_in_order(terms, 1)
     # float32: summed corner by corner with elementwise adds (a reduction kernel's order can
     # depend on the chunk's shape, and a point's encoding must not depend on its batch).
-    out = _sum_in_order(_weighted(elements, weights), 0)
-    return _real_rows(out.unsqueeze(0), n_features)[0].to(out_dtype)
+    out = _sum_in_order(_weighted(elements, weights), 1)
+    return _real_rows(out.unsqueeze(1), n_features)[:, 0].to(out_dtype)
 
 
 def _gather_features(params, lookup: _Lookup, geometry: GridGeometry, half: bool):
-    """[C, L, n, (k)] row elements at the lookup's rows (half-rounded in half mode)."""
-    n_corners, n_levels, n_points = lookup.rows.shape
+    """[L, C, n, (k)] row elements at the lookup's rows (half-rounded in half mode)."""
+    n_levels, n_corners, n_points = lookup.rows.shape
     n_features = geometry.n_features_per_level
     table = _row_view(params, n_features)
     elements = table.index_select(0, lookup.rows.view(-1))
@@ -371,7 +374,7 @@ def _gather_features(params, lookup: _Lookup, geometry: GridGeometry, half: bool
         # same as rounding the table first.
         real = torch.view_as_real(elements) if elements.is_complex() else elements
         real.copy_(real.to(torch.float16))
-    return elements.view(n_corners, n_levels, n_points, *table.shape[1:])
+    return elements.view(n_levels, n_corners, n_points, *table.shape[1:])
 
 
 class _HashGridFunction(torch.autograd.Function):
@@ -420,8 +423,10 @@ class _HashGridFunction(torch.autograd.Function):
             grad = grad_out[start:end].transpose(0, 1).contiguous()  # [L, n, F]
             if want_params:
                 grad_elements = _row_view(grad.view(-1), n_features)
-                grad_elements = grad_elements.view(1, *grad.shape[:2], *grad_elements.shape[1:])
-                contributions = _weighted(grad_elements, lookup.weights)  # [C, L, n, (k)]
+                grad_elements = grad_elements.view(
+                    grad.shape[0], 1, grad.shape[1], *grad_elements.shape[1:]
+                )
+                contributions = _weighted(grad_elements, lookup.weights)  # [L, C, n, (k)]
                 _scatter_rows(grad_params, lookup.rows.view(-1), contributions, n_features)
             if want_x:
                 features = _real_rows(_gather_features(params, lookup, geometry, half), n_features)
@@ -445,20 +450,20 @@ def _sum_in_order(values: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _input_gradient(grad, features, lookup: _Lookup, scales: torch.Tensor) -> torch.Tensor:
-    """dL/dx: [n, D] from dL/dy [L, n, F] and the corner values [C, L, n, F]."""
+    """dL/dx: [n, D] from dL/dy [L, n, F] and the corner values [L, C, n, F]."""
     if lookup.axis_weights is None:  # Nearest: piecewise constant, zero derivative
-        return grad.new_zeros(grad.shape[1], lookup.rows.shape[0])
-    dims = lookup.axis_weights.shape[0]
+        return grad.new_zeros(grad.shape[1], lookup.n_dims)
+    dims = lookup.n_dims
     # g_c = sum_f dL/dy_f * value_{c,f}: the loss change per unit of corner weight.
-    corner_grad = _sum_in_order(features * grad, -1)  # [C, L, n]
-    sign = torch.tensor([-1.0, 1.0], dtype=grad.dtype, device=grad.device).view(2, 1, 1)
+    corner_grad = _sum_in_order(features * grad.unsqueeze(1), -1)  # [L, C, n]
+    sign = torch.tensor([-1.0, 1.0], dtype=grad.dtype, device=grad.device).view(2, 1)
     columns = []
     for dim in range(dims):
         # d weight_c / d frac_dim = (-1 or +1 by bit dim of c) * the other axes' weights.
         axis_weights = lookup.axis_weights.clone()
         axis_weights[dim] = sign
-        d_weights = _combine_corners(axis_weights, torch.mul)  # [C, L, n]
-        d_frac = _sum_in_order(d_weights * corner_grad, 0)  # [L, n]
+        d_weights = _combine_corners(axis_weights, torch.mul)  # [L, C, n]
+        d_frac = _sum_in_order(d_weights * corner_grad, 1)  # [L, n]
         d_pos = d_frac * lookup.derivative[dim] * scales.view(-1, 1)
         columns.append(_sum_in_order(d_pos, 0))
     return torch.stack(columns, dim=-1)

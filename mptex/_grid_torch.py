@@ -158,10 +158,17 @@ def _fma_f32(a: torch.Tensor, b: torch.Tensor, c: float, nonnegative_product=Fal
     return total.float()
 
 
+# Devices without float64 (Apple's MPS): the exact fmaf emulation runs on the CPU for them.
+NO_FLOAT64_DEVICES = {"mps"}
+
+
 def _positions(x: torch.Tensor, scales: torch.Tensor, in_unit_cube: bool = False) -> torch.Tensor:
     """pos: [D, L, N] = fma(scale_l, x, 0.5) in x's dtype (one rounding for float32)."""
     scale = scales.view(1, -1, 1)
     coords = x.t().unsqueeze(1)  # [D, 1, N]
+    if x.dtype == torch.float32 and x.device.type in NO_FLOAT64_DEVICES:
+        exact = _fma_f32(scale.cpu(), coords.cpu(), 0.5, nonnegative_product=in_unit_cube)
+        return exact.to(x.device)
     if x.dtype == torch.float32:
         return _fma_f32(scale, coords, 0.5, nonnegative_product=in_unit_cube)
     return torch.addcmul(torch.full_like(coords, 0.5), scale, coords)
@@ -277,19 +284,28 @@ def _axis_weights(frac: torch.Tensor, interpolation: str) -> tuple[torch.Tensor,
 # innermost dimension (a complex times a real weight is exact: (a + bi) * w = aw + bwi).
 
 
+# Devices whose complex64 gather/scatter kernels the twin relies on; elsewhere rows stay real
+# [E, F] (slower: index_add_ on rows of F values).
+COMPLEX_DEVICES = {"cpu", "cuda"}
+
+
 def _row_view(table: torch.Tensor, n_features: int) -> torch.Tensor:
-    """[E * F] -> [E] (F = 2, complex), [E, F / 2] (complex), or [E] (F = 1)."""
-    if n_features % 2 == 0 and table.dtype in (torch.float32, torch.float64):
+    """[E * F] -> [E] (F = 2, complex), [E, F / 2] (complex), [E] (F = 1) or [E, F] (real)."""
+    complex_ok = table.device.type in COMPLEX_DEVICES and table.dtype in (
+        torch.float32,
+        torch.float64,
+    )
+    if n_features % 2 == 0 and complex_ok:
         rows = torch.view_as_complex(table.view(-1, n_features // 2, 2))
         return rows.squeeze(1) if n_features == 2 else rows
-    return table.view(-1, n_features).squeeze(1)
+    return table.view(-1, n_features).squeeze(1) if n_features == 1 else table.view(-1, n_features)
 
 
 def _real_rows(elements: torch.Tensor, n_features: int) -> torch.Tensor:
-    """Row elements [..., (k)] -> real values [..., F]."""
+    """Row elements [L, C, n, (k)] -> real values [L, C, n, F]."""
     if elements.is_complex():
         return torch.view_as_real(elements).reshape(*elements.shape[:3], n_features)
-    return elements.unsqueeze(-1)
+    return elements if elements.dim() == 4 else elements.unsqueeze(-1)
 
 
 def _weighted(elements: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -186,6 +186,27 @@ def test_chunking_does_not_change_results(monkeypatch):
         torch.testing.assert_close(other[2], results[0][2], rtol=1e-5, atol=1e-6)
 
 
+def test_real_row_and_cpu_position_fallbacks_match(monkeypatch):
+    # Devices without complex64 kernels keep rows real; devices without float64 (MPS) compute
+    # positions on the CPU. Both paths are forced here on the CPU and must give the same
+    # encoding (bitwise) and the same gradients (scatter order: float32 rounding).
+    import mptex._grid_torch as grid
+
+    enc = _encoder(3, n_levels=6, log2_hashmap_size=10, base_resolution=4, per_level_scale=1.8)
+    x = torch.rand(500, 3, generator=torch.Generator().manual_seed(14), requires_grad=True)
+    v = torch.randn(500, enc.n_output_dims, generator=torch.Generator().manual_seed(15))
+    results = []
+    for complex_devices, no_float64 in (({"cpu"}, set()), (set(), {"cpu"})):
+        monkeypatch.setattr(grid, "COMPLEX_DEVICES", complex_devices)
+        monkeypatch.setattr(grid, "NO_FLOAT64_DEVICES", no_float64)
+        out = enc(x)
+        results.append((out, *torch.autograd.grad((out * v).sum(), (x, enc.params))))
+    (out_a, gx_a, gp_a), (out_b, gx_b, gp_b) = results
+    torch.testing.assert_close(out_b, out_a, rtol=0, atol=0)
+    torch.testing.assert_close(gx_b, gx_a, rtol=0, atol=0)
+    torch.testing.assert_close(gp_b, gp_a, rtol=1e-5, atol=1e-6)
+
+
 def test_wraparound_at_one_by_hand():
     # 2-D dense level with scale 3 (base 4): resolution 4, 16 entries. x = (1, 0) gives
     # pos = (3.5, 0.5), cell (3, 0), and the corner (4, 0) has index 4 = entry (0, 1) of the

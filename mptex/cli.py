@@ -45,9 +45,14 @@ def _run(cfg) -> None:
         metrics = train(cfg, run_dir)
     except ConfigError as exc:
         # A config error (train() checks everything before working): one line, no traceback.
-        _error(str(exc))
         if hydra_cfg.mode == RunMode.MULTIRUN:
-            return  # let the sweep go on; metrics.json records status "failed" for the report
+            # Let the sweep go on: metrics.json records the failure, and the report lists an
+            # arm this machine cannot run (tcnn_fused without tinycudann) as unavailable.
+            available, _ = _arm_available(cfg)
+            what = "unavailable on this machine" if not available else "error"
+            print(f"{_PROG}: {what}: {exc}", file=sys.stderr)
+            return
+        _error(str(exc))
         sys.exit(2)
     status = metrics["status"]
     detail = f" at iteration {metrics['diverged_at']}" if status == "diverged" else ""
@@ -76,6 +81,15 @@ def register_experiments(directory: Path = EXPERIMENTS_DIR) -> list[str]:
                     package="_global_")  # fmt: skip
         names.append(path.stem)
     return names
+
+
+def _arm_available(cfg) -> tuple[bool, str]:
+    from mptex.precision import PrecisionPolicy
+
+    try:
+        return PrecisionPolicy.from_config(cfg.precision).availability()
+    except (ValueError, AttributeError, TypeError):  # a bad precision config: not "unavailable"
+        return True, ""
 
 
 def train_main() -> None:

@@ -69,11 +69,12 @@ _RUN_FIELDS = (
     "iterations_planned", "diverged_at", "failed_at", "error", "wall_time_s", "train_time_s",
     "n_params", "device", "device_name", "torch_threads", "run_dir",
 )  # fmt: skip
-# A backend a config asks for -> the versions flag saying whether this machine has it.
+# A backend a config asks for, the versions flag saying whether this machine has it, and the
+# config key that mptex-train's error message names when it refuses the run for that reason.
 _BACKEND_FLAGS = (
-    (("precision", "mlp_backend"), "tcnn", "tcnn_available"),
-    (("texture", "backend"), "tcnn", "tcnn_available"),
-    (("scene", "raster_backend"), "nvdiffrast", "nvdiffrast_available"),
+    (("precision", "mlp_backend"), "tcnn", "tcnn_available", "precision."),
+    (("texture", "backend"), "tcnn", "tcnn_available", "texture.backend"),
+    (("scene", "raster_backend"), "nvdiffrast", "nvdiffrast_available", "scene."),
 )
 
 
@@ -102,10 +103,16 @@ def _is_number(value: Any) -> bool:
 
 
 def _missing_backend(metrics: Mapping[str, Any]) -> str | None:
-    """The backend a run's config needs but its machine lacks (per ``versions``), else None."""
+    """The backend a run's config needs, its machine lacks (per ``versions``) and its error
+    names; else None (a run refused for another bad key is a failed run)."""
     versions = metrics.get("versions") or {}
-    for path, wanted, flag in _BACKEND_FLAGS:
-        if _get(metrics.get("config"), path) == wanted and versions.get(flag) is False:
+    error = str(metrics.get("error") or "")
+    for path, wanted, flag, key in _BACKEND_FLAGS:
+        if (
+            _get(metrics.get("config"), path) == wanted
+            and versions.get(flag) is False
+            and error.startswith(key)
+        ):
             return wanted
     return None
 

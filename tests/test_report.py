@@ -41,7 +41,7 @@ def sweep(tmp_path):
     _write(tmp_path, "2", _metrics("bf16", 0, psnr=29.0, t=0.05))
     _write(tmp_path, "3", _metrics("bf16", 1, psnr=29.0, t=0.15))
     _write(tmp_path, "4", _metrics("f16_naive", 0, status="diverged", diverged_at=3))
-    why = "precision arm 'tcnn_fused' needs tinycudann and a CUDA device"
+    why = "precision.name: precision arm 'tcnn_fused' needs tinycudann and a CUDA device"
     tcnn = _metrics("tcnn_fused", 0, status="failed", failed_at="start", error=why)
     tcnn["config"]["precision"]["mlp_backend"] = "tcnn"
     _write(tmp_path, "5", tcnn)

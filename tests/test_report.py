@@ -102,3 +102,12 @@ def test_no_reference_arm_and_all_failed(tmp_path):
 def test_cli_errors_on_missing_directory(tmp_path, capsys):
     assert report_main([str(tmp_path / "nope")]) == 2
     assert "no such directory" in capsys.readouterr().err
+
+
+def test_a_tcnn_run_refused_for_another_key_is_failed_not_unavailable(tmp_path):
+    metrics = _metrics("tcnn_fused", 0, status="failed", failed_at="start",
+                       error="train.iterations: expected an integer >= 0, got -1")  # fmt: skip
+    metrics["config"]["precision"]["mlp_backend"] = "tcnn"
+    _write(tmp_path, "0", metrics)
+    (summary,) = summarize(collect_runs(tmp_path))
+    assert summary["failed"] == 1 and summary["unavailable"] == 0

@@ -452,9 +452,11 @@ def _markdown(sweep_dir: Path, runs, summaries, plots: Mapping[str, bool]) -> st
         "(speed-up > 1: faster). ms / iter: median time per training iteration, averaged over "
         "seeds.",
         f"- Peak memory: the largest over the arm's runs ({', '.join(kinds) or 'unknown'}). "
-        "process_peak_rss is the whole process's peak; jobs that share a process (Hydra's basic "
-        "launcher) inherit the earlier jobs' peak, so compare it across arms only with a launcher "
-        "that runs each job in its own process (submitit).",
+        "cuda_max_allocated: the GPU allocator's peak during the run. run_peak_rss: the "
+        "process's resident memory sampled during the run; it includes what the process held "
+        "before (Python, torch, earlier jobs under Hydra's basic launcher), so compare arms "
+        "within one sweep. process_peak_rss (no /proc): the process's lifetime peak; compare it "
+        "across arms only with a launcher that runs each job in its own process (submitit).",
         "- runs: completed / diverged (non-finite loss without loss scaling, or too many skipped "
         "steps in a row) / failed (config error or crash) / not available on this machine.",
         "- Raw numbers: `results.csv`, `results.json`. Plots: "

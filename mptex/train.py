@@ -33,6 +33,7 @@ import resource
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -565,12 +566,53 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _peak_memory(device: torch.device) -> tuple[int, str]:
+class _RunPeakRss:
+    """This run's peak resident memory, from /proc/self/statm sampled by a daemon thread.
+
+    ``ru_maxrss`` is the process's lifetime peak: jobs that share a process (Hydra's basic
+    launcher) would all report the largest earlier job. Where /proc is missing (macOS) it is
+    the fallback, and says so in ``peak_memory_kind``.
+    """
+
+    _STATM = "/proc/self/statm"
+
+    def __init__(self, interval_s: float = 0.005):
+        self.available = os.path.exists(self._STATM)
+        self.peak = 0
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mptex-rss", daemon=True)
+
+    def _sample(self) -> None:
+        with open(self._STATM) as f:
+            pages = int(f.read().split()[1])
+        self.peak = max(self.peak, pages * os.sysconf("SC_PAGE_SIZE"))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._sample()
+
+    def start(self) -> _RunPeakRss:
+        if self.available:
+            self._sample()
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self.available and not self._stop.is_set():
+            self._stop.set()
+            self._thread.join()
+            self._sample()
+
+
+def _peak_memory(device: torch.device, rss: _RunPeakRss) -> tuple[int, str]:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if rss.available:
+        return rss.peak, "run_peak_rss"
+    lifetime = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports KiB, macOS bytes.
-    return int(rss if sys.platform == "darwin" else rss * 1024), "process_peak_rss"
+    return int(lifetime if sys.platform == "darwin" else lifetime * 1024), "process_peak_rss"
 
 
 def _device_name(device: torch.device) -> str:
@@ -704,7 +746,11 @@ def train(cfg: Mapping[str, Any], run_dir: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(str(exc)) from None
     metrics["config"] = full
     try:
-        return _train(full, scene, run_dir, device, resume_from, metrics, start_wall)
+        rss = _RunPeakRss().start()
+        try:
+            return _train(full, scene, run_dir, device, resume_from, metrics, start_wall, rss)
+        finally:
+            rss.stop()
     except ConfigError as exc:
         metrics.update(status="failed", error=str(exc), failed_at="start")
         write_metrics(run_dir, metrics)
@@ -724,6 +770,7 @@ def _train(
     resume_from: Path | None,
     metrics: dict[str, Any],
     start_wall: float,
+    rss: _RunPeakRss,
 ) -> dict[str, Any]:
     settings = full["train"]
     if settings["threads"] is not None:
@@ -884,7 +931,8 @@ def _train(
         _save_val_images(run_dir / "images", evaluation, settings["n_val_images"])
     if writer is not None:
         writer.close()
-    peak, peak_kind = _peak_memory(device)
+    rss.stop()
+    peak, peak_kind = _peak_memory(device, rss)
     metrics.update(
         status=status,
         psnr=evaluation["psnr"],

@@ -80,7 +80,8 @@ def test_every_cpu_arm_writes_complete_metrics(tmp_path, arm):
         assert isinstance(m[key], kind), (key, m[key])
     assert m["status"] == "completed" and m["precision"] == arm and m["iterations"] == 4
     assert m["diverged_at"] is None and m["error"] is None
-    assert m["peak_memory_kind"] in ("process_peak_rss", "cuda_max_allocated")
+    assert m["peak_memory_kind"] in ("run_peak_rss", "process_peak_rss", "cuda_max_allocated")
+    assert m["peak_memory_bytes"] > 0
     assert set(m["versions"]) >= {"mptex", "torch", "python", "cuda"}
     assert [h["iteration"] for h in m["history"]] == list(range(1, 5))
     for h in m["history"]:
@@ -226,3 +227,16 @@ def test_precision_statistics_reach_the_history(tmp_path):
     assert f32["history"][0]["net.0.grad_zero_frac"] < 0.5
     off = train(tiny_cfg("train.iterations=2", "train.stats_interval=0"), tmp_path / "off")
     assert "net.0.grad_zero_frac" not in off["history"][0]
+
+
+def test_run_peak_rss_sees_memory_held_during_the_run():
+    from mptex.train import _RunPeakRss
+
+    rss = _RunPeakRss(interval_s=0.001).start()
+    if not rss.available:
+        pytest.skip("no /proc/self/statm on this platform")
+    before = rss.peak
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    rss.stop()
+    del block
+    assert rss.peak - before >= 60 * 2**20

@@ -40,3 +40,16 @@ def test_default_config_matches_the_train_defaults_table():
         cfg = compose("config")
     assert dict(cfg.train) == {**TRAIN_DEFAULTS, "betas": list(TRAIN_DEFAULTS["betas"])}
     assert (cfg.scene.name, cfg.precision.name) == ("builtin", "f32")
+
+
+@pytest.mark.parametrize("experiment", ["quick", "precision_ablation"])
+def test_every_experiment_composes_with_a_sweep_over_arms(experiment):
+    from mptex.cli import EXPERIMENTS_DIR, register_experiments
+
+    assert experiment in register_experiments()
+    assert (EXPERIMENTS_DIR / f"{experiment}.yaml").is_file()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"+experiment={experiment}"],
+                      return_hydra_config=True)  # fmt: skip
+    arms = str(cfg.hydra.sweeper.params.precision).split(",")
+    assert set(arms) <= set(PrecisionPolicy.names()) and "tcnn_fused" in arms

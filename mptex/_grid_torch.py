@@ -212,6 +212,11 @@ def _level_groups(geometry: GridGeometry, device: torch.device) -> tuple[_LevelG
     # prefix and the hashed levels the rest.
     dims, groups = geometry.n_input_dims, []
     boundary = sum(1 for hashed in geometry.hashed if not hashed)
+    if geometry.hashed != (False,) * boundary + (True,) * (geometry.n_levels - boundary):
+        raise ValueError(
+            f"geometry: hashed levels must follow the dense ones (per_level_scale >= 1), "
+            f"got hashed={geometry.hashed}"
+        )
     for start, stop, hashed in ((0, boundary, False), (boundary, geometry.n_levels, True)):
         if start == stop:
             continue

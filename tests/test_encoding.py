@@ -486,3 +486,13 @@ def test_torch_backend_matches_tcnn(dtype):
     g_t = torch.autograd.grad((out_t.float() * v).sum(), torch_enc.params)[0]
     g_c = torch.autograd.grad((out_c.float() * v).sum(), tcnn_enc.params)[0]
     torch.testing.assert_close(g_t, g_c, **TOL[dtype])
+
+
+def test_functional_op_refuses_a_geometry_with_shrinking_levels():
+    # The twin indexes the dense levels as a prefix; a geometry built directly with
+    # per_level_scale < 1 (the module refuses it) must not be mis-indexed silently.
+    from mptex._grid_torch import grid_geometry, hash_grid_encode
+
+    geometry = grid_geometry(2, 3, 2, 6, 64, 0.3)
+    with pytest.raises(ValueError, match="hashed levels must follow the dense ones"):
+        hash_grid_encode(torch.rand(4, 2), torch.zeros(geometry.n_params), geometry, torch.float32)

@@ -133,7 +133,7 @@ def test_checkpoint_survives_an_interrupted_write(tmp_path, monkeypatch):
         f.write(b"half a checkpoint")
         raise KeyboardInterrupt  # a kill in the middle of torch.save
 
-    monkeypatch.setattr(mtrain.torch, "save", dies_mid_write)
+    monkeypatch.setattr(torch, "save", dies_mid_write)
     with pytest.raises(KeyboardInterrupt):
         mtrain.save_checkpoint(path, {"iteration": 99})
     assert path.read_bytes() == before
@@ -180,7 +180,7 @@ def test_crash_mid_run_is_recorded_then_raised(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(mtrain, "evaluate", broken)
+    monkeypatch.setattr(mtrain.loop, "evaluate", broken)
     with pytest.raises(RuntimeError, match="boom"):
         train(tiny_cfg("train.iterations=3", "train.val_interval=2"), tmp_path)
     m = read_metrics(tmp_path)
@@ -230,7 +230,7 @@ def test_precision_statistics_reach_the_history(tmp_path):
 
 
 def test_run_peak_rss_sees_memory_held_during_the_run():
-    from mptex.train import _RunPeakRss
+    from mptex.train.memory import _RunPeakRss
 
     rss = _RunPeakRss(interval_s=0.001).start()
     if not rss.available:

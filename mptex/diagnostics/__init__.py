@@ -1,0 +1,40 @@
+"""Precision diagnostics: where an MLPTexture3D loses precision, and whether two setups agree.
+
+Three tools, all for :class:`~mptex.MLPTexture3D` (the encoder and each MLP layer are "sites"):
+
+* :class:`PrecisionMonitor`: training-time statistics, sampled every ``every`` iterations, cheap
+  enough to leave on: per site, the fraction of gradient elements that are zero or subnormal in
+  the compute dtype (underflow), inf/NaN fractions (overflow) and activation max-abs.
+* :func:`compare_setups` (the ``mptex-check`` command): the same weights and points under two
+  setups (precision arms, encoder backends, devices, grad/no_grad, train/eval), every stage
+  compared with a float64 CPU reference against a per-stage bound of what its dtypes explain.
+* :func:`check_gradient_flow`: every trainable parameter receives a finite, non-zero gradient.
+
+And :func:`to_host`, the one synchronous device-to-host copy the code above reads results with.
+"""
+
+from mptex.diagnostics.compare import (
+    TEXTURE_CONFIGS,
+    CheckReport,
+    Setup,
+    StageError,
+    build_texture,
+    compare_setups,
+)
+from mptex.diagnostics.flow import check_gradient_flow
+from mptex.diagnostics.host import to_host
+from mptex.diagnostics.monitor import PrecisionMonitor, subnormal_threshold, tensor_statistics
+
+__all__ = [
+    "to_host",
+    "tensor_statistics",
+    "subnormal_threshold",
+    "PrecisionMonitor",
+    "check_gradient_flow",
+    "Setup",
+    "StageError",
+    "CheckReport",
+    "compare_setups",
+    "build_texture",
+    "TEXTURE_CONFIGS",
+]

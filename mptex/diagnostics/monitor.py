@@ -1,0 +1,251 @@
+"""Training-time precision statistics: per site (the encoder and each MLP layer), the fraction of
+gradient elements that are zero or subnormal in the compute dtype, inf/NaN fractions, activation
+max-abs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from mptex.diagnostics.host import to_host
+from mptex.precision import StepResult
+from mptex.texture import MLPTexture3D
+
+
+# --------------------------------------------------------------------------- statistics
+def subnormal_threshold(dtype: torch.dtype) -> float:
+    """Smallest positive normal number of ``dtype``: below it (and != 0) a value is subnormal.
+
+    f16: 2**-14 (6.1e-5); bf16 and f32: 2**-126; f64: 2**-1022.
+    """
+    return float(torch.finfo(dtype).tiny)
+
+
+def _counts(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[5] on ``tensor``'s device: zeros, subnormals in ``dtype``, non-finite, numel, max |finite|.
+
+    A gradient that reached an f32 master through a cast from ``dtype`` holds exactly the values
+    ``dtype`` had, so counting ``0 < |g| < tiny(dtype)`` on it counts ``dtype``'s subnormals.
+    """
+    acc = torch.float32 if tensor.device.type == "mps" else torch.float64
+    magnitude = tensor.detach().abs()
+    finite = torch.isfinite(magnitude)
+    if magnitude.numel() == 0:
+        return torch.zeros(5, dtype=acc, device=tensor.device)
+    tiny = subnormal_threshold(dtype)
+    return torch.stack(
+        [
+            (magnitude == 0).sum().to(acc),
+            ((magnitude > 0) & (magnitude < tiny)).sum().to(acc),
+            (~finite).sum().to(acc),
+            torch.tensor(float(magnitude.numel()), dtype=acc, device=tensor.device),
+            torch.where(finite, magnitude, torch.zeros_like(magnitude)).amax().to(acc),
+        ]
+    )
+
+
+def _merge(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    if old is None:
+        return new
+    return torch.cat([old[:4] + new[:4], torch.maximum(old[4:], new[4:])])
+
+
+def _fractions(counts: list[float]) -> dict[str, float]:
+    zero, subnormal, nonfinite, numel, maxabs = counts
+    numel = max(numel, 1.0)
+    return {
+        "zero_frac": zero / numel,
+        "subnormal_frac": subnormal / numel,
+        "nonfinite_frac": nonfinite / numel,
+        "maxabs": maxabs,
+    }
+
+
+def tensor_statistics(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> dict[str, float]:
+    """Underflow/overflow statistics of one tensor (what :class:`PrecisionMonitor` records).
+
+    Args:
+        tensor: any shape, any float dtype, any device.
+        dtype: the dtype whose subnormal range counts (default: ``tensor.dtype``). Pass the
+            compute dtype when ``tensor`` is an f32 copy of a lower-precision value.
+
+    Returns:
+        ``{"zero_frac", "subnormal_frac", "nonfinite_frac", "maxabs"}``: fractions of the
+        elements that are exactly 0, subnormal in ``dtype`` (``0 < |x| < tiny(dtype)``), inf or
+        NaN; and the largest finite ``|x|`` (0.0 for an empty tensor). One host copy.
+    """
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+        raise ValueError(f"tensor: expected a floating-point torch.Tensor, got {tensor!r}")
+    return _fractions(to_host(_counts(tensor, dtype or tensor.dtype)).tolist())
+
+
+def _site_params(texture: MLPTexture3D) -> list[tuple[str, str, nn.Parameter, torch.dtype]]:
+    """(site, key suffix, parameter, compute dtype) for every trainable parameter."""
+    policy = texture.policy
+    sites = [("encoder", "", texture.encoder.params, texture.encoder.dtype)]
+    if not texture.net.layers:  # tcnn FullyFusedMLP: one flat f16 parameter
+        sites += [("net", "", p, torch.float16) for p in texture.net.parameters()]
+    for index, layer in enumerate(texture.net.layers):
+        dtype = layer.compute_dtype or policy.mlp_dtypes[0]
+        sites.append((f"net.{index}", "", layer.weight, dtype))
+        if layer.bias is not None:
+            sites.append((f"net.{index}", ".bias", layer.bias, dtype))
+    return [site for site in sites if site[2].requires_grad]
+
+
+def _site_modules(texture: MLPTexture3D) -> list[tuple[str, nn.Module, torch.dtype]]:
+    policy = texture.policy
+    modules = [("encoder", texture.encoder, texture.encoder.dtype)]
+    if not texture.net.layers:
+        modules.append(("net", texture.net, torch.float16))
+    for index, layer in enumerate(texture.net.layers):
+        modules.append((f"net.{index}", layer, layer.compute_dtype or policy.mlp_dtypes[0]))
+    return modules
+
+
+class PrecisionMonitor:
+    """Per-site underflow/overflow statistics of an :class:`~mptex.MLPTexture3D`, sampled.
+
+    Sites: ``encoder`` (the hash grid: its output and its table ``params``) and ``net.<i>``, the
+    ``i``-th linear layer of ``texture.net.layers`` (``net.0`` is the input layer; state-dict key
+    ``net.net.<2i>.weight``); ``net`` for tcnn's fused MLP. Per sampled iteration, keys
+    (all floats, fractions in [0, 1]):
+
+    ==============================  ===========================================================
+    ``<site>.act_maxabs``           largest finite ``|output|`` of the site (its compute dtype)
+    ``<site>.act_nonfinite_frac``   fraction of outputs that are inf/NaN (forward overflow)
+    ``<site>.out_grad_zero_frac``   fraction of dL/d(output) elements that are exactly 0
+    ``<site>.out_grad_subnormal_frac``  ... that are subnormal in the compute dtype
+    ``<site>.out_grad_nonfinite_frac``  ... that are inf/NaN (backward overflow)
+    ``<site>.grad_zero_frac``       fraction of the parameter gradient that is exactly 0
+    ``<site>.grad_subnormal_frac``  ... subnormal in the compute dtype (about to underflow)
+    ``<site>.grad_nonfinite_frac``  ... inf/NaN
+    ``<site>.grad_maxabs``          largest finite ``|grad|``
+    ``loss_scale``, ``skipped``     from the :class:`~mptex.StepResult` (scale after the update)
+    ``iteration``
+    ==============================  ===========================================================
+
+    (``.bias`` is inserted before ``.grad_`` for layers with a bias.) Gradients are recorded as
+    the backward pass produces them, i.e. *scaled* by the loss scale and before GradScaler
+    unscales them: the numbers show what the compute dtype had to represent, which is why loss
+    scaling helps. A gradient that reaches an f32 master through a cast holds exactly the
+    compute-dtype values, so zeros/subnormals are counted with the compute dtype's threshold
+    (f16: ``0 < |g| < 2**-14``; bf16: ``2**-126``). The encoder table's ``grad_zero_frac``
+    includes the rows no point of the batch touched; its ``out_grad_*`` (dense) is the one to
+    read for underflow. With ``loss_scaling="nvdiffrec"`` the table gradient carries nvdiffrec's
+    x128.
+
+    Call order in a training loop (with :class:`~mptex.PrecisionStepper`)::
+
+        monitor = PrecisionMonitor(texture, every=50)
+        for it in range(n):
+            optimizer.zero_grad(set_to_none=True)
+            monitor.start(it)                     # arms the hooks when it % every == 0
+            loss = loss_fn(texture.sample(points), target)    # forward hooks: activations
+            stepper.backward(loss)                # tensor hooks: scaled compute-dtype grads
+            result = stepper.step()
+            stats = monitor.collect(result)       # dict on sampled iterations, else None
+            if stats is not None:
+                history.append({"iteration": it, "loss": ..., **stats})
+
+    ``start`` goes right before the training forward: any forward/backward of the texture
+    between ``start`` and ``collect`` is included (several ``sample`` calls, e.g. nvdiffrec's
+    smoothness regulariser, are merged: counts summed, max-abs maxed). Validation forwards
+    should not run in between. On other iterations the hooks return at once.
+
+    Cost on a sampled iteration: a few elementwise reductions per site, all on the device, and
+    ONE synchronous device-to-host copy in :meth:`collect` (everything stacked first).
+
+    Args:
+        texture: the texture being trained (hooks are registered on its modules and params).
+        every: sample iterations with ``iteration % every == 0`` (> 0).
+
+    Call :meth:`remove` to detach the hooks.
+    """
+
+    def __init__(self, texture: MLPTexture3D, every: int = 50):
+        if not isinstance(texture, MLPTexture3D):
+            raise ValueError(f"texture: expected an MLPTexture3D, got {type(texture).__name__}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every: expected a positive integer, got {every!r}")
+        self.texture, self.every = texture, every
+        self._armed = False
+        self._iteration: int | None = None
+        self._acc: dict[str, torch.Tensor] = {}
+        self._handles = []
+        for site, module, dtype in _site_modules(texture):
+            self._handles.append(module.register_forward_hook(self._forward_hook(site, dtype)))
+        for site, suffix, param, dtype in _site_params(texture):
+            self._handles.append(param.register_hook(self._record(f"{site}{suffix}.grad", dtype)))
+
+    def _record(self, key: str, dtype: torch.dtype) -> Callable[[torch.Tensor], None]:
+        def hook(tensor: torch.Tensor) -> None:
+            if self._armed:
+                self._acc[key] = _merge(self._acc.get(key), _counts(tensor, dtype))
+
+        return hook
+
+    def _forward_hook(self, site: str, dtype: torch.dtype):
+        record_act, record_grad = (
+            self._record(f"{site}.act", dtype),
+            self._record(f"{site}.out_grad", dtype),
+        )
+
+        def hook(module, inputs, output) -> None:
+            if not self._armed or not isinstance(output, torch.Tensor):
+                return
+            record_act(output)
+            if output.requires_grad:
+                output.register_hook(record_grad)
+
+        return hook
+
+    def should_sample(self, iteration: int) -> bool:
+        """Whether ``iteration`` is a sampled one (``iteration % every == 0``)."""
+        return iteration % self.every == 0
+
+    def start(self, iteration: int) -> bool:
+        """Arm the hooks for this iteration if it is sampled; returns whether it is."""
+        self._acc.clear()
+        self._iteration = iteration
+        self._armed = self.should_sample(iteration)
+        return self._armed
+
+    def collect(self, result: StepResult | None = None) -> dict[str, float] | None:
+        """The statistics recorded since :meth:`start` (None on an iteration not sampled).
+
+        Args:
+            result: this iteration's :meth:`PrecisionStepper.step` result, for ``loss_scale``
+                and ``skipped`` (omitted from the dict when None).
+
+        Returns:
+            A flat dict of floats (JSON-serialisable), keys in the class docstring, sorted.
+        """
+        if not self._armed:
+            return None
+        self._armed = False
+        keys = sorted(self._acc)
+        stats: dict[str, float] = {"iteration": self._iteration}
+        if keys:
+            device = self._acc[keys[0]].device
+            stacked = torch.stack([self._acc[k].to(device) for k in keys])
+            for key, counts in zip(keys, to_host(stacked).tolist()):  # the one host copy
+                fractions = _fractions(counts)
+                wanted = ("maxabs", "nonfinite_frac") if key.endswith(".act") else fractions
+                if key.endswith(".out_grad"):
+                    wanted = ("zero_frac", "subnormal_frac", "nonfinite_frac")
+                for name in wanted:
+                    stats[f"{key}_{name}"] = fractions[name]
+        self._acc.clear()
+        if result is not None:
+            stats["loss_scale"] = float(result.loss_scale)
+            stats["skipped"] = bool(result.skipped)
+        return stats
+
+    def remove(self) -> None:
+        """Remove every hook this monitor registered."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -1,0 +1,337 @@
+"""The nvdiffrec-style texture training loop: losses, schedule, validation, checkpoints, metrics.
+
+One iteration (nvdiffrec's ``optimize_mesh`` with a fixed mesh and only the texture trained):
+
+1. draw ``batch_size`` training views (their G-buffers come from the scene's cache);
+2. sample the :class:`~mptex.MLPTexture3D` at the covered surface points only
+   (``view.position[view.mask]``);
+3. shade: ``kd`` (the first three channels, albedo) or ``diffuse`` (see :func:`shade`);
+4. composite prediction and reference over the background (per-pixel random, white or black);
+5. loss = color loss (``logl1`` by default) on RGB masked by the reference alpha + alpha MSE
+   + the kd smoothness regulariser (``0.03 * min(1, it / 500) * mean(|kd(p + N(0, 0.01)) -
+   kd(p)| / 3)`` over covered pixels, as nvdiffrec's ``kd_grad``);
+6. :class:`~mptex.PrecisionStepper` does backward, unscale, overflow check, step or skip;
+7. learning rate ``lr * lr_schedule(it)``: ``it / warmup_iter`` during warm-up, then
+   ``10 ** (-lr_decay * (it - warmup_iter))`` (nvdiffrec: ``lr_decay = 0.0002``).
+
+Validation is nvdiffrec's: render the validation views, convert to sRGB, clamp to [0, 1],
+PSNR per image ``-10 log10(MSE)``, mean over the images.
+
+Results go to a run directory: ``metrics.json`` (the contract with ``mptex-report``; keys in
+:data:`METRICS_KEYS`), ``images/`` (reference | prediction PNGs), ``checkpoint.pt`` (written
+atomically; :func:`load_texture` rebuilds the texture from it).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mptex.diagnostics import PrecisionMonitor
+from mptex.precision import PrecisionStepper
+from mptex.render.image import rgb_to_srgb
+from mptex.scenes import Scene, build_scene
+from mptex.train.checkpoint import (
+    _CHECKPOINT,
+    _build_texture,
+    load_checkpoint,
+    save_checkpoint,
+    write_metrics,
+)
+from mptex.train.config import TRAIN_DEFAULTS, ConfigError, _plain, validate_config
+from mptex.train.losses import image_loss, lr_schedule
+from mptex.train.memory import _peak_memory, _RunPeakRss
+from mptex.train.rng import _rng_state, _seed_everything, _set_rng_state
+from mptex.train.runinfo import _device_name, _Progress, _sync, _tensorboard, _versions
+from mptex.train.shading import _background, _render, composite
+from mptex.train.validation import _save_val_images, evaluate
+
+METRICS_KEYS = (
+    "status", "psnr", "baseline_psnr", "psnr_per_image", "precision", "scene", "seed",
+    "iterations", "iterations_planned", "final_loss", "time_per_iter_s", "wall_time_s",
+    "train_time_s", "peak_memory_bytes", "peak_memory_kind", "skipped_steps", "final_loss_scale",
+    "diverged_at", "error", "failed_at", "resumed_from", "n_params", "device", "device_name",
+    "torch_threads", "versions", "run_dir", "history", "config",
+)  # fmt: skip
+
+
+def _resume_path(setting: Any, run_dir: Path) -> Path | None:
+    if setting is False or setting is None:
+        return None
+    path = run_dir / _CHECKPOINT if setting is True else Path(setting)
+    if not path.is_file():
+        raise ValueError(f"train.resume: no checkpoint at {path}")
+    return path
+
+
+def train(cfg: Mapping[str, Any], run_dir: str | os.PathLike) -> dict[str, Any]:
+    """Train an :class:`~mptex.MLPTexture3D` on a scene; write results into ``run_dir``.
+
+    Args:
+        cfg: the composed config (``scene``, ``precision``, ``texture``, ``train`` groups; see
+            ``configs/``), a mapping or a Hydra ``DictConfig``.
+        run_dir: output directory (created): ``metrics.json``, ``images/``, ``checkpoint.pt``.
+
+    Returns:
+        the metrics dict that was written to ``metrics.json``.
+
+    Raises:
+        ConfigError: (a ``ValueError``) ``"<key>: <message>"`` for a bad config value, before
+            any training (``metrics.json`` then says ``status: "failed"``,
+            ``failed_at: "start"``).
+        Exception: anything raised mid-run is re-raised after ``metrics.json`` records
+            ``status: "failed"`` and the error.
+
+    A non-finite loss in an arm without loss scaling is not an error: the run stops with
+    ``status: "diverged"`` and ``diverged_at``. So is a run of ``max_consecutive_skips`` skipped
+    steps in a loss-scaled arm.
+
+    The checkpoint (every ``checkpoint_interval`` iterations and at the end) holds ``texture``
+    (state dict), ``optimizer``, ``stepper`` (GradScaler state), ``iteration`` (completed),
+    ``rng`` (python, numpy, torch, view and noise generators), ``history``, ``skipped_steps``,
+    ``consecutive_skips``, ``aabb``, ``precision`` and ``config``.
+    """
+    start_wall = time.perf_counter()
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    plain = dict(_plain(cfg))
+    metrics: dict[str, Any] = {
+        "status": "failed",
+        "precision": (plain.get("precision") or {}).get("name"),
+        "scene": (plain.get("scene") or {}).get("name"),
+        "seed": (plain.get("train") or {}).get("seed", TRAIN_DEFAULTS["seed"]),
+        "run_dir": str(run_dir.resolve()),
+        "versions": _versions(),
+        "config": plain,
+    }
+    try:
+        full = validate_config(plain)
+        settings = full["train"]
+        device = torch.device(settings["device"])
+        resume_from = _resume_path(settings["resume"], run_dir)
+        scene = build_scene(full["scene"], device)
+    except ValueError as exc:
+        metrics.update(error=str(exc), failed_at="start")
+        write_metrics(run_dir, metrics)
+        raise ConfigError(str(exc)) from None
+    metrics["config"] = full
+    try:
+        rss = _RunPeakRss().start()
+        try:
+            return _train(full, scene, run_dir, device, resume_from, metrics, start_wall, rss)
+        finally:
+            rss.stop()
+    except ConfigError as exc:
+        metrics.update(status="failed", error=str(exc), failed_at="start")
+        write_metrics(run_dir, metrics)
+        raise
+    except Exception as exc:
+        metrics.update(status="failed", error=f"{type(exc).__name__}: {exc}",
+                       failed_at=metrics.get("iterations", 0))  # fmt: skip
+        write_metrics(run_dir, metrics)
+        raise
+
+
+def _train(
+    full: dict[str, Any],
+    scene: Scene,
+    run_dir: Path,
+    device: torch.device,
+    resume_from: Path | None,
+    metrics: dict[str, Any],
+    start_wall: float,
+    rss: _RunPeakRss,
+) -> dict[str, Any]:
+    settings = full["train"]
+    if settings["threads"] is not None:
+        torch.set_num_threads(settings["threads"])
+    seed = int(settings["seed"])
+    _seed_everything(seed)
+    view_gen = torch.Generator().manual_seed(seed)
+    noise_gen = torch.Generator(device).manual_seed(seed + 1)
+    generators = {"views": view_gen, "noise": noise_gen}
+
+    texture = _build_texture(scene.aabb, full["texture"], full["precision"]).to(device)
+    policy = texture.policy
+    optimizer = torch.optim.Adam(
+        texture.parameters(), lr=settings["lr"], betas=tuple(settings["betas"]), eps=1e-8
+    )
+    stepper = PrecisionStepper(policy, optimizer)
+    # Per-layer underflow/overflow statistics of the compute-dtype gradients (issue 7), sampled.
+    stats_every = settings["stats_interval"]
+    monitor = PrecisionMonitor(texture, every=stats_every) if stats_every else None
+    light_dir = torch.nn.functional.normalize(
+        torch.tensor(settings["light_dir"], dtype=torch.float32, device=device), dim=0
+    )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    start_iter, history, skipped_steps, consecutive_skips = 0, [], 0, 0
+    if resume_from is not None:
+        ckpt = load_checkpoint(resume_from, map_location=device)
+        for group in ("scene", "precision", "texture"):
+            if ckpt["config"][group] != full[group]:
+                raise ConfigError(
+                    f"train.resume: checkpoint {resume_from} was trained with another "
+                    f"{group} config"
+                )
+        texture.load_state_dict(ckpt["texture"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        stepper.load_state_dict(ckpt["stepper"])
+        _set_rng_state(ckpt["rng"], generators)
+        start_iter, history = int(ckpt["iteration"]), list(ckpt["history"])
+        skipped_steps, consecutive_skips = ckpt["skipped_steps"], ckpt["consecutive_skips"]
+    metrics["resumed_from"] = start_iter if resume_from is not None else None
+
+    def checkpoint(completed: int) -> None:
+        save_checkpoint(run_dir / _CHECKPOINT, {
+            "texture": texture.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "stepper": stepper.state_dict(),
+            "iteration": completed,
+            "rng": _rng_state(generators),
+            "history": history,
+            "skipped_steps": skipped_steps,
+            "consecutive_skips": consecutive_skips,
+            "aabb": scene.aabb.cpu(),
+            "precision": full["precision"],
+            "config": full,
+        })  # fmt: skip
+
+    n_iter = int(settings["iterations"])
+    ramp = float(settings["kd_smooth_ramp"])
+    std = float(settings["kd_jitter_std"])
+
+    def jitter(points: torch.Tensor) -> torch.Tensor:
+        return points + torch.randn(points.shape, device=points.device, generator=noise_gen) * std
+
+    writer = _tensorboard(run_dir, bool(settings["tensorboard"]))
+    progress = _Progress(n_iter, start_iter, settings["progress"])
+    iter_times: list[float] = []
+    status, diverged_at, last_psnr, loss_value = "completed", None, None, None
+    metrics.update(iterations=start_iter, iterations_planned=n_iter)
+    train_start = time.perf_counter()
+    for it in range(start_iter, n_iter):
+        _sync(device)
+        tick = time.perf_counter()
+        factor = lr_schedule(it, settings["warmup_iter"], settings["lr_decay"])
+        for group in optimizer.param_groups:
+            group["lr"] = settings["lr"] * factor
+        optimizer.zero_grad(set_to_none=True)
+        if monitor is not None:
+            monitor.start(it)  # arms the hooks on sampled iterations, before the forward
+
+        views = scene.sample_train_batch(settings["batch_size"], view_gen)
+        shape = views.mask.shape + (3,)
+        background = _background(settings["background"], shape, device, noise_gen)
+        ref_alpha = views.rgba[..., 3:4]
+        ref = composite(views.rgba[..., 0:3], ref_alpha, background)
+        use_reg = settings["kd_smooth"] and settings["kd_smooth_weight"] > 0
+        pred, kd_grad = _render(texture, views, settings, background, light_dir,
+                                jitter if use_reg else None)  # fmt: skip
+        # nvdiffrec: alpha MSE + color loss on RGB masked by the reference alpha. The predicted
+        # alpha is the fixed mesh's coverage, so the alpha term carries no texture gradient.
+        pred_alpha = views.mask.unsqueeze(-1).to(pred.dtype)
+        loss = torch.nn.functional.mse_loss(pred_alpha, ref_alpha)
+        loss = loss + image_loss(pred * ref_alpha, ref * ref_alpha, settings["loss"])
+        if kd_grad is not None:
+            weight = settings["kd_smooth_weight"] * (min(1.0, it / ramp) if ramp > 0 else 1.0)
+            loss = loss + kd_grad * weight
+        if settings["inject_nonfinite_at"] == it:  # test hook: a forced overflow
+            loss = loss * float("inf")
+
+        loss_value = float(loss.item())  # synchronous; also the divergence check
+        if not math.isfinite(loss_value) and stepper.scaler is None:
+            status, diverged_at = "diverged", it
+            break
+        stepper.backward(loss)
+        result = stepper.step()
+        stats = monitor.collect(result) if monitor is not None else None
+        _sync(device)
+        iter_times.append(time.perf_counter() - tick)
+        skipped_steps += int(result.skipped)
+        consecutive_skips = consecutive_skips + 1 if result.skipped else 0
+        completed = it + 1
+        metrics["iterations"] = completed
+
+        evaluated = None
+        last = completed == n_iter
+        val_interval = settings["val_interval"]
+        if last or (val_interval and completed % val_interval == 0):
+            evaluated = evaluate(texture, scene, settings, light_dir)
+            last_psnr = evaluated["psnr"]
+            if writer is not None:
+                writer.add_scalar("val/psnr", last_psnr, completed)
+                writer.add_images("val/prediction", rgb_to_srgb(evaluated["pred"]).clamp(0, 1)
+                                  .flip(1).cpu(), completed, dataformats="NHWC")  # fmt: skip
+        interval = settings["history_interval"]
+        sampled = stats is not None
+        if sampled or evaluated is not None or last or (interval and completed % interval == 0):
+            entry = {
+                "iteration": completed,
+                "loss": loss_value,
+                "psnr": None if evaluated is None else evaluated["psnr"],
+                "loss_scale": result.loss_scale,
+                "skipped": bool(result.skipped),
+                "lr": settings["lr"] * factor,
+            }
+            if sampled:
+                entry.update({k: v for k, v in stats.items() if k not in entry})
+            history.append(entry)
+        if writer is not None:
+            writer.add_scalar("train/loss", loss_value, completed)
+            writer.add_scalar("train/loss_scale", result.loss_scale, completed)
+            writer.add_scalar("train/lr", settings["lr"] * factor, completed)
+        progress.update(loss=f"{loss_value:.4f}", psnr=None if last_psnr is None
+                        else f"{last_psnr:.2f}", scale=f"{result.loss_scale:g}")  # fmt: skip
+        if consecutive_skips >= settings["max_consecutive_skips"]:
+            status, diverged_at = "diverged", it
+            break
+        ck_interval = settings["checkpoint_interval"]
+        if not last and ck_interval and completed % ck_interval == 0:
+            checkpoint(completed)
+    progress.close()
+    train_time = time.perf_counter() - train_start
+
+    completed = metrics["iterations"]
+    if status == "completed":
+        checkpoint(completed)
+    evaluation = evaluate(texture, scene, settings, light_dir)
+    if status == "completed" or math.isfinite(evaluation["psnr"]):
+        _save_val_images(run_dir / "images", evaluation, settings["n_val_images"])
+    if writer is not None:
+        writer.close()
+    rss.stop()
+    peak, peak_kind = _peak_memory(device, rss)
+    metrics.update(
+        status=status,
+        psnr=evaluation["psnr"],
+        baseline_psnr=evaluation["baseline_psnr"],
+        psnr_per_image=evaluation["psnr_per_image"],
+        final_loss=loss_value,
+        time_per_iter_s=statistics.median(iter_times) if iter_times else None,
+        train_time_s=train_time,
+        wall_time_s=time.perf_counter() - start_wall,
+        peak_memory_bytes=peak,
+        peak_memory_kind=peak_kind,
+        skipped_steps=skipped_steps,
+        final_loss_scale=stepper.loss_scale,
+        diverged_at=diverged_at,
+        error=None,
+        failed_at=None,
+        n_params=sum(p.numel() for p in texture.parameters()),
+        device=str(device),
+        device_name=_device_name(device),
+        torch_threads=torch.get_num_threads(),
+        history=history,
+    )
+    metrics = {k: metrics.get(k) for k in METRICS_KEYS}
+    write_metrics(run_dir, metrics)
+    return metrics

@@ -1,0 +1,98 @@
+"""nvdiffrec's learning-rate schedule, image losses and PSNR."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mptex.render.image import rgb_to_srgb
+
+
+# ----------------------------------------------------------------------------- schedule, losses
+def lr_schedule(iteration: int, warmup_iter: int = 0, lr_decay: float = 0.0002) -> float:
+    """nvdiffrec's learning-rate factor for 0-based ``iteration``.
+
+    ``iteration / warmup_iter`` while ``iteration < warmup_iter``, then
+    ``10 ** (-lr_decay * (iteration - warmup_iter))`` (nvdiffrec's ``lr_schedule`` with its
+    0.0002, i.e. the rate falls 10x every 5000 iterations).
+    """
+    if iteration < warmup_iter:
+        return iteration / warmup_iter
+    return max(0.0, 10.0 ** (-(iteration - warmup_iter) * lr_decay))
+
+
+def _tonemap_srgb(f: torch.Tensor) -> torch.Tensor:
+    # nvdiffrec's loss.py _tonemap_srgb (the sRGB curve without the clamp to [0, 1]).
+    return torch.where(
+        f > 0.0031308,
+        torch.pow(torch.clamp(f, min=0.0031308), 1.0 / 2.4) * 1.055 - 0.055,
+        12.92 * f,
+    )
+
+
+def _log_srgb(f: torch.Tensor) -> torch.Tensor:
+    return _tonemap_srgb(torch.log(torch.clamp(f, min=0, max=65535) + 1))
+
+
+def _l1(img, target):
+    return torch.nn.functional.l1_loss(img, target)
+
+
+def _mse(img, target):
+    return torch.nn.functional.mse_loss(img, target)
+
+
+def _smape(img, target, eps: float = 0.01):
+    return torch.mean(torch.abs(img - target) / (torch.abs(img) + torch.abs(target) + eps))
+
+
+def _relmse(img, target, eps: float = 0.1):
+    return torch.mean((img - target) ** 2 / (img * img + target * target + eps))
+
+
+# name -> (tonemapper or None, error); nvdiffrec's render/loss.py get_loss_fn.
+LOSSES: dict[str, tuple[Callable | None, Callable]] = {
+    "logl1": (_log_srgb, _l1),
+    "logl2": (_log_srgb, _mse),
+    "l1": (None, _l1),
+    "mse": (None, _mse),
+    "relmse": (None, _relmse),
+    "smape": (None, _smape),
+}
+
+
+def image_loss(img: torch.Tensor, target: torch.Tensor, loss: str = "logl1") -> torch.Tensor:
+    """nvdiffrec's image loss ``loss`` (a key of :data:`LOSSES`) between linear RGB images.
+
+    Args:
+        img, target: ``[..., 3]`` float32 linear RGB of the same shape.
+
+    Returns:
+        scalar float32, the mean over all elements.
+    """
+    if loss not in LOSSES:
+        raise ValueError(f"train.loss: expected one of {sorted(LOSSES)}, got {loss!r}")
+    tonemap, error = LOSSES[loss]
+    if tonemap is not None:
+        img, target = tonemap(img), tonemap(target)
+    return error(img, target)
+
+
+def psnr(img: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per-image PSNR in dB as nvdiffrec's ``validate_itr``.
+
+    Both images are linear RGB; each is converted to sRGB and clamped to [0, 1], then
+    ``-10 log10(MSE)`` per image. The MSE is floored at 1e-10 (PSNR <= 100 dB) so that a
+    perfect match stays a finite JSON number.
+
+    Args:
+        img, ref: ``[B, H, W, 3]`` float32 linear RGB.
+
+    Returns:
+        ``[B]`` float32.
+    """
+    a = torch.clamp(rgb_to_srgb(img), 0.0, 1.0)
+    b = torch.clamp(rgb_to_srgb(ref), 0.0, 1.0)
+    mse = ((a - b) ** 2).flatten(1).mean(1)
+    return -10.0 * torch.log10(torch.clamp(mse, min=1e-10))

@@ -1,0 +1,89 @@
+"""What a run records about where it ran (device, versions) and how it reports progress."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mptex._backends import has_nvdiffrast, has_tcnn
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+def _versions() -> dict[str, Any]:
+    import mptex
+
+    try:
+        import hydra
+
+        hydra_version = hydra.__version__
+    except ImportError:  # pragma: no cover
+        hydra_version = None
+    return {
+        "mptex": mptex.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "hydra": hydra_version,
+        "cuda": torch.version.cuda,
+        "tcnn_available": has_tcnn(),
+        "nvdiffrast_available": has_nvdiffrast(),
+    }
+
+
+class _Progress:
+    """tqdm bar with loss, PSNR and loss scale; a no-op when disabled or tqdm is missing."""
+
+    def __init__(self, total: int, initial: int, enabled: Any):
+        if enabled == "auto":
+            enabled = sys.stdout.isatty()
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, initial=initial, unit="it", dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def update(self, **postfix) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix({k: v for k, v in postfix.items() if v is not None}, refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _tensorboard(run_dir: Path, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        print("mptex-train: train.tensorboard=true but tensorboard is not installed; skipping",
+              file=sys.stderr)  # fmt: skip
+        return None
+    return SummaryWriter(str(run_dir / "tensorboard"))

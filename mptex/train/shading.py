@@ -1,0 +1,97 @@
+"""Shading of texture samples, compositing over a background, and rendering views of a texture."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from mptex.texture import MLPTexture3D
+
+_BACKGROUNDS = ("random", "white", "black")
+_SHADINGS = ("kd", "diffuse")
+
+
+# ----------------------------------------------------------------------------- shading, PSNR
+def shade(
+    tex: torch.Tensor,
+    normal: torch.Tensor,
+    shading: str = "kd",
+    light_dir: torch.Tensor | None = None,
+    ambient: float = 0.25,
+) -> torch.Tensor:
+    """Colour of surface points from their texture values.
+
+    ``"kd"``: the albedo, ``tex[..., 0:3]`` (nvdiffrec's ``kd`` buffer).
+    ``"diffuse"`` (``channels=9``: kd, ks, normal as nvdiffrec's ``kd_ks_normal``)::
+
+        n     = normalize(normal + 2 * tex[..., 6:9] - 1)   # the texture perturbs the normal
+        color = kd * (ambient + (1 - ambient) * max(0, dot(n, light_dir)))
+
+    The normal channels are a world-space offset (a sigmoid output of 0.5 leaves the
+    geometric normal unchanged) because the G-buffer has no tangent frame for nvdiffrec's
+    tangent-space normals; ``ks`` (channels 3:6) is not used: no specular term.
+
+    Args:
+        tex: ``[N, C]`` float32 texture values (C >= 3; 9 for ``"diffuse"``).
+        normal: ``[N, 3]`` float32 unit geometric normals.
+        shading: ``"kd"`` or ``"diffuse"``.
+        light_dir: ``[3]`` unit direction towards the light (``"diffuse"`` only).
+        ambient: ambient fraction in [0, 1] (``"diffuse"`` only).
+
+    Returns:
+        ``[N, 3]`` float32 linear RGB.
+    """
+    kd = tex[..., 0:3]
+    if shading == "kd":
+        return kd
+    if shading != "diffuse":
+        raise ValueError(f"train.shading: expected one of {_SHADINGS}, got {shading!r}")
+    if tex.shape[-1] < 9:
+        raise ValueError("train.shading: 'diffuse' needs texture.channels=9 (kd, ks, normal)")
+    n = torch.nn.functional.normalize(normal + 2.0 * tex[..., 6:9] - 1.0, dim=-1)
+    cos = torch.clamp((n * light_dir).sum(-1, keepdim=True), min=0.0)
+    return kd * (ambient + (1.0 - ambient) * cos)
+
+
+def composite(rgb: torch.Tensor, alpha: torch.Tensor, background: torch.Tensor) -> torch.Tensor:
+    """``lerp(background, rgb, alpha)``: ``[B, H, W, 3]`` over ``[B, H, W, 3]`` by ``[B, H, W, 1]``
+    (nvdiffrec's ``prepare_batch``)."""
+    return background + (rgb - background) * alpha
+
+
+def _background(kind: str, shape, device, generator: torch.Generator | None) -> torch.Tensor:
+    if kind == "white":
+        return torch.ones(shape, device=device)
+    if kind == "black":
+        return torch.zeros(shape, device=device)
+    # nvdiffrec's 'random': independent uniform noise per pixel and channel.
+    return torch.rand(shape, device=device, generator=generator)
+
+
+def _render(
+    texture: MLPTexture3D,
+    views,
+    settings: Mapping[str, Any],
+    background: torch.Tensor,
+    light_dir: torch.Tensor,
+    jitter: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Shaded prediction ``[B, H, W, 3]`` composited over ``background`` and the kd smoothness
+    term (mean over all pixels of the covered points' kd gradient; None without ``jitter``)."""
+    mask = views.mask
+    points = views.position[mask]  # [N, 3]: only covered pixels reach the texture
+    tex = texture.sample(points)
+    color = shade(tex, views.gbuffer.normal[mask], settings["shading"], light_dir,
+                  settings["ambient"])  # fmt: skip
+    image = torch.zeros(mask.shape + (3,), device=points.device, dtype=color.dtype)
+    image = image.index_put((mask,), color)
+    pred = composite(image, mask.unsqueeze(-1).to(image.dtype), background)
+    kd_grad = None
+    if jitter is not None:
+        tex_jitter = texture.sample(jitter(points))
+        per_point = torch.sum(torch.abs(tex_jitter[..., 0:3] - tex[..., 0:3]), dim=-1) / 3
+        # nvdiffrec: mean over every pixel of kd_grad * alpha (zero on background).
+        kd_grad = per_point.sum() / mask.numel()
+    return pred, kd_grad

@@ -142,9 +142,9 @@ def _weight_without(
             else:
                 factor = w31 if ((corner >> 3) & 1) else w30
             weight = weight * factor  # 1 * factor is exact: the twin's first factor
-    if (corner >> skip) & 1:
-        return weight
-    return -weight
+    if ((corner >> skip) & 1) == 0:
+        weight = -weight
+    return weight
 
 
 @triton.jit
@@ -579,12 +579,12 @@ def hash_grid_encode_triton(
         RuntimeError: for CPU tensors outside the interpreter, or float64 tensors (the twin,
             ``backend="torch"``, is the float64 path, e.g. for gradcheck).
     """
-    check_device(x.device)
     if x.dtype != torch.float32 or params.dtype != torch.float32:
         raise RuntimeError(
             f"backend 'triton' computes in float32 (x: {x.dtype}, params: {params.dtype}); "
             "use backend='torch' for float64"
         )
+    check_device(x.device)
     if out_dtype not in (torch.float32, torch.float16):
         raise ValueError(f"out_dtype: expected torch.float32 or torch.float16, got {out_dtype}")
     return _TritonGridFunction.apply(x.contiguous(), params.contiguous(), geometry, out_dtype)

@@ -137,6 +137,17 @@ def _cases():
 CASE_NAMES = [c["name"] for c in _cases()]
 
 
+def _run_helper(*args: str, interpret: bool) -> subprocess.CompletedProcess:
+    """tests/triton_interpreted.py in a fresh process (TRITON_INTERPRET decided there)."""
+    root = str(Path(mptex.__file__).resolve().parents[1])
+    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    script = str(HERE / "triton_interpreted.py")
+    return subprocess.run(
+        [sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     """{case name: (case, triton results)} from one interpreter subprocess."""
@@ -145,20 +156,7 @@ def interpreted(tmp_path_factory):
     cases = _cases()
     folder = tmp_path_factory.mktemp("triton")
     torch.save(cases, folder / "cases.pt")
-    root = str(Path(mptex.__file__).resolve().parents[1])
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(HERE / "triton_interpreted.py"),
-            *(str(folder / f) for f in ("cases.pt", "results.pt")),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _run_helper(str(folder / "cases.pt"), str(folder / "results.pt"), interpret=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = torch.load(folder / "results.pt")
     return {case["name"]: (case, results[case["name"]]) for case in cases}
@@ -318,14 +316,7 @@ def test_kernels_compile_for_a_cuda_target():
     # sm_80 (no GPU needed: triton's wheel ships ptxas), catching what only the compiler
     # rejects. It also checks that no fma was contracted (enable_fp_fusion=False): the only
     # fma.rn instructions are the D position fmas.
-    code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import triton_interpreted as t; t.compile_check()"
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(Path(mptex.__file__).resolve().parents[1]), env.get("PYTHONPATH")])
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
+    proc = _run_helper("--compile-check", interpret=False)
     if proc.returncode == 3:
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1,7 +1,7 @@
 """Run HashGridEncoding(backend="triton") on saved cases under Triton's CPU interpreter.
 
 Usage: python tests/triton_interpreted.py CASES.pt RESULTS.pt
-(and ``compile_check()``: compile the kernels for a CUDA target, no GPU needed)
+   or: python tests/triton_interpreted.py --compile-check (compile for sm_80, no GPU needed)
 
 Run in a subprocess by tests/test_encoding_triton.py: the interpreter is chosen when
 ``triton.jit`` decorates the kernels, so ``TRITON_INTERPRET=1`` must be in the environment
@@ -71,7 +71,7 @@ def compile_check() -> None:
                 assert fmas == n_dims, (n_dims, interp, half, fmas)
 
 
-if __name__ == "__main__":
+def run_cases(cases_path: str, results_path: str) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
@@ -79,7 +79,7 @@ if __name__ == "__main__":
     from mptex import HashGridEncoding
 
     assert grid_triton.INTERPRETED, "TRITON_INTERPRET=1 did not select the interpreter"
-    cases = torch.load(sys.argv[1])
+    cases = torch.load(cases_path)
     results = {}
     for case in cases:
         enc = HashGridEncoding(
@@ -96,4 +96,11 @@ if __name__ == "__main__":
             grad_x=grads[0] if case["want_x"] else None,
             grad_params=grads[-1],
         )
-    torch.save(results, sys.argv[2])
+    torch.save(results, results_path)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--compile-check":
+        compile_check()
+    else:
+        run_cases(sys.argv[1], sys.argv[2])

@@ -161,7 +161,8 @@ def _level_setup(
     BLOCK: tl.constexpr,
 ):
     level = tl.program_id(1)
-    points = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    # int64: points * n_outputs passes 2^31 beyond 2^26 points at nvdiffrec's 32 outputs.
+    points = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
     mask = points < n_points
     scale = tl.load(scales_ptr + level)
     c0, w00, w01, d0 = _axis(x_ptr, points, mask, 0, N_DIMS, scale, INTERP)

@@ -5,7 +5,7 @@ The public API lives in a few modules: this package (the texture and its parts),
 ``mptex.train`` (the loop behind ``mptex-train``), ``mptex.report`` and ``mptex.diagnostics``.
 """
 
-from mptex._backends import has_nvdiffrast, has_tcnn
+from mptex._backends import has_nvdiffrast, has_tcnn, has_triton
 from mptex.encoding import HashGridEncoding
 from mptex.mlp import PrecisionMLP
 from mptex.precision import PrecisionPolicy, PrecisionStepper, StepResult
@@ -18,6 +18,7 @@ __all__ = [
     "HashGridEncoding",
     "has_tcnn",
     "has_nvdiffrast",
+    "has_triton",
     "PrecisionPolicy",
     "PrecisionStepper",
     "StepResult",

@@ -1,4 +1,4 @@
-"""Lazy detection of the optional native backends (tinycudann, nvdiffrast).
+"""Lazy detection of the optional backends (tinycudann, nvdiffrast, triton).
 
 Nothing here imports them at ``import mptex`` time: they are imported on first
 use and the result is cached. tinycudann raises ``OSError``/``EnvironmentError``
@@ -12,7 +12,15 @@ import importlib
 import warnings
 from types import ModuleType
 
-__all__ = ["has_tcnn", "has_nvdiffrast", "import_tcnn", "import_nvdiffrast", "warn_fallback_once"]
+__all__ = [
+    "has_tcnn",
+    "has_nvdiffrast",
+    "has_triton",
+    "import_tcnn",
+    "import_nvdiffrast",
+    "import_triton",
+    "warn_fallback_once",
+]
 
 
 @functools.cache
@@ -37,6 +45,11 @@ def has_tcnn() -> bool:
 def has_nvdiffrast() -> bool:
     """True when ``nvdiffrast.torch`` imports and a CUDA device is present."""
     return _cuda_available() and _try_import("nvdiffrast.torch")[0] is not None
+
+
+def has_triton() -> bool:
+    """True when ``triton`` imports (no device needed: its interpreter runs on the CPU)."""
+    return _try_import("triton")[0] is not None
 
 
 def import_tcnn() -> ModuleType:
@@ -66,6 +79,17 @@ def import_nvdiffrast() -> ModuleType:
         raise RuntimeError(
             f"backend 'nvdiffrast' needs nvdiffrast, which is not importable ({why}); install it "
             "with: pip install git+https://github.com/NVlabs/nvdiffrast/"
+        )
+    return module
+
+
+def import_triton() -> ModuleType:
+    """Return ``triton`` or raise ``RuntimeError`` saying why it is unusable."""
+    module, why = _try_import("triton")
+    if module is None:
+        raise RuntimeError(
+            f"backend 'triton' needs triton, which is not importable ({why}); it ships with "
+            "PyTorch's CUDA/ROCm builds, or install it with: pip install triton"
         )
     return module
 

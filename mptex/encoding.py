@@ -1,7 +1,9 @@
-"""Multiresolution hash-grid encoding with two interchangeable backends.
+"""Multiresolution hash-grid encoding with three interchangeable backends.
 
 ``backend="torch"`` is a pure-PyTorch twin of tiny-cuda-nn's grid encoding (runs on any
-device); ``backend="tcnn"`` wraps ``tinycudann.Encoding``. Both hold ONE flat float32
+device); ``backend="tcnn"`` wraps ``tinycudann.Encoding``; ``backend="triton"`` runs Triton
+kernels that perform the twin's operations in the twin's order (opt-in: correctness-tested
+under Triton's CPU interpreter, not yet measured on a GPU). All hold ONE flat float32
 ``params`` vector in tcnn's layout, so copying ``params`` (or a ``state_dict``) between
 backends gives the same outputs.
 """
@@ -25,7 +27,8 @@ from mptex._grid_torch import (
 
 __all__ = ["HashGridEncoding", "hash_grid_encode", "GridGeometry"]
 
-Backend = Literal["auto", "torch", "tcnn"]
+Backend = Literal["auto", "torch", "tcnn", "triton"]
+BACKENDS = ("auto", "torch", "tcnn", "triton")
 _DTYPES = {torch.float32: "float32", torch.float16: "float16"}
 _OTYPES = {"hashgrid": "Hash", "grid": None, "densegrid": "Dense"}
 
@@ -60,8 +63,12 @@ class HashGridEncoding(nn.Module):
         base_resolution: resolution parameter of level 0.
         per_level_scale: growth factor of the scale between levels.
         interpolation: "Linear", "Smoothstep" or "Nearest".
-        backend: "torch", "tcnn", or "auto" (tcnn when importable and the module lives on
-            CUDA, else torch; decided at each forward from the parameters' device).
+        backend: "torch", "tcnn", "triton", or "auto" (tcnn when importable and the module
+            lives on CUDA, else torch; decided at each forward from the parameters' device).
+            "triton" is opt-in (never chosen by "auto" until measured on a GPU): Triton
+            kernels with the twin's results (f32 forward to the bit, half forward to the bit,
+            parameter gradients to float32 atomic-summation order), float32 only, on GPU
+            tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (slow; for testing).
         dtype: float32, or float16 for tcnn's half mode (float32 master ``params``, half table
             reads and accumulation, half output, backward with tcnn's loss scale of 128).
         device: where ``params`` is created.
@@ -105,8 +112,8 @@ class HashGridEncoding(nn.Module):
             )
         if grid_type not in GRID_TYPES:
             raise ValueError(f"grid_type must be one of {GRID_TYPES}, got {grid_type!r}")
-        if backend not in ("auto", "torch", "tcnn"):
-            raise ValueError(f"backend must be 'auto', 'torch' or 'tcnn', got {backend!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be torch.float32 or torch.float16, got {dtype!r}")
         self.config = dict(
@@ -137,6 +144,8 @@ class HashGridEncoding(nn.Module):
         self._tcnn_module = None  # built lazily: tinycudann is imported only when used
         if backend == "tcnn":
             _backends.import_tcnn()  # fail at construction, not at the first forward
+        elif backend == "triton":
+            _backends.import_triton()
 
     @classmethod
     def from_tcnn_config(
@@ -197,7 +206,7 @@ class HashGridEncoding(nn.Module):
         return self.geometry.n_output_dims
 
     def resolved_backend(self) -> str:
-        """The backend the next forward uses ("torch" or "tcnn")."""
+        """The backend the next forward uses ("torch", "tcnn" or "triton")."""
         if self.backend != "auto":
             return self.backend
         if self.params.device.type != "cuda":
@@ -240,10 +249,22 @@ class HashGridEncoding(nn.Module):
         """
         self._check_input(x)
         x = x.contiguous()
-        if self.resolved_backend() == "tcnn":
-            return self._forward_tcnn(x)
+        forward = {
+            "torch": self._forward_torch,
+            "tcnn": self._forward_tcnn,
+            "triton": self._forward_triton,
+        }[self.resolved_backend()]
+        return forward(x)
+
+    def _forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = torch.float64 if self.params.dtype == torch.float64 else self.dtype
         return hash_grid_encode(x, self.params, self.geometry, out_dtype)
+
+    def _forward_triton(self, x: torch.Tensor) -> torch.Tensor:
+        _backends.import_triton()
+        from mptex._grid_triton import hash_grid_encode_triton  # imports triton: only here
+
+        return hash_grid_encode_triton(x, self.params, self.geometry, self.dtype)
 
     def _forward_tcnn(self, x: torch.Tensor) -> torch.Tensor:
         if self.params.device.type != "cuda":

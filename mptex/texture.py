@@ -86,12 +86,14 @@ class MLPTexture3D(nn.Module):
         encoder: ``None`` (nvdiffrec's config, :data:`NVDIFFREC_ENCODER_CONFIG`), a tcnn-style
             config dict (what nvdiffrec passes to ``tcnn.Encoding``), or a ready
             :class:`~mptex.HashGridEncoding` with 3 input dims (used as given, dtype included).
-        backend: encoder backend for ``None``/dict encoders: ``"auto"``, ``"torch"``, ``"tcnn"``.
+        backend: encoder backend for ``None``/dict encoders: ``"auto"``, ``"torch"``, ``"tcnn"``
+            or ``"triton"`` (opt-in; see :class:`~mptex.HashGridEncoding`).
 
     Raises:
         ValueError: naming the argument, for a malformed AABB/min_max, channel count or encoder.
         RuntimeError: at construction, for a policy or backend this machine cannot run
-            (``tcnn_fused`` or ``backend="tcnn"`` without tinycudann and CUDA).
+            (``tcnn_fused`` or ``backend="tcnn"`` without tinycudann and CUDA,
+            ``backend="triton"`` without triton).
     """
 
     def __init__(

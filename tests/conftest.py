@@ -1,19 +1,20 @@
 """Shared skip markers and tolerances.
 
-Mark a test with ``@pytest.mark.requires_cuda``, ``requires_tcnn`` or ``requires_nvdiffrast``;
-the hook below turns the mark into a skip with a reason when the dependency is absent.
-Markers are registered in pyproject.toml, and ``--strict-markers`` rejects typos.
+Mark a test with ``@pytest.mark.requires_cuda``, ``requires_tcnn``, ``requires_nvdiffrast`` or
+``requires_triton``; the hook below turns the mark into a skip with a reason when the dependency
+is absent. Markers are registered in pyproject.toml, and ``--strict-markers`` rejects typos.
 """
 
 import pytest
 import torch
 
-from mptex._backends import has_nvdiffrast, has_tcnn
+from mptex._backends import has_nvdiffrast, has_tcnn, has_triton
 
 _REQUIREMENTS = {
     "requires_cuda": (torch.cuda.is_available, "needs a CUDA device"),
     "requires_tcnn": (has_tcnn, "needs tinycudann importable and a CUDA device"),
     "requires_nvdiffrast": (has_nvdiffrast, "needs nvdiffrast importable and a CUDA device"),
+    "requires_triton": (has_triton, "needs triton importable (pip install triton)"),
 }
 
 

@@ -482,3 +482,10 @@ def test_a_second_sweep_into_the_same_directory_is_refused(tmp_path, capsys):
             OmegaConf.create({"hydra": {"sweep": {"dir": str(old)}}})
         )
     assert not (old / ".mptex_sweep").exists()
+
+
+def test_the_configs_margin_is_the_reports_default():
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.load(Path(__file__).resolve().parents[1] / "configs" / "config.yaml")
+    assert config.hydra.callbacks.report.margin_db == report.EQUIVALENCE_MARGIN_DB

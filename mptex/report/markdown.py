@@ -146,9 +146,12 @@ def _reading(rows: Sequence[Mapping[str, Any]], margin_db: float, on_cpu: bool) 
             hit = [r for r in compared if r["verdict"] == name and r["n_seeds"]]
             if hit:
                 items = ", ".join(f"{_name(r)} ({_delta(r)} dB)" for r in hit)
-                lines.append(f"- {name.capitalize()} than `{REFERENCE_ARM}`: {items}."
-                             if name in ("worse", "better") else
-                             f"- {name.capitalize()}: {items}.")  # fmt: skip
+                lead = {
+                    "worse": f"Worse than `{REFERENCE_ARM}`",
+                    "better": f"Better than `{REFERENCE_ARM}`",
+                    "no paired seeds": f"No seed completed in both the arm and `{REFERENCE_ARM}`",
+                }.get(name, name.capitalize())
+                lines.append(f"- {lead}: {items}.")
     diverged = [r for r in rows if r["diverged"]]
     if diverged:
         items = ", ".join(

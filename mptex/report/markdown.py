@@ -191,8 +191,8 @@ def _identical(rows: Sequence[Mapping[str, Any]], groups) -> list[str]:
             if len(by_row[i]) and by_row[i] == by_row[j]:
                 lines.append(
                     f"- {_name(rows[i])} and {_name(rows[j])} gave bit-identical PSNR for every "
-                    "seed: on this device they compute the same thing (on a CPU, autocast to f16 "
-                    "and explicit f16 layers with the same loss scaling round alike)."
+                    "seed: on this device the two arms computed the same numbers, so their rows "
+                    "are one measurement, not two agreeing ones."
                 )
     return lines
 
@@ -213,14 +213,20 @@ def render_report(
     """report.md's text. Every run under the sweep appears: in a row's counts, as a duplicate
     not counted, or as an unreadable run listed by path."""
     counts = {s: sum(r["status"] == s for r in runs) for s in STATUSES}
+    shown = list(rows[0]["keys"]) if rows else []
     seeds = sorted({str(r["seed"]) for r in runs if r.get("seed") is not None})
     lines = [
         "# mptex precision ablation",
         "",
         f"Sweep `{sweep_dir}`: {len(runs)} runs, "
         + ", ".join(f"{n} {status}" for status, n in counts.items())
-        + f". Swept: {', '.join(f'`{k}`' for k in keys) or 'nothing'}; seeds: "
-        f"{', '.join(seeds) or '–'}.",
+        + f". Swept: {', '.join(f'`{k}`' for k in shown) or 'nothing'}"
+        + (
+            f" (and {len(keys) - len(shown)} keys that follow from the arm or scene)"
+            if len(keys) > len(shown)
+            else ""
+        )
+        + f"; seeds: {', '.join(seeds) or '–'}.",
         "",
         *_environment(runs),
     ]
@@ -236,7 +242,7 @@ def render_report(
         lines += [f"- `{r['run_dir']}/metrics.json`: {r['error']}" for r in unreadable]
     lines.append("")
     on_cpu = any(r.get("device") == "cpu" for r in runs)
-    key_columns = [k for k in rows[0]["keys"] if k != "precision.name"] if rows else []
+    key_columns = [k for k in shown if k != "precision.name"]
     header = ["arm", *(f"`{k}`" for k in key_columns), "seeds", "PSNR (dB)",
               f"Δ vs {REFERENCE_ARM} (dB) [{CONFIDENCE:.0%} CI]", "verdict",
               "baseline (dB)", "ms / iter", f"speed-up vs {REFERENCE_ARM}", "peak mem (MiB)",

@@ -263,8 +263,12 @@ def plot_images(
                 err.imshow(np.clip(error.max(-1) * gain, 0, 255), cmap="magma", vmin=0,
                            vmax=255, interpolation="nearest")  # fmt: skip
                 err.set_title(f"|pred - ref| x {gain}", fontsize="x-small")
-    fig.suptitle(f"validation view 0 of the lowest completed seed; error maps: |prediction - "
-                 f"reference| of the 8-bit sRGB images (max over channels) x {gain}, one scale "
-                 "for all arms")  # fmt: skip
+    import textwrap
+
+    # Wrapped to the figure's width (about 30 characters per 2.2-inch column).
+    caption = (f"validation view 0 of the lowest completed seed; error maps: |prediction - "
+               f"reference| of the 8-bit sRGB images (max over channels) x {gain}, one scale "
+               "for all arms")  # fmt: skip
+    fig.suptitle(textwrap.fill(caption, 30 * n_cols), fontsize="small")
     fig.savefig(path, dpi=100)
     return gain

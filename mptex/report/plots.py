@@ -96,9 +96,10 @@ def plot_history(
     Args:
         what: ``"psnr"`` (validation PSNR) or ``"loss_scale"`` (the effective loss scale: the
             recorded GradScaler scale times the fixed x128 of the nvdiffrec and tcnn arms,
-            log2 axis; constant lines of several arms are drawn with distinct line styles and
-            markers, and offset by ``1 + 0.02 k`` for the k-th arm, stated in the title, so
-            that f32, bf16 and the other unscaled arms do not hide each other).
+            log2 axis; the lines of several arms are drawn with distinct line styles and
+            markers, and the k-th arm's line is multiplied by ``2^(0.1 k)`` (a tenth of an
+            octave per arm, stated in the title; the legend gives each arm's true last value),
+            so that f32, bf16 and the other unscaled arms do not hide each other).
 
     Returns:
         False (nothing written) when no completed or diverged run has a history.
@@ -113,12 +114,15 @@ def plot_history(
             its, mean, lo, hi = _curve(runs, value)
             if not its:
                 continue
-            offset = 1.0 + 0.02 * k if what == "loss_scale" else 1.0
+            offset = 2.0 ** (0.1 * k) if what == "loss_scale" else 1.0
             style = dict(color=arm_color(rows[index]["precision"]),
                          linestyle=_LINESTYLES[k % len(_LINESTYLES)],
                          marker=_MARKERS[k % len(_MARKERS)],
                          markevery=(k % 5, max(1, len(its) // 8)), markersize=4)  # fmt: skip
-            ax.plot(its, [y * offset for y in mean], label=_label(rows[index]), **style)
+            label = _label(rows[index])
+            if what == "loss_scale":
+                label += f" (last {mean[-1]:g})"
+            ax.plot(its, [y * offset for y in mean], label=label, **style)
             ax.fill_between(its, [y * offset for y in lo], [y * offset for y in hi],
                             color=style["color"], alpha=0.15, linewidth=0)  # fmt: skip
             drawn = True
@@ -130,9 +134,12 @@ def plot_history(
             ax.legend(fontsize="small")
     if not drawn:
         return False
-    note = "; arm k drawn x(1 + 0.02 k) so that equal scales stay visible" if (
+    note = "; the k-th arm's line is drawn x 2^(0.1 k) so that equal scales stay visible" if (
         what == "loss_scale") else ""  # fmt: skip
-    fig.suptitle(f"{ylabel}: mean over seeds, band min–max{note}")
+    import textwrap
+
+    fig.suptitle(textwrap.fill(f"{ylabel}: mean over seeds, band min–max{note}",
+                               55 * len(sections)), fontsize="medium")  # fmt: skip
     fig.savefig(path, dpi=100)
     return True
 

@@ -30,14 +30,15 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 EXPERIMENTS_DIR = CONFIG_DIR.parent / "experiments"
 
 _PROG = "mptex-train"
-# A job directory name stays well under the 255 bytes most file systems allow.
-_MAX_DIRNAME = 120
+# A job directory name (with its "<num>_" prefix) stays under the 255 bytes most file systems
+# allow, and long enough that the usual overrides, swept values included, are all in it.
+_MAX_DIRNAME = 200
 
 
 def job_dirname(overrides: str) -> str:
     """A sweep job's directory name from Hydra's ``override_dirname`` (``"precision=f32,
     train.seed=0"``): ``/`` becomes ``%2F`` (a mesh path would otherwise nest directories),
-    and a name longer than 120 characters keeps its first 111 and ends in ``~`` and 8 hex digits
+    and a name longer than 200 characters keeps its first 191 and ends in ``~`` and 8 hex digits
     of its md5 (distinct override lists keep distinct names). Used by ``hydra.sweep.subdir`` in
     configs/config.yaml as ``${mptex_dirname:${hydra.job.override_dirname}}``."""
     name = str(overrides).replace("%", "%25").replace("/", "%2F").replace("\\", "%5C") or "job"

@@ -16,10 +16,13 @@ data, because users edit them and ``experiments/`` sits beside them (see the REA
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from pathlib import Path
 
-__all__ = ["CONFIG_DIR", "EXPERIMENTS_DIR", "register_experiments", "train_main"]
+from omegaconf import OmegaConf
+
+__all__ = ["CONFIG_DIR", "EXPERIMENTS_DIR", "job_dirname", "register_experiments", "train_main"]
 
 # configs/ and experiments/ at the repository root, next to the package (source checkout or
 # editable install).
@@ -27,6 +30,27 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 EXPERIMENTS_DIR = CONFIG_DIR.parent / "experiments"
 
 _PROG = "mptex-train"
+# A job directory name (with its "<num>_" prefix) stays under the 255 bytes most file systems
+# allow, and long enough that the usual overrides, swept values included, are all in it.
+_MAX_DIRNAME = 200
+
+
+def job_dirname(overrides: str) -> str:
+    """A sweep job's directory name from Hydra's ``override_dirname`` (``"precision=f32,
+    train.seed=0"``): ``/`` becomes ``%2F`` (a mesh path would otherwise nest directories),
+    and a name longer than 200 characters keeps its first 191 and ends in ``~`` and 8 hex digits
+    of its md5 (distinct override lists keep distinct names). Used by ``hydra.sweep.subdir`` in
+    configs/config.yaml as ``${mptex_dirname:${hydra.job.override_dirname}}``."""
+    name = str(overrides).replace("%", "%25").replace("/", "%2F").replace("\\", "%5C") or "job"
+    if len(name) > _MAX_DIRNAME:
+        digest = hashlib.md5(name.encode()).hexdigest()[:8]
+        name = f"{name[: _MAX_DIRNAME - 9]}~{digest}"
+    return name
+
+
+# Registered at import: sweep jobs resolve hydra.sweep.subdir in the job's process, which under
+# the submitit and joblib launchers imports this module to unpickle the task, not train_main.
+OmegaConf.register_new_resolver("mptex_dirname", job_dirname, replace=True)
 
 
 def _error(message: str) -> None:

@@ -4,34 +4,63 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from mptex.report import REPORT_FILES, collect_runs, report_main, summarize, write_report
+import mptex.report as report
+from mptex.report import (
+    REPORT_FILES,
+    collect_runs,
+    mean_ci,
+    report_main,
+    summarize,
+    t_quantile,
+    verdict,
+    write_report,
+)
+from mptex.report.plots import ARM_COLORS, arm_color, error_gain, image_panels
 
 
-def _metrics(arm, seed, psnr=30.0, t=0.1, status="completed", scene="builtin", **extra):
+def _metrics(arm, seed, psnr=30.0, t=0.1, status="completed", scene="builtin", config=None,
+             baseline=20.0, **extra):  # fmt: skip
     history = [
         {"iteration": 10, "loss": 0.1, "psnr": psnr - 1, "loss_scale": 1.0, "skipped": False},
         {"iteration": 20, "loss": 0.05, "psnr": psnr, "loss_scale": 1.0, "skipped": False,
          "net.0.grad_zero_frac": 0.25},
     ]  # fmt: skip
+    full = {
+        "precision": {"name": arm, "mlp_backend": "torch", "loss_scaling": "none",
+                      "static_loss_scale": 128.0},
+        "scene": {"name": scene}, "train": {"seed": seed, "lr": 0.01},
+    }  # fmt: skip
+    for key, value in (config or {}).items():
+        group, leaf = key.split(".", 1)
+        full.setdefault(group, {})[leaf] = value
     metrics = {
-        "status": status, "psnr": psnr if status == "completed" else None, "baseline_psnr": 20.0,
-        "precision": arm, "scene": scene, "seed": seed, "iterations": 20,
-        "iterations_planned": 20, "time_per_iter_s": t, "peak_memory_bytes": 2**20 * seed + 2**20,
-        "peak_memory_kind": "process_peak_rss", "skipped_steps": 0, "final_loss_scale": 1.0,
-        "diverged_at": None, "error": None, "failed_at": None, "device": "cpu",
+        "status": status, "psnr": psnr if status == "completed" else None,
+        "baseline_psnr": baseline, "precision": arm, "scene": scene, "seed": seed,
+        "iterations": 20, "iterations_planned": 20, "time_per_iter_s": t,
+        "peak_memory_bytes": 2**20 * seed + 2**20, "peak_memory_kind": "process_peak_rss",
+        "skipped_steps": 0, "final_loss_scale": 1.0, "diverged_at": None, "error": None,
+        "failed_at": None, "device": "cpu",
         "versions": {"torch": "x", "tcnn_available": False, "nvdiffrast_available": False},
-        "history": history, "config": {"precision": {"name": arm, "mlp_backend": "torch"}},
+        "history": history, "config": full,
     }  # fmt: skip
     metrics.update(extra)
     return metrics
 
 
-def _write(root: Path, name: str, metrics: dict) -> None:
+def _write(root: Path, name: str, metrics: dict | str) -> Path:
     job = root / name
     job.mkdir(parents=True)
-    (job / "metrics.json").write_text(json.dumps(metrics))
+    text = metrics if isinstance(metrics, str) else json.dumps(metrics)
+    (job / "metrics.json").write_text(text)
+    return job
+
+
+def _rows(folder):
+    return {(r["precision"], *(str(v) for k, v in r["keys"].items() if k != "precision.name")): r
+            for r in summarize(collect_runs(folder))}  # fmt: skip
 
 
 @pytest.fixture
@@ -53,30 +82,77 @@ def sweep(tmp_path):
     return tmp_path
 
 
+# ----------------------------------------------------------------------------- statistics
+@pytest.mark.parametrize(
+    "p, dof, table",
+    # Student t table values (any statistics textbook), rounded to 3 decimals.
+    [(0.975, 1, 12.706), (0.975, 2, 4.303), (0.975, 3, 3.182), (0.975, 5, 2.571),
+     (0.975, 10, 2.228), (0.975, 30, 2.042), (0.995, 4, 4.604), (0.9, 7, 1.415)],
+)  # fmt: skip
+def test_t_quantile_matches_the_table(p, dof, table):
+    assert t_quantile(p, dof) == pytest.approx(table, abs=5e-4)
+    assert t_quantile(1 - p, dof) == pytest.approx(-table, abs=5e-4)
+
+
+def test_t_quantile_tends_to_the_normal_and_rejects_bad_input():
+    assert t_quantile(0.975, 1e6) == pytest.approx(1.959964, abs=1e-5)
+    assert t_quantile(0.5, 3) == pytest.approx(0.0, abs=1e-9)
+    with pytest.raises(ValueError, match="p: expected"):
+        t_quantile(1.0, 3)
+    with pytest.raises(ValueError, match="dof: expected"):
+        t_quantile(0.9, 0)
+
+
+def test_confidence_interval_hand_computed():
+    # differences [1, 2, 3]: mean 2, sample sd 1, t(0.975, 2) = 4.303 -> 2 ± 4.303 / sqrt(3)
+    ci = mean_ci([1.0, 2.0, 3.0])
+    assert ci["n"] == 3 and ci["mean"] == 2.0 and ci["sd"] == 1.0
+    assert ci["half_width"] == pytest.approx(4.303 / math.sqrt(3), abs=1e-3)  # 2.484
+    assert ci["low"] == pytest.approx(2 - 2.484, abs=1e-3)
+    assert mean_ci([5.0])["half_width"] is None
+
+
+@pytest.mark.parametrize(
+    "low, high, expected",
+    [(0.1, 0.4, "better"), (-2.0, -0.01, "worse"), (-0.3, 0.45, "no detectable difference"),
+     (-0.6, 0.2, "inconclusive"), (None, None, "cannot judge")],
+)  # fmt: skip
+def test_verdict_follows_the_interval(low, high, expected):
+    assert verdict({"low": low, "high": high}, margin_db=0.5) == expected
+
+
+# ----------------------------------------------------------------------------- rows
 def test_summary_numbers(sweep):
-    summary = {s["precision"]: s for s in summarize(collect_runs(sweep))}
-    assert summary["f32"]["psnr_mean"] == 31.0
-    assert summary["f32"]["psnr_std"] == pytest.approx(math.sqrt(2.0))  # sample std of 30, 32
-    assert summary["bf16"]["delta_psnr_db"] == pytest.approx(-2.0)
-    # mean time 0.2 (f32) vs 0.1 (bf16): 2x faster
-    assert summary["bf16"]["speedup"] == pytest.approx(2.0)
-    assert summary["f16_naive"]["diverged"] == 1 and summary["f16_naive"]["diverged_at"] == [3]
-    assert summary["tcnn_fused"]["unavailable"] == 1 and summary["tcnn_fused"]["failed"] == 0
-    assert summary["amp"]["failed"] == 1
-    assert summary["f32"]["underflow"]["net.0.grad_zero_frac"] == pytest.approx(0.25)
+    rows = _rows(sweep)
+    f32, bf16 = rows[("f32",)], rows[("bf16",)]
+    assert f32["psnr_mean"] == 31.0 and f32["n_seeds"] == 2
+    assert f32["psnr_std"] == pytest.approx(math.sqrt(2.0))  # sample std of 30, 32
+    # paired differences: seed 0: 29 - 30 = -1, seed 1: 29 - 32 = -3 -> mean -2, sd sqrt(2)
+    assert bf16["pairs"] == [[0, -1.0], [1, -3.0]]
+    assert bf16["delta"]["mean"] == pytest.approx(-2.0)
+    assert bf16["delta"]["half_width"] == pytest.approx(12.706 * math.sqrt(2) / math.sqrt(2),
+                                                        abs=1e-3)  # fmt: skip
+    assert bf16["verdict"] == "inconclusive"
+    assert bf16["speedup"] == pytest.approx(2.0)  # mean time 0.2 (f32) vs 0.1 (bf16)
+    assert rows[("f16_naive",)]["diverged"] == 1 and rows[("f16_naive",)]["diverged_at"] == [3]
+    assert rows[("tcnn_fused",)]["unavailable"] == 1 and rows[("tcnn_fused",)]["failed"] == 0
+    assert rows[("amp",)]["failed"] == 1
+    assert f32["underflow"]["net.0.grad_zero_frac"] == pytest.approx(0.25)
 
 
 def test_report_files_and_rows(sweep):
     written = write_report(sweep)
-    # images.png needs the jobs' validation PNGs (the real sweep test checks it).
+    # images.png needs the jobs' validation PNGs (test_report_images below).
     assert set(REPORT_FILES) - {"images.png"} <= set(written)
-    report = (sweep / "report.md").read_text()
+    text = (sweep / "report.md").read_text()
     for arm in ("f32", "bf16", "f16_naive", "tcnn_fused", "amp"):
-        assert f"| `{arm}` |" in report
-    assert "Diverged: `f16_naive`" in report
-    assert "Unavailable: `tcnn_fused`" in report
-    assert "Failed: `amp`" in report
-    assert "| `bf16` | 29.00 ± 0.00 | -2.00 |" in report
+        assert f"| `{arm}` |" in text
+    assert "Diverged: `f16_naive`" in text
+    assert "Unavailable: `tcnn_fused`" in text
+    assert "Failed: `amp`" in text
+    assert "| `bf16` | 2 | 29.00 ± 0.00 | -2.00 [-14.71, +10.71] | inconclusive |" in text
+    assert "t(0.975, n−1) · sd / √n" in text  # the method is stated
+    assert "emulated" in text  # a CPU run's speed is flagged
 
 
 def test_results_json_equals_the_jobs_metrics(sweep):
@@ -95,13 +171,15 @@ def test_results_json_equals_the_jobs_metrics(sweep):
 def test_no_reference_arm_and_all_failed(tmp_path):
     _write(tmp_path, "0", _metrics("bf16", 0, status="failed", error="boom", failed_at=2))
     write_report(tmp_path)
-    report = (tmp_path / "report.md").read_text()
-    assert "Failed: `bf16` (1/1 runs: boom)" in report
+    text = (tmp_path / "report.md").read_text()
+    assert "Failed: `bf16` (1/1 runs: boom)" in text
+    assert "No completed `f32` run" in text
 
 
 def test_cli_errors_on_missing_directory(tmp_path, capsys):
     assert report_main([str(tmp_path / "nope")]) == 2
     assert "no such directory" in capsys.readouterr().err
+    assert report_main([str(tmp_path), "--margin-db", "-1"]) == 2
 
 
 def test_a_tcnn_run_refused_for_another_key_is_failed_not_unavailable(tmp_path):
@@ -109,5 +187,305 @@ def test_a_tcnn_run_refused_for_another_key_is_failed_not_unavailable(tmp_path):
                        error="train.iterations: expected an integer >= 0, got -1")  # fmt: skip
     metrics["config"]["precision"]["mlp_backend"] = "tcnn"
     _write(tmp_path, "0", metrics)
-    (summary,) = summarize(collect_runs(tmp_path))
-    assert summary["failed"] == 1 and summary["unavailable"] == 0
+    (row,) = summarize(collect_runs(tmp_path))
+    assert row["failed"] == 1 and row["unavailable"] == 0
+
+
+# ----------------------------------------------------------------------------- the headline
+def _three_seeds(root, arm, psnrs, t, **kw):
+    for seed, psnr in enumerate(psnrs):
+        _write(root, f"{arm}_{seed}", _metrics(arm, seed, psnr=psnr, t=t, **kw))
+
+
+def _headline(text):
+    return next(line for line in text.splitlines() if line.startswith("- Fastest arm"))
+
+
+def test_headline_never_names_an_arm_the_interval_calls_worse(tmp_path):
+    # The issue's contradiction: the fastest arm was named "within 0.1 dB" although its own
+    # difference said otherwise. Here the fastest arm (bf16) is clearly worse, the next fastest
+    # (amp) is inconclusive (spread too wide): neither may be named; nvdiffrec is better.
+    _three_seeds(tmp_path, "f32", [40.0, 41.0, 42.0], t=0.30)
+    _three_seeds(tmp_path, "bf16", [39.0, 39.9, 41.1], t=0.05)  # diffs -1.0, -1.1, -0.9
+    _three_seeds(tmp_path, "amp", [42.0, 39.0, 42.0], t=0.10)  # diffs +2, -2, 0
+    _three_seeds(tmp_path, "nvdiffrec", [41.5, 42.6, 43.55], t=0.20)  # diffs +1.5, +1.6, +1.55
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    rows = _rows(tmp_path)
+    assert rows[("bf16",)]["verdict"] == "worse"
+    assert rows[("amp",)]["verdict"] == "inconclusive"
+    assert rows[("nvdiffrec",)]["verdict"] == "better"
+    headline = _headline(text)
+    assert "**`nvdiffrec`**" in headline and "better" in headline
+    assert "bf16" not in headline and "amp" not in headline
+    assert "Worse than `f32`: `bf16`" in text
+
+
+def test_headline_with_an_equivalent_faster_arm(tmp_path):
+    _three_seeds(tmp_path, "f32", [40.0, 41.0, 42.0], t=0.30)
+    _three_seeds(tmp_path, "bf16", [40.1, 40.9, 42.05], t=0.05)  # diffs +0.1, -0.1, +0.05
+    write_report(tmp_path, margin_db=0.5)
+    text = (tmp_path / "report.md").read_text()
+    assert "no detectable difference within ±0.5 dB" in _headline(text)
+    assert "**`bf16`**" in _headline(text)
+    # A tighter margin than the interval: the same data no longer supports equivalence.
+    write_report(tmp_path, margin_db=0.1)
+    text = (tmp_path / "report.md").read_text()
+    assert "`f32` itself" in _headline(text)
+    assert "Inconclusive: `bf16`" in text
+
+
+def test_one_seed_cannot_judge(tmp_path):
+    _write(tmp_path, "0", _metrics("f32", 0, psnr=40.0, t=0.3))
+    _write(tmp_path, "1", _metrics("nvdiffrec", 0, psnr=41.55, t=0.1))
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert "Cannot judge any arm against `f32`: 1 paired seed per arm" in text
+    assert "- Fastest arm" not in text
+    assert "| +1.55 (1 seed) | cannot judge (1 paired seed) |" in text
+
+
+# ----------------------------------------------------------------------------- grouping
+def test_two_learning_rates_give_two_rows(tmp_path):
+    for lr in (0.01, 0.5):
+        for seed in (0, 1):
+            psnr = 30.0 + seed if lr == 0.01 else 20.0 + seed
+            _write(tmp_path, f"f32_{lr}_{seed}", _metrics("f32", seed, psnr=psnr,
+                                                          config={"train.lr": lr}))  # fmt: skip
+    rows = _rows(tmp_path)
+    assert set(rows) == {("f32", "0.01"), ("f32", "0.5")}
+    assert rows[("f32", "0.01")]["psnr_mean"] == 30.5 and rows[("f32", "0.01")]["n_seeds"] == 2
+    assert rows[("f32", "0.5")]["psnr_mean"] == 20.5
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert "| arm | `train.lr` | seeds |" in text
+    assert "## Scene `builtin`, `train.lr=0.01`" in text and "seeds: 0, 1." in text
+
+
+def test_two_meshes_give_two_rows_and_compare_within_their_mesh(tmp_path):
+    for mesh, base in (("duck.obj", 30.0), ("cube.obj", 40.0)):
+        for arm, offset in (("f32", 0.0), ("bf16", -1.0)):
+            for seed in (0, 1, 2):
+                config = {"scene.path": mesh, "scene.resolution": 128}
+                _write(tmp_path, f"{arm}_{mesh}_{seed}",
+                       _metrics(arm, seed, psnr=base + offset + 0.1 * seed, scene="mesh",
+                                config=config))  # fmt: skip
+    rows = _rows(tmp_path)
+    assert set(rows) == {(a, m) for a in ("f32", "bf16") for m in ("duck.obj", "cube.obj")}
+    for mesh in ("duck.obj", "cube.obj"):  # paired with the same mesh's f32: exactly -1 dB
+        assert rows[("bf16", mesh)]["delta"]["mean"] == pytest.approx(-1.0)
+        assert rows[("bf16", mesh)]["delta"]["sd"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_arm_definition_keys_are_not_columns_but_swept_precision_keys_are(tmp_path):
+    for arm, scaling in (("f32", "none"), ("f16_dynamic", "dynamic")):
+        for init in (1024.0, 65536.0):
+            cfg = {"precision.loss_scaling": scaling, "precision.init_scale": init}
+            _write(tmp_path, f"{arm}_{init}", _metrics(arm, 0, config=cfg))
+    rows = summarize(collect_runs(tmp_path))
+    assert {tuple(r["keys"]) for r in rows} == {("precision.name", "precision.init_scale")}
+    assert len(rows) == 4
+
+
+def test_duplicate_config_and_seed_counted_once_and_listed(tmp_path):
+    _write(tmp_path, "a/0", _metrics("f32", 0, psnr=47.27))
+    _write(tmp_path, "b/0", _metrics("f32", 0, psnr=47.27))  # the same job copied twice
+    _write(tmp_path, "b/1", _metrics("f32", 1, psnr=45.0))
+    (row,) = summarize(collect_runs(tmp_path))
+    assert row["n_runs"] == 2 and row["seeds"] == [0, 1]
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert "- `b/0`: same as `a/0`" in text
+    csv_lines = (tmp_path / "results.csv").read_text().splitlines()
+    assert sum("duplicate of a/0" in line for line in csv_lines) == 1
+
+
+def test_a_folder_of_two_sweeps_is_reported_per_sweep(tmp_path, capsys):
+    for name, psnr in (("s1", 30.0), ("s2", 40.0)):
+        sweep_dir = tmp_path / name
+        _write(sweep_dir, "0_precision=f32", _metrics("f32", 0, psnr=psnr))
+        (sweep_dir / "multirun.yaml").write_text("hydra: {}\n")
+    assert report.find_sweeps(tmp_path) == [tmp_path / "s1", tmp_path / "s2"]
+    assert report_main([str(tmp_path)]) == 0
+    assert "holds 2 sweeps" in capsys.readouterr().out
+    for name, psnr in (("s1", 30.0), ("s2", 40.0)):
+        (run,) = json.loads((tmp_path / name / "results.json").read_text())["runs"]
+        assert run["psnr"] == psnr
+    assert not (tmp_path / "report.md").exists()
+    with pytest.raises(report.SweepLayoutError, match="2 sweeps"):
+        write_report(tmp_path)
+    # A job outside every sweep: refused, named.
+    _write(tmp_path, "stray", _metrics("f32", 0))
+    assert report_main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "stray" in err and "s1, s2" in err
+
+
+# ----------------------------------------------------------------------------- bad runs
+@pytest.mark.parametrize(
+    "text, why",
+    [('{"status": "completed", "psnr": NaN}', "NaN is not valid JSON"),
+     ('{"status": "completed", "psnr": Infinity}', "Infinity is not valid JSON"),
+     ('{"status": "compl', "unreadable metrics.json"), ("[1, 2]", "not a JSON object")],
+)  # fmt: skip
+def test_unreadable_metrics_are_listed_and_the_report_is_written(tmp_path, text, why):
+    _write(tmp_path, "0", _metrics("f32", 0))
+    _write(tmp_path, "1", text)
+    assert report_main([str(tmp_path)]) == 0
+    report_text = (tmp_path / "report.md").read_text()
+    assert "Unreadable runs (1; counted as failed, 1 of them in no row" in report_text
+    assert "- `1/metrics.json`: unreadable metrics.json" in report_text and why in report_text
+    assert "2 runs, 1 completed, 0 diverged, 1 failed" in report_text
+    json.loads((tmp_path / "results.json").read_text())  # strict JSON, complete
+
+
+def test_unreadable_metrics_with_a_hydra_config_stay_in_their_row(tmp_path):
+    _write(tmp_path, "0", _metrics("f32", 0))
+    job = _write(tmp_path, "1", '{"psnr": NaN}')
+    (job / ".hydra").mkdir()
+    (job / ".hydra" / "config.yaml").write_text(
+        "precision:\n  name: f32\nscene:\n  name: builtin\ntrain:\n  seed: 1\n  lr: 0.01\n"
+    )
+    (row,) = summarize(collect_runs(tmp_path))
+    assert row["n_runs"] == 2 and row["failed"] == 1 and row["completed"] == 1
+
+
+def test_completed_without_psnr_is_counted_as_diverged(tmp_path):
+    _write(tmp_path, "0", _metrics("f32", 0, psnr=30.0))
+    _write(tmp_path, "1", _metrics("f32", 1, psnr=32.0))
+    bad = _metrics("f32", 2, psnr=31.0)
+    bad["psnr"] = None  # an older loop's "completed, psnr null" with NaN weights (issue 13)
+    _write(tmp_path, "2", bad)
+    (row,) = summarize(collect_runs(tmp_path))
+    assert row["completed"] == 2 and row["diverged"] == 1 and row["n_runs"] == 3
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert "Diverged: `f32` (1/3 runs" in text
+    assert "Counted as diverged: `2: recorded as completed, but its PSNR is not a finite" in text
+
+
+def test_runs_below_the_constant_colour_baseline_are_flagged(tmp_path):
+    _write(tmp_path, "0", _metrics("f32", 0, psnr=22.1, baseline=28.2))
+    _write(tmp_path, "1", _metrics("f32", 1, psnr=30.0, baseline=28.2))
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert "| 26.05 ± 5.59 ⚠ |" in text and "| 28.20 |" in text
+    assert "At or below the constant-colour baseline: `f32` (1 of 2 runs)" in text
+
+
+# ----------------------------------------------------------------------------- pictures
+def test_effective_loss_scale_includes_nvdiffrecs_x128(tmp_path):
+    cfg = {"precision.loss_scaling": "nvdiffrec", "precision.static_loss_scale": 128.0}
+    _write(tmp_path, "0", _metrics("nvdiffrec", 0, config=cfg))
+    dyn = _metrics("f16_dynamic", 0, final_loss_scale=32768.0,
+                   config={"precision.loss_scaling": "dynamic"})  # fmt: skip
+    _write(tmp_path, "1", dyn)
+    _write(tmp_path, "2", _metrics("f32", 0))
+    rows = _rows(tmp_path)
+    assert rows[("nvdiffrec",)]["final_loss_scale"] == [128.0]
+    assert rows[("f16_dynamic",)]["final_loss_scale"] == [32768.0]
+    assert rows[("f32",)]["final_loss_scale"] == [1.0]
+    from mptex.report.plots import _scale
+
+    (run,) = [r for r in collect_runs(tmp_path) if r["precision"] == "nvdiffrec"]
+    assert _scale(run, run["history"][0]) == 128.0
+
+
+def test_arm_colours_are_fixed_and_distinct():
+    assert len(set(ARM_COLORS.values())) == len(ARM_COLORS)
+    assert arm_color("f32") == ARM_COLORS["f32"]
+    # Unknown arms: deterministic (md5, not Python's salted hash), valid, and not all alike.
+    colours = [arm_color(f"custom_{i}") for i in range(5)]
+    assert colours == [arm_color(f"custom_{i}") for i in range(5)]
+    assert len(set(colours)) == 5 and all(len(c) == 7 and c[0] == "#" for c in colours)
+
+
+def _side_by_side(path: Path, ref, pred) -> None:
+    import imageio.v3 as iio
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    iio.imwrite(path, np.concatenate([ref, pred], axis=1))
+
+
+def _marked(height=16, width=16, value=0):
+    image = np.full((height, width, 3), 255, np.uint8)
+    image[:4, :, 0] = 200  # top rows reddish: the mark whose position is checked
+    image[height // 2, width // 2, 1] = value
+    return image
+
+
+def test_image_panels_keep_the_saved_orientation(tmp_path):
+    ref, pred = _marked(), _marked(value=100)
+    _side_by_side(tmp_path / "0" / "images" / "val_000.png", ref, pred)
+    reference, ((_, prediction),) = image_panels(tmp_path, [{"run_dir": "0"}])
+    np.testing.assert_array_equal(reference, ref)  # row 0 stays the top row
+    np.testing.assert_array_equal(prediction, pred)
+
+
+def test_error_gain_is_one_power_of_two_for_all_arms():
+    small = np.full((10, 10), 2, np.int16)
+    big = np.full((10, 10), 10, np.int16)
+    big[0] = 0  # exact zeros (background) do not count
+    # 99.5th percentile over both maps' non-zero errors is 10 -> 255 / 10 = 25.5 -> 16
+    assert error_gain([small, big]) == 16
+    assert error_gain([small]) == 64  # 255 / 2 = 127.5 -> 64
+    assert error_gain([np.zeros((4, 4), np.int16)]) == 256
+    assert error_gain([np.full((4, 4), 255, np.int16)]) == 1
+
+
+def test_report_images(tmp_path):
+    for arm, seed, value in (("f32", 0, 0), ("f32", 1, 0), ("bf16", 0, 100), ("bf16", 1, 90)):
+        job = _write(tmp_path, f"{arm}_{seed}", _metrics(arm, seed))
+        _side_by_side(job / "images" / "val_000.png", _marked(), _marked(value=value))
+    written = write_report(tmp_path)
+    assert "images.png" in written and (tmp_path / "images.png").stat().st_size > 0
+    text = (tmp_path / "report.md").read_text()
+    assert "8-bit sRGB images × 2 (one scale for every arm)" in text  # 255 / 100 -> 2
+
+
+def test_public_names_resolve():
+    assert len(set(report.__all__)) == len(report.__all__)
+    for name in report.__all__:
+        assert getattr(report, name) is not None
+
+
+# ----------------------------------------------------------------------------- sweep dirs
+def test_job_dirname_escapes_paths_and_stays_short():
+    from mptex.cli import job_dirname
+
+    assert job_dirname("precision=f32,scene.path=/data/spot.obj") == (
+        "precision=f32,scene.path=%2Fdata%2Fspot.obj"
+    )
+    long_a, long_b = "x=" + "a" * 300, "x=" + "a" * 299 + "b"
+    assert len(job_dirname(long_a)) == 200 and job_dirname(long_a) != job_dirname(long_b)
+    assert job_dirname("") == "job"
+
+
+def test_a_second_sweep_into_the_same_directory_is_refused(tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from mptex.report import FreshSweepDirCallback
+
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "sweep")}}})
+    FreshSweepDirCallback().on_multirun_start(config)
+    with pytest.raises(SystemExit) as exc:
+        FreshSweepDirCallback().on_multirun_start(config)
+    assert exc.value.code == 2
+    assert "already holds a sweep (.mptex_sweep)" in capsys.readouterr().err
+    FreshSweepDirCallback(enabled=False).on_multirun_start(config)  # the escape hatch
+    # A sweep from before the guard (multirun.yaml, no marker) is recognised too.
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "multirun.yaml").write_text("hydra: {}\n")
+    with pytest.raises(SystemExit):
+        FreshSweepDirCallback().on_multirun_start(
+            OmegaConf.create({"hydra": {"sweep": {"dir": str(old)}}})
+        )
+    assert not (old / ".mptex_sweep").exists()
+
+
+def test_the_configs_margin_is_the_reports_default():
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.load(Path(__file__).resolve().parents[1] / "configs" / "config.yaml")
+    assert config.hydra.callbacks.report.margin_db == report.EQUIVALENCE_MARGIN_DB

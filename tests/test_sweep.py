@@ -71,3 +71,21 @@ def test_a_failing_job_is_listed_and_the_report_still_written(tmp_path):
     report = (tmp_path / "sweep" / "report.md").read_text()
     assert "## Scene `mesh`" in report and "Failed: `f32`" in report
     assert "Unavailable: `tcnn_fused`" in report
+
+
+def test_job_dirs_name_the_swept_values_and_a_second_sweep_is_refused(tmp_path):
+    _sweep(tmp_path, "precision=f32", "train.seed=0,1")
+    sweep = tmp_path / "sweep"
+    jobs = sorted(p.name for p in sweep.iterdir() if (p / "metrics.json").is_file())
+    assert len(jobs) == 2 and all("precision=f32" in j for j in jobs)
+    for num, job in enumerate(jobs):
+        assert job.startswith(f"{num}_") and f"train.seed={num}" in job, job
+    before = {j: (sweep / j / "metrics.json").read_bytes() for j in jobs}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "mptex.cli", "-m", *TINY, f"hydra.sweep.dir={sweep}",
+               "precision=f32", "train.seed=0,1"]  # fmt: skip
+    second = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert "hydra.sweep.dir" in second.stderr and "already holds a sweep" in second.stderr
+    assert {j: (sweep / j / "metrics.json").read_bytes() for j in jobs} == before

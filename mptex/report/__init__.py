@@ -1,0 +1,62 @@
+"""The ablation report: a sweep's ``metrics.json`` files as tables with confidence intervals,
+verdicts and plots.
+
+``mptex-report FOLDER`` (:func:`report_main`), or :class:`ReportCallback` at the end of a Hydra
+multirun, writes into each sweep directory:
+
+- ``report.md``: per context (scene and every other swept value outside the precision group),
+  one row per arm: n seeds, PSNR mean ± std, the paired difference to ``f32`` with its 95 %
+  Student-t interval and the verdict it supports, the constant-colour baseline, time per
+  iteration and speed-up, peak memory, skipped steps, effective loss scale and the runs'
+  outcomes; the device and versions; an automatic reading (the fastest arm at f32's quality by
+  the interval, arms judged worse, diverged and failed runs, runs under the baseline).
+- ``results.csv`` / ``results.json``: the raw per-run numbers (and, in the JSON, the row
+  summaries the tables show).
+- ``psnr_curves.png``, ``loss_scale.png`` (effective scale), ``images.png`` (reference, each arm,
+  zoom, error map).
+
+Modules: :mod:`~mptex.report.collect` (jobs, configs, sweeps, grouping by the swept keys),
+:mod:`~mptex.report.stats` (paired differences, intervals, verdicts),
+:mod:`~mptex.report.markdown`, :mod:`~mptex.report.plots`, :mod:`~mptex.report.cli` (writing,
+the command and the Hydra callbacks). Nothing here imports the training loop: ``metrics.json``
+is the contract (docs/metrics.md).
+"""
+
+from mptex.report.cli import (
+    REPORT_FILES,
+    FreshSweepDirCallback,
+    ReportCallback,
+    report_main,
+    summarize,
+    write_report,
+)
+from mptex.report.collect import (
+    ARM_ORDER,
+    REFERENCE_ARM,
+    STATUSES,
+    SweepLayoutError,
+    collect_runs,
+    find_sweeps,
+    group_runs,
+)
+from mptex.report.stats import EQUIVALENCE_MARGIN_DB, mean_ci, t_quantile, verdict
+
+__all__ = [
+    "STATUSES",
+    "ARM_ORDER",
+    "REFERENCE_ARM",
+    "EQUIVALENCE_MARGIN_DB",
+    "REPORT_FILES",
+    "SweepLayoutError",
+    "collect_runs",
+    "find_sweeps",
+    "group_runs",
+    "summarize",
+    "mean_ci",
+    "t_quantile",
+    "verdict",
+    "write_report",
+    "report_main",
+    "ReportCallback",
+    "FreshSweepDirCallback",
+]

@@ -1,0 +1,262 @@
+"""Writing the report: ``mptex-report``, the Hydra callbacks, :func:`write_report`.
+
+Order of work in :func:`write_report`: read every job, group, summarise (nothing written yet, so
+a bad file can never leave half a report); then results.csv, results.json, the plots (a plot
+that fails is named in report.md, never fatal) and report.md last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import csv
+import json
+import math
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+
+from mptex.report import collect, markdown, plots, stats
+
+__all__ = ["REPORT_FILES", "SweepDirInUse", "summarize", "write_report", "report_main",
+           "ReportCallback", "FreshSweepDirCallback"]  # fmt: skip
+
+REPORT_FILES = ("report.md", "results.csv", "results.json", "psnr_curves.png", "loss_scale.png",
+                "images.png")  # fmt: skip
+# Created (O_EXCL) in a sweep directory by FreshSweepDirCallback: the sweep that owns it.
+SWEEP_MARKER = ".mptex_sweep"
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe: non-finite floats become null (results.json is strict JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def summarize(
+    runs: Sequence[dict[str, Any]], margin_db: float = stats.EQUIVALENCE_MARGIN_DB
+) -> list[dict[str, Any]]:
+    """The table rows of a sweep's runs (:func:`~mptex.report.collect.collect_runs`): grouped by
+    every swept key (:func:`~mptex.report.collect.group_runs`), each with its paired comparison
+    (:func:`~mptex.report.stats.summarize_groups`). Duplicates and config-less runs are in no
+    row."""
+    return _tables(runs, margin_db)[3]
+
+
+def _tables(runs, margin_db):
+    keys, groups, duplicates, unidentified = collect.group_runs(runs)
+    shown = collect.shown_keys([r for g in groups for r in g], keys)
+    rows = stats.summarize_groups(groups, shown, margin_db)
+    return keys, groups, (duplicates, unidentified), rows
+
+
+def write_report(
+    sweep_dir: str | Path, margin_db: float = stats.EQUIVALENCE_MARGIN_DB
+) -> dict[str, Path]:
+    """Aggregate the jobs of one sweep and write the report files into ``sweep_dir``.
+
+    Never raises for a bad job (failed, diverged, crashed without ``metrics.json``, unreadable or
+    non-strict JSON): it is counted and listed. A plot with nothing to show is not written.
+
+    Args:
+        sweep_dir: one sweep (see :func:`mptex.report.collect.find_sweeps`).
+        margin_db: the equivalence margin of the verdicts, in dB.
+
+    Returns:
+        file name -> path of each file written (see :data:`REPORT_FILES`).
+
+    Raises:
+        FileNotFoundError: ``sweep_dir`` does not exist.
+        SweepLayoutError: it holds no job, or several sweeps (report each of
+            :func:`~mptex.report.collect.find_sweeps`).
+    """
+    sweep_dir = Path(sweep_dir).resolve()
+    found = collect.find_sweeps(sweep_dir)
+    if found != [sweep_dir]:
+        names = ", ".join(str(s.relative_to(sweep_dir)) for s in found)
+        raise collect.SweepLayoutError(f"{sweep_dir}: holds {len(found)} sweeps ({names})")
+    runs = collect.collect_runs(sweep_dir)
+    keys, groups, (duplicates, unidentified), rows = _tables(runs, margin_db)
+    sections = stats.sections(rows)
+    written: dict[str, Path] = {}
+
+    path = sweep_dir / "results.csv"
+    fields = [*collect.RUN_FIELDS, *keys, "counted", "note"]
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(fields)
+        for run in runs:
+            duplicate = run.get("duplicate_of")
+            record = {
+                **{k: run.get(k) for k in collect.RUN_FIELDS},
+                **(run.get("keys") or {}),
+                "counted": duplicate is None and run.get("config") is not None,
+                "note": f"duplicate of {duplicate}" if duplicate else run.get("note"),
+            }
+            writer.writerow(["" if record.get(k) is None else record[k] for k in fields])
+    written[path.name] = path
+
+    path = sweep_dir / "results.json"
+    plain_runs = [{k: v for k, v in run.items() if k not in ("history", "config")
+                   and not k.startswith("_")} for run in runs]  # fmt: skip
+    document = {"sweep_dir": str(sweep_dir), "swept_keys": keys, "margin_db": margin_db,
+                "runs": plain_runs, "summary": rows}  # fmt: skip
+    path.write_text(json.dumps(_plain(document), indent=2, allow_nan=False, default=str) + "\n")
+    written[path.name] = path
+
+    made: dict[str, Any] = {}
+    failures = []
+    for name, draw in (
+        ("psnr_curves.png", lambda p: plots.plot_history(p, sections, rows, groups, "psnr")),
+        ("loss_scale.png", lambda p: plots.plot_history(p, sections, rows, groups, "loss_scale")),
+        ("images.png", lambda p: plots.plot_images(p, sweep_dir, sections, rows, groups)),
+    ):
+        try:
+            made[name] = draw(sweep_dir / name)
+        except Exception as exc:  # a picture never costs the tables
+            made[name] = None
+            failures.append(f"{name}: {type(exc).__name__}: {exc}")
+    written.update({name: sweep_dir / name for name, value in made.items() if value})
+
+    path = sweep_dir / "report.md"
+    text = markdown.render_report(sweep_dir, runs, keys, rows, groups, sections, duplicates,
+                                  unidentified, made, margin_db)  # fmt: skip
+    if failures:
+        text += "\nPlots not drawn:\n" + "".join(f"- {f}\n" for f in failures)
+    path.write_text(text)
+    written[path.name] = path
+    return written
+
+
+def report_main(argv: Sequence[str] | None = None) -> int:
+    """``mptex-report FOLDER``: report each sweep under FOLDER; print each report.md's path.
+
+    Exit 0 on success, 2 for a missing folder, a folder without jobs, or jobs outside the
+    sweeps of a folder of sweeps (one line naming them).
+    """
+    parser = argparse.ArgumentParser(
+        prog="mptex-report",
+        description="Aggregate mptex sweeps into report.md, results.csv/json and plots, written "
+        "into each sweep directory. A folder holding several sweeps (directories with Hydra's "
+        "multirun.yaml) gets one report per sweep.",
+    )
+    parser.add_argument("folder", type=Path, help="a multirun directory, or a folder of them")
+    parser.add_argument("--margin-db", type=float, default=stats.EQUIVALENCE_MARGIN_DB,
+                        help="equivalence margin of the verdicts in dB (default "
+                        f"{stats.EQUIVALENCE_MARGIN_DB})")  # fmt: skip
+    args = parser.parse_args(argv)
+    if not (math.isfinite(args.margin_db) and args.margin_db > 0):
+        print(f"mptex-report: error: --margin-db: expected a number > 0, got {args.margin_db}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        sweeps = collect.find_sweeps(args.folder)
+        if len(sweeps) > 1:
+            print(f"mptex-report: {args.folder} holds {len(sweeps)} sweeps; one report each")
+        for sweep in sweeps:
+            written = write_report(sweep, args.margin_db)
+            print(f"mptex-report: report in {written['report.md']}")
+    except (FileNotFoundError, collect.SweepLayoutError) as exc:
+        print(f"mptex-report: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+class ReportCallback(Callback):
+    """Hydra callback: write the report into ``hydra.sweep.dir`` when a multirun ends.
+
+    Registered in ``configs/config.yaml`` (``hydra.callbacks.report``). Hydra skips
+    ``on_multirun_end`` when a job raised, so the report is also written at interpreter exit
+    if the multirun did not end normally: a crashed job never costs the others' report.
+
+    Args:
+        enabled: write the report at all.
+        margin_db: the verdicts' equivalence margin in dB.
+    """
+
+    def __init__(self, enabled: bool = True,
+                 margin_db: float = stats.EQUIVALENCE_MARGIN_DB) -> None:  # fmt: skip
+        self.enabled = enabled
+        self.margin_db = margin_db
+        self._pending: Path | None = None
+
+    def on_multirun_start(self, config, **kwargs: Any) -> None:
+        if self.enabled:
+            self._pending = Path(str(config.hydra.sweep.dir)).resolve()
+            atexit.register(self._write_pending)
+
+    def on_multirun_end(self, config, **kwargs: Any) -> None:
+        if self.enabled:
+            self._pending = Path(str(config.hydra.sweep.dir)).resolve()
+            self._write_pending()
+
+    def _write_pending(self) -> None:
+        sweep_dir, self._pending = self._pending, None
+        if sweep_dir is None:
+            return
+        try:
+            written = write_report(sweep_dir, self.margin_db)
+        except Exception as exc:  # the sweep's results are on disk; mptex-report can retry
+            print(f"mptex-report: no report for {sweep_dir}: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)  # fmt: skip
+            return
+        print(f"mptex-report: report in {written['report.md']}", flush=True)
+
+
+class SweepDirInUse(SystemExit):
+    """Raised (as a one-line exit 2) when a multirun would write into another sweep's folder."""
+
+
+class FreshSweepDirCallback(Callback):
+    """Hydra callback: refuse to start a multirun in a directory another sweep already uses.
+
+    Job directories are named ``<job num>_<overrides>``; two sweeps in one directory would give
+    their jobs the same names and overwrite each other's results. At multirun start (before
+    Hydra writes anything there) this creates ``<sweep dir>/.mptex_sweep`` exclusively
+    (``O_CREAT | O_EXCL``: atomic, so two sweeps started at once cannot both get it), and
+    refuses when it already exists, or when the folder already holds ``multirun.yaml`` or job
+    directories of a sweep from before this guard. Registered in ``configs/config.yaml``
+    (``hydra.callbacks.fresh_sweep_dir``); ``enabled=false`` turns it off (to re-run a sweep into
+    its own folder on purpose, e.g. with ``train.resume=true``).
+
+    Hydra turns an exception in a callback into a warning, so the refusal is a ``SystemExit``
+    with status 2 and one line on stderr.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+
+    def on_multirun_start(self, config, **kwargs: Any) -> None:
+        if not self.enabled:
+            return
+        sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        existing = [p.name for p in sorted(sweep_dir.iterdir())
+                    if p.name == "multirun.yaml" or (p / "metrics.json").is_file()
+                    or (p / ".hydra").is_dir()][:3]  # fmt: skip
+        try:
+            fd = os.open(sweep_dir / SWEEP_MARKER, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        except FileExistsError:
+            existing = [SWEEP_MARKER, *existing]
+        else:
+            os.close(fd)
+            if existing:
+                os.unlink(sweep_dir / SWEEP_MARKER)
+        if existing:
+            print(
+                f"mptex-train: error: hydra.sweep.dir: {sweep_dir} already holds a sweep "
+                f"({', '.join(existing)}); choose a new directory, or set "
+                "hydra.callbacks.fresh_sweep_dir.enabled=false to write into it anyway",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SweepDirInUse(2)

@@ -1,0 +1,393 @@
+"""Reading a sweep: its jobs, each job's own config, and the keys the sweep varied.
+
+A *job* is a directory holding ``metrics.json`` (written by ``mptex-train``) or, for a job that
+crashed before writing it, a Hydra ``.hydra/config.yaml``. A *sweep* is a directory holding
+Hydra's ``multirun.yaml`` (written by every ``mptex-train -m``), or, for a folder without one
+(hand-made, or copied jobs), the folder itself.
+
+What makes two runs comparable is read from each job's own saved config (``metrics.json``
+``config``, else ``.hydra/config.yaml``), flattened to dotted keys. The *swept keys* are the
+keys with two or more distinct values among the sweep's runs, except :data:`NOT_SWEPT` (the seed,
+which the statistics pair over, and switches that do not change a result). Runs with equal
+values of every swept key form one *group* (one table row); one (group, seed) counts once.
+
+Nothing here imports the training loop: ``metrics.json`` is the contract (docs/metrics.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "STATUSES",
+    "REFERENCE_ARM",
+    "ARM_ORDER",
+    "NOT_SWEPT",
+    "RUN_FIELDS",
+    "SweepLayoutError",
+    "find_sweeps",
+    "collect_runs",
+    "swept_keys",
+    "shown_keys",
+    "group_runs",
+    "is_number",
+]
+
+# Run outcomes. "unavailable": the arm needs a library or device this machine lacks (tcnn_fused
+# without tinycudann); it is listed, never silently dropped. An unreadable metrics.json is a
+# failed run (its error says why, its path is listed).
+STATUSES = ("completed", "diverged", "failed", "unavailable")
+REFERENCE_ARM = "f32"
+# Table order: the reference first, then the issue's order of arms; unknown arms follow by name.
+ARM_ORDER = ("f32", "nvdiffrec", "f16_naive", "f16_static", "f16_dynamic", "amp", "bf16",
+             "per_layer", "tcnn_fused")  # fmt: skip
+# Config keys that never separate rows. train.seed: seeds are what the statistics pair over.
+# train.resume / progress / tensorboard: how a run was driven, not what it computed (a resumed
+# job would otherwise become a row of its own).
+NOT_SWEPT = ("train.seed", "train.resume", "train.progress", "train.tensorboard")
+# Per-run scalars copied from metrics.json into results.csv/json, in column order.
+RUN_FIELDS = (
+    "scene", "precision", "seed", "status", "psnr", "baseline_psnr", "time_per_iter_s",
+    "peak_memory_bytes", "peak_memory_kind", "skipped_steps", "final_loss_scale", "iterations",
+    "iterations_planned", "diverged_at", "failed_at", "error", "wall_time_s", "train_time_s",
+    "n_params", "device", "device_name", "torch_threads", "run_dir",
+)  # fmt: skip
+_UNDERFLOW_SUFFIXES = ("grad_zero_frac", "grad_subnormal_frac")
+# A backend a config asks for, the versions flag saying whether this machine has it, and the
+# config key that mptex-train's error message names when it refuses the run for that reason.
+_BACKEND_FLAGS = (
+    (("precision", "mlp_backend"), "tcnn", "tcnn_available", "precision."),
+    (("texture", "backend"), "tcnn", "tcnn_available", "texture.backend"),
+    (("scene", "raster_backend"), "nvdiffrast", "nvdiffrast_available", "scene."),
+)
+
+
+class SweepLayoutError(ValueError):
+    """A folder that is not one sweep: several sweeps mixed with loose jobs, or nothing."""
+
+
+def is_number(value: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# ----------------------------------------------------------------------------- sweeps
+def _skipped(path: Path, root: Path) -> bool:
+    # submitit's own folders hold pickles and logs, not jobs.
+    return ".submitit" in path.relative_to(root).parts
+
+
+def _job_dirs(root: Path) -> list[Path]:
+    dirs: set[Path] = set()
+    for marker in ("metrics.json", ".hydra"):
+        for path in root.rglob(marker):
+            if not _skipped(path, root):
+                dirs.add(path.parent)
+    jobs = []
+    for job in sorted(dirs):
+        if (job / "metrics.json").is_file():
+            jobs.append(job)
+        elif job != root and (job / ".hydra" / "config.yaml").is_file():
+            jobs.append(job)  # crashed before metrics.json (the sweep's own folder is no job)
+    return jobs
+
+
+def find_sweeps(folder: str | Path) -> list[Path]:
+    """The sweeps under ``folder``, each reported on its own.
+
+    Rule: a directory holding ``multirun.yaml`` is one sweep. ``folder`` itself holding one, or
+    holding none anywhere below, is one sweep (``[folder]``). Otherwise every directory below
+    holding one is a sweep, and jobs outside all of them are refused.
+
+    Raises:
+        FileNotFoundError: ``folder`` does not exist.
+        SweepLayoutError: ``folder`` holds sweeps and also jobs that belong to none of them
+            (the message names both), or holds no job at all.
+    """
+    folder = Path(folder).resolve()
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no such directory")
+    if (folder / "multirun.yaml").is_file():
+        return [folder]
+    roots = sorted(p.parent for p in folder.rglob("multirun.yaml") if not _skipped(p, folder))
+    if not roots:
+        if not _job_dirs(folder):
+            raise SweepLayoutError(f"{folder}: no job directories (metrics.json or .hydra/)")
+        return [folder]
+    loose = [j for j in _job_dirs(folder) if not any(r in j.parents or r == j for r in roots)]
+    if loose:
+        names = ", ".join(str(j.relative_to(folder)) for j in loose[:5])
+        more = f" and {len(loose) - 5} more" if len(loose) > 5 else ""
+        sweeps = ", ".join(str(r.relative_to(folder)) for r in roots)
+        raise SweepLayoutError(
+            f"{folder}: holds the sweeps {sweeps} and jobs outside them ({names}{more}); "
+            "run mptex-report on each sweep directory"
+        )
+    return roots
+
+
+# ----------------------------------------------------------------------------- one run
+def _get(mapping: Any, path: Sequence[str]) -> Any:
+    for key in path:
+        if not isinstance(mapping, Mapping):
+            return None
+        mapping = mapping.get(key)
+    return mapping
+
+
+def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in mapping.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _missing_backend(metrics: Mapping[str, Any]) -> str | None:
+    """The backend a run's config needs, its machine lacks (per ``versions``) and its error
+    names; else None (a run refused for another bad key is a failed run)."""
+    versions = metrics.get("versions") or {}
+    error = str(metrics.get("error") or "")
+    for path, wanted, flag, key in _BACKEND_FLAGS:
+        if (
+            _get(metrics.get("config"), path) == wanted
+            and versions.get(flag) is False
+            and error.startswith(key)
+        ):
+            return wanted
+    return None
+
+
+def _status(metrics: Mapping[str, Any]) -> tuple[str, str | None]:
+    """The report's status of a run and, where it differs from the recorded one, why."""
+    status = metrics.get("status")
+    # The loop refuses a config that needs a missing backend at start, as any config error; for
+    # the report that arm is unavailable on this machine, not a failed run.
+    if status == "failed" and metrics.get("failed_at") == "start" and _missing_backend(metrics):
+        return "unavailable", None
+    if status == "completed" and not is_number(metrics.get("psnr")):
+        # An older loop wrote NaN weights as "completed, psnr null": the run did not produce a
+        # texture, so it is counted with the diverged runs, never dropped from the row unseen.
+        return "diverged", "recorded as completed, but its PSNR is not a finite number"
+    if status not in STATUSES:
+        return "failed", f"unknown status {status!r}"
+    return status, None
+
+
+def _underflow(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Precision statistics of one run: ``{name: value}`` for names ending in an underflow
+    suffix; a top-level value wins, otherwise the mean over the history entries that have it."""
+
+    def wanted(flat):
+        return {k: v for k, v in flat.items() if k.endswith(_UNDERFLOW_SUFFIXES) and is_number(v)}
+
+    stats = wanted(_flatten({k: v for k, v in metrics.items() if k not in ("history", "config")}))
+    samples: dict[str, list[float]] = {}
+    for entry in metrics.get("history") or []:
+        if isinstance(entry, Mapping):
+            for key, value in wanted(_flatten(entry)).items():
+                samples.setdefault(key, []).append(float(value))
+    for key, values in samples.items():
+        stats.setdefault(key, statistics.fmean(values))
+    return dict(sorted(stats.items()))
+
+
+def _read_yaml(path: Path) -> Any:
+    from omegaconf import OmegaConf
+
+    try:
+        conf = OmegaConf.load(path)
+    except Exception:  # a half-written or foreign file: the run stays anonymous, not fatal
+        return None
+    try:
+        return OmegaConf.to_container(conf, resolve=True)
+    except Exception:  # an interpolation that needs Hydra's runtime: keep it as written
+        return OmegaConf.to_container(conf, resolve=False)
+
+
+def _reject_constant(name: str) -> Any:
+    # json accepts NaN / Infinity by default; they are not JSON, and a report that read them
+    # would crash when it writes results.json (issue 13). Refuse them where they are read.
+    raise ValueError(f"{name} is not valid JSON (metrics.json must be strict JSON)")
+
+
+def _read_metrics(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    try:
+        metrics = json.loads(path.read_text(), parse_constant=_reject_constant)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return None, f"unreadable metrics.json: {exc}"
+    if not isinstance(metrics, dict):
+        return None, "unreadable metrics.json: not a JSON object"
+    return metrics, None
+
+
+def _empty_run() -> dict[str, Any]:
+    run: dict[str, Any] = dict.fromkeys(RUN_FIELDS)
+    run.update(history=[], underflow={}, versions={}, config=None, note=None, unreadable=False)
+    return run
+
+
+def _from_hydra(job_dir: Path, run: dict[str, Any]) -> None:
+    config = _read_yaml(job_dir / ".hydra" / "config.yaml")
+    if isinstance(config, Mapping):
+        run["config"] = _flatten(config)
+        run.update(
+            scene=_get(config, ("scene", "name")),
+            precision=_get(config, ("precision", "name")),
+            seed=_get(config, ("train", "seed")),
+        )
+
+
+def _read_job(job_dir: Path) -> dict[str, Any]:
+    run = _empty_run()
+    metrics_path = job_dir / "metrics.json"
+    if not metrics_path.is_file():
+        _from_hydra(job_dir, run)
+        why = "no metrics.json: the job crashed or was killed before writing it"
+        run.update(status="failed", _from=".hydra", error=why)
+        return run
+    metrics, error = _read_metrics(metrics_path)
+    if metrics is None:
+        _from_hydra(job_dir, run)  # the arm and seed may still be known from Hydra's config
+        run.update(status="failed", error=error, unreadable=True, _from=".hydra")
+        return run
+    run.update({key: metrics.get(key) for key in RUN_FIELDS})
+    run["status"], run["note"] = _status(metrics)
+    if run["status"] == "unavailable" and not run.get("error"):
+        run["error"] = f"needs {_missing_backend(metrics)}"
+    config = metrics.get("config")
+    if isinstance(config, Mapping):
+        run["config"] = _flatten(config)
+    else:  # an older metrics.json without its config: Hydra's copy, if the job has one
+        config = _read_yaml(job_dir / ".hydra" / "config.yaml")
+        run["config"] = _flatten(config) if isinstance(config, Mapping) else {}
+    run["history"] = [h for h in metrics.get("history") or [] if isinstance(h, Mapping)]
+    run["underflow"] = _underflow(metrics)
+    run["versions"] = metrics.get("versions") or {}
+    run["_from"] = "metrics.json"
+    return run
+
+
+def _arm_key(arm: Any) -> tuple[int, str]:
+    return (ARM_ORDER.index(arm) if arm in ARM_ORDER else len(ARM_ORDER), str(arm))
+
+
+def _seed_key(seed: Any) -> tuple[int, str]:
+    return (0, f"{seed:020d}") if isinstance(seed, int) and seed >= 0 else (1, str(seed))
+
+
+def collect_runs(sweep_dir: str | Path) -> list[dict[str, Any]]:
+    """Every job under ``sweep_dir`` (searched recursively), sorted by arm, seed and path.
+
+    Returns:
+        one dict per job: the scalars of :data:`RUN_FIELDS` (``None`` where absent; ``run_dir``
+        relative to ``sweep_dir``), ``status`` normalised to :data:`STATUSES`, ``note`` (why the
+        status differs from the recorded one, or None), ``unreadable`` (metrics.json could not
+        be parsed), ``config`` (flattened dotted keys, or None when no config was readable),
+        ``history`` (list of dicts), ``underflow`` (name -> value), ``versions``.
+    """
+    sweep_dir = Path(sweep_dir).resolve()
+    runs = []
+    for job_dir in _job_dirs(sweep_dir):
+        run = _read_job(job_dir)
+        run["run_dir"] = str(job_dir.relative_to(sweep_dir)) or "."
+        config = run["config"]
+        if config is not None:
+            # The identity a key-less hand-made config lacks comes from metrics.json's fields.
+            for key, field in (("precision.name", "precision"), ("scene.name", "scene"),
+                               ("train.seed", "seed")):  # fmt: skip
+                if config.get(key) is None and run.get(field) is not None:
+                    config[key] = run[field]
+        run["scene"] = run.get("scene") or "unknown"
+        run["precision"] = run.get("precision") or "unknown"
+        runs.append(run)
+    runs.sort(key=lambda r: (_arm_key(r["precision"]), _seed_key(r["seed"]), r["run_dir"]))
+    return runs
+
+
+# ----------------------------------------------------------------------------- grouping
+def _hashable(value: Any) -> Any:
+    # Lists (betas, mlp_dtypes) and dicts compare by content.
+    if isinstance(value, (list, tuple, dict)):
+        return json.dumps(value, sort_keys=True, default=str)
+    return value
+
+
+def swept_keys(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Config keys with two or more distinct values among the runs that have a config, except
+    :data:`NOT_SWEPT`; sorted, ``precision.name`` first."""
+    values: dict[str, set[Any]] = {}
+    for run in runs:
+        for key, value in (run.get("config") or {}).items():
+            values.setdefault(key, set()).add(_hashable(value))
+    keys = [k for k, v in values.items() if len(v) > 1 and k not in NOT_SWEPT]
+    return sorted(keys, key=lambda k: (k != "precision.name", k))
+
+
+def shown_keys(runs: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> list[str]:
+    """The swept keys a table shows: ``G.x`` is left out when it is a function of ``G.name``
+    over these runs (the arm's loss scaling follows from the arm; a mesh scene's resolution
+    from the scene), so that a table of arms does not repeat each arm's definition."""
+    shown = []
+    for key in keys:
+        group, _, leaf = key.rpartition(".")
+        name_key = f"{group}.name"
+        if group and leaf != "name" and name_key in keys:
+            seen: dict[Any, set[Any]] = {}
+            for run in runs:
+                config = run.get("config") or {}
+                seen.setdefault(_hashable(config.get(name_key)), set()).add(
+                    _hashable(config.get(key))
+                )
+            if all(len(v) == 1 for v in seen.values()):
+                continue
+        shown.append(key)
+    return shown
+
+
+def group_runs(
+    runs: Sequence[dict[str, Any]],
+) -> tuple[list[str], list[list[dict[str, Any]]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """Split a sweep's runs into rows.
+
+    Returns:
+        ``(keys, groups, duplicates, unidentified)``: the swept keys; one list of runs per
+        distinct combination of their values (in arm order); the runs not counted because an
+        earlier run (by ``run_dir``) has the same values and seed (each gets ``duplicate_of``);
+        and the runs without any readable config (unreadable metrics.json and no ``.hydra``),
+        which belong to no row and are listed by path.
+    """
+    identified = [r for r in runs if r.get("config") is not None]
+    unidentified = [r for r in runs if r.get("config") is None]
+    keys = swept_keys(identified)
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    seen: dict[tuple, dict[str, Any]] = {}
+    duplicates = []
+    for run in sorted(identified, key=lambda r: r["run_dir"]):
+        row = tuple(_hashable(run["config"].get(k)) for k in keys)
+        run["keys"] = {k: run["config"].get(k) for k in keys}
+        first = seen.setdefault((row, _hashable(run["seed"])), run)
+        if first is not run:
+            run["duplicate_of"] = first["run_dir"]
+            duplicates.append(run)
+            continue
+        groups.setdefault(row, []).append(run)
+    ordered = sorted(
+        groups.values(),
+        key=lambda g: (
+            [str(g[0]["keys"].get(k)) for k in keys if not k.startswith("precision.")],
+            _arm_key(g[0]["precision"]),
+            [str(g[0]["keys"].get(k)) for k in keys],
+        ),
+    )
+    for group in ordered:
+        group.sort(key=lambda r: _seed_key(r["seed"]))
+    return keys, ordered, duplicates, unidentified

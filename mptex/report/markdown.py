@@ -1,0 +1,321 @@
+"""report.md: the tables, the automatic reading and how to read them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mptex.report.collect import REFERENCE_ARM, STATUSES, is_number
+from mptex.report.stats import CONFIDENCE, fastest_at_reference_quality
+
+__all__ = ["render_report"]
+
+
+# ----------------------------------------------------------------------------- formatting
+def _fmt(value: Any, spec: str) -> str:
+    return format(value, spec) if is_number(value) else "–"
+
+
+def _signed(value: Any) -> str:
+    return _fmt(value, "+.2f")
+
+
+def _scale(values: Sequence[float]) -> str:
+    if not values:
+        return "–"
+    text = [f"{v:g}" for v in (values[0], values[-1])]
+    return text[0] if len(values) == 1 else f"{text[0]}–{text[1]}"
+
+
+def _psnr(row: Mapping[str, Any]) -> str:
+    if row["psnr_mean"] is None:
+        return "–"
+    std = row["psnr_std"]
+    text = f"{row['psnr_mean']:.2f}" + (f" ± {std:.2f}" if std is not None else "")
+    # Marked where a run did no better than painting the mean colour.
+    return text + (" ⚠" if row["below_baseline"] else "")
+
+
+def _delta(row: Mapping[str, Any]) -> str:
+    delta = row["delta"]
+    if row["verdict"] is None or delta["mean"] is None:
+        return "–"
+    if delta["half_width"] is None:
+        return f"{_signed(delta['mean'])} (1 seed)"
+    return f"{_signed(delta['mean'])} [{_signed(delta['low'])}, {_signed(delta['high'])}]"
+
+
+def _verdict(row: Mapping[str, Any], margin_db: float) -> str:
+    if row["verdict"] is None:
+        return "reference" if row["precision"] == REFERENCE_ARM else "no reference"
+    if row["verdict"] == "no paired seeds":
+        return "–"
+    if row["verdict"] == "no detectable difference":
+        return f"no detectable difference within ±{margin_db:g} dB"
+    if row["verdict"] == "cannot judge":
+        return f"cannot judge ({row['delta']['n']} paired seed{'s' * (row['delta']['n'] != 1)})"
+    return row["verdict"]
+
+
+def _value(value: Any) -> str:
+    return "–" if value is None else f"`{value}`"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def _shown_underflow(key: str) -> bool:
+    # Weight gradients of each layer, and the gradient reaching the encoder's output and table.
+    # Left out: out_grad_zero_frac of MLP layers (mostly ReLU's zeros, not underflow) and the
+    # table's grad_zero_frac (entries no point touched).
+    if key.startswith("net"):
+        return ".out_grad_" not in key
+    return key in ("encoder.out_grad_subnormal_frac", "encoder.grad_subnormal_frac")
+
+
+def _environment(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    def distinct(key):
+        return sorted({str(r[key]) for r in runs if r.get(key) is not None})
+
+    versions: dict[str, set[str]] = {}
+    for run in runs:
+        for key, value in (run.get("versions") or {}).items():
+            versions.setdefault(key, set()).add(str(value))
+    version_text = ", ".join(f"{k} {' / '.join(sorted(v))}" for k, v in sorted(versions.items()))
+    return [
+        f"- Device: {' / '.join(distinct('device')) or '–'} "
+        f"({' / '.join(distinct('device_name')) or 'unknown'}); torch threads per run: "
+        f"{' / '.join(distinct('torch_threads')) or '–'}",
+        f"- Versions: {version_text or '–'}",
+    ]
+
+
+# ----------------------------------------------------------------------------- reading
+def _name(row: Mapping[str, Any]) -> str:
+    extra = [f"{k}={v}" for k, v in row["keys"].items()
+             if k.startswith("precision.") and k != "precision.name"]  # fmt: skip
+    return f"`{' '.join([str(row['precision']), *extra])}`"
+
+
+def _reading(rows: Sequence[Mapping[str, Any]], margin_db: float, on_cpu: bool) -> list[str]:
+    """The automatic reading of one section's table, as Markdown bullet lines."""
+    lines = []
+    compared = [r for r in rows if r["verdict"] is not None]
+    refs = [r for r in rows if r["precision"] == REFERENCE_ARM and r["verdict"] is None]
+    if not refs or refs[0]["psnr_mean"] is None:
+        lines.append(f"- No completed `{REFERENCE_ARM}` run: no arm can be compared with it.")
+    elif any(r["verdict"] == "cannot judge" for r in compared) and not any(
+        r["delta"]["n"] >= 2 for r in compared
+    ):
+        n = max(r["delta"]["n"] for r in compared)
+        lines.append(
+            f"- Cannot judge any arm against `{REFERENCE_ARM}`: {n} paired seed"
+            f"{'s' * (n != 1)} per arm, and a confidence interval needs at least 2 (run 3 or more,"
+            " e.g. `train.seed=0,1,2`). The Δ column is a single difference, not a result."
+        )
+    else:
+        ref = refs[0]
+        best = fastest_at_reference_quality(compared, ref)
+        if best is None:
+            lines.append("- No timings: the fastest arm at f32's quality is undefined.")
+        elif best is ref:
+            lines.append(
+                f"- Fastest arm at `{REFERENCE_ARM}`'s quality: `{REFERENCE_ARM}` itself (no "
+                f"faster arm whose {CONFIDENCE:.0%} interval is better than or within "
+                f"±{margin_db:g} dB of `{REFERENCE_ARM}`)."
+            )
+        else:
+            d = best["delta"]
+            lines.append(
+                f"- Fastest arm at `{REFERENCE_ARM}`'s quality: **{_name(best)}** "
+                f"({_verdict(best, margin_db)}: Δ {_signed(d['mean'])} dB, {CONFIDENCE:.0%} CI "
+                f"[{_signed(d['low'])}, {_signed(d['high'])}] over {d['n']} seeds; "
+                f"{_fmt(best['time_per_iter_s'] * 1e3, '.1f')} ms/iteration, "
+                f"{_fmt(best['speedup'], '.2f')}x `{REFERENCE_ARM}`'s speed)."
+            )
+        if best is not None and on_cpu:
+            lines.append(
+                "- Speed here was measured on a CPU, where f16 and bf16 math is emulated "
+                "(slower than f32): the speed ranking says nothing about a GPU."
+            )
+        for name in ("worse", "better", "inconclusive", "cannot judge", "no paired seeds"):
+            # Rows with no completed run are in the diverged / failed lines below.
+            hit = [r for r in compared if r["verdict"] == name and r["n_seeds"]]
+            if hit:
+                items = ", ".join(f"{_name(r)} ({_delta(r)} dB)" for r in hit)
+                lead = {
+                    "worse": f"Worse than `{REFERENCE_ARM}`",
+                    "better": f"Better than `{REFERENCE_ARM}`",
+                    "no paired seeds": f"No seed completed in both the arm and `{REFERENCE_ARM}`",
+                }.get(name, name.capitalize())
+                lines.append(f"- {lead}: {items}.")
+    diverged = [r for r in rows if r["diverged"]]
+    if diverged:
+        items = ", ".join(
+            f"{_name(r)} ({r['diverged']}/{r['n_runs']} runs, at iteration "
+            f"{', '.join(str(i) for i in r['diverged_at'])})"
+            for r in diverged
+        )
+        lines.append(f"- Diverged: {items}.")
+    else:
+        lines.append("- No arm diverged.")
+    below = [r for r in rows if r["below_baseline"]]
+    if below:
+        items = ", ".join(f"{_name(r)} ({len(r['below_baseline'])} of {r['n_seeds']} runs)"
+                          for r in below)  # fmt: skip
+        lines.append(f"- ⚠ At or below the constant-colour baseline: {items}.")
+    for status in ("failed", "unavailable"):
+        hit = [r for r in rows if r[status]]
+        if hit:
+            items = "; ".join(
+                f"{_name(r)} ({r[status]}/{r['n_runs']} runs: "
+                f"{' / '.join(r['errors']) or 'no message'})"
+                for r in hit
+            )
+            lines.append(f"- {status.capitalize()}: {items}.")
+    for row in rows:
+        for note in row["notes"]:
+            lines.append(f"- Counted as diverged: `{note}`.")
+    return lines
+
+
+def _identical(rows: Sequence[Mapping[str, Any]], groups) -> list[str]:
+    """Pairs of arms whose every seed gave the same PSNR to the last bit."""
+    lines = []
+    by_row = [{r["seed"]: r["psnr"] for r in g if r["status"] == "completed"} for g in groups]
+    for i in range(len(rows)):
+        for j in range(i + 1, len(rows)):
+            if len(by_row[i]) and by_row[i] == by_row[j]:
+                lines.append(
+                    f"- {_name(rows[i])} and {_name(rows[j])} gave bit-identical PSNR for every "
+                    "seed: on this device the two arms computed the same numbers, so their rows "
+                    "are one measurement, not two agreeing ones."
+                )
+    return lines
+
+
+# ----------------------------------------------------------------------------- document
+def render_report(
+    sweep_dir: Path,
+    runs: Sequence[Mapping[str, Any]],
+    keys: Sequence[str],
+    rows: Sequence[Mapping[str, Any]],
+    groups: Sequence[Sequence[Mapping[str, Any]]],
+    sections: Sequence[tuple[str, Sequence[int]]],
+    duplicates: Sequence[Mapping[str, Any]],
+    unidentified: Sequence[Mapping[str, Any]],
+    plots: Mapping[str, Any],
+    margin_db: float,
+) -> str:
+    """report.md's text. Every run under the sweep appears: in a row's counts, as a duplicate
+    not counted, or as an unreadable run listed by path."""
+    counts = {s: sum(r["status"] == s for r in runs) for s in STATUSES}
+    shown = list(rows[0]["keys"]) if rows else []
+    seeds = sorted({str(r["seed"]) for r in runs if r.get("seed") is not None})
+    lines = [
+        "# mptex precision ablation",
+        "",
+        f"Sweep `{sweep_dir}`: {len(runs)} runs, "
+        + ", ".join(f"{n} {status}" for status, n in counts.items())
+        + f". Swept: {', '.join(f'`{k}`' for k in shown) or 'nothing'}"
+        + (
+            f" (and {len(keys) - len(shown)} keys that follow from the arm or scene)"
+            if len(keys) > len(shown)
+            else ""
+        )
+        + f"; seeds: {', '.join(seeds) or '–'}.",
+        "",
+        *_environment(runs),
+    ]
+    if duplicates:
+        lines += ["", f"Not counted ({len(duplicates)} runs repeat the config and seed of an "
+                  "earlier run; the first by directory name is kept):"]  # fmt: skip
+        lines += [f"- `{r['run_dir']}`: same as `{r['duplicate_of']}`" for r in duplicates]
+    unreadable = [r for r in runs if r.get("unreadable")]
+    if unreadable:
+        lines += ["", f"Unreadable runs ({len(unreadable)}; counted as failed"
+                  + (f", {len(unidentified)} of them in no row: no config to place them"
+                     if unidentified else "") + "):"]  # fmt: skip
+        lines += [f"- `{r['run_dir']}/metrics.json`: {r['error']}" for r in unreadable]
+    lines.append("")
+    on_cpu = any(r.get("device") == "cpu" for r in runs)
+    key_columns = [k for k in shown if k != "precision.name"]
+    header = ["arm", *(f"`{k}`" for k in key_columns), "seeds", "PSNR (dB)",
+              f"Δ vs {REFERENCE_ARM} (dB) [{CONFIDENCE:.0%} CI]", "verdict",
+              "baseline (dB)", "ms / iter", f"speed-up vs {REFERENCE_ARM}", "peak mem (MiB)",
+              "skipped steps", "eff. loss scale", "runs ok / div / fail / n.a."]  # fmt: skip
+    for _title, indices in sections:  # the Markdown heading is built with backticks below
+        section = [rows[i] for i in indices]
+        first = section[0]
+        extras = [f"`{k}={v}`" for k, v in first["keys"].items()
+                  if not k.startswith("precision.") and k != "scene.name"]  # fmt: skip
+        its = sorted({str(r["iterations_planned"]) for i in indices for r in groups[i]
+                      if r.get("iterations_planned") is not None})  # fmt: skip
+        lines += [f"## Scene `{first['scene']}`" + "".join(f", {e}" for e in extras), "",
+                  f"Iterations: {', '.join(its) or '–'}.", ""]  # fmt: skip
+        table = [[
+            f"`{r['precision']}`", *(_value(r["keys"].get(k)) for k in key_columns),
+            str(r["n_seeds"]), _psnr(r), _delta(r), _verdict(r, margin_db),
+            _fmt(r["baseline_psnr"], ".2f"),
+            _fmt(r["time_per_iter_s"] * 1e3 if is_number(r["time_per_iter_s"]) else None, ".1f"),
+            _fmt(r["speedup"], ".2f"),
+            _fmt(r["peak_memory_bytes"] / 2**20 if is_number(r["peak_memory_bytes"]) else None,
+                 ".0f"),
+            _fmt(r["skipped_steps"], "g"), _scale(r["final_loss_scale"]),
+            " / ".join(str(r[k]) for k in STATUSES),
+        ] for r in section]  # fmt: skip
+        lines += _table(header, table)
+        lines += ["", *_reading(section, margin_db, on_cpu),
+                  *_identical(section, [groups[i] for i in indices]), ""]  # fmt: skip
+        underflow_keys = sorted({k for r in section for k in r["underflow"] if _shown_underflow(k)})
+        if underflow_keys:
+            lines += ["Gradient underflow (fraction of the gradient elements that the compute "
+                      "dtype flushed to zero or holds as subnormals; mean over the sampled "
+                      "iterations of completed and diverged runs):", ""]  # fmt: skip
+            table = [[_name(r), *(_fmt(r["underflow"].get(k), ".3g") for k in underflow_keys)]
+                     for r in section]  # fmt: skip
+            lines += _table(["arm", *(f"`{k}`" for k in underflow_keys)], table) + [""]
+    kinds = sorted({r["peak_memory_kind"] for r in runs if r.get("peak_memory_kind")})
+    gain = plots.get("images.png")
+    lines += [
+        "## How to read this",
+        "",
+        "- Rows: one per combination of the swept config values (read from each job's own "
+        "saved config), over seeds. seeds: completed runs in the row. PSNR: nvdiffrec's "
+        "validation PSNR (sRGB, clamped) of the completed runs, mean ± sample std over seeds; ⚠: "
+        "a run at or below the constant-colour baseline (the best single colour, scored the "
+        "same way), i.e. it learned nothing useful.",
+        f"- Δ vs `{REFERENCE_ARM}`: the mean of the paired differences PSNR(arm) − "
+        f"PSNR(`{REFERENCE_ARM}`) over the seeds both completed, with the same other swept "
+        f"values; [{CONFIDENCE:.0%} CI]: mean ± t(0.975, n−1) · sd / √n (Student t on the n "
+        "paired differences, sample sd); one seed gives no interval.",
+        f"- verdict: `better` / `worse` when the whole interval lies above / below 0; `no "
+        f"detectable difference within ±{margin_db:g} dB` when it lies inside ±{margin_db:g} dB "
+        f"(the equivalence margin, `--margin-db`); `inconclusive` otherwise (more seeds "
+        f"needed); `cannot judge` with fewer than 2 paired seeds. The fastest arm at "
+        f"`{REFERENCE_ARM}`'s quality is chosen among `{REFERENCE_ARM}` and the arms judged "
+        "`better` or `no detectable difference`, by mean ms / iteration.",
+        "- ms / iter: median time per training iteration, averaged over seeds; speed-up > 1: "
+        "faster than the reference.",
+        f"- Peak memory: the largest over the row's runs ({', '.join(kinds) or 'unknown'}). "
+        "cuda_max_allocated: the GPU allocator's peak during the run. run_peak_rss: the "
+        "process's resident memory sampled during the run; it includes what the process held "
+        "before (Python, torch, earlier jobs under Hydra's basic launcher), so compare arms "
+        "within one sweep. process_peak_rss (no /proc): the process's lifetime peak.",
+        "- eff. loss scale: the factor the f16 gradients carried at the end: GradScaler's scale, "
+        "times the fixed ×128 inside the graph of the `nvdiffrec` and `tcnn` arms; 1 without "
+        "loss scaling.",
+        "- runs: completed / diverged (non-finite loss or gradient without loss scaling, too "
+        "many skipped steps in a row, or recorded as completed without a finite PSNR) / failed "
+        "(config error, crash, or an unreadable metrics.json) / not available on this machine.",
+        "- Raw numbers: `results.csv`, `results.json`. Plots: "
+        + (", ".join(f"`{name}`" for name, made in plots.items() if made) or "none")
+        + "."
+        + (f" `images.png`: error maps are |prediction − reference| of the 8-bit sRGB images × "
+           f"{gain} (one scale for every arm)." if gain else ""),
+        "",
+    ]  # fmt: skip
+    return "\n".join(lines)

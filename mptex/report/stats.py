@@ -1,0 +1,314 @@
+"""Statistics of an ablation: per-row summaries, paired differences to f32, confidence
+intervals and the verdicts they support.
+
+Method (stated in every report.md):
+
+- Pairing: an arm's run and the reference arm's run with the same seed and the same values of
+  every other swept key (same scene, same learning rate, ...) form a pair; the difference is
+  ``psnr(arm) - psnr(f32)`` in dB. Seeds that completed in only one of the two arms are not
+  paired (they are counted in the row's run counts instead).
+- Interval: mean of the n paired differences ± ``t_{0.975, n-1} * sd / sqrt(n)`` (Student t,
+  two-sided 95 %, sample standard deviation). Needs n >= 2; with one pair there is no
+  interval and no verdict ("cannot judge").
+- Verdict, with the equivalence margin m (default :data:`EQUIVALENCE_MARGIN_DB`): ``better``
+  when the whole interval lies above 0; ``worse`` when it lies below 0; ``no detectable
+  difference within ±m dB`` when it lies inside [-m, +m] (and contains 0); otherwise
+  ``inconclusive`` (the interval is too wide for either statement: more seeds needed).
+- "Fastest arm at f32's quality": the fastest (mean ms / iteration) among the reference arm and
+  the arms whose verdict is ``better`` or ``no detectable difference``; an arm whose interval
+  says ``worse`` or that is ``inconclusive`` is never named.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mptex.report.collect import REFERENCE_ARM, STATUSES, is_number
+
+__all__ = [
+    "EQUIVALENCE_MARGIN_DB",
+    "CONFIDENCE",
+    "VERDICTS",
+    "t_quantile",
+    "mean_ci",
+    "verdict",
+    "summarize_groups",
+    "sections",
+    "fastest_at_reference_quality",
+]
+
+# The equivalence margin: two arms closer than this are "the same quality" for a paper table.
+# 0.5 dB: well above the seed-to-seed spread of f32 that the protocol aims for (<= 0.3 dB, issue
+# 12) and below the 1-2 dB differences the arms are expected to show when precision matters.
+EQUIVALENCE_MARGIN_DB = 0.5
+CONFIDENCE = 0.95
+VERDICTS = (
+    "better",
+    "worse",
+    "no detectable difference",
+    "inconclusive",
+    "cannot judge",
+    "no paired seeds",
+)
+
+
+# ----------------------------------------------------------------------------- Student t
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the incomplete beta function (modified Lentz's method); converges
+    fast for x < (a+1)/(a+b+2)."""
+    tiny, eps = 1e-300, 1e-15
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    result = d
+    for m in range(1, 400):
+        # even step d_{2m}, then odd step d_{2m+1} of the fraction's coefficients
+        for coef in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1.0 + coef * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + coef / c
+            c = c if abs(c) > tiny else tiny
+            result *= c * d
+        if abs(c * d - 1.0) < eps:
+            break
+    return result
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """Regularised incomplete beta I_x(a, b) for 0 <= x <= 1."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x)
+                 + b * math.log1p(-x))  # fmt: skip
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(log_front) * _betacf(a, b, x) / a
+    # The symmetry I_x(a, b) = 1 - I_{1-x}(b, a) keeps the fraction in its fast region.
+    return 1.0 - math.exp(log_front) * _betacf(b, a, 1.0 - x) / b
+
+
+def _t_cdf(t: float, dof: float) -> float:
+    tail = 0.5 * _betainc(dof / 2.0, 0.5, dof / (dof + t * t))
+    return 1.0 - tail if t >= 0 else tail
+
+
+def t_quantile(p: float, dof: float) -> float:
+    """Quantile of Student's t distribution: the t with ``P(T <= t) = p``.
+
+    Algorithm: the CDF via the regularised incomplete beta function
+    (``P(T > t) = I_{dof/(dof+t^2)}(dof/2, 1/2) / 2``, continued fraction), inverted by
+    bisection to 1e-12 (no scipy). E.g. ``t_quantile(0.975, 2) = 4.3027``.
+
+    Args:
+        p: probability in (0, 1).
+        dof: degrees of freedom > 0.
+    """
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"p: expected a probability in (0, 1), got {p!r}")
+    if not (is_number(dof) and dof > 0):
+        raise ValueError(f"dof: expected a number > 0, got {dof!r}")
+    if p < 0.5:
+        return -t_quantile(1.0 - p, dof)
+    lo, hi = 0.0, 1.0
+    while _t_cdf(hi, dof) < p:
+        hi *= 2.0
+    while hi - lo > 1e-12 * max(1.0, hi):
+        mid = 0.5 * (lo + hi)
+        if _t_cdf(mid, dof) < p:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> dict[str, Any]:
+    """Mean and two-sided Student-t confidence interval of ``values``.
+
+    Returns:
+        ``{"n", "mean", "sd", "half_width", "low", "high"}``; ``sd`` is the sample standard
+        deviation; ``half_width = t_{(1+confidence)/2, n-1} * sd / sqrt(n)``. With fewer than
+        two values ``sd``, ``half_width``, ``low`` and ``high`` are None (no interval).
+    """
+    values = [float(v) for v in values]
+    n = len(values)
+    mean = statistics.fmean(values) if values else None
+    if n < 2:
+        return dict(n=n, mean=mean, sd=None, half_width=None, low=None, high=None)
+    sd = statistics.stdev(values)
+    half = t_quantile(0.5 + confidence / 2.0, n - 1) * sd / math.sqrt(n)
+    return dict(n=n, mean=mean, sd=sd, half_width=half, low=mean - half, high=mean + half)
+
+
+def verdict(ci: Mapping[str, Any], margin_db: float = EQUIVALENCE_MARGIN_DB) -> str:
+    """The statement an interval supports (see the module docstring); one of :data:`VERDICTS`."""
+    low, high = ci.get("low"), ci.get("high")
+    if low is None or high is None:
+        return "cannot judge"
+    if low > 0:
+        return "better"
+    if high < 0:
+        return "worse"
+    if -margin_db <= low and high <= margin_db:
+        return "no detectable difference"
+    return "inconclusive"
+
+
+# ----------------------------------------------------------------------------- rows
+def _mean(values) -> float | None:
+    values = [float(v) for v in values if is_number(v)]
+    return statistics.fmean(values) if values else None
+
+
+def _std(values) -> float | None:
+    values = [float(v) for v in values if is_number(v)]
+    return statistics.stdev(values) if len(values) >= 2 else None
+
+
+def _effective_scale(run: Mapping[str, Any], recorded: float) -> float:
+    """The factor the f16 gradients carry: the recorded loss scale, times the fixed x128 that
+    nvdiffrec's backward hook (``loss_scaling: nvdiffrec``) or tcnn's fused network
+    (``tcnn``) applies inside the graph (mptex/precision.py, mptex/mlp.py)."""
+    config = run.get("config") or {}
+    if config.get("precision.loss_scaling") in ("nvdiffrec", "tcnn"):
+        fixed = config.get("precision.static_loss_scale")
+        return recorded * (float(fixed) if is_number(fixed) else 128.0)
+    return recorded
+
+
+def _row(group: Sequence[Mapping[str, Any]], shown: Sequence[str]) -> dict[str, Any]:
+    first = group[0]
+    done = [r for r in group if r["status"] == "completed"]
+    measured = [r for r in group if r["status"] in ("completed", "diverged")]
+    underflow_keys = sorted({k for r in measured for k in r.get("underflow", {})})
+    below = [
+        r for r in done if is_number(r.get("baseline_psnr")) and r["psnr"] <= r["baseline_psnr"]
+    ]
+    return {
+        "scene": first["scene"],
+        "precision": first["precision"],
+        "keys": {k: first["keys"].get(k) for k in shown},
+        "all_keys": dict(first["keys"]),
+        "n_runs": len(group),
+        **{status: sum(r["status"] == status for r in group) for status in STATUSES},
+        "seeds": [r["seed"] for r in group],
+        "n_seeds": len(done),
+        "psnr_mean": _mean(r["psnr"] for r in done),
+        "psnr_std": _std(r["psnr"] for r in done),
+        "baseline_psnr": _mean(r.get("baseline_psnr") for r in done),
+        "below_baseline": [r["run_dir"] for r in below],
+        "time_per_iter_s": _mean(r["time_per_iter_s"] for r in done),
+        "peak_memory_bytes": max((r["peak_memory_bytes"] for r in done
+                                  if is_number(r["peak_memory_bytes"])), default=None),
+        "peak_memory_kind": next((r["peak_memory_kind"] for r in done
+                                  if r.get("peak_memory_kind")), None),
+        "skipped_steps": _mean(r["skipped_steps"] for r in done),
+        "final_loss_scale": sorted({_effective_scale(r, float(r["final_loss_scale"]))
+                                    for r in done if is_number(r["final_loss_scale"])}),
+        "diverged_at": [r["diverged_at"] for r in group if r["status"] == "diverged"],
+        "notes": sorted({f"{r['run_dir']}: {r['note']}" for r in group if r.get("note")}),
+        "errors": sorted({str(r["error"]) for r in group
+                          if r["status"] in ("failed", "unavailable") and r.get("error")}),
+        "underflow": {k: _mean(r["underflow"].get(k) for r in measured) for k in underflow_keys},
+    }  # fmt: skip
+
+
+def _context(keys: Mapping[str, Any]) -> tuple:
+    """What a row is compared within: its key values outside the precision group."""
+    return tuple(sorted((k, str(v)) for k, v in keys.items() if not k.startswith("precision.")))
+
+
+def _reference_for(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]):
+    """The reference arm's row in the same context: the one matching every key if there is
+    one, else the only reference row of the context; None when absent or ambiguous."""
+    refs = [r for r in rows if r["precision"] == REFERENCE_ARM
+            and _context(r["all_keys"]) == _context(row["all_keys"])]  # fmt: skip
+    exact = [r for r in refs if {k: v for k, v in r["all_keys"].items() if k != "precision.name"}
+             == {k: v for k, v in row["all_keys"].items() if k != "precision.name"}]  # fmt: skip
+    if len(exact) == 1:
+        return exact[0]
+    return refs[0] if len(refs) == 1 else None
+
+
+def summarize_groups(
+    groups: Sequence[Sequence[Mapping[str, Any]]],
+    shown: Sequence[str] = (),
+    margin_db: float = EQUIVALENCE_MARGIN_DB,
+) -> list[dict[str, Any]]:
+    """One summary per group (table row), in the groups' order, with its paired comparison.
+
+    PSNR, time, memory, skipped steps and loss scale are over the row's completed runs (a
+    diverged run's last PSNR says nothing about the arm's quality; it is counted instead, and
+    every run is in exactly one count of :data:`STATUSES`).
+
+    Args:
+        groups: runs split by :func:`mptex.report.collect.group_runs` (each run has ``keys``).
+        shown: the swept keys the table shows (see ``collect.shown_keys``).
+        margin_db: equivalence margin m of the verdict, in dB (> 0).
+
+    Returns:
+        dicts with ``scene``, ``precision``, ``keys`` (shown key -> value), ``n_runs``, one
+        count per status, ``n_seeds`` (completed runs), ``psnr_mean``, ``psnr_std``,
+        ``baseline_psnr``, ``below_baseline`` (run dirs at or under the constant-colour
+        baseline), ``time_per_iter_s``, ``speedup`` (reference time / this row's), peak memory,
+        ``skipped_steps``, ``final_loss_scale`` (distinct effective scales), ``diverged_at``,
+        ``notes``, ``errors``, ``underflow``, ``reference`` (the reference row's index or None),
+        ``pairs`` (list of ``[seed, difference]``), ``delta`` (:func:`mean_ci` of the paired
+        differences) and ``verdict``.
+    """
+    if not (is_number(margin_db) and margin_db > 0):
+        raise ValueError(f"margin_db: expected a number > 0, got {margin_db!r}")
+    rows = [_row(group, shown) for group in groups]
+    for row, group in zip(rows, groups):
+        ref = _reference_for(row, rows)
+        row["reference"] = None if ref is None else rows.index(ref)
+        ref_group = groups[row["reference"]] if ref is not None else []
+        ref_psnr = {r["seed"]: r["psnr"] for r in ref_group if r["status"] == "completed"}
+        pairs = [[r["seed"], r["psnr"] - ref_psnr[r["seed"]]] for r in group
+                 if r["status"] == "completed" and r["seed"] in ref_psnr]  # fmt: skip
+        row["pairs"] = pairs
+        row["delta"] = mean_ci([d for _, d in pairs])
+        if ref is None or ref is row:
+            row["verdict"] = None
+        elif not pairs:  # no seed completed in both: nothing to compare (counts say why)
+            row["verdict"] = "no paired seeds"
+        else:
+            row["verdict"] = verdict(row["delta"], margin_db)
+        t, t_ref = row["time_per_iter_s"], ref["time_per_iter_s"] if ref else None
+        row["speedup"] = t_ref / t if is_number(t) and t > 0 and is_number(t_ref) else None
+    return rows
+
+
+def sections(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[int]]]:
+    """Rows compared within one context (same values of every key outside the precision
+    group): ``[(title, row indices)]`` in row order; the title names the scene and the shown
+    non-precision keys, e.g. ``"scene builtin, train.lr=0.01"``."""
+    out: dict[tuple, tuple[str, list[int]]] = {}
+    for index, row in enumerate(rows):
+        context = _context(row["all_keys"])
+        if context not in out:
+            shown = [f"{k}={v}" for k, v in row["keys"].items()
+                     if not k.startswith("precision.") and k != "scene.name"]  # fmt: skip
+            out[context] = (", ".join([f"scene {row['scene']}", *shown]), [])
+        out[context][1].append(index)
+    return list(out.values())
+
+
+def fastest_at_reference_quality(
+    rows: Sequence[Mapping[str, Any]], reference: Mapping[str, Any]
+) -> Mapping[str, Any] | None:
+    """The fastest row (mean time per iteration) among ``reference`` and the rows compared with
+    it whose verdict is ``better`` or ``no detectable difference``; None without timings.
+    A row whose interval says ``worse``, or that cannot be judged, is never returned."""
+    candidates = [reference] + [
+        r
+        for r in rows
+        if r is not reference and r["verdict"] in ("better", "no detectable difference")
+    ]
+    timed = [r for r in candidates if is_number(r["time_per_iter_s"])]
+    return min(timed, key=lambda r: r["time_per_iter_s"]) if timed else None

@@ -117,7 +117,9 @@ def config_key(message: str) -> str:
     return f"{_ARGUMENT_KEYS[name]}:{rest if sep == ':' else ' must' + rest}"
 
 
-def _check_texture(texture: Mapping[str, Any]) -> None:
+def check_texture_config(texture: Mapping[str, Any]) -> None:
+    """Check a texture group's keys and types (``ValueError`` ``"texture.<key>: ..."``); the
+    constructors check the ranges."""
     unknown = sorted(set(texture) - set(TEXTURE_KEYS))
     if unknown:
         raise ValueError(f"texture.{unknown[0]}: unknown key; valid keys: {list(TEXTURE_KEYS)}")
@@ -237,7 +239,7 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if not ok:
         raise ValueError(f"precision.name: {why}")
     texture = dict(cfg["texture"])
-    _check_texture(texture)
+    check_texture_config(texture)
     channels = texture.get("channels", 3)
     if channels < 3:
         raise ValueError(f"texture.channels: expected an integer >= 3, got {channels!r}")

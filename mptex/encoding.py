@@ -132,7 +132,9 @@ class HashGridEncoding(nn.Module):
             or not math.isfinite(per_level_scale)
             or per_level_scale < 1.0
         ):
-            raise ValueError(f"per_level_scale must be a finite number >= 1, got {per_level_scale!r}")
+            raise ValueError(
+                f"per_level_scale must be a finite number >= 1, got {per_level_scale!r}"
+            )
         finest = math.log2(base_resolution) + (n_levels - 1) * math.log2(per_level_scale)
         if finest > math.log2(_MAX_RESOLUTION):
             raise ValueError(

@@ -178,9 +178,7 @@ class PrecisionPolicy:
                 raise ValueError(f"{field}: expected a string, got {getattr(self, field)!r}")
         for field in ("master_weights", "autocast"):
             if not isinstance(getattr(self, field), bool):
-                raise ValueError(
-                    f"{field}: expected true or false, got {getattr(self, field)!r}"
-                )
+                raise ValueError(f"{field}: expected true or false, got {getattr(self, field)!r}")
         for field in ("static_loss_scale", "init_scale", "growth_factor", "backoff_factor"):
             value = getattr(self, field)
             if not _is_real(value) or not math.isfinite(value):

@@ -46,7 +46,9 @@ def _bounds(value: Any, arg: str, width: int | None) -> torch.Tensor:
             rows = [torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in value]
             tensor = torch.stack(rows)
         except (TypeError, ValueError, RuntimeError):  # ragged rows, strings, None
-            raise ValueError(f"{arg}: expected two rows of numbers [min, max], got {value!r}")
+            raise ValueError(
+                f"{arg}: expected two rows of numbers [min, max], got {value!r}"
+            ) from None
     else:
         raise ValueError(f"{arg}: expected [min, max] rows, got {value!r}")
     if tensor.ndim != 2 or tensor.shape[0] != 2 or (width is not None and tensor.shape[1] != width):

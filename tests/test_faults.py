@@ -185,9 +185,11 @@ def _mesh_files(folder: Path, obj: str | bytes, mtl: str | bytes | None = None) 
     return path
 
 
-CUBE = "mtllib m.mtl\nusemtl red\n" + "".join(
-    f"v {x} {y} {z}\n" for x in (0, 1) for y in (0, 1) for z in (0, 1)
-) + "f 1 2 4\nf 1 4 3\nf 5 7 8\nf 5 8 6\nf 1 5 6\nf 1 6 2\nf 3 4 8\nf 3 8 7\n"
+CUBE = (
+    "mtllib m.mtl\nusemtl red\n"
+    + "".join(f"v {x} {y} {z}\n" for x in (0, 1) for y in (0, 1) for z in (0, 1))
+    + "f 1 2 4\nf 1 4 3\nf 5 7 8\nf 5 8 6\nf 1 5 6\nf 1 6 2\nf 3 4 8\nf 3 8 7\n"
+)
 
 
 @pytest.mark.parametrize(
@@ -198,7 +200,8 @@ CUBE = "mtllib m.mtl\nusemtl red\n" + "".join(
         (CUBE.replace("usemtl red", "usemtl café"), None, "m.obj"),  # no MTL file
         (CUBE, "newmtl red\nmap_Kd tex.png\n", "tex.png"),  # corrupt PNG, see below
         (CUBE, b"newmtl red\nKd 1 0 \x00\n", "m.mtl"),
-        ("v 0 0 0\nv 0 0 0\nv 0 0 0\nf 1 2 3\n", None, "m.obj"),  # one repeated point
+        ("mtllib m.mtl\nusemtl red\nv 0 0 0\nv 0 0 0\nv 0 0 0\nf 1 2 3\n",
+         "newmtl red\nKd 1 0 0\n", "same point"),  # one repeated point
         ("v 0 0 0\nv 1 0 0\nv 0 1 0\nf 1 2 3\nusemtl x\n", None, "m.obj"),
         (CUBE.replace("v 1 1 1", "v 1 1"), "newmtl red\nKd 1 0 0\n", "m.obj"),
     ],
@@ -208,8 +211,11 @@ CUBE = "mtllib m.mtl\nusemtl red\n" + "".join(
 def test_corrupt_mesh_files_are_one_line_naming_the_file(tmp_path, obj, mtl, names):
     path = _mesh_files(tmp_path / "mesh", obj, mtl)
     (tmp_path / "mesh" / "tex.png").write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(64))
-    message = start_error(tmp_path / "run", "scene=mesh", f"scene.path={path}", "scene.resolution=16")
+    message = start_error(
+        tmp_path / "run", "scene=mesh", f"scene.path={path}", "scene.resolution=16"
+    )
     assert names in message and ("scene.path" in message or message.startswith(str(tmp_path)))
+    assert str(tmp_path) in message  # the file is named
 
 
 def test_latin1_mtl_loads_and_a_flat_mesh_is_refused_naming_the_file(tmp_path):
@@ -446,8 +452,8 @@ KILL_RUN = [*TINY, "train.iterations=12", "train.checkpoint_interval=1", "train.
 
 def _child(run_dir: Path, script: Path, slow: float = 0.0) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, str(script), str(run_dir), str(slow), *KILL_RUN],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    cmd = [sys.executable, str(script), str(run_dir), str(slow), *KILL_RUN]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_for(proc: subprocess.Popen, marker: str) -> None:

@@ -116,8 +116,10 @@ _CHECKS = {
     "near": (lambda v: _is_number(v) and v > 0, "a finite number > 0"),
     "far": (lambda v: _is_number(v) and v > 0, "a finite number > 0"),
     "seed": (lambda v: _is_int(v) and 0 <= v < 2**63 - 1, "an integer in [0, 2**63 - 1)"),
-    "raster_backend": (lambda v: v in ("auto", "torch", "nvdiffrast"),
-                       "one of 'auto', 'torch', 'nvdiffrast'"),  # fmt: skip
+    "raster_backend": (
+        lambda v: v in ("auto", "torch", "nvdiffrast"),
+        "one of 'auto', 'torch', 'nvdiffrast'",
+    ),  # fmt: skip
     "tubular_segments": (lambda v: _is_int(v) and v >= 3, "an integer >= 3"),
     "radial_segments": (lambda v: _is_int(v) and v >= 3, "an integer >= 3"),
     "normalize": (lambda v: isinstance(v, bool), "true or false"),

@@ -152,8 +152,7 @@ def load_checkpoint(
     except Exception as exc:  # torch raises RuntimeError, EOFError, UnpicklingError, ...
         why = _one_line(exc)[:200]
         raise CheckpointError(
-            f"{path}: not a readable checkpoint, corrupt or truncated ({type(exc).__name__}: "
-            f"{why})"
+            f"{path}: not a readable checkpoint, corrupt or truncated ({type(exc).__name__}: {why})"
         ) from None
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"{path}: not an mptex checkpoint (holds {type(ckpt).__name__})")

@@ -8,7 +8,9 @@ Example::
 
 Prints a per-stage table (see :func:`mptex.diagnostics.compare_setups`), writes the JSON report
 with ``--out``, and exits 0 when every stage of both setups is within its dtype's bound, 1 when
-one is not (so it can gate CI), 2 for bad arguments.
+one is not (so it can gate CI), 2 for bad arguments and I/O errors (an unreadable or malformed
+``--texture-config``, an unknown key in it, an unwritable ``--out``): a crash is never read as
+a precision failure.
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"{' or '.join(sorted(TEXTURE_CONFIGS))}, or a YAML file of MLPTexture3D arguments "
         "(configs/texture/default.yaml's format)",
     )  # fmt: skip
+    parser.add_argument(
+        "--cotangent-scale", default="training",
+        help="standard deviation of the output gradient: 'training' (default, the size the "
+        "default training run puts on one texture output, ~1e-5) or a number",
+    )  # fmt: skip
     parser.add_argument("--out", default=None, help="write the JSON report here")
     return parser
 
@@ -61,13 +68,43 @@ def _texture_config(value: str):
         return value
     from omegaconf import OmegaConf
 
+    from mptex.train.config import check_texture_config
+
     try:
-        return OmegaConf.to_container(OmegaConf.load(value), resolve=True)
-    except OSError as error:
+        config = OmegaConf.to_container(OmegaConf.load(value), resolve=True)
+    except Exception as error:  # OSError, yaml's parser errors, OmegaConf's
+        why = " ".join(str(error).split())[:200]
         raise ValueError(
             f"--texture-config: expected {sorted(TEXTURE_CONFIGS)} or a readable YAML file, "
-            f"got {value!r} ({error})"
+            f"got {value!r} ({type(error).__name__}: {why})"
         ) from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--texture-config: {value}: expected a mapping of texture keys")
+    try:
+        check_texture_config(config)
+    except ValueError as error:
+        raise ValueError(f"--texture-config: {value}: {error}") from None
+    return config
+
+
+def _cotangent_scale(value: str) -> float | None:
+    if value == "training":
+        return None
+    try:
+        scale = float(value)
+    except ValueError:
+        scale = float("nan")
+    if not (scale > 0 and scale != float("inf")):
+        raise ValueError(f"--cotangent-scale: expected 'training' or a number > 0, got {value!r}")
+    return scale
+
+
+def _check_writable(path: str) -> None:
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(f"--out: cannot write {path} (not a writable file location)")
 
 
 def check_main(argv: Sequence[str] | None = None) -> int:
@@ -87,16 +124,19 @@ def check_main(argv: Sequence[str] | None = None) -> int:
         ]
         if args.points < 1:
             raise ValueError(f"--points: expected a positive integer, got {args.points}")
+        if args.out:
+            _check_writable(args.out)
         report = compare_setups(
-            _texture_config(args.texture_config), *setups, points=args.points, seed=args.seed
-        )
-    except (ValueError, RuntimeError) as error:
-        print(f"mptex-check: error: {error}", file=sys.stderr)
+            _texture_config(args.texture_config), *setups, points=args.points, seed=args.seed,
+            cotangent_scale=_cotangent_scale(args.cotangent_scale),
+        )  # fmt: skip
+        print(report.format_table())
+        if args.out:
+            report.to_json(args.out)
+            print(f"report: {args.out}")
+    except (ValueError, RuntimeError, OSError) as error:
+        print(f"mptex-check: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
-    print(report.format_table())
-    if args.out:
-        report.to_json(args.out)
-        print(f"report: {args.out}")
     return 0 if report.ok else 1
 
 

@@ -10,7 +10,10 @@ backends gives the same outputs.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Mapping
+from numbers import Real
 from typing import Any, Literal
 
 import torch
@@ -31,6 +34,32 @@ Backend = Literal["auto", "torch", "tcnn", "triton"]
 BACKENDS = ("auto", "torch", "tcnn", "triton")
 _DTYPES = {torch.float32: "float32", torch.float16: "float16"}
 _OTYPES = {"hashgrid": "Hash", "grid": None, "densegrid": "Dense"}
+
+
+# The finest level's resolution is capped where float32 grid coordinates stop being exact
+# integers (2^24): beyond it ``floor(pos)`` and the cell fraction lose meaning, and a position
+# scaled past the float32 range becomes inf, whose fraction is NaN.
+_MAX_RESOLUTION = 2**24
+
+
+def _available_bytes(device: torch.device | str | None) -> int | None:
+    """Free memory where ``params`` will live (CPU: MemAvailable), or None when unknown."""
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
 
 
 def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
@@ -103,9 +132,23 @@ class HashGridEncoding(nn.Module):
                 f"n_features_per_level must be 1, 2, 4 or 8, got {n_features_per_level!r}"
             )
         _check_int("log2_hashmap_size", log2_hashmap_size, 1, 30)
-        _check_int("base_resolution", base_resolution, 1)
-        if not float(per_level_scale) >= 1.0:
-            raise ValueError(f"per_level_scale must be a number >= 1, got {per_level_scale!r}")
+        _check_int("base_resolution", base_resolution, 1, _MAX_RESOLUTION)
+        if (
+            isinstance(per_level_scale, bool)
+            or not isinstance(per_level_scale, Real)
+            or not math.isfinite(per_level_scale)
+            or per_level_scale < 1.0
+        ):
+            raise ValueError(
+                f"per_level_scale must be a finite number >= 1, got {per_level_scale!r}"
+            )
+        finest = math.log2(base_resolution) + (n_levels - 1) * math.log2(per_level_scale)
+        if finest > math.log2(_MAX_RESOLUTION):
+            raise ValueError(
+                f"per_level_scale must keep the finest resolution, base_resolution * "
+                f"per_level_scale**(n_levels - 1), at most 2**24 (float32 grid coordinates), "
+                f"got {per_level_scale!r} (2**{finest:.1f})"
+            )
         if interpolation not in INTERPOLATIONS:
             raise ValueError(
                 f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}"
@@ -138,6 +181,17 @@ class HashGridEncoding(nn.Module):
             interpolation,
             grid_type,
         )
+        # Refuse what cannot fit before allocating: the f32 table plus the temporaries of its
+        # initialisation (two vectors of its size at once).
+        needed = 2 * 4 * self.geometry.n_params
+        available = _available_bytes(device)
+        if available is not None and needed > available:
+            raise ValueError(
+                f"log2_hashmap_size: {n_levels} levels of up to 2**{log2_hashmap_size} entries "
+                f"x {n_features_per_level} features need {needed / 2**30:.1f} GiB to build, "
+                f"only {available / 2**30:.1f} GiB is available on {torch.device(device or 'cpu')}"
+                " (lower log2_hashmap_size or n_levels)"
+            )
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         initial = torch.rand(self.geometry.n_params, generator=generator) * 2e-4 - 1e-4
         self.params = nn.Parameter(initial.to(device))
@@ -158,6 +212,8 @@ class HashGridEncoding(nn.Module):
         ``per_level_scale``, ``interpolation``; missing keys take tcnn's defaults.
         ``kwargs`` go to the constructor (``backend``, ``dtype``, ``device``, ``seed``).
         """
+        if not isinstance(config, Mapping):
+            raise ValueError(f"config must be a mapping of tcnn grid keys, got {config!r}")
         known = {
             "otype",
             "type",
@@ -179,15 +235,17 @@ class HashGridEncoding(nn.Module):
                 f"config['otype'] must be 'HashGrid', 'Grid' or 'DenseGrid', got {otype!r}"
             )
         grid_type = config.get("type", _OTYPES[otype.lower()] or "Hash")
+        # Values pass through unconverted: the constructor refuses 4.7 levels rather than
+        # training 4 while the config says 4.7.
         return cls(
             n_input_dims,
-            n_levels=int(config.get("n_levels", 16)),
-            n_features_per_level=int(config.get("n_features_per_level", 2)),
-            log2_hashmap_size=int(config.get("log2_hashmap_size", 19)),
-            base_resolution=int(config.get("base_resolution", 16)),
-            per_level_scale=float(config.get("per_level_scale", 2.0)),
-            interpolation=str(config.get("interpolation", "Linear")),
-            grid_type=str(grid_type),
+            n_levels=config.get("n_levels", 16),
+            n_features_per_level=config.get("n_features_per_level", 2),
+            log2_hashmap_size=config.get("log2_hashmap_size", 19),
+            base_resolution=config.get("base_resolution", 16),
+            per_level_scale=config.get("per_level_scale", 2.0),
+            interpolation=config.get("interpolation", "Linear"),
+            grid_type=grid_type,
             **kwargs,
         )
 
@@ -235,14 +293,27 @@ class HashGridEncoding(nn.Module):
             raise ValueError(f"x must be {expected} (params: {self.params.dtype}), got {x.dtype}")
         if x.device != self.params.device:
             raise ValueError(f"x is on {x.device} but params are on {self.params.device}")
-        if not bool(torch.isfinite(x).all()):
+        # One reduction and one sync for both checks: NaN fails the comparison. The grid's
+        # domain is [0, 1]; tcnn wraps points outside it, which stays defined while the finest
+        # level's coordinate pos = scale * x + 0.5 is an exact float32 integer range.
+        limit = _MAX_RESOLUTION / max(self.geometry.scales[-1], 1.0)
+        largest = float(x.detach().abs().max()) if x.numel() else 0.0
+        if not math.isfinite(largest):
             raise ValueError("x contains non-finite values (inf or NaN)")
+        if largest > limit:
+            raise ValueError(
+                f"x must lie within |x| <= {limit:.4g} (the domain is [0, 1]; beyond the limit "
+                "the finest level's float32 grid coordinates are no longer exact), got values up "
+                f"to {largest:g}"
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Encode points.
 
         Args:
-            x: [N, D] float32 in [0, 1] (float64 allowed after ``.double()``, for gradcheck).
+            x: [N, D] float32 in [0, 1] (float64 allowed after ``.double()``, for gradcheck);
+                values outside wrap as in tcnn, but must be finite and within
+                ``|x| <= 2**24 / scale`` of the finest level (``ValueError`` naming ``x``).
 
         Returns:
             [N, n_output_dims] in ``dtype`` (float64 after ``.double()``), level-major.

@@ -24,6 +24,7 @@ tcnn_fused    f16        tcnn FullyFusedMLP f16 f32      tcnn          CUDA + ti
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ __all__ = [
     "parse_dtype",
     "dtype_name",
     "scale_grad",
+    "all_finite",
 ]
 
 LOSS_SCALING_MODES = ("none", "static", "dynamic", "nvdiffrec", "tcnn")
@@ -70,6 +72,14 @@ def parse_dtype(value: str | torch.dtype, field: str = "dtype") -> torch.dtype:
         f"{field}: expected one of {sorted(_DTYPE_ALIASES)} (or torch.float16/bfloat16/float32), "
         f"got {value!r}"
     )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -161,6 +171,22 @@ class PrecisionPolicy:
         self._validate()
 
     def _validate(self) -> None:
+        # Types first: a YAML ``no`` given as a string, or ``init_scale=big``, must not reach
+        # bool()/float() (a non-empty string is true; float("big") names no field).
+        for field in ("name", "loss_scaling", "mlp_backend"):
+            if not isinstance(getattr(self, field), str):
+                raise ValueError(f"{field}: expected a string, got {getattr(self, field)!r}")
+        for field in ("master_weights", "autocast"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"{field}: expected true or false, got {getattr(self, field)!r}")
+        for field in ("static_loss_scale", "init_scale", "growth_factor", "backoff_factor"):
+            value = getattr(self, field)
+            if not _is_real(value) or not math.isfinite(value):
+                raise ValueError(f"{field}: expected a finite number, got {value!r}")
+        if not _is_int(self.growth_interval):
+            raise ValueError(
+                f"growth_interval: expected a positive integer, got {self.growth_interval!r}"
+            )
         if self.encoder_dtype == torch.bfloat16:
             raise ValueError(
                 "encoder_dtype: the hash grid supports f32 and f16 (as tcnn), got bf16"
@@ -254,7 +280,7 @@ class PrecisionPolicy:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(cfg) - fields)
         if unknown:
-            raise ValueError(f"precision: unknown key(s) {unknown}; valid keys: {sorted(fields)}")
+            raise ValueError(f"{unknown[0]}: unknown key; valid keys: {sorted(fields)}")
         base = _ARMS.get(cfg.get("name"), cls())
         return dataclasses.replace(base, **cfg)
 
@@ -314,19 +340,38 @@ _ARMS: dict[str, PrecisionPolicy] = {
 }
 
 
+def all_finite(tensors: Sequence[torch.Tensor | None]) -> bool:
+    """Whether every element of every tensor is finite (``None`` entries are ignored).
+
+    One fused reduction (``torch._foreach_norm`` with ``ord=inf``: the largest magnitude per
+    tensor, which is NaN or inf exactly when the tensor holds one and, unlike the 2-norm, never
+    overflows for finite values) and one read of the result, i.e. one CPU-device sync.
+    """
+    present = [t for t in tensors if t is not None and t.numel()]
+    if not present:
+        return True
+    norms = torch._foreach_norm(present, float("inf"))
+    return bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What one :meth:`PrecisionStepper.step` did.
 
     Attributes:
-        skipped: the optimizer step was skipped because a gradient was inf/NaN (only with
-            ``loss_scaling`` ``"static"`` or ``"dynamic"``; otherwise always ``False``).
+        skipped: ``optimizer.step()`` was not called because a gradient was inf/NaN.
         loss_scale: the loss scale after this step's update, i.e. the factor the next
             :meth:`PrecisionStepper.backward` multiplies the loss by (1.0 without loss scaling).
+        diverged: the run cannot go on: a gradient was inf/NaN in an arm without loss scaling
+            (no scale to back off; the step was skipped, parameters and optimizer state are
+            untouched), or the step itself turned a parameter inf/NaN (``master_weights=False``:
+            Adam's arithmetic in f16, whose ``eps = 1e-8`` rounds to 0). Loss-scaled arms
+            never set it: their non-finite gradients are ordinary skipped steps.
     """
 
     skipped: bool
     loss_scale: float
+    diverged: bool = False
 
 
 class PrecisionStepper:
@@ -354,8 +399,12 @@ class PrecisionStepper:
         * ``"static"``: the same GradScaler calls, but ``update(new_scale=static_loss_scale)``
           pins the scale: the overflow check and the skip are GradScaler's, not reimplemented.
           (GradScaler alone cannot be static: it requires ``backoff_factor < 1``.)
-        * ``"none"``, ``"nvdiffrec"``, ``"tcnn"``: ``loss.backward()`` and ``optimizer.step()``
-          (nvdiffrec's and tcnn's fixed x128 happen inside the autograd graph, not on the loss).
+        * ``"none"``, ``"nvdiffrec"``, ``"tcnn"``: ``loss.backward()``, then every gradient is
+          checked (:func:`all_finite`, one sync); only if all are finite ``optimizer.step()``,
+          else the step is skipped and ``StepResult.diverged`` is set (nvdiffrec's and tcnn's
+          fixed x128 happen inside the autograd graph, not on the loss). With
+          ``master_weights=False`` the parameters are checked after the step as well (a second
+          sync): f16 Adam can turn finite gradients into NaN weights.
 
     A skipped step never calls ``optimizer.step()``, so every parameter and all optimizer state
     (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``) stay bit-identical. Gradients are not zeroed.
@@ -411,8 +460,12 @@ class PrecisionStepper:
     def step(self) -> StepResult:
         """Unscale, check, step or skip, update the scale; see the class docstring."""
         if self.scaler is None:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            if not all_finite([p.grad for p in params]):
+                return StepResult(skipped=True, loss_scale=1.0, diverged=True)
             self.optimizer.step()
-            return StepResult(skipped=False, loss_scale=1.0)
+            broken = not self.policy.master_weights and not all_finite(params)
+            return StepResult(skipped=False, loss_scale=1.0, diverged=broken)
         self.scaler.step(self.optimizer)
         # GradScaler records the inf check per device and clears it in update(), so read it first.
         found_inf = sum(

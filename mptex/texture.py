@@ -41,8 +41,14 @@ def _bounds(value: Any, arg: str, width: int | None) -> torch.Tensor:
     value = _as_plain(value)
     if isinstance(value, torch.Tensor):
         tensor = value.detach().to(torch.float32)
-    elif isinstance(value, Sequence) and len(value) == 2:
-        tensor = torch.stack([torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in value])
+    elif isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2:
+        try:
+            rows = [torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in value]
+            tensor = torch.stack(rows)
+        except (TypeError, ValueError, RuntimeError):  # ragged rows, strings, None
+            raise ValueError(
+                f"{arg}: expected two rows of numbers [min, max], got {value!r}"
+            ) from None
     else:
         raise ValueError(f"{arg}: expected [min, max] rows, got {value!r}")
     if tensor.ndim != 2 or tensor.shape[0] != 2 or (width is not None and tensor.shape[1] != width):
@@ -51,6 +57,14 @@ def _bounds(value: Any, arg: str, width: int | None) -> torch.Tensor:
     if not torch.isfinite(tensor).all():
         raise ValueError(f"{arg}: expected finite values, got {tensor.tolist()}")
     return tensor.clone()
+
+
+def _aabb(value: Any) -> torch.Tensor:
+    tensor = _bounds(value, "AABB", 3)
+    if not bool((tensor[0] < tensor[1]).all()):
+        # sample() divides by max - min: a flat or inverted box maps every point to NaN or 0.
+        raise ValueError(f"AABB: expected min < max on every axis, got {tensor.tolist()}")
+    return tensor
 
 
 class MLPTexture3D(nn.Module):
@@ -108,7 +122,7 @@ class MLPTexture3D(nn.Module):
         backend: str = "auto",
     ):
         super().__init__()
-        if not isinstance(channels, int) or channels < 1:
+        if not isinstance(channels, int) or isinstance(channels, bool) or channels < 1:
             raise ValueError(f"channels: expected a positive integer, got {channels!r}")
         self.policy = PrecisionPolicy.from_config(_as_plain(precision))
         self.policy.check_available()
@@ -116,7 +130,7 @@ class MLPTexture3D(nn.Module):
         self.internal_dims = internal_dims
         # Non-persistent buffers: they follow .to(device) but stay out of the state dict, whose
         # keys are nvdiffrec's.
-        self.register_buffer("AABB", _bounds(AABB, "AABB", 3), persistent=False)
+        self.register_buffer("AABB", _aabb(AABB), persistent=False)
         if min_max is None:
             min_max = torch.stack([torch.zeros(channels), torch.ones(channels)])
         self.register_buffer("min_max", _bounds(min_max, "min_max", channels), persistent=False)
@@ -145,19 +159,29 @@ class MLPTexture3D(nn.Module):
         """Texture values at positions ``texc``.
 
         Args:
-            texc: ``[..., 3]`` float positions in world space (outside the AABB is clamped).
+            texc: ``[..., 3]`` float positions in world space (outside the AABB is clamped;
+                NaN raises ``ValueError``).
 
         Returns:
             ``[..., channels]`` float32, in ``[min_max[0], min_max[1]]`` per channel.
         """
-        if texc.shape[-1] != 3:
+        if not isinstance(texc, torch.Tensor) or not texc.is_floating_point():
+            raise ValueError(f"texc: expected a floating-point torch.Tensor [..., 3], got {texc!r}")
+        if texc.dim() == 0 or texc.shape[-1] != 3:
             raise ValueError(f"texc: expected shape [..., 3], got {list(texc.shape)}")
         flat = texc.reshape(-1, 3).to(torch.float32)
         lo, hi = self.AABB[0], self.AABB[1]
         unit = torch.clamp((flat - lo[None]) / (hi - lo)[None], min=0, max=1)
         if self.policy.loss_scaling == "nvdiffrec":
             unit = scale_grad(unit, 1.0 / self.policy.static_loss_scale)
-        features = self.encoder(unit.contiguous())
+        try:
+            features = self.encoder(unit.contiguous())
+        except ValueError as exc:
+            # The clamp keeps finite points in [0, 1]; only a NaN in texc gets through to the
+            # encoder's finiteness check (inf clamps to a face of the AABB).
+            if "non-finite" not in str(exc):
+                raise
+            raise ValueError("texc: contains NaN values") from None
         out = self.net(features).to(torch.float32)
         lo_out, hi_out = self.min_max[0], self.min_max[1]
         out = torch.sigmoid(out) * (hi_out - lo_out)[None] + lo_out[None]

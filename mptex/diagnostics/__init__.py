@@ -15,6 +15,7 @@ And :func:`to_host`, the one synchronous device-to-host copy the code above read
 
 from mptex.diagnostics.compare import (
     TEXTURE_CONFIGS,
+    TRAINING_COTANGENT_SCALE,
     CheckReport,
     Setup,
     StageError,
@@ -37,4 +38,5 @@ __all__ = [
     "compare_setups",
     "build_texture",
     "TEXTURE_CONFIGS",
+    "TRAINING_COTANGENT_SCALE",
 ]

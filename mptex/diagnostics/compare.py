@@ -37,6 +37,12 @@ TEXTURE_CONFIGS: dict[str, dict[str, Any]] = {
     "nvdiffrec": dict(channels=3, internal_dims=32, hidden=2, encoder=NVDIFFREC_ENCODER_CONFIG),
 }
 _AABB = [[-1.0, -1.0, -1.0], [1.0, 1.0, 1.0]]
+# The size of the gradient training puts on one texture output: the image loss is a mean over
+# batch_size * H * W * 3 values (the default run: 2 views of 128 x 128), so each covered
+# pixel's colour gets about 1 / (2 * 128 * 128 * 3) = 1.0e-5 times the loss's own derivative
+# (logl1: at most 1). An N(0, 1) cotangent of that size shows what f16 gradients lose to
+# underflow without loss scaling, which a unit-sized one hides.
+TRAINING_COTANGENT_SCALE = 1.0 / (2 * 128 * 128 * 3)
 _MODES = ("train", "eval", "no_grad")
 
 
@@ -611,13 +617,16 @@ def compare_setups(
     setup_b: Setup | str,
     points: int | torch.Tensor = 4096,
     seed: int = 0,
+    cotangent_scale: float | None = None,
 ) -> CheckReport:
     """Run one texture under two setups and compare every stage with a float64 reference.
 
     Both setups get the same weights (``texture``'s state dict, copied by
     :func:`build_texture`), the same points and the same output cotangent; the loss is
-    ``(sample(points) * cotangent).sum()`` with ``cotangent ~ N(0, 1)`` (a well-scaled gradient:
-    no loss scale, so the check sees rounding, not underflow). The reference is the same module
+    ``(sample(points) * cotangent).sum()`` with ``cotangent ~ N(0, 1) * cotangent_scale``,
+    by default :data:`TRAINING_COTANGENT_SCALE` (the size of the gradient training puts on one
+    output), multiplied by each setup's loss scale: an arm without loss scaling whose
+    gradients underflow is flagged. The reference is the same module
     on the CPU in float64 (``.double()``: the hash grid computes in f64 with f64 params, every
     layer's ``compute_dtype`` set to f64). nvdiffrec's documented x128 on the encoder's
     gradients is divided out.
@@ -639,6 +648,8 @@ def compare_setups(
         setup_a, setup_b: :class:`Setup` s (or arm names, meaning CPU, torch backend, train).
         points: how many random points in the AABB (seeded), or a ``[N, 3]`` tensor.
         seed: seed of the points, the cotangent and (for configs) the texture.
+        cotangent_scale: standard deviation of the output gradient (default
+            :data:`TRAINING_COTANGENT_SCALE`); ``1 / points`` is a mean loss over the points.
 
     Returns:
         A :class:`CheckReport` (``.format_table()``, ``.to_json(path)``, ``.ok``).
@@ -658,10 +669,15 @@ def compare_setups(
         positions = lo + (hi - lo) * torch.rand(points, 3, generator=generator)
     else:
         raise ValueError(f"points: expected a positive integer or an [N, 3] tensor, got {points!r}")
-    # The gradient of a mean loss over the points, as in training (each setup multiplies it
-    # by its policy's loss scale, see _run_scaled).
+    if cotangent_scale is None:
+        cotangent_scale = TRAINING_COTANGENT_SCALE
+    if not (isinstance(cotangent_scale, (int, float)) and math.isfinite(cotangent_scale)
+            and cotangent_scale > 0):  # fmt: skip
+        raise ValueError(f"cotangent_scale: expected a finite number > 0, got {cotangent_scale!r}")
+    # The output gradient of the loss (each setup multiplies it by its policy's loss scale, see
+    # _run_scaled), by default as small as training's, so that underflow shows.
     cotangent = torch.randn(positions.shape[0], source.channels, generator=generator)
-    cotangent /= positions.shape[0]
+    cotangent *= cotangent_scale
 
     reference = build_texture(source, Setup("f32")).double()
     for layer in reference.net.layers:

@@ -9,6 +9,7 @@ normals. Only one material per mesh is supported: the first one a face uses.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass, fields, replace
@@ -97,9 +98,28 @@ def _floats(tokens: list[str], count: int, path: Path, lineno: int, what: str) -
     if len(tokens) < count:
         raise ValueError(f"{path}:{lineno}: '{what}' needs {count} numbers, found {len(tokens)}")
     try:
-        return [float(t) for t in tokens[:count]]
+        values = [float(t) for t in tokens[:count]]
     except ValueError as exc:
         raise ValueError(f"{path}:{lineno}: '{what}' has a non-numeric value: {exc}") from exc
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError(f"{path}:{lineno}: '{what}' has a non-finite value: {tokens[:count]}")
+    return values
+
+
+def _text_lines(path: Path) -> list[str]:
+    """The lines of an OBJ or MTL file: UTF-8, else Latin-1 (older exporters write material and
+    file names in it); a file with NUL bytes is binary, not OBJ/MTL text."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if b"\0" in data:
+        raise ValueError(f"{path}: not a text file (NUL bytes): not a Wavefront OBJ/MTL file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = data.decode("latin-1")
+    return text.splitlines()
 
 
 def _index(token: str, n_defined: int, path: Path, lineno: int, what: str) -> int:
@@ -119,7 +139,7 @@ def _index(token: str, n_defined: int, path: Path, lineno: int, what: str) -> in
 def _load_mtl(path: Path) -> dict[str, dict]:
     materials: dict[str, dict] = {}
     current = None
-    for lineno, raw in enumerate(path.read_text().splitlines(), start=1):
+    for lineno, raw in enumerate(_text_lines(path), start=1):
         tokens = raw.split("#", 1)[0].split()
         if not tokens:
             continue
@@ -169,7 +189,7 @@ def load_obj(path: str | os.PathLike) -> Mesh:
     used_materials: list[str] = []
     has_tex = has_nrm = None
 
-    for lineno, raw in enumerate(path.read_text().splitlines(), start=1):
+    for lineno, raw in enumerate(_text_lines(path), start=1):
         tokens = raw.split("#", 1)[0].split()
         if not tokens:
             continue
@@ -265,7 +285,17 @@ def load_obj(path: str | os.PathLike) -> Mesh:
         if "kd" in material:
             mesh.kd = srgb_to_rgb(torch.tensor(material["kd"], dtype=torch.float32))
         if "map_kd" in material:
-            mesh.kd_texture = load_image(material["map_kd"], to_linear=True)[..., :3].contiguous()
+            try:
+                image = load_image(material["map_kd"], to_linear=True)
+            except (OSError, RuntimeError) as exc:
+                raise ValueError(
+                    f"{material['map_kd']}: map_Kd texture of {path} cannot be read as an image "
+                    f"({' '.join(str(exc.__cause__ or exc).split())[:200]})"
+                ) from None
+            if image.shape[-1] in (1, 2):  # grey (+ alpha): the same value in R, G and B
+                # (load_image converts only RGB/RGBA from sRGB; convert the grey value here)
+                image = srgb_to_rgb(image[..., :1].expand(*image.shape[:-1], 3))
+            mesh.kd_texture = image[..., :3].contiguous()
     return mesh
 
 

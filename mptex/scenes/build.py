@@ -81,17 +81,60 @@ def _validate(cfg: Mapping) -> dict:
             raise ValueError(f"scene.{key}: required for scene {name!r}, not set")
     if "resolution" in merged:
         res = merged["resolution"]
-        res = [res, res] if isinstance(res, int) else list(res)
-        if len(res) != 2 or any(not isinstance(r, int) or r <= 0 for r in res):
+        res = [res, res] if _is_int(res) else list(res) if isinstance(res, (list, tuple)) else []
+        if len(res) != 2 or any(not _is_int(r) or r <= 0 for r in res):
             got = merged["resolution"]
             raise ValueError(
                 f"scene.resolution: expected a positive int or [H, W], received {got!r}"
             )
         merged["resolution"] = tuple(res)
-    for key in ("n_train_views", "n_val_views"):
-        if key in merged and (not isinstance(merged[key], int) or merged[key] <= 0):
-            raise ValueError(f"scene.{key}: expected a positive int, received {merged[key]!r}")
+    for key, (ok, what) in _CHECKS.items():
+        if key in merged and not ok(merged[key]):
+            raise ValueError(f"scene.{key}: expected {what}, received {merged[key]!r}")
+    if not merged["far"] > merged["near"]:
+        raise ValueError(
+            f"scene.far: expected more than scene.near ({merged['near']!r}), "
+            f"received {merged['far']!r}"
+        )
     return merged
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# Type and range of every scene key (checked before any work; ``far > near`` after these).
+_CHECKS = {
+    "n_train_views": (lambda v: _is_int(v) and v > 0, "a positive int"),
+    "n_val_views": (lambda v: _is_int(v) and v > 0, "a positive int"),
+    "cam_radius": (lambda v: _is_number(v) and v > 0, "a finite number > 0"),
+    "fovy_deg": (lambda v: _is_number(v) and 0 < v < 180, "a number of degrees in (0, 180)"),
+    "near": (lambda v: _is_number(v) and v > 0, "a finite number > 0"),
+    "far": (lambda v: _is_number(v) and v > 0, "a finite number > 0"),
+    "seed": (lambda v: _is_int(v) and 0 <= v < 2**63 - 1, "an integer in [0, 2**63 - 1)"),
+    "raster_backend": (
+        lambda v: v in ("auto", "torch", "nvdiffrast"),
+        "one of 'auto', 'torch', 'nvdiffrast'",
+    ),  # fmt: skip
+    "tubular_segments": (lambda v: _is_int(v) and v >= 3, "an integer >= 3"),
+    "radial_segments": (lambda v: _is_int(v) and v >= 3, "an integer >= 3"),
+    "normalize": (lambda v: isinstance(v, bool), "true or false"),
+    "path": (lambda v: isinstance(v, str) and v != "", "a file or folder path"),
+    "mesh": (lambda v: isinstance(v, str) and v != "", "a file path"),
+    "train_split": (lambda v: isinstance(v, str) and v != "", "a split name"),
+    "val_split": (lambda v: isinstance(v, str) and v != "", "a split name"),
+}
+
+
+def _check_extent(mesh, key: str, path: Path) -> None:
+    """Refuse a mesh of one repeated point (nothing to see, and ``unit_size`` divides by its
+    extent). A flat mesh is a valid scene; training refuses it (a 3D texture needs a volume)."""
+    if not float((mesh.aabb[1] - mesh.aabb[0]).max()) > 0:
+        raise ValueError(f"scene.{key}: {path}: every vertex is the same point; expected a mesh")
 
 
 def _camera_splits(cfg: dict, device):
@@ -151,6 +194,7 @@ def _build_mesh(cfg: dict, device) -> Scene:
         raise ValueError(f"scene.path: {path} has no material with Kd or map_Kd to render")
     if mesh.kd_texture is not None and mesh.v_tex is None:
         raise ValueError(f"scene.path: {path} has a map_Kd texture but no texture coordinates")
+    _check_extent(mesh, "path", path)
     if cfg["normalize"]:
         mesh = unit_size(mesh)
     mesh = mesh.to(device)
@@ -170,13 +214,15 @@ def _build_nerf(cfg: dict, device) -> Scene:
     for key in ("train_split", "val_split"):
         if not (root / f"transforms_{cfg[key]}.json").is_file():
             raise ValueError(f"scene.{key}: {root}/transforms_{cfg[key]}.json not found")
+    mesh = load_obj(mesh_path)
+    _check_extent(mesh, "mesh", mesh_path)
     train, train_rgba = load_nerf_split(root, cfg["train_split"], cfg["near"], cfg["far"])
     val, val_rgba = load_nerf_split(root, cfg["val_split"], cfg["near"], cfg["far"])
     if train_rgba.shape[1:3] != val_rgba.shape[1:3]:
         raise ValueError("scene.val_split: image size differs from the training split")
     resolution = tuple(train_rgba.shape[1:3])
     return Scene(
-        "nerf", load_obj(mesh_path), resolution, train, val,
+        "nerf", mesh, resolution, train, val,
         {"train": train_rgba.to(device), "val": val_rgba.to(device)}, device,
         backend=cfg["raster_backend"],
     )  # fmt: skip
@@ -198,4 +244,7 @@ def build_scene(cfg: Mapping, device: torch.device | str = "cpu") -> Scene:
             bad value or a missing file.
     """
     resolved = _validate(cfg)
-    return _BUILDERS[resolved["name"]](resolved, torch.device(device))
+    device = torch.device(device)
+    if resolved["raster_backend"] == "nvdiffrast" and device.type != "cuda":
+        raise ValueError(f"scene.raster_backend: 'nvdiffrast' needs a CUDA device, not {device}")
+    return _BUILDERS[resolved["name"]](resolved, device)

@@ -12,10 +12,49 @@ from typing import Any
 
 import torch
 
+from mptex.precision import all_finite
 from mptex.texture import MLPTexture3D
 
 _CHECKPOINT = "checkpoint.pt"
 _METRICS = "metrics.json"
+# What train() writes into a checkpoint and reads back on resume (older checkpoints lack the
+# optional ones: ``loss`` and ``time_per_iter_s`` of the run so far).
+CHECKPOINT_KEYS = (
+    "texture", "optimizer", "stepper", "iteration", "rng", "history", "skipped_steps",
+    "consecutive_skips", "aabb", "precision", "config",
+)  # fmt: skip
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used: ``"<path>: <what is wrong>"`` (one line)."""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _file_mode() -> int:
+    """``0o666`` less the process umask: the mode ``open()`` would give a new file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
+    """Delete the temporaries a killed :func:`atomic_write_bytes` left in ``run_dir``.
+
+    They are named ``.<file>.<random>.tmp`` (``mkstemp``); a kill between ``mkstemp`` and
+    ``os.replace`` leaves one behind (a checkpoint's is as large as the checkpoint). Called
+    when a run starts in ``run_dir``, i.e. when no other writer can be using them. Returns the
+    removed paths.
+    """
+    removed = []
+    for name in (_CHECKPOINT, _METRICS):
+        for tmp in Path(run_dir).glob(f".{name}.*.tmp"):
+            with _suppress_oserror():
+                tmp.unlink()
+                removed.append(tmp)
+    return removed
 
 
 # ----------------------------------------------------------------------------- files
@@ -24,11 +63,16 @@ def atomic_write_bytes(path: str | os.PathLike, write: Callable[[Any], None]) ->
 
     ``write(fileobj)`` fills a temporary file in the same directory; it is flushed, fsync'ed and
     moved over ``path`` with ``os.replace`` (atomic on POSIX and Windows), then the directory is
-    fsync'ed so the rename itself survives a power loss. On any error the temporary is removed.
+    fsync'ed so the rename itself survives a power loss. On any error the temporary is removed
+    (a ``kill -9`` cannot be caught: :func:`remove_stale_temporaries` clears those). The file
+    gets the mode a plain ``open()`` would give (``0o666`` less the umask), not ``mkstemp``'s
+    private ``0o600``.
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        with _suppress_oserror():  # e.g. a filesystem without POSIX modes
+            os.fchmod(fd, _file_mode())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -73,23 +117,59 @@ def write_metrics(run_dir: str | os.PathLike, metrics: Mapping[str, Any]) -> Pat
 
 
 def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
-    """``torch.save(state)`` to ``path`` atomically (:func:`atomic_write_bytes`)."""
+    """``torch.save(state)`` to ``path`` atomically (:func:`atomic_write_bytes`).
+
+    Raises:
+        CheckpointError: when a floating-point tensor of ``state["texture"]`` holds inf/NaN;
+            nothing is written, so the last good checkpoint stays.
+    """
+    weights = (state.get("texture") or {}).values()
+    if not all_finite([t for t in weights if torch.is_tensor(t) and t.is_floating_point()]):
+        raise CheckpointError(f"{path}: refusing to write a checkpoint with non-finite weights")
     atomic_write_bytes(path, lambda f: torch.save(dict(state), f))
 
 
-def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
-    """Read a checkpoint written by :func:`train` (a plain dict; see :func:`train`)."""
-    # weights_only=False: the checkpoint holds RNG states and Python lists written by us.
-    return torch.load(path, map_location=map_location, weights_only=False)
+def load_checkpoint(
+    path: str | os.PathLike, map_location: Any = "cpu", required: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`train` (a plain dict; see :func:`train`).
+
+    Args:
+        path: the ``checkpoint.pt``.
+        map_location: as ``torch.load``'s.
+        required: keys the caller needs (:data:`CHECKPOINT_KEYS` for a resume).
+
+    Raises:
+        CheckpointError: one line naming ``path`` and what is wrong: unreadable, not a
+            checkpoint (corrupt or truncated: torch's zip reader, pickle or EOF errors), not a
+            dict, or a required key missing.
+    """
+    try:
+        # weights_only=False: the checkpoint holds RNG states and Python lists written by us.
+        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({_one_line(exc.strerror or exc)})") from None
+    except Exception as exc:  # torch raises RuntimeError, EOFError, UnpicklingError, ...
+        why = _one_line(exc)[:200]
+        raise CheckpointError(
+            f"{path}: not a readable checkpoint, corrupt or truncated ({type(exc).__name__}: {why})"
+        ) from None
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"{path}: not an mptex checkpoint (holds {type(ckpt).__name__})")
+    missing = [key for key in required if key not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path}: not an mptex training checkpoint (missing {missing})")
+    return ckpt
 
 
 def _build_texture(aabb, texture_cfg: Mapping[str, Any], precision: Any) -> MLPTexture3D:
     cfg = dict(texture_cfg)
     return MLPTexture3D(
         aabb,
-        channels=int(cfg.get("channels", 3)),
-        internal_dims=int(cfg.get("internal_dims", 32)),
-        hidden=int(cfg.get("hidden", 2)),
+        # No int(): a 4.7 must reach the constructor's check, not become 4.
+        channels=cfg.get("channels", 3),
+        internal_dims=cfg.get("internal_dims", 32),
+        hidden=cfg.get("hidden", 2),
         min_max=cfg.get("min_max"),
         precision=precision,
         encoder=cfg.get("encoder"),
@@ -106,7 +186,7 @@ def load_texture(path: str | os.PathLike, device: str | torch.device = "cpu") ->
         tex = mptex.train.load_texture("outputs/.../checkpoint.pt")
         kd = tex.sample(points)  # [N, 3]
     """
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path, required=("texture", "aabb", "config", "precision"))
     texture = _build_texture(ckpt["aabb"], ckpt["config"]["texture"], ckpt["precision"])
     texture.load_state_dict(ckpt["texture"])
     return texture.to(device)

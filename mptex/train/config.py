@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,6 +69,87 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: Any) -> bool:
+    """A finite int or float (not a bool: YAML's ``true`` is no learning rate)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# The texture group: MLPTexture3D's arguments (configs/texture/*.yaml) and, under ``encoder``,
+# tcnn's grid keys (HashGridEncoding.from_tcnn_config). Types are checked here; ranges by the
+# constructors themselves, whose errors name the argument (mapped to the key by
+# :func:`config_key`).
+TEXTURE_KEYS = ("channels", "internal_dims", "hidden", "min_max", "backend", "encoder")
+ENCODER_KEYS = {
+    "otype": str, "type": str, "n_levels": int, "n_features_per_level": int,
+    "log2_hashmap_size": int, "base_resolution": int, "per_level_scale": float,
+    "interpolation": str,
+}  # fmt: skip
+
+# Constructor argument -> config key, for errors raised while building the run's objects.
+_ARGUMENT_KEYS = {
+    **{name: f"texture.encoder.{name}" for name in ENCODER_KEYS},
+    "config": "texture.encoder",
+    "grid_type": "texture.encoder.type",
+    "channels": "texture.channels",
+    "internal_dims": "texture.internal_dims",
+    "n_neurons": "texture.internal_dims",
+    "hidden": "texture.hidden",
+    "n_hidden_layers": "texture.hidden",
+    "min_max": "texture.min_max",
+    "backend": "texture.backend",
+    "encoder": "texture.encoder",
+    "AABB": "scene",
+    "mlp_dtypes": "precision.mlp_dtypes",
+}
+
+
+def config_key(message: str) -> str:
+    """``"<key>: ..."`` for a constructor's ``"<argument>: ..."`` / ``"<argument> must ..."``.
+
+    The message's leading argument name is replaced by the config key that feeds it (e.g.
+    ``n_levels`` -> ``texture.encoder.n_levels``); a message naming no known argument is
+    returned unchanged.
+    """
+    match = re.match(r"(\w+)(:| must)(.*)", message, flags=re.DOTALL)
+    if match is None or match.group(1) not in _ARGUMENT_KEYS:
+        return message
+    name, sep, rest = match.groups()
+    return f"{_ARGUMENT_KEYS[name]}:{rest if sep == ':' else ' must' + rest}"
+
+
+def check_texture_config(texture: Mapping[str, Any]) -> None:
+    """Check a texture group's keys and types (``ValueError`` ``"texture.<key>: ..."``); the
+    constructors check the ranges."""
+    unknown = sorted(set(texture) - set(TEXTURE_KEYS))
+    if unknown:
+        raise ValueError(f"texture.{unknown[0]}: unknown key; valid keys: {list(TEXTURE_KEYS)}")
+    for key in ("channels", "internal_dims", "hidden"):
+        if key in texture and not (_is_int(texture[key]) and texture[key] >= 1):
+            raise ValueError(f"texture.{key}: expected an integer >= 1, got {texture[key]!r}")
+    if texture.get("backend", "auto") not in ("auto", "torch", "tcnn"):
+        raise ValueError(
+            f"texture.backend: expected auto, torch or tcnn, got {texture['backend']!r}"
+        )
+    encoder = texture.get("encoder")
+    if encoder is None:
+        return
+    if not isinstance(encoder, Mapping):
+        raise ValueError(f"texture.encoder: expected a mapping of grid keys, got {encoder!r}")
+    unknown = sorted(set(encoder) - set(ENCODER_KEYS))
+    if unknown:
+        raise ValueError(
+            f"texture.encoder.{unknown[0]}: unknown key; valid keys: {list(ENCODER_KEYS)}"
+        )
+    for key, kind in ENCODER_KEYS.items():
+        if key not in encoder:
+            continue
+        value = encoder[key]
+        ok = {int: _is_int, float: _is_number, str: lambda v: isinstance(v, str)}[kind](value)
+        if not ok:
+            what = {int: "an integer", float: "a finite number", str: "a string"}[kind]
+            raise ValueError(f"texture.encoder.{key}: expected {what}, got {value!r}")
+
+
 def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Check the whole run config before any work; returns it as plain dicts.
 
@@ -84,6 +167,10 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     for group in ("scene", "precision", "texture"):
         if not isinstance(cfg.get(group), Mapping):
             raise ValueError(f"{group}: missing config group")
+    for group in ("scene", "precision", "texture"):
+        for key in cfg[group]:
+            if not isinstance(key, str):
+                raise ValueError(f"{group}.{key}: expected a string key")
     train_cfg = dict(cfg.get("train") or {})
     unknown = sorted(set(train_cfg) - set(TRAIN_DEFAULTS))
     if unknown:
@@ -106,24 +193,31 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     need("n_val_images", _is_int(s["n_val_images"]) and s["n_val_images"] >= 0, "an integer >= 0")
     need("max_consecutive_skips", _is_int(s["max_consecutive_skips"])
          and s["max_consecutive_skips"] >= 1, "an integer >= 1")  # fmt: skip
-    need("lr", isinstance(s["lr"], (int, float)) and s["lr"] > 0, "a positive number")
-    need(
-        "lr_decay", isinstance(s["lr_decay"], (int, float)) and s["lr_decay"] >= 0, "a number >= 0"
-    )
+    need("lr", _is_number(s["lr"]) and s["lr"] > 0, "a finite number > 0")
+    need("lr_decay", _is_number(s["lr_decay"]) and s["lr_decay"] >= 0, "a finite number >= 0")
     need("betas", isinstance(s["betas"], (list, tuple)) and len(s["betas"]) == 2
-         and all(0 <= float(b) < 1 for b in s["betas"]), "two numbers in [0, 1)")  # fmt: skip
+         and all(_is_number(b) and 0 <= b < 1 for b in s["betas"]),
+         "two numbers in [0, 1)")  # fmt: skip
     need("loss", s["loss"] in LOSSES, f"one of {sorted(LOSSES)}")
     need("shading", s["shading"] in _SHADINGS, f"one of {_SHADINGS}")
     need("background", s["background"] in _BACKGROUNDS, f"one of {_BACKGROUNDS}")
     need("val_background", s["val_background"] in _BACKGROUNDS[1:], "'white' or 'black'")
-    need("ambient", isinstance(s["ambient"], (int, float)) and 0 <= s["ambient"] <= 1, "in [0, 1]")
+    need("ambient", _is_number(s["ambient"]) and 0 <= s["ambient"] <= 1, "a number in [0, 1]")
     need("light_dir", isinstance(s["light_dir"], (list, tuple)) and len(s["light_dir"]) == 3
-         and any(float(v) != 0 for v in s["light_dir"]), "a non-zero [x, y, z]")  # fmt: skip
+         and all(_is_number(v) for v in s["light_dir"])
+         and any(v != 0 for v in s["light_dir"]), "a non-zero [x, y, z] of numbers")  # fmt: skip
     for key in ("kd_smooth_weight", "kd_jitter_std", "kd_smooth_ramp"):
-        need(key, isinstance(s[key], (int, float)) and s[key] >= 0, "a number >= 0")
-    need("progress", s["progress"] in ("auto", True, False), "auto, true or false")
-    need("seed", _is_int(s["seed"]), "an integer")
-    need("resume", isinstance(s["resume"], (bool, str)), "true, false or a checkpoint path")
+        need(key, _is_number(s[key]) and s[key] >= 0, "a finite number >= 0")
+    for key in ("kd_smooth", "tensorboard"):
+        need(key, isinstance(s[key], bool), "true or false")
+    need("progress", s["progress"] == "auto" or isinstance(s["progress"], bool),
+         "auto, true or false")  # fmt: skip
+    # The loop seeds numpy with seed % 2**32 and a torch generator with seed + 1 (< 2**64).
+    need("seed", _is_int(s["seed"]) and 0 <= s["seed"] < 2**63 - 1,
+         "an integer in [0, 2**63 - 1)")  # fmt: skip
+    need("resume", isinstance(s["resume"], bool) or (isinstance(s["resume"], str)
+         and s["resume"] != ""), "true, false or a checkpoint path")  # fmt: skip
+    need("device", isinstance(s["device"], str), "auto, cpu, cuda or cuda:N")
     need("inject_nonfinite_at", s["inject_nonfinite_at"] is None
          or _is_int(s["inject_nonfinite_at"]), "null or an iteration")  # fmt: skip
     device = str(s["device"])
@@ -139,15 +233,20 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
     try:
         policy = PrecisionPolicy.from_config(cfg["precision"])
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:
         raise ValueError(f"precision.{exc}") from None
     ok, why = policy.availability()
     if not ok:
         raise ValueError(f"precision.name: {why}")
     texture = dict(cfg["texture"])
+    check_texture_config(texture)
     channels = texture.get("channels", 3)
-    if not _is_int(channels) or channels < 3:
+    if channels < 3:
         raise ValueError(f"texture.channels: expected an integer >= 3, got {channels!r}")
+    try:
+        policy.layer_dtypes(texture.get("hidden", 2) + 1)
+    except ValueError as exc:
+        raise ValueError(f"precision.{exc} (texture.hidden + 1)") from None
     if s["shading"] == "diffuse" and channels < 9:
         raise ValueError("train.shading: 'diffuse' needs texture.channels=9 (kd, ks, normal)")
     if texture.get("backend", "auto") == "tcnn" and not has_tcnn():

@@ -35,17 +35,20 @@ from typing import Any
 import torch
 
 from mptex.diagnostics import PrecisionMonitor
-from mptex.precision import PrecisionStepper
+from mptex.precision import PrecisionStepper, all_finite
 from mptex.render.image import rgb_to_srgb
 from mptex.scenes import Scene, build_scene
+from mptex.texture import MLPTexture3D
 from mptex.train.checkpoint import (
     _CHECKPOINT,
+    CHECKPOINT_KEYS,
     _build_texture,
     load_checkpoint,
+    remove_stale_temporaries,
     save_checkpoint,
     write_metrics,
 )
-from mptex.train.config import TRAIN_DEFAULTS, ConfigError, _plain, validate_config
+from mptex.train.config import TRAIN_DEFAULTS, ConfigError, _plain, config_key, validate_config
 from mptex.train.losses import image_loss, lr_schedule
 from mptex.train.memory import _peak_memory, _RunPeakRss
 from mptex.train.rng import _rng_state, _seed_everything, _set_rng_state
@@ -69,6 +72,74 @@ def _resume_path(setting: Any, run_dir: Path) -> Path | None:
     if not path.is_file():
         raise ValueError(f"train.resume: no checkpoint at {path}")
     return path
+
+
+def _history_entry(completed, loss_value, psnr_value, result, lr, stats) -> dict[str, Any]:
+    entry = {
+        "iteration": completed,
+        "loss": loss_value,
+        "psnr": psnr_value,
+        "loss_scale": result.loss_scale,
+        "skipped": bool(result.skipped),
+        "lr": lr,
+    }
+    if stats is not None:
+        entry.update({k: v for k, v in stats.items() if k not in entry})
+    return entry
+
+
+def _check_coverage(scene: Scene) -> None:
+    # Cameras that see nothing (near beyond the mesh, a camera inside it) would train on
+    # empty views and report a perfect PSNR for texture and baseline alike.
+    if not bool(scene.val_views().mask.any()):
+        raise ValueError(
+            "scene: no validation view covers the mesh; expected cameras that see it "
+            "(check scene.cam_radius, scene.near, scene.far, scene.fovy_deg)"
+        )
+
+
+def _start(
+    full: dict[str, Any], resume_from: Path | None
+) -> tuple[Scene, MLPTexture3D, dict[str, Any] | None]:
+    """Everything a run reads before its first iteration: scene, texture, checkpoint.
+
+    Seeding comes first: the texture's initial weights are drawn from the global generators.
+    A constructor's ``ValueError`` names its argument; the re-raised one names the config key.
+    """
+    settings = full["train"]
+    device = torch.device(settings["device"])
+    scene = build_scene(full["scene"], device)
+    extent = (scene.aabb[1] - scene.aabb[0]).tolist()
+    flat = [axis for axis, size in zip("xyz", extent, strict=True) if not size > 0]
+    if flat:
+        # MLPTexture3D normalises positions by the AABB: a flat mesh has no volume to texture.
+        key = {"mesh": "scene.path", "nerf": "scene.mesh"}.get(scene.name, "scene")
+        raise ValueError(
+            f"{key}: {full['scene'].get('path' if key == 'scene.path' else 'mesh')}: the mesh "
+            f"has zero extent along {', '.join(flat)}; a 3D texture needs a mesh with a volume"
+        )
+    _check_coverage(scene)
+    _seed_everything(int(settings["seed"]))
+    try:
+        texture = _build_texture(scene.aabb, full["texture"], full["precision"]).to(device)
+    except ValueError as exc:
+        raise ValueError(config_key(str(exc))) from None
+    ckpt = None
+    if resume_from is not None:
+        ckpt = load_checkpoint(resume_from, map_location=device, required=CHECKPOINT_KEYS)
+        for group in ("scene", "precision", "texture"):
+            if ckpt["config"].get(group) != full[group]:
+                raise ValueError(
+                    f"train.resume: checkpoint {resume_from} was trained with another "
+                    f"{group} config"
+                )
+        done, planned = int(ckpt["iteration"]), int(settings["iterations"])
+        if done > planned:
+            raise ValueError(
+                f"train.iterations: expected at least the {done} iterations checkpoint "
+                f"{resume_from} has done, got {planned}"
+            )
+    return scene, texture, ckpt
 
 
 def train(cfg: Mapping[str, Any], run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -111,21 +182,25 @@ def train(cfg: Mapping[str, Any], run_dir: str | os.PathLike) -> dict[str, Any]:
         "versions": _versions(),
         "config": plain,
     }
+    # A kill -9 during an atomic write leaves its temporary behind; no writer can be using
+    # them now that a run starts here.
+    remove_stale_temporaries(run_dir)
     try:
         full = validate_config(plain)
         settings = full["train"]
         device = torch.device(settings["device"])
         resume_from = _resume_path(settings["resume"], run_dir)
-        scene = build_scene(full["scene"], device)
+        scene, texture, ckpt = _start(full, resume_from)
     except ValueError as exc:
-        metrics.update(error=str(exc), failed_at="start")
+        message = " ".join(str(exc).split())  # one line, whatever the source wrote
+        metrics.update(error=message, failed_at="start")
         write_metrics(run_dir, metrics)
-        raise ConfigError(str(exc)) from None
+        raise ConfigError(message) from None
     metrics["config"] = full
     try:
         rss = _RunPeakRss().start()
         try:
-            return _train(full, scene, run_dir, device, resume_from, metrics, start_wall, rss)
+            return _train(full, scene, texture, ckpt, run_dir, device, metrics, start_wall, rss)
         finally:
             rss.stop()
     except ConfigError as exc:
@@ -142,9 +217,10 @@ def train(cfg: Mapping[str, Any], run_dir: str | os.PathLike) -> dict[str, Any]:
 def _train(
     full: dict[str, Any],
     scene: Scene,
+    texture: MLPTexture3D,
+    ckpt: dict[str, Any] | None,
     run_dir: Path,
     device: torch.device,
-    resume_from: Path | None,
     metrics: dict[str, Any],
     start_wall: float,
     rss: _RunPeakRss,
@@ -153,12 +229,10 @@ def _train(
     if settings["threads"] is not None:
         torch.set_num_threads(settings["threads"])
     seed = int(settings["seed"])
-    _seed_everything(seed)
     view_gen = torch.Generator().manual_seed(seed)
     noise_gen = torch.Generator(device).manual_seed(seed + 1)
     generators = {"views": view_gen, "noise": noise_gen}
 
-    texture = _build_texture(scene.aabb, full["texture"], full["precision"]).to(device)
     policy = texture.policy
     optimizer = torch.optim.Adam(
         texture.parameters(), lr=settings["lr"], betas=tuple(settings["betas"]), eps=1e-8
@@ -174,23 +248,23 @@ def _train(
         torch.cuda.reset_peak_memory_stats(device)
 
     start_iter, history, skipped_steps, consecutive_skips = 0, [], 0, 0
-    if resume_from is not None:
-        ckpt = load_checkpoint(resume_from, map_location=device)
-        for group in ("scene", "precision", "texture"):
-            if ckpt["config"][group] != full[group]:
-                raise ConfigError(
-                    f"train.resume: checkpoint {resume_from} was trained with another "
-                    f"{group} config"
-                )
+    # What a resume that has no iteration left to run reports (the checkpoint's, see below).
+    resumed_loss, resumed_time = None, None
+    if ckpt is not None:
         texture.load_state_dict(ckpt["texture"])
         optimizer.load_state_dict(ckpt["optimizer"])
         stepper.load_state_dict(ckpt["stepper"])
         _set_rng_state(ckpt["rng"], generators)
         start_iter, history = int(ckpt["iteration"]), list(ckpt["history"])
         skipped_steps, consecutive_skips = ckpt["skipped_steps"], ckpt["consecutive_skips"]
-    metrics["resumed_from"] = start_iter if resume_from is not None else None
+        resumed_loss = ckpt.get("loss", history[-1]["loss"] if history else None)
+        resumed_time = ckpt.get("time_per_iter_s")
+    metrics["resumed_from"] = start_iter if ckpt is not None else None
 
-    def checkpoint(completed: int) -> None:
+    def checkpoint(completed: int) -> bool:
+        """Write ``checkpoint.pt``; False (nothing written) when a weight is not finite."""
+        if not all_finite(list(texture.parameters())):
+            return False
         save_checkpoint(run_dir / _CHECKPOINT, {
             "texture": texture.state_dict(),
             "optimizer": optimizer.state_dict(),
@@ -203,7 +277,10 @@ def _train(
             "aabb": scene.aabb.cpu(),
             "precision": full["precision"],
             "config": full,
+            "loss": loss_value if loss_value is not None else resumed_loss,
+            "time_per_iter_s": statistics.median(iter_times) if iter_times else resumed_time,
         })  # fmt: skip
+        return True
 
     n_iter = int(settings["iterations"])
     ramp = float(settings["kd_smooth_ramp"])
@@ -254,12 +331,22 @@ def _train(
         stepper.backward(loss)
         result = stepper.step()
         stats = monitor.collect(result) if monitor is not None else None
+        if result.diverged and result.skipped:
+            # A non-finite gradient without loss scaling: the step was not taken, the weights
+            # and Adam state are those after iteration it - 1; the run ends here.
+            status, diverged_at = "diverged", it
+            break
         _sync(device)
         iter_times.append(time.perf_counter() - tick)
         skipped_steps += int(result.skipped)
         consecutive_skips = consecutive_skips + 1 if result.skipped else 0
         completed = it + 1
         metrics["iterations"] = completed
+        if result.diverged:  # the step itself made a weight non-finite (f16 Adam)
+            status, diverged_at = "diverged", it
+            history.append(_history_entry(completed, loss_value, None, result,
+                                          settings["lr"] * factor, stats))  # fmt: skip
+            break
 
         evaluated = None
         last = completed == n_iter
@@ -274,17 +361,9 @@ def _train(
         interval = settings["history_interval"]
         sampled = stats is not None
         if sampled or evaluated is not None or last or (interval and completed % interval == 0):
-            entry = {
-                "iteration": completed,
-                "loss": loss_value,
-                "psnr": None if evaluated is None else evaluated["psnr"],
-                "loss_scale": result.loss_scale,
-                "skipped": bool(result.skipped),
-                "lr": settings["lr"] * factor,
-            }
-            if sampled:
-                entry.update({k: v for k, v in stats.items() if k not in entry})
-            history.append(entry)
+            psnr_now = None if evaluated is None else evaluated["psnr"]
+            history.append(_history_entry(completed, loss_value, psnr_now, result,
+                                          settings["lr"] * factor, stats))  # fmt: skip
         if writer is not None:
             writer.add_scalar("train/loss", loss_value, completed)
             writer.add_scalar("train/loss_scale", result.loss_scale, completed)
@@ -295,15 +374,20 @@ def _train(
             status, diverged_at = "diverged", it
             break
         ck_interval = settings["checkpoint_interval"]
-        if not last and ck_interval and completed % ck_interval == 0:
-            checkpoint(completed)
+        if not last and ck_interval and completed % ck_interval == 0 and not checkpoint(completed):
+            status, diverged_at = "diverged", it
+            break
     progress.close()
     train_time = time.perf_counter() - train_start
 
     completed = metrics["iterations"]
-    if status == "completed":
-        checkpoint(completed)
+    if status == "completed" and not checkpoint(completed):
+        status, diverged_at = "diverged", completed
     evaluation = evaluate(texture, scene, settings, light_dir)
+    if status == "completed" and not math.isfinite(evaluation["psnr"]):
+        # Finite weights can still render a non-finite image (an f16 overflow in the forward):
+        # never a completed run.
+        status, diverged_at = "diverged", completed
     if status == "completed" or math.isfinite(evaluation["psnr"]):
         _save_val_images(run_dir / "images", evaluation, settings["n_val_images"])
     if writer is not None:
@@ -315,8 +399,8 @@ def _train(
         psnr=evaluation["psnr"],
         baseline_psnr=evaluation["baseline_psnr"],
         psnr_per_image=evaluation["psnr_per_image"],
-        final_loss=loss_value,
-        time_per_iter_s=statistics.median(iter_times) if iter_times else None,
+        final_loss=loss_value if loss_value is not None else resumed_loss,
+        time_per_iter_s=statistics.median(iter_times) if iter_times else resumed_time,
         train_time_s=train_time,
         wall_time_s=time.perf_counter() - start_wall,
         peak_memory_bytes=peak,

@@ -1,0 +1,501 @@
+"""Issue 13: faults and bad input. Nothing is corrupted, every error is one line naming the key
+or the file, exit code 2 for bad input, and a run killed at any moment resumes to a complete,
+valid result.
+
+Most cases run in-process (``train`` fails at start, before any iteration); a handful go
+through the real ``mptex-train`` / ``mptex-check`` to check the exit code and stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import mptex.train.loop as loop
+from mptex import HashGridEncoding, MLPTexture3D, PrecisionPolicy, PrecisionStepper
+from mptex.check import check_main
+from mptex.cli import CONFIG_DIR
+from mptex.train import ConfigError, load_checkpoint, save_checkpoint, train
+from mptex.train.checkpoint import CHECKPOINT_KEYS, CheckpointError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "train=tiny", "texture=tiny", "scene.resolution=24", "scene.n_train_views=2",
+    "scene.n_val_views=1", "scene.tubular_segments=32", "scene.radial_segments=6",
+]  # fmt: skip
+
+
+def tiny_cfg(*overrides: str):
+    base = TINY if "scene=mesh" not in overrides else TINY[:-2]  # the knot's keys
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose("config", overrides=[*base, *overrides])
+
+
+def read_metrics(run_dir: Path) -> dict:
+    def refuse(constant):  # strict JSON: NaN/Infinity literals are a defect
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    return json.loads((run_dir / "metrics.json").read_text(), parse_constant=refuse)
+
+
+def start_error(run_dir: Path, *overrides: str) -> str:
+    """The one-line error of a run refused at start; checks metrics.json recorded it."""
+    with pytest.raises(ConfigError) as info:
+        train(tiny_cfg(*overrides), run_dir)
+    message = str(info.value)
+    assert "\n" not in message
+    metrics = read_metrics(run_dir)
+    assert metrics["status"] == "failed" and metrics["failed_at"] == "start"
+    assert metrics["error"] == message
+    return message
+
+
+def finite_weights(ckpt: dict) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in ckpt["texture"].values())
+
+
+# ----------------------------------------------------------------------------- 2: config values
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["precision.master_weights=no"], "precision.master_weights"),
+        (["precision.autocast=off"], "precision.autocast"),
+        (["precision.init_scale=big"], "precision.init_scale"),
+        (["precision=f16_dynamic", "precision.growth_interval=2.5"], "precision.growth_interval"),
+        (["+precision.foo=1"], "precision.foo"),
+        (["precision=per_layer", "precision.mlp_dtypes=[f16,f32]"], "precision.mlp_dtypes"),
+        (["texture.encoder.n_levels=4.7"], "texture.encoder.n_levels"),
+        (["texture.encoder.base_resolution=16.9"], "texture.encoder.base_resolution"),
+        (["texture.encoder.per_level_scale=abc"], "texture.encoder.per_level_scale"),
+        (["texture.encoder.per_level_scale=inf"], "texture.encoder.per_level_scale"),
+        (["+texture.foo=1"], "texture.foo"),
+        (["+texture.encoder.foo=1"], "texture.encoder.foo"),
+        (["texture.hidden=0"], "texture.hidden"),
+        (["texture.internal_dims=-3"], "texture.internal_dims"),
+        (["texture.channels=true"], "texture.channels"),
+        (["texture.backend=cuda"], "texture.backend"),
+        (["train.lr_decay=inf"], "train.lr_decay"),
+        (["train.lr=nan"], "train.lr"),
+        (["train.betas=[a,b]"], "train.betas"),
+        (["train.kd_smooth=no"], "train.kd_smooth"),
+        (["train.tensorboard=off"], "train.tensorboard"),
+        (["train.seed=99999999999999999999"], "train.seed"),
+        (["train.seed=-1"], "train.seed"),
+        (["train.iterations=4.5"], "train.iterations"),
+        (["+train.foo=1"], "train.foo"),
+        (["scene.near=-1"], "scene.near"),
+        (["scene.far=0.05"], "scene.far"),
+        (["scene.fovy_deg=180"], "scene.fovy_deg"),
+        (["scene.fovy_deg=0"], "scene.fovy_deg"),
+        (["scene.cam_radius=inf"], "scene.cam_radius"),
+        (["scene.raster_backend=foo"], "scene.raster_backend"),
+        (["scene.seed=99999999999999999999"], "scene.seed"),
+        (["scene.resolution=true"], "scene.resolution"),
+        (["+scene.foo=1"], "scene.foo"),
+    ],
+)  # fmt: skip
+def test_bad_config_values_are_refused_at_start(overrides, key):
+    # validate_config (no scene built, no allocation) catches every type error; geometry and
+    # constructor ranges come from the start of train(), tested below.
+    from mptex.train import validate_config
+
+    with pytest.raises(ValueError) as info:
+        validate_config(tiny_cfg(*overrides))
+        from mptex.scenes import build_scene
+
+        build_scene(tiny_cfg(*overrides).scene)
+    assert str(info.value).startswith(f"{key}:") or str(info.value).startswith(f"{key} "), info
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["texture.encoder.n_levels=0"], "texture.encoder.n_levels"),
+        (["texture.encoder.log2_hashmap_size=31"], "texture.encoder.log2_hashmap_size"),
+        (["texture.encoder.base_resolution=-16"], "texture.encoder.base_resolution"),
+        (["texture.min_max=[[0,0],[1,1]]"], "texture.min_max"),
+        (["texture.encoder.n_levels=16", "texture.encoder.log2_hashmap_size=30",
+          "texture.encoder.per_level_scale=1.5"], "texture.encoder.log2_hashmap_size"),
+        (["scene.near=5"], "scene"),  # every view clipped: nothing to train on
+        (["scene.fovy_deg=0.001"], "scene"),
+    ],
+)  # fmt: skip
+def test_constructor_errors_name_the_config_key(tmp_path, overrides, key):
+    message = start_error(tmp_path, *overrides)
+    assert message.startswith(f"{key}:") or message.startswith(f"{key} must"), message
+
+
+def test_api_refuses_bad_arguments_naming_them():
+    cases = [
+        (lambda: HashGridEncoding(3, n_levels=16, log2_hashmap_size=30), "log2_hashmap_size"),
+        (lambda: HashGridEncoding.from_tcnn_config(3, None), "config"),
+        (lambda: HashGridEncoding(3, base_resolution=16.9), "base_resolution"),
+        (lambda: HashGridEncoding(3, n_levels=4.7), "n_levels"),
+        (lambda: HashGridEncoding(3, per_level_scale=float("inf")), "per_level_scale"),
+        (lambda: HashGridEncoding(3, per_level_scale="abc"), "per_level_scale"),
+        (lambda: HashGridEncoding(3, n_levels=32, per_level_scale=2.0), "per_level_scale"),
+        (lambda: MLPTexture3D([[0, 0], [1, 1, 1]], encoder={"n_levels": 1}), "AABB"),
+        (lambda: MLPTexture3D([[1, 0, 0], [0, 1, 1]], encoder={"n_levels": 1}), "AABB"),
+        (lambda: MLPTexture3D([[0, 0, 0], [0, 1, 1]], encoder={"n_levels": 1}), "AABB"),
+        (lambda: PrecisionPolicy(master_weights="no"), "master_weights"),
+        (lambda: PrecisionPolicy.from_config({"name": "f16_dynamic", "init_scale": "big"}),
+         "init_scale"),
+    ]  # fmt: skip
+    for build, argument in cases:
+        with pytest.raises(ValueError) as info:
+            build()
+        assert str(info.value).startswith(argument), (argument, str(info.value))
+
+
+def test_api_refuses_bad_positions_instead_of_encoding_nan():
+    encoding = HashGridEncoding(3, n_levels=2, log2_hashmap_size=8, base_resolution=4, seed=0)
+    with pytest.raises(ValueError, match=r"^x must lie within"):
+        encoding(torch.full((2, 3), 3e38))
+    # Points just outside [0, 1] keep tcnn's (wrapping) semantics and stay finite.
+    assert torch.isfinite(encoding(torch.tensor([[1.5, -0.5, 2.0]]))).all()
+    texture = MLPTexture3D([[-1] * 3, [1] * 3], precision="f32", encoder={"n_levels": 2})
+    with pytest.raises(ValueError, match="^texc"):
+        texture.sample([[0.0, 0.0, 0.0]])
+    with pytest.raises(ValueError, match="^texc"):
+        texture.sample(torch.tensor([[0.0, float("nan"), 0.0]]))
+    # Far-away finite (and infinite) positions clamp to the AABB, as nvdiffrec's sample does.
+    far = texture.sample(torch.tensor([[3e38, -3e38, float("inf")]]))
+    assert torch.isfinite(far).all()
+
+
+# ----------------------------------------------------------------------------- 3: files
+def _mesh_files(folder: Path, obj: str | bytes, mtl: str | bytes | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "m.obj"
+    path.write_bytes(obj if isinstance(obj, bytes) else obj.encode())
+    if mtl is not None:
+        (folder / "m.mtl").write_bytes(mtl if isinstance(mtl, bytes) else mtl.encode())
+    return path
+
+
+CUBE = (
+    "mtllib m.mtl\nusemtl red\n"
+    + "".join(f"v {x} {y} {z}\n" for x in (0, 1) for y in (0, 1) for z in (0, 1))
+    + "f 1 2 4\nf 1 4 3\nf 5 7 8\nf 5 8 6\nf 1 5 6\nf 1 6 2\nf 3 4 8\nf 3 8 7\n"
+)
+
+
+@pytest.mark.parametrize(
+    "obj, mtl, names",
+    [
+        (bytes(range(256)) * 4, None, "m.obj"),
+        (CUBE.replace("v 0 0 0", "v nan 0 0"), "newmtl red\nKd 1 0 0\n", "m.obj"),
+        (CUBE.replace("usemtl red", "usemtl café"), None, "m.obj"),  # no MTL file
+        (CUBE, "newmtl red\nmap_Kd tex.png\n", "tex.png"),  # corrupt PNG, see below
+        (CUBE, b"newmtl red\nKd 1 0 \x00\n", "m.mtl"),
+        ("mtllib m.mtl\nusemtl red\nv 0 0 0\nv 0 0 0\nv 0 0 0\nf 1 2 3\n",
+         "newmtl red\nKd 1 0 0\n", "same point"),  # one repeated point
+        ("v 0 0 0\nv 1 0 0\nv 0 1 0\nf 1 2 3\nusemtl x\n", None, "m.obj"),
+        (CUBE.replace("v 1 1 1", "v 1 1"), "newmtl red\nKd 1 0 0\n", "m.obj"),
+    ],
+    ids=["random_bytes", "nan_vertex", "missing_mtl", "corrupt_png", "binary_mtl", "one_point",
+         "undefined_material", "short_vertex"],
+)  # fmt: skip
+def test_corrupt_mesh_files_are_one_line_naming_the_file(tmp_path, obj, mtl, names):
+    path = _mesh_files(tmp_path / "mesh", obj, mtl)
+    (tmp_path / "mesh" / "tex.png").write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(64))
+    message = start_error(
+        tmp_path / "run", "scene=mesh", f"scene.path={path}", "scene.resolution=16"
+    )
+    assert names in message and ("scene.path" in message or message.startswith(str(tmp_path)))
+    assert str(tmp_path) in message  # the file is named
+
+
+def test_latin1_mtl_loads_and_a_flat_mesh_is_refused_naming_the_file(tmp_path):
+    path = _mesh_files(tmp_path / "mesh", CUBE.replace("red", "caf\xe9").encode("latin-1"),
+                       "newmtl caf\xe9\nKd 1 0 0\n".encode("latin-1"))  # fmt: skip
+    metrics = train(tiny_cfg("scene=mesh", f"scene.path={path}", "scene.resolution=16",
+                             "train.iterations=1"), tmp_path / "ok")  # fmt: skip
+    assert metrics["status"] == "completed"
+    flat = _mesh_files(tmp_path / "flat", "v 0 0 0\nv 1 0 0\nv 0 1 0\nf 1 2 3\n"
+                       "mtllib m.mtl\nusemtl a\n", "newmtl a\nKd 1 1 1\n")  # fmt: skip
+    message = start_error(tmp_path / "run", "scene=mesh", f"scene.path={flat}")
+    assert message.startswith(f"scene.path: {flat}: the mesh has zero extent along z")
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("good")
+    train(tiny_cfg("train.iterations=2"), run_dir)
+    return run_dir / "checkpoint.pt"
+
+
+@pytest.mark.parametrize("damage", ["random", "truncated", "missing_keys", "not_a_dict", "empty"])
+def test_corrupt_checkpoint_on_resume_is_one_line_naming_the_file(tmp_path, good_checkpoint,
+                                                                 damage):  # fmt: skip
+    path = tmp_path / "checkpoint.pt"
+    data = good_checkpoint.read_bytes()
+    if damage == "random":
+        path.write_bytes(os.urandom(4096))
+    elif damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "missing_keys":
+        ckpt = load_checkpoint(good_checkpoint)
+        del ckpt["config"]
+        torch.save(ckpt, path)
+    elif damage == "not_a_dict":
+        torch.save([1, 2, 3], path)
+    else:
+        path.write_bytes(b"")
+    message = start_error(tmp_path, "train.iterations=4", "train.resume=true")
+    assert message.startswith(f"{path}: ")
+
+
+# ----------------------------------------------------------------------------- 1: no corruption
+def test_nonfinite_gradient_leaves_parameters_and_adam_state_bit_identical():
+    for arm in ("f32", "bf16", "nvdiffrec"):
+        texture = MLPTexture3D([[-1] * 3, [1] * 3], precision=arm,
+                               encoder={"n_levels": 2, "log2_hashmap_size": 8})  # fmt: skip
+        optimizer = torch.optim.Adam(texture.parameters(), lr=1e-2)
+        stepper = PrecisionStepper(texture.policy, optimizer)
+        points = torch.rand(64, 3) * 2 - 1
+        assert not stepper(texture.sample(points).sum()).diverged
+        before = {k: v.clone() for k, v in texture.state_dict().items()}
+        adam = [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()]
+        optimizer.zero_grad()
+        loss = texture.sample(points).sum()
+        stepper.backward(loss)
+        texture.net.layers[1].weight.grad[0, 0] = float("inf")  # one weight, finite loss
+        result = stepper.step()
+        assert result.skipped and result.diverged, arm
+        for k, v in texture.state_dict().items():
+            assert torch.equal(v, before[k]), (arm, k)
+        for state, saved in zip(optimizer.state.values(), adam, strict=True):
+            assert all(torch.equal(state[k], saved[k]) for k in saved), arm
+
+
+def _inject_inf_gradient_at(monkeypatch, iteration: int) -> None:
+    """Make the gradient of one MLP weight inf in backward number ``iteration`` (loss finite)."""
+    build = loop._build_texture
+
+    def patched(*args, **kwargs):
+        texture = build(*args, **kwargs)
+        calls = {"n": 0}
+
+        def hook(grad):
+            calls["n"] += 1
+            if calls["n"] == iteration + 1:
+                grad = grad.clone()
+                grad.view(-1)[0] = float("inf")
+            return grad
+
+        texture.net.layers[0].weight.register_hook(hook)
+        return texture
+
+    monkeypatch.setattr(loop, "_build_texture", patched)
+
+
+@pytest.mark.parametrize("at, planned", [(5, 8), (3, 4)])
+def test_inf_gradient_ends_the_run_at_that_iteration_keeping_the_last_good_checkpoint(
+    tmp_path, monkeypatch, at, planned
+):
+    _inject_inf_gradient_at(monkeypatch, at)
+    m = train(tiny_cfg("precision=f32", f"train.iterations={planned}",
+                       "train.checkpoint_interval=2"), tmp_path)  # fmt: skip
+    assert m["status"] == "diverged" and m["diverged_at"] == at and m["iterations"] == at
+    assert math.isfinite(m["psnr"])  # the weights are those before the bad step
+    ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert ckpt["iteration"] == at - at % 2 and finite_weights(ckpt)
+    assert read_metrics(tmp_path)["status"] == "diverged"
+
+
+def test_f16_naive_one_iteration_is_diverged_with_no_nan_checkpoint(tmp_path):
+    m = train(tiny_cfg("precision=f16_naive", "train.iterations=1"), tmp_path)
+    assert m["status"] == "diverged" and m["diverged_at"] == 0
+    assert read_metrics(tmp_path)["psnr"] is None
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_save_refuses_non_finite_weights_and_keeps_the_last_good_file(tmp_path, good_checkpoint):
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(good_checkpoint.read_bytes())
+    bad = load_checkpoint(path)
+    bad["texture"]["net.net.0.weight"][0, 0] = float("nan")
+    with pytest.raises(CheckpointError, match="non-finite"):
+        save_checkpoint(path, bad)
+    assert path.read_bytes() == good_checkpoint.read_bytes()
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_nan_psnr_is_never_completed(tmp_path, monkeypatch):
+    real = loop.evaluate
+    monkeypatch.setattr(loop, "evaluate", lambda *a: {**real(*a), "psnr": float("nan")})
+    m = train(tiny_cfg("train.iterations=2"), tmp_path)
+    assert m["status"] == "diverged" and read_metrics(tmp_path)["psnr"] is None
+
+
+# ----------------------------------------------------------------------------- 5: resume
+def test_resume_after_a_kill_between_final_checkpoint_and_metrics(tmp_path):
+    first = train(tiny_cfg("train.iterations=3"), tmp_path)
+    (tmp_path / "metrics.json").unlink()
+    (tmp_path / ".checkpoint.pt.x1y2.tmp").write_bytes(b"half")  # a killed write
+    (tmp_path / ".metrics.json.abc.tmp").write_bytes(b"{")
+    again = train(tiny_cfg("train.iterations=3", "train.resume=true"), tmp_path)
+    assert again["status"] == "completed" and again["iterations"] == 3
+    assert again["final_loss"] == first["final_loss"]
+    assert again["time_per_iter_s"] == first["time_per_iter_s"] > 0
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_resume_with_fewer_planned_iterations_is_an_error(tmp_path):
+    train(tiny_cfg("train.iterations=4"), tmp_path)
+    message = start_error(tmp_path, "train.iterations=2", "train.resume=true")
+    assert message.startswith("train.iterations: expected at least the 4 iterations")
+
+
+def test_output_files_get_the_umask_mode(tmp_path):
+    old = os.umask(0o027)
+    try:
+        train(tiny_cfg("train.iterations=1"), tmp_path)
+    finally:
+        os.umask(old)
+    for name in ("checkpoint.pt", "metrics.json"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o640, name
+
+
+# ----------------------------------------------------------------------------- 4: mptex-check
+def test_check_exit_codes(tmp_path, capsys):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("channels: [3\n")
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("channels: 3\nfoo: 1\n")
+    small = ["--points", "128"]
+    assert check_main([*small, "--texture-config", str(broken)]) == 2
+    assert check_main([*small, "--texture-config", str(unknown)]) == 2
+    assert check_main([*small, "--out", str(tmp_path / "no" / "such" / "dir.json")]) == 2
+    assert check_main([*small, "--cotangent-scale", "-1"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(errors) == 4 and all(e.startswith("mptex-check: error: --") for e in errors)
+    assert "texture.foo" in errors[1]
+    assert check_main(["--a", "f32", "--b", "f16_naive", "--points", "512"]) == 1
+    assert check_main(["--a", "f32", "--b", "f16_dynamic", "--points", "512"]) == 0
+
+
+# ----------------------------------------------------------------------------- the real CLI
+def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "mptex.cli", f"hydra.run.dir={tmp_path}", *TINY, *args]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "args, start",
+    [
+        (["texture.encoder.n_levels=0"], "texture.encoder.n_levels"),
+        (["train.resume=true"], "{dir}/checkpoint.pt: not a readable checkpoint"),
+    ],
+)
+def test_cli_errors_are_one_line_with_exit_2(tmp_path, args, start):
+    (tmp_path / "checkpoint.pt").write_bytes(os.urandom(100))
+    proc = run_cli(tmp_path, *args)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith(f"mptex-train: error: {start.format(dir=tmp_path)}")
+    assert read_metrics(tmp_path)["status"] == "failed"
+
+
+def test_cli_f16_naive_one_iteration_says_diverged(tmp_path):
+    proc = run_cli(tmp_path, "precision=f16_naive", "train.iterations=1")
+    assert proc.returncode == 0, proc.stderr
+    assert "diverged at iteration 0" in proc.stdout
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+# ----------------------------------------------------------------------------- kill -9
+_CHILD = textwrap.dedent(
+    """
+    import io, os, sys, time
+    import torch
+    from hydra import compose, initialize_config_dir
+    from mptex.cli import CONFIG_DIR
+    from mptex.train import train
+
+    run_dir, slow = sys.argv[1], float(sys.argv[2])
+    if slow:  # write half of each checkpoint, say so, pause: a kill lands mid-write
+        real_save = torch.save
+        def save(obj, f, *args, **kwargs):
+            buffer = io.BytesIO()
+            real_save(obj, buffer, *args, **kwargs)
+            data = buffer.getvalue()
+            f.write(data[: len(data) // 2]); f.flush()
+            print("WRITING", flush=True)
+            time.sleep(slow)
+            f.write(data[len(data) // 2 :])
+        torch.save = save
+    resume = os.path.exists(os.path.join(run_dir, "checkpoint.pt"))
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=sys.argv[3:] + [f"train.resume={str(resume).lower()}"])
+    print("STARTED", flush=True)
+    train(cfg, run_dir)
+    """
+)
+KILL_RUN = [*TINY, "train.iterations=12", "train.checkpoint_interval=1", "train.val_interval=4",
+            "train.stats_interval=0"]  # fmt: skip
+
+
+def _child(run_dir: Path, script: Path, slow: float = 0.0) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(script), str(run_dir), str(slow), *KILL_RUN]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(proc: subprocess.Popen, marker: str) -> None:
+    for line in proc.stdout:
+        if line.strip() == marker:
+            return
+    raise AssertionError(f"child ended before {marker}: {proc.stderr.read()}")
+
+
+def _assert_files_valid(run_dir: Path) -> None:
+    if (run_dir / "checkpoint.pt").exists():
+        ckpt = load_checkpoint(run_dir / "checkpoint.pt", required=CHECKPOINT_KEYS)
+        assert finite_weights(ckpt)
+    if (run_dir / "metrics.json").exists():
+        assert read_metrics(run_dir)["status"] in ("failed", "completed", "diverged")
+
+
+def test_kill_9_at_random_moments_then_resume_completes_bit_exactly(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD)
+    run_dir = tmp_path / "run"
+    rng = random.Random(13)
+    # Two kills at random moments of the training, one in the middle of a checkpoint write.
+    for slow in (0.0, 0.0, 1.0):
+        proc = _child(run_dir, script, slow)
+        _wait_for(proc, "WRITING" if slow else "STARTED")
+        time.sleep(0.2 if slow else rng.uniform(0.5, 2.0))
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+        _assert_files_valid(run_dir)
+    proc = _child(run_dir, script)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    _assert_files_valid(run_dir)
+    metrics = read_metrics(run_dir)
+    assert metrics["status"] == "completed" and metrics["iterations"] == 12
+    assert metrics["final_loss"] is not None and metrics["time_per_iter_s"] is not None
+    assert not list(run_dir.glob(".*.tmp"))
+    # The same run without kills: same weights, bit for bit (CPU).
+    reference = tmp_path / "reference"
+    proc = _child(reference, script)
+    assert proc.communicate(timeout=120) and proc.returncode == 0
+    a = load_checkpoint(run_dir / "checkpoint.pt")["texture"]
+    b = load_checkpoint(reference / "checkpoint.pt")["texture"]
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -86,6 +86,7 @@ def finite_weights(ckpt: dict) -> bool:
         (["texture.internal_dims=-3"], "texture.internal_dims"),
         (["texture.channels=true"], "texture.channels"),
         (["texture.backend=cuda"], "texture.backend"),
+        (["texture.backend=triton", "train.device=cpu"], "texture.backend"),
         (["train.lr_decay=inf"], "train.lr_decay"),
         (["train.lr=nan"], "train.lr"),
         (["train.betas=[a,b]"], "train.betas"),

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from mptex._backends import has_tcnn
+from mptex._backends import has_tcnn, has_triton
+from mptex.encoding import BACKENDS as ENCODER_BACKENDS
 from mptex.precision import PrecisionPolicy
 from mptex.train.losses import LOSSES
 from mptex.train.shading import _BACKGROUNDS, _SHADINGS
@@ -126,9 +128,9 @@ def check_texture_config(texture: Mapping[str, Any]) -> None:
     for key in ("channels", "internal_dims", "hidden"):
         if key in texture and not (_is_int(texture[key]) and texture[key] >= 1):
             raise ValueError(f"texture.{key}: expected an integer >= 1, got {texture[key]!r}")
-    if texture.get("backend", "auto") not in ("auto", "torch", "tcnn"):
+    if texture.get("backend", "auto") not in ENCODER_BACKENDS:
         raise ValueError(
-            f"texture.backend: expected auto, torch or tcnn, got {texture['backend']!r}"
+            f"texture.backend: expected one of {list(ENCODER_BACKENDS)}, got {texture['backend']!r}"
         )
     encoder = texture.get("encoder")
     if encoder is None:
@@ -251,6 +253,15 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError("train.shading: 'diffuse' needs texture.channels=9 (kd, ks, normal)")
     if texture.get("backend", "auto") == "tcnn" and not has_tcnn():
         raise ValueError("texture.backend: 'tcnn' needs tinycudann and a CUDA device")
+    if texture.get("backend", "auto") == "triton":
+        if not has_triton():
+            raise ValueError("texture.backend: 'triton' needs triton (pip install triton)")
+        # Triton compiles for GPUs; on a CPU only its (slow) interpreter runs the kernels.
+        if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "texture.backend: 'triton' on train.device=cpu runs only under Triton's "
+                "interpreter: set TRITON_INTERPRET=1 (slow; for testing) or use a GPU"
+            )
     if policy.mlp_backend == "tcnn" and dev.type != "cuda":
         raise ValueError(f"precision.name: {policy.name!r} needs train.device=cuda")
     return {**cfg, "train": s, "precision": policy.to_config()}

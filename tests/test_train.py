@@ -41,6 +41,14 @@ CPU_ARMS = [
     "amp",
     "bf16",
     "per_layer",
+    # tcnn_fused and the #154 arms: the fused network's torch twin on a CPU
+    "tcnn_fused",
+    "tcnn_fused_swap154",
+    "tcnn_fused_dynamic",
+    "tcnn_fused_f32acc",
+    "tcnn_fused_nosplitk",
+    "tcnn_fused_scale1024",
+    "nvdiffrec_scale1",
 ]
 
 

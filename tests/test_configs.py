@@ -41,7 +41,7 @@ def test_default_config_matches_the_train_defaults_table():
     assert (cfg.scene.name, cfg.precision.name) == ("builtin", "f32")
 
 
-@pytest.mark.parametrize("experiment", ["quick", "precision_ablation"])
+@pytest.mark.parametrize("experiment", ["quick", "precision_ablation", "nvdiffrec154"])
 def test_every_experiment_composes_with_a_sweep_over_arms(experiment):
     from mptex.cli import EXPERIMENTS_DIR, register_experiments
 

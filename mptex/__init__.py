@@ -8,6 +8,7 @@ The public API lives in a few modules: this package (the texture and its parts),
 from mptex._backends import has_nvdiffrast, has_tcnn, has_triton
 from mptex.encoding import HashGridEncoding
 from mptex.mlp import PrecisionMLP
+from mptex.network import FullyFusedMLP
 from mptex.precision import PrecisionPolicy, PrecisionStepper, StepResult
 from mptex.texture import MLPTexture3D
 
@@ -23,5 +24,6 @@ __all__ = [
     "PrecisionStepper",
     "StepResult",
     "PrecisionMLP",
+    "FullyFusedMLP",
     "MLPTexture3D",
 ]

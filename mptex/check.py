@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare every stage of an MLPTexture3D under two setups with a float64 "
         "CPU reference; name the first stage whose error its dtype does not explain.",
     )
-    arms = [name for name in PrecisionPolicy.names() if name != "tcnn_fused"]
+    arms = [n for n in PrecisionPolicy.names() if PrecisionPolicy.named(n).mlp == "linear"]
     for tag in ("a", "b"):
         upper = tag.upper()
         parser.add_argument(f"--{tag}", default="f32", choices=arms, help=f"setup {upper}'s arm")

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mptex._backends import import_tcnn
+from mptex.network import FullyFusedMLP
 from mptex.precision import PrecisionPolicy, scale_grad
 
 __all__ = ["PrecisionMLP", "CastLinear"]
@@ -68,10 +68,12 @@ class PrecisionMLP(nn.Module):
           ``torch.autocast(x.device.type, dtype=policy.mlp_dtypes[0])``;
         * ``policy.loss_scaling == "nvdiffrec"``: the gradient w.r.t. the (cast) input is
           multiplied by ``policy.static_loss_scale`` (nvdiffrec's backward hook on its ``_MLP``);
-        * ``policy.mlp_backend == "tcnn"``: a ``tinycudann.Network`` FullyFusedMLP instead (f16,
-          CUDA, tcnn's own init and internal loss scale 128); ``self.layers`` is then empty and
-          the weights are the flat ``self.net.params``. Without tcnn + CUDA the constructor
-          raises ``RuntimeError``.
+        * ``policy.mlp == "fused"``: a :class:`~mptex.FullyFusedMLP` instead (tcnn's all-f16
+          network, its own xavier init and internal loss scale ``policy.fused_loss_scale``;
+          backend ``policy.mlp_backend``: tinycudann on CUDA, the torch twin elsewhere with
+          ``"auto"``); ``self.layers`` is then empty and the weights are the flat
+          ``self.net.params`` (``self.net.layer_weights()`` gives the matrices).
+          ``mlp_backend="tcnn"`` without tcnn + CUDA raises ``RuntimeError``.
 
     Args:
         n_input_dims: input features (the encoder's ``n_output_dims``).
@@ -115,10 +117,10 @@ class PrecisionMLP(nn.Module):
         self.n_input_dims, self.n_output_dims = n_input_dims, n_output_dims
         self.n_hidden_layers, self.n_neurons = n_hidden_layers, n_neurons
 
-        if self.policy.mlp_backend == "tcnn":
+        self.layers: list[CastLinear] = []
+        if self.policy.mlp == "fused":
             self.policy.check_available()
-            tcnn = import_tcnn()
-            self.net = tcnn.Network(
+            self.net = FullyFusedMLP(
                 n_input_dims,
                 n_output_dims,
                 {
@@ -128,8 +130,11 @@ class PrecisionMLP(nn.Module):
                     "n_neurons": n_neurons,
                     "n_hidden_layers": n_hidden_layers,
                 },
+                backend=self.policy.mlp_backend,
+                accumulate=self.policy.fused_accumulate,
+                split_k=self.policy.fused_split_k,
+                loss_scale=self.policy.fused_loss_scale,
             )
-            self.layers: list[CastLinear] = []
             return
 
         dims = [n_input_dims] + [n_neurons] * n_hidden_layers + [n_output_dims]
@@ -157,10 +162,15 @@ class PrecisionMLP(nn.Module):
             # others.
             self.net.to(dtypes[0])
 
+    def resolved_backend(self) -> str:
+        """What computes the MLP next: ``"torch"`` (linear layers or the fused twin) or
+        ``"tcnn"`` (tinycudann's fused network)."""
+        return self.net.resolved_backend() if self.policy.mlp == "fused" else "torch"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.ndim != 2 or x.shape[1] != self.n_input_dims:
             raise ValueError(f"x: expected shape [N, {self.n_input_dims}], got {list(x.shape)}")
-        if self.policy.mlp_backend == "tcnn":
+        if self.policy.mlp == "fused":
             return self.net(x)
         if self.policy.loss_scaling == "nvdiffrec":
             # nvdiffrec feeds enc.float() and scales the gradient w.r.t. that f32 input by 128,

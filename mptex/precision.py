@@ -17,8 +17,24 @@ f16_dynamic   f16        f16                    f32      dynamic       GradScale
 amp           f16        autocast f16           f32      dynamic       torch.autocast
 bf16          f32        bf16                   f32      none          tcnn has no bf16 grid
 per_layer     f16        f16, f16, f32          f32      dynamic       explicit casts
-tcnn_fused    f16        tcnn FullyFusedMLP f16 f32      tcnn          CUDA + tinycudann only
+tcnn_fused    f16        FullyFusedMLP f16      f32      tcnn (x128)   tcnn on CUDA, else twin
 ============  =========  =====================  =======  ============  ===================
+
+Arms for nvdiffrec issue #154 (the fused network in place of nvdiffrec's f32 ``_MLP``), each
+differing from ``tcnn_fused`` in one thing (the switches exist in the torch twin only):
+
+======================  ====================================================================
+arm                     differs from ``tcnn_fused`` by
+======================  ====================================================================
+tcnn_fused_swap154      nvdiffrec's encoder /128 hook kept (``encoder_hook``): the swap as #154
+                        made it (the x128 hook sat on ``_MLP`` and left with it)
+tcnn_fused_dynamic      an outer dynamic loss scale (GradScaler) on top of tcnn's 128
+tcnn_fused_f32acc       float32 instead of half accumulators (``fused_accumulate: float``)
+tcnn_fused_nosplitk     no split-K in the weight gradients (``fused_split_k: false``)
+tcnn_fused_scale1024    static scale 1024 instead of 128 (``fused_loss_scale``)
+nvdiffrec_scale1        (from ``nvdiffrec``) its x128 / /128 hooks with scale 1: the grid's
+                        gradients without nvdiffrec's x128, the f32 MLP kept
+======================  ====================================================================
 """
 
 from __future__ import annotations
@@ -43,7 +59,9 @@ __all__ = [
 ]
 
 LOSS_SCALING_MODES = ("none", "static", "dynamic", "nvdiffrec", "tcnn")
-_MLP_BACKENDS = ("torch", "tcnn")
+_MLP_KINDS = ("linear", "fused")
+_MLP_BACKENDS = ("torch", "tcnn", "auto")
+_ACCUMULATE = ("half", "float")
 
 _DTYPE_ALIASES = {
     "f32": torch.float32,
@@ -127,15 +145,25 @@ class PrecisionPolicy:
         loss_scaling: ``"none"``; ``"static"`` (fixed ``static_loss_scale``, skip steps with inf/NaN
             gradients); ``"dynamic"`` (``torch.amp.GradScaler``); ``"nvdiffrec"`` (no loss scaling,
             but the MLP's input gradient is multiplied by ``static_loss_scale`` and the encoder's
-            input gradient divided by it, as nvdiffrec's backward hooks do); ``"tcnn"`` (tcnn scales
-            by 128 inside its fused network; only with ``mlp_backend="tcnn"``).
+            input gradient divided by it, as nvdiffrec's backward hooks do); ``"tcnn"`` (no outer
+            scale: the fused network scales by ``fused_loss_scale`` inside; only with
+            ``mlp="fused"``, which also allows ``"static"``/``"dynamic"`` on top).
         static_loss_scale: the fixed factor of ``"static"`` and ``"nvdiffrec"`` (default 128,
             tcnn's).
         init_scale, growth_factor, backoff_factor, growth_interval: ``"dynamic"``'s GradScaler
             arguments (defaults 2**16, 2.0, 0.5, 2000: GradScaler's).
         autocast: run the MLP under ``torch.autocast(device, dtype=mlp_dtypes[0])`` with f32 layers.
-        mlp_backend: ``"torch"`` (``torch.nn.Linear`` layers) or ``"tcnn"`` (``tinycudann.Network``
-            FullyFusedMLP, f16, CUDA only).
+        mlp: ``"linear"`` (:class:`~mptex.PrecisionMLP`'s ``torch.nn.Linear`` layers) or
+            ``"fused"`` (:class:`~mptex.FullyFusedMLP`, tcnn's all-f16 network).
+        mlp_backend: the fused network's backend: ``"auto"`` (tinycudann on CUDA where
+            importable, the torch twin elsewhere), ``"torch"`` or ``"tcnn"``; ``"torch"`` for
+            ``mlp="linear"``.
+        fused_loss_scale: the fused network's static internal loss scale (tcnn: 128).
+        fused_accumulate: ``"half"`` (tcnn) or ``"float"`` accumulators (twin only).
+        fused_split_k: split the weight-gradient sums every 4096 samples (tcnn) (twin only).
+        encoder_hook: divide the gradient w.r.t. the encoder's input positions by
+            ``static_loss_scale`` (nvdiffrec's encoder hook) without the MLP's x128 hook: what
+            #154's swap left in place. Implied by ``loss_scaling="nvdiffrec"``.
 
     Raises:
         ValueError: naming the field, for an unknown dtype or mode, a bad number, or a combination
@@ -155,6 +183,11 @@ class PrecisionPolicy:
     growth_interval: int = 2000
     autocast: bool = False
     mlp_backend: str = "torch"
+    mlp: str = "linear"
+    fused_loss_scale: float = 128.0
+    fused_accumulate: str = "half"
+    fused_split_k: bool = True
+    encoder_hook: bool = False
 
     def __post_init__(self) -> None:
         # Normalise user-friendly spellings (strings, single dtype) once, so the fields are typed.
@@ -173,13 +206,14 @@ class PrecisionPolicy:
     def _validate(self) -> None:
         # Types first: a YAML ``no`` given as a string, or ``init_scale=big``, must not reach
         # bool()/float() (a non-empty string is true; float("big") names no field).
-        for field in ("name", "loss_scaling", "mlp_backend"):
+        for field in ("name", "loss_scaling", "mlp_backend", "mlp", "fused_accumulate"):
             if not isinstance(getattr(self, field), str):
                 raise ValueError(f"{field}: expected a string, got {getattr(self, field)!r}")
-        for field in ("master_weights", "autocast"):
+        for field in ("master_weights", "autocast", "fused_split_k", "encoder_hook"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field}: expected true or false, got {getattr(self, field)!r}")
-        for field in ("static_loss_scale", "init_scale", "growth_factor", "backoff_factor"):
+        for field in ("static_loss_scale", "init_scale", "growth_factor", "backoff_factor",
+                      "fused_loss_scale"):  # fmt: skip
             value = getattr(self, field)
             if not _is_real(value) or not math.isfinite(value):
                 raise ValueError(f"{field}: expected a finite number, got {value!r}")
@@ -231,13 +265,41 @@ class PrecisionPolicy:
                 )
         if self.autocast and len(self.mlp_dtypes) != 1:
             raise ValueError("mlp_dtypes: autocast takes a single dtype, got a per-layer list")
-        if (self.mlp_backend == "tcnn") != (self.loss_scaling == "tcnn"):
+        if self.mlp not in _MLP_KINDS:
+            raise ValueError(f"mlp: expected one of {_MLP_KINDS}, got {self.mlp!r}")
+        if self.fused_accumulate not in _ACCUMULATE:
             raise ValueError(
-                "loss_scaling: 'tcnn' goes with mlp_backend 'tcnn' and only with it "
-                f"(got loss_scaling={self.loss_scaling!r}, mlp_backend={self.mlp_backend!r})"
+                f"fused_accumulate: expected one of {_ACCUMULATE}, got {self.fused_accumulate!r}"
             )
-        if self.mlp_backend == "tcnn" and self.mlp_dtypes != (torch.float16,):
-            raise ValueError("mlp_dtypes: tcnn's FullyFusedMLP computes in f16 only")
+        if not float(self.fused_loss_scale) > 0:
+            raise ValueError(
+                f"fused_loss_scale: expected a positive number, got {self.fused_loss_scale!r}"
+            )
+        if self.mlp == "linear":
+            if self.mlp_backend != "torch":
+                raise ValueError(
+                    f"mlp_backend: {self.mlp_backend!r} is for mlp 'fused'; the linear MLP is "
+                    "torch only"
+                )
+            if self.loss_scaling == "tcnn":
+                raise ValueError("loss_scaling: 'tcnn' goes with mlp 'fused' (tcnn's network)")
+        else:
+            if self.loss_scaling not in ("tcnn", "static", "dynamic"):
+                raise ValueError(
+                    "loss_scaling: the fused network scales inside ('tcnn'), optionally under "
+                    f"an outer 'static' or 'dynamic' scale; got {self.loss_scaling!r}"
+                )
+            if self.mlp_dtypes != (torch.float16,) or not self.master_weights or self.autocast:
+                raise ValueError(
+                    "mlp_dtypes: tcnn's FullyFusedMLP computes in f16 on f32 masters "
+                    "(mlp_dtypes [f16], master_weights true, autocast false)"
+                )
+            twin_only = self.fused_accumulate != "half" or not self.fused_split_k
+            if twin_only and self.mlp_backend == "tcnn":
+                raise ValueError(
+                    "mlp_backend: fused_accumulate/fused_split_k switches exist only in the "
+                    "torch twin; use mlp_backend 'torch' or 'auto'"
+                )
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -305,7 +367,7 @@ class PrecisionPolicy:
 
     def availability(self) -> tuple[bool, str]:
         """``(True, "")`` when this policy can run here, else ``(False, reason)``; never raises."""
-        if self.mlp_backend == "tcnn" or self.loss_scaling == "tcnn":
+        if self.mlp_backend == "tcnn":  # "auto" falls back to the torch twin
             from mptex._backends import has_tcnn
 
             if not has_tcnn():
@@ -335,9 +397,21 @@ _ARMS: dict[str, PrecisionPolicy] = {
         PrecisionPolicy("amp", _f16, (_f16,), loss_scaling="dynamic", autocast=True),
         PrecisionPolicy("bf16", _f32, (_bf16,)),
         PrecisionPolicy("per_layer", _f16, (_f16, _f16, _f32), loss_scaling="dynamic"),
-        PrecisionPolicy("tcnn_fused", _f16, (_f16,), loss_scaling="tcnn", mlp_backend="tcnn"),
+        PrecisionPolicy(
+            "tcnn_fused", _f16, (_f16,), loss_scaling="tcnn", mlp="fused", mlp_backend="auto"
+        ),
     )
 }
+_FUSED = _ARMS["tcnn_fused"]
+for _arm in (
+    dataclasses.replace(_FUSED, name="tcnn_fused_swap154", encoder_hook=True),
+    dataclasses.replace(_FUSED, name="tcnn_fused_dynamic", loss_scaling="dynamic"),
+    dataclasses.replace(_FUSED, name="tcnn_fused_f32acc", fused_accumulate="float"),
+    dataclasses.replace(_FUSED, name="tcnn_fused_nosplitk", fused_split_k=False),
+    dataclasses.replace(_FUSED, name="tcnn_fused_scale1024", fused_loss_scale=1024.0),
+    dataclasses.replace(_ARMS["nvdiffrec"], name="nvdiffrec_scale1", static_loss_scale=1.0),
+):
+    _ARMS[_arm.name] = _arm
 
 
 def all_finite(tensors: Sequence[torch.Tensor | None]) -> bool:

@@ -87,6 +87,7 @@ class MLPTexture3D(nn.Module):
     undoing the x128 the MLP puts on the encoder's output gradient, as nvdiffrec's hooks do; the
     table's own gradient keeps the x128 (nvdiffrec's behaviour; Adam is invariant to it up to
     ``eps``). Unlike nvdiffrec's hook, nothing fails when the positions do not require grad.
+    ``policy.encoder_hook`` keeps only the encoder's /128 (#154's swap).
 
     Args:
         AABB: ``[2, 3]`` (min corner, max corner) of the texture's domain; tensor or lists.
@@ -106,8 +107,9 @@ class MLPTexture3D(nn.Module):
     Raises:
         ValueError: naming the argument, for a malformed AABB/min_max, channel count or encoder.
         RuntimeError: at construction, for a policy or backend this machine cannot run
-            (``tcnn_fused`` or ``backend="tcnn"`` without tinycudann and CUDA,
-            ``backend="triton"`` without triton).
+            (``mlp_backend="tcnn"`` or ``backend="tcnn"`` without tinycudann and CUDA,
+            ``backend="triton"`` without triton; ``tcnn_fused`` itself runs everywhere: its
+            ``"auto"`` backend falls back to the twin).
     """
 
     def __init__(
@@ -172,7 +174,7 @@ class MLPTexture3D(nn.Module):
         flat = texc.reshape(-1, 3).to(torch.float32)
         lo, hi = self.AABB[0], self.AABB[1]
         unit = torch.clamp((flat - lo[None]) / (hi - lo)[None], min=0, max=1)
-        if self.policy.loss_scaling == "nvdiffrec":
+        if self.policy.loss_scaling == "nvdiffrec" or self.policy.encoder_hook:
             unit = scale_grad(unit, 1.0 / self.policy.static_loss_scale)
         try:
             features = self.encoder(unit.contiguous())
@@ -198,11 +200,19 @@ class MLPTexture3D(nn.Module):
     def cleanup(self) -> None:
         """Free temporary memory (tcnn's scratch buffers where tcnn is used), as nvdiffrec's."""
         gc.collect()
-        uses_tcnn = self.policy.mlp_backend == "tcnn" or self.encoder.resolved_backend() == "tcnn"
-        if uses_tcnn:
+        if "tcnn" in self.backends().values():
             from mptex._backends import import_tcnn
 
             import_tcnn().free_temporary_memory()
+
+    def backends(self) -> dict[str, str]:
+        """What computes each part now: ``{"encoder": "torch"|"tcnn", "mlp": "torch"|"tcnn"}``
+        (``"auto"`` resolved from the parameters' device and tinycudann; the record for
+        metrics.json)."""
+        return {
+            "encoder": self.encoder.resolved_backend(),
+            "mlp": self.net.resolved_backend(),
+        }
 
     def extra_repr(self) -> str:
         return (

@@ -43,7 +43,7 @@ def test_cli_diverged_run_is_a_result(tmp_path):
         (["train.iterations=-5"], "train.iterations"),
         (["scene=mesh", "scene.path=/nonexistent/mesh.obj"], "scene.path"),
         pytest.param(
-            ["precision=tcnn_fused"], "precision.name",
+            ["precision=tcnn_fused", "precision.mlp_backend=tcnn"], "precision.name",
             marks=pytest.mark.skipif(_backends.has_tcnn(), reason="tcnn is available here"),
         ),
     ],

@@ -31,8 +31,7 @@ def test_every_group_option_composes(group, option):
         assert PrecisionPolicy.from_config(cfg.precision) == PrecisionPolicy.named(option)
     if group == "train":
         assert set(cfg.train) == set(TRAIN_DEFAULTS)
-    if (group, option) != ("precision", "tcnn_fused"):
-        validate_config(cfg)  # every shipped value is valid (tcnn_fused needs tcnn)
+    validate_config(cfg)  # every shipped value is valid here (tcnn_fused runs on the twin)
 
 
 def test_default_config_matches_the_train_defaults_table():
@@ -42,7 +41,7 @@ def test_default_config_matches_the_train_defaults_table():
     assert (cfg.scene.name, cfg.precision.name) == ("builtin", "f32")
 
 
-@pytest.mark.parametrize("experiment", ["quick", "precision_ablation"])
+@pytest.mark.parametrize("experiment", ["quick", "precision_ablation", "nvdiffrec154"])
 def test_every_experiment_composes_with_a_sweep_over_arms(experiment):
     from mptex.cli import EXPERIMENTS_DIR, register_experiments
 

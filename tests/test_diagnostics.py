@@ -24,7 +24,7 @@ from mptex.diagnostics import (
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mptex"
 AABB = [[-1.0, -1.0, -1.0], [1.0, 1.0, 1.0]]
-CPU_ARMS = [n for n in PrecisionPolicy.names() if n != "tcnn_fused"]
+CPU_ARMS = [n for n in PrecisionPolicy.names() if PrecisionPolicy.named(n).mlp == "linear"]
 
 
 def _texture(arm="f32", seed=0):

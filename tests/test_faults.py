@@ -75,6 +75,8 @@ def finite_weights(ckpt: dict) -> bool:
         (["precision.init_scale=big"], "precision.init_scale"),
         (["precision=f16_dynamic", "precision.growth_interval=2.5"], "precision.growth_interval"),
         (["+precision.foo=1"], "precision.foo"),
+        (["precision=tcnn_fused", "precision.fused_split_k=no"], "precision.fused_split_k"),
+        (["precision=tcnn_fused", "precision.fused_loss_scale=inf"], "precision.fused_loss_scale"),
         (["precision=per_layer", "precision.mlp_dtypes=[f16,f32]"], "precision.mlp_dtypes"),
         (["texture.encoder.n_levels=4.7"], "texture.encoder.n_levels"),
         (["texture.encoder.base_resolution=16.9"], "texture.encoder.base_resolution"),

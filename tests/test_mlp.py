@@ -7,7 +7,8 @@ from conftest import TOL
 from mptex.mlp import CastLinear, PrecisionMLP
 from mptex.precision import PrecisionPolicy
 
-CPU_ARMS = [n for n in PrecisionPolicy.names() if n != "tcnn_fused"]
+CPU_ARMS = [n for n in PrecisionPolicy.names() if PrecisionPolicy.named(n).mlp == "linear"]
+FUSED_ARMS = [n for n in PrecisionPolicy.names() if PrecisionPolicy.named(n).mlp == "fused"]
 N_IN, N_OUT, HIDDEN, NEURONS = 32, 3, 2, 32
 
 
@@ -145,8 +146,25 @@ def test_amp_runs_under_cpu_autocast_with_f32_layers():
     assert mlp(_inputs(mlp.policy, 8)).dtype == torch.float16
 
 
+@pytest.mark.parametrize("arm", FUSED_ARMS)
+def test_fused_arms_use_the_fused_network_with_their_switches(arm):
+    policy = PrecisionPolicy.named(arm)
+    mlp = PrecisionMLP(N_IN, N_OUT, HIDDEN, 16, policy)
+    assert mlp.layers == [] and mlp.resolved_backend() in ("torch", "tcnn")
+    spec = mlp.net.spec
+    assert (spec.accumulate, spec.split_k, spec.loss_scale) == (
+        policy.fused_accumulate,
+        policy.fused_split_k,
+        policy.fused_loss_scale,
+    )
+    out = mlp(torch.rand(300, N_IN))
+    assert out.shape == (300, N_OUT) and out.dtype == torch.float16
+    out.float().square().mean().backward()
+    assert mlp.net.params.grad.dtype == torch.float32 and mlp.net.params.grad.abs().sum() > 0
+
+
 def test_tcnn_fused_refused_without_tcnn():
-    policy = PrecisionPolicy.named("tcnn_fused")
+    policy = PrecisionPolicy.from_config({"name": "tcnn_fused", "mlp_backend": "tcnn"})
     if policy.availability()[0]:
         pytest.skip("tinycudann and CUDA are present")
     with pytest.raises(RuntimeError, match="tinycudann"):

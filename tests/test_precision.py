@@ -13,7 +13,8 @@ from mptex.precision import PrecisionPolicy, PrecisionStepper, StepResult, parse
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 ARMS = [
     "nvdiffrec", "f32", "f16_naive", "f16_static", "f16_dynamic", "amp", "bf16", "per_layer",
-    "tcnn_fused",
+    "tcnn_fused", "tcnn_fused_swap154", "tcnn_fused_dynamic", "tcnn_fused_f32acc",
+    "tcnn_fused_nosplitk", "tcnn_fused_scale1024", "nvdiffrec_scale1",
 ]  # fmt: skip
 
 
@@ -66,6 +67,13 @@ def test_partial_config_starts_from_the_named_arm():
         ),
         ({"autocast": True, "mlp_dtypes": ["f16", "f32"]}, "mlp_dtypes"),
         ({"loss_scaling": "tcnn"}, "loss_scaling"),
+        ({"mlp": "conv"}, "mlp"),
+        ({"mlp_backend": "tcnn"}, "mlp_backend"),
+        ({"name": "tcnn_fused", "loss_scaling": "none"}, "loss_scaling"),
+        ({"name": "tcnn_fused", "mlp_dtypes": "f32"}, "mlp_dtypes"),
+        ({"name": "tcnn_fused", "mlp_backend": "tcnn", "fused_split_k": False}, "mlp_backend"),
+        ({"name": "tcnn_fused", "fused_accumulate": "f8"}, "fused_accumulate"),
+        ({"name": "tcnn_fused", "fused_loss_scale": 0}, "fused_loss_scale"),
         ({"not_a_field": 1}, "unknown key"),
     ],
 )
@@ -82,13 +90,15 @@ def test_unknown_arm_and_dtype_parsing():
         parse_dtype(torch.float64)
 
 
-def test_tcnn_fused_reports_unavailable_without_tcnn():
-    ok, why = PrecisionPolicy.named("tcnn_fused").availability()
-    assert all(PrecisionPolicy.named(n).availability() == (True, "") for n in ARMS[:-1])
+def test_every_arm_runs_here_and_only_explicit_tcnn_needs_tinycudann():
+    # tcnn_fused's backend is "auto": the torch twin wherever tinycudann is missing.
+    assert all(PrecisionPolicy.named(n).availability() == (True, "") for n in ARMS)
+    explicit = PrecisionPolicy.from_config({"name": "tcnn_fused", "mlp_backend": "tcnn"})
+    ok, why = explicit.availability()
     if not ok:
         assert "tinycudann" in why
         with pytest.raises(RuntimeError, match="tinycudann"):
-            PrecisionPolicy.named("tcnn_fused").check_available()
+            explicit.check_available()
 
 
 def test_scale_grad_is_identity_forward_and_skips_non_grad_inputs():

@@ -68,7 +68,8 @@ def sweep(tmp_path):
     _write(tmp_path, "0", _metrics("f32", 0, psnr=30.0, t=0.10))
     _write(tmp_path, "1", _metrics("f32", 1, psnr=32.0, t=0.30))
     _write(tmp_path, "2", _metrics("bf16", 0, psnr=29.0, t=0.05))
-    _write(tmp_path, "3", _metrics("bf16", 1, psnr=29.0, t=0.15))
+    _write(tmp_path, "3", _metrics("bf16", 1, psnr=29.0, t=0.15,
+                                   backends={"encoder": "torch", "mlp": "torch"}))  # fmt: skip
     _write(tmp_path, "4", _metrics("f16_naive", 0, status="diverged", diverged_at=3))
     why = "precision.name: precision arm 'tcnn_fused' needs tinycudann and a CUDA device"
     tcnn = _metrics("tcnn_fused", 0, status="failed", failed_at="start", error=why)
@@ -153,6 +154,10 @@ def test_report_files_and_rows(sweep):
     assert "| `bf16` | 2 | 29.00 ± 0.00 | -2.00 [-14.71, +10.71] | inconclusive |" in text
     assert "t(0.975, n−1) · sd / √n" in text  # the method is stated
     assert "emulated" in text  # a CPU run's speed is flagged
+    assert (
+        "Backends that ran (encoder / MLP; torch = mptex's PyTorch twin): `bf16` torch / torch"
+        in text
+    )
 
 
 def test_results_json_equals_the_jobs_metrics(sweep):

@@ -13,7 +13,7 @@ from mptex import MLPTexture3D, PrecisionPolicy, PrecisionStepper
 from mptex.encoding import HashGridEncoding
 from mptex.texture import NVDIFFREC_ENCODER_CONFIG
 
-CPU_ARMS = [n for n in PrecisionPolicy.names() if n != "tcnn_fused"]
+CPU_ARMS = [n for n in PrecisionPolicy.names() if PrecisionPolicy.named(n).mlp == "linear"]
 SMALL = {
     "otype": "HashGrid", "n_levels": 4, "n_features_per_level": 2, "log2_hashmap_size": 12,
     "base_resolution": 4, "per_level_scale": 2.0,
@@ -87,11 +87,37 @@ def test_bad_arguments_name_themselves():
         _texture("f32").sample(torch.zeros(4, 2))
 
 
-def test_tcnn_fused_fails_at_construction_without_tcnn():
-    if PrecisionPolicy.named("tcnn_fused").availability()[0]:
+def test_explicit_tcnn_mlp_fails_at_construction_without_tcnn():
+    explicit = {"name": "tcnn_fused", "mlp_backend": "tcnn"}
+    if PrecisionPolicy.from_config(explicit).availability()[0]:
         pytest.skip("tinycudann and CUDA are present")
     with pytest.raises(RuntimeError, match="tinycudann"):
-        MLPTexture3D(AABB, precision="tcnn_fused", encoder=SMALL)
+        MLPTexture3D(AABB, precision=explicit, encoder=SMALL)
+
+
+def test_tcnn_fused_runs_on_the_twin_and_records_its_backends():
+    texture = MLPTexture3D(AABB, precision="tcnn_fused", encoder=SMALL, backend="torch")
+    assert texture.backends() == {"encoder": "torch", "mlp": "torch"}
+    points = torch.rand(500, 3)
+    out = texture.sample(points)
+    assert out.dtype == torch.float32 and out.shape == (500, 3)
+    out.mean().backward()
+    assert texture.net.net.params.grad.abs().sum() > 0
+    assert texture.encoder.params.grad.abs().sum() > 0
+
+
+def test_swap154_keeps_only_the_encoder_hook():
+    # #154: the /128 on the positions' gradient stays, nothing multiplies the grid's gradient.
+    grads = {}
+    for arm in ("tcnn_fused", "tcnn_fused_swap154"):
+        torch.manual_seed(0)
+        texture = MLPTexture3D(AABB, precision=arm, encoder=SMALL, backend="torch")
+        points = torch.rand(300, 3, generator=torch.Generator().manual_seed(1))
+        points.requires_grad_(True)
+        texture.sample(points).mean().backward()
+        grads[arm] = (points.grad.clone(), texture.encoder.params.grad.clone())
+    torch.testing.assert_close(grads["tcnn_fused_swap154"][0], grads["tcnn_fused"][0] / 128)
+    assert torch.equal(grads["tcnn_fused_swap154"][1], grads["tcnn_fused"][1])
 
 
 def test_encoder_instance_and_hydra_style_configs_are_accepted():

@@ -41,6 +41,14 @@ CPU_ARMS = [
     "amp",
     "bf16",
     "per_layer",
+    # tcnn_fused and the #154 arms: the fused network's torch twin on a CPU
+    "tcnn_fused",
+    "tcnn_fused_swap154",
+    "tcnn_fused_dynamic",
+    "tcnn_fused_f32acc",
+    "tcnn_fused_nosplitk",
+    "tcnn_fused_scale1024",
+    "nvdiffrec_scale1",
 ]
 
 
@@ -85,6 +93,8 @@ def test_every_cpu_arm_writes_complete_metrics(tmp_path, arm):
     assert m["peak_memory_kind"] in ("run_peak_rss", "process_peak_rss", "cuda_max_allocated")
     assert m["peak_memory_bytes"] > 0
     assert set(m["versions"]) >= {"mptex", "torch", "python", "cuda"}
+    # On a CPU every arm runs mptex's PyTorch twins (tcnn_fused included), and says so.
+    assert m["backends"] == {"encoder": "torch", "mlp": "torch"}
     assert [h["iteration"] for h in m["history"]] == list(range(1, 5))
     for h in m["history"]:
         assert set(h) >= {"iteration", "loss", "psnr", "loss_scale", "skipped"}

@@ -107,10 +107,10 @@ def build_texture(source: MLPTexture3D, setup: Setup) -> MLPTexture3D:
     ``source.state_dict()`` (cast to the copy's parameter dtypes), moves to ``setup.device``,
     then ``setup.modify`` is applied.
     """
-    if not source.net.layers or setup.precision.mlp_backend == "tcnn":
+    if not source.net.layers or setup.precision.mlp == "fused":
         raise ValueError(
             "setup: tcnn's fused MLP keeps its weights in its own layout; compare_setups "
-            "supports torch MLPs (every arm except tcnn_fused)"
+            "supports the linear MLPs (every arm except tcnn_fused and its #154 variants)"
         )
     texture = MLPTexture3D(
         source.AABB.detach().to("cpu", torch.float32),

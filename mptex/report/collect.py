@@ -55,7 +55,8 @@ RUN_FIELDS = (
     "scene", "precision", "seed", "status", "psnr", "baseline_psnr", "time_per_iter_s",
     "peak_memory_bytes", "peak_memory_kind", "skipped_steps", "final_loss_scale", "iterations",
     "iterations_planned", "diverged_at", "failed_at", "error", "wall_time_s", "train_time_s",
-    "n_params", "device", "device_name", "torch_threads", "run_dir",
+    "n_params", "device", "device_name", "torch_threads", "encoder_backend", "mlp_backend",
+    "run_dir",
 )  # fmt: skip
 _UNDERFLOW_SUFFIXES = ("grad_zero_frac", "grad_subnormal_frac")
 # A backend a config asks for, the versions flag saying whether this machine has it, and the
@@ -260,6 +261,9 @@ def _read_job(job_dir: Path) -> dict[str, Any]:
         run.update(status="failed", error=error, unreadable=True, _from=".hydra")
         return run
     run.update({key: metrics.get(key) for key in RUN_FIELDS})
+    backends = metrics.get("backends")
+    if isinstance(backends, Mapping):  # which implementation ran (e.g. tcnn, or mptex's twin)
+        run["encoder_backend"], run["mlp_backend"] = backends.get("encoder"), backends.get("mlp")
     run["status"], run["note"] = _status(metrics)
     if run["status"] == "unavailable" and not run.get("error"):
         run["error"] = f"needs {_missing_backend(metrics)}"

@@ -84,12 +84,20 @@ def _environment(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     for run in runs:
         for key, value in (run.get("versions") or {}).items():
             versions.setdefault(key, set()).add(str(value))
+    backends: dict[str, set[str]] = {}
+    for run in runs:
+        if run.get("encoder_backend") or run.get("mlp_backend"):
+            pair = f"{run.get('encoder_backend') or '–'} / {run.get('mlp_backend') or '–'}"
+            backends.setdefault(str(run.get("precision")), set()).add(pair)
+    backend_text = "; ".join(f"`{arm}` {', '.join(sorted(b))}" for arm, b in backends.items())
+    backend_text = backend_text or "–"
     version_text = ", ".join(f"{k} {' / '.join(sorted(v))}" for k, v in sorted(versions.items()))
     return [
         f"- Device: {' / '.join(distinct('device')) or '–'} "
         f"({' / '.join(distinct('device_name')) or 'unknown'}); torch threads per run: "
         f"{' / '.join(distinct('torch_threads')) or '–'}",
         f"- Versions: {version_text or '–'}",
+        f"- Backends that ran (encoder / MLP; torch = mptex's PyTorch twin): {backend_text}",
     ]
 
 

@@ -60,8 +60,8 @@ METRICS_KEYS = (
     "status", "psnr", "baseline_psnr", "psnr_per_image", "precision", "scene", "seed",
     "iterations", "iterations_planned", "final_loss", "time_per_iter_s", "wall_time_s",
     "train_time_s", "peak_memory_bytes", "peak_memory_kind", "skipped_steps", "final_loss_scale",
-    "diverged_at", "error", "failed_at", "resumed_from", "n_params", "device", "device_name",
-    "torch_threads", "versions", "run_dir", "history", "config",
+    "diverged_at", "error", "failed_at", "resumed_from", "n_params", "backends", "device",
+    "device_name", "torch_threads", "versions", "run_dir", "history", "config",
 )  # fmt: skip
 
 
@@ -411,6 +411,7 @@ def _train(
         error=None,
         failed_at=None,
         n_params=sum(p.numel() for p in texture.parameters()),
+        backends=texture.backends(),
         device=str(device),
         device_name=_device_name(device),
         torch_threads=torch.get_num_threads(),

@@ -1,0 +1,458 @@
+"""Pure-PyTorch twin of tiny-cuda-nn's FullyFusedMLP (forward, backward, initialisation).
+
+The twin reproduces what ``tinycudann.Network({"otype": "FullyFusedMLP", ...})`` computes, under
+an explicit model of the half-precision tensor-core arithmetic (tensor cores do not document the
+order and rounding inside one MMA, so a model has to be chosen; how far it is from a real GPU is
+measured there, not assumed).
+
+Arithmetic model (``accumulate="half"``, tcnn's):
+    A matrix product ``C[n, m] = sum_k A[n, k] B[k, m]`` of half operands is computed in k-blocks
+    of ``k_block`` consecutive k (16 for the fused kernel's ``wmma 16x16x16``; 8 for the CUTLASS
+    GEMMs, whose instruction shape tcnn sets to ``GemmShape<16, 8, 8>``). The products of one
+    block are summed exactly (in float64: products of two halves have 22 significant bits, so the
+    sum of a block is exact unless its terms span more than ~27 binary orders of magnitude), the
+    block sum is added to the half accumulator, and the result is rounded once: first to float32,
+    then to half (round to nearest even each time). Blocks are added in increasing k. So
+    ``acc_0 = 0``, ``acc_{j+1} = half(float32(acc_j + sum_{k in block j} A[n, k] B[k, m]))``.
+    ``accumulate="float"`` keeps the accumulator in float32 instead (same blocks) and rounds the
+    finished sum to half once: the switch that removes half accumulation.
+
+What the twin does, in tcnn's order (``Network`` = ``NetworkWithInputEncoding`` with an
+``Identity`` encoding, see ``src/cpp_api.cu`` ``create_network``):
+    forward
+        1. ``x`` (f32) padded with zero rows to a multiple of 256 samples (the bindings'
+           ``BATCH_SIZE_GRANULARITY``), cast to half, and padded with columns of **1.0** up to a
+           multiple of 16 (the Identity encoding writes 1 into its padded outputs, so the padded
+           columns of the first weight matrix act as a bias);
+        2. per layer ``h = act(half_matmul(h, W^T, k_block=16))`` in half; the last layer uses
+           ``output_activation`` and has ``next_multiple(n_output_dims, 16)`` rows (k_block 8 if
+           wider than 16 outputs: CUTLASS computes that layer);
+        3. the bindings return ``[:N, :n_output_dims]`` of the half output.
+    backward (torch hands in ``dL/doutput`` in half, the output's dtype)
+        1. ``dL/doutput x loss_scale`` in half (``modules.py`` ``_module_function_backward``);
+        2. output activation backward (in half), then back through the layers:
+           ``g = act_backward(half_matmul(g, W, k_block=16), forward activation below)``;
+        3. each weight gradient ``g^T h_below`` by split-K: the padded batch is cut into
+           ``split_k = batch // min(4096, batch)`` slices (CUTLASS ``GemmSplitKParallel``:
+           ``gemm_k_size = (batch // 32 // split_k) * 32``, the last slice takes the rest), each
+           slice accumulates in half with k_block 8, the slices are summed in half in order;
+        4. the input gradient ``g W_0`` (k_block 16 when the padded input width equals the network
+           width, the fused kernel; else 8, CUTLASS), rounded to half, then divided by
+           ``loss_scale`` in float32; the parameter gradient is divided by ``loss_scale`` **in
+           half** (it can underflow there) and reaches the f32 master as f32.
+
+Parameter layout (``src/fully_fused_mlp.cu`` constructor and ``set_params_impl``): one flat
+vector, the matrices one after the other, each row-major ``[out, in]``: first layer
+``[width, in_pad]``, ``n_hidden_layers - 1`` hidden ``[width, width]``, last ``[out_pad, width]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+__all__ = [
+    "FusedMLPSpec",
+    "ACTIVATIONS",
+    "BATCH_GRANULARITY",
+    "SPLIT_K_SLICE",
+    "half_matmul",
+    "split_k_weight_grad",
+    "fused_mlp",
+    "xavier_uniform_params",
+    "pcg32_floats",
+]
+
+# tcnn's include/tiny-cuda-nn/common.h: BATCH_SIZE_GRANULARITY = 256.
+BATCH_GRANULARITY = 256
+# src/fully_fused_mlp.cu backward_impl: split_k_factor = batch_size / std::min(1u << 12u, batch).
+SPLIT_K_SLICE = 4096
+# CUTLASS threadblock K of tcnn's FullLayerK config (GemmShape<64, 64, 32>): slice granularity.
+_CUTLASS_TB_K = 32
+# The activations FullyFusedMLP's forward_impl switch accepts (src/fully_fused_mlp.cu).
+ACTIVATIONS = (
+    "None",
+    "ReLU",
+    "LeakyReLU",
+    "Exponential",
+    "Sigmoid",
+    "Squareplus",
+    "Softplus",
+    "Tanh",
+)
+_K_ACT = 10.0  # common_device.h K_ACT (Squareplus, Softplus)
+
+
+def _next_multiple(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+@dataclass
+class FusedMLPSpec:
+    """Sizes and switches of one fused network (everything the autograd function needs).
+
+    Attributes:
+        n_input_dims, n_output_dims, width, n_hidden_layers, activation, output_activation: as
+            tcnn's network config.
+        loss_scale: the bindings' static scale (tcnn: 128 for half).
+        accumulate: ``"half"`` (tcnn) or ``"float"`` (float32 accumulators, the ablation switch).
+        split_k: slice the weight-gradient reduction every 4096 samples (tcnn) or not.
+        collect_stats: fill ``stats`` during backward (see :func:`split_k_weight_grad`).
+        stats: per-layer precision statistics of the last backward (layer 0 = input layer).
+    """
+
+    n_input_dims: int
+    n_output_dims: int
+    width: int
+    n_hidden_layers: int
+    activation: str = "ReLU"
+    output_activation: str = "None"
+    loss_scale: float = 128.0
+    accumulate: str = "half"
+    split_k: bool = True
+    collect_stats: bool = False
+    stats: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def input_pad(self) -> int:
+        return _next_multiple(self.n_input_dims, 16)
+
+    @property
+    def output_pad(self) -> int:
+        return _next_multiple(self.n_output_dims, 16)
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """``[out, in]`` of each weight matrix, input layer first, padding included."""
+        return (
+            [(self.width, self.input_pad)]
+            + [(self.width, self.width)] * (self.n_hidden_layers - 1)
+            + [(self.output_pad, self.width)]
+        )
+
+    @property
+    def n_params(self) -> int:
+        return sum(o * i for o, i in self.shapes())
+
+
+# ----------------------------------------------------------------------------- arithmetic
+def _round_acc(value: torch.Tensor, accumulate: str) -> torch.Tensor:
+    """float64 -> the accumulator's dtype: float32, then (half accumulators) half."""
+    value = value.to(torch.float32)
+    return value.to(torch.float16) if accumulate == "half" else value
+
+
+def half_matmul(
+    a: torch.Tensor, b: torch.Tensor, k_block: int, accumulate: str = "half"
+) -> torch.Tensor:
+    """``a @ b`` of half operands under the module docstring's MMA model.
+
+    Args:
+        a: ``[N, K]`` float16.
+        b: ``[K, M]`` float16.
+        k_block: products summed exactly per block of this many k before each accumulator
+            rounding (16: fused wmma; 8: CUTLASS m16n8k8).
+        accumulate: ``"half"`` or ``"float"`` accumulator.
+
+    Returns:
+        ``[N, M]`` float16 (the float accumulator is rounded to half once at the end).
+    """
+    n, k = a.shape
+    m = b.shape[1]
+    n_blocks = max(1, math.ceil(k / k_block))
+    pad = n_blocks * k_block - k
+    a64 = a.to(torch.float64)
+    b64 = b.to(torch.float64)
+    if pad:  # zero products leave every accumulator unchanged
+        a64 = torch.nn.functional.pad(a64, (0, pad))
+        b64 = torch.nn.functional.pad(b64, (0, 0, 0, pad))
+    acc = None
+    for j in range(n_blocks):
+        part = a64[:, j * k_block : (j + 1) * k_block] @ b64[j * k_block : (j + 1) * k_block]
+        acc = _round_acc(part if acc is None else acc.to(torch.float64) + part, accumulate)
+    if acc is None:
+        acc = torch.zeros(n, m, dtype=torch.float16)
+    return acc.to(torch.float16)
+
+
+def _slice_bounds(batch: int, split_k: bool) -> list[tuple[int, int]]:
+    """CUTLASS GemmSplitKParallel's K ranges for tcnn's split_k_factor."""
+    slices = batch // min(SPLIT_K_SLICE, batch) if split_k and batch > 0 else 1
+    if slices <= 1:
+        return [(0, batch)]
+    size = (batch // _CUTLASS_TB_K // slices) * _CUTLASS_TB_K
+    bounds = [(s * size, (s + 1) * size) for s in range(slices)]
+    bounds[-1] = (bounds[-1][0], batch)
+    return bounds
+
+
+def split_k_weight_grad(
+    grad_out: torch.Tensor,
+    act_in: torch.Tensor,
+    accumulate: str = "half",
+    split_k: bool = True,
+    stats: dict[str, float] | None = None,
+) -> torch.Tensor:
+    """Weight gradient ``grad_out^T @ act_in`` as tcnn's split-K CUTLASS GEMM computes it.
+
+    Each slice (:func:`_slice_bounds`) accumulates its samples in blocks of 8 (k_block of
+    CUTLASS's m16n8k8) under the module docstring's model; the slices' results are then added in
+    order in the accumulator type (CUTLASS ``ReduceSplitK``). The slices run side by side here
+    (one Python step per block of 8 samples of the longest slice); a shorter slice is padded with
+    zero samples, which leave an accumulator unchanged.
+
+    Args:
+        grad_out: ``[B, out]`` float16, dL/d(pre-activation) (scaled by the loss scale).
+        act_in: ``[B, in]`` float16, the layer's input activations.
+        accumulate: ``"half"`` or ``"float"``.
+        split_k: slice the batch as tcnn does or use one slice (the ablation switch).
+        stats: if a dict, receives ``absorbed_frac``: the fraction of non-zero 8-sample block
+            contributions that left the accumulator unchanged (flushed by the accumulation).
+
+    Returns:
+        ``[out, in]`` float16 (float accumulation is rounded to half at the end, where tcnn
+        would store it).
+    """
+    k_block = 8
+    bounds = _slice_bounds(grad_out.shape[0], split_k)
+    longest = max(hi - lo for lo, hi in bounds)
+    length = max(1, math.ceil(longest / k_block)) * k_block
+    n_slices, n_out, n_in = len(bounds), grad_out.shape[1], act_in.shape[1]
+    g = grad_out.new_zeros(n_slices, length, n_out, dtype=torch.float64)
+    a = act_in.new_zeros(n_slices, length, n_in, dtype=torch.float64)
+    for s, (lo, hi) in enumerate(bounds):
+        g[s, : hi - lo] = grad_out[lo:hi]
+        a[s, : hi - lo] = act_in[lo:hi]
+    n_blocks = length // k_block
+    g = g.view(n_slices, n_blocks, k_block, n_out)
+    a = a.view(n_slices, n_blocks, k_block, n_in)
+    acc = torch.zeros(n_slices, n_out, n_in, dtype=torch.float64)
+    acc = _round_acc(acc, accumulate)
+    absorbed = contributions = 0
+    chunk = 64  # blocks whose exact sums are formed at once (bounds the float64 scratch)
+    for j0 in range(0, n_blocks, chunk):
+        # [S, chunk, out, in]: the exact sum of each block's 8 products
+        parts = torch.einsum("sjko,sjki->sjoi", g[:, j0 : j0 + chunk], a[:, j0 : j0 + chunk])
+        for j in range(parts.shape[1]):
+            new = _round_acc(acc.to(torch.float64) + parts[:, j], accumulate)
+            if stats is not None:
+                nonzero = parts[:, j] != 0
+                contributions += int(nonzero.sum())
+                absorbed += int((nonzero & (new == acc)).sum())
+            acc = new
+    total = acc[0]
+    for s in range(1, n_slices):
+        total = _round_acc(total.to(torch.float64) + acc[s].to(torch.float64), accumulate)
+    if stats is not None:
+        stats["absorbed_frac"] = absorbed / max(contributions, 1)
+    return total.to(torch.float16)
+
+
+# ----------------------------------------------------------------------------- activations
+def _activate(name: str, x: torch.Tensor) -> torch.Tensor:
+    """common_device.h warp_activation on half values: f32 math, one rounding to half."""
+    if name == "None":
+        return x
+    if name == "ReLU":
+        return torch.clamp_min(x, 0)
+    xf = x.float()
+    if name == "LeakyReLU":
+        return (xf * torch.where(xf > 0, 1.0, 0.01).half().float()).half()
+    if name == "Exponential":
+        return torch.exp(xf).half()
+    if name == "Sigmoid":
+        return (1.0 / (1.0 + torch.exp(-xf))).half()
+    if name == "Squareplus":
+        z = xf * _K_ACT
+        return (0.5 * (z + torch.sqrt(z * z + 4)) / _K_ACT).half()
+    if name == "Softplus":
+        return (torch.log(torch.exp(xf * _K_ACT) + 1.0) / _K_ACT).half()
+    if name == "Tanh":
+        return torch.tanh(xf).half()
+    raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {name!r}")
+
+
+def _activate_backward(name: str, grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """common_device.h warp_activation_backward: from the post-activation ``out``, in half."""
+    if name == "None":
+        return grad
+    if name == "ReLU":
+        return torch.where(out > 0, grad, torch.zeros_like(grad))
+    of = out.float()
+    if name == "LeakyReLU":
+        factor = torch.where(of > 0, 1.0, 0.01).half()
+    elif name == "Exponential":
+        factor = out
+    elif name == "Sigmoid":
+        factor = (of * (1.0 - of).half().float()).half()
+    elif name == "Squareplus":
+        y = of * _K_ACT
+        factor = (y * y / (y * y + 1)).half()
+    elif name == "Softplus":
+        factor = (1.0 - torch.exp(-of * _K_ACT)).half()
+    elif name == "Tanh":
+        factor = (1.0 - of * of).half()
+    else:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {name!r}")
+    return (grad.float() * factor.float()).half()
+
+
+# ----------------------------------------------------------------------------- the network
+def _weights(params: torch.Tensor, spec: FusedMLPSpec) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for rows, cols in spec.shapes():
+        out.append(params[offset : offset + rows * cols].view(rows, cols))
+        offset += rows * cols
+    return out
+
+
+def _forward(x_half: torch.Tensor, weights: list[torch.Tensor], spec: FusedMLPSpec):
+    """All half activations, input first; the last entry is the (padded) output."""
+    acts = [x_half]
+    for index, w in enumerate(weights):
+        last = index == len(weights) - 1
+        k_block = 8 if last and spec.output_pad > 16 else 16
+        pre = half_matmul(acts[-1], w.t(), k_block, spec.accumulate)
+        acts.append(_activate(spec.output_activation if last else spec.activation, pre))
+    return acts
+
+
+class _FusedMLPFunction(torch.autograd.Function):
+    """tcnn's ``_module_function`` + ``_module_function_backward`` with the twin inside."""
+
+    @staticmethod
+    def forward(ctx, x32, params_half, spec):
+        weights = _weights(params_half, spec)
+        # identity.h: f32 -> half, the padded columns set to 1
+        x_half = torch.ones(x32.shape[0], spec.input_pad, dtype=torch.float16, device=x32.device)
+        x_half[:, : spec.n_input_dims] = x32.to(torch.float16)
+        with torch.no_grad():
+            acts = _forward(x_half, weights, spec)
+        ctx.spec = spec
+        ctx.save_for_backward(params_half, *acts)
+        return acts[-1]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        spec: FusedMLPSpec = ctx.spec
+        params_half, *acts = ctx.saved_tensors
+        weights = _weights(params_half, spec)
+        scale = float(spec.loss_scale)
+        # modules.py: scaled_grad = doutput * loss_scale, in doutput's dtype (half)
+        grad = (grad_output.to(torch.float16).float() * scale).half()
+        grad = _activate_backward(spec.output_activation, grad, acts[-1])
+        grads_w: list[torch.Tensor] = [None] * len(weights)  # type: ignore[list-item]
+        stats: dict[int, dict[str, float]] = {}
+        for index in range(len(weights) - 1, -1, -1):
+            layer_stats = {} if spec.collect_stats else None
+            if ctx.needs_input_grad[1]:
+                grads_w[index] = split_k_weight_grad(
+                    grad, acts[index], spec.accumulate, spec.split_k, layer_stats
+                )
+            if index > 0:
+                k_block = 8 if index == len(weights) - 1 and spec.output_pad > 16 else 16
+                down = half_matmul(grad, weights[index], k_block, spec.accumulate)
+                grad_next = _activate_backward(spec.activation, down, acts[index])
+            if layer_stats is not None and grads_w[index] is not None:
+                layer_stats.update(_grad_stats(grads_w[index], scale))
+                stats[index] = layer_stats
+            if index > 0:
+                grad = grad_next
+        spec.stats = dict(sorted(stats.items()))
+        grad_x = grad_params = None
+        if ctx.needs_input_grad[0]:
+            k_block = 16 if spec.input_pad == spec.width else 8
+            grad_in = half_matmul(grad, weights[0], k_block, spec.accumulate)
+            # identity.h passes the half gradient on as f32; modules.py divides in f32
+            grad_x = grad_in[:, : spec.n_input_dims].float() / scale
+        if ctx.needs_input_grad[1]:
+            flat = torch.cat([g.reshape(-1) for g in grads_w])
+            # modules.py: params_grad / loss_scale in the params' precision (half)
+            grad_params = (flat.float() / scale).half()
+        return grad_x, grad_params, None
+
+
+def _grad_stats(grad_half: torch.Tensor, scale: float) -> dict[str, float]:
+    """Zero / subnormal fractions of a scaled half weight gradient, before and after / scale."""
+    tiny = torch.finfo(torch.float16).tiny
+    unscaled = (grad_half.float() / scale).half()
+    n = max(grad_half.numel(), 1)
+
+    def frac(mask: torch.Tensor) -> float:
+        return float(mask.sum()) / n
+
+    return {
+        "scaled_zero_frac": frac(grad_half == 0),
+        "scaled_subnormal_frac": frac((grad_half != 0) & (grad_half.abs() < tiny)),
+        "zero_frac": frac(unscaled == 0),
+        "subnormal_frac": frac((unscaled != 0) & (unscaled.abs() < tiny)),
+        "flushed_by_unscale_frac": frac((grad_half != 0) & (unscaled == 0)),
+    }
+
+
+def fused_mlp(x: torch.Tensor, params: torch.Tensor, spec: FusedMLPSpec) -> torch.Tensor:
+    """The twin's forward as tcnn's bindings run it (``modules.py`` ``Module.forward``).
+
+    Args:
+        x: ``[N, n_input_dims]`` float (cast to float32, as the bindings do).
+        params: ``[n_params]`` float32 master parameters (cast to half here, in the graph).
+        spec: sizes and switches.
+
+    Returns:
+        ``[N, n_output_dims]`` float16.
+    """
+    batch = x.shape[0]
+    padded_batch = _next_multiple(batch, BATCH_GRANULARITY)
+    x32 = x.to(torch.float32)
+    if padded_batch != batch:
+        x32 = torch.nn.functional.pad(x32, (0, 0, 0, padded_batch - batch))
+    out = _FusedMLPFunction.apply(x32.contiguous(), params.to(torch.float16), spec)
+    return out[:batch, : spec.n_output_dims]
+
+
+# ----------------------------------------------------------------------------- initialisation
+_PCG_MULT = 0x5851F42D4C957F2D
+_MASK64 = (1 << 64) - 1
+
+
+def pcg32_floats(seed: int, count: int) -> np.ndarray:
+    """``count`` values of tcnn's ``pcg32{seed}.next_float()`` (dependencies/pcg32/pcg32.h).
+
+    ``seed(initstate, initseq=1)``: state 0, inc ``(1 << 1) | 1``, step, state += seed, step;
+    ``next_float`` puts the top 23 bits of ``next_uint`` under exponent 0 and subtracts 1.
+    """
+    inc = (1 << 1) | 1
+    state = 0
+    state = (state * _PCG_MULT + inc) & _MASK64
+    state = (state + seed) & _MASK64
+    state = (state * _PCG_MULT + inc) & _MASK64
+    words = np.empty(count, dtype=np.uint32)
+    for i in range(count):
+        old = state
+        state = (old * _PCG_MULT + inc) & _MASK64
+        xorshifted = (((old >> 18) ^ old) >> 27) & 0xFFFFFFFF
+        rot = old >> 59
+        words[i] = ((xorshifted >> rot) | (xorshifted << ((-rot) & 31))) & 0xFFFFFFFF
+    bits = (words >> np.uint32(9)) | np.uint32(0x3F800000)
+    return bits.view(np.float32) - np.float32(1.0)
+
+
+def xavier_uniform_params(spec: FusedMLPSpec, seed: int = 1337) -> torch.Tensor:
+    """tcnn's initial params: ``initialize_xavier_uniform`` on each matrix in layout order.
+
+    gpu_matrix.h: ``scale = sqrt(6 / (fan_in + fan_out))`` (float32; fan_in = cols, fan_out =
+    rows of the row-major ``[out, in]`` matrix, padding included), value ``next_float() * 2 *
+    scale - scale`` in float32, one pcg32 stream (``pcg32 rng{seed}``, cpp_api.cu) across all
+    matrices.
+    """
+    uniforms = pcg32_floats(seed, spec.n_params)
+    out, offset = [], 0
+    for rows, cols in spec.shapes():
+        scale = np.sqrt(np.float32(6.0) / np.float32(rows + cols), dtype=np.float32)
+        u = uniforms[offset : offset + rows * cols]
+        out.append((u * np.float32(2.0)) * scale - scale)
+        offset += rows * cols
+    return torch.from_numpy(np.concatenate(out).astype(np.float32))

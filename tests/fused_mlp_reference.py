@@ -1,0 +1,168 @@
+"""Brute-force, per-element reference of the fused-MLP arithmetic model (no torch).
+
+Written independently of ``mptex/_fused_mlp_torch.py`` from the model stated in its docstring:
+scalar Python floats, one accumulator per output element, NumPy float16/float32 for every
+rounding. Slow on purpose; tests keep the sizes small.
+
+Model: a dot product of half values is accumulated block by block (``k_block`` consecutive
+terms); each block's products are summed exactly (``math.fsum``), added to the accumulator, and the
+result rounded to float32 then to float16 (``"half"``) or to float32 only (``"float"``, rounded to
+half at the end).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def to_half(value: float) -> float:
+    return float(np.float16(np.float32(value)))
+
+
+def to_acc(value: float, accumulate: str) -> float:
+    value = float(np.float32(value))
+    return float(np.float16(value)) if accumulate == "half" else value
+
+
+def dot(a: list[float], b: list[float], k_block: int, accumulate: str) -> float:
+    """Half result of sum_k a[k] b[k] under the model."""
+    acc = 0.0
+    for start in range(0, len(a), k_block):
+        block = math.fsum(a[k] * b[k] for k in range(start, min(start + k_block, len(a))))
+        acc = to_acc(acc + block, accumulate)
+    return to_half(acc)
+
+
+def relu(v: float) -> float:
+    return v if v > 0 else 0.0
+
+
+def next_multiple(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def matrices(params: list[float], shapes: list[tuple[int, int]]) -> list[list[list[float]]]:
+    """Row-major [out][in] matrices from the flat vector, in order."""
+    out, pos = [], 0
+    for rows, cols in shapes:
+        out.append([[params[pos + r * cols + c] for c in range(cols)] for r in range(rows)])
+        pos += rows * cols
+    return out
+
+
+def network(x, params, n_out, width, n_hidden, loss_scale=128.0, grad_out=None,
+            accumulate="half", split_k=True):  # fmt: skip
+    """Forward (and with ``grad_out``, backward) of a ReLU FullyFusedMLP, output activation None.
+
+    Args:
+        x: N rows of n_in floats (f32 values).
+        params: flat float list (f32 masters).
+        grad_out: N rows of n_out floats: dL/doutput as torch hands it in (half values).
+
+    Returns:
+        (output rows [N][n_out] floats, grad_x [N][n_in] or None, grad_params list or None).
+    """
+    n, n_in = len(x), len(x[0])
+    in_pad, out_pad = next_multiple(n_in, 16), next_multiple(n_out, 16)
+    batch = next_multiple(n, 256)
+    shapes = [(width, in_pad)] + [(width, width)] * (n_hidden - 1) + [(out_pad, width)]
+    weights = [[[to_half(v) for v in row] for row in m] for m in matrices(params, shapes)]
+    # identity encoding: half input, ones in the padded columns; zero rows pad the batch
+    rows = [[to_half(v) for v in r] + [1.0] * (in_pad - n_in) for r in x]
+    rows += [[0.0] * n_in + [1.0] * (in_pad - n_in) for _ in range(batch - n)]
+    acts = [rows]
+    for index, w in enumerate(weights):
+        last = index == len(weights) - 1
+        kb = 8 if last and out_pad > 16 else 16
+        layer = []
+        for r in acts[-1]:
+            vals = [dot(r, w[o], kb, accumulate) for o in range(len(w))]
+            layer.append(vals if last else [relu(v) for v in vals])
+        acts.append(layer)
+    output = [row[:n_out] for row in acts[-1][:n]]
+    if grad_out is None:
+        return output, None, None
+
+    # backward: dL/doutput (half) x loss scale in half, zero for cut outputs and padded rows
+    grad = [[0.0] * out_pad for _ in range(batch)]
+    for i in range(n):
+        for o in range(n_out):
+            grad[i][o] = to_half(to_half(grad_out[i][o]) * loss_scale)
+    grads_w = [None] * len(weights)
+    for index in range(len(weights) - 1, -1, -1):
+        w, below = weights[index], acts[index]
+        n_rows, n_cols = len(w), len(w[0])
+        grads_w[index] = [
+            [weight_grad([g[o] for g in grad], [a[c] for a in below], accumulate, split_k)
+             for c in range(n_cols)]
+            for o in range(n_rows)
+        ]  # fmt: skip
+        if index == 0:
+            break
+        kb = 8 if index == len(weights) - 1 and out_pad > 16 else 16
+        new = []
+        for b in range(batch):
+            new.append([
+                dot(grad[b], [w[o][c] for o in range(n_rows)], kb, accumulate)
+                if below[b][c] > 0 else 0.0
+                for c in range(n_cols)
+            ])  # fmt: skip
+        grad = new
+    kb = 16 if in_pad == width else 8
+    w0 = weights[0]
+    grad_x = [
+        [float(np.float32(dot(grad[b], [w0[o][c] for o in range(width)], kb, accumulate))
+               / np.float32(loss_scale)) for c in range(n_in)]
+        for b in range(n)
+    ]  # fmt: skip
+    grad_params = []
+    for m in grads_w:
+        for row in m:
+            grad_params += [to_half(float(np.float32(v) / np.float32(loss_scale))) for v in row]
+    return output, grad_x, grad_params
+
+
+def weight_grad(g: list[float], a: list[float], accumulate: str, split_k: bool) -> float:
+    """One weight-gradient entry sum_b g[b] a[b]: CUTLASS split-K slices, blocks of 8."""
+    batch = len(g)
+    slices = batch // min(4096, batch) if split_k else 1
+    size = (batch // 32 // slices) * 32
+    partials = []
+    for s in range(slices):
+        lo, hi = s * size, (batch if s == slices - 1 else (s + 1) * size)
+        partials.append(slice_dot(g[lo:hi], a[lo:hi], accumulate))
+    total = partials[0]
+    for p in partials[1:]:
+        total = to_acc(total + p, accumulate)
+    return to_half(total)
+
+
+def slice_dot(g: list[float], a: list[float], accumulate: str) -> float:
+    """Accumulator value (not rounded to half at the end) of one slice, blocks of 8."""
+    acc = 0.0
+    for start in range(0, len(g), 8):
+        block = math.fsum(g[k] * a[k] for k in range(start, min(start + 8, len(g))))
+        acc = to_acc(acc + block, accumulate)
+    return acc
+
+
+def pcg32_next_floats(seed: int, count: int) -> list[float]:
+    """tcnn's pcg32 (dependencies/pcg32/pcg32.h) next_float, written out per step."""
+    mult, mask = 6364136223846793005, 2**64 - 1
+    inc = 3  # (initseq = 1) << 1 | 1
+    state = 0
+    state = (state * mult + inc) & mask
+    state = (state + seed) & mask
+    state = (state * mult + inc) & mask
+    out = []
+    for _ in range(count):
+        old = state
+        state = (old * mult + inc) & mask
+        xorshifted = ((old >> 18) ^ old) >> 27 & 0xFFFFFFFF
+        rot = old >> 59
+        word = ((xorshifted >> rot) | (xorshifted << ((32 - rot) % 32))) & 0xFFFFFFFF
+        mantissa = word >> 9
+        out.append(mantissa / 2.0**23)  # (1 + m / 2^23) - 1, exact in f32
+    return out

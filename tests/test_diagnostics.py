@@ -109,6 +109,28 @@ def test_monitor_keys_sampling_and_json():
         PrecisionMonitor(_texture(), every=0)
 
 
+def test_monitor_records_the_fused_twins_half_statistics_on_sampled_iterations_only():
+    history = _train("tcnn_fused")
+    assert [h["iteration"] for h in history] == [0, 2, 4]
+    texture_layers = 3  # TEXTURE_CONFIGS["small"]: hidden=2 -> three weight matrices
+    for stats in history:
+        json.dumps(stats)
+        for layer in range(texture_layers):
+            for name in ("absorbed_frac", "zero_frac", "subnormal_frac", "scaled_zero_frac",
+                         "flushed_by_unscale_frac"):  # fmt: skip
+                assert 0.0 <= stats[f"net.{layer}.fused_{name}"] <= 1.0, (layer, name)
+    # tcnn's x128 is undone in half: entries below 2**-24 * 128 of the scaled gradient flush to
+    # zero there, so the unscaled gradient has at least as many zeros as the scaled one.
+    last = history[-1]
+    assert last["net.0.fused_zero_frac"] >= last["net.0.fused_scaled_zero_frac"]
+    # Between samples the twin does not pay for its statistics.
+    texture = _texture("tcnn_fused")
+    monitor = PrecisionMonitor(texture, every=2)
+    assert monitor.start(0) and texture.net.net.collect_stats
+    monitor.collect()
+    assert not monitor.start(1) and not texture.net.net.collect_stats
+
+
 def test_f16_naive_underflow_is_visible_and_loss_scaling_removes_it():
     """The mechanism by which f16_naive loses quality: without a loss scale, the gradients of a
     mean loss are mostly subnormal (or zero) in f16; f16_dynamic's x65536 keeps them normal."""

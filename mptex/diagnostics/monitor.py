@@ -123,6 +123,12 @@ class PrecisionMonitor:
     ``<site>.grad_subnormal_frac``  ... subnormal in the compute dtype (about to underflow)
     ``<site>.grad_nonfinite_frac``  ... inf/NaN
     ``<site>.grad_maxabs``          largest finite ``|grad|``
+    ``net.<i>.fused_<name>``        the fused network's twin only (tcnn's FullyFusedMLP, layer
+                                    ``i``): its half-arithmetic statistics of the weight
+                                    gradient, ``FullyFusedMLP.last_stats`` (``absorbed_frac``:
+                                    non-zero contributions the half accumulator flushed;
+                                    ``zero_frac``/``subnormal_frac`` after the half ``/ scale``;
+                                    ``flushed_by_unscale_frac``; ``scaled_*`` before it)
     ``loss_scale``, ``skipped``     from the :class:`~mptex.StepResult` (scale after the update)
     ``iteration``
     ==============================  ===========================================================
@@ -175,6 +181,10 @@ class PrecisionMonitor:
         self._iteration: int | None = None
         self._acc: dict[str, torch.Tensor] = {}
         self._handles = []
+        # The fused network's twin counts what its half accumulators flush inside its backward
+        # (invisible to tensor hooks); tcnn's real network has no such hook.
+        fused = texture.net.net if texture.policy.mlp == "fused" else None
+        self._fused = fused if fused is not None and fused.resolved_backend() == "torch" else None
         for site, module, dtype in _site_modules(texture):
             self._handles.append(module.register_forward_hook(self._forward_hook(site, dtype)))
         for site, suffix, param, dtype in _site_params(texture):
@@ -211,6 +221,8 @@ class PrecisionMonitor:
         self._acc.clear()
         self._iteration = iteration
         self._armed = self.should_sample(iteration)
+        if self._fused is not None:
+            self._fused.collect_stats = self._armed
         return self._armed
 
     def collect(self, result: StepResult | None = None) -> dict[str, float] | None:
@@ -239,6 +251,11 @@ class PrecisionMonitor:
                 for name in wanted:
                     stats[f"{key}_{name}"] = fractions[name]
         self._acc.clear()
+        if self._fused is not None:
+            for layer, values in sorted(self._fused.last_stats.items()):
+                for name, value in sorted(values.items()):
+                    stats[f"net.{layer}.fused_{name}"] = float(value)
+            self._fused.collect_stats = False
         if result is not None:
             stats["loss_scale"] = float(result.loss_scale)
             stats["skipped"] = bool(result.skipped)

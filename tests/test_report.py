@@ -494,3 +494,44 @@ def test_the_configs_margin_is_the_reports_default():
 
     config = OmegaConf.load(Path(__file__).resolve().parents[1] / "configs" / "config.yaml")
     assert config.hydra.callbacks.report.margin_db == report.EQUIVALENCE_MARGIN_DB
+
+
+# ----------------------------------------------------------------------------- nvdiffrec #154
+def test_nvdiffrec154_gap_decomposition_hand_computed(tmp_path):
+    psnrs = {
+        "nvdiffrec": [30.0, 31.0, 32.0],
+        "nvdiffrec_scale1": [29.0, 30.0, 31.0],
+        "tcnn_fused": [28.0, 28.5, 30.0],
+        "tcnn_fused_swap154": [28.0, 28.5, 30.0],
+    }
+    for arm, values in psnrs.items():
+        for seed, psnr in enumerate(values):
+            extra = {"history": [
+                {"iteration": 10, "psnr": psnr - 1, "net.0.fused_absorbed_frac": 0.25 * seed},
+                {"iteration": 20, "psnr": psnr, "net.0.fused_absorbed_frac": 0.5},
+            ]} if arm.startswith("tcnn") else {}  # fmt: skip
+            _write(tmp_path, f"{arm}_{seed}", _metrics(arm, seed, psnr=psnr, **extra))
+    written = write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    # Differences swap - nvdiffrec: [-2, -2.5, -2]: mean -2.1667, sd 0.2887,
+    # t(0.975, 2) = 4.303: half width 4.303 * 0.2887 / sqrt(3) = 0.717.
+    assert ("| **the gap: the swap as #154 made it** | `tcnn_fused_swap154` − `nvdiffrec` | 3 | "
+            "-2.17 [-2.88, -1.45] | worse |") in text  # fmt: skip
+    # The chain adds up: -1 (grid x128) + -1.17 (the network) + 0 (the hook) = -2.17.
+    assert "| `nvdiffrec_scale1` − `nvdiffrec` | 3 | -1.00 [-1.00, -1.00] | worse |" in text
+    assert "| `tcnn_fused` − `nvdiffrec_scale1` | 3 | -1.17 [-1.88, -0.45] | worse |" in text
+    assert ("| `tcnn_fused_swap154` − `tcnn_fused` | 3 | +0.00 [+0.00, +0.00] | "
+            "no detectable difference |") in text  # fmt: skip
+    assert "| `tcnn_fused_f32acc` − `tcnn_fused` | – | – | not run" in text
+    # Over iterations: both validations paired; statistics: mean over iterations, then seeds.
+    gap = json.loads((tmp_path / "results.json").read_text())["nvdiffrec154"]
+    assert sorted(gap["gap"]["curve"]) == ["10", "20"]
+    assert gap["statistics"]["tcnn_fused"]["net.0.fused_absorbed_frac"] == pytest.approx(0.375)
+    assert "gap_curves.png" in written and "## nvdiffrec #154" in text
+    assert text.index("## nvdiffrec #154") < text.index("## How to read this")
+
+
+def test_no_nvdiffrec154_section_without_its_arms(sweep):
+    write_report(sweep)
+    assert "#154" not in (sweep / "report.md").read_text()
+    assert not (sweep / "gap_curves.png").exists()

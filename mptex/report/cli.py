@@ -20,7 +20,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
-from mptex.report import collect, markdown, plots, stats
+from mptex.report import attribution, collect, markdown, plots, stats
 
 __all__ = ["REPORT_FILES", "SweepDirInUse", "summarize", "write_report", "report_main",
            "ReportCallback", "FreshSweepDirCallback"]  # fmt: skip
@@ -86,6 +86,8 @@ def write_report(
         raise collect.SweepLayoutError(f"{sweep_dir}: holds {len(found)} sweeps ({names})")
     runs = collect.collect_runs(sweep_dir)
     keys, groups, (duplicates, unidentified), rows = _tables(runs, margin_db)
+    counted = [r for g in groups for r in g]
+    gap = attribution.attribution(counted, margin_db) if attribution.applies(counted) else None
     sections = stats.sections(rows)
     written: dict[str, Path] = {}
 
@@ -109,7 +111,7 @@ def write_report(
     plain_runs = [{k: v for k, v in run.items() if k not in ("history", "config")
                    and not k.startswith("_")} for run in runs]  # fmt: skip
     document = {"sweep_dir": str(sweep_dir), "swept_keys": keys, "margin_db": margin_db,
-                "runs": plain_runs, "summary": rows}  # fmt: skip
+                "runs": plain_runs, "summary": rows, "nvdiffrec154": gap}  # fmt: skip
     path.write_text(json.dumps(_plain(document), indent=2, allow_nan=False, default=str) + "\n")
     written[path.name] = path
 
@@ -119,6 +121,7 @@ def write_report(
         ("psnr_curves.png", lambda p: plots.plot_history(p, sections, rows, groups, "psnr")),
         ("loss_scale.png", lambda p: plots.plot_history(p, sections, rows, groups, "loss_scale")),
         ("images.png", lambda p: plots.plot_images(p, sweep_dir, sections, rows, groups)),
+        ("gap_curves.png", lambda p: gap is not None and attribution.plot_gap(p, gap)),
     ):
         try:
             made[name] = draw(sweep_dir / name)
@@ -130,6 +133,10 @@ def write_report(
     path = sweep_dir / "report.md"
     text = markdown.render_report(sweep_dir, runs, keys, rows, groups, sections, duplicates,
                                   unidentified, made, margin_db)  # fmt: skip
+    if gap is not None:  # the #154 section goes before "How to read this"
+        section = "\n".join(attribution.render(gap, margin_db, bool(made["gap_curves.png"])))
+        head, sep, tail = text.partition("## How to read this")
+        text = head + section + "\n" + sep + tail
     if failures:
         text += "\nPlots not drawn:\n" + "".join(f"- {f}\n" for f in failures)
     path.write_text(text)

@@ -1,0 +1,224 @@
+"""nvdiffrec #154: the gap of the fused f16 network, over iterations, and what accounts for it.
+
+Read from a sweep that holds the #154 arms (``+experiment=nvdiffrec154``); every number is a
+paired difference (same seed, same other swept values) with the Student-t interval of
+:func:`mptex.report.stats.mean_ci` and the verdict of :func:`mptex.report.stats.verdict`.
+
+The gap is decomposed along a chain of arms that each change one thing, so that the terms add
+up to the gap exactly (per seed, hence also in the mean)::
+
+    swap154 - nvdiffrec = (nvdiffrec_scale1 - nvdiffrec)      the grid loses nvdiffrec's x128
+                        + (tcnn_fused - nvdiffrec_scale1)     the f16 fused network itself
+                        + (swap154 - tcnn_fused)              nvdiffrec's /128 encoder hook
+
+and the network term is taken apart by the twin's switches, each against ``tcnn_fused``: float32
+instead of half accumulators, no split-K, static scale 1024 instead of 128, an outer dynamic
+scale. A switch term is what removing that one effect recovers; the switch terms need not add
+up (effects interact). Precision statistics (the monitor's ``history`` entries) back the terms:
+the grid's incoming gradient (``encoder.out_grad_*``) and, per layer of the fused twin, what
+its half arithmetic flushed (``net.<i>.fused_*``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mptex.report.collect import is_number
+from mptex.report.stats import CONFIDENCE, mean_ci, verdict
+
+__all__ = ["DECOMPOSITION", "SWITCHES", "applies", "attribution", "render", "plot_gap"]
+
+BASE = "nvdiffrec"
+SWAP = "tcnn_fused_swap154"
+# (arm, minus arm, what the difference measures): the chain that adds up to the gap.
+DECOMPOSITION = (
+    ("nvdiffrec_scale1", BASE, "the grid's gradients lose nvdiffrec's x128 (f32 MLP kept)"),
+    ("tcnn_fused", "nvdiffrec_scale1", "the f16 fused network in place of the f32 MLP"),
+    (SWAP, "tcnn_fused", "nvdiffrec's /128 encoder hook left in place"),
+)
+SWITCHES = (
+    ("tcnn_fused_f32acc", "tcnn_fused", "float32 instead of half accumulators"),
+    ("tcnn_fused_nosplitk", "tcnn_fused", "no split-K in the weight gradients"),
+    ("tcnn_fused_scale1024", "tcnn_fused", "static scale 1024 instead of tcnn's 128"),
+    ("tcnn_fused_dynamic", "tcnn_fused", "an outer dynamic loss scale on top of 128"),
+    ("tcnn_fused", "f32", "the fused network against the all-f32 reference"),
+)
+# Monitor keys shown per arm (means over the sampled iterations, then over seeds).
+_GRID_KEYS = ("encoder.out_grad_zero_frac", "encoder.out_grad_subnormal_frac")
+_FUSED_NAMES = ("absorbed_frac", "zero_frac", "subnormal_frac", "flushed_by_unscale_frac")
+
+
+def applies(runs: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the sweep holds the gap's two ends (the swap and nvdiffrec's baseline)."""
+    arms = {r.get("precision") for r in runs}
+    return SWAP in arms and BASE in arms
+
+
+def _context(run: Mapping[str, Any]) -> tuple:
+    keys = run.get("keys") or {}
+    return tuple(sorted((k, str(v)) for k, v in keys.items() if not k.startswith("precision.")))
+
+
+def _completed(runs, arm) -> dict[tuple, Mapping[str, Any]]:
+    return {(_context(r), str(r["seed"])): r for r in runs
+            if r.get("precision") == arm and r["status"] == "completed"
+            and is_number(r.get("psnr"))}  # fmt: skip
+
+
+def _psnr_at(run: Mapping[str, Any]) -> dict[int, float]:
+    return {int(h["iteration"]): float(h["psnr"]) for h in run.get("history") or []
+            if is_number(h.get("psnr")) and is_number(h.get("iteration"))}  # fmt: skip
+
+
+def _term(runs, arm, minus, what, margin_db) -> dict[str, Any] | None:
+    a, b = _completed(runs, arm), _completed(runs, minus)
+    pairs = sorted(set(a) & set(b))
+    if not pairs:
+        return None
+    final = mean_ci([a[p]["psnr"] - b[p]["psnr"] for p in pairs])
+    curve: dict[int, list[float]] = {}
+    for p in pairs:
+        pa, pb = _psnr_at(a[p]), _psnr_at(b[p])
+        for it in sorted(set(pa) & set(pb)):
+            curve.setdefault(it, []).append(pa[it] - pb[it])
+    over = {it: mean_ci(d) for it, d in sorted(curve.items()) if len(d) == len(pairs)}
+    return dict(arm=arm, minus=minus, what=what, n=len(pairs), final=final,
+                verdict=verdict(final, margin_db), curve=over)  # fmt: skip
+
+
+def _stat_means(runs, arm) -> dict[str, float]:
+    per_run: dict[str, list[float]] = {}
+    for run in _completed(runs, arm).values():
+        values: dict[str, list[float]] = {}
+        for entry in run.get("history") or []:
+            for key, value in entry.items():
+                if (key in _GRID_KEYS or ".fused_" in key) and is_number(value):
+                    values.setdefault(key, []).append(float(value))
+        for key, series in values.items():
+            per_run.setdefault(key, []).append(statistics.fmean(series))
+    return {k: statistics.fmean(v) for k, v in per_run.items()}
+
+
+def attribution(runs: Sequence[Mapping[str, Any]], margin_db: float) -> dict[str, Any]:
+    """The gap, its decomposition, the switch terms and the precision statistics.
+
+    Args:
+        runs: the sweep's runs after :func:`mptex.report.collect.group_runs` (``keys`` set).
+        margin_db: the equivalence margin of the verdicts.
+
+    Returns:
+        ``{"gap", "decomposition", "switches", "statistics"}``; a term is None where one of its
+        arms has no completed run; a term: ``arm``, ``minus``, ``what``, ``n`` (pairs),
+        ``final`` (:func:`mean_ci` of the final-PSNR differences), ``verdict``, ``curve``
+        (iteration -> :func:`mean_ci` of the validation-PSNR differences).
+    """
+    arms = [SWAP, "tcnn_fused", BASE, "nvdiffrec_scale1", "f32",
+            *(s[0] for s in SWITCHES)]  # fmt: skip
+    return dict(
+        gap=_term(runs, SWAP, BASE, "the swap as #154 made it", margin_db),
+        decomposition=[_term(runs, *t, margin_db) for t in DECOMPOSITION],
+        switches=[_term(runs, *t, margin_db) for t in SWITCHES],
+        statistics={
+            arm: _stat_means(runs, arm) for arm in dict.fromkeys(arms) if _completed(runs, arm)
+        },  # fmt: skip
+    )
+
+
+def _ci(ci: Mapping[str, Any]) -> str:
+    if ci.get("low") is None:
+        return f"{ci['mean']:+.2f} (one pair: no interval)"
+    return f"{ci['mean']:+.2f} [{ci['low']:+.2f}, {ci['high']:+.2f}]"
+
+
+def _row(term: Mapping[str, Any] | None, spec: tuple[str, str, str]) -> str:
+    arm, minus, what = spec
+    if term is None:
+        return f"| {what} | `{arm}` − `{minus}` | – | – | not run (an arm has no completed run) |"
+    return (f"| {what} | `{arm}` − `{minus}` | {term['n']} | {_ci(term['final'])} | "
+            f"{term['verdict']} |")  # fmt: skip
+
+
+def render(result: Mapping[str, Any], margin_db: float, plotted: bool) -> list[str]:
+    """report.md lines of the section "nvdiffrec #154: the gap and what accounts for it"."""
+    header = ["| effect | difference | pairs | ΔPSNR (dB) "
+              f"[{CONFIDENCE:.0%} CI] | verdict (±{margin_db:g} dB) |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    gap = result["gap"]
+    lines = ["## nvdiffrec #154: the gap and what accounts for it", ""]
+    if gap is None:
+        return lines + ["The swap or nvdiffrec's baseline has no completed run: no gap.", ""]
+    lines += [
+        "Paired differences of the final validation PSNR (same seed, same other swept values); "
+        f"interval: Student t, {CONFIDENCE:.0%}, over the pairs. The first three terms add up "
+        "to the gap exactly (per seed); each switch term is what removing one effect from "
+        "`tcnn_fused` recovers (switch terms may interact and need not add up).",
+        "",
+        *header,
+        _row(gap, (SWAP, BASE, "**the gap: the swap as #154 made it**")),
+        *(_row(t, spec) for t, spec in zip(result["decomposition"], DECOMPOSITION)),
+        *(_row(t, spec) for t, spec in zip(result["switches"], SWITCHES)),
+        "",
+    ]
+    if gap["curve"]:
+        its = list(gap["curve"])
+        step = max(1, len(its) // 6)
+        shown = sorted(set(its[::step]) | {its[-1]})
+        lines += ["The gap over iterations (validation PSNR, swap − nvdiffrec, mean "
+                  f"[{CONFIDENCE:.0%} CI] over {gap['n']} seeds):", "",
+                  "| iteration | " + " | ".join(str(i) for i in shown) + " |",
+                  "|---" * (len(shown) + 1) + "|",
+                  "| ΔPSNR (dB) | " + " | ".join(_ci(gap["curve"][i]) for i in shown) + " |",
+                  ""]  # fmt: skip
+        if plotted:
+            lines += ["![the gap and its terms over iterations](gap_curves.png)", ""]
+    stats = result["statistics"]
+    keys = sorted({k for values in stats.values() for k in values},
+                  key=lambda k: (not k.startswith("encoder"), k))  # fmt: skip
+    if keys:
+        lines += ["Precision statistics (mean over the sampled iterations, then over seeds): "
+                  "`encoder.out_grad_*`: the grid's incoming gradient dL/d(encoding), zero or "
+                  "subnormal in f16 as the grid's backward receives it; `net.<i>.fused_*`: the "
+                  "fused twin's weight gradient of layer i: `absorbed_frac`, non-zero "
+                  "contributions the half accumulator left unchanged; `zero_frac` / "
+                  "`subnormal_frac` after tcnn's half `/ scale`; `flushed_by_unscale_frac`, "
+                  "non-zero entries that division made 0.", "",
+                  "| arm | " + " | ".join(f"`{k}`" for k in keys) + " |",
+                  "|---" * (len(keys) + 1) + "|"]  # fmt: skip
+        for arm, values in stats.items():
+            cells = [f"{values[k]:.3g}" if k in values else "–" for k in keys]
+            lines.append(f"| `{arm}` | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def plot_gap(path: Path, result: Mapping[str, Any]) -> bool:
+    """``gap_curves.png``: the gap and the decomposition terms against iteration, mean with its
+    confidence band. False (nothing written) without a curve."""
+    terms = [t for t in (result["gap"], *result["decomposition"]) if t and t["curve"]]
+    if not terms:
+        return False
+    from mptex.report.plots import _figure, arm_color
+
+    fig, axes = _figure(1, width=7.5, height=4.5)
+    ax = axes[0][0]
+    for k, term in enumerate(terms):
+        its = list(term["curve"])
+        mean = [term["curve"][i]["mean"] for i in its]
+        label = f"{term['arm']} − {term['minus']}" + (" (the gap)" if k == 0 else "")
+        color = arm_color(term["arm"]) if k else "black"
+        ax.plot(its, mean, label=label, color=color, linewidth=2.0 if k == 0 else 1.2,
+                linestyle="-" if k == 0 else ("--", "-.", ":")[(k - 1) % 3])  # fmt: skip
+        low = [term["curve"][i]["low"] for i in its]
+        if all(v is not None for v in low):
+            high = [term["curve"][i]["high"] for i in its]
+            ax.fill_between(its, low, high, color=color, alpha=0.15, linewidth=0)
+    ax.axhline(0.0, color="grey", linewidth=0.8)
+    ax.set(xlabel="iteration", ylabel="ΔPSNR (dB), paired by seed",
+           title=f"nvdiffrec #154: gap and terms, mean and {CONFIDENCE:.0%} CI")  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(path, dpi=100)
+    return True

@@ -270,7 +270,7 @@ def _train(
             if writer is not None:
                 writer.add_scalar("val/psnr", last_psnr, completed)
                 writer.add_images("val/prediction", rgb_to_srgb(evaluated["pred"]).clamp(0, 1)
-                                  .flip(1).cpu(), completed, dataformats="NHWC")  # fmt: skip
+                                  .cpu(), completed, dataformats="NHWC")  # fmt: skip
         interval = settings["history_interval"]
         sampled = stats is not None
         if sampled or evaluated is not None or last or (interval and completed % interval == 0):

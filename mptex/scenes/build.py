@@ -38,7 +38,11 @@ _CAMERA_DEFAULTS = dict(
 )
 
 SCENE_DEFAULTS: dict[str, dict] = {
-    "builtin": dict(name="builtin", **_CAMERA_DEFAULTS, tubular_segments=200, radial_segments=24),
+    # ``path`` is unused by the built-in scene; accepting it lets one sweep set the mesh
+    # scene's file (``scene=builtin,mesh scene.path=spot.obj``).
+    "builtin": dict(
+        name="builtin", path=None, **_CAMERA_DEFAULTS, tubular_segments=200, radial_segments=24
+    ),
     "mesh": dict(name="mesh", path=_REQUIRED, normalize=True, **_CAMERA_DEFAULTS),
     "nerf": dict(
         name="nerf",

@@ -12,7 +12,8 @@ One iteration (nvdiffrec's ``optimize_mesh`` with a fixed mesh and only the text
    kd(p)| / 3)`` over covered pixels, as nvdiffrec's ``kd_grad``);
 6. :class:`~mptex.PrecisionStepper` does backward, unscale, overflow check, step or skip;
 7. learning rate ``lr * lr_schedule(it)``: ``it / warmup_iter`` during warm-up, then
-   ``10 ** (-lr_decay * (it - warmup_iter))`` (nvdiffrec: ``lr_decay = 0.0002``).
+   ``10 ** (-lr_decay * (it - warmup_iter))`` (nvdiffrec: ``lr_decay = 0.0002``), or with
+   ``lr_schedule: cosine`` a cosine from 1 to 0 at the last iteration.
 
 Validation is nvdiffrec's: render the validation views, convert to sRGB, clamp to [0, 1],
 PSNR per image ``-10 log10(MSE)``, mean over the images.
@@ -221,7 +222,8 @@ def _train(
     for it in range(start_iter, n_iter):
         _sync(device)
         tick = time.perf_counter()
-        factor = lr_schedule(it, settings["warmup_iter"], settings["lr_decay"])
+        factor = lr_schedule(it, settings["warmup_iter"], settings["lr_decay"],
+                             settings["lr_schedule"], n_iter)  # fmt: skip
         for group in optimizer.param_groups:
             group["lr"] = settings["lr"] * factor
         optimizer.zero_grad(set_to_none=True)

@@ -17,6 +17,7 @@ data, because users edit them and ``experiments/`` sits beside them (see the REA
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -116,8 +117,18 @@ def _arm_available(cfg) -> tuple[bool, str]:
         return True, ""
 
 
+def _reproducible_blas() -> None:
+    # MKL's strict conditional numerical reproducibility: its GEMMs return the same bits for any
+    # thread count. Without it torch's CPU matmuls split the reduction over points between
+    # threads, so 1 and 2 threads gave different MLP weight gradients, and a training run
+    # amplifies such differences (docs/benchmarks.md, "Measurement protocol"). MKL reads the
+    # variable at its first call, hence here, before any tensor work; a user's value is kept.
+    os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
+
 def train_main() -> None:
     """``mptex-train``: Hydra app over ``configs/config.yaml``; see the module docstring."""
+    _reproducible_blas()
     if not (CONFIG_DIR / "config.yaml").is_file():
         _error(
             f"configs not found at {CONFIG_DIR}; mptex-train needs a source checkout or an "

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mptex import _backends
 
@@ -60,3 +61,22 @@ def test_cli_unknown_arm_is_refused_by_hydra(tmp_path):
     proc = run_cli(tmp_path, "precision=f12")
     assert proc.returncode != 0
     assert "precision/f12" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="needs torch built with MKL")
+def test_mptex_train_makes_mkl_gemms_thread_count_independent():
+    # A reduction over 20,000 rows, as the MLP's weight gradient over the batch's points: MKL
+    # splits it between threads unless its strict reproducibility mode is on at its first call.
+    code = (
+        "import os; os.environ.pop('MKL_CBWR', None)\n"
+        "from mptex.cli import _reproducible_blas; _reproducible_blas()\n"
+        "import torch; g = torch.Generator().manual_seed(0)\n"
+        "a, b = torch.randn(32, 20000, generator=g), torch.randn(20000, 32, generator=g)\n"
+        "torch.set_num_threads(1); one = a @ b\n"
+        "torch.set_num_threads(2); two = a @ b\n"
+        "print(os.environ['MKL_CBWR'], torch.equal(one, two))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("MKL_CBWR", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["AUTO,STRICT", "True"], out.stderr

@@ -52,3 +52,15 @@ def test_every_experiment_composes_with_a_sweep_over_arms(experiment):
                       return_hydra_config=True)  # fmt: skip
     arms = str(cfg.hydra.sweeper.params.precision).split(",")
     assert set(arms) <= set(PrecisionPolicy.names()) and "tcnn_fused" in arms
+
+
+@pytest.mark.parametrize("scene", ["builtin", "mesh"])
+def test_one_scene_path_serves_a_sweep_over_builtin_and_mesh(scene):
+    # `scene=builtin,mesh scene.path=spot.obj` (README): every scene of the sweep takes the key.
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"scene={scene}", "scene.path=/tmp/spot.obj"])
+    assert cfg.scene.path == "/tmp/spot.obj"
+    if scene == "builtin":
+        from mptex.scenes.build import _validate
+
+        assert _validate(cfg.scene)["name"] == "builtin"  # path accepted, unused

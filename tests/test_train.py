@@ -212,6 +212,18 @@ def test_lr_schedule_is_nvdiffrecs():
     assert lr_schedule(5010, 10) == pytest.approx(0.1)
 
 
+def test_cosine_lr_schedule_on_hand_computed_values():
+    # 0.5 * (1 + cos(pi * t)) at t = 0, 1/4, 1/2, 1 of the run after warm-up.
+    assert lr_schedule(0, kind="cosine", iterations=200) == 1.0
+    assert lr_schedule(50, kind="cosine", iterations=200) == pytest.approx(0.8535533905932737)
+    assert lr_schedule(100, kind="cosine", iterations=200) == pytest.approx(0.5)
+    assert lr_schedule(200, kind="cosine", iterations=200) == pytest.approx(0.0, abs=1e-12)
+    assert lr_schedule(5, 10, kind="cosine", iterations=110) == 0.5  # warm-up ramp
+    assert lr_schedule(60, 10, kind="cosine", iterations=110) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="train.lr_schedule"):
+        lr_schedule(0, kind="step", iterations=10)
+
+
 def test_losses_and_psnr_on_known_values():
     a, b = torch.full((1, 2, 2, 3), 0.5), torch.full((1, 2, 2, 3), 0.25)
     assert image_loss(a, b, "l1").item() == pytest.approx(0.25)

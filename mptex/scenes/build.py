@@ -38,7 +38,11 @@ _CAMERA_DEFAULTS = dict(
 )
 
 SCENE_DEFAULTS: dict[str, dict] = {
-    "builtin": dict(name="builtin", **_CAMERA_DEFAULTS, tubular_segments=200, radial_segments=24),
+    # ``path`` is unused by the built-in scene; accepting it lets one sweep set the mesh
+    # scene's file (``scene=builtin,mesh scene.path=spot.obj``).
+    "builtin": dict(
+        name="builtin", path=None, **_CAMERA_DEFAULTS, tubular_segments=200, radial_segments=24
+    ),
     "mesh": dict(name="mesh", path=_REQUIRED, normalize=True, **_CAMERA_DEFAULTS),
     "nerf": dict(
         name="nerf",
@@ -89,6 +93,8 @@ def _validate(cfg: Mapping) -> dict:
             )
         merged["resolution"] = tuple(res)
     for key, (ok, what) in _CHECKS.items():
+        if key == "path" and merged["name"] == "builtin" and merged[key] is None:
+            continue  # the built-in scene reads no file; null is its default
         if key in merged and not ok(merged[key]):
             raise ValueError(f"scene.{key}: expected {what}, received {merged[key]!r}")
     if not merged["far"] > merged["near"]:

@@ -13,7 +13,7 @@ import torch
 from mptex._backends import has_tcnn, has_triton
 from mptex.encoding import BACKENDS as ENCODER_BACKENDS
 from mptex.precision import PrecisionPolicy
-from mptex.train.losses import LOSSES
+from mptex.train.losses import LOSSES, LR_SCHEDULES
 from mptex.train.shading import _BACKGROUNDS, _SHADINGS
 
 # Every key of the ``train`` config group and its default (configs/train/default.yaml mirrors
@@ -25,6 +25,7 @@ TRAIN_DEFAULTS: dict[str, Any] = dict(
     betas=[0.9, 0.999],
     warmup_iter=0,
     lr_decay=0.0002,
+    lr_schedule="exponential",
     loss="logl1",
     kd_smooth=True,
     kd_smooth_weight=0.03,
@@ -200,6 +201,7 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     need("betas", isinstance(s["betas"], (list, tuple)) and len(s["betas"]) == 2
          and all(_is_number(b) and 0 <= b < 1 for b in s["betas"]),
          "two numbers in [0, 1)")  # fmt: skip
+    need("lr_schedule", s["lr_schedule"] in LR_SCHEDULES, f"one of {LR_SCHEDULES}")
     need("loss", s["loss"] in LOSSES, f"one of {sorted(LOSSES)}")
     need("shading", s["shading"] in _SHADINGS, f"one of {_SHADINGS}")
     need("background", s["background"] in _BACKGROUNDS, f"one of {_BACKGROUNDS}")

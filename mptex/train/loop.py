@@ -12,7 +12,8 @@ One iteration (nvdiffrec's ``optimize_mesh`` with a fixed mesh and only the text
    kd(p)| / 3)`` over covered pixels, as nvdiffrec's ``kd_grad``);
 6. :class:`~mptex.PrecisionStepper` does backward, unscale, overflow check, step or skip;
 7. learning rate ``lr * lr_schedule(it)``: ``it / warmup_iter`` during warm-up, then
-   ``10 ** (-lr_decay * (it - warmup_iter))`` (nvdiffrec: ``lr_decay = 0.0002``).
+   ``10 ** (-lr_decay * (it - warmup_iter))`` (nvdiffrec: ``lr_decay = 0.0002``), or with
+   ``lr_schedule: cosine`` a cosine from 1 to 0 at the last iteration.
 
 Validation is nvdiffrec's: render the validation views, convert to sRGB, clamp to [0, 1],
 PSNR per image ``-10 log10(MSE)``, mean over the images.
@@ -298,7 +299,8 @@ def _train(
     for it in range(start_iter, n_iter):
         _sync(device)
         tick = time.perf_counter()
-        factor = lr_schedule(it, settings["warmup_iter"], settings["lr_decay"])
+        factor = lr_schedule(it, settings["warmup_iter"], settings["lr_decay"],
+                             settings["lr_schedule"], n_iter)  # fmt: skip
         for group in optimizer.param_groups:
             group["lr"] = settings["lr"] * factor
         optimizer.zero_grad(set_to_none=True)
@@ -357,7 +359,7 @@ def _train(
             if writer is not None:
                 writer.add_scalar("val/psnr", last_psnr, completed)
                 writer.add_images("val/prediction", rgb_to_srgb(evaluated["pred"]).clamp(0, 1)
-                                  .flip(1).cpu(), completed, dataformats="NHWC")  # fmt: skip
+                                  .cpu(), completed, dataformats="NHWC")  # fmt: skip
         interval = settings["history_interval"]
         sampled = stats is not None
         if sampled or evaluated is not None or last or (interval and completed % interval == 0):

@@ -2,24 +2,49 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
 from mptex.render.image import rgb_to_srgb
 
+LR_SCHEDULES = ("exponential", "cosine")
+
 
 # ----------------------------------------------------------------------------- schedule, losses
-def lr_schedule(iteration: int, warmup_iter: int = 0, lr_decay: float = 0.0002) -> float:
-    """nvdiffrec's learning-rate factor for 0-based ``iteration``.
+def lr_schedule(
+    iteration: int,
+    warmup_iter: int = 0,
+    lr_decay: float = 0.0002,
+    kind: str = "exponential",
+    iterations: int | None = None,
+) -> float:
+    """Learning-rate factor for 0-based ``iteration``.
 
-    ``iteration / warmup_iter`` while ``iteration < warmup_iter``, then
-    ``10 ** (-lr_decay * (iteration - warmup_iter))`` (nvdiffrec's ``lr_schedule`` with its
-    0.0002, i.e. the rate falls 10x every 5000 iterations).
+    ``iteration / warmup_iter`` while ``iteration < warmup_iter``; then, for ``kind``:
+
+    * ``"exponential"`` (nvdiffrec's ``lr_schedule``): ``10 ** (-lr_decay * (iteration -
+      warmup_iter))``; with nvdiffrec's 0.0002 the rate falls 10x every 5000 iterations.
+    * ``"cosine"``: ``0.5 * (1 + cos(pi * (iteration - warmup_iter) / (iterations -
+      warmup_iter)))``, from 1 down to 0 at ``iterations`` (``lr_decay`` is not used). The run
+      ends at a rate near 0, so its last iterations settle instead of oscillating, and its
+      final PSNR is a property of the arm rather than of where the last step landed
+      (docs/benchmarks.md, "Measurement protocol").
+
+    Args:
+        iterations: the run's length; needed by ``"cosine"``.
     """
     if iteration < warmup_iter:
         return iteration / warmup_iter
-    return max(0.0, 10.0 ** (-(iteration - warmup_iter) * lr_decay))
+    if kind == "exponential":
+        return max(0.0, 10.0 ** (-(iteration - warmup_iter) * lr_decay))
+    if kind != "cosine":
+        raise ValueError(f"train.lr_schedule: expected one of {LR_SCHEDULES}, got {kind!r}")
+    if iterations is None:
+        raise ValueError("iterations: the cosine schedule needs the run's length")
+    progress = min(1.0, (iteration - warmup_iter) / max(1, iterations - warmup_iter))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def _tonemap_srgb(f: torch.Tensor) -> torch.Tensor:

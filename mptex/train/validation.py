@@ -26,7 +26,9 @@ def evaluate(
     Returns:
         dict with ``psnr`` (mean over views), ``psnr_per_image`` (list), ``baseline_psnr`` (the
         best constant colour: the mean reference colour over covered pixels, rendered and
-        scored the same way), and ``pred``/``ref`` ``[B, H, W, 3]`` composited linear images.
+        scored the same way), and ``pred``/``ref`` ``[B, H, W, 3]`` composited linear images,
+        upright: row 0 is the top of the picture (the camera's projection flips y, as
+        nvdiffrec's, so rasterized row 0 is already the top), ready to display without a flip.
     """
     views = scene.val_views()
     shape = views.mask.shape + (3,)
@@ -50,6 +52,6 @@ def _save_val_images(out_dir: Path, evaluation: dict, n_images: int) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     ref, pred = evaluation["ref"].cpu(), evaluation["pred"].cpu()
     for i in range(min(n_images, ref.shape[0])):
-        # Rows are stored bottom-up (nvdiffrast's convention); flip for a viewer.
-        side = torch.cat([ref[i], pred[i]], dim=1).flip(0)
+        # No flip: the projection already put the camera's up at row 0 (see evaluate).
+        side = torch.cat([ref[i], pred[i]], dim=1)
         save_image(out_dir / f"val_{i:03d}.png", side, to_srgb=True)

@@ -146,8 +146,9 @@ def _reading(rows: Sequence[Mapping[str, Any]], margin_db: float, on_cpu: bool) 
             )
         if best is not None and on_cpu:
             lines.append(
-                "- Speed here was measured on a CPU, where f16 and bf16 math is emulated "
-                "(slower than f32): the speed ranking says nothing about a GPU."
+                "- Speed here was measured on a CPU, where f16 and bf16 math is emulated or "
+                "runs on vector units (AVX-512 FP16/BF16 where the CPU has them), not on tensor "
+                "cores: the speed ranking says nothing about a GPU."
             )
         for name in ("worse", "better", "inconclusive", "cannot judge", "no paired seeds"):
             # Rows with no completed run are in the diverged / failed lines below.

@@ -219,7 +219,9 @@ def test_no_unsynchronised_non_blocking_copies_in_the_package():
 
 
 # ----------------------------------------------------------------------------- compare_setups
-@pytest.mark.parametrize("arm", CPU_ARMS)
+# nvdiffrec_scale1 is nvdiffrec without the x128 on the grid's incoming gradient: the #154
+# mechanism, flagged on purpose (test_training_sized_gradients_flag_the_grid_without_x128).
+@pytest.mark.parametrize("arm", [a for a in CPU_ARMS if a != "nvdiffrec_scale1"])
 def test_every_healthy_arm_is_within_its_bounds(arm):
     # f16_naive is healthy only for gradients far larger than training's (see the next test).
     scale = 1 / 1024 if arm == "f16_naive" else None
@@ -227,6 +229,16 @@ def test_every_healthy_arm_is_within_its_bounds(arm):
     assert report.ok, report.format_table()
     worst = max(e.local / e.bound for errors in report.errors.values() for e in errors)
     assert worst < 0.5  # calibration margin of SAFETY (measured <= 0.21)
+
+
+def test_training_sized_gradients_flag_the_grid_without_x128():
+    """nvdiffrec #154's mechanism: without nvdiffrec's x128 on the gradient entering the f16
+    grid (what swapping _MLP for tcnn's network removes), training-sized gradients underflow
+    there; with it (nvdiffrec) they do not."""
+    unscaled = compare_setups("small", "f32", "nvdiffrec_scale1", points=1024, seed=0)
+    assert not unscaled.ok
+    assert unscaled.first_exceeding[unscaled.setups[1]] == "encoder.out.grad"
+    assert compare_setups("small", "f32", "nvdiffrec", points=1024, seed=0).ok
 
 
 def test_training_sized_gradients_flag_the_arm_without_loss_scaling():

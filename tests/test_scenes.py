@@ -194,3 +194,25 @@ def test_import_does_not_load_native_backends():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=repo
     )
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("damage", ["json", "image", "pose"])
+def test_a_damaged_nerf_dataset_is_one_line_naming_the_file(tmp_path, damage):
+    root, mesh_path = tmp_path / "data", tmp_path / "knot.obj"
+    _write_nerf_dataset(root, mesh_path)
+    meta_path = root / "transforms_train.json"
+    if damage == "json":
+        meta_path.write_text(meta_path.read_text()[:40])  # truncated
+        named = str(meta_path)
+    elif damage == "image":
+        (root / "train" / "r_1.png").write_bytes(b"\x89PNG\r\n\x1a\n not a png")
+        named = str(root / "train" / "r_1.png")
+    else:
+        meta = json.loads(meta_path.read_text())
+        meta["frames"][0]["transform_matrix"] = [[0.0] * 4] * 4  # singular
+        meta_path.write_text(json.dumps(meta))
+        named = str(meta_path)
+    with pytest.raises(ValueError) as info:
+        build_scene(_compose("nerf", [f"path={root}", f"mesh={mesh_path}"]))
+    message = str(info.value)
+    assert named in message and "\n" not in message, message

@@ -70,7 +70,17 @@ def load_nerf_split(
             raise ValueError(f"{json_path}: frame {n} malformed ({exc})") from exc
         if c2w.shape != (4, 4):
             raise ValueError(f"{json_path}: frame {n} transform_matrix is not 4x4")
-        img = load_image(_frame_image(root, file_path, json_path), to_linear=True)
+        if not bool(torch.isfinite(c2w).all()) or abs(float(torch.linalg.det(c2w))) < 1e-12:
+            raise ValueError(
+                f"{json_path}: frame {n} transform_matrix is not a finite invertible camera pose"
+            )
+        image_path = _frame_image(root, file_path, json_path)
+        try:
+            img = load_image(image_path, to_linear=True)
+        except (OSError, RuntimeError) as exc:  # a corrupt or unreadable frame image
+            raise ValueError(
+                f"{image_path}: cannot read frame {n} of {json_path} ({exc})"
+            ) from None
         if img.shape[-1] == 3:
             img = torch.cat([img, torch.ones_like(img[..., :1])], -1)
         if img.shape[-1] != 4:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import functools
 import importlib
 import warnings
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 __all__ = [
     "has_tcnn",
@@ -19,6 +21,7 @@ __all__ = [
     "import_tcnn",
     "import_nvdiffrast",
     "import_triton",
+    "tcnn_module_sharing",
     "warn_fallback_once",
 ]
 
@@ -100,3 +103,30 @@ def warn_fallback_once(what: str, reason: str) -> None:
     warnings.warn(
         f"{what}: using the pure-PyTorch backend ({reason})", RuntimeWarning, stacklevel=3
     )
+
+
+def tcnn_module_sharing(owner: Any, build: Callable[[], Any]) -> Any:
+    """The tinycudann module behind ``owner`` (a HashGridEncoding or FullyFusedMLP), sharing its
+    flat f32 ``owner.params``.
+
+    ``build()`` makes the native module; it is built once per device of ``owner.params`` and
+    cached in ``owner._tcnn_module`` as ``(device, module)``, outside the module tree so that
+    ``state_dict`` holds only ``owner.params``. Its ``params`` is pointed at ``owner.params`` on
+    every call (tcnn casts the master vector per call), so both always hold the same values.
+
+    Raises:
+        RuntimeError: tinycudann's parameter count differs from ``owner.n_params`` (a layout
+            mptex computed wrongly must not be trained silently).
+    """
+    params = owner.params
+    cached = owner._tcnn_module
+    if cached is None or cached[0] != params.device:
+        native = build()
+        if native.params.numel() != owner.n_params:
+            raise RuntimeError(
+                f"tinycudann has {native.params.numel()} params, mptex computed {owner.n_params}"
+            )
+        owner._tcnn_module = cached = (params.device, native.to(params.device))
+    native = cached[1]
+    native.params = params
+    return native

@@ -347,16 +347,9 @@ class HashGridEncoding(nn.Module):
                 f"backend 'tcnn' needs float32 master params, got {self.params.dtype}"
             )
         tcnn = _backends.import_tcnn()
-        if self._tcnn_module is None or self._tcnn_module[0] != self.params.device:
-            native = tcnn.Encoding(self.n_input_dims, self.tcnn_config(), dtype=self.dtype)
-            if native.params.numel() != self.n_params:
-                raise RuntimeError(
-                    f"tinycudann has {native.params.numel()} params, mptex computed {self.n_params}"
-                )
-            # Kept outside the module tree so that state_dict holds only our params.
-            self._tcnn_module = (self.params.device, native.to(self.params.device))
-        native = self._tcnn_module[1]
-        native.params = self.params  # share the master vector; tcnn casts it per call
+        native = _backends.tcnn_module_sharing(
+            self, lambda: tcnn.Encoding(self.n_input_dims, self.tcnn_config(), dtype=self.dtype)
+        )
         return native(x)
 
     def extra_repr(self) -> str:

@@ -270,18 +270,12 @@ class FullyFusedMLP(nn.Module):
                 f"backend 'tcnn' needs the module on CUDA, params are on {self.params.device}"
             )
         tcnn = _backends.import_tcnn()
-        if self._tcnn_module is None or self._tcnn_module[0] != self.params.device:
-            native = tcnn.Network(
+        native = _backends.tcnn_module_sharing(
+            self,
+            lambda: tcnn.Network(
                 self.n_input_dims, self.n_output_dims, self.network_config, seed=self.seed
-            )
-            if native.params.numel() != self.n_params:
-                raise RuntimeError(
-                    f"tinycudann has {native.params.numel()} params, mptex computed {self.n_params}"
-                )
-            # Kept outside the module tree so that state_dict holds only our params.
-            self._tcnn_module = (self.params.device, native.to(self.params.device))
-        native = self._tcnn_module[1]
-        native.params = self.params  # share the master vector; tcnn casts it per call
+            ),
+        )
         native.loss_scale = self.loss_scale
         return native(x)
 

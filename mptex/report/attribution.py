@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mptex.report.collect import is_number
-from mptex.report.stats import CONFIDENCE, mean_ci, verdict
+from mptex.report.stats import CONFIDENCE, _context, mean_ci, verdict
 
 __all__ = ["DECOMPOSITION", "SWITCHES", "applies", "attribution", "render", "plot_gap"]
 
@@ -57,13 +57,8 @@ def applies(runs: Sequence[Mapping[str, Any]]) -> bool:
     return SWAP in arms and BASE in arms
 
 
-def _context(run: Mapping[str, Any]) -> tuple:
-    keys = run.get("keys") or {}
-    return tuple(sorted((k, str(v)) for k, v in keys.items() if not k.startswith("precision.")))
-
-
 def _completed(runs, arm) -> dict[tuple, Mapping[str, Any]]:
-    return {(_context(r), str(r["seed"])): r for r in runs
+    return {(_context(r.get("keys") or {}), str(r["seed"])): r for r in runs
             if r.get("precision") == arm and r["status"] == "completed"
             and is_number(r.get("psnr"))}  # fmt: skip
 

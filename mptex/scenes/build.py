@@ -93,8 +93,8 @@ def _validate(cfg: Mapping) -> dict:
             )
         merged["resolution"] = tuple(res)
     for key, (ok, what) in _CHECKS.items():
-        if key == "path" and merged["name"] == "builtin" and merged[key] is None:
-            continue  # the built-in scene reads no file; null is its default
+        if key in merged and merged[key] is None and defaults[key] is None:
+            continue  # left at its null default: unused by this scene (builtin's path)
         if key in merged and not ok(merged[key]):
             raise ValueError(f"scene.{key}: expected {what}, received {merged[key]!r}")
     if not merged["far"] > merged["near"]:

@@ -13,19 +13,49 @@ from torch import nn
 from mptex.network import FullyFusedMLP
 from mptex.precision import PrecisionPolicy, scale_grad
 
-__all__ = ["PrecisionMLP", "CastLinear"]
+__all__ = ["PrecisionMLP", "CastLinear", "reduced_linear"]
 
 _ACTIVATIONS = {"ReLU": nn.ReLU, "LeakyReLU": nn.LeakyReLU, "Sigmoid": nn.Sigmoid, "Tanh": nn.Tanh}
+
+
+def reduced_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """``F.linear`` with operands rounded to ``dtype``, float32 accumulation, output in ``dtype``.
+
+    This is what a half or bfloat16 GEMM computes on a GPU (cuBLAS's default f32 accumulation)
+    and on a CPU (oneDNN's f16/bf16 GEMM). On CUDA it *is* that GEMM. On a CPU the operands are
+    rounded to ``dtype`` and the GEMM runs in float32, then the result is rounded once: a product
+    of two 11-bit (8-bit for bf16) significands is exact in float32, so only the order of the
+    float32 sum can differ from oneDNN's (1 ulp on ~0.1 % of outputs, measured). The reason: with
+    the reduction over the batch in the weight gradient (``grad_out^T @ x``, 10^4 rows), oneDNN
+    splits the sum between threads, so its f16 result depends on the torch thread count, and
+    ``MKL_CBWR`` does not reach oneDNN; float32 GEMMs go to MKL, which under ``MKL_CBWR=...,STRICT``
+    (set by ``mptex-train``) gives the same bits for any thread count. The backward follows from
+    autograd: the casts round ``dL/dx`` and ``dL/dW`` to ``dtype`` once, as a half GEMM would.
+
+    Shapes: ``x [N, in]``, ``weight [out, in]``, ``bias [out]`` or ``None`` -> ``[N, out]`` in
+    ``dtype``.
+    """
+    if x.device.type == "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        b = None if bias is None else bias.to(dtype)
+        return F.linear(x.to(dtype), weight.to(dtype), b)
+    b = None if bias is None else bias.to(dtype).float()
+    return F.linear(x.to(dtype).float(), weight.to(dtype).float(), b).to(dtype)
 
 
 class CastLinear(nn.Linear):
     """A ``torch.nn.Linear`` that computes in ``compute_dtype``.
 
     ``forward`` casts the input, the weight and the bias to ``compute_dtype`` and returns the
-    product in that dtype. The parameters keep their own dtype (the f32 "master" copy); the cast
-    is part of the autograd graph, so their gradients arrive in their own dtype, as in tcnn's
-    bindings. ``compute_dtype=None`` casts nothing (used under ``torch.autocast``, which casts
-    itself). State-dict keys are ``nn.Linear``'s.
+    product in that dtype (:func:`reduced_linear`: float32 accumulation, one rounding, the same
+    bits for any CPU thread count). The parameters keep their own dtype (the f32 "master" copy);
+    the cast is part of the autograd graph, so their gradients arrive in their own dtype, as in
+    tcnn's bindings. ``compute_dtype=None`` casts nothing itself: under an enabled
+    ``torch.autocast`` whose dtype is f16 or bf16 the layer computes as autocast's linear would
+    (operands cast to the autocast dtype, output in it), through :func:`reduced_linear` with
+    autocast switched off for the call; otherwise it is ``nn.Linear``. State-dict keys are
+    ``nn.Linear``'s.
 
     Shapes: ``x [N, in_features]`` (any float dtype) -> ``[N, out_features]`` in
     ``compute_dtype``.
@@ -39,10 +69,15 @@ class CastLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype
-        if dtype is None:
-            return super().forward(x)
-        bias = None if self.bias is None else self.bias.to(dtype)
-        return F.linear(x.to(dtype), self.weight.to(dtype), bias)
+        if dtype is not None:
+            return reduced_linear(x, self.weight, self.bias, dtype)
+        device = x.device.type
+        if device != "cuda" and torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            if dtype in (torch.float16, torch.bfloat16):
+                with torch.autocast(device, enabled=False):
+                    return reduced_linear(x, self.weight, self.bias, dtype)
+        return super().forward(x)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, compute_dtype={self.compute_dtype}"

@@ -80,3 +80,35 @@ def test_mptex_train_makes_mkl_gemms_thread_count_independent():
     env.pop("MKL_CBWR", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.split() == ["AUTO,STRICT", "True"], out.stderr
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="needs torch built with MKL")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_reduced_precision_linear_layers_are_thread_count_independent(dtype):
+    # f16/bf16 layers (f16_dynamic, bf16, amp) with a batch of 33,621 points, as a 128x128 batch
+    # of 2 views: forward, dL/dx and dL/dW must give the same bits with 1 and 2 threads (oneDNN's
+    # own half GEMM splits the weight gradient's batch reduction between threads; 10,007 and
+    # 33,621 rows differed when measured).
+    code = (
+        "import os; os.environ.pop('MKL_CBWR', None)\n"
+        "from mptex.cli import _reproducible_blas; _reproducible_blas()\n"
+        "import torch; from mptex.mlp import CastLinear\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        f"dt = torch.{dtype}\n"
+        "outs = []\n"
+        "for autocast in (False, True):\n"
+        "    lin = CastLinear(32, 64, bias=True, compute_dtype=None if autocast else dt)\n"
+        "    x = torch.randn(33621, 32, generator=g); w = torch.randn(33621, 64, generator=g)\n"
+        "    for threads in (1, 2):\n"
+        "        torch.set_num_threads(threads); lin.zero_grad(); xx = x.clone().requires_grad_()\n"
+        "        with torch.autocast('cpu', dtype=dt, enabled=autocast):\n"
+        "            y = lin(xx)\n"
+        "        (y.float() * w).sum().backward()\n"
+        "        outs.append((y, xx.grad, lin.weight.grad, lin.bias.grad))\n"
+        "same = [all(torch.equal(a, b) for a, b in zip(outs[i], outs[i + 1])) for i in (0, 2)]\n"
+        "print(outs[0][0].dtype == dt, *same)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("MKL_CBWR", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["True", "True", "True"], out.stderr

@@ -179,3 +179,33 @@ def test_tcnn_fused_trains_on_cuda():
     assert out.shape == (1024, N_OUT) and out.dtype == torch.float16
     out.float().square().mean().backward()
     assert mlp.net.params.grad is not None and mlp.net.params.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_reduced_linear_is_a_half_gemm_with_float32_accumulation(dtype):
+    # reduced_linear must compute what a half GEMM with f32 accumulation computes: the exact
+    # (f64) product of the rounded operands, rounded once to ``dtype``. A product of two f16
+    # (bf16) significands is exact in f32, so the only extra error is the f32 sum's, at most
+    # K * 2^-24 * sum|a||b| (K terms); the output may then land on either side of a rounding
+    # boundary that close, i.e. within 1 ulp of ``dtype`` of the f64 value rounded.
+    from mptex.mlp import reduced_linear
+
+    gen = torch.Generator().manual_seed(0)
+    k = 10_007  # a weight-gradient-like reduction over the batch
+    x = torch.randn(48, k, generator=gen)
+    w = torch.randn(16, k, generator=gen) * 0.1
+    out = reduced_linear(x, w, None, dtype)
+    assert out.dtype == dtype
+    xr, wr = x.to(dtype).double(), w.to(dtype).double()
+    exact = xr @ wr.T
+    sum_bound = k * 2.0**-24 * (xr.abs() @ wr.abs().T)
+    ulp = exact.abs().to(dtype).double() * torch.finfo(dtype).eps  # one ulp of dtype at |exact|
+    assert ((out.double() - exact).abs() <= 0.5 * ulp + sum_bound + ulp).all()
+    # And most outputs are the correctly rounded value itself.
+    assert (out == exact.to(dtype)).double().mean() > 0.99
+    # The gradients are rounded to dtype once (the casts), then handed back in f32.
+    xx, ww = x[:, :64].clone().requires_grad_(), w[:, :64].clone().requires_grad_()
+    reduced_linear(xx, ww, None, dtype).float().sum().backward()
+    assert xx.grad.dtype == ww.grad.dtype == torch.float32
+    assert torch.equal(xx.grad, xx.grad.to(dtype).float())
+    assert torch.equal(ww.grad, ww.grad.to(dtype).float())

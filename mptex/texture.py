@@ -16,6 +16,23 @@ from mptex.precision import PrecisionPolicy, scale_grad
 
 __all__ = ["MLPTexture3D", "NVDIFFREC_ENCODER_CONFIG"]
 
+# ATen's CPU elementwise kernels hand each thread one contiguous chunk once a tensor has more
+# than 32768 elements (at::internal::GRAIN_SIZE). Each chunk runs a vectorised loop and ends in a
+# scalar loop, and the two compute exp differently (SLEEF vs libm: 1 ulp apart for some inputs),
+# so which elements fall in a scalar tail, hence the bits of a sigmoid, depends on the thread
+# count. Measured: f32 training was otherwise bit-identical with 1 and 2 threads until an output
+# sigmoid over ~33,000 elements differed. Pieces of at most this many elements never split.
+_ELEMENTWISE_GRAIN = 32768
+
+
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``torch.sigmoid`` with the same bits for any CPU thread count (pieces of at most
+    ``_ELEMENTWISE_GRAIN`` elements, each computed by one thread). Shapes: any -> same."""
+    if x.device.type != "cpu" or x.numel() <= _ELEMENTWISE_GRAIN:
+        return torch.sigmoid(x)
+    pieces = x.reshape(-1).split(_ELEMENTWISE_GRAIN)
+    return torch.cat([torch.sigmoid(piece) for piece in pieces]).view(x.shape)
+
 # nvdiffrec's render/mlptexture.py: 16 levels from resolution 16 to 4096.
 NVDIFFREC_ENCODER_CONFIG: dict[str, Any] = {
     "otype": "HashGrid",
@@ -186,7 +203,7 @@ class MLPTexture3D(nn.Module):
             raise ValueError("texc: contains NaN values") from None
         out = self.net(features).to(torch.float32)
         lo_out, hi_out = self.min_max[0], self.min_max[1]
-        out = torch.sigmoid(out) * (hi_out - lo_out)[None] + lo_out[None]
+        out = _sigmoid(out) * (hi_out - lo_out)[None] + lo_out[None]
         return out.view(*texc.shape[:-1], self.channels)
 
     def forward(self, texc: torch.Tensor) -> torch.Tensor:

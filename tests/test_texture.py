@@ -360,3 +360,32 @@ def test_texture_config_builds_nvdiffrecs_texture():
     texture = MLPTexture3D(AABB, **cfg.texture, precision=cfg.precision)
     assert texture.policy == PrecisionPolicy.named("nvdiffrec")
     assert texture.encoder.n_output_dims == 32 and texture.channels == 3
+
+
+def test_output_sigmoid_has_the_same_bits_for_any_thread_count():
+    # Above 32768 elements ATen gives each thread a chunk whose scalar tail computes exp unlike
+    # the vectorised body, so torch.sigmoid's bits depend on the thread count (on this project's
+    # AVX-512 machine: 18 of these 40 sizes differed). The texture's sigmoid must not, and must
+    # equal torch.sigmoid computed by one thread (forward and gradient).
+    from mptex.texture import _sigmoid
+
+    gen = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    try:
+        for n in range(32769, 32769 + 40 * 97, 97):
+            x = torch.randn(n // 3, 3, generator=gen) * 4
+            grads, outs = [], []
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                xx = x.clone().requires_grad_()
+                y = _sigmoid(xx)
+                y.backward(torch.ones_like(y))
+                outs.append(y.detach())
+                grads.append(xx.grad)
+            assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1]), n
+            torch.set_num_threads(1)
+            ref = x.clone().requires_grad_()
+            torch.sigmoid(ref).backward(torch.ones_like(ref))
+            assert torch.equal(outs[0], torch.sigmoid(x)) and torch.equal(grads[0], ref.grad)
+    finally:
+        torch.set_num_threads(threads)

@@ -11,7 +11,8 @@ depend on the thread count; whether that reaches the weights depends on what con
 loss's ``mean`` does not: a mean's gradient does not depend on its value).
 
     python benchmarks/thread_check.py --arm f32 --seed 1 --iterations 300
-    python benchmarks/thread_check.py --arm f16_dynamic --iterations 20 -- texture=default train.batch_size=4
+    python benchmarks/thread_check.py --arm f16_dynamic --iterations 20 -- \
+        texture=default train.batch_size=4
 
 As ``mptex-train``, it turns on MKL's strict reproducibility mode first. Costs about 2.5x a
 plain run (measured: 202,000 ops for 300 f32 iterations in a few minutes on 2 cores).
@@ -121,8 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     checker = make_checker(args.show)
     with tempfile.TemporaryDirectory() as tmp, checker:
         train(cfg, tmp)
+    overrides = " ".join(args.overrides) or "(none)"
     print(f"\n{args.arm}, seed {args.seed}, {args.iterations} iterations, "
-          f"overrides: {' '.join(args.overrides) or '(none)'}: {checker.ops} ops checked")  # fmt: skip
+          f"overrides: {overrides}: {checker.ops} ops checked")  # fmt: skip
     print("| op | times it differed between 1 and 2 threads |\n|---|---|")
     for op, n in checker.differing.most_common():
         print(f"| `{op}` | {n} |")

@@ -33,6 +33,7 @@ def _sigmoid(x: torch.Tensor) -> torch.Tensor:
     pieces = x.reshape(-1).split(_ELEMENTWISE_GRAIN)
     return torch.cat([torch.sigmoid(piece) for piece in pieces]).view(x.shape)
 
+
 # nvdiffrec's render/mlptexture.py: 16 levels from resolution 16 to 4096.
 NVDIFFREC_ENCODER_CONFIG: dict[str, Any] = {
     "otype": "HashGrid",

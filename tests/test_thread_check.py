@@ -1,4 +1,4 @@
-"""benchmarks/thread_check.py: the op-by-op 1-vs-2-thread comparison used to find thread-dependent ops."""
+"""benchmarks/thread_check.py: the op-by-op 1-vs-2-thread comparison of a training run."""
 
 import importlib.util
 from pathlib import Path

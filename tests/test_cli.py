@@ -63,22 +63,31 @@ def test_cli_unknown_arm_is_refused_by_hydra(tmp_path):
     assert "precision/f12" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def _run_after_mptex_train_blas_setup(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (MKL reads ``MKL_CBWR`` once, at its first call)
+    after what ``mptex-train`` does first: ``MKL_CBWR`` unset, then ``_reproducible_blas()``."""
+    setup = (
+        "import os; os.environ.pop('MKL_CBWR', None)\n"
+        "from mptex.cli import _reproducible_blas; _reproducible_blas()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("MKL_CBWR", None)
+    cmd = [sys.executable, "-c", setup + code]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True)
+
+
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="needs torch built with MKL")
 def test_mptex_train_makes_mkl_gemms_thread_count_independent():
     # A reduction over 20,000 rows, as the MLP's weight gradient over the batch's points: MKL
     # splits it between threads unless its strict reproducibility mode is on at its first call.
     code = (
-        "import os; os.environ.pop('MKL_CBWR', None)\n"
-        "from mptex.cli import _reproducible_blas; _reproducible_blas()\n"
         "import torch; g = torch.Generator().manual_seed(0)\n"
         "a, b = torch.randn(32, 20000, generator=g), torch.randn(20000, 32, generator=g)\n"
         "torch.set_num_threads(1); one = a @ b\n"
         "torch.set_num_threads(2); two = a @ b\n"
         "print(os.environ['MKL_CBWR'], torch.equal(one, two))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("MKL_CBWR", None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    out = _run_after_mptex_train_blas_setup(code)
     assert out.stdout.split() == ["AUTO,STRICT", "True"], out.stderr
 
 
@@ -90,8 +99,6 @@ def test_reduced_precision_linear_layers_are_thread_count_independent(dtype):
     # own half GEMM splits the weight gradient's batch reduction between threads; 10,007 and
     # 33,621 rows differed when measured).
     code = (
-        "import os; os.environ.pop('MKL_CBWR', None)\n"
-        "from mptex.cli import _reproducible_blas; _reproducible_blas()\n"
         "import torch; from mptex.mlp import CastLinear\n"
         "g = torch.Generator().manual_seed(0)\n"
         f"dt = torch.{dtype}\n"
@@ -108,7 +115,5 @@ def test_reduced_precision_linear_layers_are_thread_count_independent(dtype):
         "same = [all(torch.equal(a, b) for a, b in zip(outs[i], outs[i + 1])) for i in (0, 2)]\n"
         "print(outs[0][0].dtype == dt, *same)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("MKL_CBWR", None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    out = _run_after_mptex_train_blas_setup(code)
     assert out.stdout.split() == ["True", "True", "True"], out.stderr

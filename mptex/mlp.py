@@ -24,7 +24,7 @@ def reduced_linear(
     """``F.linear`` with operands rounded to ``dtype``, float32 accumulation, output in ``dtype``.
 
     This is what a half or bfloat16 GEMM computes on a GPU (cuBLAS's default f32 accumulation)
-    and on a CPU (oneDNN's f16/bf16 GEMM). On CUDA it *is* that GEMM. On a CPU the operands are
+    and on a CPU (oneDNN's f16/bf16 GEMM). Off the CPU it *is* that GEMM. On a CPU the operands are
     rounded to ``dtype`` and the GEMM runs in float32, then the result is rounded once: a product
     of two 11-bit (8-bit for bf16) significands is exact in float32, so only the order of the
     float32 sum can differ from oneDNN's (1 ulp on ~0.1 % of outputs, measured). The reason: with
@@ -37,7 +37,7 @@ def reduced_linear(
     Shapes: ``x [N, in]``, ``weight [out, in]``, ``bias [out]`` or ``None`` -> ``[N, out]`` in
     ``dtype``.
     """
-    if x.device.type == "cuda" or dtype not in (torch.float16, torch.bfloat16):
+    if x.device.type != "cpu" or dtype not in (torch.float16, torch.bfloat16):
         b = None if bias is None else bias.to(dtype)
         return F.linear(x.to(dtype), weight.to(dtype), b)
     b = None if bias is None else bias.to(dtype).float()
@@ -51,7 +51,7 @@ class CastLinear(nn.Linear):
     product in that dtype (:func:`reduced_linear`: float32 accumulation, one rounding, the same
     bits for any CPU thread count). The parameters keep their own dtype (the f32 "master" copy);
     the cast is part of the autograd graph, so their gradients arrive in their own dtype, as in
-    tcnn's bindings. ``compute_dtype=None`` casts nothing itself: under an enabled
+    tcnn's bindings. ``compute_dtype=None`` casts nothing itself: on a CPU under an enabled
     ``torch.autocast`` whose dtype is f16 or bf16 the layer computes as autocast's linear would
     (operands cast to the autocast dtype, output in it), through :func:`reduced_linear` with
     autocast switched off for the call; otherwise it is ``nn.Linear``. State-dict keys are
@@ -72,7 +72,7 @@ class CastLinear(nn.Linear):
         if dtype is not None:
             return reduced_linear(x, self.weight, self.bias, dtype)
         device = x.device.type
-        if device != "cuda" and torch.is_autocast_enabled(device):
+        if device == "cpu" and torch.is_autocast_enabled(device):
             dtype = torch.get_autocast_dtype(device)
             if dtype in (torch.float16, torch.bfloat16):
                 with torch.autocast(device, enabled=False):

@@ -1,13 +1,12 @@
 """MLPTexture3D: nvdiffrec's constructor and sample(), per-arm forward/gradients, nvdiffrec
 equivalence (against a copy of its module), state dicts across backends, and a small fit per arm."""
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TOL
+from conftest import TOL, load_benchmark
 
 from mptex import MLPTexture3D, PrecisionPolicy, PrecisionStepper
 from mptex.encoding import HashGridEncoding
@@ -318,17 +317,9 @@ def test_state_dict_round_trips_between_torch_and_tcnn_encoders():
     tcnn_tex.cleanup()
 
 
-def _fit_module():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fit_arms.py"
-    spec = importlib.util.spec_from_file_location("fit_arms", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 def test_every_arm_fits_a_3d_function(capsys):
-    fit = _fit_module()
+    fit = load_benchmark("fit_arms")
     threads = torch.get_num_threads()
     # One thread: small matmuls gain little from two, and with other jobs on a 2-core CI machine
     # two spinning OpenMP threads slow this test down ten-fold.

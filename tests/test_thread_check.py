@@ -1,14 +1,9 @@
 """benchmarks/thread_check.py: the op-by-op 1-vs-2-thread comparison of a training run."""
 
-import importlib.util
-from pathlib import Path
-
 import torch
+from conftest import load_benchmark
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "thread_check.py"
-_spec = importlib.util.spec_from_file_location("thread_check", _PATH)
-thread_check = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(thread_check)
+thread_check = load_benchmark("thread_check")
 
 
 def test_written_arguments_are_copied_so_in_place_ops_apply_once():

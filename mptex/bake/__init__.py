@@ -18,6 +18,8 @@ from mptex.bake.bake import (
     bake_texture,
     check_bake_memory,
     dilate,
+    needs_unwrap,
+    sample_in_chunks,
     texel_positions,
     uv_problem,
 )
@@ -27,7 +29,9 @@ __all__ = [
     "BakeResult",
     "bake_texture",
     "dilate",
+    "sample_in_chunks",
     "uv_problem",
+    "needs_unwrap",
     "check_bake_memory",
     "texel_positions",
     "MAX_RESOLUTION",

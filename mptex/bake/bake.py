@@ -44,8 +44,10 @@ __all__ = [
     "bake_texture",
     "dilate",
     "uv_problem",
+    "needs_unwrap",
     "check_bake_memory",
     "texel_positions",
+    "sample_in_chunks",
     "MAX_RESOLUTION",
 ]
 
@@ -61,6 +63,8 @@ _RING_RADIUS = math.sqrt(2.0) + 1e-3
 # Own UVs that cover less than this fraction of their summed triangle area overlap (mirrored
 # or tiled islands, several materials sharing [0, 1]^2, a wrapping seam).
 _MIN_UNION_FRACTION = 0.9
+# Atlas size of that overlap test (centre sampling at 512^2 measures areas to well under 10 %).
+_OVERLAP_RESOLUTION = 512
 
 
 @dataclass
@@ -185,7 +189,10 @@ def uv_problem(mesh: Mesh, covered_texels: int | None = None, resolution: int = 
         return "the mesh's UVs have no area"
     if covered_texels is not None and covered_texels < _MIN_UNION_FRACTION * summed * resolution**2:
         union = covered_texels / (resolution**2)
-        return f"the mesh's UV triangles overlap (they cover {union:.3g} of their summed area {summed:.3g})"
+        return (
+            f"the mesh's UV triangles overlap (they cover {union:.3g} of [0, 1]^2, "
+            f"their areas sum to {summed:.3g})"
+        )
     return None
 
 
@@ -248,8 +255,8 @@ def _closest_on_triangles(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: 
         start, end = corners[k], corners[(k + 1) % 3]
         edge = end - start
         length2 = (edge * edge).sum(-1)
-        t = ((p - start) * edge).sum(-1) / torch.where(length2 > 0, length2, torch.ones_like(length2))
-        t = t.clamp(0, 1)
+        safe_length2 = torch.where(length2 > 0, length2, torch.ones_like(length2))
+        t = (((p - start) * edge).sum(-1) / safe_length2).clamp(0, 1)
         d2 = ((start + t[:, None] * edge - p) ** 2).sum(-1)
         closer = d2 < best_d2
         weights = torch.zeros_like(best)
@@ -298,7 +305,8 @@ def _conservative_ring(
         base = int(cum[start - 1]) if start else 0
         end = int(torch.searchsorted(cum, torch.tensor(base + _RING_PAIRS_PER_CHUNK), right=True))
         end = max(end, start + 1)
-        tri_ids = torch.repeat_interleave(torch.arange(start, end, device=device), counts[start:end])
+        ids = torch.arange(start, end, device=device)
+        tri_ids = torch.repeat_interleave(ids, counts[start:end])
         first = torch.cumsum(counts[start:end], 0) - counts[start:end]
         local = torch.arange(tri_ids.numel(), device=device)
         local = local - torch.repeat_interleave(first, counts[start:end])
@@ -357,6 +365,25 @@ def texel_positions(
     return index, torch.cat([covered_pos, ring_pos]), covered_index.numel()
 
 
+def needs_unwrap(mesh: Mesh, unwrap: str = "auto", backend: Backend = "auto") -> str | None:
+    """Why ``bake_texture`` will unwrap ``mesh`` with xatlas, or None when it keeps its UVs.
+
+    ``unwrap="always"`` always unwraps; ``"auto"`` unwraps when :func:`uv_problem` finds the UVs
+    missing, outside [0, 1] or overlapping (tested on a rasterized atlas of at most
+    ``_OVERLAP_RESOLUTION``^2 texels). Cheap enough to call before a run, so that a missing
+    xatlas is reported at start.
+    """
+    if unwrap not in ("auto", "always"):
+        raise ValueError(f"unwrap: expected 'auto' or 'always', received {unwrap!r}")
+    if unwrap == "always":
+        return "re-unwrap requested (unwrap='always')"
+    reason = uv_problem(mesh)
+    if reason is None:
+        index, _ = _rasterize_atlas(mesh, _OVERLAP_RESOLUTION, backend)
+        reason = uv_problem(mesh, index.numel(), _OVERLAP_RESOLUTION)
+    return reason
+
+
 # ---------------------------------------------------------------------------------------------
 # Dilation
 # ---------------------------------------------------------------------------------------------
@@ -396,7 +423,10 @@ def dilate(
     if not isinstance(image, torch.Tensor) or image.dim() != 3:
         got = list(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
         raise ValueError(f"image: expected shape [H, W, C], received {got}")
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.shape != image.shape[:2]:
+    if not isinstance(mask, torch.Tensor) or (mask.dtype, mask.shape) != (
+        torch.bool,
+        image.shape[:2],
+    ):
         got = (list(mask.shape), mask.dtype) if isinstance(mask, torch.Tensor) else type(mask)
         raise ValueError(f"mask: expected [H, W] bool matching image, received {got}")
     if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
@@ -418,6 +448,28 @@ def dilate(
 # ---------------------------------------------------------------------------------------------
 # The bake
 # ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def sample_in_chunks(texture: MLPTexture3D, points: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """``texture.sample(points)`` in pieces of ``chunk_size`` points, in eval mode, no autograd.
+
+    Args:
+        texture: the neural texture.
+        points: [M, 3] float32 world positions.
+        chunk_size: points per call (bounds the encoder's and the MLP's working memory).
+
+    Returns:
+        [M, C] float32 texture values.
+    """
+    was_training = texture.training
+    texture.eval()
+    try:
+        pieces = [texture.sample(points[lo : lo + chunk_size]).float()
+                  for lo in range(0, points.shape[0], chunk_size)]  # fmt: skip
+    finally:
+        texture.train(was_training)
+    return torch.cat(pieces) if pieces else points.new_zeros(0, texture.channels)
 
 
 def _surface_area(mesh: Mesh) -> float:
@@ -467,8 +519,6 @@ def bake_texture(
 
     if not isinstance(texture, MLPTexture3D):
         raise ValueError(f"texture: expected an MLPTexture3D, received {type(texture).__name__}")
-    if unwrap not in ("auto", "always"):
-        raise ValueError(f"unwrap: expected 'auto' or 'always', received {unwrap!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected an integer >= 1, received {chunk_size!r}")
     if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
@@ -481,29 +531,17 @@ def bake_texture(
     start = time.perf_counter()
     mesh = mesh.to(device)
 
-    reason = "re-unwrap requested (unwrap='always')" if unwrap == "always" else uv_problem(mesh)
-    index = position = None
-    if reason is None:
-        index, position, n_covered = texel_positions(mesh, resolution, backend)
-        reason = uv_problem(mesh, n_covered, resolution)
+    reason = needs_unwrap(mesh, unwrap, backend)
     unwrap_time = 0.0
     if reason is not None:
         tick = time.perf_counter()
         mesh = unwrap_mesh(mesh, resolution, chart_options, pack_options, why=reason)
         unwrap_time = time.perf_counter() - tick
-        index, position, n_covered = texel_positions(mesh, resolution, backend)
+    index, position, n_covered = texel_positions(mesh, resolution, backend)
 
     n_texels = resolution * resolution
     values = torch.zeros(n_texels, channels, device=device)
-    was_training = texture.training
-    texture.eval()
-    try:
-        for lo in range(0, index.numel(), chunk_size):
-            values[index[lo : lo + chunk_size]] = texture.sample(
-                position[lo : lo + chunk_size]
-            ).float()
-    finally:
-        texture.train(was_training)
+    values[index] = sample_in_chunks(texture, position, chunk_size)
     covered = torch.zeros(n_texels, dtype=torch.bool, device=device)
     covered[index[:n_covered]] = True
     evaluated = torch.zeros_like(covered)

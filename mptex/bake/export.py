@@ -493,7 +493,6 @@ def export_asset(
     channels = result.texture.shape[-1]
     summary: dict[str, Any] = dict(
         files=files,
-        resolution=options["resolution"],
         channels=channels,
         layout={name: [first, first + 3] for name, first, _ in _GROUPS if name in images},
         channels_not_written=list(range(3 * len(images), channels)),

@@ -108,7 +108,7 @@ def unwrap_mesh(
         pack(scale, resolution)
         if atlas.atlas_count == 1 and max(atlas.width, atlas.height) <= resolution:
             break
-        scale *= 0.93
+        scale *= 0.9
     else:
         raise ValueError(
             f"resolution: xatlas cannot pack the mesh's charts into one {resolution}^2 atlas"

@@ -293,9 +293,9 @@ def _conservative_ring(
     n_tri = tri_uv.shape[0]
     lo = torch.floor(tri_uv.amin(1) - _RING_RADIUS).long()
     hi = torch.ceil(tri_uv.amax(1) + _RING_RADIUS).long()
-    span = hi - lo + 1  # [T, 2] texels in x and y
-    # A triangle wider than the atlas would enumerate texels twice through the wrap.
-    span = span.clamp(max=n)
+    # [T, 2] texels in x and y. A triangle near a whole border's length reaches some texels
+    # twice through the wrap (at different distances): the nearest pair wins below.
+    span = hi - lo + 1
     counts = span[:, 0] * span[:, 1]
     best = torch.full((n * n,), torch.iinfo(torch.int64).max, device=device)
     chunks = []

@@ -1,8 +1,9 @@
 """Shared skip markers and tolerances.
 
 Mark a test with ``@pytest.mark.requires_cuda``, ``requires_tcnn``, ``requires_nvdiffrast``,
-``requires_triton``, ``requires_xatlas`` or ``requires_trimesh``; the hook below turns the mark into a skip with a reason when the dependency
-is absent. Markers are registered in pyproject.toml, and ``--strict-markers`` rejects typos.
+``requires_triton``, ``requires_xatlas`` or ``requires_trimesh``; the hook below turns the mark
+into a skip with a reason when the dependency is absent. Markers are registered in
+pyproject.toml, and ``--strict-markers`` rejects typos.
 """
 
 import importlib.util

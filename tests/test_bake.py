@@ -228,3 +228,17 @@ def test_missing_xatlas_is_one_line(monkeypatch):
     mesh = Mesh(v_pos=islands_mesh().v_pos, t_pos_idx=islands_mesh().t_pos_idx)
     with pytest.raises(RuntimeError, match=r"^mesh: the mesh has no UVs; .*pip install xatlas"):
         bake_texture(tiny_texture(mesh.aabb), mesh, 16)
+
+
+def test_every_public_name_resolves_and_import_loads_no_optional_library():
+    import subprocess
+    import sys
+
+    import mptex.bake
+
+    assert len(set(mptex.bake.__all__)) == len(mptex.bake.__all__)
+    for name in mptex.bake.__all__:
+        assert getattr(mptex.bake, name) is not None, name
+    code = "import sys, mptex.bake; print(sorted({'xatlas', 'trimesh'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

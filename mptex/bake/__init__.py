@@ -23,6 +23,16 @@ from mptex.bake.bake import (
     texel_positions,
     uv_problem,
 )
+from mptex.bake.export import (
+    EXPORT_DEFAULTS,
+    check_export_config,
+    export_asset,
+    measure_bake,
+    preflight_export,
+    write_glb,
+    write_obj_asset,
+    write_texture_images,
+)
 from mptex.bake.unwrap import PACK_DEFAULTS, has_xatlas, unwrap_mesh
 
 __all__ = [
@@ -38,4 +48,12 @@ __all__ = [
     "has_xatlas",
     "unwrap_mesh",
     "PACK_DEFAULTS",
+    "EXPORT_DEFAULTS",
+    "check_export_config",
+    "preflight_export",
+    "export_asset",
+    "measure_bake",
+    "write_texture_images",
+    "write_obj_asset",
+    "write_glb",
 ]

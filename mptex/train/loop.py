@@ -20,7 +20,9 @@ PSNR per image ``-10 log10(MSE)``, mean over the images.
 
 Results go to a run directory: ``metrics.json`` (the contract with ``mptex-report``; keys in
 :data:`METRICS_KEYS`), ``images/`` (reference | prediction PNGs), ``checkpoint.pt`` (written
-atomically; :func:`load_texture` rebuilds the texture from it).
+atomically; :func:`load_texture` rebuilds the texture from it) and, with
+``export.enabled=true``, ``export/`` (the baked asset: :func:`mptex.bake.export_asset`, after
+the final validation of a completed run).
 """
 
 from __future__ import annotations

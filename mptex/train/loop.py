@@ -61,7 +61,7 @@ from mptex.train.shading import _background, _render, composite
 from mptex.train.validation import _save_val_images, evaluate
 
 METRICS_KEYS = (
-    "status", "psnr", "baseline_psnr", "psnr_per_image", "precision", "scene", "seed",
+    "status", "psnr", "baseline_psnr", "psnr_per_image", "saturation", "precision", "scene", "seed",
     "iterations", "iterations_planned", "final_loss", "time_per_iter_s", "wall_time_s",
     "train_time_s", "peak_memory_bytes", "peak_memory_kind", "skipped_steps", "final_loss_scale",
     "diverged_at", "error", "failed_at", "resumed_from", "n_params", "backends", "device",
@@ -398,6 +398,10 @@ def _train(
             psnr_now = None if evaluated is None else evaluated["psnr"]
             history.append(_history_entry(completed, loss_value, psnr_now, result,
                                           settings["lr"] * factor, stats))  # fmt: skip
+            if evaluated is not None:  # the saturation curve: when it sets in (issue 19)
+                saturation = evaluated["saturation"]
+                history[-1].update(saturated_fraction=saturation["saturated_fraction"],
+                                   stuck_fraction=saturation["stuck_fraction"])  # fmt: skip
         if writer is not None:
             writer.add_scalar("train/loss", loss_value, completed)
             writer.add_scalar("train/loss_scale", result.loss_scale, completed)
@@ -434,6 +438,7 @@ def _train(
         psnr=evaluation["psnr"],
         baseline_psnr=evaluation["baseline_psnr"],
         psnr_per_image=evaluation["psnr_per_image"],
+        saturation=evaluation["saturation"],
         final_loss=loss_value if loss_value is not None else resumed_loss,
         time_per_iter_s=statistics.median(iter_times) if iter_times else resumed_time,
         train_time_s=train_time,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import mmap
 from pathlib import Path
 
 import pytest
@@ -338,7 +339,10 @@ def test_run_peak_rss_sees_memory_held_during_the_run():
     if not rss.available:
         pytest.skip("no /proc/self/statm on this platform")
     before = rss.peak
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    # A fresh anonymous mapping, every page written: a tensor could reuse pages that an
+    # earlier test freed but the allocator kept resident, and then RSS would not grow.
+    block = mmap.mmap(-1, 64 * 2**20)
+    block.write(b"\1" * (64 * 2**20))
     rss.stop()
-    del block
+    block.close()
     assert rss.peak - before >= 60 * 2**20

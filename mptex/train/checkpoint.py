@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -27,6 +28,18 @@ CHECKPOINT_KEYS = (
 
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be used: ``"<path>: <what is wrong>"`` (one line)."""
+
+
+# A full disk, and a full quota (the usual form of it on a shared cluster filesystem).
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFullError(OSError):
+    """A write that found no space (ENOSPC) or no quota (EDQUOT) left:
+    ``"<path>: no space left on device (ENOSPC); <path> is unchanged"`` (one line)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)  # OSError's would prefix "[Errno 28] "
 
 
 def _one_line(text: str) -> str:
@@ -67,10 +80,15 @@ def atomic_write_bytes(path: str | os.PathLike, write: Callable[[Any], None]) ->
     (a ``kill -9`` cannot be caught: :func:`remove_stale_temporaries` clears those). The file
     gets the mode a plain ``open()`` would give (``0o666`` less the umask), not ``mkstemp``'s
     private ``0o600``.
+
+    Raises:
+        DiskFullError: the disk or the quota is full (at ``mkstemp``, a write, the flush, the
+            fsync, or the rename); the temporary is removed and ``path`` is unchanged.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with _suppress_oserror():  # e.g. a filesystem without POSIX modes
             os.fchmod(fd, _file_mode())
         with os.fdopen(fd, "wb") as f:
@@ -78,9 +96,15 @@ def atomic_write_bytes(path: str | os.PathLike, write: Callable[[Any], None]) ->
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        with _suppress_oserror():
-            os.unlink(tmp)
+    except BaseException as exc:
+        if tmp is not None:
+            with _suppress_oserror():
+                os.unlink(tmp)
+        # The OSError itself, or one that a writer (torch's zip writer) wrapped in another
+        # exception; the message names the file, not the temporary.
+        for error in (exc, exc.__cause__, exc.__context__):
+            if isinstance(error, OSError) and error.errno in _DISK_FULL:
+                raise _disk_full(path, error.errno) from None
         raise
     with _suppress_oserror():  # not every platform can fsync a directory
         dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -88,6 +112,11 @@ def atomic_write_bytes(path: str | os.PathLike, write: Callable[[Any], None]) ->
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def _disk_full(path: Path, code: int) -> DiskFullError:
+    what = os.strerror(code).lower()
+    return DiskFullError(code, f"{path}: {what} ({errno.errorcode[code]}); {path} is unchanged")
 
 
 class _suppress_oserror:

@@ -43,6 +43,7 @@ from mptex.texture import MLPTexture3D
 from mptex.train.checkpoint import (
     _CHECKPOINT,
     CHECKPOINT_KEYS,
+    DiskFullError,
     _build_texture,
     load_checkpoint,
     remove_stale_temporaries,
@@ -55,18 +56,22 @@ from mptex.train.memory import _peak_memory, _RunPeakRss
 from mptex.train.rng import _rng_state, _seed_everything, _set_rng_state
 from mptex.train.runinfo import _device_name, _Progress, _sync, _tensorboard, _versions
 from mptex.train.shading import _background, _render, composite
+from mptex.train.signals import StopSignals, auto_resume_path, send_signal
 from mptex.train.validation import _save_val_images, evaluate
 
 METRICS_KEYS = (
     "status", "psnr", "baseline_psnr", "psnr_per_image", "precision", "scene", "seed",
     "iterations", "iterations_planned", "final_loss", "time_per_iter_s", "wall_time_s",
     "train_time_s", "peak_memory_bytes", "peak_memory_kind", "skipped_steps", "final_loss_scale",
-    "diverged_at", "error", "failed_at", "resumed_from", "n_params", "backends", "device",
+    "diverged_at", "error", "failed_at", "interrupted_at", "signal", "resumed_from",
+    "resume_count", "interruptions", "n_params", "backends", "device",
     "device_name", "torch_threads", "versions", "run_dir", "history", "config",
 )  # fmt: skip
 
 
 def _resume_path(setting: Any, run_dir: Path) -> Path | None:
+    if setting == "auto":
+        return auto_resume_path(run_dir)
     if setting is False or setting is None:
         return None
     path = run_dir / _CHECKPOINT if setting is True else Path(setting)
@@ -165,6 +170,15 @@ def train(cfg: Mapping[str, Any], run_dir: str | os.PathLike) -> dict[str, Any]:
     ``status: "diverged"`` and ``diverged_at``. So is a run of ``max_consecutive_skips`` skipped
     steps in a loss-scaled arm.
 
+    Neither is a stop signal (``train.stop_signals``, handled from the main thread while
+    ``train`` runs, then the previous handlers are back): the iteration under way finishes,
+    ``checkpoint.pt`` is written and the run returns with ``status: "interrupted"``,
+    ``interrupted_at`` (completed iterations) and ``signal``, without the final validation.
+    ``train.resume=auto`` (the default) continues such a run directory; ``resume_count`` and
+    ``interruptions`` carry over. A full disk (ENOSPC, EDQUOT) raises
+    :class:`~mptex.train.checkpoint.DiskFullError` after ``metrics.json`` records ``status:
+    "failed"`` where it still can be written; the file that failed is unchanged.
+
     The checkpoint (every ``checkpoint_interval`` iterations and at the end) holds ``texture``
     (state dict), ``optimizer``, ``stepper`` (GradScaler state), ``iteration`` (completed),
     ``rng`` (python, numpy, torch, view and noise generators), ``history``, ``skipped_steps``,
@@ -186,9 +200,25 @@ def train(cfg: Mapping[str, Any], run_dir: str | os.PathLike) -> dict[str, Any]:
     # A kill -9 during an atomic write leaves its temporary behind; no writer can be using
     # them now that a run starts here.
     remove_stale_temporaries(run_dir)
+    stop = StopSignals()
+    try:
+        return _train_validated(plain, run_dir, metrics, start_wall, stop)
+    finally:
+        stop.uninstall()
+
+
+def _train_validated(
+    plain: dict[str, Any],
+    run_dir: Path,
+    metrics: dict[str, Any],
+    start_wall: float,
+    stop: StopSignals,
+) -> dict[str, Any]:
     try:
         full = validate_config(plain)
         settings = full["train"]
+        # Before the scene is built: a preemption during a long start-up is a clean stop too.
+        stop.install(settings["stop_signals"])
         device = torch.device(settings["device"])
         resume_from = _resume_path(settings["resume"], run_dir)
         scene, texture, ckpt = _start(full, resume_from)
@@ -201,7 +231,8 @@ def train(cfg: Mapping[str, Any], run_dir: str | os.PathLike) -> dict[str, Any]:
     try:
         rss = _RunPeakRss().start()
         try:
-            return _train(full, scene, texture, ckpt, run_dir, device, metrics, start_wall, rss)
+            return _train(full, scene, texture, ckpt, run_dir, device, metrics, start_wall, rss,
+                          stop)  # fmt: skip
         finally:
             rss.stop()
     except ConfigError as exc:
@@ -209,9 +240,12 @@ def train(cfg: Mapping[str, Any], run_dir: str | os.PathLike) -> dict[str, Any]:
         write_metrics(run_dir, metrics)
         raise
     except Exception as exc:
-        metrics.update(status="failed", error=f"{type(exc).__name__}: {exc}",
-                       failed_at=metrics.get("iterations", 0))  # fmt: skip
-        write_metrics(run_dir, metrics)
+        error = str(exc) if isinstance(exc, DiskFullError) else f"{type(exc).__name__}: {exc}"
+        metrics.update(status="failed", error=error, failed_at=metrics.get("iterations", 0))
+        try:
+            write_metrics(run_dir, metrics)
+        except DiskFullError:
+            pass  # the disk is still full: metrics.json stays as it was; the error is raised
         raise
 
 
@@ -225,6 +259,7 @@ def _train(
     metrics: dict[str, Any],
     start_wall: float,
     rss: _RunPeakRss,
+    stop: StopSignals,
 ) -> dict[str, Any]:
     settings = full["train"]
     if settings["threads"] is not None:
@@ -249,6 +284,7 @@ def _train(
         torch.cuda.reset_peak_memory_stats(device)
 
     start_iter, history, skipped_steps, consecutive_skips = 0, [], 0, 0
+    resume_count, interruptions = 0, []
     # What a resume that has no iteration left to run reports (the checkpoint's, see below).
     resumed_loss, resumed_time = None, None
     if ckpt is not None:
@@ -260,6 +296,8 @@ def _train(
         skipped_steps, consecutive_skips = ckpt["skipped_steps"], ckpt["consecutive_skips"]
         resumed_loss = ckpt.get("loss", history[-1]["loss"] if history else None)
         resumed_time = ckpt.get("time_per_iter_s")
+        resume_count = ckpt.get("resume_count", 0) + 1
+        interruptions = list(ckpt.get("interruptions", []))
     metrics["resumed_from"] = start_iter if ckpt is not None else None
 
     def checkpoint(completed: int) -> bool:
@@ -280,6 +318,8 @@ def _train(
             "config": full,
             "loss": loss_value if loss_value is not None else resumed_loss,
             "time_per_iter_s": statistics.median(iter_times) if iter_times else resumed_time,
+            "resume_count": resume_count,
+            "interruptions": interruptions,
         })  # fmt: skip
         return True
 
@@ -325,6 +365,8 @@ def _train(
             loss = loss + kd_grad * weight
         if settings["inject_nonfinite_at"] == it:  # test hook: a forced overflow
             loss = loss * float("inf")
+        if settings["inject_signal_at"] == it:  # test hook: a stop signal mid-iteration
+            send_signal(settings["inject_signal"])
 
         loss_value = float(loss.item())  # synchronous; also the divergence check
         if not math.isfinite(loss_value) and stepper.scaler is None:
@@ -379,18 +421,27 @@ def _train(
         if not last and ck_interval and completed % ck_interval == 0 and not checkpoint(completed):
             status, diverged_at = "diverged", it
             break
+        if stop.received and not last:
+            status = "interrupted"
+            interruptions.append({"iteration": completed, "signal": stop.received[0]})
+            break
     progress.close()
     train_time = time.perf_counter() - train_start
 
     completed = metrics["iterations"]
-    if status == "completed" and not checkpoint(completed):
+    if status in ("completed", "interrupted") and not checkpoint(completed):
         status, diverged_at = "diverged", completed
-    evaluation = evaluate(texture, scene, settings, light_dir)
+    if status == "interrupted":
+        # Within the scheduler's grace period: no validation render, no images.
+        evaluation = dict.fromkeys(("psnr", "baseline_psnr", "psnr_per_image"))
+        metrics.update(interrupted_at=completed, signal=interruptions[-1]["signal"])
+    else:
+        evaluation = evaluate(texture, scene, settings, light_dir)
     if status == "completed" and not math.isfinite(evaluation["psnr"]):
         # Finite weights can still render a non-finite image (an f16 overflow in the forward):
         # never a completed run.
         status, diverged_at = "diverged", completed
-    if status == "completed" or math.isfinite(evaluation["psnr"]):
+    if status == "completed" or (status != "interrupted" and math.isfinite(evaluation["psnr"])):
         _save_val_images(run_dir / "images", evaluation, settings["n_val_images"])
     if writer is not None:
         writer.close()
@@ -412,6 +463,8 @@ def _train(
         diverged_at=diverged_at,
         error=None,
         failed_at=None,
+        resume_count=resume_count,
+        interruptions=interruptions,
         n_params=sum(p.numel() for p in texture.parameters()),
         backends=texture.backends(),
         device=str(device),

@@ -174,6 +174,9 @@ def _status(metrics: Mapping[str, Any]) -> tuple[str, str | None]:
     # the report that arm is unavailable on this machine, not a failed run.
     if status == "failed" and metrics.get("failed_at") == "start" and _missing_backend(metrics):
         return "unavailable", None
+    if status == "interrupted":
+        # Stopped by a signal and not (yet) resumed: no result; its reason is in _read_job.
+        return "failed", None
     if status == "completed" and not is_number(metrics.get("psnr")):
         # An older loop wrote NaN weights as "completed, psnr null": the run did not produce a
         # texture, so it is counted with the diverged runs, never dropped from the row unseen.
@@ -265,6 +268,9 @@ def _read_job(job_dir: Path) -> dict[str, Any]:
     if isinstance(backends, Mapping):  # which implementation ran (e.g. tcnn, or mptex's twin)
         run["encoder_backend"], run["mlp_backend"] = backends.get("encoder"), backends.get("mlp")
     run["status"], run["note"] = _status(metrics)
+    if metrics.get("status") == "interrupted":
+        run["error"] = (f"interrupted by {metrics.get('signal')} after iteration "
+                        f"{metrics.get('interrupted_at')} and not resumed")  # fmt: skip
     if run["status"] == "unavailable" and not run.get("error"):
         run["error"] = f"needs {_missing_backend(metrics)}"
     config = metrics.get("config")

@@ -110,4 +110,5 @@ def auto_resume_path(run_dir: str | os.PathLike) -> Path | None:
         metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
     except (OSError, UnicodeDecodeError, ValueError):
         return None
-    return checkpoint if isinstance(metrics, dict) and metrics.get("status") == "interrupted" else None
+    interrupted = isinstance(metrics, dict) and metrics.get("status") == "interrupted"
+    return checkpoint if interrupted else None

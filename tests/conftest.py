@@ -1,8 +1,9 @@
 """Shared skip markers and tolerances.
 
-Mark a test with ``@pytest.mark.requires_cuda``, ``requires_tcnn``, ``requires_nvdiffrast`` or
-``requires_triton``; the hook below turns the mark into a skip with a reason when the dependency
-is absent. Markers are registered in pyproject.toml, and ``--strict-markers`` rejects typos.
+Mark a test with ``@pytest.mark.requires_cuda``, ``requires_tcnn``, ``requires_nvdiffrast``,
+``requires_triton``, ``requires_xatlas`` or ``requires_trimesh``; the hook below turns the mark
+into a skip with a reason when the dependency is absent. Markers are registered in
+pyproject.toml, and ``--strict-markers`` rejects typos.
 """
 
 import importlib.util
@@ -12,12 +13,18 @@ import pytest
 import torch
 
 from mptex._backends import has_nvdiffrast, has_tcnn, has_triton
+from mptex.bake import has_xatlas
 
 _REQUIREMENTS = {
     "requires_cuda": (torch.cuda.is_available, "needs a CUDA device"),
     "requires_tcnn": (has_tcnn, "needs tinycudann importable and a CUDA device"),
     "requires_nvdiffrast": (has_nvdiffrast, "needs nvdiffrast importable and a CUDA device"),
     "requires_triton": (has_triton, "needs triton importable (pip install triton)"),
+    "requires_xatlas": (has_xatlas, "needs xatlas (pip install xatlas, or the test extra)"),
+    "requires_trimesh": (
+        lambda: importlib.util.find_spec("trimesh") is not None,
+        "needs trimesh (pip install trimesh, or the test extra)",
+    ),
 }
 
 

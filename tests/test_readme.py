@@ -11,9 +11,10 @@ a marker on the line before it (blank lines between are allowed):
 
 Blocks without a language tag are transcripts of output and are not examples.
 
-The runnable blocks run against this checkout: ``mptex-train``, ``mptex-report`` and
-``mptex-check`` on ``PATH`` are shims that run this checkout's code, and every ``mptex-train``
-call gets :data:`SMALL` (replacing the same keys the command sets) so that each command
+The runnable blocks run against this checkout: ``mptex-train``, ``mptex-report``,
+``mptex-check`` and ``mptex-export`` on ``PATH`` are shims that run this checkout's code, and
+every ``mptex-train`` call gets :data:`SMALL` (every ``mptex-export`` call
+:data:`SMALL_EXPORT`), replacing the same keys the command sets, so that each command
 finishes in seconds: the test checks that the command as written composes, runs and exits 0,
 not the numbers it would give at full size (the README states those sizes and times).
 """
@@ -42,7 +43,10 @@ SMALL = [
     "scene.resolution=24",
     "scene.n_train_views=2",
     "scene.n_val_views=1",
+    "export.resolution=256",
 ]
+# Appended to every mptex-export call (flags written ``--flag=value`` in the README are replaced).
+SMALL_EXPORT = ["--resolution=256"]
 
 _FENCE = re.compile(r"^```(\S*)\s*$")
 _MARKER = re.compile(r"^<!--\s*(runnable|not runnable:\s*(?P<reason>.*\S))\s*-->$")
@@ -94,6 +98,7 @@ _COMMANDS = {
     "mptex-train": ("mptex.cli", "train_main", SMALL),
     "mptex-report": ("mptex.report", "report_main", []),
     "mptex-check": ("mptex.check", "check_main", []),
+    "mptex-export": ("mptex.bake.cli", "export_main", SMALL_EXPORT),
 }
 
 

@@ -535,3 +535,25 @@ def test_no_nvdiffrec154_section_without_its_arms(sweep):
     write_report(sweep)
     assert "#154" not in (sweep / "report.md").read_text()
     assert not (sweep / "gap_curves.png").exists()
+
+
+def test_exported_runs_get_a_bake_column_and_export_keys_do_not_split_rows(tmp_path):
+    for seed, (resolution, baked) in enumerate([(512, 57.0), (1024, 63.0)]):
+        export = {"dir": "export", "resolution": resolution, "psnr_baked_vs_neural": baked}
+        config = {"export.resolution": resolution}
+        _write(tmp_path, f"f32_{seed}", _metrics("f32", seed, export=export, config=config))
+    _write(tmp_path, "bf16_0", _metrics("bf16", 0))  # not exported: no value in its row
+    rows = _rows(tmp_path)
+    assert set(rows) == {("f32",), ("bf16",)}  # export.resolution differs but is no row key
+    assert rows[("f32",)]["bake_psnr"] == 60.0 and rows[("bf16",)]["bake_psnr"] is None
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| arm |"))
+    assert header.endswith("| bake vs neural (dB) |")
+    f32_line = next(line for line in text.splitlines() if line.startswith("| `f32` |"))
+    assert f32_line.endswith("| 60.00 |")
+
+
+def test_no_bake_column_without_exported_runs(sweep):
+    write_report(sweep)
+    assert "bake vs neural" not in (sweep / "report.md").read_text()

@@ -16,7 +16,7 @@ from mptex.render.camera import (
     rotate_y,
     translate,
 )
-from mptex.render.image import load_image, rgb_to_srgb, save_image, srgb_to_rgb
+from mptex.render.image import load_image, psnr, rgb_to_srgb, save_image, srgb_to_rgb
 from mptex.render.mesh import Mesh, load_obj, unit_size, vertex_normals, write_obj
 from mptex.render.rasterize import interpolate, rasterize
 from mptex.render.texture import texture
@@ -43,6 +43,7 @@ __all__ = [
     "unit_size",
     "rgb_to_srgb",
     "srgb_to_rgb",
+    "psnr",
     "save_image",
     "load_image",
 ]

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["rgb_to_srgb", "srgb_to_rgb", "save_image", "load_image"]
+__all__ = ["rgb_to_srgb", "srgb_to_rgb", "psnr", "save_image", "load_image"]
 
 _FLOAT_FORMATS = (".exr", ".hdr")
 
@@ -51,6 +51,25 @@ def rgb_to_srgb(f: torch.Tensor) -> torch.Tensor:
 def srgb_to_rgb(f: torch.Tensor) -> torch.Tensor:
     """sRGB(A) -> linear RGB(A), the inverse of ``rgb_to_srgb``; alpha passes through."""
     return _per_rgb(_srgb_to_linear, f, "f")
+
+
+def psnr(img: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per-image PSNR in dB as nvdiffrec's ``validate_itr``.
+
+    Both images are linear RGB; each is converted to sRGB and clamped to [0, 1], then
+    ``-10 log10(MSE)`` per image. The MSE is floored at 1e-10 (PSNR <= 100 dB) so that a
+    perfect match stays a finite JSON number.
+
+    Args:
+        img, ref: ``[B, H, W, 3]`` float32 linear RGB.
+
+    Returns:
+        ``[B]`` float32.
+    """
+    a = torch.clamp(rgb_to_srgb(img), 0.0, 1.0)
+    b = torch.clamp(rgb_to_srgb(ref), 0.0, 1.0)
+    mse = ((a - b) ** 2).flatten(1).mean(1)
+    return -10.0 * torch.log10(torch.clamp(mse, min=1e-10))
 
 
 def save_image(path: str | os.PathLike, img: torch.Tensor | np.ndarray, to_srgb: bool = False):

@@ -28,6 +28,7 @@ __all__ = [
     "REFERENCE_ARM",
     "ARM_ORDER",
     "NOT_SWEPT",
+    "NOT_SWEPT_GROUPS",
     "RUN_FIELDS",
     "SweepLayoutError",
     "find_sweeps",
@@ -56,8 +57,10 @@ RUN_FIELDS = (
     "peak_memory_bytes", "peak_memory_kind", "skipped_steps", "final_loss_scale", "iterations",
     "iterations_planned", "diverged_at", "failed_at", "error", "wall_time_s", "train_time_s",
     "n_params", "device", "device_name", "torch_threads", "encoder_backend", "mlp_backend",
-    "run_dir",
+    "bake_psnr", "run_dir",
 )  # fmt: skip
+# Config groups that never separate rows: how a finished run was exported, not what it trained.
+NOT_SWEPT_GROUPS = ("export.",)
 _UNDERFLOW_SUFFIXES = ("grad_zero_frac", "grad_subnormal_frac")
 # A backend a config asks for, the versions flag saying whether this machine has it, and the
 # config key that mptex-train's error message names when it refuses the run for that reason.
@@ -267,6 +270,9 @@ def _read_job(job_dir: Path) -> dict[str, Any]:
     backends = metrics.get("backends")
     if isinstance(backends, Mapping):  # which implementation ran (e.g. tcnn, or mptex's twin)
         run["encoder_backend"], run["mlp_backend"] = backends.get("encoder"), backends.get("mlp")
+    export = metrics.get("export")
+    if isinstance(export, Mapping):  # exported runs (export.enabled=true): the bake's PSNR
+        run["bake_psnr"] = export.get("psnr_baked_vs_neural")
     run["status"], run["note"] = _status(metrics)
     if metrics.get("status") == "interrupted":
         run["error"] = (f"interrupted by {metrics.get('signal')} after iteration "
@@ -333,12 +339,14 @@ def _hashable(value: Any) -> Any:
 
 def swept_keys(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     """Config keys with two or more distinct values among the runs that have a config, except
-    :data:`NOT_SWEPT`; sorted, ``precision.name`` first."""
+    :data:`NOT_SWEPT` and the groups of :data:`NOT_SWEPT_GROUPS`; sorted, ``precision.name``
+    first."""
     values: dict[str, set[Any]] = {}
     for run in runs:
         for key, value in (run.get("config") or {}).items():
             values.setdefault(key, set()).add(_hashable(value))
-    keys = [k for k, v in values.items() if len(v) > 1 and k not in NOT_SWEPT]
+    ignored = [k for k in values if k in NOT_SWEPT or k.startswith(NOT_SWEPT_GROUPS)]
+    keys = [k for k, v in values.items() if len(v) > 1 and k not in ignored]
     return sorted(keys, key=lambda k: (k != "precision.name", k))
 
 

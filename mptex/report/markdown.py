@@ -256,6 +256,10 @@ def render_report(
               f"Δ vs {REFERENCE_ARM} (dB) [{CONFIDENCE:.0%} CI]", "verdict",
               "baseline (dB)", "ms / iter", f"speed-up vs {REFERENCE_ARM}", "peak mem (MiB)",
               "skipped steps", "eff. loss scale", "runs ok / div / fail / n.a."]  # fmt: skip
+    # Runs trained with export.enabled=true: the baked texture's PSNR against the neural one.
+    baked = any(is_number(r.get("bake_psnr")) for r in rows)
+    if baked:
+        header.append("bake vs neural (dB)")
     for _title, indices in sections:  # the Markdown heading is built with backticks below
         section = [rows[i] for i in indices]
         first = section[0]
@@ -275,7 +279,7 @@ def render_report(
                  ".0f"),
             _fmt(r["skipped_steps"], "g"), _scale(r["final_loss_scale"]),
             " / ".join(str(r[k]) for k in STATUSES),
-        ] for r in section]  # fmt: skip
+        ] + ([_fmt(r.get("bake_psnr"), ".2f")] if baked else []) for r in section]  # fmt: skip
         lines += _table(header, table)
         lines += ["", *_reading(section, margin_db, on_cpu),
                   *_identical(section, [groups[i] for i in indices]), ""]  # fmt: skip

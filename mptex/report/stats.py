@@ -203,6 +203,7 @@ def _row(group: Sequence[Mapping[str, Any]], shown: Sequence[str]) -> dict[str, 
         "baseline_psnr": _mean(r.get("baseline_psnr") for r in done),
         "below_baseline": [r["run_dir"] for r in below],
         "time_per_iter_s": _mean(r["time_per_iter_s"] for r in done),
+        "bake_psnr": _mean(r.get("bake_psnr") for r in done),
         "peak_memory_bytes": max((r["peak_memory_bytes"] for r in done
                                   if is_number(r["peak_memory_bytes"])), default=None),
         "peak_memory_kind": next((r["peak_memory_kind"] for r in done

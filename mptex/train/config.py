@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from mptex._backends import has_tcnn, has_triton
+from mptex.bake.export import check_export_config
 from mptex.encoding import BACKENDS as ENCODER_BACKENDS
 from mptex.precision import PrecisionPolicy
 from mptex.train.losses import LOSSES, LR_SCHEDULES
@@ -162,7 +163,8 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
     Args:
         cfg: mapping (or Hydra ``DictConfig``) with groups ``scene``, ``precision``,
-            ``texture``, ``train``; missing ``train`` keys take :data:`TRAIN_DEFAULTS`.
+            ``texture``, ``train`` and optionally ``export``; missing ``train`` keys take
+            :data:`TRAIN_DEFAULTS`, missing ``export`` keys ``mptex.bake.EXPORT_DEFAULTS``.
 
     Raises:
         ValueError: ``"<key>: <message>"`` naming the first bad key, e.g. ``train.iterations``,
@@ -275,4 +277,7 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
             )
     if policy.mlp_backend == "tcnn" and dev.type != "cuda":
         raise ValueError(f"precision.name: {policy.name!r} needs train.device=cuda")
-    return {**cfg, "train": s, "precision": policy.to_config()}
+    # The export group is optional (configs written before it existed); its keys are checked
+    # here, what the export needs from the machine by the loop once the scene is built.
+    export = check_export_config(cfg.get("export"))
+    return {**cfg, "train": s, "precision": policy.to_config(), "export": export}

@@ -20,7 +20,9 @@ PSNR per image ``-10 log10(MSE)``, mean over the images.
 
 Results go to a run directory: ``metrics.json`` (the contract with ``mptex-report``; keys in
 :data:`METRICS_KEYS`), ``images/`` (reference | prediction PNGs), ``checkpoint.pt`` (written
-atomically; :func:`load_texture` rebuilds the texture from it).
+atomically; :func:`load_texture` rebuilds the texture from it) and, with
+``export.enabled=true``, ``export/`` (the baked asset: :func:`mptex.bake.export_asset`, after
+the final validation of a completed run).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any
 
 import torch
 
+from mptex.bake.export import export_asset, preflight_export
 from mptex.diagnostics import PrecisionMonitor
 from mptex.precision import PrecisionStepper, all_finite
 from mptex.render.image import rgb_to_srgb
@@ -65,7 +68,12 @@ METRICS_KEYS = (
     "train_time_s", "peak_memory_bytes", "peak_memory_kind", "skipped_steps", "final_loss_scale",
     "diverged_at", "error", "failed_at", "interrupted_at", "signal", "resumed_from",
     "resume_count", "interruptions", "n_params", "backends", "device",
-    "device_name", "torch_threads", "versions", "run_dir", "history", "config",
+    "device_name", "torch_threads", "versions", "run_dir", "history", "config", "export",
+)  # fmt: skip
+# What metrics.json keeps of export.json (the report's bake column reads psnr_baked_vs_neural).
+_EXPORT_SUMMARY = (
+    "resolution", "uv_source", "coverage", "texels_per_unit", "texels_per_pixel",
+    "psnr_baked_vs_neural", "psnr_baked_vs_reference", "bake_time_s", "export_time_s",
 )  # fmt: skip
 
 
@@ -105,7 +113,7 @@ def _check_coverage(scene: Scene) -> None:
 
 
 def _start(
-    full: dict[str, Any], resume_from: Path | None
+    full: dict[str, Any], resume_from: Path | None, run_dir: Path
 ) -> tuple[Scene, MLPTexture3D, dict[str, Any] | None]:
     """Everything a run reads before its first iteration: scene, texture, checkpoint.
 
@@ -130,6 +138,12 @@ def _start(
         texture = _build_texture(scene.aabb, full["texture"], full["precision"]).to(device)
     except ValueError as exc:
         raise ValueError(config_key(str(exc))) from None
+    if full["export"]["enabled"]:
+        # Everything the export at the end needs (writers, memory, xatlas) is checked now.
+        try:
+            preflight_export(full["export"], scene.mesh, texture.channels, device, run_dir)
+        except RuntimeError as exc:
+            raise ValueError(str(exc)) from None
     ckpt = None
     if resume_from is not None:
         ckpt = load_checkpoint(resume_from, map_location=device, required=CHECKPOINT_KEYS)
@@ -221,7 +235,7 @@ def _train_validated(
         stop.install(settings["stop_signals"])
         device = torch.device(settings["device"])
         resume_from = _resume_path(settings["resume"], run_dir)
-        scene, texture, ckpt = _start(full, resume_from)
+        scene, texture, ckpt = _start(full, resume_from, run_dir)
     except ValueError as exc:
         message = " ".join(str(exc).split())  # one line, whatever the source wrote
         metrics.update(error=message, failed_at="start")
@@ -247,6 +261,24 @@ def _train_validated(
         except DiskFullError:
             pass  # the disk is still full: metrics.json stays as it was; the error is raised
         raise
+
+
+def _export(
+    full: dict[str, Any], scene: Scene, texture: MLPTexture3D, run_dir: Path
+) -> dict[str, Any] | None:
+    """With ``export.enabled``: bake and write ``run_dir/export/`` (:func:`export_asset`).
+
+    Returns the summary kept in metrics.json (None when not enabled). A failure here (the disk
+    filled up, ...) does not undo the completed training: it is recorded as ``export.error``.
+    """
+    if not full["export"]["enabled"]:
+        return None
+    try:
+        summary = export_asset(texture, scene, run_dir / "export", full["export"], full["scene"],
+                               full["train"]["val_background"])  # fmt: skip
+    except (ValueError, RuntimeError, OSError) as exc:
+        return {"dir": "export", "error": " ".join(f"{type(exc).__name__}: {exc}".split())}
+    return {"dir": "export", **{k: summary.get(k) for k in _EXPORT_SUMMARY}}
 
 
 def _train(
@@ -445,6 +477,7 @@ def _train(
         _save_val_images(run_dir / "images", evaluation, settings["n_val_images"])
     if writer is not None:
         writer.close()
+    export = _export(full, scene, texture, run_dir) if status == "completed" else None
     rss.stop()
     peak, peak_kind = _peak_memory(device, rss)
     metrics.update(
@@ -471,6 +504,7 @@ def _train(
         device_name=_device_name(device),
         torch_threads=torch.get_num_threads(),
         history=history,
+        export=export,
     )
     metrics = {k: metrics.get(k) for k in METRICS_KEYS}
     write_metrics(run_dir, metrics)

@@ -7,7 +7,10 @@ from collections.abc import Callable
 
 import torch
 
-from mptex.render.image import rgb_to_srgb
+# psnr lives with the sRGB conversion (mptex.bake measures with it too); re-exported here.
+from mptex.render.image import psnr
+
+__all__ = ["LR_SCHEDULES", "LOSSES", "lr_schedule", "image_loss", "psnr"]
 
 LR_SCHEDULES = ("exponential", "cosine")
 
@@ -102,22 +105,3 @@ def image_loss(img: torch.Tensor, target: torch.Tensor, loss: str = "logl1") -> 
     if tonemap is not None:
         img, target = tonemap(img), tonemap(target)
     return error(img, target)
-
-
-def psnr(img: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Per-image PSNR in dB as nvdiffrec's ``validate_itr``.
-
-    Both images are linear RGB; each is converted to sRGB and clamped to [0, 1], then
-    ``-10 log10(MSE)`` per image. The MSE is floored at 1e-10 (PSNR <= 100 dB) so that a
-    perfect match stays a finite JSON number.
-
-    Args:
-        img, ref: ``[B, H, W, 3]`` float32 linear RGB.
-
-    Returns:
-        ``[B]`` float32.
-    """
-    a = torch.clamp(rgb_to_srgb(img), 0.0, 1.0)
-    b = torch.clamp(rgb_to_srgb(ref), 0.0, 1.0)
-    mse = ((a - b) ** 2).flatten(1).mean(1)
-    return -10.0 * torch.log10(torch.clamp(mse, min=1e-10))

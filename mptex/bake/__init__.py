@@ -1,0 +1,59 @@
+"""Baking a trained ``MLPTexture3D`` into UV maps and exporting a textured mesh.
+
+* :mod:`~mptex.bake.bake`: :func:`bake_texture` (texel G-buffer, batched evaluation, seam
+  dilation), :func:`dilate`;
+* :mod:`~mptex.bake.unwrap`: xatlas UVs packed at the bake resolution;
+* :mod:`~mptex.bake.export`: OBJ + MTL + PNG and GLB writers, ``export.json``, the bake's
+  measurement (:func:`export_asset`);
+* :mod:`~mptex.bake.cli`: ``mptex-export RUN_DIR``.
+
+Nothing here imports the training loop (``mptex.train`` calls :func:`export_asset` at the end
+of a run with ``export.enabled=true``); only the ``mptex-export`` entry point reads a
+checkpoint through it. ``xatlas`` and ``trimesh`` are imported on first use.
+"""
+
+from mptex.bake.bake import (
+    MAX_RESOLUTION,
+    BakeResult,
+    bake_texture,
+    check_bake_memory,
+    dilate,
+    needs_unwrap,
+    sample_in_chunks,
+    texel_positions,
+    uv_problem,
+)
+from mptex.bake.export import (
+    EXPORT_DEFAULTS,
+    check_export_config,
+    export_asset,
+    measure_bake,
+    preflight_export,
+    write_glb,
+    write_obj_asset,
+    write_texture_images,
+)
+from mptex.bake.unwrap import PACK_DEFAULTS, has_xatlas, unwrap_mesh
+
+__all__ = [
+    "BakeResult",
+    "bake_texture",
+    "dilate",
+    "sample_in_chunks",
+    "uv_problem",
+    "needs_unwrap",
+    "check_bake_memory",
+    "texel_positions",
+    "MAX_RESOLUTION",
+    "has_xatlas",
+    "unwrap_mesh",
+    "PACK_DEFAULTS",
+    "EXPORT_DEFAULTS",
+    "check_export_config",
+    "preflight_export",
+    "export_asset",
+    "measure_bake",
+    "write_texture_images",
+    "write_obj_asset",
+    "write_glb",
+]

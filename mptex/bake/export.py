@@ -1,0 +1,528 @@
+"""Writing a baked texture as an asset (OBJ + MTL + PNG, GLB) and measuring the bake.
+
+:func:`export_asset` is the whole export of a trained texture on its scene, in order: check the
+options (:func:`check_export_config`) and that every writer is usable, bake
+(:func:`~mptex.bake.bake_texture`), write the texture images, ``mesh.obj`` + ``mesh.mtl`` and
+``mesh.glb``, measure (:func:`measure_bake`) and write ``export.json``.
+
+Files (channel layout of the texture, nvdiffrec's split for ``channels=9``):
+
+* ``texture_kd.png``: channels 0:3, albedo, **sRGB** (8-bit; 16-bit PNG with
+  ``kd_format="png16"``; ``.exr`` with ``kd_format="exr"``, which holds linear values);
+* ``texture_ks.png`` (channels >= 6): channels 3:6, **linear**, nvdiffrec's ks (occlusion,
+  roughness, metalness: glTF's metallic-roughness layout), ``map_Ks`` in the MTL;
+* ``texture_n.png`` (channels >= 9): channels 6:9, **linear**, mptex's world-space normal offset
+  (0.5 = unperturbed; see ``mptex.train.shade``), not a tangent-space normal map, so the MTL does
+  not reference it;
+* channels beyond 9 are not written (``export.json`` lists them).
+
+Image row 0 is v = 0 (mptex's, nvdiffrast's and glTF's convention: the top of the image);
+OBJ's ``vt`` counts v from the bottom, so the OBJ gets ``1 - v`` (``load_obj`` flips it back).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import struct
+import tempfile
+import time
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mptex.bake.bake import (
+    BakeResult,
+    bake_texture,
+    check_bake_memory,
+    needs_unwrap,
+    sample_in_chunks,
+)
+from mptex.bake.unwrap import has_xatlas
+from mptex.render.image import psnr, rgb_to_srgb, save_image
+from mptex.render.mesh import Mesh
+from mptex.scenes import Scene, build_scene
+from mptex.texture import MLPTexture3D
+
+__all__ = [
+    "EXPORT_DEFAULTS",
+    "FORMATS",
+    "KD_FORMATS",
+    "check_export_config",
+    "preflight_export",
+    "write_png16",
+    "write_texture_images",
+    "write_obj_asset",
+    "write_glb",
+    "measure_bake",
+    "export_asset",
+]
+
+# Every key of the ``export`` config group (configs/export/default.yaml mirrors this table).
+EXPORT_DEFAULTS: dict[str, Any] = dict(
+    enabled=False,
+    resolution=1024,
+    formats=["obj", "glb"],
+    padding=4,
+    unwrap="auto",
+    kd_format="png8",
+    chunk_size=1 << 18,
+    measure=True,
+    chart_options={},
+    pack_options={},
+)
+FORMATS = ("obj", "glb")
+KD_FORMATS = {"png8": ".png", "png16": ".png", "exr": ".exr"}
+# Channel groups written as images: (name, first channel, is colour (sRGB in 8/16-bit files)).
+_GROUPS = (("kd", 0, True), ("ks", 3, False), ("n", 6, False))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_export_config(cfg: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The ``export`` group with defaults filled in, every key checked.
+
+    Args:
+        cfg: the group (a mapping; None: all defaults). ``formats`` may be a list or a
+            comma-separated string (``"obj,glb"``).
+
+    Returns:
+        a plain dict with every key of :data:`EXPORT_DEFAULTS`.
+
+    Raises:
+        ValueError: ``"export.<key>: ..."`` for an unknown key or a bad value (one line).
+    """
+    cfg = dict(cfg or {})
+    unknown = sorted(set(cfg) - set(EXPORT_DEFAULTS))
+    if unknown:
+        raise ValueError(f"export.{unknown[0]}: unknown key; valid keys: {sorted(EXPORT_DEFAULTS)}")
+    s = {**EXPORT_DEFAULTS, **cfg}
+
+    def need(key: str, ok: bool, what: str) -> None:
+        if not ok:
+            raise ValueError(f"export.{key}: expected {what}, got {s[key]!r}")
+
+    for key in ("enabled", "measure"):
+        need(key, isinstance(s[key], bool), "true or false")
+    need("resolution", _is_int(s["resolution"]) and s["resolution"] >= 2, "an integer >= 2")
+    need("padding", _is_int(s["padding"]) and s["padding"] >= 0, "an integer >= 0")
+    need("chunk_size", _is_int(s["chunk_size"]) and s["chunk_size"] >= 1, "an integer >= 1")
+    need("unwrap", s["unwrap"] in ("auto", "always"), "'auto' or 'always'")
+    need("kd_format", s["kd_format"] in KD_FORMATS, f"one of {list(KD_FORMATS)}")
+    formats = s["formats"]
+    if isinstance(formats, str):
+        formats = [f.strip() for f in formats.split(",") if f.strip()]
+    valid = isinstance(formats, (list, tuple)) and formats and all(f in FORMATS for f in formats)
+    need("formats", bool(valid), f"a non-empty list of {list(FORMATS)}")
+    s["formats"] = list(dict.fromkeys(formats))
+    for key in ("chart_options", "pack_options"):
+        need(key, isinstance(s[key], Mapping), "a mapping of xatlas option names to values")
+        s[key] = dict(s[key])
+    return s
+
+
+def _import_trimesh():
+    try:
+        return importlib.import_module("trimesh")
+    except ImportError:
+        return None
+
+
+def preflight_export(
+    options: Mapping[str, Any] | None,
+    mesh: Mesh,
+    channels: int,
+    device: torch.device | str,
+    directory: str | os.PathLike,
+) -> dict[str, Any]:
+    """Everything that can stop an export, checked before any work (the bake, or the run).
+
+    Checks the options (:func:`check_export_config`), the writers (trimesh for ``"glb"``, an
+    EXR plugin for ``kd_format="exr"``), the memory of the resolution
+    (:func:`~mptex.bake.check_bake_memory`) and, when the mesh needs new UVs
+    (:func:`~mptex.bake.needs_unwrap`), xatlas.
+
+    Returns:
+        the checked options (plain dict), with ``unwrap_reason`` (None: the mesh's UVs are kept).
+
+    Raises:
+        ValueError: ``"export.<key>: ..."`` or ``"resolution: ..."``, one line.
+        RuntimeError: a library the export needs is not installed, one line.
+    """
+    options = check_export_config(options)
+    if "glb" in options["formats"] and _import_trimesh() is None:
+        raise RuntimeError("export.formats: 'glb' needs trimesh, which is not installed "
+                           "(pip install trimesh, or formats=obj)")  # fmt: skip
+    if options["kd_format"] == "exr":
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            try:
+                save_image(Path(tmp) / "probe.exr", torch.zeros(1, 1, 3))
+            except RuntimeError as exc:
+                raise RuntimeError(f"export.kd_format: {' '.join(str(exc).split())}") from None
+    try:
+        check_bake_memory(options["resolution"], channels, device)
+    except ValueError as exc:
+        raise ValueError(f"export.{exc}") from None
+    reason = needs_unwrap(mesh.to(device), options["unwrap"])
+    if reason is not None and not has_xatlas():
+        raise RuntimeError(
+            f"mesh: {reason}; new UVs need xatlas, which is not installed (pip install xatlas)"
+        )
+    return {**options, "unwrap_reason": reason}
+
+
+# ---------------------------------------------------------------------------------------------
+# Images
+# ---------------------------------------------------------------------------------------------
+
+
+def write_png16(path: str | os.PathLike, image: torch.Tensor) -> None:
+    """Write a 16-bit RGB PNG (Pillow writes no 16-bit colour PNG, so it is encoded here).
+
+    Args:
+        path: destination.
+        image: [H, W, 3] float in [0, 1] (clamped), stored as ``round(x * 65535)``, row 0 first.
+    """
+    data = (image.detach().float().cpu().clamp(0, 1) * 65535 + 0.5).to(torch.int32).numpy()
+    height, width, channels = data.shape
+    if channels != 3:
+        raise ValueError(f"image: expected [H, W, 3], received {list(image.shape)}")
+    rows = data.astype(">u2").reshape(height, width * 3)
+    # Every scanline starts with filter type 0 (none).
+    raw = np.concatenate([np.zeros((height, 1), np.uint8), rows.view(np.uint8)], axis=1)
+
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        body = kind + payload
+        return struct.pack(">I", len(payload)) + body + struct.pack(">I", zlib.crc32(body))
+
+    header = struct.pack(">IIBBBBB", width, height, 16, 2, 0, 0, 0)  # 16-bit, RGB
+    Path(path).write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(raw.tobytes(), 6)) + chunk(b"IEND", b"")
+    )  # fmt: skip
+
+
+def write_texture_images(
+    directory: Path, texture: torch.Tensor, kd_format: str = "png8"
+) -> dict[str, str]:
+    """Write the channel groups of a baked texture (layout in the module docstring).
+
+    Args:
+        directory: output folder.
+        texture: [N, N, C] float32, row 0 = v = 0.
+        kd_format: ``"png8"``, ``"png16"`` or ``"exr"`` (every group gets that format).
+
+    Returns:
+        ``{"kd": "texture_kd.png", ...}``, the files written (names relative to ``directory``).
+    """
+    suffix = KD_FORMATS[kd_format]
+    written = {}
+    for name, first, colour in _GROUPS:
+        if texture.shape[-1] < first + 3:
+            break
+        values = texture[..., first : first + 3].cpu()
+        file_name = f"texture_{name}{suffix}"
+        if kd_format == "exr":
+            save_image(directory / file_name, values)  # float files hold linear values
+        elif kd_format == "png16":
+            write_png16(directory / file_name, rgb_to_srgb(values) if colour else values)
+        else:
+            save_image(directory / file_name, values, to_srgb=colour)
+        written[name] = file_name
+    return written
+
+
+# ---------------------------------------------------------------------------------------------
+# Meshes
+# ---------------------------------------------------------------------------------------------
+
+
+def _rows(prefix: str, values: np.ndarray) -> str:
+    # 9 significant digits reproduce a float32 exactly.
+    fmt = " ".join(["%.9g"] * values.shape[1])
+    return "".join(f"{prefix} {fmt % tuple(row)}\n" for row in values.tolist())
+
+
+def write_obj_asset(directory: Path, mesh: Mesh, images: Mapping[str, str]) -> dict[str, str]:
+    """Write ``mesh.obj`` and ``mesh.mtl`` (one material, ``map_Kd`` and ``map_Ks``).
+
+    Args:
+        directory: output folder (the images are already there).
+        mesh: positions, normals and the baked UVs (``v_tex``: v = 0 is image row 0; written
+            as ``vt u 1-v``).
+        images: the written image names (:func:`write_texture_images`).
+
+    Returns:
+        ``{"obj": "mesh.obj", "mtl": "mesh.mtl"}``.
+    """
+    mtl = ["# mptex baked texture", "newmtl baked", "Ka 0 0 0", "Kd 1 1 1", "Ks 0 0 0",
+           f"map_Kd {images['kd']}"]  # fmt: skip
+    if "ks" in images:
+        mtl.append(f"map_Ks {images['ks']}")
+    (directory / "mesh.mtl").write_text("\n".join(mtl) + "\n")
+    uv = mesh.v_tex.detach().cpu().double().numpy()
+    uv = np.stack([uv[:, 0], 1.0 - uv[:, 1]], axis=1)
+    corners = [mesh.t_pos_idx, mesh.t_tex_idx]
+    has_normals = mesh.v_nrm is not None and mesh.t_nrm_idx is not None
+    if has_normals:
+        corners.append(mesh.t_nrm_idx)
+    index = torch.stack([c.long().cpu() for c in corners], dim=-1).numpy() + 1  # [T, 3, k]
+    corner = "/".join(["%d"] * index.shape[-1])
+    face = f"f {corner} {corner} {corner}\n"
+    parts = [
+        "# mptex baked texture\nmtllib mesh.mtl\n",
+        _rows("v", mesh.v_pos.detach().cpu().double().numpy()),
+        _rows("vt", uv),
+        _rows("vn", mesh.v_nrm.detach().cpu().double().numpy()) if has_normals else "",
+        "usemtl baked\n",
+        "".join(face % tuple(f) for f in index.reshape(index.shape[0], -1).tolist()),
+    ]
+    (directory / "mesh.obj").write_text("".join(parts))
+    return {"obj": "mesh.obj", "mtl": "mesh.mtl"}
+
+
+def _split_at_seams(mesh: Mesh) -> tuple[torch.Tensor, ...]:
+    """One vertex per distinct (position, UV, normal) corner, as glTF needs.
+
+    Returns:
+        (positions [V', 3], uvs [V', 2], normals [V', 3] or None, faces [T, 3] int64).
+    """
+    corners = [mesh.t_pos_idx, mesh.t_tex_idx]
+    has_normals = mesh.v_nrm is not None and mesh.t_nrm_idx is not None
+    if has_normals:
+        corners.append(mesh.t_nrm_idx)
+    keys = torch.stack([c.long().cpu() for c in corners], dim=-1).reshape(-1, len(corners))
+    unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    positions = mesh.v_pos.detach().cpu()[unique[:, 0]]
+    uvs = mesh.v_tex.detach().cpu()[unique[:, 1]]
+    normals = mesh.v_nrm.detach().cpu()[unique[:, 2]] if has_normals else None
+    return positions, uvs, normals, inverse.reshape(-1, 3)
+
+
+def write_glb(path: str | os.PathLike, mesh: Mesh, kd: torch.Tensor) -> dict[str, int]:
+    """Write a binary glTF with the baked albedo as its sRGB base-colour texture (trimesh).
+
+    Vertices are split where a position has several UVs or normals (glTF indexes one
+    attribute set per vertex). The base colour is stored as an 8-bit sRGB PNG inside the file,
+    as glTF requires (``baseColorTexture`` is sRGB-encoded); metallic 0, roughness 1.
+
+    Args:
+        path: the ``.glb`` file.
+        mesh: mesh with the baked UVs.
+        kd: [N, N, 3] float32 linear albedo in [0, 1], row 0 = v = 0.
+
+    Returns:
+        ``{"vertices": V', "faces": T}`` of the written mesh.
+    """
+    trimesh = _import_trimesh()
+    if trimesh is None:
+        raise RuntimeError("export.formats: 'glb' needs trimesh (pip install trimesh)")
+    from PIL import Image
+
+    positions, uvs, normals, faces = _split_at_seams(mesh)
+    srgb = (rgb_to_srgb(kd.detach().float().cpu()).clamp(0, 1) * 255 + 0.5).to(torch.uint8)
+    material = trimesh.visual.material.PBRMaterial(
+        baseColorTexture=Image.fromarray(srgb.numpy()), metallicFactor=0.0, roughnessFactor=1.0
+    )
+    # trimesh keeps UVs with v up (OBJ's convention) and flips them into glTF's v down on export.
+    uv_up = torch.stack([uvs[:, 0], 1 - uvs[:, 1]], dim=-1).numpy()
+    visual = trimesh.visual.TextureVisuals(uv=uv_up, material=material)
+    tm = trimesh.Trimesh(
+        vertices=positions.numpy(), faces=faces.numpy(),
+        vertex_normals=None if normals is None else normals.numpy(), visual=visual, process=False,
+    )  # fmt: skip
+    Path(path).write_bytes(tm.export(file_type="glb"))
+    return {"vertices": int(positions.shape[0]), "faces": int(faces.shape[0])}
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement
+# ---------------------------------------------------------------------------------------------
+
+
+def _over(rgba: torch.Tensor, background: float) -> torch.Tensor:
+    """[B, H, W, 4] over a constant background -> [B, H, W, 3] (nvdiffrec's composite)."""
+    return background + (rgba[..., :3] - background) * rgba[..., 3:4]
+
+
+@torch.no_grad()
+def measure_bake(
+    texture: MLPTexture3D,
+    scene: Scene,
+    obj_path: str | os.PathLike,
+    scene_cfg: Mapping[str, Any],
+    background: str = "white",
+    chunk_size: int = 1 << 18,
+) -> dict[str, Any]:
+    """Render the validation views with the exported OBJ and with the neural texture; compare.
+
+    The OBJ is re-read from disk by the mesh scene (``build_scene({"name": "mesh", "path":
+    obj_path, "normalize": False, ...})`` with the run's cameras), so its reference path (UVs
+    interpolated, ``map_Kd`` decoded from sRGB, bilinear wrap lookups) renders exactly what the
+    files hold. Both sides show the albedo (texture channels 0:3, unshaded) over the validation
+    background; PSNR is nvdiffrec's (sRGB, clamp, per image, mean over the views).
+
+    Args:
+        texture: the neural texture.
+        scene: the run's scene (its validation views and reference images).
+        obj_path: the exported ``mesh.obj``.
+        scene_cfg: the run's scene config (cameras: resolution, views, radius, fov, seed).
+        background: ``"white"`` or ``"black"``.
+        chunk_size: points per ``texture.sample`` call.
+
+    Returns:
+        ``psnr_baked_vs_neural``, ``psnr_baked_vs_reference``, ``psnr_neural_vs_reference``
+        (dB, mean over views), ``psnr_baked_vs_neural_per_image``, ``world_units_per_pixel``
+        (median distance between the surface points of neighbouring pixels) and ``n_views``.
+    """
+    if scene_cfg.get("name") not in ("builtin", "mesh"):
+        raise ValueError(
+            f"scene.name: the bake is measured on builtin and mesh scenes (their cameras are "
+            f"rebuilt from the config), not {scene_cfg.get('name')!r}"
+        )
+    level = 1.0 if background == "white" else 0.0
+    views = scene.val_views()
+    camera_keys = ("resolution", "n_val_views", "cam_radius", "fovy_deg", "near", "far", "seed",
+                   "raster_backend")  # fmt: skip
+    cameras = {k: scene_cfg[k] for k in camera_keys if k in scene_cfg}
+    if isinstance(cameras.get("resolution"), tuple):
+        cameras["resolution"] = list(cameras["resolution"])
+    baked_scene = build_scene({"name": "mesh", "path": str(obj_path), "normalize": False,
+                               "n_train_views": 1, **cameras}, scene.device)  # fmt: skip
+    baked_views = baked_scene.val_views()
+    points = views.position[views.mask]
+    kd = sample_in_chunks(texture, points, chunk_size)[..., :3]
+    neural_rgb = torch.zeros_like(views.position).index_put((views.mask,), kd)
+    alpha = views.mask.unsqueeze(-1).float()
+    neural = _over(torch.cat([neural_rgb, alpha], -1), level)
+    baked = _over(baked_views.rgba, level)
+    reference = _over(views.rgba, level)
+    per_image = psnr(baked, neural)
+    step = (views.position[:, :, 1:] - views.position[:, :, :-1]).norm(dim=-1)
+    both = views.mask[:, :, 1:] & views.mask[:, :, :-1]
+    return dict(
+        psnr_baked_vs_neural=float(per_image.mean()),
+        psnr_baked_vs_reference=float(psnr(baked, reference).mean()),
+        psnr_neural_vs_reference=float(psnr(neural, reference).mean()),
+        psnr_baked_vs_neural_per_image=[float(v) for v in per_image.cpu()],
+        world_units_per_pixel=float(step[both].median()) if bool(both.any()) else None,
+        n_views=int(views.mask.shape[0]),
+        background=background,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The export
+# ---------------------------------------------------------------------------------------------
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def export_asset(
+    texture: MLPTexture3D,
+    scene: Scene,
+    out_dir: str | os.PathLike,
+    options: Mapping[str, Any] | None = None,
+    scene_cfg: Mapping[str, Any] | None = None,
+    background: str = "white",
+) -> dict[str, Any]:
+    """Bake ``texture`` on ``scene``'s mesh, write the asset files and ``export.json``.
+
+    Order: :func:`preflight_export` (options, writers, memory, xatlas when needed), bake,
+    images, OBJ/MTL, GLB, measurement (when ``options["measure"]`` and the scene is builtin or
+    mesh), ``export.json``.
+    The mesh is written in the scene's world frame (a mesh scene's ``normalize`` applied), the
+    frame of the texture and of the cameras.
+
+    Args:
+        texture: the trained neural texture.
+        scene: the scene it was trained on.
+        out_dir: output folder (created).
+        options: the ``export`` group (:data:`EXPORT_DEFAULTS`; ``enabled`` is ignored here).
+        scene_cfg: the run's scene config (for the measurement's cameras); None: no measurement.
+        background: validation background of the measurement (the run's ``val_background``).
+
+    Returns:
+        the ``export.json`` contents: ``files``, ``resolution``, ``channels``, ``layout``,
+        ``uv_source``, ``unwrap_reason``, the bake's ``stats`` (``coverage``,
+        ``texels_per_unit``, times, ...), ``texels_per_pixel``, the measurement's PSNRs (or
+        ``measure_skipped`` with the reason), ``glb`` vertex and face counts.
+
+    Raises:
+        ValueError: ``"export.<key>: ..."`` / ``"resolution: ..."`` (one line) before any work.
+        RuntimeError: a writer or xatlas is needed but not installed (one line).
+    """
+    out = Path(out_dir)
+    checked = preflight_export(options, scene.mesh, texture.channels, texture.AABB.device, out)
+    options = {k: v for k, v in checked.items() if k in EXPORT_DEFAULTS}
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    result: BakeResult = bake_texture(
+        texture, scene.mesh, options["resolution"], padding=options["padding"],
+        unwrap=options["unwrap"], chart_options=options["chart_options"],
+        pack_options=options["pack_options"], chunk_size=options["chunk_size"],
+    )  # fmt: skip
+    tick = time.perf_counter()
+    files = write_texture_images(out, result.texture, options["kd_format"])
+    images = dict(files)
+    glb = None
+    # The measurement re-reads the OBJ: it is written whenever the bake is measured.
+    if "obj" in options["formats"] or options["measure"]:
+        files.update(write_obj_asset(out, result.mesh, images))
+    if "glb" in options["formats"]:
+        glb = write_glb(out / "mesh.glb", result.mesh, result.texture[..., :3])
+        files["glb"] = "mesh.glb"
+    write_time = time.perf_counter() - tick
+    channels = result.texture.shape[-1]
+    summary: dict[str, Any] = dict(
+        files=files,
+        channels=channels,
+        layout={name: [first, first + 3] for name, first, _ in _GROUPS if name in images},
+        channels_not_written=list(range(3 * len(images), channels)),
+        kd_encoding="linear float (EXR)" if options["kd_format"] == "exr" else "sRGB",
+        uv_source=result.uv_source,
+        unwrap_reason=result.unwrap_reason,
+        xatlas_available=has_xatlas(),
+        **result.stats,
+        write_time_s=write_time,
+        glb=glb,
+        options=options,
+    )
+    if options["measure"] and scene_cfg is not None:
+        tick = time.perf_counter()
+        try:
+            measured = measure_bake(texture, scene, out / "mesh.obj", scene_cfg, background,
+                                    options["chunk_size"])  # fmt: skip
+        except ValueError as exc:
+            summary["measure_skipped"] = str(exc)
+        else:
+            summary.update(measured)
+            if measured["world_units_per_pixel"] and summary["texels_per_unit"]:
+                summary["texels_per_pixel"] = (
+                    summary["texels_per_unit"] * measured["world_units_per_pixel"]
+                )
+            summary["measure_time_s"] = time.perf_counter() - tick
+    else:
+        summary["measure_skipped"] = "export.measure=false" if not options["measure"] else (
+            "no scene config")  # fmt: skip
+    summary["export_time_s"] = time.perf_counter() - start
+    text = json.dumps(_json_safe(summary), indent=2, allow_nan=False) + "\n"
+    (out / "export.json").write_text(text)
+    return summary

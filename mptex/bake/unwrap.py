@@ -1,0 +1,126 @@
+"""UV unwrapping with xatlas (charts, then one atlas packed at the bake resolution).
+
+xatlas is imported lazily (``import mptex.bake`` does not need it); :func:`has_xatlas` says
+whether it is importable and :func:`unwrap_mesh` raises a one-line ``RuntimeError`` without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from mptex.render.mesh import Mesh
+
+__all__ = ["has_xatlas", "unwrap_mesh", "PACK_DEFAULTS"]
+
+# Packing defaults: 2 texels of padding between charts, and room for bilinear filtering.
+PACK_DEFAULTS: dict[str, Any] = {"padding": 2, "bilinear": True}
+# Set by unwrap_mesh itself: the atlas is packed at exactly the bake resolution.
+_PACK_RESERVED = ("resolution", "texels_per_unit", "create_image")
+# Shrinking steps of texels_per_unit until all charts fit one N x N atlas.
+_MAX_PACK_TRIES = 12
+
+
+def _import_xatlas():
+    try:
+        return importlib.import_module("xatlas")
+    except ImportError:
+        return None
+
+
+def has_xatlas() -> bool:
+    """True when the ``xatlas`` package imports."""
+    return _import_xatlas() is not None
+
+
+def _options(xatlas_cls, given: dict[str, Any] | None, defaults: dict[str, Any], arg: str):
+    options = xatlas_cls()
+    for name, value in {**defaults, **(given or {})}.items():
+        if name in _PACK_RESERVED and arg == "pack_options":
+            raise ValueError(f"{arg}.{name}: set by the bake (the atlas is the bake resolution)")
+        if name.startswith("_") or not hasattr(options, name):
+            valid = sorted(n for n in dir(options) if not n.startswith("_"))
+            raise ValueError(f"{arg}.{name}: unknown xatlas option; valid: {valid}")
+        try:
+            setattr(options, name, value)
+        except TypeError as exc:
+            raise ValueError(f"{arg}.{name}: {exc}".splitlines()[0]) from None
+    return options
+
+
+def unwrap_mesh(
+    mesh: Mesh,
+    resolution: int,
+    chart_options: dict[str, Any] | None = None,
+    pack_options: dict[str, Any] | None = None,
+    why: str = "",
+) -> Mesh:
+    """A copy of ``mesh`` with xatlas UVs packed into one ``resolution`` x ``resolution`` atlas.
+
+    xatlas cuts the surface into charts, parameterises them and packs them. Its packer leaves
+    ``pack_options["padding"]`` texels (default 2) between charts only at the resolution it
+    packed for, so the atlas is packed at the bake resolution: a first pack estimates the
+    texel scale, then ``texels_per_unit`` shrinks until every chart fits one N x N atlas.
+
+    Args:
+        mesh: triangle mesh (positions and ``t_pos_idx``; its UVs are ignored).
+        resolution: N of the atlas the texture is baked into.
+        chart_options: ``xatlas.ChartOptions`` attributes (e.g. ``max_iterations``,
+            ``max_cost``, ``normal_seam_weight``).
+        pack_options: ``xatlas.PackOptions`` attributes (defaults :data:`PACK_DEFAULTS`;
+            ``resolution`` and ``texels_per_unit`` are set here).
+        why: the reason for unwrapping, for the error message when xatlas is missing.
+
+    Returns:
+        a ``Mesh`` with ``v_tex`` [V', 2] float32 in [0, 1] (v = 0 is texel row 0) and
+        ``t_tex_idx`` [T, 3] int32 (one UV vertex per xatlas vertex: vertices are split at chart
+        seams); positions, normals and materials are the input's, triangles in the same order.
+
+    Raises:
+        RuntimeError: xatlas is not installed (``pip install xatlas``).
+        ValueError: an unknown option (``chart_options.<name>``), or no packing fits.
+    """
+    xatlas = _import_xatlas()
+    if xatlas is None:
+        because = f"{why}; " if why else ""
+        raise RuntimeError(
+            f"mesh: {because}new UVs need xatlas, which is not installed (pip install xatlas)"
+        )
+    chart = _options(xatlas.ChartOptions, chart_options, {}, "chart_options")
+    positions = mesh.v_pos.detach().cpu().numpy().astype(np.float32)
+    indices = mesh.t_pos_idx.detach().cpu().numpy().astype(np.uint32)
+    atlas = xatlas.Atlas()
+    atlas.add_mesh(positions, indices)
+
+    def pack(texels_per_unit: float, size: int):
+        options = _options(xatlas.PackOptions, pack_options, PACK_DEFAULTS, "pack_options")
+        options.resolution, options.texels_per_unit = size, texels_per_unit
+        atlas.generate(chart, options)
+
+    # Resolution 0 with no scale: xatlas estimates the scale of one atlas of about 1024^2.
+    pack(0.0, 0)
+    scale = atlas.texels_per_unit * resolution / max(atlas.width, atlas.height)
+    for _ in range(_MAX_PACK_TRIES):
+        pack(scale, resolution)
+        if atlas.atlas_count == 1 and max(atlas.width, atlas.height) <= resolution:
+            break
+        scale *= 0.9
+    else:
+        raise ValueError(
+            f"resolution: xatlas cannot pack the mesh's charts into one {resolution}^2 atlas"
+        )
+    vmapping, faces, uvs = atlas[0]
+    # xatlas normalises UVs by the atlas size; keep texel units of the N x N grid.
+    uvs = uvs * np.array([atlas.width, atlas.height], dtype=np.float32) / resolution
+    if not np.array_equal(vmapping[faces], indices):
+        raise ValueError("mesh: xatlas reordered the triangles; cannot map its UVs back")
+    device = mesh.v_pos.device
+    return replace(
+        mesh,
+        v_tex=torch.from_numpy(uvs.astype(np.float32)).to(device),
+        t_tex_idx=torch.from_numpy(faces.astype(np.int32)).to(device),
+    )

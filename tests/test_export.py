@@ -1,0 +1,253 @@
+"""mptex.bake.export and mptex-export: files, orientation, sRGB, GLB, measurement, CLI errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import mptex
+from mptex.bake import bake_texture
+from mptex.bake.cli import export_main
+from mptex.bake.export import (
+    check_export_config,
+    write_glb,
+    write_obj_asset,
+    write_png16,
+    write_texture_images,
+)
+from mptex.cli import CONFIG_DIR
+from mptex.render import Mesh, load_image, load_obj, texture, write_obj
+from mptex.scenes.builtin import torus_knot
+from mptex.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["train=tiny", "texture=tiny", "scene.resolution=32", "scene.n_train_views=4",
+        "scene.n_val_views=2", "train.iterations=10"]  # fmt: skip
+SMALL_KNOT = ["scene.tubular_segments=48", "scene.radial_segments=8"]
+
+
+class GradientTexture(mptex.MLPTexture3D):
+    """An asymmetric, known texture: red grows with world y (up), green with world x."""
+
+    def sample(self, texc: torch.Tensor) -> torch.Tensor:
+        red = (texc[..., 1] + 1) / 2
+        green = (texc[..., 0] + 1) / 2
+        return torch.stack([red, green, 1 - red], dim=-1).clamp(0, 1)
+
+
+def quad_mesh() -> Mesh:
+    """A unit quad in the z = 0 plane, UVs in OBJ's convention turned into mptex's: world top
+    (y = +1) at OBJ v = 1, i.e. mptex v = 0, texture row 0 (the top of the image)."""
+    pos = torch.tensor([[-1.0, -1, 0], [1, -1, 0], [1, 1, 0.1], [-1, 1, 0.1]])
+    obj_uv = torch.tensor([[0.0, 0], [1, 0], [1, 1], [0, 1]])
+    uv = torch.stack([obj_uv[:, 0], 1 - obj_uv[:, 1]], -1)
+    faces = torch.tensor([[0, 1, 2], [0, 2, 3]], dtype=torch.int32)
+    return Mesh(v_pos=pos, t_pos_idx=faces, v_tex=uv, t_tex_idx=faces.clone())
+
+
+def gradient_texture(mesh: Mesh) -> GradientTexture:
+    grid = {"otype": "HashGrid", "n_levels": 1, "log2_hashmap_size": 8}
+    return GradientTexture(mesh.aabb, precision="f32", internal_dims=8, hidden=1, encoder=grid)
+
+
+# ----------------------------------------------------------------------------- images
+def test_srgb_bytes_of_known_linear_values(tmp_path):
+    # sRGB 0, 0.735357 (187.97 / 255), 1, 0.502648 (128.18 / 255); linear 0.2165: 55.21 / 255
+    values = torch.tensor([0.0, 0.5, 1.0, 0.2165])
+    image = torch.zeros(1, 4, 6)
+    image[0, :, 0:3] = values[:, None]
+    image[0, :, 3:6] = values[:, None]
+    files = write_texture_images(tmp_path, image, "png8")
+    assert files == {"kd": "texture_kd.png", "ks": "texture_ks.png"}
+    kd = np.asarray(load_image(tmp_path / "texture_kd.png") * 255).round()
+    ks = np.asarray(load_image(tmp_path / "texture_ks.png") * 255).round()
+    assert kd[0, :, 0].tolist() == [0, 188, 255, 128]  # colour: sRGB-encoded
+    assert ks[0, :, 0].tolist() == [0, 128, 255, 55]  # ks: linear
+
+
+def test_png16_is_a_valid_png_with_srgb_words(tmp_path):
+    from PIL import Image
+
+    image = torch.tensor([[[0.0, 0.5, 1.0]]]).expand(2, 3, 3)
+    write_texture_images(tmp_path, image, "png16")
+    data = (tmp_path / "texture_kd.png").read_bytes()
+    with Image.open(tmp_path / "texture_kd.png") as png:
+        assert png.size == (3, 2)
+    # One IDAT: the filter byte then big-endian 16-bit R, G, B per pixel.
+    start = data.index(b"IDAT") + 4
+    length = int.from_bytes(data[start - 8 : start - 4], "big")
+    raw = np.frombuffer(zlib.decompress(data[start : start + length]), np.uint8).reshape(2, -1)
+    words = raw[:, 1:].copy().view(">u2").reshape(2, 3, 3)
+    assert words[0, 0].tolist() == [0, round(0.7353569830524495 * 65535), 65535]
+    write_png16(tmp_path / "x.png", torch.zeros(2, 2, 3))
+    with pytest.raises(ValueError, match="^image"):
+        write_png16(tmp_path / "y.png", torch.zeros(2, 2, 4))
+
+
+# ----------------------------------------------------------------------------- orientation
+def test_top_stays_top_in_png_obj_and_glb(tmp_path):
+    mesh = quad_mesh()
+    result = bake_texture(gradient_texture(mesh), mesh, 16, backend="torch")
+    assert result.uv_source == "mesh"
+    images = write_texture_images(tmp_path, result.texture)
+    write_obj_asset(tmp_path, result.mesh, images)
+    png = load_image(tmp_path / "texture_kd.png", to_linear=True)
+    # Image row 0 (the top of the picture) is the top of the quad: red; the bottom is blue.
+    assert float(png[0, :, 0].mean()) > 0.9 and float(png[-1, :, 2].mean()) > 0.9
+    assert float(png[:, 0, 1].mean()) < 0.1 and float(png[:, -1, 1].mean()) > 0.9
+    obj_text = (tmp_path / "mesh.obj").read_text().splitlines()
+    assert "vt 0 1" in obj_text  # the top-left corner: OBJ counts v from the bottom
+    loaded = load_obj(tmp_path / "mesh.obj")
+    # The re-loaded texture at re-loaded UVs gives the colour of the same surface point (near
+    # each corner; at the corner itself the wrap sampler blends in the opposite border).
+    near_corner = torch.full((3, 3), 0.05).fill_diagonal_(0.9)
+    uv = near_corner @ loaded.v_tex[loaded.t_tex_idx.long()]  # [T, 3, 2]
+    pos = near_corner @ loaded.v_pos[loaded.t_pos_idx.long()]
+    got = texture(loaded.kd_texture[None], uv.reshape(1, 1, -1, 2), backend="torch")[0, 0]
+    assert float((got - GradientTexture.sample(None, pos.reshape(-1, 3))).abs().max()) < 0.03
+
+    pytest.importorskip("trimesh", reason="GLB export needs trimesh")
+    import trimesh
+
+    write_glb(tmp_path / "mesh.glb", result.mesh, result.texture[..., :3])
+    scene = trimesh.load(tmp_path / "mesh.glb")
+    glb = next(iter(scene.geometry.values())) if hasattr(scene, "geometry") else scene
+    base = np.asarray(glb.visual.material.baseColorTexture.convert("RGB"), dtype=np.float32)
+    assert base.shape == (16, 16, 3)
+    # trimesh hands back glTF UVs with v up; the top vertex (y = +1) must look up a red texel.
+    for vertex, uv in zip(glb.vertices, glb.visual.uv):
+        row = min(int((1 - uv[1]) * 16), 15)
+        column = min(int(uv[0] * 16), 15)
+        red = base[row, column, 0] / 255
+        assert (red > 0.8) == (vertex[1] > 0), (vertex, uv, red)
+
+
+@pytest.mark.requires_xatlas
+def test_xatlas_bake_reloads_with_the_right_orientation(tmp_path):
+    mesh = dataclasses.replace(torus_knot(24, 6), v_tex=None, t_tex_idx=None)
+    result = bake_texture(gradient_texture(mesh), mesh, 128, backend="torch")
+    write_obj_asset(tmp_path, result.mesh, write_texture_images(tmp_path, result.texture))
+    loaded = load_obj(tmp_path / "mesh.obj")
+    # Sample at triangle centroids (inside the charts, away from their seams).
+    tri_uv = loaded.v_tex[loaded.t_tex_idx.long()].mean(1)
+    tri_pos = loaded.v_pos[loaded.t_pos_idx.long()].mean(1)
+    got = texture(loaded.kd_texture[None], tri_uv[None, None], backend="torch")[0, 0]
+    assert float((got - GradientTexture.sample(None, tri_pos)).abs().max()) < 0.05
+
+
+# ----------------------------------------------------------------------------- config
+def test_export_config_errors_name_the_key():
+    assert check_export_config(None)["formats"] == ["obj", "glb"]
+    assert check_export_config({"formats": "glb,obj"})["formats"] == ["glb", "obj"]
+    cases = [({"foo": 1}, "foo"), ({"resolution": 1.5}, "resolution"),
+             ({"formats": ["fbx"]}, "formats"), ({"enabled": "yes"}, "enabled"),
+             ({"kd_format": "jpg"}, "kd_format"), ({"padding": -1}, "padding")]  # fmt: skip
+    for bad, key in cases:
+        with pytest.raises(ValueError, match=f"^export.{key}: "):
+            check_export_config(bad)
+
+
+# ----------------------------------------------------------------------------- runs and CLI
+def _train(run_dir: Path, *overrides: str) -> Path:
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[*TINY, *overrides])
+    train(cfg, run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def builtin_run(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("builtin_run"), *SMALL_KNOT)
+
+
+@pytest.fixture(scope="module")
+def mesh_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mesh_run")
+    knot = torus_knot(48, 8)
+    write_obj(folder / "knot.obj", dataclasses.replace(knot, kd=torch.tensor([0.8, 0.3, 0.1])))
+    return _train(folder / "run", "scene=mesh", f"scene.path={folder / 'knot.obj'}")
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mptex-export: error: "), err
+    return err
+
+
+@pytest.mark.requires_xatlas
+@pytest.mark.requires_trimesh
+@pytest.mark.parametrize("run", ["builtin_run", "mesh_run"])
+def test_mptex_export_writes_obj_mtl_png_glb_and_measures(run, request, tmp_path):
+    import trimesh
+
+    run_dir = request.getfixturevalue(run)
+    out = tmp_path / "asset"
+    assert export_main([str(run_dir), "--out", str(out), "--resolution", "128"]) == 0
+    for name in ("mesh.obj", "mesh.mtl", "texture_kd.png", "mesh.glb", "export.json"):
+        assert (out / name).is_file(), name
+    summary = json.loads((out / "export.json").read_text())
+    assert summary["resolution"] == 128 and summary["uv_source"] == "xatlas"
+    assert "overlap" in summary["unwrap_reason"]  # the knot's UVs wrap around the tube
+    assert 0 < summary["coverage"] < summary["filled_fraction"] <= 1
+    assert summary["texels_per_unit"] > 0 and summary["texels_per_pixel"] > 0
+    # Even this small atlas reproduces the tiny run's smooth texture closely.
+    assert summary["psnr_baked_vs_neural"] > 30
+    assert abs(summary["psnr_baked_vs_reference"] - summary["psnr_neural_vs_reference"]) < 2
+    loaded = load_obj(out / "mesh.obj")
+    assert loaded.kd_texture.shape == (128, 128, 3)
+    glb = trimesh.load(out / "mesh.glb")
+    geometry = next(iter(glb.geometry.values()))
+    assert geometry.visual.material.baseColorTexture.size == (128, 128)
+    assert len(geometry.vertices) == summary["glb"]["vertices"] >= loaded.v_pos.shape[0]
+
+
+def test_mptex_export_without_checkpoint_is_one_line(tmp_path, capsys):
+    assert export_main([str(tmp_path)]) == 2
+    assert "no checkpoint.pt" in _one_line_error(capsys)
+
+
+def test_mptex_export_without_xatlas_is_one_line(builtin_run, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "xatlas", None)
+    assert export_main([str(builtin_run), "--out", str(tmp_path), "--resolution", "64"]) == 2
+    err = _one_line_error(capsys)
+    assert "overlap" in err and "pip install xatlas" in err
+
+
+def test_mptex_export_resolution_beyond_memory_is_one_line(builtin_run, tmp_path, monkeypatch,
+                                                            capsys):  # fmt: skip
+    import mptex.bake.bake as bake_module
+
+    monkeypatch.setattr(bake_module, "_available_memory", lambda device: 1 << 20)
+    assert export_main([str(builtin_run), "--out", str(tmp_path), "--resolution", "512"]) == 2
+    assert "export.resolution: a 512x512 bake" in _one_line_error(capsys)
+    assert not (tmp_path / "export.json").exists()
+
+
+@pytest.mark.requires_xatlas
+@pytest.mark.requires_trimesh
+def test_mptex_train_exports_at_the_end_of_a_run(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "mptex.cli", f"hydra.run.dir={tmp_path}", *TINY, *SMALL_KNOT,
+           "export.enabled=true", "export.resolution=64", "export.formats=[obj]"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["export"]["dir"] == "export" and metrics["export"]["resolution"] == 64
+    assert metrics["export"]["psnr_baked_vs_neural"] > 25
+    assert (tmp_path / "export" / "mesh.obj").is_file()
+    assert not (tmp_path / "export" / "mesh.glb").exists()
+    # A bad export key stops the run at start with one line naming it.
+    bad = subprocess.run(cmd[:-3] + ["+export.colour=1"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1].startswith("mptex-train: error: export.colour:")

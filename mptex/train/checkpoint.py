@@ -36,7 +36,8 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 class DiskFullError(OSError):
     """A write that found no space (ENOSPC) or no quota (EDQUOT) left:
-    ``"<path>: no space left on device (ENOSPC); <path> is unchanged"`` (one line)."""
+    ``"<path>: no space left on device (ENOSPC); <path> is unchanged"`` (one line);
+    ``filename`` is the file that could not be written."""
 
     def __str__(self) -> str:
         return str(self.strerror)  # OSError's would prefix "[Errno 28] "
@@ -100,11 +101,9 @@ def atomic_write_bytes(path: str | os.PathLike, write: Callable[[Any], None]) ->
         if tmp is not None:
             with _suppress_oserror():
                 os.unlink(tmp)
-        # The OSError itself, or one that a writer (torch's zip writer) wrapped in another
-        # exception; the message names the file, not the temporary.
-        for error in (exc, exc.__cause__, exc.__context__):
-            if isinstance(error, OSError) and error.errno in _DISK_FULL:
-                raise _disk_full(path, error.errno) from None
+        full = disk_full_error(exc, path)
+        if full is not None:
+            raise full from None
         raise
     with _suppress_oserror():  # not every platform can fsync a directory
         dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -114,9 +113,25 @@ def atomic_write_bytes(path: str | os.PathLike, write: Callable[[Any], None]) ->
             os.close(dir_fd)
 
 
-def _disk_full(path: Path, code: int) -> DiskFullError:
-    what = os.strerror(code).lower()
-    return DiskFullError(code, f"{path}: {what} ({errno.errorcode[code]}); {path} is unchanged")
+def disk_full_error(
+    exc: BaseException, path: str | os.PathLike, outcome: str = "{path} is unchanged"
+) -> DiskFullError | None:
+    """``exc`` as a :class:`DiskFullError` naming ``path`` when a full disk or quota caused it.
+
+    That is ``exc`` itself or the exception it was raised from or during: torch's zip writer
+    turns the ``OSError`` of its file's ``write`` into a ``RuntimeError`` ("unexpected pos"),
+    keeping the ``OSError`` as ``__context__``. The message, ``"<path>: no space left on device
+    (ENOSPC); <outcome>"``, names ``path`` (the file being written), never a temporary; the
+    default ``outcome`` is an atomic write's. None when no full disk is involved.
+    """
+    if isinstance(exc, DiskFullError):
+        return exc
+    for error in (exc, exc.__cause__, exc.__context__):
+        if isinstance(error, OSError) and error.errno in _DISK_FULL:
+            what, code = os.strerror(error.errno).lower(), errno.errorcode[error.errno]
+            message = f"{path}: {what} ({code}); {outcome.format(path=path)}"
+            return DiskFullError(error.errno, message, str(path))
+    return None
 
 
 class _suppress_oserror:

@@ -66,7 +66,8 @@ METRICS_KEYS = (
     "status", "psnr", "baseline_psnr", "psnr_per_image", "precision", "scene", "seed",
     "iterations", "iterations_planned", "final_loss", "time_per_iter_s", "wall_time_s",
     "train_time_s", "peak_memory_bytes", "peak_memory_kind", "skipped_steps", "final_loss_scale",
-    "diverged_at", "error", "failed_at", "interrupted_at", "signal", "resumed_from",
+    "diverged_at", "error", "failed_at", "failed_writing", "interrupted_at", "signal",
+    "resumed_from",
     "resume_count", "interruptions", "n_params", "backends", "device",
     "device_name", "torch_threads", "versions", "run_dir", "history", "config", "export",
 )  # fmt: skip
@@ -254,8 +255,10 @@ def _train_validated(
         write_metrics(run_dir, metrics)
         raise
     except Exception as exc:
-        error = str(exc) if isinstance(exc, DiskFullError) else f"{type(exc).__name__}: {exc}"
-        metrics.update(status="failed", error=error, failed_at=metrics.get("iterations", 0))
+        full = exc if isinstance(exc, DiskFullError) else None
+        error = str(exc) if full is not None else f"{type(exc).__name__}: {exc}"
+        metrics.update(status="failed", error=error, failed_at=metrics.get("iterations", 0),
+                       failed_writing=full.filename if full is not None else None)  # fmt: skip
         try:
             write_metrics(run_dir, metrics)
         except DiskFullError:
@@ -496,6 +499,7 @@ def _train(
         diverged_at=diverged_at,
         error=None,
         failed_at=None,
+        failed_writing=None,
         resume_count=resume_count,
         interruptions=interruptions,
         n_params=sum(p.numel() for p in texture.parameters()),

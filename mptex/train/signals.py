@@ -95,11 +95,13 @@ class StopSignals:
 def auto_resume_path(run_dir: str | os.PathLike) -> Path | None:
     """What ``train.resume=auto`` resumes from: ``<run_dir>/checkpoint.pt``, or None.
 
-    The checkpoint is used when it exists and either ``metrics.json`` says ``status:
-    "interrupted"`` (the last run here stopped on a stop signal and wrote both files) or Slurm
-    restarted this job (``SLURM_RESTART_COUNT`` >= 1: a requeue after a preemption or a node
-    failure, which may come without a stop signal). Otherwise the run starts over, as with
-    ``train.resume=false``: a completed, diverged or failed run is not continued by accident.
+    The checkpoint is used when it exists and ``metrics.json`` says ``status: "interrupted"``
+    (the last run here stopped on a stop signal and wrote both files), or ``status: "failed"``
+    with ``failed_writing`` (a full disk stopped it; its checkpoint is the last good one), or
+    when Slurm restarted this job (``SLURM_RESTART_COUNT`` >= 1: a requeue after a preemption
+    or a node failure, which may come without a stop signal). Otherwise the run starts over,
+    as with ``train.resume=false``: a completed, diverged or failed run is not continued by
+    accident.
     """
     checkpoint = Path(run_dir) / "checkpoint.pt"
     if not checkpoint.is_file():
@@ -110,5 +112,8 @@ def auto_resume_path(run_dir: str | os.PathLike) -> Path | None:
         metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
     except (OSError, UnicodeDecodeError, ValueError):
         return None
-    interrupted = isinstance(metrics, dict) and metrics.get("status") == "interrupted"
-    return checkpoint if interrupted else None
+    if not isinstance(metrics, dict):
+        return None
+    status = metrics.get("status")
+    stopped = status == "interrupted" or (status == "failed" and metrics.get("failed_writing"))
+    return checkpoint if stopped else None

@@ -7,21 +7,21 @@ iteration or while a checkpoint is being written; the requeue path runs under Hy
 that raises ``OSError(ENOSPC)`` at a chosen write (in-process and through the CLI), and, where
 this machine lets the test mount one, a real tmpfs that is full.
 
-The subprocesses are slowed without touching the package: ``sitecustomize.py`` (written into a
-folder put first on ``PYTHONPATH``; :data:`_SITE`) sleeps in every iteration, pauses half-way
-through each ``torch.save`` or fails a chosen atomic write, as environment variables ask.
+The subprocesses are slowed without touching the package: ``faults_site/sitecustomize.py``
+(its folder first on ``PYTHONPATH``) sleeps in every iteration, pauses half-way through each
+``torch.save`` or fails a chosen atomic write, as ``MPTEX_TEST_*`` environment variables ask.
 """
 
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 import uuid
 from pathlib import Path
@@ -45,74 +45,8 @@ TINY = [
 ]  # fmt: skip
 ITERATIONS = 60
 RUN = [*TINY, f"train.iterations={ITERATIONS}", "train.checkpoint_interval=10"]
-
-_SITE = textwrap.dedent(
-    '''
-    """Test hooks for tests/test_signals.py, read from the environment at interpreter start."""
-    import builtins, errno, io, os, sys, time
-
-    SLEEP = float(os.environ.get("MPTEX_TEST_ITER_SLEEP_S", "0"))
-    SLOW_SAVE = float(os.environ.get("MPTEX_TEST_SLOW_SAVE_S", "0"))
-    ENOSPC_AT = int(os.environ.get("MPTEX_TEST_ENOSPC_AT", "0"))
-
-
-    def patch(loop, checkpoint, torch):
-        if SLEEP:  # every iteration: one lr_schedule call
-            schedule = loop.lr_schedule
-            def slow_schedule(*args, **kwargs):
-                if not getattr(slow_schedule, "said", False):
-                    slow_schedule.said = True
-                    print("ITERATING", flush=True)
-                time.sleep(SLEEP)
-                return schedule(*args, **kwargs)
-            loop.lr_schedule = slow_schedule
-        if SLOW_SAVE:  # half of each checkpoint, say so, pause: a signal lands mid-write
-            save = torch.save
-            def slow_save(obj, f, *args, **kwargs):
-                buffer = io.BytesIO()
-                save(obj, buffer, *args, **kwargs)
-                data = buffer.getvalue()
-                f.write(data[: len(data) // 2]); f.flush()
-                print("WRITING", flush=True)
-                time.sleep(SLOW_SAVE)
-                f.write(data[len(data) // 2 :])
-            torch.save = slow_save
-        if ENOSPC_AT:
-            checkpoint.atomic_write_bytes = failing_writer(checkpoint.atomic_write_bytes)
-
-
-    def failing_writer(atomic_write_bytes):
-        """Atomic write number ENOSPC_AT, and every later one (the disk stays full), writes
-        half of its first chunk and then raises ENOSPC, as a full disk does."""
-        count = [0]
-        def write(path, fill):
-            count[0] += 1
-            if count[0] < ENOSPC_AT:
-                return atomic_write_bytes(path, fill)
-            class Full:
-                def __init__(self, f):
-                    self.f = f
-                def write(self, data):
-                    self.f.write(bytes(data)[: len(data) // 2])
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                def __getattr__(self, name):
-                    return getattr(self.f, name)
-            return atomic_write_bytes(path, lambda f: fill(Full(f)))
-        return write
-
-
-    if SLEEP or SLOW_SAVE or ENOSPC_AT:
-        real_import = builtins.__import__
-        def hooked_import(*args, **kwargs):
-            module = real_import(*args, **kwargs)
-            loop = sys.modules.get("mptex.train.loop")
-            if loop is not None and hasattr(loop, "_train"):  # fully imported
-                builtins.__import__ = real_import
-                patch(loop, sys.modules["mptex.train.checkpoint"], sys.modules["torch"])
-            return module
-        builtins.__import__ = hooked_import
-    '''
-)
+# Put first on the subprocesses' PYTHONPATH: its sitecustomize.py holds the test hooks.
+SITE = Path(__file__).resolve().parent / "faults_site"
 
 
 def tiny_cfg(*overrides: str):
@@ -135,14 +69,12 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("site")
-    (folder / "sitecustomize.py").write_text(_SITE)
-    return folder
+def site() -> Path:
+    return SITE
 
 
 def cli(site: Path, cwd: Path, *args: str, **hooks: float) -> subprocess.Popen:
-    """``mptex-train *args`` in a subprocess, slowed or failed by :data:`_SITE`'s ``hooks``."""
+    """``mptex-train *args`` in a subprocess, slowed or failed by the ``hooks`` of :data:`SITE`."""
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"}
     env = {k: v for k, v in env.items() if not k.startswith(("MPTEX_TEST_", "SLURM_"))}
     env.update({f"MPTEX_TEST_{key.upper()}": str(value) for key, value in hooks.items()})
@@ -319,28 +251,11 @@ def test_submitit_local_requeues_a_signalled_job_which_resumes_in_its_run_dir(
 
 # ----------------------------------------------------------------------------- a full disk
 def _failing_writes(monkeypatch, at: int, sticky: bool) -> None:
-    """Atomic write number ``at`` (1-based; every later one too when ``sticky``) writes half of
-    its first chunk and raises ENOSPC."""
-    real, count = checkpoint_module.atomic_write_bytes, [0]
-
-    class Full:
-        def __init__(self, f):
-            self.f = f
-
-        def write(self, data):
-            self.f.write(bytes(data)[: len(data) // 2])
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-    def write(path, fill):
-        count[0] += 1
-        if count[0] == at or (sticky and count[0] > at):
-            return real(path, lambda f: fill(Full(f)))
-        return real(path, fill)
-
-    monkeypatch.setattr(checkpoint_module, "atomic_write_bytes", write)
+    spec = importlib.util.spec_from_file_location("faults_site", SITE / "sitecustomize.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)  # without MPTEX_TEST_* variables it only defines
+    writer = hooks.failing_writer(checkpoint_module.atomic_write_bytes, at, sticky)
+    monkeypatch.setattr(checkpoint_module, "atomic_write_bytes", writer)
 
 
 @pytest.fixture(scope="module")

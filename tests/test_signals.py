@@ -249,6 +249,43 @@ def test_submitit_local_requeues_a_signalled_job_which_resumes_in_its_run_dir(
     assert [r["status"] for r in collect_runs(sweep)] == ["completed"]
 
 
+@pytest.mark.parametrize("overrides, delay_s, timeouts", [
+    ([], 120, 5),  # configs/hydra/launcher/slurm_gpu.yaml
+    (["hydra.launcher.signal_delay_s=180", "hydra.launcher.max_num_timeout=10"], 180, 10),
+])  # fmt: skip
+def test_slurm_gpu_asks_slurm_for_the_pre_timeout_signal_and_requeues_time_limits(
+    site, tmp_path, monkeypatch, overrides, delay_s, timeouts
+):
+    # What `mptex-train -m hydra/launcher=slurm_gpu` submits (docs/cluster.md), through the real
+    # launcher up to sbatch: a stand-in sbatch keeps the batch script and refuses the job.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text("#!/bin/sh\nexit 1\n")  # submitit looks for srun on PATH
+    (fake / "sbatch").write_text('#!/bin/sh\ncp "$1" "$SBATCH_COPY"\nexit 1\n')
+    for tool in fake.iterdir():
+        tool.chmod(0o755)
+    script = tmp_path / "job.sh"
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SBATCH_COPY", str(script))
+    sweep = tmp_path / "sweep"
+    proc = cli(site, tmp_path, "-m", "hydra/launcher=slurm_gpu", f"hydra.sweep.dir={sweep}",
+               "hydra.launcher.timeout_min=90", *overrides, *RUN)  # fmt: skip
+    code, err = finish(proc)
+    assert code != 0 and "FailedJobError" in err  # the stand-in refused it
+    lines = script.read_text().splitlines()
+    assert f"#SBATCH --signal=USR2@{delay_s}" in lines and "#SBATCH --time=90" in lines
+    assert "#SBATCH --gpus-per-node=1" in lines
+    assert any(line.startswith("srun ") and "submitit.core._submit" in line for line in lines)
+    # The job submitit would have run: the launcher (whose checkpoint() resubmits the same
+    # overrides) with max_num_timeout requeues after a time limit left.
+    from submitit.helpers import DelayedSubmission
+
+    [pickled] = sweep.glob(".submitit/*.pkl")
+    job = DelayedSubmission.load(pickled)
+    assert job._timeout_countdown == timeouts and job._timeout_min == 90
+    assert callable(job.function.checkpoint)
+
+
 # ----------------------------------------------------------------------------- a full disk
 def _failing_writes(monkeypatch, at: int, sticky: bool) -> None:
     spec = importlib.util.spec_from_file_location("faults_site", SITE / "sitecustomize.py")
@@ -371,3 +408,92 @@ def test_a_real_full_tmpfs(site, tmp_path):
         assert read_metrics(run_dir)["status"] == "completed"
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True, timeout=30)
+
+
+# ----------------------------------------------------------------------------- Adam on resume
+# Adam has two parameter groups, the grid's and the MLP's (train.mlp_lr_scale), each with an
+# lr_scale applied on top of the schedule: a resume restores both, at this run's rates.
+ADAM_RUN = ("train.iterations=6", "train.checkpoint_interval=2")
+
+
+def _adam_groups(run_dir: Path) -> list[dict]:
+    return load_checkpoint(run_dir / "checkpoint.pt")["optimizer"]["param_groups"]
+
+
+def _assert_same_adam_state(a: Path, b: Path) -> None:
+    sa, sb = (load_checkpoint(d / "checkpoint.pt")["optimizer"]["state"] for d in (a, b))
+    assert sa.keys() == sb.keys() and all(
+        sa[i].keys() == sb[i].keys() and all(torch.equal(sa[i][k], sb[i][k]) for k in sa[i])
+        for i in sa
+    )
+
+
+def test_a_resume_restores_both_adam_groups_bit_exactly(tmp_path):
+    cfg = (*ADAM_RUN, "train.mlp_lr_scale=0.25")
+    whole = train(tiny_cfg(*cfg), tmp_path / "whole")
+    first = train(tiny_cfg(*cfg, "train.inject_signal_at=2"), tmp_path / "resumed")
+    assert first["status"] == "interrupted"
+    grid, mlp = _adam_groups(tmp_path / "resumed")
+    assert (grid["lr_scale"], mlp["lr_scale"]) == (1.0, 0.25) and mlp["lr"] == grid["lr"] * 0.25
+    again = train(tiny_cfg(*cfg), tmp_path / "resumed")
+    assert again["status"] == "completed" and again["resume_count"] == 1
+    assert again["psnr"] == whole["psnr"] and again["history"] == whole["history"]
+    assert_same_weights(tmp_path / "resumed", tmp_path / "whole")
+    _assert_same_adam_state(tmp_path / "resumed", tmp_path / "whole")
+    assert _adam_groups(tmp_path / "resumed") == _adam_groups(tmp_path / "whole")
+
+
+def test_a_resume_runs_the_mlp_at_its_own_configs_rate(tmp_path):
+    # As train.lr, train.mlp_lr_scale is this run's: the checkpoint's lr_scale does not win.
+    train(tiny_cfg(*ADAM_RUN, "train.inject_signal_at=2"), tmp_path)
+    assert [g["lr_scale"] for g in _adam_groups(tmp_path)] == [1.0, 1.0]
+    again = train(tiny_cfg(*ADAM_RUN, "train.mlp_lr_scale=0.5"), tmp_path)
+    assert again["status"] == "completed" and again["config"]["train"]["mlp_lr_scale"] == 0.5
+    grid, mlp = _adam_groups(tmp_path)
+    assert mlp["lr_scale"] == 0.5 and mlp["lr"] == grid["lr"] * 0.5
+
+
+def test_a_checkpoint_with_one_adam_group_resumes_bit_exactly(tmp_path, uninterrupted):
+    # Checkpoints written before train.mlp_lr_scale hold one group of all the texture's
+    # parameters in texture.parameters() order; at mlp_lr_scale 1 they continue as before.
+    from mptex.train import load_texture
+    from mptex.train.checkpoint import save_checkpoint
+    from mptex.train.loop import _param_groups
+
+    train(tiny_cfg(*ADAM_RUN, "train.inject_signal_at=2"), tmp_path)
+    path = tmp_path / "checkpoint.pt"
+    ckpt = load_checkpoint(path)
+    texture = load_texture(path)
+    position = {id(p): i for i, p in enumerate(texture.parameters())}
+    grouped = [p for group in _param_groups(texture, 1.0) for p in group["params"]]
+    assert sorted(position[id(p)] for p in grouped) == list(range(len(grouped)))
+    adam = ckpt["optimizer"]
+    old_group = {k: v for k, v in adam["param_groups"][0].items() if k != "lr_scale"}
+    ckpt["optimizer"] = {
+        "state": {position[id(p)]: adam["state"][i] for i, p in enumerate(grouped)},
+        "param_groups": [{**old_group, "params": list(range(len(grouped)))}],
+    }
+    save_checkpoint(path, ckpt)
+
+    again = train(tiny_cfg(*ADAM_RUN), tmp_path)
+    assert again["status"] == "completed" and again["resume_count"] == 1
+    assert again["psnr"] == read_metrics(uninterrupted)["psnr"]
+    assert_same_weights(tmp_path, uninterrupted)
+    _assert_same_adam_state(tmp_path, uninterrupted)
+
+
+def test_an_adam_state_that_fits_no_texture_is_one_line_naming_the_checkpoint(tmp_path):
+    from mptex.train import ConfigError
+    from mptex.train.checkpoint import save_checkpoint
+
+    train(tiny_cfg(*ADAM_RUN, "train.inject_signal_at=2"), tmp_path)
+    path = tmp_path / "checkpoint.pt"
+    ckpt = load_checkpoint(path)
+    ckpt["optimizer"]["param_groups"].append(dict(ckpt["optimizer"]["param_groups"][1]))
+    save_checkpoint(path, ckpt)
+    with pytest.raises(ConfigError) as info:
+        train(tiny_cfg(*ADAM_RUN), tmp_path)
+    message = str(info.value)
+    assert message.startswith(f"train.resume: checkpoint {path}: its optimizer state does not ")
+    assert "\n" not in message and read_metrics(tmp_path)["failed_at"] == "start"
+    assert load_checkpoint(path)["iteration"] == 3  # left as it was

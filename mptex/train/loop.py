@@ -41,7 +41,7 @@ from mptex.bake.export import export_asset, preflight_export
 from mptex.diagnostics import PrecisionMonitor
 from mptex.precision import PrecisionStepper, all_finite
 from mptex.render.image import rgb_to_srgb
-from mptex.scenes import Scene, build_scene
+from mptex.scenes import MESH_SCENES, Scene, build_scene
 from mptex.texture import MLPTexture3D
 from mptex.train.checkpoint import (
     _CHECKPOINT,
@@ -63,7 +63,7 @@ from mptex.train.signals import StopSignals, auto_resume_path, send_signal
 from mptex.train.validation import _save_val_images, evaluate
 
 METRICS_KEYS = (
-    "status", "psnr", "baseline_psnr", "psnr_per_image", "precision", "scene", "seed",
+    "status", "psnr", "baseline_psnr", "psnr_per_image", "saturation", "precision", "scene", "seed",
     "iterations", "iterations_planned", "final_loss", "time_per_iter_s", "wall_time_s",
     "train_time_s", "peak_memory_bytes", "peak_memory_kind", "skipped_steps", "final_loss_scale",
     "diverged_at", "error", "failed_at", "failed_writing", "interrupted_at", "signal",
@@ -103,6 +103,65 @@ def _history_entry(completed, loss_value, psnr_value, result, lr, stats) -> dict
     return entry
 
 
+def _param_groups(texture, mlp_lr_scale: float) -> list[dict[str, Any]]:
+    """Adam's parameter groups: the hash grid (and anything else) at ``lr``, the MLP at
+    ``lr * mlp_lr_scale``; each group's ``lr_scale`` is applied on top of the schedule.
+
+    Why a separate MLP rate (docs/benchmarks.md, "Real assets"): Adam moves every weight by about
+    ``lr`` per step whatever its gradient's size, so a consistent gradient (a colour the
+    sigmoid reaches only at an infinite logit) changes a ``32 x 32`` layer by a rank-one
+    matrix of spectral norm ~``32 lr`` per step. Measured on the duck (f32, lr 0.03, one MLP
+    rate): logits ~10 by iteration 10 and 50-100 by iterations 20-50; past ~17 the sigmoid's
+    float32 gradient is exactly 0, and such pixels stay stuck. Each grid entry is one
+    independent parameter and takes ``lr`` safely.
+    """
+    mlp = list(texture.net.parameters())
+    in_mlp = {id(p) for p in mlp}
+    rest = [p for p in texture.parameters() if id(p) not in in_mlp]
+    return [{"params": rest, "lr_scale": 1.0}, {"params": mlp, "lr_scale": float(mlp_lr_scale)}]
+
+
+def _optimizer_state(
+    saved: Any, texture: MLPTexture3D, groups: list[dict[str, Any]], path: Path
+) -> dict[str, Any]:
+    """A checkpoint's Adam state dict laid out for ``groups`` (:func:`_param_groups`).
+
+    A checkpoint written before the MLP had its own rate holds one group of all the texture's
+    parameters in ``texture.parameters()`` order: its per-parameter state (step, moments) moves
+    to the same parameters in the two groups, which take that group's hyperparameters.
+
+    Raises:
+        ValueError: ``"train.resume: ..."`` when the state does not fit the texture.
+    """
+    wanted = [len(group["params"]) for group in groups]
+    try:
+        state, saved_groups = saved["state"], saved["param_groups"]
+        sizes = [len(group["params"]) for group in saved_groups]
+    except (TypeError, KeyError, IndexError):
+        sizes = None
+    if sizes == wanted:
+        return saved
+    if sizes != [sum(wanted)]:
+        held = "no Adam state" if sizes is None else f"parameter groups of {sizes} parameters"
+        raise ValueError(
+            f"train.resume: checkpoint {path}: its optimizer state does not fit the texture "
+            f"({held}; expected groups of {wanted})"
+        )
+    old = saved_groups[0]
+    position = {id(p): i for i, p in enumerate(texture.parameters())}
+    new_groups, new_state, n = [], {}, 0
+    for group in groups:
+        ids = []
+        for param in group["params"]:
+            index = old["params"][position[id(param)]]
+            if index in state:
+                new_state[n] = state[index]
+            ids.append(n)
+            n += 1
+        new_groups.append({**old, "params": ids, "lr_scale": group["lr_scale"]})
+    return {"state": new_state, "param_groups": new_groups}
+
+
 def _check_coverage(scene: Scene) -> None:
     # Cameras that see nothing (near beyond the mesh, a camera inside it) would train on
     # empty views and report a perfect PSNR for texture and baseline alike.
@@ -128,7 +187,13 @@ def _start(
     flat = [axis for axis, size in zip("xyz", extent, strict=True) if not size > 0]
     if flat:
         # MLPTexture3D normalises positions by the AABB: a flat mesh has no volume to texture.
-        key = {"mesh": "scene.path", "nerf": "scene.mesh"}.get(scene.name, "scene")
+        key = (
+            "scene.path"
+            if scene.name in MESH_SCENES
+            else "scene.mesh"
+            if scene.name == "nerf"
+            else "scene"
+        )
         raise ValueError(
             f"{key}: {full['scene'].get('path' if key == 'scene.path' else 'mesh')}: the mesh "
             f"has zero extent along {', '.join(flat)}; a 3D texture needs a mesh with a volume"
@@ -154,6 +219,8 @@ def _start(
                     f"train.resume: checkpoint {resume_from} was trained with another "
                     f"{group} config"
                 )
+        groups = _param_groups(texture, settings["mlp_lr_scale"])
+        ckpt["optimizer"] = _optimizer_state(ckpt["optimizer"], texture, groups, resume_from)
         done, planned = int(ckpt["iteration"]), int(settings["iterations"])
         if done > planned:
             raise ValueError(
@@ -306,8 +373,9 @@ def _train(
 
     policy = texture.policy
     optimizer = torch.optim.Adam(
-        texture.parameters(), lr=settings["lr"], betas=tuple(settings["betas"]), eps=1e-8
-    )
+        _param_groups(texture, settings["mlp_lr_scale"]),
+        lr=settings["lr"], betas=tuple(settings["betas"]), eps=1e-8,
+    )  # fmt: skip
     stepper = PrecisionStepper(policy, optimizer)
     # Per-layer underflow/overflow statistics of the compute-dtype gradients (issue 7), sampled.
     stats_every = settings["stats_interval"]
@@ -324,7 +392,11 @@ def _train(
     resumed_loss, resumed_time = None, None
     if ckpt is not None:
         texture.load_state_dict(ckpt["texture"])
+        scales = [group["lr_scale"] for group in optimizer.param_groups]
         optimizer.load_state_dict(ckpt["optimizer"])
+        # The MLP's rate is this run's train.mlp_lr_scale, as lr is this run's train.lr.
+        for group, scale in zip(optimizer.param_groups, scales, strict=True):
+            group["lr_scale"] = scale
         stepper.load_state_dict(ckpt["stepper"])
         _set_rng_state(ckpt["rng"], generators)
         start_iter, history = int(ckpt["iteration"]), list(ckpt["history"])
@@ -377,7 +449,7 @@ def _train(
         factor = lr_schedule(it, settings["warmup_iter"], settings["lr_decay"],
                              settings["lr_schedule"], n_iter)  # fmt: skip
         for group in optimizer.param_groups:
-            group["lr"] = settings["lr"] * factor
+            group["lr"] = settings["lr"] * factor * group["lr_scale"]
         optimizer.zero_grad(set_to_none=True)
         if monitor is not None:
             monitor.start(it)  # arms the hooks on sampled iterations, before the forward
@@ -443,6 +515,10 @@ def _train(
             psnr_now = None if evaluated is None else evaluated["psnr"]
             history.append(_history_entry(completed, loss_value, psnr_now, result,
                                           settings["lr"] * factor, stats))  # fmt: skip
+            if evaluated is not None:  # the saturation curve: when it sets in (issue 19)
+                saturation = evaluated["saturation"]
+                history[-1].update(saturated_fraction=saturation["saturated_fraction"],
+                                   stuck_fraction=saturation["stuck_fraction"])  # fmt: skip
         if writer is not None:
             writer.add_scalar("train/loss", loss_value, completed)
             writer.add_scalar("train/loss_scale", result.loss_scale, completed)
@@ -468,7 +544,7 @@ def _train(
         status, diverged_at = "diverged", completed
     if status == "interrupted":
         # Within the scheduler's grace period: no validation render, no images.
-        evaluation = dict.fromkeys(("psnr", "baseline_psnr", "psnr_per_image"))
+        evaluation = dict.fromkeys(("psnr", "baseline_psnr", "psnr_per_image", "saturation"))
         metrics.update(interrupted_at=completed, signal=interruptions[-1]["signal"])
     else:
         evaluation = evaluate(texture, scene, settings, light_dir)
@@ -488,6 +564,7 @@ def _train(
         psnr=evaluation["psnr"],
         baseline_psnr=evaluation["baseline_psnr"],
         psnr_per_image=evaluation["psnr_per_image"],
+        saturation=evaluation["saturation"],
         final_loss=loss_value if loss_value is not None else resumed_loss,
         time_per_iter_s=statistics.median(iter_times) if iter_times else resumed_time,
         train_time_s=train_time,

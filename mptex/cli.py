@@ -9,6 +9,15 @@ directory::
     mptex-train -m precision=f32,f16_dynamic,bf16 train.seed=0,1
     mptex-train hydra.run.dir=outputs/a train.iterations=2000 train.resume=true  # continue
 
+Exit status (:data:`EXIT_CODES`): 0 the run ended (completed or diverged: ``metrics.json``
+says which); 2 a bad config value or input file at start, or a full disk (one line on stderr,
+naming the key or the file); 3 stopped by a stop signal (``train.stop_signals``) after writing
+``checkpoint.pt`` and ``metrics.json`` (``status: "interrupted"``): run the same command again
+to continue (``train.resume=auto``). In a submitit job (``hydra/launcher=submitit_local`` or
+``submitit_slurm``/``slurm_gpu``) submitit's own signal (``SIGUSR2``) is handed back to
+submitit after the checkpoint, which requeues the job (exit 144 under ``submitit_local``), and
+the other stop signals end the job normally, so the sweep's report lists it.
+
 The configs are read from the ``configs/`` folder next to the ``mptex`` package, i.e. from a
 source checkout or an editable install (``pip install -e .``); they are deliberately not package
 data, because users edit them and ``experiments/`` sits beside them (see the README).
@@ -18,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -25,7 +35,14 @@ from omegaconf import OmegaConf
 
 from mptex.scenes.assets import suite_path
 
-__all__ = ["CONFIG_DIR", "EXPERIMENTS_DIR", "job_dirname", "register_experiments", "train_main"]
+__all__ = [
+    "CONFIG_DIR",
+    "EXIT_CODES",
+    "EXPERIMENTS_DIR",
+    "job_dirname",
+    "register_experiments",
+    "train_main",
+]
 
 # configs/ and experiments/ at the repository root, next to the package (source checkout or
 # editable install).
@@ -33,6 +50,8 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 EXPERIMENTS_DIR = CONFIG_DIR.parent / "experiments"
 
 _PROG = "mptex-train"
+# mptex-train's exit statuses (module docstring).
+EXIT_CODES = {"ok": 0, "error": 2, "interrupted": 3}
 # A job directory name (with its "<num>_" prefix) stays under the 255 bytes most file systems
 # allow, and long enough that the usual overrides, swept values included, are all in it.
 _MAX_DIRNAME = 200
@@ -67,11 +86,19 @@ def _run(cfg) -> None:
     from hydra.types import RunMode
 
     from mptex.train import ConfigError, train
+    from mptex.train.checkpoint import DiskFullError
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
         metrics = train(cfg, run_dir)
+    except DiskFullError as exc:
+        # metrics.json says failed where it could still be written; the sweep goes on (its
+        # report lists the run as failed with this reason).
+        _error(str(exc))
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            return
+        sys.exit(EXIT_CODES["error"])
     except ConfigError as exc:
         # A config error (train() checks everything before working): one line, no traceback.
         if hydra_cfg.mode == RunMode.MULTIRUN:
@@ -82,8 +109,11 @@ def _run(cfg) -> None:
             print(f"{_PROG}: {what}: {exc}", file=sys.stderr)
             return
         _error(str(exc))
-        sys.exit(2)
+        sys.exit(EXIT_CODES["error"])
     status = metrics["status"]
+    if status == "interrupted":
+        _interrupted(metrics, run_dir, hydra_cfg.mode == RunMode.MULTIRUN)
+        return
     detail = f" at iteration {metrics['diverged_at']}" if status == "diverged" else ""
     print(
         f"{_PROG}: {status}{detail}: PSNR {metrics['psnr']:.2f} dB "
@@ -92,6 +122,39 @@ def _run(cfg) -> None:
     )
     print(f"{_PROG}: results in {run_dir}")
     print(f"{_PROG}: metrics in {run_dir / 'metrics.json'}")
+
+
+def _submitit_signal() -> signal.Signals | None:
+    """The signal submitit's job handler requeues on, in a submitit job; else None.
+
+    submitit reads it from ``SUBMITIT_PREEMPT_SIGNAL`` (default ``USR2``) and sets
+    ``SUBMITIT_EXECUTOR`` in every job it starts (``submitit.core.job_environment``).
+    """
+    if not os.environ.get("SUBMITIT_EXECUTOR"):
+        return None
+    return getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), None)
+
+
+def _interrupted(metrics: dict, run_dir: Path, multirun: bool) -> None:
+    """After a stop signal: say so in one line, then requeue (submitit) or exit 3."""
+    name = metrics["signal"]
+    print(
+        f"{_PROG}: interrupted by {name} after iteration {metrics['interrupted_at']} of "
+        f"{metrics['iterations_planned']}: checkpoint and metrics in {run_dir}; the same "
+        f"command continues it (train.resume=auto)",
+        file=sys.stderr,
+    )
+    requeue = _submitit_signal()
+    if requeue is not None and name == requeue.name:
+        handler = signal.getsignal(requeue)
+        if callable(handler):
+            # train() has put submitit's handler back: it calls the launcher's checkpoint(),
+            # which resubmits the same job (same run dir, resumed by train.resume=auto), and
+            # requeues it (scontrol requeue; exit 144 under submitit_local).
+            signal.raise_signal(requeue)
+    if requeue is not None and multirun:
+        return  # a submitit job that ends normally: the sweep's report lists it
+    sys.exit(EXIT_CODES["interrupted"])
 
 
 def register_experiments(directory: Path = EXPERIMENTS_DIR) -> list[str]:

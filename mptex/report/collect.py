@@ -180,6 +180,9 @@ def _status(metrics: Mapping[str, Any]) -> tuple[str, str | None]:
     # the report that arm is unavailable on this machine, not a failed run.
     if status == "failed" and metrics.get("failed_at") == "start" and _missing_backend(metrics):
         return "unavailable", None
+    if status == "interrupted":
+        # Stopped by a signal and not (yet) resumed: no result; its reason is in _read_job.
+        return "failed", None
     if status == "completed" and not is_number(metrics.get("psnr")):
         # An older loop wrote NaN weights as "completed, psnr null": the run did not produce a
         # texture, so it is counted with the diverged runs, never dropped from the row unseen.
@@ -275,6 +278,9 @@ def _read_job(job_dir: Path) -> dict[str, Any]:
     if isinstance(export, Mapping):  # exported runs (export.enabled=true): the bake's PSNR
         run["bake_psnr"] = export.get("psnr_baked_vs_neural")
     run["status"], run["note"] = _status(metrics)
+    if metrics.get("status") == "interrupted":
+        run["error"] = (f"interrupted by {metrics.get('signal')} after iteration "
+                        f"{metrics.get('interrupted_at')} and not resumed")  # fmt: skip
     if run["status"] == "completed":
         # Imported here: mptex.report.collapse reads numbers with this module's is_number.
         from mptex.report.collapse import classify_collapse

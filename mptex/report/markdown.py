@@ -354,8 +354,8 @@ def render_report(
         "loss scaling.",
         "- runs: completed / collapsed / diverged (non-finite loss or gradient without loss "
         "scaling, too many skipped steps in a row, or recorded as completed without a finite "
-        "PSNR) / failed (config error, crash, or an unreadable metrics.json) / not available on "
-        "this machine.",
+        "PSNR) / failed (config error, crash, full disk, stopped by a signal and not resumed, "
+        "or an unreadable metrics.json) / not available on this machine.",
         "- Raw numbers: `results.csv`, `results.json`. Plots: "
         + (", ".join(f"`{name}`" for name, made in plots.items() if made) or "none")
         + "."

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -27,6 +28,19 @@ CHECKPOINT_KEYS = (
 
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be used: ``"<path>: <what is wrong>"`` (one line)."""
+
+
+# A full disk, and a full quota (the usual form of it on a shared cluster filesystem).
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFullError(OSError):
+    """A write that found no space (ENOSPC) or no quota (EDQUOT) left:
+    ``"<path>: no space left on device (ENOSPC); <path> is unchanged"`` (one line);
+    ``filename`` is the file that could not be written."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)  # OSError's would prefix "[Errno 28] "
 
 
 def _one_line(text: str) -> str:
@@ -67,10 +81,15 @@ def atomic_write_bytes(path: str | os.PathLike, write: Callable[[Any], None]) ->
     (a ``kill -9`` cannot be caught: :func:`remove_stale_temporaries` clears those). The file
     gets the mode a plain ``open()`` would give (``0o666`` less the umask), not ``mkstemp``'s
     private ``0o600``.
+
+    Raises:
+        DiskFullError: the disk or the quota is full (at ``mkstemp``, a write, the flush, the
+            fsync, or the rename); the temporary is removed and ``path`` is unchanged.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with _suppress_oserror():  # e.g. a filesystem without POSIX modes
             os.fchmod(fd, _file_mode())
         with os.fdopen(fd, "wb") as f:
@@ -78,9 +97,13 @@ def atomic_write_bytes(path: str | os.PathLike, write: Callable[[Any], None]) ->
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        with _suppress_oserror():
-            os.unlink(tmp)
+    except BaseException as exc:
+        if tmp is not None:
+            with _suppress_oserror():
+                os.unlink(tmp)
+        full = disk_full_error(exc, path)
+        if full is not None:
+            raise full from None
         raise
     with _suppress_oserror():  # not every platform can fsync a directory
         dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -88,6 +111,27 @@ def atomic_write_bytes(path: str | os.PathLike, write: Callable[[Any], None]) ->
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def disk_full_error(
+    exc: BaseException, path: str | os.PathLike, outcome: str = "{path} is unchanged"
+) -> DiskFullError | None:
+    """``exc`` as a :class:`DiskFullError` naming ``path`` when a full disk or quota caused it.
+
+    That is ``exc`` itself or the exception it was raised from or during: torch's zip writer
+    turns the ``OSError`` of its file's ``write`` into a ``RuntimeError`` ("unexpected pos"),
+    keeping the ``OSError`` as ``__context__``. The message, ``"<path>: no space left on device
+    (ENOSPC); <outcome>"``, names ``path`` (the file being written), never a temporary; the
+    default ``outcome`` is an atomic write's. None when no full disk is involved.
+    """
+    if isinstance(exc, DiskFullError):
+        return exc
+    for error in (exc, exc.__cause__, exc.__context__):
+        if isinstance(error, OSError) and error.errno in _DISK_FULL:
+            what, code = os.strerror(error.errno).lower(), errno.errorcode[error.errno]
+            message = f"{path}: {what} ({code}); {outcome.format(path=path)}"
+            return DiskFullError(error.errno, message, str(path))
+    return None
 
 
 class _suppress_oserror:

@@ -16,6 +16,7 @@ from mptex.encoding import BACKENDS as ENCODER_BACKENDS
 from mptex.precision import PrecisionPolicy
 from mptex.train.losses import LOSSES, LR_SCHEDULES
 from mptex.train.shading import _BACKGROUNDS, _SHADINGS
+from mptex.train.signals import STOP_SIGNAL_NAMES, check_signal_names
 
 # Every key of the ``train`` config group and its default (configs/train/default.yaml mirrors
 # this table; unknown keys are rejected so that typos fail at start).
@@ -46,11 +47,14 @@ TRAIN_DEFAULTS: dict[str, Any] = dict(
     n_val_images=4,
     seed=0,
     device="auto",
-    resume=False,
+    resume="auto",
     tensorboard=False,
     progress="auto",
     max_consecutive_skips=200,
     inject_nonfinite_at=None,
+    stop_signals=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"],
+    inject_signal_at=None,
+    inject_signal="SIGTERM",
 )
 
 
@@ -235,10 +239,15 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     need("seed", _is_int(s["seed"]) and 0 <= s["seed"] < 2**63 - 1,
          "an integer in [0, 2**63 - 1)")  # fmt: skip
     need("resume", isinstance(s["resume"], bool) or (isinstance(s["resume"], str)
-         and s["resume"] != ""), "true, false or a checkpoint path")  # fmt: skip
+         and s["resume"] != ""), "auto, true, false or a checkpoint path")  # fmt: skip
     need("device", isinstance(s["device"], str), "auto, cpu, cuda or cuda:N")
     need("inject_nonfinite_at", s["inject_nonfinite_at"] is None
          or _is_int(s["inject_nonfinite_at"]), "null or an iteration")  # fmt: skip
+    s["stop_signals"] = check_signal_names(s["stop_signals"], "train.stop_signals")
+    need("inject_signal_at", s["inject_signal_at"] is None or _is_int(s["inject_signal_at"]),
+         "null or an iteration")  # fmt: skip
+    need("inject_signal", s["inject_signal"] in STOP_SIGNAL_NAMES,
+         f"a signal name from {list(STOP_SIGNAL_NAMES)}")  # fmt: skip
     device = str(s["device"])
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -46,6 +46,7 @@ from mptex.texture import MLPTexture3D
 from mptex.train.checkpoint import (
     _CHECKPOINT,
     CHECKPOINT_KEYS,
+    DiskFullError,
     _build_texture,
     load_checkpoint,
     remove_stale_temporaries,
@@ -58,13 +59,16 @@ from mptex.train.memory import _peak_memory, _RunPeakRss
 from mptex.train.rng import _rng_state, _seed_everything, _set_rng_state
 from mptex.train.runinfo import _device_name, _Progress, _sync, _tensorboard, _versions
 from mptex.train.shading import _background, _render, composite
+from mptex.train.signals import StopSignals, auto_resume_path, send_signal
 from mptex.train.validation import _save_val_images, evaluate
 
 METRICS_KEYS = (
     "status", "psnr", "baseline_psnr", "psnr_per_image", "saturation", "precision", "scene", "seed",
     "iterations", "iterations_planned", "final_loss", "time_per_iter_s", "wall_time_s",
     "train_time_s", "peak_memory_bytes", "peak_memory_kind", "skipped_steps", "final_loss_scale",
-    "diverged_at", "error", "failed_at", "resumed_from", "n_params", "backends", "device",
+    "diverged_at", "error", "failed_at", "failed_writing", "interrupted_at", "signal",
+    "resumed_from",
+    "resume_count", "interruptions", "n_params", "backends", "device",
     "device_name", "torch_threads", "versions", "run_dir", "history", "config", "export",
 )  # fmt: skip
 # What metrics.json keeps of export.json (the report's bake column reads psnr_baked_vs_neural).
@@ -75,6 +79,8 @@ _EXPORT_SUMMARY = (
 
 
 def _resume_path(setting: Any, run_dir: Path) -> Path | None:
+    if setting == "auto":
+        return auto_resume_path(run_dir)
     if setting is False or setting is None:
         return None
     path = run_dir / _CHECKPOINT if setting is True else Path(setting)
@@ -113,6 +119,47 @@ def _param_groups(texture, mlp_lr_scale: float) -> list[dict[str, Any]]:
     in_mlp = {id(p) for p in mlp}
     rest = [p for p in texture.parameters() if id(p) not in in_mlp]
     return [{"params": rest, "lr_scale": 1.0}, {"params": mlp, "lr_scale": float(mlp_lr_scale)}]
+
+
+def _optimizer_state(
+    saved: Any, texture: MLPTexture3D, groups: list[dict[str, Any]], path: Path
+) -> dict[str, Any]:
+    """A checkpoint's Adam state dict laid out for ``groups`` (:func:`_param_groups`).
+
+    A checkpoint written before the MLP had its own rate holds one group of all the texture's
+    parameters in ``texture.parameters()`` order: its per-parameter state (step, moments) moves
+    to the same parameters in the two groups, which take that group's hyperparameters.
+
+    Raises:
+        ValueError: ``"train.resume: ..."`` when the state does not fit the texture.
+    """
+    wanted = [len(group["params"]) for group in groups]
+    try:
+        state, saved_groups = saved["state"], saved["param_groups"]
+        sizes = [len(group["params"]) for group in saved_groups]
+    except (TypeError, KeyError, IndexError):
+        sizes = None
+    if sizes == wanted:
+        return saved
+    if sizes != [sum(wanted)]:
+        held = "no Adam state" if sizes is None else f"parameter groups of {sizes} parameters"
+        raise ValueError(
+            f"train.resume: checkpoint {path}: its optimizer state does not fit the texture "
+            f"({held}; expected groups of {wanted})"
+        )
+    old = saved_groups[0]
+    position = {id(p): i for i, p in enumerate(texture.parameters())}
+    new_groups, new_state, n = [], {}, 0
+    for group in groups:
+        ids = []
+        for param in group["params"]:
+            index = old["params"][position[id(param)]]
+            if index in state:
+                new_state[n] = state[index]
+            ids.append(n)
+            n += 1
+        new_groups.append({**old, "params": ids, "lr_scale": group["lr_scale"]})
+    return {"state": new_state, "param_groups": new_groups}
 
 
 def _check_coverage(scene: Scene) -> None:
@@ -172,6 +219,8 @@ def _start(
                     f"train.resume: checkpoint {resume_from} was trained with another "
                     f"{group} config"
                 )
+        groups = _param_groups(texture, settings["mlp_lr_scale"])
+        ckpt["optimizer"] = _optimizer_state(ckpt["optimizer"], texture, groups, resume_from)
         done, planned = int(ckpt["iteration"]), int(settings["iterations"])
         if done > planned:
             raise ValueError(
@@ -203,6 +252,15 @@ def train(cfg: Mapping[str, Any], run_dir: str | os.PathLike) -> dict[str, Any]:
     ``status: "diverged"`` and ``diverged_at``. So is a run of ``max_consecutive_skips`` skipped
     steps in a loss-scaled arm.
 
+    Neither is a stop signal (``train.stop_signals``, handled from the main thread while
+    ``train`` runs, then the previous handlers are back): the iteration under way finishes,
+    ``checkpoint.pt`` is written and the run returns with ``status: "interrupted"``,
+    ``interrupted_at`` (completed iterations) and ``signal``, without the final validation.
+    ``train.resume=auto`` (the default) continues such a run directory; ``resume_count`` and
+    ``interruptions`` carry over. A full disk (ENOSPC, EDQUOT) raises
+    :class:`~mptex.train.checkpoint.DiskFullError` after ``metrics.json`` records ``status:
+    "failed"`` where it still can be written; the file that failed is unchanged.
+
     The checkpoint (every ``checkpoint_interval`` iterations and at the end) holds ``texture``
     (state dict), ``optimizer``, ``stepper`` (GradScaler state), ``iteration`` (completed),
     ``rng`` (python, numpy, torch, view and noise generators), ``history``, ``skipped_steps``,
@@ -224,9 +282,25 @@ def train(cfg: Mapping[str, Any], run_dir: str | os.PathLike) -> dict[str, Any]:
     # A kill -9 during an atomic write leaves its temporary behind; no writer can be using
     # them now that a run starts here.
     remove_stale_temporaries(run_dir)
+    stop = StopSignals()
+    try:
+        return _train_validated(plain, run_dir, metrics, start_wall, stop)
+    finally:
+        stop.uninstall()
+
+
+def _train_validated(
+    plain: dict[str, Any],
+    run_dir: Path,
+    metrics: dict[str, Any],
+    start_wall: float,
+    stop: StopSignals,
+) -> dict[str, Any]:
     try:
         full = validate_config(plain)
         settings = full["train"]
+        # Before the scene is built: a preemption during a long start-up is a clean stop too.
+        stop.install(settings["stop_signals"])
         device = torch.device(settings["device"])
         resume_from = _resume_path(settings["resume"], run_dir)
         scene, texture, ckpt = _start(full, resume_from, run_dir)
@@ -239,7 +313,8 @@ def train(cfg: Mapping[str, Any], run_dir: str | os.PathLike) -> dict[str, Any]:
     try:
         rss = _RunPeakRss().start()
         try:
-            return _train(full, scene, texture, ckpt, run_dir, device, metrics, start_wall, rss)
+            return _train(full, scene, texture, ckpt, run_dir, device, metrics, start_wall, rss,
+                          stop)  # fmt: skip
         finally:
             rss.stop()
     except ConfigError as exc:
@@ -247,9 +322,14 @@ def train(cfg: Mapping[str, Any], run_dir: str | os.PathLike) -> dict[str, Any]:
         write_metrics(run_dir, metrics)
         raise
     except Exception as exc:
-        metrics.update(status="failed", error=f"{type(exc).__name__}: {exc}",
-                       failed_at=metrics.get("iterations", 0))  # fmt: skip
-        write_metrics(run_dir, metrics)
+        full = exc if isinstance(exc, DiskFullError) else None
+        error = str(exc) if full is not None else f"{type(exc).__name__}: {exc}"
+        metrics.update(status="failed", error=error, failed_at=metrics.get("iterations", 0),
+                       failed_writing=full.filename if full is not None else None)  # fmt: skip
+        try:
+            write_metrics(run_dir, metrics)
+        except DiskFullError:
+            pass  # the disk is still full: metrics.json stays as it was; the error is raised
         raise
 
 
@@ -281,6 +361,7 @@ def _train(
     metrics: dict[str, Any],
     start_wall: float,
     rss: _RunPeakRss,
+    stop: StopSignals,
 ) -> dict[str, Any]:
     settings = full["train"]
     if settings["threads"] is not None:
@@ -306,17 +387,24 @@ def _train(
         torch.cuda.reset_peak_memory_stats(device)
 
     start_iter, history, skipped_steps, consecutive_skips = 0, [], 0, 0
+    resume_count, interruptions = 0, []
     # What a resume that has no iteration left to run reports (the checkpoint's, see below).
     resumed_loss, resumed_time = None, None
     if ckpt is not None:
         texture.load_state_dict(ckpt["texture"])
+        scales = [group["lr_scale"] for group in optimizer.param_groups]
         optimizer.load_state_dict(ckpt["optimizer"])
+        # The MLP's rate is this run's train.mlp_lr_scale, as lr is this run's train.lr.
+        for group, scale in zip(optimizer.param_groups, scales, strict=True):
+            group["lr_scale"] = scale
         stepper.load_state_dict(ckpt["stepper"])
         _set_rng_state(ckpt["rng"], generators)
         start_iter, history = int(ckpt["iteration"]), list(ckpt["history"])
         skipped_steps, consecutive_skips = ckpt["skipped_steps"], ckpt["consecutive_skips"]
         resumed_loss = ckpt.get("loss", history[-1]["loss"] if history else None)
         resumed_time = ckpt.get("time_per_iter_s")
+        resume_count = ckpt.get("resume_count", 0) + 1
+        interruptions = list(ckpt.get("interruptions", []))
     metrics["resumed_from"] = start_iter if ckpt is not None else None
 
     def checkpoint(completed: int) -> bool:
@@ -337,6 +425,8 @@ def _train(
             "config": full,
             "loss": loss_value if loss_value is not None else resumed_loss,
             "time_per_iter_s": statistics.median(iter_times) if iter_times else resumed_time,
+            "resume_count": resume_count,
+            "interruptions": interruptions,
         })  # fmt: skip
         return True
 
@@ -382,6 +472,8 @@ def _train(
             loss = loss + kd_grad * weight
         if settings["inject_nonfinite_at"] == it:  # test hook: a forced overflow
             loss = loss * float("inf")
+        if settings["inject_signal_at"] == it:  # test hook: a stop signal mid-iteration
+            send_signal(settings["inject_signal"])
 
         loss_value = float(loss.item())  # synchronous; also the divergence check
         if not math.isfinite(loss_value) and stepper.scaler is None:
@@ -440,18 +532,27 @@ def _train(
         if not last and ck_interval and completed % ck_interval == 0 and not checkpoint(completed):
             status, diverged_at = "diverged", it
             break
+        if stop.received and not last:
+            status = "interrupted"
+            interruptions.append({"iteration": completed, "signal": stop.received[0]})
+            break
     progress.close()
     train_time = time.perf_counter() - train_start
 
     completed = metrics["iterations"]
-    if status == "completed" and not checkpoint(completed):
+    if status in ("completed", "interrupted") and not checkpoint(completed):
         status, diverged_at = "diverged", completed
-    evaluation = evaluate(texture, scene, settings, light_dir)
+    if status == "interrupted":
+        # Within the scheduler's grace period: no validation render, no images.
+        evaluation = dict.fromkeys(("psnr", "baseline_psnr", "psnr_per_image", "saturation"))
+        metrics.update(interrupted_at=completed, signal=interruptions[-1]["signal"])
+    else:
+        evaluation = evaluate(texture, scene, settings, light_dir)
     if status == "completed" and not math.isfinite(evaluation["psnr"]):
         # Finite weights can still render a non-finite image (an f16 overflow in the forward):
         # never a completed run.
         status, diverged_at = "diverged", completed
-    if status == "completed" or math.isfinite(evaluation["psnr"]):
+    if status == "completed" or (status != "interrupted" and math.isfinite(evaluation["psnr"])):
         _save_val_images(run_dir / "images", evaluation, settings["n_val_images"])
     if writer is not None:
         writer.close()
@@ -475,6 +576,9 @@ def _train(
         diverged_at=diverged_at,
         error=None,
         failed_at=None,
+        failed_writing=None,
+        resume_count=resume_count,
+        interruptions=interruptions,
         n_params=sum(p.numel() for p in texture.parameters()),
         backends=texture.backends(),
         device=str(device),

@@ -13,6 +13,7 @@ from mptex.diagnostics.saturation import saturation_statistics
 from mptex.render.image import save_image
 from mptex.scenes import Scene
 from mptex.texture import MLPTexture3D
+from mptex.train.checkpoint import disk_full_error
 from mptex.train.losses import psnr
 from mptex.train.shading import _background, _render, composite
 
@@ -75,4 +76,13 @@ def _save_val_images(out_dir: Path, evaluation: dict, n_images: int) -> None:
     for i in range(min(n_images, ref.shape[0])):
         # No flip: the projection already put the camera's up at row 0 (see evaluate).
         side = torch.cat([ref[i], pred[i]], dim=1)
-        save_image(out_dir / f"val_{i:03d}.png", side, to_srgb=True)
+        path = out_dir / f"val_{i:03d}.png"
+        try:
+            save_image(path, side, to_srgb=True)
+        except Exception as exc:
+            # A preview, written in place (not atomically): a full disk leaves no half PNG.
+            full = disk_full_error(exc, path, "the partial image was removed")
+            if full is None:
+                raise
+            path.unlink(missing_ok=True)
+            raise full from None

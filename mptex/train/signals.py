@@ -1,0 +1,119 @@
+"""Stop signals: a run asked to stop (Slurm preemption, a time limit, Ctrl-C) ends cleanly.
+
+Slurm and its launchers stop a job with a signal and kill it a grace period later (Slurm's
+``KillWait``; ``docs/cluster.md``). :class:`StopSignals` installs, for the signals named in
+``train.stop_signals``, a handler that only records the signal; the training loop looks at
+:attr:`StopSignals.received` after each completed iteration, writes ``checkpoint.pt`` and a
+``metrics.json`` with ``status: "interrupted"``, and returns. Because the handler never raises,
+a second signal during those writes interrupts nothing: the atomic writes stay atomic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+# The signals ``train.stop_signals`` may name: those a scheduler or a user sends to ask for a
+# stop. SIGUSR2 is submitit's pre-timeout / preemption signal (its SUBMITIT_PREEMPT_SIGNAL
+# default), SIGXCPU what some schedulers send at a CPU-time limit. SIGKILL and SIGSTOP cannot
+# be caught.
+STOP_SIGNAL_NAMES = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGXCPU")
+
+
+def check_signal_names(names: object, key: str) -> list[str]:
+    """``names`` as a list of signal names from :data:`STOP_SIGNAL_NAMES` (duplicates dropped).
+
+    Raises:
+        ValueError: ``"<key>: ..."`` when ``names`` is not a list of such names.
+    """
+    if not isinstance(names, (list, tuple)) or not all(
+        isinstance(name, str) and name in STOP_SIGNAL_NAMES for name in names
+    ):
+        raise ValueError(
+            f"{key}: expected a list of signal names from {list(STOP_SIGNAL_NAMES)}, got {names!r}"
+        )
+    return list(dict.fromkeys(names))
+
+
+def send_signal(name: str) -> None:
+    """Send the signal ``name`` (e.g. ``"SIGTERM"``) to this process, as ``kill`` would."""
+    os.kill(os.getpid(), signal.Signals[name])
+
+
+class StopSignals:
+    """Flag-only handlers for a run's stop signals, restored on :meth:`uninstall`.
+
+    Usage (what :func:`mptex.train.train` does)::
+
+        stop = StopSignals()
+        try:
+            stop.install(["SIGTERM", "SIGINT"])
+            ...  # after each iteration: if stop.received: checkpoint, write metrics, return
+        finally:
+            stop.uninstall()  # the previous handlers are back
+
+    Python runs signal handlers in the main thread only, and ``signal.signal`` may only be
+    called there: from another thread :meth:`install` warns and installs nothing.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[str] = []  # signal names in order of arrival
+        self._previous: dict[signal.Signals, object] = {}
+
+    def install(self, names: Sequence[str]) -> None:
+        if not names:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            warnings.warn(
+                "train.stop_signals: train() runs outside the main thread, where Python cannot "
+                "install signal handlers; a stop signal will end the run without a checkpoint",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        for name in names:
+            signum = signal.Signals[name]
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        # Only record: raising here could land inside a checkpoint write.
+        self.received.append(signal.Signals(signum).name)
+
+    def uninstall(self) -> None:
+        for signum, handler in self._previous.items():
+            # None: a handler installed from C, which Python cannot reinstate; the default
+            # action is the closest.
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        self._previous.clear()
+
+
+def auto_resume_path(run_dir: str | os.PathLike) -> Path | None:
+    """What ``train.resume=auto`` resumes from: ``<run_dir>/checkpoint.pt``, or None.
+
+    The checkpoint is used when it exists and ``metrics.json`` says ``status: "interrupted"``
+    (the last run here stopped on a stop signal and wrote both files), or ``status: "failed"``
+    with ``failed_writing`` (a full disk stopped it; its checkpoint is the last good one), or
+    when Slurm restarted this job (``SLURM_RESTART_COUNT`` >= 1: a requeue after a preemption
+    or a node failure, which may come without a stop signal). Otherwise the run starts over,
+    as with ``train.resume=false``: a completed, diverged or failed run is not continued by
+    accident.
+    """
+    checkpoint = Path(run_dir) / "checkpoint.pt"
+    if not checkpoint.is_file():
+        return None
+    if os.environ.get("SLURM_RESTART_COUNT", "0").strip() not in ("", "0"):
+        return checkpoint
+    try:
+        metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(metrics, dict):
+        return None
+    status = metrics.get("status")
+    stopped = status == "interrupted" or (status == "failed" and metrics.get("failed_writing"))
+    return checkpoint if stopped else None

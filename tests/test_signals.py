@@ -1,0 +1,499 @@
+"""Issue 21: cluster faults. A stop signal (Slurm's SIGTERM on preemption or scancel, a
+pre-timeout SIGUSR1/SIGUSR2, Ctrl-C) and a full disk lose nothing.
+
+Stop signals go through the real ``mptex-train`` in a subprocess, sent from outside at a random
+iteration or while a checkpoint is being written; the requeue path runs under Hydra's
+``submitit_local`` launcher, whose job process gets the signal. A full disk is a patched writer
+that raises ``OSError(ENOSPC)`` at a chosen write (in-process and through the CLI), and, where
+this machine lets the test mount one, a real tmpfs that is full.
+
+The subprocesses are slowed without touching the package: ``faults_site/sitecustomize.py``
+(its folder first on ``PYTHONPATH``) sleeps in every iteration, pauses half-way through each
+``torch.save`` or fails a chosen atomic write, as ``MPTEX_TEST_*`` environment variables ask.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import mptex.train.checkpoint as checkpoint_module
+import mptex.train.validation as validation
+from mptex.cli import CONFIG_DIR, EXIT_CODES
+from mptex.report import collect_runs
+from mptex.train import load_checkpoint, train
+from mptex.train.checkpoint import CHECKPOINT_KEYS, DiskFullError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "train=tiny", "texture=tiny", "scene.resolution=24", "scene.n_train_views=2",
+    "scene.n_val_views=1", "scene.tubular_segments=32", "scene.radial_segments=6",
+    "train.val_interval=0", "train.stats_interval=0", "train.progress=false",
+]  # fmt: skip
+ITERATIONS = 60
+RUN = [*TINY, f"train.iterations={ITERATIONS}", "train.checkpoint_interval=10"]
+# Put first on the subprocesses' PYTHONPATH: its sitecustomize.py holds the test hooks.
+SITE = Path(__file__).resolve().parent / "faults_site"
+
+
+def tiny_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose("config", overrides=[*RUN, *overrides])
+
+
+def read_metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def temporaries(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob(".*.tmp")]
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa = load_checkpoint(a / "checkpoint.pt")["texture"]
+    wb = load_checkpoint(b / "checkpoint.pt")["texture"]
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.fixture(scope="module")
+def site() -> Path:
+    return SITE
+
+
+def cli(site: Path, cwd: Path, *args: str, **hooks: float) -> subprocess.Popen:
+    """``mptex-train *args`` in a subprocess, slowed or failed by the ``hooks`` of :data:`SITE`."""
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in env.items() if not k.startswith(("MPTEX_TEST_", "SLURM_"))}
+    env.update({f"MPTEX_TEST_{key.upper()}": str(value) for key, value in hooks.items()})
+    return subprocess.Popen(
+        [sys.executable, "-m", "mptex.cli", *args],
+        cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def wait_for(proc: subprocess.Popen, marker: str) -> None:
+    for line in proc.stdout:
+        if line.strip() == marker:
+            return
+    raise AssertionError(f"mptex-train ended before {marker}: {proc.stderr.read()}")
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    _, err = proc.communicate(timeout=300)
+    return proc.returncode, err
+
+
+@pytest.fixture(scope="module")
+def reference(site, tmp_path_factory) -> Path:
+    """The uninterrupted run every resumed run must equal, bit for bit (CPU)."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    code, err = finish(cli(site, run_dir, f"hydra.run.dir={run_dir}", *RUN))
+    assert code == 0, err
+    return run_dir
+
+
+def assert_interrupted(run_dir: Path, code: int, err: str, name: str) -> int:
+    """Exit 3, one stderr line, checkpoint and metrics of the same iteration; returns it."""
+    assert code == EXIT_CODES["interrupted"] == 3, err
+    assert len(err.splitlines()) == 1, err
+    metrics = read_metrics(run_dir)
+    at = metrics["interrupted_at"]
+    assert err.startswith(f"mptex-train: interrupted by {name} after iteration {at} of ")
+    assert metrics["status"] == "interrupted" and metrics["signal"] == name
+    assert metrics["iterations"] == at and 0 < at < ITERATIONS
+    assert metrics["psnr"] is None and not (run_dir / "images").exists()
+    ckpt = load_checkpoint(run_dir / "checkpoint.pt", required=CHECKPOINT_KEYS)
+    assert ckpt["iteration"] == at
+    assert not temporaries(run_dir)
+    return at
+
+
+def assert_resumes_to_reference(site, run_dir: Path, reference: Path, stops: list) -> None:
+    """The same command again continues (train.resume=auto) to the reference's weights."""
+    code, err = finish(cli(site, run_dir, f"hydra.run.dir={run_dir}", *RUN))
+    assert code == 0, err
+    metrics = read_metrics(run_dir)
+    assert metrics["status"] == "completed" and metrics["iterations"] == ITERATIONS
+    assert metrics["resume_count"] == len(stops)
+    assert metrics["interruptions"] == [{"iteration": i, "signal": s} for i, s in stops]
+    assert metrics["resumed_from"] == stops[-1][0]
+    assert metrics["psnr"] == read_metrics(reference)["psnr"]
+    assert_same_weights(run_dir, reference)
+
+
+# ----------------------------------------------------------------------------- stop signals
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT", "SIGUSR1"])
+def test_a_stop_signal_at_a_random_iteration_checkpoints_exits_3_and_resumes_bit_exactly(
+    site, reference, tmp_path, name
+):
+    rng = random.Random(f"21-{name}")
+    proc = cli(site, tmp_path, f"hydra.run.dir={tmp_path}", *RUN, iter_sleep_s=0.05)
+    wait_for(proc, "ITERATING")
+    time.sleep(rng.uniform(0.1, 1.5))  # somewhere in the 60 iterations of >= 0.05 s
+    proc.send_signal(signal.Signals[name])
+    code, err = finish(proc)
+    at = assert_interrupted(tmp_path, code, err, name)
+    assert_resumes_to_reference(site, tmp_path, reference, [(at, name)])
+
+
+@pytest.mark.parametrize("name, second", [("SIGTERM", "SIGTERM"), ("SIGINT", "SIGINT"),
+                                          ("SIGUSR1", "SIGTERM")])  # fmt: skip
+def test_signals_during_checkpoint_writes_keep_the_writes_atomic(
+    site, reference, tmp_path, name, second
+):
+    # The first signal lands in the middle of the interval checkpoint after iteration 10, the
+    # second in the middle of the checkpoint the stop writes: neither write is cut short.
+    proc = cli(site, tmp_path, f"hydra.run.dir={tmp_path}", *RUN, slow_save_s=0.5)
+    wait_for(proc, "WRITING")
+    proc.send_signal(signal.Signals[name])
+    wait_for(proc, "WRITING")
+    proc.send_signal(signal.Signals[second])
+    code, err = finish(proc)
+    assert assert_interrupted(tmp_path, code, err, name) == 10
+    assert_resumes_to_reference(site, tmp_path, reference, [(10, name)])
+
+
+def test_two_interruptions_are_both_counted(site, reference, tmp_path):
+    stops = []
+    for name in ("SIGUSR1", "SIGTERM"):
+        proc = cli(site, tmp_path, f"hydra.run.dir={tmp_path}", *RUN, slow_save_s=0.2)
+        wait_for(proc, "WRITING")  # the first interval checkpoint after this start
+        proc.send_signal(signal.Signals[name])
+        stops.append((assert_interrupted(tmp_path, *finish(proc), name), name))
+    assert [at for at, _ in stops] == [10, 20]
+    assert_resumes_to_reference(site, tmp_path, reference, stops)
+
+
+def test_an_interrupted_run_is_failed_in_the_report_with_its_reason(tmp_path):
+    train(tiny_cfg("train.inject_signal_at=4", "train.inject_signal=SIGUSR1"), tmp_path / "0")
+    [run] = collect_runs(tmp_path)
+    assert run["status"] == "failed"
+    assert run["error"] == "interrupted by SIGUSR1 after iteration 5 and not resumed"
+
+
+def test_stop_signals_are_checked_at_start(tmp_path):
+    with pytest.raises(ValueError, match=r"^train\.stop_signals: expected a list of signal"):
+        train(tiny_cfg("train.stop_signals=[SIGKILL]"), tmp_path)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # nothing left installed
+
+
+def test_without_stop_signals_the_default_action_stays(site, tmp_path):
+    proc = cli(site, tmp_path, f"hydra.run.dir={tmp_path}", *RUN, "train.stop_signals=[]",
+               iter_sleep_s=0.05)  # fmt: skip
+    wait_for(proc, "ITERATING")
+    proc.send_signal(signal.SIGTERM)
+    code, _ = finish(proc)
+    assert code == -signal.SIGTERM and not (tmp_path / "metrics.json").exists()
+
+
+# ----------------------------------------------------------------------------- submitit requeue
+def _descendants(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    kids = [int(c) for c in children.read_text().split()] if children.exists() else []
+    return kids + [d for kid in kids for d in _descendants(kid)]
+
+
+def _submitit_job(pid: int) -> int:
+    """The submitit_local job process under ``mptex-train -m`` (pid), as Slurm's would be."""
+    for child in _descendants(pid):
+        try:
+            if b"submitit.core._submit" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return child
+        except OSError:
+            continue
+    raise AssertionError("no submitit job process")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the job through /proc")
+def test_submitit_local_requeues_a_signalled_job_which_resumes_in_its_run_dir(
+    site, reference, tmp_path
+):
+    # submitit's pre-timeout / preemption signal (SUBMITIT_PREEMPT_SIGNAL, USR2 by default)
+    # sent to the running job: mptex-train checkpoints, submitit requeues the job (exit 144
+    # under submitit_local, scontrol requeue on Slurm) and the requeued job resumes.
+    sweep = tmp_path / "sweep"
+    proc = cli(site, tmp_path, "-m", "hydra/launcher=submitit_local", f"hydra.sweep.dir={sweep}",
+               *RUN, iter_sleep_s=0.05)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not list(sweep.glob("*/checkpoint.pt")):  # the job is past iteration 10
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+    time.sleep(random.Random(21).uniform(0.0, 1.0))
+    job = _submitit_job(proc.pid)
+    os.kill(job, signal.SIGUSR2)
+    code, err = finish(proc)
+    assert code == 0, err
+    [run_dir] = [p.parent for p in sweep.glob("*/metrics.json")]  # one run dir, reused
+    metrics = read_metrics(run_dir)
+    [stop] = metrics["interruptions"]
+    assert stop["signal"] == "SIGUSR2" and 10 <= stop["iteration"] < ITERATIONS
+    assert metrics["status"] == "completed" and metrics["resume_count"] == 1
+    assert metrics["resumed_from"] == stop["iteration"]
+    assert metrics["psnr"] == read_metrics(reference)["psnr"]
+    assert_same_weights(run_dir, reference)
+    logs = "".join(p.read_text() for p in sweep.glob(".submitit/*/*_log.*"))
+    assert "Requeued job" in logs
+    assert [r["status"] for r in collect_runs(sweep)] == ["completed"]
+
+
+@pytest.mark.parametrize("overrides, delay_s, timeouts", [
+    ([], 120, 5),  # configs/hydra/launcher/slurm_gpu.yaml
+    (["hydra.launcher.signal_delay_s=180", "hydra.launcher.max_num_timeout=10"], 180, 10),
+])  # fmt: skip
+def test_slurm_gpu_asks_slurm_for_the_pre_timeout_signal_and_requeues_time_limits(
+    site, tmp_path, monkeypatch, overrides, delay_s, timeouts
+):
+    # What `mptex-train -m hydra/launcher=slurm_gpu` submits (docs/cluster.md), through the real
+    # launcher up to sbatch: a stand-in sbatch keeps the batch script and refuses the job.
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text("#!/bin/sh\nexit 1\n")  # submitit looks for srun on PATH
+    (fake / "sbatch").write_text('#!/bin/sh\ncp "$1" "$SBATCH_COPY"\nexit 1\n')
+    for tool in fake.iterdir():
+        tool.chmod(0o755)
+    script = tmp_path / "job.sh"
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SBATCH_COPY", str(script))
+    sweep = tmp_path / "sweep"
+    proc = cli(site, tmp_path, "-m", "hydra/launcher=slurm_gpu", f"hydra.sweep.dir={sweep}",
+               "hydra.launcher.timeout_min=90", *overrides, *RUN)  # fmt: skip
+    code, err = finish(proc)
+    assert code != 0 and "FailedJobError" in err  # the stand-in refused it
+    lines = script.read_text().splitlines()
+    assert f"#SBATCH --signal=USR2@{delay_s}" in lines and "#SBATCH --time=90" in lines
+    assert "#SBATCH --gpus-per-node=1" in lines
+    assert any(line.startswith("srun ") and "submitit.core._submit" in line for line in lines)
+    # The job submitit would have run: the launcher (whose checkpoint() resubmits the same
+    # overrides) with max_num_timeout requeues after a time limit left.
+    from submitit.helpers import DelayedSubmission
+
+    [pickled] = sweep.glob(".submitit/*.pkl")
+    job = DelayedSubmission.load(pickled)
+    assert job._timeout_countdown == timeouts and job._timeout_min == 90
+    assert callable(job.function.checkpoint)
+
+
+# ----------------------------------------------------------------------------- a full disk
+def _failing_writes(monkeypatch, at: int, sticky: bool) -> None:
+    spec = importlib.util.spec_from_file_location("faults_site", SITE / "sitecustomize.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)  # without MPTEX_TEST_* variables it only defines
+    writer = hooks.failing_writer(checkpoint_module.atomic_write_bytes, at, sticky)
+    monkeypatch.setattr(checkpoint_module, "atomic_write_bytes", writer)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    assert train(tiny_cfg("train.iterations=6", "train.checkpoint_interval=2"), run_dir)
+    return run_dir
+
+
+# The resumed run (iterations 3..5) writes: 1 the checkpoint after iteration 4, 2 the final
+# checkpoint, 3 metrics.json.
+@pytest.mark.parametrize("at, name", [(1, "checkpoint.pt"), (2, "checkpoint.pt"),
+                                      (3, "metrics.json")])  # fmt: skip
+@pytest.mark.parametrize("sticky", [True, False], ids=["stays-full", "room-for-metrics"])
+def test_a_full_disk_keeps_the_last_good_files_and_resumes(
+    monkeypatch, tmp_path, uninterrupted, at, name, sticky
+):
+    run_dir = tmp_path / "0"
+    cfg = ("train.iterations=6", "train.checkpoint_interval=2")
+    first = train(tiny_cfg(*cfg, "train.inject_signal_at=2"), run_dir)
+    assert first["status"] == "interrupted" and first["interrupted_at"] == 3
+    good = {f: (run_dir / f).read_bytes() for f in ("checkpoint.pt", "metrics.json")}
+
+    _failing_writes(monkeypatch, at, sticky)
+    with pytest.raises(DiskFullError) as info:
+        train(tiny_cfg(*cfg), run_dir)
+    path = run_dir / name
+    assert str(info.value) == f"{path}: no space left on device (ENOSPC); {path} is unchanged"
+    assert not temporaries(tmp_path)
+    # The last good checkpoint: the interrupted run's, or the last one written before.
+    if at == 1:
+        assert (run_dir / "checkpoint.pt").read_bytes() == good["checkpoint.pt"]
+    else:
+        assert load_checkpoint(run_dir / "checkpoint.pt")["iteration"] == {2: 4, 3: 6}[at]
+    if sticky:  # nothing more could be written: metrics.json is the interrupted run's
+        assert (run_dir / "metrics.json").read_bytes() == good["metrics.json"]
+    else:  # a small file still fits: the failure is recorded for the report
+        metrics = read_metrics(run_dir)
+        assert metrics["status"] == "failed" and metrics["failed_writing"] == str(path)
+        [run] = collect_runs(tmp_path)
+        assert run["status"] == "failed" and run["error"] == str(info.value)
+
+    monkeypatch.undo()  # space freed: the same command continues from the last good checkpoint
+    again = train(tiny_cfg(*cfg), run_dir)
+    assert again["status"] == "completed" and again["resume_count"] >= 1
+    assert again["psnr"] == read_metrics(uninterrupted)["psnr"]
+    assert_same_weights(run_dir, uninterrupted)
+
+
+def test_a_full_disk_while_saving_a_val_image_names_it_and_leaves_no_half_png(
+    monkeypatch, tmp_path
+):
+    def full(path, *args, **kwargs):
+        Path(path).write_bytes(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(validation, "save_image", full)
+    with pytest.raises(DiskFullError) as info:
+        train(tiny_cfg("train.iterations=2"), tmp_path)
+    png = tmp_path / "images" / "val_000.png"
+    assert str(info.value) == (
+        f"{png}: no space left on device (ENOSPC); the partial image was removed"
+    )
+    assert not png.exists() and read_metrics(tmp_path)["failed_writing"] == str(png)
+
+
+def test_cli_full_disk_is_one_line_naming_the_file_with_exit_2(site, tmp_path):
+    # Write 2 of the run: the first interval checkpoint is write 1, the second write 2.
+    proc = cli(site, tmp_path, f"hydra.run.dir={tmp_path}", *RUN, enospc_at=2)
+    code, err = finish(proc)
+    path = tmp_path / "checkpoint.pt"
+    assert code == EXIT_CODES["error"] == 2
+    assert err == (
+        f"mptex-train: error: {path}: no space left on device (ENOSPC); {path} is unchanged\n"
+    )
+    assert load_checkpoint(path)["iteration"] == 10 and not temporaries(tmp_path)
+    assert (tmp_path / "metrics.json").exists() is False  # the disk stayed full
+
+
+def _mount_tmpfs(where: Path, size_kib: int) -> bool:
+    where.mkdir()
+    cmd = ["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(where)]
+    try:
+        return subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
+    except OSError:
+        return False
+
+
+def test_a_real_full_tmpfs(site, tmp_path):
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, 4096):
+        pytest.skip("cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)")
+    try:
+        run_dir = disk / "run"
+        args = (f"hydra.run.dir={run_dir}", *RUN)
+        code, err = finish(cli(site, tmp_path, *args, "train.inject_signal_at=12"))
+        assert code == 3, err
+        good = {f: (run_dir / f).read_bytes() for f in ("checkpoint.pt", "metrics.json")}
+        # Leave less room than a checkpoint needs and more than metrics.json does.
+        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+        filler = disk / f"filler-{uuid.uuid4().hex}"
+        filler.write_bytes(b"\0" * (free - len(good["checkpoint.pt"]) // 2))
+        code, err = finish(cli(site, tmp_path, *args))
+        path = run_dir / "checkpoint.pt"
+        assert code == 2 and err.splitlines() == [
+            f"mptex-train: error: {path}: no space left on device (ENOSPC); {path} is unchanged"
+        ]
+        assert path.read_bytes() == good["checkpoint.pt"] and not temporaries(disk)
+        assert read_metrics(run_dir)["failed_writing"] == str(path)
+        filler.unlink()
+        code, err = finish(cli(site, tmp_path, *args))
+        assert code == 0, err
+        assert read_metrics(run_dir)["status"] == "completed"
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True, timeout=30)
+
+
+# ----------------------------------------------------------------------------- Adam on resume
+# Adam has two parameter groups, the grid's and the MLP's (train.mlp_lr_scale), each with an
+# lr_scale applied on top of the schedule: a resume restores both, at this run's rates.
+ADAM_RUN = ("train.iterations=6", "train.checkpoint_interval=2")
+
+
+def _adam_groups(run_dir: Path) -> list[dict]:
+    return load_checkpoint(run_dir / "checkpoint.pt")["optimizer"]["param_groups"]
+
+
+def _assert_same_adam_state(a: Path, b: Path) -> None:
+    sa, sb = (load_checkpoint(d / "checkpoint.pt")["optimizer"]["state"] for d in (a, b))
+    assert sa.keys() == sb.keys() and all(
+        sa[i].keys() == sb[i].keys() and all(torch.equal(sa[i][k], sb[i][k]) for k in sa[i])
+        for i in sa
+    )
+
+
+def test_a_resume_restores_both_adam_groups_bit_exactly(tmp_path):
+    cfg = (*ADAM_RUN, "train.mlp_lr_scale=0.25")
+    whole = train(tiny_cfg(*cfg), tmp_path / "whole")
+    first = train(tiny_cfg(*cfg, "train.inject_signal_at=2"), tmp_path / "resumed")
+    assert first["status"] == "interrupted"
+    grid, mlp = _adam_groups(tmp_path / "resumed")
+    assert (grid["lr_scale"], mlp["lr_scale"]) == (1.0, 0.25) and mlp["lr"] == grid["lr"] * 0.25
+    again = train(tiny_cfg(*cfg), tmp_path / "resumed")
+    assert again["status"] == "completed" and again["resume_count"] == 1
+    assert again["psnr"] == whole["psnr"] and again["history"] == whole["history"]
+    assert_same_weights(tmp_path / "resumed", tmp_path / "whole")
+    _assert_same_adam_state(tmp_path / "resumed", tmp_path / "whole")
+    assert _adam_groups(tmp_path / "resumed") == _adam_groups(tmp_path / "whole")
+
+
+def test_a_resume_runs_the_mlp_at_its_own_configs_rate(tmp_path):
+    # As train.lr, train.mlp_lr_scale is this run's: the checkpoint's lr_scale does not win.
+    train(tiny_cfg(*ADAM_RUN, "train.inject_signal_at=2"), tmp_path)
+    assert [g["lr_scale"] for g in _adam_groups(tmp_path)] == [1.0, 1.0]
+    again = train(tiny_cfg(*ADAM_RUN, "train.mlp_lr_scale=0.5"), tmp_path)
+    assert again["status"] == "completed" and again["config"]["train"]["mlp_lr_scale"] == 0.5
+    grid, mlp = _adam_groups(tmp_path)
+    assert mlp["lr_scale"] == 0.5 and mlp["lr"] == grid["lr"] * 0.5
+
+
+def test_a_checkpoint_with_one_adam_group_resumes_bit_exactly(tmp_path, uninterrupted):
+    # Checkpoints written before train.mlp_lr_scale hold one group of all the texture's
+    # parameters in texture.parameters() order; at mlp_lr_scale 1 they continue as before.
+    from mptex.train import load_texture
+    from mptex.train.checkpoint import save_checkpoint
+    from mptex.train.loop import _param_groups
+
+    train(tiny_cfg(*ADAM_RUN, "train.inject_signal_at=2"), tmp_path)
+    path = tmp_path / "checkpoint.pt"
+    ckpt = load_checkpoint(path)
+    texture = load_texture(path)
+    position = {id(p): i for i, p in enumerate(texture.parameters())}
+    grouped = [p for group in _param_groups(texture, 1.0) for p in group["params"]]
+    assert sorted(position[id(p)] for p in grouped) == list(range(len(grouped)))
+    adam = ckpt["optimizer"]
+    old_group = {k: v for k, v in adam["param_groups"][0].items() if k != "lr_scale"}
+    ckpt["optimizer"] = {
+        "state": {position[id(p)]: adam["state"][i] for i, p in enumerate(grouped)},
+        "param_groups": [{**old_group, "params": list(range(len(grouped)))}],
+    }
+    save_checkpoint(path, ckpt)
+
+    again = train(tiny_cfg(*ADAM_RUN), tmp_path)
+    assert again["status"] == "completed" and again["resume_count"] == 1
+    assert again["psnr"] == read_metrics(uninterrupted)["psnr"]
+    assert_same_weights(tmp_path, uninterrupted)
+    _assert_same_adam_state(tmp_path, uninterrupted)
+
+
+def test_an_adam_state_that_fits_no_texture_is_one_line_naming_the_checkpoint(tmp_path):
+    from mptex.train import ConfigError
+    from mptex.train.checkpoint import save_checkpoint
+
+    train(tiny_cfg(*ADAM_RUN, "train.inject_signal_at=2"), tmp_path)
+    path = tmp_path / "checkpoint.pt"
+    ckpt = load_checkpoint(path)
+    ckpt["optimizer"]["param_groups"].append(dict(ckpt["optimizer"]["param_groups"][1]))
+    save_checkpoint(path, ckpt)
+    with pytest.raises(ConfigError) as info:
+        train(tiny_cfg(*ADAM_RUN), tmp_path)
+    message = str(info.value)
+    assert message.startswith(f"train.resume: checkpoint {path}: its optimizer state does not ")
+    assert "\n" not in message and read_metrics(tmp_path)["failed_at"] == "start"
+    assert load_checkpoint(path)["iteration"] == 3  # left as it was

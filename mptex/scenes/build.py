@@ -13,9 +13,8 @@ from pathlib import Path
 import torch
 
 from mptex.render.camera import orbit_views, random_views
+from mptex.render.material import mesh_materials, shade_kd
 from mptex.render.mesh import load_obj, unit_size
-from mptex.render.rasterize import interpolate
-from mptex.render.texture import texture
 from mptex.scenes.builtin import gt_texture, torus_knot
 from mptex.scenes.gbuffer import GBuffer
 from mptex.scenes.nerf import load_nerf_split
@@ -181,12 +180,8 @@ def _build_builtin(cfg: dict, device) -> Scene:
 
 def _textured_reference(mesh):
     def reference(gbuffer: GBuffer) -> torch.Tensor:
-        if mesh.kd_texture is not None and mesh.v_tex is not None:
-            uv, _ = interpolate(mesh.v_tex, gbuffer.rast, mesh.t_tex_idx)
-            rgb = texture(mesh.kd_texture.unsqueeze(0), uv)
-        else:
-            rgb = mesh.kd.expand_as(gbuffer.position)
-        return _coverage_rgba(rgb, gbuffer.mask)
+        # Each pixel takes its triangle's material: its texture at the UV, or its Kd.
+        return _coverage_rgba(shade_kd(mesh, gbuffer.rast), gbuffer.mask)
 
     return reference
 
@@ -196,10 +191,8 @@ def _build_mesh(cfg: dict, device) -> Scene:
     if not path.is_file():
         raise ValueError(f"scene.path: file not found: {path}")
     mesh = load_obj(path)
-    if mesh.kd_texture is None and mesh.kd is None:
+    if mesh_materials(mesh) is None:
         raise ValueError(f"scene.path: {path} has no material with Kd or map_Kd to render")
-    if mesh.kd_texture is not None and mesh.v_tex is None:
-        raise ValueError(f"scene.path: {path} has a map_Kd texture but no texture coordinates")
     _check_extent(mesh, "path", path)
     if cfg["normalize"]:
         mesh = unit_size(mesh)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from mptex.scenes.assets import suite_path
+
 __all__ = ["CONFIG_DIR", "EXPERIMENTS_DIR", "job_dirname", "register_experiments", "train_main"]
 
 # configs/ and experiments/ at the repository root, next to the package (source checkout or
@@ -52,6 +54,8 @@ def job_dirname(overrides: str) -> str:
 # Registered at import: sweep jobs resolve hydra.sweep.subdir in the job's process, which under
 # the submitit and joblib launchers imports this module to unpickle the task, not train_main.
 OmegaConf.register_new_resolver("mptex_dirname", job_dirname, replace=True)
+# configs/scene/<asset>.yaml: the real-asset suite's OBJ path, found in pybullet_data at run time.
+OmegaConf.register_new_resolver("mptex_asset", suite_path, replace=True)
 
 
 def _error(message: str) -> None:

@@ -1,9 +1,9 @@
 """Shared skip markers and tolerances.
 
 Mark a test with ``@pytest.mark.requires_cuda``, ``requires_tcnn``, ``requires_nvdiffrast``,
-``requires_triton``, ``requires_xatlas`` or ``requires_trimesh``; the hook below turns the mark
-into a skip with a reason when the dependency is absent. Markers are registered in
-pyproject.toml, and ``--strict-markers`` rejects typos.
+``requires_triton``, ``requires_xatlas``, ``requires_trimesh`` or ``requires_assets``; the hook
+below turns the mark into a skip with a reason when the dependency is absent. Markers are
+registered in pyproject.toml, and ``--strict-markers`` rejects typos.
 """
 
 import importlib.util
@@ -14,6 +14,7 @@ import torch
 
 from mptex._backends import has_nvdiffrast, has_tcnn, has_triton
 from mptex.bake import has_xatlas
+from mptex.scenes import suite_available
 
 _REQUIREMENTS = {
     "requires_cuda": (torch.cuda.is_available, "needs a CUDA device"),
@@ -24,6 +25,11 @@ _REQUIREMENTS = {
     "requires_trimesh": (
         lambda: importlib.util.find_spec("trimesh") is not None,
         "needs trimesh (pip install trimesh, or the test extra)",
+    ),
+    "requires_assets": (
+        suite_available,
+        "needs pybullet_data, the real-asset suite's meshes (pip install pybullet==3.2.7, or the "
+        "test extra)",
     ),
 }
 

@@ -17,6 +17,7 @@ from mptex.diagnostics import (
     Setup,
     check_gradient_flow,
     compare_setups,
+    saturation_statistics,
     subnormal_threshold,
     tensor_statistics,
     to_host,
@@ -154,6 +155,63 @@ def test_monitor_merges_several_forwards_and_is_idle_between_samples():
     stats = monitor.collect()
     assert stats["iteration"] == 10 and "loss_scale" not in stats
     assert stats["net.2.act_maxabs"] > 0
+
+
+def test_monitor_records_the_output_saturation_per_channel():
+    texture = _texture("f32")
+    monitor = PrecisionMonitor(texture, every=1)
+    points, _ = _batch(256)
+    monitor.start(0)
+    texture.sample(points)
+    healthy = monitor.collect()
+    # tcnn's grid init (|entries| <= 1e-4) keeps every logit near 0: nothing saturates.
+    assert [healthy[f"output.saturated_frac.{c}"] for c in range(3)] == [0.0, 0.0, 0.0]
+    with torch.no_grad():
+        texture.encoder.params.mul_(1e4)  # features of order 1
+        last = texture.net.layers[-1].weight
+        last.copy_(torch.tensor([1e3, 0.0, -1e3])[:, None].expand_as(last))
+    logits = []
+    hook = texture.net.register_forward_hook(lambda module, args, out: logits.append(out))
+    monitor.start(1)
+    texture.sample(points)
+    texture.sample(points[:64])  # a second forward (the smoothness term's) is merged
+    stats = monitor.collect()
+    hook.remove()
+    saturation = saturation_statistics(torch.cat(logits))
+    assert [stats[f"output.saturated_frac.{c}"] for c in range(3)] == pytest.approx(
+        saturation["saturated_fraction"]
+    )
+    assert stats["output.saturated_frac.0"] > 0.9 and stats["output.saturated_frac.2"] > 0.9
+    assert stats["output.saturated_frac.1"] == 0.0  # a zero row of weights: logit exactly 0
+
+
+def test_saturation_statistics_hand_computed():
+    logits = torch.tensor([
+        [9.0, 0.0, -9.0, 50.0],  # ch 0, 2 saturated and right; ch 3 has no reference
+        [7.9, -8.5, 0.0, 0.0],  # ch 0 wrong but just short of saturated; ch 1 stuck
+        [-100.0, 8.01, 0.0, 0.0],  # ch 0 and ch 1 stuck
+        [12.0, 0.0, 30.0, 0.0],  # ch 0, 2 saturated and wrong, but no surface in the reference
+    ])  # fmt: skip
+    values = torch.sigmoid(logits[:, :3])
+    reference = torch.tensor([
+        [1.0, 0.5, 0.0],
+        [0.5, 0.5, 0.5],
+        [0.95, 0.0, 0.5],
+        [0.0, 0.5, 0.0],
+    ])  # fmt: skip
+    valid = torch.tensor([True, True, True, False])
+    got = saturation_statistics(logits, values, reference, valid)
+    assert got["saturated_fraction"] == [3 / 4, 2 / 4, 2 / 4, 1 / 4]
+    assert got["stuck_fraction"] == [1 / 4, 2 / 4, 0.0, None]
+    assert got["covered_pixels"] == 4 and got["threshold_logit"] == 8.0
+    assert got["stuck_tolerance"] == 0.1
+    # Without a valid mask the reference-less row counts: ch 0 and ch 2 gain a stuck pixel.
+    assert saturation_statistics(logits, values, reference)["stuck_fraction"] == [
+        2 / 4, 2 / 4, 1 / 4, None
+    ]  # fmt: skip
+    assert saturation_statistics(logits)["stuck_fraction"] is None
+    with pytest.raises(ValueError, match="values, reference"):
+        saturation_statistics(logits, values[:2], reference[:2])
 
 
 # ----------------------------------------------------------------------------- gradient flow

@@ -340,7 +340,7 @@ def test_unreadable_metrics_are_listed_and_the_report_is_written(tmp_path, text,
     report_text = (tmp_path / "report.md").read_text()
     assert "Unreadable runs (1; counted as failed, 1 of them in no row" in report_text
     assert "- `1/metrics.json`: unreadable metrics.json" in report_text and why in report_text
-    assert "2 runs, 1 completed, 0 diverged, 1 failed" in report_text
+    assert "2 runs, 1 completed, 0 collapsed, 0 diverged, 1 failed" in report_text
     json.loads((tmp_path / "results.json").read_text())  # strict JSON, complete
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import math
+import mmap
 from pathlib import Path
 
 import pytest
@@ -59,6 +61,7 @@ def tiny_cfg(*overrides: str):
 
 _TYPES = {
     "status": str, "psnr": float, "baseline_psnr": float, "psnr_per_image": list,
+    "saturation": dict,
     "precision": str, "scene": str, "seed": int, "iterations": int,
     "iterations_planned": int, "final_loss": float, "time_per_iter_s": float,
     "wall_time_s": float, "train_time_s": float, "peak_memory_bytes": int,
@@ -109,6 +112,80 @@ def test_psnr_rises_and_beats_the_constant_baseline(tmp_path):
     curve = [h["psnr"] for h in m["history"] if h["psnr"] is not None]
     assert len(curve) == 3 and curve[-1] > curve[0]
     assert m["psnr"] == curve[-1] and m["psnr"] > m["baseline_psnr"]
+    # A healthy fit: no covered pixel saturated at a wrong value, at any validation.
+    validations = [h for h in m["history"] if h["psnr"] is not None]
+    assert all(h["stuck_fraction"] == [0.0, 0.0, 0.0] for h in validations)
+    assert m["saturation"]["stuck_fraction"] == validations[-1]["stuck_fraction"]
+    assert m["saturation"]["covered_pixels"] > 0
+
+
+def _saturating_build(monkeypatch):
+    """Make the loop's textures start saturated: grid features of order 1 (tcnn's init gives
+    1e-4) and a last layer of +-1e3 per channel, so every logit is ~+-1e3 (yellow, (1, 1, 0)):
+    the sigmoid's float32 gradient there is 0 (or ~1e-40), the run cannot leave it."""
+    build = mtrain.loop._build_texture
+
+    def saturated(*args, **kwargs):
+        texture = build(*args, **kwargs)
+        with torch.no_grad():
+            texture.encoder.params.mul_(1e4)
+            last = texture.net.layers[-1].weight
+            last.copy_(torch.tensor([1e3, 1e3, -1e3])[:, None].expand_as(last))
+        return texture
+
+    monkeypatch.setattr(mtrain.loop, "_build_texture", saturated)
+
+
+def test_a_run_forced_to_saturate_is_reported_collapsed(tmp_path, monkeypatch):
+    from mptex.report import summarize, write_report
+    from mptex.report.collect import collect_runs
+
+    steps = ("train.iterations=40", "train.val_interval=10")
+    for arm in ("f32", "bf16"):
+        for seed in (0, 1, 2):
+            if (arm, seed) == ("f32", 1):
+                _saturating_build(monkeypatch)
+            train(tiny_cfg(f"precision={arm}", f"train.seed={seed}", *steps),
+                  tmp_path / f"{arm}_{seed}")  # fmt: skip
+            monkeypatch.undo()
+    m = read_metrics(tmp_path / "f32_1")
+    assert m["status"] == "completed"  # the loop records what happened; the report names it
+    assert m["saturation"]["saturated_fraction"] == [1.0, 1.0, 1.0]
+    assert min(m["saturation"]["stuck_fraction"]) > 0.8  # measured: 0.97, 0.89, 0.97
+    validations = [h for h in m["history"] if h["psnr"] is not None]
+    assert [h["iteration"] for h in validations] == [10, 20, 30, 40]
+    assert all(min(h["stuck_fraction"]) > 0.8 for h in validations)  # from the first one
+    assert m["psnr"] < m["baseline_psnr"]
+    assert max(h["psnr"] for h in validations) - min(h["psnr"] for h in validations) < 0.2
+    # The monitor saw it on the training batches too.
+    sampled = [h for h in m["history"] if "output.saturated_frac.0" in h]
+    assert sampled and all(h["output.saturated_frac.2"] == 1.0 for h in sampled)
+
+    runs = {(r["precision"], r["seed"]): r for r in collect_runs(tmp_path)}
+    collapsed = runs[("f32", 1)]
+    assert collapsed["status"] == "collapsed" and collapsed["collapsed"] is True
+    assert collapsed["collapse"]["rule"] == "stuck"
+    assert collapsed["collapse"]["stuck_since"] == 10
+    assert collapsed["collapse"]["flat_since"] == 10
+    assert all(r["status"] == "completed" for key, r in runs.items() if key != ("f32", 1))
+    rows = {r["precision"]: r for r in summarize(list(runs.values()))}
+    assert rows["f32"]["completed"] == 2 and rows["f32"]["collapsed"] == 1
+    assert rows["f32"]["n_seeds"] == 2
+    # bf16's seed 1 lost its f32 partner: two pairs left, and none of them is the collapse.
+    assert [seed for seed, _ in rows["bf16"]["pairs"]] == [0, 2]
+    assert rows["bf16"]["excluded"] == [
+        {"seed": 1, "run_dir": "bf16_1", "why": "its f32 run collapsed"}
+    ]
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert "6 runs, 5 completed, 1 collapsed" in text
+    assert "- Collapsed (1 run; counted apart from the completed runs" in text
+    assert "`f32` seed 1: 9" in text and "% of covered pixels stuck in channel" in text
+    assert ("- Excluded from the paired differences: `f32` seed 1 (collapsed), `bf16` seed 1 "
+            "(its f32 run collapsed).") in text  # fmt: skip
+    with (tmp_path / "results.csv").open(newline="") as f:
+        flags = {(r["precision"], r["seed"]): r["collapsed"] for r in csv.DictReader(f)}
+    assert flags.pop(("f32", "1")) == "True" and set(flags.values()) == {"False"}
 
 
 def test_two_runs_give_identical_metrics_except_timings(tmp_path):
@@ -130,9 +207,11 @@ def test_resume_reproduces_the_uninterrupted_run_bitwise(tmp_path):
     a, b = load_checkpoint(full / "checkpoint.pt"), load_checkpoint(part / "checkpoint.pt")
     for key, value in a["texture"].items():
         assert torch.equal(value, b["texture"][key]), key
-    # The interrupted run also validated at its last iteration (3): only that PSNR differs.
-    drop = [{k: v for k, v in h.items() if k != "psnr"} for h in a["history"]]
-    assert drop == [{k: v for k, v in h.items() if k != "psnr"} for h in b["history"]]
+    # The interrupted run also validated at its last iteration (3): only what a validation
+    # writes (its PSNR and saturation statistics) differs.
+    val_keys = {"psnr", "saturated_fraction", "stuck_fraction"}
+    drop = [{k: v for k, v in h.items() if k not in val_keys} for h in a["history"]]
+    assert drop == [{k: v for k, v in h.items() if k not in val_keys} for h in b["history"]]
     assert read_metrics(full)["psnr"] == m["psnr"]
 
 
@@ -260,7 +339,10 @@ def test_run_peak_rss_sees_memory_held_during_the_run():
     if not rss.available:
         pytest.skip("no /proc/self/statm on this platform")
     before = rss.peak
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    # A fresh anonymous mapping, every page written: a tensor could reuse pages that an
+    # earlier test freed but the allocator kept resident, and then RSS would not grow.
+    block = mmap.mmap(-1, 64 * 2**20)
+    block.write(b"\1" * (64 * 2**20))
     rss.stop()
-    del block
+    block.close()
     assert rss.peak - before >= 60 * 2**20

@@ -47,7 +47,7 @@ from mptex.bake.bake import (
 from mptex.bake.unwrap import has_xatlas
 from mptex.render.image import psnr, rgb_to_srgb, save_image
 from mptex.render.mesh import Mesh
-from mptex.scenes import Scene, build_scene
+from mptex.scenes import MESH_SCENES, Scene, build_scene
 from mptex.texture import MLPTexture3D
 
 __all__ = [
@@ -384,7 +384,7 @@ def measure_bake(
         (dB, mean over views), ``psnr_baked_vs_neural_per_image``, ``world_units_per_pixel``
         (median distance between the surface points of neighbouring pixels) and ``n_views``.
     """
-    if scene_cfg.get("name") not in ("builtin", "mesh"):
+    if scene_cfg.get("name") not in ("builtin", *MESH_SCENES):
         raise ValueError(
             f"scene.name: the bake is measured on builtin and mesh scenes (their cameras are "
             f"rebuilt from the config), not {scene_cfg.get('name')!r}"

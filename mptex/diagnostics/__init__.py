@@ -9,6 +9,9 @@ Three tools, all for :class:`~mptex.MLPTexture3D` (the encoder and each MLP laye
   setups (precision arms, encoder backends, devices, grad/no_grad, train/eval), every stage
   compared with a float64 CPU reference against a per-stage bound of what its dtypes explain.
 * :func:`check_gradient_flow`: every trainable parameter receives a finite, non-zero gradient.
+* :func:`saturation_statistics`: per output channel, the fraction of the texture's logits where
+  its output sigmoid saturates (``|z| > 8``), and of those the ones that are wrong ("stuck", the
+  signature of a collapsed run, issue 19); measured at every validation by ``mptex-train``.
 
 And :func:`to_host`, the one synchronous device-to-host copy the code above reads results with.
 """
@@ -25,12 +28,22 @@ from mptex.diagnostics.compare import (
 from mptex.diagnostics.flow import check_gradient_flow
 from mptex.diagnostics.host import to_host
 from mptex.diagnostics.monitor import PrecisionMonitor, subnormal_threshold, tensor_statistics
+from mptex.diagnostics.saturation import (
+    SATURATION_LOGIT,
+    STUCK_TOLERANCE,
+    saturated_counts,
+    saturation_statistics,
+)
 
 __all__ = [
     "to_host",
     "tensor_statistics",
     "subnormal_threshold",
     "PrecisionMonitor",
+    "SATURATION_LOGIT",
+    "STUCK_TOLERANCE",
+    "saturated_counts",
+    "saturation_statistics",
     "check_gradient_flow",
     "Setup",
     "StageError",

@@ -1,6 +1,7 @@
 """Training-time precision statistics: per site (the encoder and each MLP layer), the fraction of
 gradient elements that are zero or subnormal in the compute dtype, inf/NaN fractions, activation
-max-abs."""
+max-abs; and per output channel, the fraction of the batch's logits where the output sigmoid
+saturates."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from mptex.diagnostics.host import to_host
+from mptex.diagnostics.saturation import SATURATION_LOGIT, saturated_counts
 from mptex.precision import StepResult
 from mptex.texture import MLPTexture3D
 
@@ -129,6 +131,12 @@ class PrecisionMonitor:
                                     non-zero contributions the half accumulator flushed;
                                     ``zero_frac``/``subnormal_frac`` after the half ``/ scale``;
                                     ``flushed_by_unscale_frac``; ``scaled_*`` before it)
+    ``output.saturated_frac.<c>``   fraction of the batch's logits in output channel ``c``
+                                    (the texture's MLP output, before the sigmoid) with
+                                    ``|z| > 8`` (:data:`~mptex.diagnostics.saturation.
+                                    SATURATION_LOGIT`): the sigmoid's gradient there is below
+                                    3.4e-4 (issue 19; the validation's ``stuck_fraction`` says
+                                    which of them are also wrong)
     ``loss_scale``, ``skipped``     from the :class:`~mptex.StepResult` (scale after the update)
     ``iteration``
     ==============================  ===========================================================
@@ -180,6 +188,8 @@ class PrecisionMonitor:
         self._armed = False
         self._iteration: int | None = None
         self._acc: dict[str, torch.Tensor] = {}
+        # [saturated count per channel..., rows]: the texture's logits, merged over forwards.
+        self._saturation: torch.Tensor | None = None
         self._handles = []
         # The fused network's twin counts what its half accumulators flush inside its backward
         # (invisible to tensor hooks); tcnn's real network has no such hook.
@@ -189,6 +199,15 @@ class PrecisionMonitor:
             self._handles.append(module.register_forward_hook(self._forward_hook(site, dtype)))
         for site, suffix, param, dtype in _site_params(texture):
             self._handles.append(param.register_hook(self._record(f"{site}{suffix}.grad", dtype)))
+        self._handles.append(texture.net.register_forward_hook(self._record_saturation))
+
+    def _record_saturation(self, module, inputs, logits) -> None:
+        if not self._armed or not isinstance(logits, torch.Tensor) or logits.ndim != 2:
+            return
+        counts = saturated_counts(logits, SATURATION_LOGIT)
+        counts = torch.cat([counts, counts.new_tensor([logits.shape[0]])])
+        old = self._saturation
+        self._saturation = counts if old is None else old + counts.to(old.device)
 
     def _record(self, key: str, dtype: torch.dtype) -> Callable[[torch.Tensor], None]:
         def hook(tensor: torch.Tensor) -> None:
@@ -219,6 +238,7 @@ class PrecisionMonitor:
     def start(self, iteration: int) -> bool:
         """Arm the hooks for this iteration if it is sampled; returns whether it is."""
         self._acc.clear()
+        self._saturation = None
         self._iteration = iteration
         self._armed = self.should_sample(iteration)
         if self._fused is not None:
@@ -240,17 +260,26 @@ class PrecisionMonitor:
         self._armed = False
         keys = sorted(self._acc)
         stats: dict[str, float] = {"iteration": self._iteration}
-        if keys:
-            device = self._acc[keys[0]].device
-            stacked = torch.stack([self._acc[k].to(device) for k in keys])
-            for key, counts in zip(keys, to_host(stacked).tolist()):  # the one host copy
-                fractions = _fractions(counts)
+        saturation = self._saturation
+        if keys or saturation is not None:
+            device = (self._acc[keys[0]] if keys else saturation).device
+            flat = [self._acc[k].to(device) for k in keys]  # [5] each, see _counts
+            if saturation is not None:
+                flat.append(saturation.to(device))
+            host = to_host(torch.cat(flat)).tolist()  # the one host copy
+            for index, key in enumerate(keys):
+                fractions = _fractions(host[index * 5 : index * 5 + 5])
                 wanted = ("maxabs", "nonfinite_frac") if key.endswith(".act") else fractions
                 if key.endswith(".out_grad"):
                     wanted = ("zero_frac", "subnormal_frac", "nonfinite_frac")
                 for name in wanted:
                     stats[f"{key}_{name}"] = fractions[name]
+            if saturation is not None:
+                *per_channel, rows = host[len(keys) * 5 :]
+                for channel, count in enumerate(per_channel):
+                    stats[f"output.saturated_frac.{channel}"] = count / max(rows, 1.0)
         self._acc.clear()
+        self._saturation = None
         if self._fused is not None:
             for layer, values in sorted(self._fused.last_stats.items()):
                 for name, value in sorted(values.items()):

@@ -92,14 +92,14 @@ def write_report(
     written: dict[str, Path] = {}
 
     path = sweep_dir / "results.csv"
-    fields = [*collect.RUN_FIELDS, *keys, "counted", "note"]
+    fields = [*collect.RUN_FIELDS, "collapsed", *keys, "counted", "note"]
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(fields)
         for run in runs:
             duplicate = run.get("duplicate_of")
             record = {
-                **{k: run.get(k) for k in collect.RUN_FIELDS},
+                **{k: run.get(k) for k in (*collect.RUN_FIELDS, "collapsed")},
                 **(run.get("keys") or {}),
                 "counted": duplicate is None and run.get("config") is not None,
                 "note": f"duplicate of {duplicate}" if duplicate else run.get("note"),

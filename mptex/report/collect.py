@@ -39,10 +39,12 @@ __all__ = [
     "is_number",
 ]
 
-# Run outcomes. "unavailable": the arm needs a library or device this machine lacks (tcnn_fused
-# without tinycudann); it is listed, never silently dropped. An unreadable metrics.json is a
-# failed run (its error says why, its path is listed).
-STATUSES = ("completed", "diverged", "failed", "unavailable")
+# Run outcomes. "collapsed": completed, but its output saturated at the wrong colour or its PSNR
+# sat flat below the constant-colour baseline (mptex.report.collapse): counted apart from the
+# completed runs and out of their statistics. "unavailable": the arm needs a library or device
+# this machine lacks (tcnn_fused without tinycudann); it is listed, never silently dropped. An
+# unreadable metrics.json is a failed run (its error says why, its path is listed).
+STATUSES = ("completed", "collapsed", "diverged", "failed", "unavailable")
 REFERENCE_ARM = "f32"
 # Table order: the reference first, then the issue's order of arms; unknown arms follow by name.
 ARM_ORDER = ("f32", "nvdiffrec", "f16_naive", "f16_static", "f16_dynamic", "amp", "bf16",
@@ -171,7 +173,8 @@ def _missing_backend(metrics: Mapping[str, Any]) -> str | None:
 
 
 def _status(metrics: Mapping[str, Any]) -> tuple[str, str | None]:
-    """The report's status of a run and, where it differs from the recorded one, why."""
+    """The report's status of a run (before the collapse check of :func:`_read_job`) and, where
+    it differs from the recorded one, why."""
     status = metrics.get("status")
     # The loop refuses a config that needs a missing backend at start, as any config error; for
     # the report that arm is unavailable on this machine, not a failed run.
@@ -235,7 +238,8 @@ def _read_metrics(path: Path) -> tuple[dict[str, Any] | None, str | None]:
 
 def _empty_run() -> dict[str, Any]:
     run: dict[str, Any] = dict.fromkeys(RUN_FIELDS)
-    run.update(history=[], underflow={}, versions={}, config=None, note=None, unreadable=False)
+    run.update(history=[], underflow={}, versions={}, config=None, note=None, unreadable=False,
+               collapsed=False, collapse=None, saturation=None)  # fmt: skip
     return run
 
 
@@ -271,6 +275,14 @@ def _read_job(job_dir: Path) -> dict[str, Any]:
     if isinstance(export, Mapping):  # exported runs (export.enabled=true): the bake's PSNR
         run["bake_psnr"] = export.get("psnr_baked_vs_neural")
     run["status"], run["note"] = _status(metrics)
+    if run["status"] == "completed":
+        # Imported here: mptex.report.collapse reads numbers with this module's is_number.
+        from mptex.report.collapse import classify_collapse
+
+        run["collapse"] = classify_collapse(metrics)
+        if run["collapse"] is not None:  # the note is the evidence the report prints
+            run.update(status="collapsed", collapsed=True, note=run["collapse"]["reason"])
+    run["saturation"] = metrics.get("saturation")
     if run["status"] == "unavailable" and not run.get("error"):
         run["error"] = f"needs {_missing_backend(metrics)}"
     config = metrics.get("config")
@@ -302,7 +314,9 @@ def collect_runs(sweep_dir: str | Path) -> list[dict[str, Any]]:
         relative to ``sweep_dir``), ``status`` normalised to :data:`STATUSES`, ``note`` (why the
         status differs from the recorded one, or None), ``unreadable`` (metrics.json could not
         be parsed), ``config`` (flattened dotted keys, or None when no config was readable),
-        ``history`` (list of dicts), ``underflow`` (name -> value), ``versions``.
+        ``history`` (list of dicts), ``underflow`` (name -> value), ``versions``, ``collapsed``
+        (bool), ``collapse`` (the evidence of :func:`mptex.report.collapse.classify_collapse`,
+        or None) and ``saturation`` (metrics.json's, or None).
     """
     sweep_dir = Path(sweep_dir).resolve()
     runs = []

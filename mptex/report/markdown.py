@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mptex.report.collapse import RULE as COLLAPSE_RULE
 from mptex.report.collect import REFERENCE_ARM, STATUSES, is_number
 from mptex.report.stats import CONFIDENCE, fastest_at_reference_quality
 
@@ -113,16 +114,21 @@ def _reading(rows: Sequence[Mapping[str, Any]], margin_db: float, on_cpu: bool) 
     lines = []
     compared = [r for r in rows if r["verdict"] is not None]
     refs = [r for r in rows if r["precision"] == REFERENCE_ARM and r["verdict"] is None]
+    # Collapses leave runs out of the pairs; the sentences that count pairs say so.
+    after = " left by the collapses" if any(r.get("excluded") for r in rows) else ""
     if not refs or refs[0]["psnr_mean"] is None:
-        lines.append(f"- No completed `{REFERENCE_ARM}` run: no arm can be compared with it.")
+        collapsed = " (collapsed runs are not compared)" if refs and refs[0]["collapsed"] else ""
+        lines.append(f"- No completed `{REFERENCE_ARM}` run{collapsed}: no arm can be compared "
+                     "with it.")  # fmt: skip
     elif any(r["verdict"] == "cannot judge" for r in compared) and not any(
         r["delta"]["n"] >= 2 for r in compared
     ):
         n = max(r["delta"]["n"] for r in compared)
         lines.append(
             f"- Cannot judge any arm against `{REFERENCE_ARM}`: {n} paired seed"
-            f"{'s' * (n != 1)} per arm, and a confidence interval needs at least 2 (run 3 or more,"
-            " e.g. `train.seed=0,1,2`). The Δ column is a single difference, not a result."
+            f"{'s' * (n != 1)}{after} per arm, and a confidence interval needs at least 2 (run 3 "
+            "or more, e.g. `train.seed=0,1,2`). The Δ column is a single difference, not a "
+            "result."
         )
     else:
         ref = refs[0]
@@ -151,7 +157,7 @@ def _reading(rows: Sequence[Mapping[str, Any]], margin_db: float, on_cpu: bool) 
                 "cores: the speed ranking says nothing about a GPU."
             )
         for name in ("worse", "better", "inconclusive", "cannot judge", "no paired seeds"):
-            # Rows with no completed run are in the diverged / failed lines below.
+            # Rows with no completed run are in the diverged / failed / collapsed lines below.
             hit = [r for r in compared if r["verdict"] == name and r["n_seeds"]]
             if hit:
                 items = ", ".join(f"{_name(r)} ({_delta(r)} dB)" for r in hit)
@@ -171,6 +177,22 @@ def _reading(rows: Sequence[Mapping[str, Any]], margin_db: float, on_cpu: bool) 
         lines.append(f"- Diverged: {items}.")
     else:
         lines.append("- No arm diverged.")
+    collapsed = [r for r in rows if r["collapsed"]]
+    if collapsed:
+        items = "; ".join(f"{_name(r)} seed {c['seed']}: {c['reason']}"
+                          for r in collapsed for c in r["collapsed_runs"])  # fmt: skip
+        n = sum(r["collapsed"] for r in collapsed)
+        lines.append(
+            f"- Collapsed ({n} run{'s' * (n != 1)}; counted apart from the completed runs, not in "
+            f"their PSNR, Δ or verdict): {items}."
+        )
+    excluded = [(r, e) for r in rows for e in r.get("excluded", [])]
+    if excluded:
+        items = ", ".join(f"{_name(r)} seed {e['seed']} ({e['why']})" for r, e in excluded)
+        lines.append(
+            f"- Excluded from the paired differences: {items}. A collapse is not read as a "
+            "precision effect; how often an arm collapses is its run count above."
+        )
     below = [r for r in rows if r["below_baseline"]]
     if below:
         items = ", ".join(f"{_name(r)} ({len(r['below_baseline'])} of {r['n_seeds']} runs)"
@@ -255,7 +277,8 @@ def render_report(
     header = ["arm", *(f"`{k}`" for k in key_columns), "seeds", "PSNR (dB)",
               f"Δ vs {REFERENCE_ARM} (dB) [{CONFIDENCE:.0%} CI]", "verdict",
               "baseline (dB)", "ms / iter", f"speed-up vs {REFERENCE_ARM}", "peak mem (MiB)",
-              "skipped steps", "eff. loss scale", "runs ok / div / fail / n.a."]  # fmt: skip
+              "skipped steps", "eff. loss scale",
+              "runs ok / coll. / div / fail / n.a."]  # fmt: skip
     # Runs trained with export.enabled=true: the baked texture's PSNR against the neural one.
     baked = any(is_number(r.get("bake_psnr")) for r in rows)
     if baked:
@@ -299,8 +322,16 @@ def render_report(
         "- Rows: one per combination of the swept config values (read from each job's own "
         "saved config), over seeds. seeds: completed runs in the row. PSNR: nvdiffrec's "
         "validation PSNR (sRGB, clamped) of the completed runs, mean ± sample std over seeds; ⚠: "
-        "a run at or below the constant-colour baseline (the best single colour, scored the "
-        "same way), i.e. it learned nothing useful.",
+        "a completed run at or below the constant-colour baseline (the best single colour, scored "
+        "the same way), i.e. it learned nothing useful, without being named collapsed.",
+        f"- Collapsed: {COLLAPSE_RULE}. Stuck pixels: the texture's output sigmoid is saturated "
+        "(sigmoid' < 3.4e-4, so the pixel barely learns) at a value that is wrong; a pure-colour "
+        "texture saturates correctly, which is why saturation alone is not a collapse. "
+        "`metrics.json`'s `saturation` and the validation entries of its `history` hold the "
+        "fractions per channel. A collapsed run is counted in `coll.`, not in seeds, PSNR, Δ or "
+        f"the verdict; it and its `{REFERENCE_ARM}` partner (or, for a collapsed "
+        f"`{REFERENCE_ARM}` run, every arm's run of that seed) leave the paired differences, "
+        "listed under the table.",
         f"- Δ vs `{REFERENCE_ARM}`: the mean of the paired differences PSNR(arm) − "
         f"PSNR(`{REFERENCE_ARM}`) over the seeds both completed, with the same other swept "
         f"values; [{CONFIDENCE:.0%} CI]: mean ± t(0.975, n−1) · sd / √n (Student t on the n "
@@ -321,9 +352,10 @@ def render_report(
         "- eff. loss scale: the factor the f16 gradients carried at the end: GradScaler's scale, "
         "times the fixed ×128 inside the graph of the `nvdiffrec` and `tcnn` arms; 1 without "
         "loss scaling.",
-        "- runs: completed / diverged (non-finite loss or gradient without loss scaling, too "
-        "many skipped steps in a row, or recorded as completed without a finite PSNR) / failed "
-        "(config error, crash, or an unreadable metrics.json) / not available on this machine.",
+        "- runs: completed / collapsed / diverged (non-finite loss or gradient without loss "
+        "scaling, too many skipped steps in a row, or recorded as completed without a finite "
+        "PSNR) / failed (config error, crash, or an unreadable metrics.json) / not available on "
+        "this machine.",
         "- Raw numbers: `results.csv`, `results.json`. Plots: "
         + (", ".join(f"`{name}`" for name, made in plots.items() if made) or "none")
         + "."

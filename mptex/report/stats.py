@@ -6,7 +6,10 @@ Method (stated in every report.md):
 - Pairing: an arm's run and the reference arm's run with the same seed and the same values of
   every other swept key (same scene, same learning rate, ...) form a pair; the difference is
   ``psnr(arm) - psnr(f32)`` in dB. Seeds that completed in only one of the two arms are not
-  paired (they are counted in the row's run counts instead).
+  paired (they are counted in the row's run counts instead). A collapsed run
+  (:mod:`mptex.report.collapse`) is not completed: it and its partner are left out of the pairs
+  and listed (``excluded``), so a collapse is never read as a precision effect; an arm left
+  without a pair by them "cannot judge".
 - Interval: mean of the n paired differences ± ``t_{0.975, n-1} * sd / sqrt(n)`` (Student t,
   two-sided 95 %, sample standard deviation). Needs n >= 2; with one pair there is no
   interval and no verdict ("cannot judge").
@@ -212,7 +215,11 @@ def _row(group: Sequence[Mapping[str, Any]], shown: Sequence[str]) -> dict[str, 
         "final_loss_scale": sorted({_effective_scale(r, float(r["final_loss_scale"]))
                                     for r in done if is_number(r["final_loss_scale"])}),
         "diverged_at": [r["diverged_at"] for r in group if r["status"] == "diverged"],
-        "notes": sorted({f"{r['run_dir']}: {r['note']}" for r in group if r.get("note")}),
+        # A collapse's note is its evidence, listed with collapsed_runs instead.
+        "notes": sorted({f"{r['run_dir']}: {r['note']}" for r in group
+                         if r.get("note") and r["status"] != "collapsed"}),
+        "collapsed_runs": [{"run_dir": r["run_dir"], "seed": r["seed"], "reason": r.get("note")}
+                           for r in group if r["status"] == "collapsed"],
         "errors": sorted({str(r["error"]) for r in group
                           if r["status"] in ("failed", "unavailable") and r.get("error")}),
         "underflow": {k: _mean(r["underflow"].get(k) for r in measured) for k in underflow_keys},
@@ -234,6 +241,22 @@ def _reference_for(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]):
     if len(exact) == 1:
         return exact[0]
     return refs[0] if len(refs) == 1 else None
+
+
+def _excluded(group, ref_group) -> list[dict[str, Any]]:
+    """The row's seeds that a collapse keeps out of the pairs: its own collapsed runs, and its
+    completed runs whose reference partner (same seed) collapsed."""
+    ref_collapsed = {r["seed"] for r in ref_group if r["status"] == "collapsed"}
+    excluded = []
+    for run in group:
+        if run["status"] == "collapsed":
+            why = "collapsed"
+        elif run["status"] == "completed" and run["seed"] in ref_collapsed:
+            why = f"its {REFERENCE_ARM} run collapsed"
+        else:
+            continue
+        excluded.append({"seed": run["seed"], "run_dir": run["run_dir"], "why": why})
+    return excluded
 
 
 def summarize_groups(
@@ -258,9 +281,11 @@ def summarize_groups(
         ``baseline_psnr``, ``below_baseline`` (run dirs at or under the constant-colour
         baseline), ``time_per_iter_s``, ``speedup`` (reference time / this row's), peak memory,
         ``skipped_steps``, ``final_loss_scale`` (distinct effective scales), ``diverged_at``,
-        ``notes``, ``errors``, ``underflow``, ``reference`` (the reference row's index or None),
-        ``pairs`` (list of ``[seed, difference]``), ``delta`` (:func:`mean_ci` of the paired
-        differences) and ``verdict``.
+        ``notes``, ``errors``, ``underflow``, ``collapsed_runs`` (``run_dir``, ``seed``,
+        ``reason`` of each collapsed run), ``reference`` (the reference row's index or None),
+        ``pairs`` (list of ``[seed, difference]``), ``excluded`` (``seed``, ``run_dir``, ``why``:
+        the row's seeds left out of the pairs because the run or its reference partner
+        collapsed), ``delta`` (:func:`mean_ci` of the paired differences) and ``verdict``.
     """
     if not (is_number(margin_db) and margin_db > 0):
         raise ValueError(f"margin_db: expected a number > 0, got {margin_db!r}")
@@ -273,9 +298,12 @@ def summarize_groups(
         pairs = [[r["seed"], r["psnr"] - ref_psnr[r["seed"]]] for r in group
                  if r["status"] == "completed" and r["seed"] in ref_psnr]  # fmt: skip
         row["pairs"] = pairs
+        row["excluded"] = _excluded(group, ref_group if ref is not row else [])
         row["delta"] = mean_ci([d for _, d in pairs])
         if ref is None or ref is row:
             row["verdict"] = None
+        elif not pairs and row["excluded"]:  # collapses took every pair: no precision effect
+            row["verdict"] = "cannot judge"
         elif not pairs:  # no seed completed in both: nothing to compare (counts say why)
             row["verdict"] = "no paired seeds"
         else:

@@ -4,7 +4,8 @@ Use ``build_scene(cfg, device)`` and the returned ``Scene``'s ``sample_train_bat
 ``train_views`` and ``val_views``; every view's G-buffer is rasterized once and cached.
 """
 
-from mptex.scenes.build import SCENE_DEFAULTS, build_scene
+from mptex.scenes.assets import SUITE, suite_available, suite_path
+from mptex.scenes.build import MESH_SCENES, SCENE_DEFAULTS, build_scene
 from mptex.scenes.builtin import gt_texture, torus_knot
 from mptex.scenes.gbuffer import GBuffer, GBufferCache, render_gbuffer
 from mptex.scenes.nerf import load_nerf_split
@@ -13,6 +14,10 @@ from mptex.scenes.scene import Scene, ViewBatch
 __all__ = [
     "build_scene",
     "SCENE_DEFAULTS",
+    "MESH_SCENES",
+    "SUITE",
+    "suite_available",
+    "suite_path",
     "Scene",
     "ViewBatch",
     "GBuffer",

@@ -15,6 +15,7 @@ import torch
 from mptex.render.camera import orbit_views, random_views
 from mptex.render.material import mesh_materials, shade_kd
 from mptex.render.mesh import load_obj, unit_size
+from mptex.scenes.assets import SUITE
 from mptex.scenes.builtin import gt_texture, torus_knot
 from mptex.scenes.gbuffer import GBuffer
 from mptex.scenes.nerf import load_nerf_split
@@ -36,6 +37,9 @@ _CAMERA_DEFAULTS = dict(
     raster_backend="auto",
 )
 
+# Scenes built from one OBJ file at ``scene.path``: the mesh scene and the real-asset suite's.
+MESH_SCENES = ("mesh", *SUITE)
+
 SCENE_DEFAULTS: dict[str, dict] = {
     # ``path`` is unused by the built-in scene; accepting it lets one sweep set the mesh
     # scene's file (``scene=builtin,mesh scene.path=spot.obj``).
@@ -43,6 +47,9 @@ SCENE_DEFAULTS: dict[str, dict] = {
         name="builtin", path=None, **_CAMERA_DEFAULTS, tubular_segments=200, radial_segments=24
     ),
     "mesh": dict(name="mesh", path=_REQUIRED, normalize=True, **_CAMERA_DEFAULTS),
+    # The real-asset suite (mptex.scenes.assets): mesh scenes under their own names, so that a
+    # sweep's report gives each asset its section; configs/scene/<name>.yaml resolves the path.
+    **{name: dict(name=name, path=_REQUIRED, normalize=True, **_CAMERA_DEFAULTS) for name in SUITE},
     "nerf": dict(
         name="nerf",
         path=_REQUIRED,
@@ -199,7 +206,7 @@ def _build_mesh(cfg: dict, device) -> Scene:
     mesh = mesh.to(device)
     train, val = _camera_splits(cfg, device)
     return Scene(
-        "mesh", mesh, cfg["resolution"], train, val, _textured_reference(mesh), device,
+        cfg["name"], mesh, cfg["resolution"], train, val, _textured_reference(mesh), device,
         backend=cfg["raster_backend"],
     )  # fmt: skip
 
@@ -227,7 +234,8 @@ def _build_nerf(cfg: dict, device) -> Scene:
     )  # fmt: skip
 
 
-_BUILDERS = {"builtin": _build_builtin, "mesh": _build_mesh, "nerf": _build_nerf}
+_BUILDERS = {"builtin": _build_builtin, "mesh": _build_mesh, "nerf": _build_nerf,
+             **{name: _build_mesh for name in SUITE}}  # fmt: skip
 
 
 def build_scene(cfg: Mapping, device: torch.device | str = "cpu") -> Scene:

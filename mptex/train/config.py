@@ -23,6 +23,7 @@ TRAIN_DEFAULTS: dict[str, Any] = dict(
     iterations=200,
     batch_size=2,
     lr=0.01,
+    mlp_lr_scale=1.0,
     betas=[0.9, 0.999],
     warmup_iter=0,
     lr_decay=0.0002,
@@ -61,12 +62,22 @@ class ConfigError(ValueError):
 def _plain(cfg: Any) -> Any:
     try:
         from omegaconf import OmegaConf
-
-        if OmegaConf.is_config(cfg):
-            return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+        from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
     except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
-    return cfg
+        return cfg
+    if not OmegaConf.is_config(cfg):
+        return cfg
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except InterpolationResolutionError as exc:
+        # A resolver's own error (the real-asset suite's path: pybullet_data not installed) is
+        # the config error: one line naming the key, not OmegaConf's multi-line report.
+        cause = exc.__context__  # OmegaConf re-raises inside its handlers: walk the chain
+        while isinstance(cause, OmegaConfBaseException):
+            cause = cause.__context__
+        if not isinstance(cause, ValueError):
+            raise
+        raise ConfigError(f"{exc.full_key}: {cause}") from None
 
 
 def _is_int(value: Any) -> bool:
@@ -199,6 +210,8 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     need("max_consecutive_skips", _is_int(s["max_consecutive_skips"])
          and s["max_consecutive_skips"] >= 1, "an integer >= 1")  # fmt: skip
     need("lr", _is_number(s["lr"]) and s["lr"] > 0, "a finite number > 0")
+    need("mlp_lr_scale", _is_number(s["mlp_lr_scale"]) and s["mlp_lr_scale"] > 0,
+         "a finite number > 0 (the MLP's learning rate over the grid's)")  # fmt: skip
     need("lr_decay", _is_number(s["lr_decay"]) and s["lr_decay"] >= 0, "a finite number >= 0")
     need("betas", isinstance(s["betas"], (list, tuple)) and len(s["betas"]) == 2
          and all(_is_number(b) and 0 <= b < 1 for b in s["betas"]),

@@ -41,7 +41,7 @@ from mptex.bake.export import export_asset, preflight_export
 from mptex.diagnostics import PrecisionMonitor
 from mptex.precision import PrecisionStepper, all_finite
 from mptex.render.image import rgb_to_srgb
-from mptex.scenes import Scene, build_scene
+from mptex.scenes import MESH_SCENES, Scene, build_scene
 from mptex.texture import MLPTexture3D
 from mptex.train.checkpoint import (
     _CHECKPOINT,
@@ -61,7 +61,7 @@ from mptex.train.shading import _background, _render, composite
 from mptex.train.validation import _save_val_images, evaluate
 
 METRICS_KEYS = (
-    "status", "psnr", "baseline_psnr", "psnr_per_image", "precision", "scene", "seed",
+    "status", "psnr", "baseline_psnr", "psnr_per_image", "saturation", "precision", "scene", "seed",
     "iterations", "iterations_planned", "final_loss", "time_per_iter_s", "wall_time_s",
     "train_time_s", "peak_memory_bytes", "peak_memory_kind", "skipped_steps", "final_loss_scale",
     "diverged_at", "error", "failed_at", "resumed_from", "n_params", "backends", "device",
@@ -97,6 +97,24 @@ def _history_entry(completed, loss_value, psnr_value, result, lr, stats) -> dict
     return entry
 
 
+def _param_groups(texture, mlp_lr_scale: float) -> list[dict[str, Any]]:
+    """Adam's parameter groups: the hash grid (and anything else) at ``lr``, the MLP at
+    ``lr * mlp_lr_scale``; each group's ``lr_scale`` is applied on top of the schedule.
+
+    Why a separate MLP rate (docs/benchmarks.md, "Real assets"): Adam moves every weight by about
+    ``lr`` per step whatever its gradient's size, so a consistent gradient (a colour the
+    sigmoid reaches only at an infinite logit) changes a ``32 x 32`` layer by a rank-one
+    matrix of spectral norm ~``32 lr`` per step. Measured on the duck (f32, lr 0.03, one MLP
+    rate): logits ~10 by iteration 10 and 50-100 by iterations 20-50; past ~17 the sigmoid's
+    float32 gradient is exactly 0, and such pixels stay stuck. Each grid entry is one
+    independent parameter and takes ``lr`` safely.
+    """
+    mlp = list(texture.net.parameters())
+    in_mlp = {id(p) for p in mlp}
+    rest = [p for p in texture.parameters() if id(p) not in in_mlp]
+    return [{"params": rest, "lr_scale": 1.0}, {"params": mlp, "lr_scale": float(mlp_lr_scale)}]
+
+
 def _check_coverage(scene: Scene) -> None:
     # Cameras that see nothing (near beyond the mesh, a camera inside it) would train on
     # empty views and report a perfect PSNR for texture and baseline alike.
@@ -122,7 +140,13 @@ def _start(
     flat = [axis for axis, size in zip("xyz", extent, strict=True) if not size > 0]
     if flat:
         # MLPTexture3D normalises positions by the AABB: a flat mesh has no volume to texture.
-        key = {"mesh": "scene.path", "nerf": "scene.mesh"}.get(scene.name, "scene")
+        key = (
+            "scene.path"
+            if scene.name in MESH_SCENES
+            else "scene.mesh"
+            if scene.name == "nerf"
+            else "scene"
+        )
         raise ValueError(
             f"{key}: {full['scene'].get('path' if key == 'scene.path' else 'mesh')}: the mesh "
             f"has zero extent along {', '.join(flat)}; a 3D texture needs a mesh with a volume"
@@ -268,8 +292,9 @@ def _train(
 
     policy = texture.policy
     optimizer = torch.optim.Adam(
-        texture.parameters(), lr=settings["lr"], betas=tuple(settings["betas"]), eps=1e-8
-    )
+        _param_groups(texture, settings["mlp_lr_scale"]),
+        lr=settings["lr"], betas=tuple(settings["betas"]), eps=1e-8,
+    )  # fmt: skip
     stepper = PrecisionStepper(policy, optimizer)
     # Per-layer underflow/overflow statistics of the compute-dtype gradients (issue 7), sampled.
     stats_every = settings["stats_interval"]
@@ -334,7 +359,7 @@ def _train(
         factor = lr_schedule(it, settings["warmup_iter"], settings["lr_decay"],
                              settings["lr_schedule"], n_iter)  # fmt: skip
         for group in optimizer.param_groups:
-            group["lr"] = settings["lr"] * factor
+            group["lr"] = settings["lr"] * factor * group["lr_scale"]
         optimizer.zero_grad(set_to_none=True)
         if monitor is not None:
             monitor.start(it)  # arms the hooks on sampled iterations, before the forward
@@ -398,6 +423,10 @@ def _train(
             psnr_now = None if evaluated is None else evaluated["psnr"]
             history.append(_history_entry(completed, loss_value, psnr_now, result,
                                           settings["lr"] * factor, stats))  # fmt: skip
+            if evaluated is not None:  # the saturation curve: when it sets in (issue 19)
+                saturation = evaluated["saturation"]
+                history[-1].update(saturated_fraction=saturation["saturated_fraction"],
+                                   stuck_fraction=saturation["stuck_fraction"])  # fmt: skip
         if writer is not None:
             writer.add_scalar("train/loss", loss_value, completed)
             writer.add_scalar("train/loss_scale", result.loss_scale, completed)
@@ -434,6 +463,7 @@ def _train(
         psnr=evaluation["psnr"],
         baseline_psnr=evaluation["baseline_psnr"],
         psnr_per_image=evaluation["psnr_per_image"],
+        saturation=evaluation["saturation"],
         final_loss=loss_value if loss_value is not None else resumed_loss,
         time_per_iter_s=statistics.median(iter_times) if iter_times else resumed_time,
         train_time_s=train_time,

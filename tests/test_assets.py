@@ -1,0 +1,66 @@
+"""The real-asset suite (mptex.scenes.assets): configs, paths, errors, and each asset as a scene."""
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import mptex.scenes.assets as assets
+from mptex.cli import CONFIG_DIR
+from mptex.scenes import MESH_SCENES, SCENE_DEFAULTS, SUITE, build_scene, suite_path
+
+SMALL = ["scene.resolution=24", "scene.n_train_views=2", "scene.n_val_views=2"]
+
+
+def _compose(overrides):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_suite_has_the_characters_the_issue_asks_for():
+    characters = " ".join(a.character for a in SUITE.values())
+    for character in ("saturated", "pattern", "photographic", "n-gon"):
+        assert character in characters
+    assert len(SUITE) >= 4 and set(SUITE) <= set(MESH_SCENES)
+
+
+@pytest.mark.parametrize("name", sorted(SUITE))
+def test_scene_yaml_keys_match_python_defaults(name):
+    cfg = _compose([f"scene={name}"])
+    assert set(cfg.scene.keys()) == set(SCENE_DEFAULTS[name]) and cfg.scene.name == name
+
+
+@pytest.mark.requires_assets
+@pytest.mark.parametrize("name", sorted(SUITE))
+def test_each_asset_builds_a_textured_scene(name):
+    cfg = _compose([f"scene={name}", *SMALL])
+    assert cfg.scene.path == suite_path(name) and cfg.scene.path.endswith(SUITE[name].file)
+    scene = build_scene(cfg.scene)
+    assert scene.name == name
+    views = scene.val_views()
+    coverage = views.mask.float().mean().item()
+    assert 0.05 < coverage < 0.95  # the object is in view and not cut by the frame
+    rgb = views.rgba[..., :3][views.mask]
+    assert rgb.std(dim=0).max() > 0.05  # a texture, not one colour
+
+
+def test_missing_pybullet_data_is_one_line_with_the_install_command(monkeypatch):
+    monkeypatch.setattr(assets, "suite_available", lambda: False)
+    with pytest.raises(
+        ValueError, match=r"^real-asset suite: scene 'duck' .* pip install pybullet==3\.2\.7"
+    ) as err:
+        suite_path("duck")
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_asset_names_the_choices():
+    with pytest.raises(ValueError, match=r"unknown asset 'teapot'; expected one of \['aliengo'"):
+        suite_path("teapot")
+
+
+def test_mptex_train_without_pybullet_data_fails_at_start_naming_the_key(tmp_path, monkeypatch):
+    from mptex.train import ConfigError, train
+
+    monkeypatch.setattr(assets, "suite_available", lambda: False)
+    with pytest.raises(ConfigError) as err:
+        train(_compose(["scene=duck", "train.iterations=1"]), tmp_path)
+    assert str(err.value).startswith("scene.path: real-asset suite: scene 'duck'")
+    assert "\n" not in str(err.value) and not (tmp_path / "metrics.json").exists()

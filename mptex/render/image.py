@@ -112,7 +112,10 @@ def _pillow_special(path: Path) -> np.ndarray | None:
     * 16-bit colour PNGs: Pillow (imageio's PNG reader) keeps only the high byte of each
       sample. Its decoder is run twice, once reading each sample's bytes as big-endian (high
       bytes) and once as little-endian (low bytes), and the two halves are joined: [H, W, C]
-      uint16. (16-bit grey is read at full depth by Pillow itself.)
+      uint16. 16-bit grey + alpha has no little-endian reader: its 4 bytes per pixel are
+      read once as 8-bit RGBA (the same bytes per pixel, so PNG's filters undo alike), i.e.
+      (grey high, grey low, alpha high, alpha low): [H, W, 2] uint16. (16-bit grey is read at
+      full depth by Pillow itself.)
     * CMYK / YCbCr / LAB / HSV JPEGs and TIFFs: four or three channels that are not RGB(A);
       converted to RGB by Pillow: [H, W, 3] uint8.
     """
@@ -128,9 +131,13 @@ def _pillow_special(path: Path) -> np.ndarray | None:
         if image.mode in ("CMYK", "YCbCr", "LAB", "HSV"):
             return np.asarray(image.convert("RGB"))
         tile = image.tile
-        rawmodes = {"RGB;16B": "RGB;16L", "RGBA;16B": "RGBA;16L"}
+        rawmodes = {"RGB;16B": "RGB;16L", "RGBA;16B": "RGBA;16L", "LA;16B": "RGBA"}
         if image.format != "PNG" or len(tile) != 1 or tile[0].args not in rawmodes:
             return None
+        if tile[0].args == "LA;16B":
+            image.tile = [tile[0]._replace(args="RGBA")]
+            data = np.asarray(image).astype(np.uint16)
+            return data[..., 0::2] * 256 + data[..., 1::2]
         high = np.asarray(image)
     with Image.open(path) as again:
         again.tile = [again.tile[0]._replace(args=rawmodes[tile[0].args])]
@@ -141,9 +148,10 @@ def _pillow_special(path: Path) -> np.ndarray | None:
 def load_image(path: str | os.PathLike, to_linear: bool = False) -> torch.Tensor:
     """Read an image as float32.
 
-    8-bit images (PNG, JPEG, ...) are scaled by 1 / 255, 16-bit PNGs (grey, RGB, RGBA) by
-    1 / 65535 at their full depth, floats (EXR, HDR) kept. Palette images come back as RGB (RGBA
-    when the palette has transparency), CMYK / YCbCr JPEGs as RGB, 1-bit images as 0 / 1.
+    8-bit images (PNG, JPEG, ...) are scaled by 1 / 255, 16-bit PNGs (grey, grey + alpha, RGB,
+    RGBA) by 1 / 65535 at their full depth, floats (EXR, HDR) kept. Palette images come back as
+    RGB (RGBA when the palette has transparency), CMYK / YCbCr JPEGs as RGB, 1-bit images as
+    0 / 1, animated GIFs / PNGs and multi-page TIFFs as their first frame.
 
     Args:
         path: image file.
@@ -164,6 +172,8 @@ def load_image(path: str | os.PathLike, to_linear: bool = False) -> torch.Tensor
             data = iio.imread(path)
     except Exception as exc:
         raise RuntimeError(f"load_image: cannot read {path} ({type(exc).__name__}: {exc})") from exc
+    if data.ndim == 4:  # the frames of an animated GIF / PNG or the pages of a TIFF
+        data = data[0]
     if data.dtype == np.uint8:
         out = torch.from_numpy(data.astype(np.float32) / 255.0)
     elif data.dtype == np.uint16:

@@ -1,6 +1,7 @@
 """Triangle meshes: the ``Mesh`` container and a small Wavefront OBJ/MTL reader and writer.
 
-Conventions follow nvdiffrec's ``render/obj.py``: polygons are split into triangle fans, the
+Conventions follow nvdiffrec's ``render/obj.py``: polygons are split into triangle fans
+(concave ones, whose fan would leave the polygon, by ear clipping), the
 OBJ ``v`` texture coordinate is flipped (``v -> 1 - v``) so that UV (0, 0) addresses row 0 of
 the texture tensor (nvdiffrast's convention), the diffuse texture (``map_Kd``) and ``Kd`` are
 stored in linear RGB (files hold sRGB), and missing normals are computed as area-weighted vertex
@@ -152,6 +153,78 @@ def _index(token: str, n_defined: int, path: Path, lineno: int, what: str) -> in
     return i
 
 
+def _triangulate(points: list[list[float]]) -> list[tuple[int, int, int]] | None:
+    """Triangles (corner indices, the polygon's winding kept) covering a planar polygon.
+
+    The fan around corner 0 (as nvdiffrec and most readers split polygons) when it is valid:
+    every fan triangle turns the polygon's way (its normal along the polygon's Newell normal),
+    which holds for every convex polygon and for concave ones star-shaped from corner 0.
+    Otherwise (a concave polygon, e.g. an L-shaped hexagon, whose fan would cover area outside
+    it) ear clipping in the polygon's plane. A degenerate polygon (no area) keeps its fan.
+
+    Returns:
+        the triangles, or None when ear clipping finds no ear (some self-intersecting polygons;
+        others get triangles that cover them in some way).
+        A corner on the straight line between its neighbours may be left out of them.
+    """
+    n = len(points)
+    fan = [(0, k, k + 1) for k in range(1, n - 1)]
+    if n == 3:
+        return fan
+    # Newell's normal: twice the polygon's vector area, robust for non-planar polygons.
+    nx = ny = nz = 0.0
+    for k in range(n):
+        (x0, y0, z0), (x1, y1, z1) = points[k], points[(k + 1) % n]
+        nx += (y0 - y1) * (z0 + z1)
+        ny += (z0 - z1) * (x0 + x1)
+        nz += (x0 - x1) * (y0 + y1)
+    area2 = math.sqrt(nx * nx + ny * ny + nz * nz)
+    if area2 == 0.0:
+        return fan
+    eps = 1e-9 * area2  # relative: a fan triangle this small counts as flat, not turned back
+
+    def turn(a: int, b: int, c: int) -> float:  # twice the area of (a, b, c) along the normal
+        pa, pb, pc = points[a], points[b], points[c]
+        u = (pb[0] - pa[0], pb[1] - pa[1], pb[2] - pa[2])
+        v = (pc[0] - pa[0], pc[1] - pa[1], pc[2] - pa[2])
+        return (
+            nx * (u[1] * v[2] - u[2] * v[1])
+            + ny * (u[2] * v[0] - u[0] * v[2])
+            + nz * (u[0] * v[1] - u[1] * v[0])
+        ) / area2
+
+    if all(turn(*t) >= -eps for t in fan):
+        return fan
+    # Ear clipping: cut off a corner whose triangle turns the polygon's way and holds no other
+    # remaining corner, until three corners remain.
+    remaining = list(range(n))
+    triangles = []
+    while len(remaining) > 3:
+        m = len(remaining)
+        for j in range(m):
+            a, b, c = remaining[j - 1], remaining[j], remaining[(j + 1) % m]
+            if turn(a, b, c) <= eps:
+                continue
+            if any(
+                turn(a, b, q) >= -eps and turn(b, c, q) >= -eps and turn(c, a, q) >= -eps
+                for q in remaining
+                if q not in (a, b, c) and points[q] not in (points[a], points[b], points[c])
+            ):
+                continue
+            triangles.append((a, b, c))
+            del remaining[j]
+            break
+        else:
+            # No ear: drop a flat corner (on the line between its neighbours) if there is one.
+            flat = [j for j in range(m) if abs(turn(remaining[j - 1], remaining[j],
+                                                    remaining[(j + 1) % m])) <= eps]  # fmt: skip
+            if not flat:
+                return None
+            del remaining[flat[0]]
+    triangles.append(tuple(remaining))
+    return triangles
+
+
 def _is_number(token: str) -> bool:
     try:
         float(token)
@@ -229,18 +302,28 @@ def _parse_map_kd(text: str, path: Path, lineno: int) -> dict:
     return out
 
 
-def _texture_file(folder: Path, name: str) -> Path | None:
-    r"""The texture a ``map_Kd`` name refers to, or None.
+def _find_file(folder: Path, name: str) -> Path | None:
+    r"""The file a ``map_Kd`` or ``mtllib`` name refers to, or None.
 
-    Tried in order: the name relative to the MTL's folder (or absolute); without surrounding
-    quotes; with Windows ``\`` separators as ``/``; and the file name alone in that folder
-    (exporters write absolute paths of the machine the asset was made on).
+    Tried in order: the name relative to the OBJ/MTL's folder (or absolute); without
+    surrounding quotes; with Windows ``\`` separators as ``/``; the file name alone in that
+    folder (exporters write absolute paths of the machine the asset was made on); and the last
+    two with the file name's letter case ignored (assets made on Windows or macOS name
+    ``Wood.PNG`` what is ``wood.png`` on disk).
     """
     unquoted = name[1:-1] if len(name) > 1 and name[0] == name[-1] == '"' else name
     slashed = unquoted.replace("\\", "/")
-    for candidate in (name, unquoted, slashed, slashed.rsplit("/", 1)[-1]):
+    base = slashed.rsplit("/", 1)[-1]
+    for candidate in (name, unquoted, slashed, base):
         if candidate and (folder / candidate).is_file():
             return folder / candidate
+    for candidate in (slashed, base):
+        parent = (folder / candidate).parent
+        if candidate and parent.is_dir():
+            lower = Path(candidate).name.lower()
+            found = sorted(p for p in parent.iterdir() if p.name.lower() == lower and p.is_file())
+            if found:
+                return found[0]
     return None
 
 
@@ -274,7 +357,7 @@ def _load_mtl(path: Path) -> dict[str, dict]:
         elif key == "map_Kd":
             try:
                 found = _parse_map_kd(text.split(None, 1)[1] if args else "", path, lineno)
-                texture_path = _texture_file(path.parent, found["name"])
+                texture_path = _find_file(path.parent, found["name"])
                 if texture_path is None:
                     raise ValueError(
                         f"{path}:{lineno}: map_Kd texture {path.parent / found['name']} "
@@ -323,12 +406,14 @@ def _material(name: str | None, info: dict, textures: dict[Path, torch.Tensor]) 
 def load_obj(path: str | os.PathLike) -> Mesh:
     r"""Read a Wavefront OBJ file with its MTL materials and diffuse textures.
 
-    Supported: polygons (split into triangle fans), negative (relative) indices, several
-    materials (``usemtl`` switching; ``Mesh.materials`` and ``Mesh.t_mat_idx``), faces with
-    and without ``vt`` / ``vn`` in one file (faces without ``vt`` need a material without
-    ``map_Kd``; faces without ``vn`` get area-weighted vertex normals), ``map_Kd`` options
-    ``-s``, ``-o``, ``-clamp`` and file names with spaces or ``\`` separators, UVs outside
-    [0, 1] (the texture repeats unless ``-clamp on``).
+    Supported: polygons (split into triangle fans; concave ones by ear clipping; one that
+    intersects itself so that no ear is found is an error), negative (relative) indices,
+    several materials (``usemtl`` switching; ``Mesh.materials`` and ``Mesh.t_mat_idx``), one
+    or several ``mtllib`` files, faces with and without ``vt`` / ``vn`` in one file (faces
+    without ``vt`` need a material without ``map_Kd``; faces without ``vn`` get area-weighted
+    vertex normals), ``map_Kd`` options ``-s``, ``-o``, ``-clamp``, ``mtllib`` and ``map_Kd``
+    file names with spaces, ``\`` separators or another letter case, UVs outside [0, 1]
+    (the texture repeats unless ``-clamp on``).
 
     Materials: ``Kd`` and ``map_Kd`` are sRGB in the files and linear in the mesh; a texture
     replaces ``Kd``; a material without ``Kd`` gets 0.8 grey (the MTL default), and so do
@@ -409,8 +494,14 @@ def load_obj(path: str | os.PathLike) -> Mesh:
                     f"{current!r}, which has a map_Kd texture"
                 )
             first_use.setdefault(current, lineno)
-            for k in range(1, len(corners) - 1):  # triangle fan around the first corner
-                tri = (corners[0], corners[k], corners[k + 1])
+            triangles = _triangulate([positions[c[0]] for c in corners])
+            if triangles is None:
+                raise ValueError(
+                    f"{path}:{lineno}: a polygon of {len(corners)} vertices cannot be "
+                    "triangulated (it intersects itself)"
+                )
+            for i, j, k in triangles:
+                tri = (corners[i], corners[j], corners[k])
                 faces_pos.append([c[0] for c in tri])
                 faces_tex.append([c[1] for c in tri] if all(tex_given) else None)
                 faces_nrm.append([c[2] for c in tri] if all(nrm_given) else None)
@@ -418,10 +509,19 @@ def load_obj(path: str | os.PathLike) -> Mesh:
         elif key == "mtllib":
             if not args:
                 raise ValueError(f"{path}:{lineno}: 'mtllib' needs a file name")
-            mtl_path = path.parent / " ".join(args)
-            if not mtl_path.is_file():
-                raise ValueError(f"{path}:{lineno}: material library {mtl_path} does not exist")
-            library.update(_load_mtl(mtl_path))
+            # One file whose name may hold spaces, else several files (the spec allows both).
+            rest = raw.split("#", 1)[0].split(None, 1)[1].strip()
+            found = {rest: _find_file(path.parent, rest)}
+            if found[rest] is None and len(args) > 1:
+                several = {name: _find_file(path.parent, name) for name in args}
+                if any(mtl_path is not None for mtl_path in several.values()):
+                    found = several
+            for name, mtl_path in found.items():
+                if mtl_path is None:
+                    raise ValueError(
+                        f"{path}:{lineno}: material library {path.parent / name} does not exist"
+                    )
+                library.update(_load_mtl(mtl_path))
         elif key == "usemtl":
             if not args:
                 raise ValueError(f"{path}:{lineno}: 'usemtl' needs a material name")

@@ -28,7 +28,7 @@ def test_round_trip_with_texture(tmp_path):
 
 def test_quads_are_fans_and_missing_normals_are_computed(tmp_path):
     (tmp_path / "q.obj").write_text(
-        "# a unit quad and a pentagon, no normals\n"
+        "# a unit quad and a triangle, no normals\n"
         "v 0 0 0\nv 1 0 0\nv 1 1 0\nv 0 1 0\nv 2 0 0\n"
         "vt 0 0\nvt 1 0\nvt 1 1\nvt 0 1\nvt 1 0\n"
         "f 1/1 2/2 3/3 4/4\n"

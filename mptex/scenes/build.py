@@ -193,11 +193,19 @@ def _textured_reference(mesh):
     return reference
 
 
+def _load_obj(path: Path, key: str):
+    """``load_obj`` with its one-line ``<file>:<line>: <what>`` errors under ``scene.<key>``."""
+    try:
+        return load_obj(path)
+    except ValueError as exc:
+        raise ValueError(f"scene.{key}: {exc}") from None
+
+
 def _build_mesh(cfg: dict, device) -> Scene:
     path = Path(cfg["path"])
     if not path.is_file():
         raise ValueError(f"scene.path: file not found: {path}")
-    mesh = load_obj(path)
+    mesh = _load_obj(path, "path")
     if mesh_materials(mesh) is None:
         raise ValueError(f"scene.path: {path} has no material with Kd or map_Kd to render")
     _check_extent(mesh, "path", path)
@@ -220,7 +228,7 @@ def _build_nerf(cfg: dict, device) -> Scene:
     for key in ("train_split", "val_split"):
         if not (root / f"transforms_{cfg[key]}.json").is_file():
             raise ValueError(f"scene.{key}: {root}/transforms_{cfg[key]}.json not found")
-    mesh = load_obj(mesh_path)
+    mesh = _load_obj(mesh_path, "mesh")
     _check_extent(mesh, "mesh", mesh_path)
     train, train_rgba = load_nerf_split(root, cfg["train_split"], cfg["near"], cfg["far"])
     val, val_rgba = load_nerf_split(root, cfg["val_split"], cfg["near"], cfg["far"])

@@ -230,8 +230,8 @@ def test_latin1_mtl_loads_and_a_flat_mesh_is_refused_naming_the_file(tmp_path):
     metrics = train(tiny_cfg("scene=mesh", f"scene.path={path}", "scene.resolution=16",
                              "train.iterations=1"), tmp_path / "ok")  # fmt: skip
     assert metrics["status"] == "completed"
-    flat = _mesh_files(tmp_path / "flat", "v 0 0 0\nv 1 0 0\nv 0 1 0\nf 1 2 3\n"
-                       "mtllib m.mtl\nusemtl a\n", "newmtl a\nKd 1 1 1\n")  # fmt: skip
+    flat = _mesh_files(tmp_path / "flat", "mtllib m.mtl\nusemtl a\n"
+                       "v 0 0 0\nv 1 0 0\nv 0 1 0\nf 1 2 3\n", "newmtl a\nKd 1 1 1\n")  # fmt: skip
     message = start_error(tmp_path / "run", "scene=mesh", f"scene.path={flat}")
     assert message.startswith(f"scene.path: {flat}: the mesh has zero extent along z")
 

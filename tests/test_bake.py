@@ -177,6 +177,12 @@ def test_uv_problems_are_named():
     outside = Mesh(v_pos=mesh.v_pos, t_pos_idx=mesh.t_pos_idx, v_tex=mesh.v_tex * 1.5,
                    t_tex_idx=mesh.t_tex_idx)  # fmt: skip
     assert "leave [0, 1]" in uv_problem(outside)
+    # Faces without vt (load_obj: all corners at one extra UV vertex) need new UVs.
+    no_vt = mesh.t_tex_idx.clone()
+    no_vt[0] = len(mesh.v_tex)
+    kd_only = Mesh(v_pos=mesh.v_pos, t_pos_idx=mesh.t_pos_idx, t_tex_idx=no_vt,
+                   v_tex=torch.cat([mesh.v_tex, torch.zeros(1, 2)]))  # fmt: skip
+    assert "1 of the mesh's triangles have no UVs" in uv_problem(kd_only)
     # The built-in knot's UVs wrap around the tube: the seam's triangles span the atlas.
     assert "overlap" in needs_unwrap(torus_knot(12, 6), backend="torch")
     assert needs_unwrap(mesh, backend="torch") is None

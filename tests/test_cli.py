@@ -57,6 +57,23 @@ def test_cli_config_errors_are_one_line_naming_the_key(tmp_path, args, key):
     assert "Traceback" not in proc.stderr
 
 
+def test_cli_unsupported_obj_feature_is_one_line_naming_file_and_line(tmp_path):
+    Image = pytest.importorskip("PIL.Image")
+    folder = tmp_path / "my asset"
+    folder.mkdir()
+    Image.new("RGB", (2, 2)).save(folder / "t.png")
+    (folder / "m.mtl").write_text("newmtl a\nKd 1 1 1\nmap_Kd -cc on t.png\n")
+    (folder / "an asset.obj").write_text(
+        "mtllib m.mtl\nv 0 0 0\nv 1 0 0\nv 0 1 0\nv 0 0 1\nvt 0 0\nusemtl a\nf 1/1 2/1 3/1 4/1\n"
+    )
+    proc = run_cli(tmp_path, "scene=mesh", f"scene.path={folder / 'an asset.obj'}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"mptex-train: error: scene.path: {folder / 'm.mtl'}:3: map_Kd option -cc on (colour "
+        "correction) is not supported (material 'a', used at line 8)"
+    ]
+
+
 def test_cli_unknown_arm_is_refused_by_hydra(tmp_path):
     proc = run_cli(tmp_path, "precision=f12")
     assert proc.returncode != 0

@@ -26,7 +26,7 @@ from mptex.bake.export import (
     write_texture_images,
 )
 from mptex.cli import CONFIG_DIR
-from mptex.render import Mesh, load_image, load_obj, texture, write_obj
+from mptex.render import Mesh, load_image, load_obj, save_image, texture, write_obj
 from mptex.scenes.builtin import torus_knot
 from mptex.train import train
 
@@ -178,6 +178,36 @@ def mesh_run(tmp_path_factory):
     return _train(folder / "run", "scene=mesh", f"scene.path={folder / 'knot.obj'}")
 
 
+def write_multi_material_knot(folder: Path) -> Path:
+    """A knot OBJ as users have them: two materials (``usemtl`` switching), the first half of
+    the triangles textured (``map_Kd`` with ``-s``, a PNG named with a space, faces with vt),
+    the second half Kd only (faces without vt), quads nowhere needed."""
+    knot = torus_knot(48, 8)
+    gen = torch.Generator().manual_seed(0)
+    save_image(folder / "knot tex.png", torch.rand(16, 16, 3, generator=gen), to_srgb=True)
+    (folder / "knot.mtl").write_text(
+        "newmtl textured\nmap_Kd -s 2 1 1 knot tex.png\nnewmtl flat\nKd 0.8 0.3 0.1\n"
+    )
+    half = knot.t_pos_idx.shape[0] // 2
+    lines = ["mtllib knot.mtl"]
+    lines += [f"v {x:.9g} {y:.9g} {z:.9g}" for x, y, z in knot.v_pos.tolist()]
+    lines += [f"vt {u:.9g} {1 - v:.9g}" for u, v in knot.v_tex.tolist()]
+    lines.append("usemtl textured")
+    for pos, tex in zip(knot.t_pos_idx[:half].tolist(), knot.t_tex_idx[:half].tolist()):
+        lines.append("f " + " ".join(f"{p + 1}/{t + 1}" for p, t in zip(pos, tex)))
+    lines.append("usemtl flat")
+    lines += ["f " + " ".join(str(p + 1) for p in pos) for pos in knot.t_pos_idx[half:].tolist()]
+    (folder / "two materials.obj").write_text("\n".join(lines) + "\n")
+    return folder / "two materials.obj"
+
+
+@pytest.fixture(scope="module")
+def multi_material_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("multi_material_run")
+    obj = write_multi_material_knot(folder)
+    return _train(folder / "run", "scene=mesh", f"scene.path={obj}", "train.iterations=3")
+
+
 def _one_line_error(capsys) -> str:
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("mptex-export: error: "), err
@@ -209,6 +239,25 @@ def test_mptex_export_writes_obj_mtl_png_glb_and_measures(run, request, tmp_path
     geometry = next(iter(glb.geometry.values()))
     assert geometry.visual.material.baseColorTexture.size == (128, 128)
     assert len(geometry.vertices) == summary["glb"]["vertices"] >= loaded.v_pos.shape[0]
+
+
+@pytest.mark.requires_xatlas
+def test_mptex_export_of_a_multi_material_run(multi_material_run, tmp_path):
+    metrics = json.loads((multi_material_run / "metrics.json").read_text())
+    assert metrics["iterations"] == 3 and np.isfinite(metrics["psnr"])
+    out = tmp_path / "asset"
+    assert export_main([str(multi_material_run), "--out", str(out), "--resolution", "128",
+                        "--format", "obj"]) == 0  # fmt: skip
+    summary = json.loads((out / "export.json").read_text())
+    # The Kd-only half has no vt: the bake needs new UVs for the whole mesh.
+    half = torus_knot(48, 8).t_pos_idx.shape[0] // 2
+    assert summary["uv_source"] == "xatlas"
+    assert summary["unwrap_reason"].startswith(f"{half} of the mesh's triangles have no UVs")
+    assert summary["psnr_baked_vs_neural"] > 30
+    # The exported asset is one material with the baked texture on every triangle.
+    loaded = load_obj(out / "mesh.obj")
+    assert len(loaded.materials) == 1 and loaded.kd_texture.shape == (128, 128, 3)
+    assert loaded.t_pos_idx.shape[0] == 2 * half
 
 
 def test_mptex_export_without_checkpoint_is_one_line(tmp_path, capsys):

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -193,6 +194,8 @@ CUBE = (
     + "".join(f"v {x} {y} {z}\n" for x in (0, 1) for y in (0, 1) for z in (0, 1))
     + "f 1 2 4\nf 1 4 3\nf 5 7 8\nf 5 8 6\nf 1 5 6\nf 1 6 2\nf 3 4 8\nf 3 8 7\n"
 )
+# The cube with one texture coordinate on every corner (a textured material needs vt).
+CUBE_VT = "vt 0 0\n" + re.sub(r"(?m)^(f) (\d+) (\d+) (\d+)$", r"\1 \2/1 \3/1 \4/1", CUBE)
 
 
 @pytest.mark.parametrize(
@@ -201,7 +204,7 @@ CUBE = (
         (bytes(range(256)) * 4, None, "m.obj"),
         (CUBE.replace("v 0 0 0", "v nan 0 0"), "newmtl red\nKd 1 0 0\n", "m.obj"),
         (CUBE.replace("usemtl red", "usemtl café"), None, "m.obj"),  # no MTL file
-        (CUBE, "newmtl red\nmap_Kd tex.png\n", "tex.png"),  # corrupt PNG, see below
+        (CUBE_VT, "newmtl red\nmap_Kd tex.png\n", "tex.png"),  # corrupt PNG, see below
         (CUBE, b"newmtl red\nKd 1 0 \x00\n", "m.mtl"),
         ("mtllib m.mtl\nusemtl red\nv 0 0 0\nv 0 0 0\nv 0 0 0\nf 1 2 3\n",
          "newmtl red\nKd 1 0 0\n", "same point"),  # one repeated point
@@ -227,8 +230,8 @@ def test_latin1_mtl_loads_and_a_flat_mesh_is_refused_naming_the_file(tmp_path):
     metrics = train(tiny_cfg("scene=mesh", f"scene.path={path}", "scene.resolution=16",
                              "train.iterations=1"), tmp_path / "ok")  # fmt: skip
     assert metrics["status"] == "completed"
-    flat = _mesh_files(tmp_path / "flat", "v 0 0 0\nv 1 0 0\nv 0 1 0\nf 1 2 3\n"
-                       "mtllib m.mtl\nusemtl a\n", "newmtl a\nKd 1 1 1\n")  # fmt: skip
+    flat = _mesh_files(tmp_path / "flat", "mtllib m.mtl\nusemtl a\n"
+                       "v 0 0 0\nv 1 0 0\nv 0 1 0\nf 1 2 3\n", "newmtl a\nKd 1 1 1\n")  # fmt: skip
     message = start_error(tmp_path / "run", "scene=mesh", f"scene.path={flat}")
     assert message.startswith(f"scene.path: {flat}: the mesh has zero extent along z")
 

@@ -1,5 +1,9 @@
 """sRGB conversion and image I/O."""
 
+import struct
+import zlib
+
+import numpy as np
 import pytest
 import torch
 
@@ -41,3 +45,51 @@ def test_float_formats_write_or_explain(tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_image(tmp_path / "nope.png")
+
+
+def write_png16(path, data: np.ndarray) -> None:
+    """A 16-bit grey, grey + alpha, RGB or RGBA PNG ([H, W, 1 to 4]) of uint16 ``data``
+    (Pillow writes none but grey)."""
+    height, width, channels = data.shape
+    rows = data.astype(">u2").reshape(height, -1).view(np.uint8)
+    raw = np.concatenate([np.zeros((height, 1), np.uint8), rows], axis=1)  # filter 0 per row
+
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(payload))
+            + kind
+            + payload
+            + struct.pack(">I", zlib.crc32(kind + payload))
+        )
+
+    colour_type = {1: 0, 2: 4, 3: 2, 4: 6}[channels]
+    header = struct.pack(">IIBBBBB", width, height, 16, colour_type, 0, 0, 0)
+    png = chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw.tobytes()))
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + png + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize("channels", [1, 2, 3, 4])
+def test_16bit_png_keeps_all_16_bits(tmp_path, channels):
+    # Pillow alone keeps only the high byte: 257 and 300 would both read as 1 / 255.
+    words = np.array([[[0, 257, 300, 65535], [1, 32768, 65534, 12345]]], np.uint16)[..., :channels]
+    write_png16(tmp_path / "a.png", words)
+    got = load_image(tmp_path / "a.png")
+    assert got.shape == (1, 2, channels)
+    torch.testing.assert_close(got, torch.from_numpy(words.astype(np.float32) / 65535), rtol=0,
+                               atol=0)  # fmt: skip
+
+
+def test_cmyk_jpeg_reads_as_rgb(tmp_path):
+    Image = pytest.importorskip("PIL.Image")
+    Image.new("CMYK", (4, 4), (0, 255, 255, 0)).save(tmp_path / "a.jpg", quality=100)
+    got = load_image(tmp_path / "a.jpg")
+    assert got.shape == (4, 4, 3)  # not 4 channels read as RGBA
+    torch.testing.assert_close(got[0, 0], torch.tensor([1.0, 0, 0]), rtol=0, atol=2 / 255)
+
+
+def test_animated_gif_reads_as_its_first_frame(tmp_path):
+    Image = pytest.importorskip("PIL.Image")
+    frames = [Image.new("RGB", (3, 2), colour) for colour in ((255, 0, 0), (0, 0, 255))]
+    frames[0].save(tmp_path / "a.gif", save_all=True, append_images=frames[1:])
+    got = load_image(tmp_path / "a.gif")
+    torch.testing.assert_close(got, torch.tensor([1.0, 0, 0]).expand(2, 3, 3), rtol=0, atol=0)

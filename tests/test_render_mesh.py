@@ -1,9 +1,11 @@
 """OBJ/MTL reading and writing, normals."""
 
+import numpy as np
 import pytest
 import torch
+from test_render_image import write_png16
 
-from mptex.render import Mesh, load_obj, vertex_normals, write_obj
+from mptex.render import Mesh, load_obj, srgb_to_rgb, vertex_normals, write_obj
 from mptex.scenes import torus_knot
 
 
@@ -26,7 +28,7 @@ def test_round_trip_with_texture(tmp_path):
 
 def test_quads_are_fans_and_missing_normals_are_computed(tmp_path):
     (tmp_path / "q.obj").write_text(
-        "# a unit quad and a pentagon, no normals\n"
+        "# a unit quad and a triangle, no normals\n"
         "v 0 0 0\nv 1 0 0\nv 1 1 0\nv 0 1 0\nv 2 0 0\n"
         "vt 0 0\nvt 1 0\nvt 1 1\nvt 0 1\nvt 1 0\n"
         "f 1/1 2/2 3/3 4/4\n"
@@ -68,7 +70,7 @@ def test_negative_indices_and_kd_only_material(tmp_path):
         ("v 0 0 0\nv 1 0 0\nv a 1 0\n", r"bad\.obj:3: 'v' has a non-numeric"),
         ("v 0 0 0\nv 1 0 0\nv 0 1 0\nf 1 2 4\n", r"bad\.obj:4: position index 4 out of range"),
         ("v 0 0 0\nv 1 0 0\nf 1 2\n", r"bad\.obj:3: a face needs at least 3"),
-        ("v 0 0 0\nv 1 0 0\nv 0 1 0\nvt 0 0\nf 1/1 2/1 3\n", r"bad\.obj:5: faces mix"),
+        ("v 0 0 0\nv 1 0 0\nv 0 1 0\nvt 0 0\nf 1/1 2/1 3\n", r"bad\.obj:5: a face mixes corners"),
         ("mtllib missing.mtl\n", r"bad\.obj:1: material library .* does not exist"),
         ("usemtl nothing\n", r"bad\.obj:1: material 'nothing' is not defined"),
         ("bogus 1 2 3\n", r"bad\.obj:1: unknown OBJ statement 'bogus'"),
@@ -82,9 +84,14 @@ def test_malformed_obj_names_file_and_line(tmp_path, text, match):
 
 
 def test_missing_texture_and_file(tmp_path):
-    (tmp_path / "m.mtl").write_text("newmtl a\nmap_Kd nowhere.png\n")
-    (tmp_path / "t.obj").write_text("mtllib m.mtl\n")
-    with pytest.raises(ValueError, match=r"m\.mtl:2: map_Kd texture .*nowhere\.png"):
+    (tmp_path / "m.mtl").write_text("newmtl a\nmap_Kd nowhere.png\nnewmtl b\nKd 1 1 1\n")
+    face = "v 0 0 0\nv 1 0 0\nv 0 1 0\nvt 0 0\nf 1/1 2/1 3/1\n"
+    # A broken material that no face uses is no error (files often carry such materials).
+    (tmp_path / "t.obj").write_text("mtllib m.mtl\nusemtl b\n" + face)
+    assert load_obj(tmp_path / "t.obj").kd is not None
+    (tmp_path / "t.obj").write_text("mtllib m.mtl\nusemtl a\n" + face)
+    with pytest.raises(ValueError, match=r"m\.mtl:2: map_Kd texture .*nowhere\.png does not "
+                       r"exist \(material 'a', used at line 7\)$"):  # fmt: skip
         load_obj(tmp_path / "t.obj")
     with pytest.raises(FileNotFoundError):
         load_obj(tmp_path / "absent.obj")
@@ -97,3 +104,308 @@ def test_mesh_aabb_and_to():
     )
     torch.testing.assert_close(mesh.aabb, torch.tensor([[0.0, -1, -2], [1, 3, 2]]))
     assert mesh.to("cpu").v_tex is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Real-world OBJ features: several materials, faces without vt, map_Kd options and file names,
+# texture formats, UVs outside [0, 1]
+# ---------------------------------------------------------------------------------------------
+
+Image = pytest.importorskip("PIL.Image")
+
+QUADS = (
+    "v 0 0 0\nv 1 0 0\nv 1 1 0\nv 0 1 0\nv 2 0 0\nv 2 1 0\n"
+    "vt 0 0\nvt 1 0\nvt 1 1\nvt 0 1\nvn 0 0 1\n"
+)
+
+
+def _solid_png(path, rgb=(255, 0, 0)):
+    Image.new("RGB", (2, 2), rgb).save(path)
+
+
+def _srgb(*values):
+    return srgb_to_rgb(torch.tensor(values, dtype=torch.float32) / 255)
+
+
+def test_several_materials_and_faces_without_vt(tmp_path):
+    (tmp_path / "my tex.png").write_bytes(b"")  # a different file than the one used
+    (tmp_path / "tex dir").mkdir()
+    _solid_png(tmp_path / "tex dir" / "my tex.png", (255, 0, 0))
+    (tmp_path / "m.mtl").write_text(
+        "newmtl textured\nKd 1 1 1\n"
+        "map_Kd -s 2 2 1 -o 0.5 0 0 -clamp on tex dir/my tex.png\n"
+        "newmtl green\nKd 0 1 0\n"
+        "newmtl bare\nNs 10\n"
+    )
+    (tmp_path / "t.obj").write_text(
+        QUADS + "mtllib m.mtl\n"
+        "f 1//1 2//1 3//1\n"  # before any usemtl: the default material
+        "usemtl textured\nf 1/1/1 2/2/1 3/3/1 4/4/1\n"  # a quad: 2 triangles
+        "usemtl green\nf 2//1 5//1 6//1 3//1\n"  # no vt: Kd only
+        "usemtl bare\nf -5 -2 -1\n"  # no vt, no vn, negative indices
+        "usemtl textured\nf 1/1/1 2/2/1 3/3/1\n"  # switching back
+    )
+    mesh = load_obj(tmp_path / "t.obj")
+    names = [m.name for m in mesh.materials]
+    assert names == ["(default)", "textured", "green", "bare"]
+    assert mesh.t_mat_idx.tolist() == [0, 1, 1, 2, 2, 3, 1]
+    assert mesh.kd is None and mesh.kd_texture is None  # several materials: see .materials
+    default, textured, green, bare = mesh.materials
+    grey = srgb_to_rgb(torch.full((3,), 0.8))  # the MTL default Kd
+    torch.testing.assert_close(default.kd, grey)
+    torch.testing.assert_close(bare.kd, grey)
+    torch.testing.assert_close(green.kd, torch.tensor([0.0, 1, 0]))
+    assert green.kd_texture is None
+    torch.testing.assert_close(textured.kd_texture, torch.tensor([1.0, 0, 0]).expand(2, 2, 3))
+    assert textured.uv_scale == (2.0, 2.0) and textured.uv_offset == (0.5, 0.0)
+    assert textured.clamp and not green.clamp
+    # Faces without vt point all three UV corners at one extra UV vertex (0, 0).
+    assert mesh.v_tex.shape == (5, 2) and mesh.v_tex[4].tolist() == [0.0, 0.0]
+    assert mesh.t_tex_idx[[0, 3, 4, 5]].tolist() == [[4, 4, 4]] * 4
+    assert mesh.t_tex_idx[1].tolist() == [0, 1, 2]
+    # The face without vn gets the computed vertex normals, appended after the file's.
+    assert mesh.v_nrm.shape[0] == 1 + 6 and mesh.t_nrm_idx[5].tolist() == [1 + 1, 1 + 4, 1 + 5]
+    torch.testing.assert_close(
+        mesh.v_nrm[mesh.t_nrm_idx[5].long()], torch.tensor([[0.0, 0, 1]] * 3)
+    )
+    # The round trip keeps materials, their order, indices and map_Kd options.
+    write_obj(tmp_path / "out.obj", mesh)
+    back = load_obj(tmp_path / "out.obj")
+    assert [m.name for m in back.materials] == names
+    assert torch.equal(back.t_mat_idx, mesh.t_mat_idx)
+    assert back.materials[1].uv_scale == (2.0, 2.0) and back.materials[1].clamp
+    torch.testing.assert_close(back.materials[1].kd_texture, textured.kd_texture)
+
+
+@pytest.mark.parametrize(
+    "line, name",
+    [
+        ("map_Kd -bm 1 -blendu off -blendv on -boost 2 -texres 512 t.png", "t.png"),
+        ("map_Kd -mm 0 1 -cc off -t 0 0 0 t.png", "t.png"),  # no-op values of colour options
+        ("map_Kd -s 2 t.png", "t.png"),  # v and w optional
+        ("map_Kd sub\\t.png", "sub/t.png"),  # Windows separators
+        ("map_Kd C:\\Users\\someone\\assets\\t.png", "t.png"),  # another machine's absolute path
+        ('map_Kd "with space.png"', "with space.png"),
+        ("map_Kd  -o 0.1 0.2  with  two  spaces.png", "with  two  spaces.png"),
+    ],
+)
+def test_map_kd_options_and_file_names(tmp_path, line, name):
+    (tmp_path / "sub").mkdir()
+    _solid_png(tmp_path / name, (0, 0, 255))
+    (tmp_path / "m.mtl").write_text(f"newmtl a\n{line}\n")
+    (tmp_path / "t.obj").write_text(QUADS + "mtllib m.mtl\nusemtl a\nf 1/1 2/2 3/3\n")
+    mesh = load_obj(tmp_path / "t.obj")
+    torch.testing.assert_close(mesh.kd_texture, torch.tensor([0.0, 0, 1]).expand(2, 2, 3))
+
+
+@pytest.mark.parametrize(
+    "mtl, face, match",
+    [
+        ("map_Kd -mm 0.2 1 t.png", "f 1/1 2/2 3/3", r"m\.mtl:2: map_Kd option -mm .* not supp"),
+        ("map_Kd -cc on t.png", "f 1/1 2/2 3/3", r"m\.mtl:2: map_Kd option -cc on .*not supp"),
+        ("map_Kd -imfchan r t.png", "f 1/1 2/2 3/3", r"m\.mtl:2: map_Kd option -imfchan"),
+        ("map_Kd -type sphere t.png", "f 1/1 2/2 3/3", r"m\.mtl:2: map_Kd option -type"),
+        ("map_Kd -t 1 1 0 t.png", "f 1/1 2/2 3/3", r"m\.mtl:2: map_Kd option -t \(turb"),
+        ("map_Kd -halo 2 t.png", "f 1/1 2/2 3/3", r"m\.mtl:2: map_Kd option -halo is not supp"),
+        ("map_Kd -clamp maybe t.png", "f 1/1 2/2 3/3", r"m\.mtl:2: .*-clamp expects on or off"),
+        ("map_Kd -s t.png", "f 1/1 2/2 3/3", r"m\.mtl:2: map_Kd option -s needs"),
+        ("map_Kd -s 1 1", "f 1/1 2/2 3/3", r"m\.mtl:2: map_Kd texture .*1 does not exist"),
+        ("Kd spectral ident.rfl", "f 1 2 3", r"m\.mtl:2: 'Kd spectral' is not supported"),
+        ("map_Kd notes.png", "f 1/1 2/2 3/3", r"m\.mtl:2: map_Kd texture .*notes\.png cannot be"),
+        ("map_Kd t.png", "f 1 2 3", r"t\.obj:\d+: face without texcoords .* 'a', which has a map"),
+    ],
+)
+def test_unsupported_material_features_name_file_and_line(tmp_path, mtl, face, match):
+    _solid_png(tmp_path / "t.png")
+    (tmp_path / "notes.png").write_text("not an image")
+    (tmp_path / "m.mtl").write_text(f"newmtl a\n{mtl}\n")
+    (tmp_path / "t.obj").write_text(QUADS + f"mtllib m.mtl\nusemtl a\n{face}\n")
+    with pytest.raises(ValueError, match=match) as info:
+        load_obj(tmp_path / "t.obj")
+    assert "\n" not in str(info.value)
+
+
+def _write_texture(folder, kind):
+    """A 2 x 1 texture of one kind: its file name and its expected linear RGB [1, 2, 3]."""
+    if kind in ("jpeg", "grey_jpeg"):  # uniform colours decode exactly at quality 100
+        image = Image.new("RGB", (2, 1), (200, 100, 50))
+        if kind == "grey_jpeg":
+            image = Image.new("L", (2, 1), 128)
+        image.save(folder / "tex.jpg", quality=100, subsampling=0)
+        rgb = (200, 100, 50) if kind == "jpeg" else (128, 128, 128)
+        return "tex.jpg", _srgb(*rgb).expand(1, 2, 3)
+    path = folder / "tex.png"
+    if kind in ("rgba", "tga", "bmp"):  # alpha is dropped: the diffuse colour has none
+        image = Image.frombytes("RGBA", (2, 1), bytes([10, 20, 30, 0, 250, 128, 1, 255]))
+        name = {"rgba": "tex.png", "tga": "tex.tga", "bmp": "tex.bmp"}[kind]
+        (image if kind != "bmp" else image.convert("RGB")).save(folder / name)
+        return name, torch.stack([_srgb(10, 20, 30), _srgb(250, 128, 1)]).unsqueeze(0)
+    if kind in ("grey", "grey_alpha"):
+        image = Image.frombytes("L", (2, 1), bytes([0, 128]))
+        (image.convert("LA") if kind == "grey_alpha" else image).save(path)
+        return "tex.png", torch.stack([_srgb(0, 0, 0), _srgb(128, 128, 128)]).unsqueeze(0)
+    if kind == "grey1":  # 1-bit: bits 0, 1 -> black, white
+        Image.frombytes("1", (2, 1), bytes([0b01000000])).save(path)
+        return "tex.png", torch.tensor([[0.0] * 3, [1.0] * 3]).unsqueeze(0)
+    if kind in ("palette", "palette_alpha", "gif"):
+        image = Image.frombytes("P", (2, 1), bytes([1, 0]))
+        image.putpalette([255, 0, 0, 0, 64, 255])
+        expected = torch.stack([_srgb(0, 64, 255), _srgb(255, 0, 0)]).unsqueeze(0)
+        if kind == "gif":  # animated: the first frame is the texture
+            other = Image.frombytes("P", (2, 1), bytes([0, 0]))
+            other.putpalette([9, 9, 9, 0, 0, 0])
+            image.save(folder / "tex.gif", save_all=True, append_images=[other])
+            return "tex.gif", expected
+        image.save(path, **({"transparency": 0} if kind == "palette_alpha" else {}))
+        return "tex.png", expected
+    if kind == "grey16":
+        Image.fromarray(np.array([[300, 65535]], np.uint16)).save(path)
+        grey = torch.tensor([300.0, 65535.0]).repeat_interleave(3).reshape(1, 2, 3)
+        return "tex.png", srgb_to_rgb(grey / 65535)
+    if kind == "grey_alpha16":
+        write_png16(path, np.array([[[300, 0], [40000, 65535]]], np.uint16))
+        grey = torch.tensor([300.0, 40000.0]).repeat_interleave(3).reshape(1, 2, 3)
+        return "tex.png", srgb_to_rgb(grey / 65535)
+    assert kind in ("rgb16", "rgba16")
+    words = np.array([[[300, 257, 65535, 7], [0, 40000, 1, 65535]]], np.uint16)
+    write_png16(path, words if kind == "rgba16" else words[..., :3])
+    return "tex.png", srgb_to_rgb(torch.from_numpy(words[..., :3].astype(np.float32) / 65535))
+
+
+TEXTURE_KINDS = ["jpeg", "grey_jpeg", "rgba", "tga", "bmp", "grey", "grey_alpha", "grey1",
+                 "palette", "palette_alpha", "gif", "grey16", "grey_alpha16", "rgb16",
+                 "rgba16"]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", TEXTURE_KINDS)
+def test_texture_formats_load_as_linear_rgb(tmp_path, kind):
+    name, expected = _write_texture(tmp_path, kind)
+    (tmp_path / "m.mtl").write_text(f"newmtl a\nmap_Kd {name}\n")
+    (tmp_path / "t.obj").write_text(QUADS + "mtllib m.mtl\nusemtl a\nf 1/1 2/2 3/3\n")
+    got = load_obj(tmp_path / "t.obj").kd_texture
+    assert got.shape == (1, 2, 3) and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+def _area_z(mesh):
+    """Each triangle's signed area seen from +z (positive: counter-clockwise)."""
+    p = mesh.v_pos[mesh.t_pos_idx.long()]
+    e1, e2 = p[:, 1] - p[:, 0], p[:, 2] - p[:, 0]
+    return (e1[:, 0] * e2[:, 1] - e1[:, 1] * e2[:, 0]) / 2
+
+
+def test_ngons_convex_fans_and_concave_ear_clipping(tmp_path):
+    (tmp_path / "n.obj").write_text(
+        "v 0 0 0\nv 1 0 0\nv 2 1 0\nv 1 2 0\nv 0 2 0\nv -1 1 0\n"
+        "f 1 2 3 4 5 6\n"  # a convex hexagon: the fan around its first corner
+        # An L (the unit square at (1..2, 1..2) missing), starting next to its reflex corner
+        # (1, 1): the fan around (2, 1) would cover the missing square. Negative indices.
+        "v 2 1 0\nv 1 1 0\nv 1 2 0\nv 0 2 0\nv 0 0 0\nv 2 0 0\n"
+        "f -6 -5 -4 -3 -2 -1\n"
+        # A dart: its reflex corner (1, 0.3) is corner 1, so the fan's diagonal 0-2 is outside.
+        "v 0 0 0\nv 1 0.3 0\nv 2 0 0\nv 1 1 0\n"
+        "f 13 14 15 16\n"
+    )
+    mesh = load_obj(tmp_path / "n.obj")
+    assert mesh.t_pos_idx[:4].tolist() == [[0, 1, 2], [0, 2, 3], [0, 3, 4], [0, 4, 5]]
+    area = _area_z(mesh)
+    assert mesh.t_pos_idx.shape[0] == 4 + 4 + 2
+    # Every triangle keeps the polygon's winding (a fan of the L would give one clockwise)...
+    assert bool((area > 0).all()), area
+    # ... and the triangles add up to each polygon's area: hexagon 4, L 3, dart 0.7.
+    torch.testing.assert_close(area[:4].sum(), torch.tensor(4.0))
+    torch.testing.assert_close(area[4:8].sum(), torch.tensor(3.0))
+    torch.testing.assert_close(area[8:].sum(), torch.tensor(0.7))
+    # No L triangle reaches into the missing square (x > 1 and y > 1).
+    centres = mesh.v_pos[mesh.t_pos_idx[4:8].long()].mean(dim=1)
+    assert not bool(((centres[:, 0] > 1) & (centres[:, 1] > 1)).any())
+    # The dart is split along its inner diagonal, corner 1 (1, 0.3) to corner 3 (1, 1).
+    assert all({13, 15} <= set(t) for t in mesh.t_pos_idx[8:].tolist())
+
+
+def test_self_intersecting_polygon_is_one_line(tmp_path):
+    (tmp_path / "x.obj").write_text(
+        "v 0 0 0\nv 3 2 0\nv 3 1 0\nv 2 1 0\nv 1 3 0\n# edges 1-2 and 4-5 cross\nf 1 2 3 4 5\n"
+    )
+    with pytest.raises(ValueError, match=r"x\.obj:7: a polygon of 5 vertices cannot be tri"):
+        load_obj(tmp_path / "x.obj")
+
+
+def test_negative_texcoord_and_normal_indices_count_back_from_the_line(tmp_path):
+    (tmp_path / "t.obj").write_text(
+        QUADS + "f -4/-4/-1 -3/-3/-1 -2/-2/-1 -1/-1/-1\n"  # v 3..6, vt 1..4 (a quad)
+        "v 5 5 5\nvt 0.5 0.5\nvn 1 0 0\n"
+        "f -1/-1/-1 -6/-5/-2 1/1/1\n"  # -1 now means the new v 7, vt 5, vn 2
+    )
+    mesh = load_obj(tmp_path / "t.obj")
+    assert mesh.t_pos_idx.tolist() == [[2, 3, 4], [2, 4, 5], [6, 1, 0]]
+    assert mesh.t_tex_idx.tolist() == [[0, 1, 2], [0, 2, 3], [4, 0, 0]]
+    assert mesh.t_nrm_idx.tolist() == [[0, 0, 0], [0, 0, 0], [1, 0, 0]]
+
+
+def test_mtllib_and_texture_names_with_spaces_several_libraries_and_letter_case(tmp_path):
+    folder = tmp_path / "my assets"
+    folder.mkdir()
+    _solid_png(folder / "wood grain.png", (0, 255, 0))
+    (folder / "my materials.mtl").write_text("newmtl wood\nmap_Kd Wood Grain.PNG\n")
+    (folder / "a.mtl").write_text("newmtl red\nKd 1 0 0\n")
+    (folder / "b.mtl").write_text("newmtl blue\nKd 0 0 1\n")
+    (folder / "two libs.obj").write_text(
+        QUADS + "mtllib my materials.mtl\nmtllib a.mtl b.mtl\n"
+        "usemtl wood\nf 1/1 2/2 3/3\nusemtl blue\nf 1 3 4\nusemtl red\nf 2 5 6\n"
+    )
+    mesh = load_obj(folder / "two libs.obj")
+    assert [m.name for m in mesh.materials] == ["wood", "blue", "red"]
+    torch.testing.assert_close(
+        mesh.materials[0].kd_texture, torch.tensor([0.0, 1, 0]).expand(2, 2, 3)
+    )
+    torch.testing.assert_close(mesh.materials[1].kd, torch.tensor([0.0, 0, 1]))
+    torch.testing.assert_close(mesh.materials[2].kd, torch.tensor([1.0, 0, 0]))
+    # Neither one file nor several: the error names the whole name; one of several missing:
+    # that one.
+    for line, missing in (("mtllib no such.mtl", "no such.mtl"), ("mtllib a.mtl c.mtl", "c.mtl")):
+        (folder / "bad.obj").write_text(f"{line}\n")
+        with pytest.raises(ValueError, match=rf"bad\.obj:1: material library .*/my assets/"
+                           rf"{missing} does not exist$"):  # fmt: skip
+            load_obj(folder / "bad.obj")
+
+
+def test_uvs_outside_the_unit_square_wrap_and_map_kd_options_through_load_obj(tmp_path):
+    """A 2 x 2 texture (red, green / blue, white) sampled at texel centres far outside [0, 1]:
+    each triangle's three corners share one vt, so its pixels see one texel."""
+    from mptex.render.material import shade_kd
+
+    image = Image.frombytes("RGB", (2, 2), bytes([255, 0, 0, 0, 255, 0, 0, 0, 255, 255, 255, 255]))
+    image.save(tmp_path / "four texels.png")
+    red, green, blue, white = torch.tensor([[1.0, 0, 0], [0, 1, 0], [0, 0, 1], [1, 1, 1]])
+    (tmp_path / "m.mtl").write_text(
+        "newmtl wrap\nmap_Kd four texels.png\n"
+        "newmtl clamp\nmap_Kd -clamp on four texels.png\n"
+        "newmtl shift\nmap_Kd -o 0.5 0 0 four texels.png\n"
+        "newmtl scale\nmap_Kd -s 2 2 1 four texels.png\n"
+        "newmtl flat\nKd 0.2 0.4 0.6\n"
+    )
+    # OBJ vt (u, v): v counts up from the image's bottom row; texel centres at 0.25 and 0.75.
+    cases = [
+        ("wrap", "0.25 0.75", red),  # inside: the top-left texel
+        ("wrap", "2.25 -1.25", red),  # two periods right, two down: the same texel
+        ("wrap", "-0.25 3.75", green),  # u = -0.25 wraps to 0.75: the right column
+        ("wrap", "7.75 -6.75", white),  # bottom right, many periods away
+        ("clamp", "2.25 -1.25", white),  # clamped: u -> 1 (right), v -> 0 (bottom row)
+        ("clamp", "-0.25 3.75", red),  # u -> 0 (left), v -> 1 (top row)
+        ("shift", "0.25 0.75", green),  # -o 0.5: u + 0.5
+        ("scale", "0.625 0.625", blue),  # -s 2 2: (1.25, 1.25) wraps to the bottom left
+    ]
+    lines = ["mtllib m.mtl", "v 0 0 0", "v 1 0 0", "v 0 1 0"]
+    lines += [f"vt {uv}" for _, uv, _ in cases]
+    for i, (material, _, _) in enumerate(cases, start=1):
+        lines += [f"usemtl {material}", f"f 1/{i} 2/{i} 3/{i}"]
+    lines += ["usemtl flat", "f 1 2 3"]  # no vt: Kd only
+    (tmp_path / "uv wrap.obj").write_text("\n".join(lines) + "\n")
+    mesh = load_obj(tmp_path / "uv wrap.obj")
+    rast = torch.zeros(1, 1, len(cases) + 1, 4)
+    rast[..., 0] = 1.0  # barycentric weight 1 on corner 0
+    rast[0, 0, :, 3] = torch.arange(len(cases) + 1, dtype=torch.float32) + 1
+    rgb = shade_kd(mesh, rast, backend="torch")[0, 0]
+    expected = torch.stack([colour for _, _, colour in cases] + [_srgb(51, 102, 153)])
+    torch.testing.assert_close(rgb, expected, rtol=0, atol=1e-6)

@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 
 import mptex.render
 import mptex.scenes
-from mptex.render import Mesh, look_at, save_image, write_obj
+from mptex.render import Mesh, look_at, save_image, srgb_to_rgb, write_obj
 from mptex.scenes import SCENE_DEFAULTS, build_scene, gt_texture, render_gbuffer, torus_knot
 
 SCENE_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "scene"
@@ -216,3 +216,29 @@ def test_a_damaged_nerf_dataset_is_one_line_naming_the_file(tmp_path, damage):
         build_scene(_compose("nerf", [f"path={root}", f"mesh={mesh_path}"]))
     message = str(info.value)
     assert named in message and "\n" not in message, message
+
+
+def test_mesh_scene_with_several_materials(tmp_path):
+    """Each pixel takes its triangle's material: the textured quad its texture (UVs in [1, 2]
+    wrap), the Kd-only quad (faces without vt) its Kd, faces before usemtl the 0.8 default."""
+    Image = pytest.importorskip("PIL.Image")
+    Image.new("RGB", (2, 2), (255, 0, 0)).save(tmp_path / "red tex.png")
+    (tmp_path / "m.mtl").write_text("newmtl red\nmap_Kd red tex.png\nnewmtl blue\nKd 0 0 1\n")
+    (tmp_path / "m.obj").write_text(
+        "mtllib m.mtl\n"
+        "v -1 -1 0\nv 0 -1 0\nv 0 1 0\nv -1 1 0\nv 1 -1 0\nv 1 1 0\nv 0 -1.5 0\n"
+        "vt 1 1\nvt 2 1\nvt 2 2\nvt 1 2\n"
+        "f 2 5 7\n"  # no usemtl yet: the default material
+        "usemtl red\nf 1/1 2/2 3/3 4/4\nusemtl blue\nf 2 5 6 3\n"
+    )  # fmt: skip
+    scene = build_scene(_compose("mesh", SMALL + [f"path={tmp_path / 'm.obj'}"]))
+    views = scene.val_views()
+    tri = views.gbuffer.rast[..., 3].long() - 1
+    material = scene.mesh.t_mat_idx.long()[tri.clamp_min(0)]
+    rgb = views.rgba[..., :3]
+    expected = {0: srgb_to_rgb(torch.full((3,), 0.8)), 1: torch.tensor([1.0, 0, 0]),
+                2: torch.tensor([0.0, 0, 1])}  # fmt: skip
+    for index, colour in expected.items():
+        where = views.mask & (material == index)
+        assert int(where.sum()) > 0, index
+        torch.testing.assert_close(rgb[where], colour.expand(int(where.sum()), 3))

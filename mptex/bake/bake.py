@@ -167,10 +167,11 @@ def _signed_areas(tri_uv: torch.Tensor) -> torch.Tensor:
 def uv_problem(mesh: Mesh, covered_texels: int | None = None, resolution: int = 0) -> str | None:
     """Why the mesh's own UVs cannot hold a baked texture, or None when they can.
 
-    A texture baked into UVs gives each texel one value, so the UVs must be present, inside
-    [0, 1]^2 and must not overlap. Overlap (mirrored or tiled islands, several materials each
-    using the whole square, a seam that wraps around) is detected from the rasterized atlas:
-    the texels covered must be at least 90 % of the triangles' summed UV area.
+    A texture baked into UVs gives each texel one value, so the UVs must be present on every
+    triangle (not all three corners at one UV vertex, as ``load_obj`` gives faces without
+    ``vt``), inside [0, 1]^2 and must not overlap. Overlap (mirrored or tiled islands, several
+    materials each using the whole square, a seam that wraps around) is detected from the
+    rasterized atlas: the texels covered must be at least 90 % of the triangles' summed UV area.
 
     Args:
         mesh: the mesh.
@@ -181,6 +182,11 @@ def uv_problem(mesh: Mesh, covered_texels: int | None = None, resolution: int = 
         return "the mesh has no UVs"
     if mesh.v_tex.numel() == 0 or not bool(torch.isfinite(mesh.v_tex).all()):
         return "the mesh's UVs are not finite"
+    idx = mesh.t_tex_idx
+    # load_obj gives faces without vt (Kd-only materials) one shared UV vertex per corner.
+    no_uv = int(((idx[:, 0] == idx[:, 1]) & (idx[:, 1] == idx[:, 2])).sum())
+    if no_uv:
+        return f"{no_uv} of the mesh's triangles have no UVs (all corners at one UV vertex)"
     lo, hi = float(mesh.v_tex.min()), float(mesh.v_tex.max())
     if lo < -1e-6 or hi > 1 + 1e-6:
         return f"the mesh's UVs leave [0, 1] (range [{lo:.3g}, {hi:.3g}])"

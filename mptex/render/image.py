@@ -106,15 +106,60 @@ def save_image(path: str | os.PathLike, img: torch.Tensor | np.ndarray, to_srgb:
     iio.imwrite(path, data)
 
 
+def _pillow_special(path: Path) -> np.ndarray | None:
+    """The pixels of images that imageio would misread, or None for the others.
+
+    * 16-bit colour PNGs: Pillow (imageio's PNG reader) keeps only the high byte of each
+      sample. Its decoder is run twice, once reading each sample's bytes as big-endian (high
+      bytes) and once as little-endian (low bytes), and the two halves are joined: [H, W, C]
+      uint16. 16-bit grey + alpha has no little-endian reader: its 4 bytes per pixel are
+      read once as 8-bit RGBA (the same bytes per pixel, so PNG's filters undo alike), i.e.
+      (grey high, grey low, alpha high, alpha low): [H, W, 2] uint16. (16-bit grey is read at
+      full depth by Pillow itself.)
+    * CMYK / YCbCr / LAB / HSV JPEGs and TIFFs: four or three channels that are not RGB(A);
+      converted to RGB by Pillow: [H, W, 3] uint8.
+    """
+    try:
+        from PIL import Image
+    except ImportError:  # imageio's Pillow plugin is then missing too; imageio reports it
+        return None
+    try:
+        image = Image.open(path)
+    except Exception:  # not a Pillow format (EXR, HDR, ...): imageio's other plugins decide
+        return None
+    with image:
+        if image.mode in ("CMYK", "YCbCr", "LAB", "HSV"):
+            return np.asarray(image.convert("RGB"))
+        tile = image.tile
+        rawmodes = {"RGB;16B": "RGB;16L", "RGBA;16B": "RGBA;16L", "LA;16B": "RGBA"}
+        if image.format != "PNG" or len(tile) != 1 or tile[0].args not in rawmodes:
+            return None
+        if tile[0].args == "LA;16B":
+            image.tile = [tile[0]._replace(args="RGBA")]
+            data = np.asarray(image).astype(np.uint16)
+            return data[..., 0::2] * 256 + data[..., 1::2]
+        high = np.asarray(image)
+    with Image.open(path) as again:
+        again.tile = [again.tile[0]._replace(args=rawmodes[tile[0].args])]
+        low = np.asarray(again)
+    return high.astype(np.uint16) * 256 + low
+
+
 def load_image(path: str | os.PathLike, to_linear: bool = False) -> torch.Tensor:
     """Read an image as float32.
 
+    8-bit images (PNG, JPEG, ...) are scaled by 1 / 255, 16-bit PNGs (grey, grey + alpha, RGB,
+    RGBA) by 1 / 65535 at their full depth, floats (EXR, HDR) kept. Palette images come back as
+    RGB (RGBA when the palette has transparency), CMYK / YCbCr JPEGs as RGB, 1-bit images as
+    0 / 1, animated GIFs / PNGs and multi-page TIFFs as their first frame.
+
     Args:
-        path: image file; 8-bit images are scaled to [0, 1], 16-bit to [0, 1], floats kept.
-        to_linear: convert sRGB colour channels to linear RGB (alpha untouched).
+        path: image file.
+        to_linear: convert sRGB colour channels to linear RGB (alpha untouched; only 3- and
+            4-channel images are converted: a grey image is returned as stored).
 
     Returns:
-        [H, W, C] float32 tensor (grey images get C = 1).
+        [H, W, C] float32 tensor (grey images get C = 1, grey + alpha C = 2).
     """
     import imageio.v3 as iio
 
@@ -122,9 +167,13 @@ def load_image(path: str | os.PathLike, to_linear: bool = False) -> torch.Tensor
     if not path.is_file():
         raise FileNotFoundError(f"load_image: no such file {path}")
     try:
-        data = iio.imread(path)
+        data = _pillow_special(path)
+        if data is None:
+            data = iio.imread(path)
     except Exception as exc:
         raise RuntimeError(f"load_image: cannot read {path} ({type(exc).__name__}: {exc})") from exc
+    if data.ndim == 4:  # the frames of an animated GIF / PNG or the pages of a TIFF
+        data = data[0]
     if data.dtype == np.uint8:
         out = torch.from_numpy(data.astype(np.float32) / 255.0)
     elif data.dtype == np.uint16:

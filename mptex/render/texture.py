@@ -1,4 +1,4 @@
-"""UV texture sampling with nvdiffrast's ``texture(filter_mode='linear', boundary_mode='wrap')``."""
+"""UV texture sampling as nvdiffrast's ``texture(filter_mode='linear')``, wrap or clamp."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def texture(
     boundary_mode: str = "wrap",
     backend: Backend = "auto",
 ) -> torch.Tensor:
-    """Sample a 2D texture bilinearly at UV coordinates, with wrap-around addressing.
+    """Sample a 2D texture bilinearly at UV coordinates, with wrap-around or clamped addressing.
 
     Texel (i, j) (column i, row j of ``tex``) has its centre at ``((i + 0.5) / W, (j + 0.5) / H)``
     in UV space; v = 0 is row 0 of the tensor, as in nvdiffrast (loaders flip OBJ's v instead).
@@ -25,7 +25,9 @@ def texture(
         tex: [B, H, W, C] or [1, H, W, C] (shared) floating-point texture.
         uv: [B, h, w, 2] floating-point texture coordinates.
         filter_mode: only "linear" is implemented (no mipmaps).
-        boundary_mode: only "wrap" is implemented.
+        boundary_mode: "wrap" (repeat: u and u + 1 sample the same colour, and a bilinear
+            lookup next to an edge blends with the opposite edge) or "clamp" (clamp to edge:
+            outside [0, 1] the nearest edge texel; no blending across edges).
         backend: "auto", "torch" or "nvdiffrast" (``nvdiffrast.torch.texture``).
 
     Returns:
@@ -33,8 +35,8 @@ def texture(
     """
     if filter_mode != "linear":
         raise ValueError(f"filter_mode: expected 'linear', received {filter_mode!r}")
-    if boundary_mode != "wrap":
-        raise ValueError(f"boundary_mode: expected 'wrap', received {boundary_mode!r}")
+    if boundary_mode not in ("wrap", "clamp"):
+        raise ValueError(f"boundary_mode: expected 'wrap' or 'clamp', received {boundary_mode!r}")
     if not isinstance(tex, torch.Tensor) or tex.dim() != 4:
         got = list(tex.shape) if isinstance(tex, torch.Tensor) else type(tex).__name__
         raise ValueError(f"tex: expected shape [B, H, W, C], received {got}")
@@ -49,7 +51,7 @@ def texture(
 
         dr = import_nvdiffrast()
         return dr.texture(
-            tex.contiguous(), uv.contiguous(), filter_mode="linear", boundary_mode="wrap"
+            tex.contiguous(), uv.contiguous(), filter_mode="linear", boundary_mode=boundary_mode
         )
 
     batch, height, width, channels = tex.shape
@@ -58,10 +60,14 @@ def texture(
     y = uv[..., 1] * height - 0.5
     x0, y0 = torch.floor(x), torch.floor(y)
     fx, fy = (x - x0).unsqueeze(-1), (y - y0).unsqueeze(-1)
-    ix0 = torch.remainder(x0.long(), width)
-    iy0 = torch.remainder(y0.long(), height)
-    ix1 = torch.remainder(ix0 + 1, width)
-    iy1 = torch.remainder(iy0 + 1, height)
+    if boundary_mode == "wrap":
+        ix0 = torch.remainder(x0.long(), width)
+        iy0 = torch.remainder(y0.long(), height)
+        ix1 = torch.remainder(ix0 + 1, width)
+        iy1 = torch.remainder(iy0 + 1, height)
+    else:  # clamp to edge: both taps clamp, so beyond the edge the weights blend equal texels
+        ix0, ix1 = x0.long().clamp(0, width - 1), (x0.long() + 1).clamp(0, width - 1)
+        iy0, iy1 = y0.long().clamp(0, height - 1), (y0.long() + 1).clamp(0, height - 1)
     flat = tex.reshape(batch, height * width, channels)
     if batch == 1 and n_out > 1:
         flat = flat.expand(n_out, -1, -1)

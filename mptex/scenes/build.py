@@ -13,9 +13,8 @@ from pathlib import Path
 import torch
 
 from mptex.render.camera import orbit_views, random_views
+from mptex.render.material import mesh_materials, shade_kd
 from mptex.render.mesh import load_obj, unit_size
-from mptex.render.rasterize import interpolate
-from mptex.render.texture import texture
 from mptex.scenes.assets import SUITE
 from mptex.scenes.builtin import gt_texture, torus_knot
 from mptex.scenes.gbuffer import GBuffer
@@ -188,25 +187,27 @@ def _build_builtin(cfg: dict, device) -> Scene:
 
 def _textured_reference(mesh):
     def reference(gbuffer: GBuffer) -> torch.Tensor:
-        if mesh.kd_texture is not None and mesh.v_tex is not None:
-            uv, _ = interpolate(mesh.v_tex, gbuffer.rast, mesh.t_tex_idx)
-            rgb = texture(mesh.kd_texture.unsqueeze(0), uv)
-        else:
-            rgb = mesh.kd.expand_as(gbuffer.position)
-        return _coverage_rgba(rgb, gbuffer.mask)
+        # Each pixel takes its triangle's material: its texture at the UV, or its Kd.
+        return _coverage_rgba(shade_kd(mesh, gbuffer.rast), gbuffer.mask)
 
     return reference
+
+
+def _load_obj(path: Path, key: str):
+    """``load_obj`` with its one-line ``<file>:<line>: <what>`` errors under ``scene.<key>``."""
+    try:
+        return load_obj(path)
+    except ValueError as exc:
+        raise ValueError(f"scene.{key}: {exc}") from None
 
 
 def _build_mesh(cfg: dict, device) -> Scene:
     path = Path(cfg["path"])
     if not path.is_file():
         raise ValueError(f"scene.path: file not found: {path}")
-    mesh = load_obj(path)
-    if mesh.kd_texture is None and mesh.kd is None:
+    mesh = _load_obj(path, "path")
+    if mesh_materials(mesh) is None:
         raise ValueError(f"scene.path: {path} has no material with Kd or map_Kd to render")
-    if mesh.kd_texture is not None and mesh.v_tex is None:
-        raise ValueError(f"scene.path: {path} has a map_Kd texture but no texture coordinates")
     _check_extent(mesh, "path", path)
     if cfg["normalize"]:
         mesh = unit_size(mesh)
@@ -227,7 +228,7 @@ def _build_nerf(cfg: dict, device) -> Scene:
     for key in ("train_split", "val_split"):
         if not (root / f"transforms_{cfg[key]}.json").is_file():
             raise ValueError(f"scene.{key}: {root}/transforms_{cfg[key]}.json not found")
-    mesh = load_obj(mesh_path)
+    mesh = _load_obj(mesh_path, "mesh")
     _check_extent(mesh, "mesh", mesh_path)
     train, train_rgba = load_nerf_split(root, cfg["train_split"], cfg["near"], cfg["far"])
     val, val_rgba = load_nerf_split(root, cfg["val_split"], cfg["near"], cfg["far"])

@@ -90,6 +90,9 @@ def _run(cfg) -> None:
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
+    if "search" in cfg:
+        _search(cfg, run_dir)
+        return
     try:
         metrics = train(cfg, run_dir)
     except DiskFullError as exc:
@@ -122,6 +125,31 @@ def _run(cfg) -> None:
     )
     print(f"{_PROG}: results in {run_dir}")
     print(f"{_PROG}: metrics in {run_dir / 'metrics.json'}")
+
+
+def _search(cfg, run_dir: Path) -> None:
+    """``+experiment=precision_search``: the precision search instead of one training run."""
+    from mptex.search import SearchError, SearchInterrupted, run_search
+
+    try:
+        summary = run_search(cfg, run_dir)
+    except (SearchError, ValueError) as exc:
+        _error(str(exc))
+        sys.exit(EXIT_CODES["error"])
+    except SearchInterrupted as exc:
+        print(f"{_PROG}: interrupted: {exc}", file=sys.stderr)
+        sys.exit(EXIT_CODES["interrupted"])
+    row = next(r for r in summary["candidates"] if r["candidate"] == summary["certified"])
+    cert = row["certificate"] or {}
+    interval = (f"[{cert['low']:+.2f}, {cert['high']:+.2f}] dB"
+                if cert.get("low") is not None else "-")  # fmt: skip
+    budget = summary["budget"]
+    print(f"{_PROG}: precision search: certified {summary['certified']} "
+          f"(PSNR - PSNR(f32) {interval}, seeds {summary['seeds']}); "
+          f"{budget['runs']} runs, {budget['search_wall_s']:.0f} s")  # fmt: skip
+    print(f"{_PROG}: mptex-train precision={summary['name']} runs it "
+          f"({summary['result_config']})")  # fmt: skip
+    print(f"{_PROG}: report in {run_dir / 'search.md'}")
 
 
 def _submitit_signal() -> signal.Signals | None:

@@ -1,0 +1,189 @@
+"""The precision search's report section: ``search.md`` and its Pareto figure ``pareto.png``."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["write_search_report", "pareto_front"]
+
+
+def _interval(cert: Mapping[str, Any] | None) -> str:
+    if not cert or cert.get("low") is None:
+        return "-"
+    return f"{cert['mean']:+.2f} [{cert['low']:+.2f}, {cert['high']:+.2f}]"
+
+
+def _quality(row: Mapping[str, Any], seed: int) -> float | None:
+    """Mean Δ over the certification seeds where all ran, else the first seed's Δ."""
+    cert = row.get("certificate")
+    if cert and cert.get("mean") is not None:
+        return float(cert["mean"])
+    return row["delta_db"].get(str(seed))
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both objectives: cost (lower is better)
+    and quality (higher is better); ordered by cost. Ties keep the first index."""
+    front = []
+    for i, (cost, quality) in enumerate(points):
+        dominated = any(
+            (c <= cost and q >= quality) and (c < cost or q > quality) for c, q in points
+        )
+        duplicate = any(points[j] == (cost, quality) for j in front)
+        if not dominated and not duplicate:
+            front.append(i)
+    return sorted(front, key=lambda i: points[i][0])
+
+
+def _plot(path: Path, summary: Mapping[str, Any]) -> bool:
+    try:
+        from mptex.report.plots import _figure
+    except ImportError:  # pragma: no cover - matplotlib is a dependency
+        return False
+    seed0 = summary["seeds"][0]
+    rows = [r for r in summary["candidates"] if _quality(r, seed0) is not None]
+    if not rows:
+        return False
+    fig, axes = _figure(1, width=7.0, height=4.5)
+    ax = axes[0][0]
+    margin = summary["margin_db"]
+    ax.axhspan(-margin, margin, color="0.9", zorder=0, label=f"±{margin} dB (margin)")
+    ax.axhline(0.0, color="0.5", lw=0.8)
+    for row in rows:
+        x, y = row["cost_s"] * 1e6, _quality(row, seed0)
+        cert = row.get("certificate")
+        if cert and cert.get("low") is not None:
+            color = "tab:green" if cert["certified"] else "tab:red"
+            ax.errorbar(
+                [x],
+                [y],
+                yerr=[[y - cert["low"]], [cert["high"] - y]],
+                fmt="o",
+                color=color,
+                capsize=3,
+                zorder=3,
+            )
+        else:
+            ax.plot([x], [y], "o", mfc="none", color="tab:blue", zorder=2)
+    points = [(r["cost_s"], _quality(r, seed0)) for r in rows]
+    front = pareto_front(points)
+    ax.plot(
+        [points[i][0] * 1e6 for i in front],
+        [points[i][1] for i in front],
+        "--",
+        color="0.3",
+        lw=1,
+        label="Pareto front",
+        zorder=1,
+    )
+    best = next(r for r in rows if r["candidate"] == summary["certified"])
+    ax.plot(
+        [best["cost_s"] * 1e6],
+        [_quality(best, seed0)],
+        "*",
+        ms=16,
+        color="gold",
+        mec="k",
+        zorder=4,
+        label=f"certified: {summary['certified']}",
+    )
+    for row in rows:
+        ax.annotate(
+            row["candidate"],
+            (row["cost_s"] * 1e6, _quality(row, seed0)),
+            fontsize=6,
+            xytext=(3, 3),
+            textcoords="offset points",
+        )
+    what = "measured" if summary["cost"]["measured"] else "modelled"
+    ax.set_xlabel(f"{what} µs / iteration on {summary['cost']['gpu_name']}")
+    ax.set_ylabel("PSNR − PSNR(f32) [dB]")
+    ax.set_title(
+        "Precision search: cost vs quality (hollow: one seed; bars: paired 95 % CI)", fontsize=9
+    )
+    ax.legend(fontsize=7, loc="lower right")
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def write_search_report(out: Path, summary: Mapping[str, Any]) -> Path:
+    """Write ``search.md`` (and ``pareto.png``) into ``out``; returns the markdown's path."""
+    out = Path(out)
+    plotted = _plot(out / "pareto.png", summary)
+    seeds, margin = summary["seeds"], summary["margin_db"]
+    ref = next(r for r in summary["candidates"] if r["candidate"] == summary["reference"])
+    best = next(r for r in summary["candidates"] if r["candidate"] == summary["certified"])
+    cost = summary["cost"]
+    what = "measured" if cost["measured"] else "modelled"
+    lines = ["## Precision search", ""]
+    if summary["certified_is_reference"]:
+        lines.append(
+            f"**No assignment cheaper than f32 was certified** within ±{margin} dB over seeds "
+            f"{seeds}: the answer is f32 ({summary['reference']})."
+        )
+    else:
+        lines.append(
+            f"**Certified cheapest: `{best['candidate']}`** — PSNR − PSNR(f32) "
+            f"{_interval(best['certificate'])} dB (paired 95 % Student-t interval, seeds "
+            f"{seeds}, inside ±{margin} dB); {what} cost {best['cost_s'] * 1e6:.1f} µs / "
+            f"iteration vs f32's {ref['cost_s'] * 1e6:.1f} µs "
+            f"({ref['cost_s'] / best['cost_s']:.2f}x less) on {cost['gpu_name']}."
+        )
+    lines += [
+        "",
+        f"`mptex-train precision={summary['name']}` runs it (`{summary['result_config']}`); "
+        f"with the search's protocol and seed {seeds[0]}: `{summary['reproduce']}`.",
+        "",
+        f"Method: every candidate trains with this config's protocol; screens run one seed "
+        f"({seeds[0]}) and pass when |Δ| <= {summary['screen_db']} dB (Δ = PSNR − PSNR(f32), "
+        f"same seed); passing candidates cheaper than f32 are re-run over seeds {seeds}, "
+        f"cheapest first, and certified when the paired 95 % interval of Δ lies within "
+        f"±{margin} dB (a collapsed, diverged or failed run is never certified). Cost: "
+        f"{what} per iteration of the texture on {cost['gpu_name']} ({cost['source']}), "
+        f"{cost['points']} texture queries per iteration; the model's assumptions are in "
+        "`mptex/search/cost.py` and the README.",
+        "",
+    ]
+    if plotted:
+        lines += ["![cost vs quality](pareto.png)", ""]
+    lines += [
+        "| candidate | stage | µs / it | vs f32 | Δ seed "
+        f"{seeds[0]} [dB] | Δ mean [95 % CI] | verdict | certified | runs |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in summary["candidates"]:
+        cert = row.get("certificate") or {}
+        d0 = row["delta_db"].get(str(seeds[0]))
+        statuses = Counter(r["status"] for r in row["runs"].values())
+        lines.append(
+            f"| `{row['candidate']}` | {row['stage']} | {row['cost_s'] * 1e6:.1f} | "
+            f"{row['cost_s'] / ref['cost_s']:.2f} | "
+            f"{'-' if d0 is None else f'{d0:+.2f}'} | {_interval(cert)} | "
+            f"{cert.get('verdict', cert.get('reason', '-'))} | "
+            f"{'yes' if cert.get('certified') else 'no'} | "
+            f"{', '.join(f'{n} {s}' for s, n in sorted(statuses.items()))} |"
+        )
+    reasons = Counter((p["rule"], p["reason"]) for p in summary["space"]["pruned"])
+    lines += [
+        "",
+        f"Space: {summary['space']['kept']} candidates kept, "
+        f"{len(summary['space']['pruned'])} pruned before training:",
+        "",
+    ]
+    for (rule, reason), n in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])):
+        lines.append(f"- {n} × {rule}: {reason}")
+    budget = summary["budget"]
+    lines += [
+        "",
+        f"Budget: {budget['runs']} runs ({budget['trained']} trained now, {budget['reused']} "
+        f"read back from an earlier start), {budget['iterations']} iterations, "
+        f"{budget['run_wall_s']:.0f} s of run time, {budget['search_wall_s']:.0f} s wall "
+        f"({budget['workers']} at a time).",
+        "",
+    ]
+    path = out / "search.md"
+    path.write_text("\n".join(lines))
+    return path

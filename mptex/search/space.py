@@ -1,0 +1,248 @@
+"""The precision search space: every assignment of dtypes to the texture's parts, and which of them
+are pruned before any training (with the reason).
+
+A :class:`Candidate` names one assignment: the hash grid's dtype, each linear layer's compute
+dtype (input layer first), whether the MLP keeps f32 master weights, the loss-scaling mode (and
+its static factor), and the network kind (``"linear"``: :class:`~mptex.PrecisionMLP`,
+``"fused"``: tcnn's FullyFusedMLP). :meth:`Candidate.policy` turns it into the
+:class:`~mptex.PrecisionPolicy` that ``mptex-train`` runs.
+
+Pruning (:func:`enumerate_space`), in this order, each with its reason recorded:
+
+1. ``invalid``: :class:`~mptex.PrecisionPolicy` refuses the combination (its ``ValueError``
+   is the reason), e.g. a bf16 grid (tcnn has none), loss scaling without f32 masters
+   (GradScaler refuses f16 gradients), the fused network with a width tcnn does not build.
+2. ``redundant``: it computes exactly what a kept candidate computes, at a cost the model cannot
+   rank lower: ``master_weights: false`` with every layer in f32 (the parameters are f32 either
+   way); a loss scale where no value is f16 (a power-of-two scale is exact in f32 and bf16, whose
+   exponent range is f32's, so the run is the unscaled one plus an unscale pass).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mptex.network import FUSED_WIDTHS, TCNN_LOSS_SCALE
+from mptex.precision import PrecisionPolicy
+
+__all__ = ["Candidate", "SPACE_DEFAULTS", "enumerate_space", "reference_candidate"]
+
+# What the search may vary (the ``search.space`` config block). Each key: the values tried.
+SPACE_DEFAULTS: dict[str, Any] = {
+    "encoder_dtypes": ["f16", "f32"],
+    "layer_dtypes": ["f32", "bf16", "f16"],
+    "master_weights": [True, False],
+    "loss_scaling": ["none", "static", "dynamic"],
+    "static_loss_scale": 128.0,  # the static mode's factor (tcnn's constant)
+    "fused": True,  # also try tcnn's fully fused f16 network where the width allows
+}
+
+_LS_TAGS = {"none": "none", "dynamic": "dyn", "tcnn": "tcnn"}
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """One precision assignment.
+
+    Args:
+        encoder: the hash grid's dtype name (``"f16"`` / ``"f32"``).
+        layers: one dtype name per linear layer, input layer first (``("f32",)`` for the
+            fused network, whose single entry is its f16 compute dtype).
+        master_weights: f32 master weights for the MLP.
+        loss_scaling: ``"none"``, ``"static"``, ``"dynamic"`` or (fused) ``"tcnn"``.
+        static_loss_scale: the factor of ``"static"``.
+        mlp: ``"linear"`` or ``"fused"``.
+    """
+
+    encoder: str
+    layers: tuple[str, ...]
+    master_weights: bool = True
+    loss_scaling: str = "none"
+    static_loss_scale: float = 128.0
+    mlp: str = "linear"
+
+    @property
+    def name(self) -> str:
+        """A short unique id, e.g. ``e16-f16.f16.f32-dyn``, ``e16-fused-tcnn``,
+        ``e32-bf16.bf16.bf16-none-nomaster``."""
+        body = "fused" if self.mlp == "fused" else ".".join(self.layers)
+        if self.loss_scaling == "static":
+            scale = self.static_loss_scale
+            tag = f"s{int(scale)}" if float(scale).is_integer() else f"s{scale:g}"
+        else:
+            tag = _LS_TAGS[self.loss_scaling]
+        enc = {"f16": "e16", "f32": "e32"}.get(self.encoder, "e" + self.encoder)
+        name = f"{enc}-{body}-{tag}"
+        return name if self.master_weights else name + "-nomaster"
+
+    def has_f16(self) -> bool:
+        """Whether any value the run computes in is f16 (the encoder or a layer)."""
+        return self.encoder == "f16" or "f16" in self.layers or self.mlp == "fused"
+
+    def policy_dict(self, name: str | None = None) -> dict[str, Any]:
+        """The ``precision`` config group of this candidate (every PrecisionPolicy field)."""
+        fused = self.mlp == "fused"
+        # One dtype for every layer is written as one entry: the form f16_naive's f16
+        # parameters (master_weights false) need, and the same policy otherwise.
+        uniform = fused or len(set(self.layers)) == 1
+        return {
+            "name": name or self.name,
+            "encoder_dtype": self.encoder,
+            "mlp_dtypes": ["f16"] if fused else list(self.layers[:1] if uniform else self.layers),
+            "master_weights": self.master_weights,
+            "loss_scaling": self.loss_scaling,
+            "static_loss_scale": float(self.static_loss_scale),
+            "init_scale": 65536.0,
+            "growth_factor": 2.0,
+            "backoff_factor": 0.5,
+            "growth_interval": 2000,
+            "autocast": False,
+            "mlp_backend": "auto" if fused else "torch",
+            "mlp": self.mlp,
+            "fused_loss_scale": TCNN_LOSS_SCALE,
+            "fused_accumulate": "half",
+            "fused_split_k": True,
+            "encoder_hook": False,
+        }
+
+    def policy(self) -> PrecisionPolicy:
+        """The :class:`~mptex.PrecisionPolicy` (``ValueError`` if the combination is invalid)."""
+        return PrecisionPolicy.from_config(self.policy_dict())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "encoder": self.encoder,
+            "layers": list(self.layers),
+            "master_weights": self.master_weights,
+            "loss_scaling": self.loss_scaling,
+            "static_loss_scale": float(self.static_loss_scale),
+            "mlp": self.mlp,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Candidate:
+        return cls(
+            encoder=data["encoder"],
+            layers=tuple(data["layers"]),
+            master_weights=bool(data["master_weights"]),
+            loss_scaling=data["loss_scaling"],
+            static_loss_scale=float(data["static_loss_scale"]),
+            mlp=data["mlp"],
+        )
+
+
+def reference_candidate(n_layers: int) -> Candidate:
+    """f32 everywhere, no loss scaling: the arm every candidate is certified against."""
+    return Candidate("f32", ("f32",) * n_layers)
+
+
+def _check_values(key: str, values: Any, allowed: Sequence[Any]) -> list[Any]:
+    if not isinstance(values, (list, tuple)) or not values:
+        raise ValueError(f"search.space.{key}: expected a non-empty list, got {values!r}")
+    for value in values:
+        if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
+            raise ValueError(
+                f"search.space.{key}: expected values from {list(allowed)}, got {value!r}"
+            )
+    return list(dict.fromkeys(values))
+
+
+def check_space(space: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``search.space`` with defaults filled in; ``ValueError`` naming the first bad key."""
+    space = dict(space or {})
+    unknown = sorted(set(space) - set(SPACE_DEFAULTS))
+    if unknown:
+        raise ValueError(
+            f"search.space.{unknown[0]}: unknown key; valid keys: {sorted(SPACE_DEFAULTS)}"
+        )
+    s = {**SPACE_DEFAULTS, **space}
+    # bf16 is accepted here so that its pruning (no bf16 grid in tcnn) is recorded, not hidden.
+    s["encoder_dtypes"] = _check_values(
+        "encoder_dtypes", s["encoder_dtypes"], ["f16", "f32", "bf16"]
+    )
+    s["layer_dtypes"] = _check_values("layer_dtypes", s["layer_dtypes"], ["f32", "bf16", "f16"])
+    s["master_weights"] = _check_values("master_weights", s["master_weights"], [True, False])
+    s["loss_scaling"] = _check_values(
+        "loss_scaling", s["loss_scaling"], ["none", "static", "dynamic"]
+    )
+    scale = s["static_loss_scale"]
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"search.space.static_loss_scale: expected a number > 0, got {scale!r}")
+    if not isinstance(s["fused"], bool):
+        raise ValueError(f"search.space.fused: expected true or false, got {s['fused']!r}")
+    return s
+
+
+def _redundant(c: Candidate) -> str | None:
+    if not c.master_weights and all(d == "f32" for d in c.layers) and c.mlp == "linear":
+        return "master_weights false with f32 layers stores the same f32 parameters"
+    if c.loss_scaling in ("static", "dynamic") and not c.has_f16():
+        return (
+            "loss scaling with no f16 value: a power-of-two scale is exact in f32 and bf16, so "
+            "the run is the unscaled one plus an unscale pass"
+        )
+    return None
+
+
+def enumerate_space(
+    n_layers: int, width: int, space: Mapping[str, Any] | None = None
+) -> tuple[list[Candidate], list[dict[str, Any]]]:
+    """Every candidate of the space, split into kept and pruned.
+
+    Args:
+        n_layers: linear layers of the MLP (``texture.hidden + 1``).
+        width: the MLP's hidden width (``texture.internal_dims``); the fused network needs one of
+            tcnn's widths (16, 32, 64, 128).
+        space: ``search.space`` (:data:`SPACE_DEFAULTS` for missing keys).
+
+    Returns:
+        ``(kept, pruned)``: kept candidates sorted by name; pruned as
+        ``{"candidate": name, "rule": "invalid" | "redundant", "reason": str}``.
+    """
+    s = check_space(space)
+    raw: list[Candidate] = []
+    for enc, layers, master, ls in itertools.product(
+        s["encoder_dtypes"],
+        itertools.product(s["layer_dtypes"], repeat=n_layers),
+        s["master_weights"],
+        s["loss_scaling"],
+    ):
+        raw.append(Candidate(enc, tuple(layers), master, ls, float(s["static_loss_scale"])))
+    if s["fused"]:
+        for enc, ls in itertools.product(s["encoder_dtypes"], ["tcnn", *s["loss_scaling"]]):
+            raw.append(Candidate(enc, ("f16",), True, ls, float(s["static_loss_scale"]), "fused"))
+    kept, pruned = [], []
+    for c in dict.fromkeys(raw):
+        reason = None
+        try:
+            c.policy()
+        except ValueError as exc:
+            reason = ("invalid", str(exc))
+        if reason is None and c.mlp == "fused" and width not in FUSED_WIDTHS:
+            reason = (
+                "invalid",
+                f"texture.internal_dims {width}: tcnn's FullyFusedMLP "
+                f"builds widths {list(FUSED_WIDTHS)} only",
+            )
+        if reason is None and (why := _redundant(c)) is not None:
+            reason = ("redundant", why)
+        if reason is None:
+            kept.append(c)
+        else:
+            pruned.append({"candidate": c.name, "rule": reason[0], "reason": reason[1]})
+    kept.sort(key=lambda c: c.name)
+    return kept, pruned
+
+
+def layer_lowerings(kept: Iterable[Candidate], n_layers: int) -> dict[tuple[str, int], list[str]]:
+    """The one-part changes from f32 that the kept space allows: ``{("encoder", 0): ["f16"],
+    ("layer", i): ["bf16", "f16"], ...}`` (the components the greedy stage screens)."""
+    encs = sorted({c.encoder for c in kept if c.mlp == "linear"} - {"f32"})
+    options: dict[tuple[str, int], list[str]] = {("encoder", 0): encs}
+    for i in range(n_layers):
+        dtypes = {c.layers[i] for c in kept if c.mlp == "linear"} - {"f32"}
+        options[("layer", i)] = sorted(dtypes)
+    return {k: v for k, v in options.items() if v}

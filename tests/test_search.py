@@ -1,0 +1,303 @@
+"""The precision search (mptex/search): pruning, the cost model against hand-computed values,
+certification, the search end to end (result yaml, reproduction, resume after a stop signal)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from mptex.cli import CONFIG_DIR, register_experiments
+from mptex.search import (
+    GPUS,
+    Candidate,
+    SearchError,
+    SearchInterrupted,
+    TextureShape,
+    certify,
+    check_search_config,
+    enumerate_space,
+    iteration_cost,
+    pareto_front,
+    run_search,
+)
+from mptex.search.cost import GPU
+from mptex.train import train
+
+# ----------------------------------------------------------------------------- pruning
+
+
+def test_space_counts_follow_the_pruning_rules():
+    kept, pruned = enumerate_space(3, 32)
+    # Raw space: 2 encoders x 3^3 layer dtypes x 2 master settings x 3 loss-scaling modes = 324
+    # linear candidates, + fused: 2 encoders x (tcnn, none, static, dynamic) = 8.
+    assert len(kept) + len(pruned) == 324 + 8
+    names = {c.name for c in kept}
+    by_name = {p["candidate"]: p for p in pruned}
+    # f32 masters: encoder f16 keeps all 27 x 3 = 81; encoder f32 loses the 8 layer assignments
+    # without f16 ({f32, bf16}^3) x {static, dynamic} = 16 (redundant scaling): 65.
+    # No masters: only a single dtype for all layers (3) x 2 encoders x loss "none" (GradScaler
+    # refuses f16 grads) = 6, minus the 2 all-f32 ones (redundant): 4. Fused: 2 x 3 = 6.
+    assert len(kept) == 81 + 65 + 4 + 6
+    assert sum(p["rule"] == "redundant" for p in pruned) == 16 + 2
+    assert "e16-f16.f16.f32-dyn" in names and "e16-fused-tcnn" in names
+    assert "e16-f16.f16.f16-none-nomaster" in names  # f16_naive's shape
+    assert "single mlp_dtypes" in by_name["e16-f16.f32.f32-none-nomaster"]["reason"]
+    assert "GradScaler" in by_name["e16-f16.f16.f16-dyn-nomaster"]["reason"]
+    assert by_name["e32-bf16.bf16.bf16-dyn"]["rule"] == "redundant"
+    assert by_name["e32-f32.f32.f32-none-nomaster"]["rule"] == "redundant"
+    assert "fused" in by_name["e16-fused-none"]["reason"]
+    for c in kept:  # every kept candidate builds its policy
+        c.policy()
+
+
+def test_bf16_grid_and_unsupported_fused_widths_are_pruned_with_their_reason():
+    kept, pruned = enumerate_space(2, 24, {"encoder_dtypes": ["bf16", "f16"]})
+    reasons = {p["candidate"]: p["reason"] for p in pruned}
+    assert "supports f32 and f16" in reasons["ebf16-f16.f16-dyn"]
+    assert "widths [16, 32, 64, 128]" in reasons["e16-fused-tcnn"]
+    assert not any(c.mlp == "fused" or c.encoder == "bf16" for c in kept)
+
+
+@pytest.mark.parametrize(
+    "search, key",
+    [
+        ({"bogus": 1}, "search.bogus"),
+        ({"certify_seeds": 1}, "search.certify_seeds"),
+        ({"cost": {"gpu": "a100"}}, "search.cost.gpu"),
+        ({"space": {"layer_dtypes": ["f8"]}}, "search.space.layer_dtypes"),
+        ({"space": {"master_weights": ["yes"]}}, "search.space.master_weights"),
+        ({"name": "a/b"}, "search.name"),
+    ],
+)
+def test_bad_search_config_names_the_key(search, key):
+    with pytest.raises(SearchError, match=f"^{key}: "):
+        check_search_config(search)
+
+
+# ----------------------------------------------------------------------------- cost model
+# Round numbers so that every figure below is checkable by hand: 1 TB/s, f32 1 TFLOP/s, f16 and
+# bf16 4 TFLOP/s (f16 with half accumulation 8), 1 us per kernel, 2 us per host sync.
+_GPU = GPU("test", bandwidth=1e12, f32=1e12, f16=4e12, bf16=4e12, f16_half_acc=8e12,
+           source="round numbers", launch_s=1e-6, sync_s=2e-6)  # fmt: skip
+# N = 1000 queries, 2 levels x 2 features (4 inputs), 1000 grid entries, 2 layers: 4 -> 16 -> 3.
+_SHAPE = TextureShape(points=1000, n_levels=2, n_features=2, grid_params=1000, n_layers=2,
+                      width=16, n_outputs=3)  # fmt: skip
+
+
+def _parts(candidate):
+    return {p["name"]: p for p in iteration_cost(candidate, _SHAPE, _GPU)["parts"]}
+
+
+def test_cost_of_the_f32_reference_by_hand():
+    cost = iteration_cost(Candidate("f32", ("f32", "f32")), _SHAPE, _GPU)
+    parts = {p["name"]: p for p in cost["parts"]}
+    # grid forward: 1000 x 4 values x 8 corners x 4 B + positions 1000 x 3 x 4 B + output
+    # 1000 x 4 x 4 B = 128000 + 12000 + 16000 = 156000 B.
+    assert parts["grid forward"]["bytes"] == 156000
+    # grid backward: atomics read + write 2 x 128000, gradient in 16000, positions 12000.
+    assert parts["grid backward"]["bytes"] == 256000 + 16000 + 12000
+    # layer 0 forward: 2 x 1000 x 4 x 16 = 128000 FLOPs at 1 TFLOP/s = 0.128 us; bytes
+    # 1000 x (4 + 16) x 4 + weights 64 x 4 = 80256 B = 0.080256 us: compute-bound, + 1 us launch.
+    assert parts["layer 0 forward"]["flops"] == 128000
+    assert parts["layer 0 forward"]["seconds"] == pytest.approx(0.128e-6 + 1e-6, rel=1e-12)
+    # layer 1 backward: 4 x 1000 x 16 x 3 = 192000 FLOPs = 0.192 us; bytes 1000 x (6 + 32) x 4
+    # + 2 x 48 x 4 = 152384 B = 0.152384 us; 2 kernels.
+    assert parts["layer 1 backward"]["seconds"] == pytest.approx(0.192e-6 + 2e-6, rel=1e-12)
+    # Adam: 7 x 4 B per parameter: grid 28000 B, MLP (64 + 48 = 112 params) 3136 B; 5 kernels.
+    assert parts["Adam grid"]["seconds"] == pytest.approx(28000 / 1e12 + 5e-6, rel=1e-12)
+    assert parts["Adam MLP"]["bytes"] == 3136
+    # No casts, no loss scaling in the reference.
+    assert not any("cast" in n or "loss" in n for n in parts)
+    assert cost["kernels"] == 1 + 1 + 1 + (1 + 2 + 2) + (1 + 2) + 5 + 5
+    assert cost["seconds"] == pytest.approx(sum(p["seconds"] for p in cost["parts"]), rel=1e-12)
+
+
+def test_cost_of_casts_loss_scaling_and_the_fused_network_by_hand():
+    parts = _parts(Candidate("f16", ("f16", "f32"), True, "dynamic"))
+    # f16 grid: table cast f32 -> f16 over 1000 entries: 1000 x (4 + 2) B and 1 kernel.
+    assert parts["grid f32 -> f16 table"]["bytes"] == 6000
+    # layer 1 (f32) after layer 0 (f16): input cast forward + backward: 2 x 1000 x 16 x (2 + 4).
+    assert parts["layer 1 input cast"]["bytes"] == 192000
+    # the f16 layer 0 computes at 4 TFLOP/s: 128000 / 4e12 s, but its bytes dominate now:
+    # 1000 x 20 x 2 + 64 x 2 = 40128 B at 1 TB/s = 0.040128 us > 0.032 us.
+    assert parts["layer 0 forward"]["seconds"] == pytest.approx(0.040128e-6 + 1e-6, rel=1e-12)
+    # dynamic loss scaling: gradients read + written in f32: (1000 + 112) x 4 x 2 B, 3 kernels,
+    # one host sync.
+    scaling = parts["loss scaling (dynamic)"]
+    assert (scaling["bytes"], scaling["kernels"], scaling["syncs"]) == (8896, 3, 1)
+    assert scaling["seconds"] == pytest.approx(8896 / 1e12 + 3e-6 + 2e-6, rel=1e-12)
+    fused = _parts(Candidate("f16", ("f16",), True, "tcnn", mlp="fused"))
+    # fused: inputs padded 4 -> 16, outputs 3 -> 16: MACs 16 x 16 + 16 x 16 = 512 per query;
+    # backward 4 x 1000 x 512 FLOPs at 8 TFLOP/s; 1 backward kernel + 2 weight-gradient GEMMs.
+    assert fused["fused backward"]["flops"] == 2048000
+    assert fused["fused backward"]["kernels"] == 3
+    assert not any(n.startswith("loss scaling") for n in fused)
+
+
+def test_h100_constants_are_the_datasheet_figures():
+    h100 = GPUS["h100"]
+    assert (h100.bandwidth, h100.f32, h100.f16) == (3.35e12, 66.9e12, 989.4e12)
+    assert (GPUS["rtx4090"].f16, GPUS["rtx4090"].f16_half_acc) == (165.2e12, 330.3e12)
+
+
+# ----------------------------------------------------------------------------- certification
+
+
+def test_certification_is_the_report_equivalence_rule():
+    # deltas 0.1, 0.3, 0.2: mean 0.2, sd 0.1, t(0.975, 2) = 4.3027: half width 0.2484.
+    ok = certify([0.1, 0.3, 0.2], 0.5)
+    assert ok["certified"] and ok["low"] == pytest.approx(0.2 - 0.24841, abs=1e-4)
+    # shifted by 0.2: [0.152, 0.648] crosses +0.5: not certified (though "better").
+    crossing = certify([0.3, 0.5, 0.4], 0.5)
+    assert not crossing["certified"] and crossing["high"] > 0.5
+    assert crossing["verdict"] == "better"
+    assert not certify([0.0], 0.5)["certified"]  # one seed: no interval
+    assert not certify([-0.45, -0.05, -0.25], 0.5)["certified"]  # low = -0.25 - 0.497 < -0.5
+
+
+def test_pareto_front_keeps_the_undominated_points():
+    points = [(3.0, 0.0), (1.0, -1.0), (2.0, -0.1), (2.5, -0.5), (1.0, -2.0)]
+    assert pareto_front(points) == [1, 2, 0]
+
+
+# ----------------------------------------------------------------------------- the search
+_TINY = [
+    "train=tiny", "texture=tiny", "scene.resolution=16", "train.iterations=6",
+    "train.val_interval=0", "train.checkpoint_interval=0", "train.stats_interval=0",
+    "search.certify_seeds=2", "search.workers=1", "search.max_combinations=1",
+    "search.max_variants=1", "search.max_certify=2",
+    "search.space.encoder_dtypes=[f16,f32]", "search.space.layer_dtypes=[f32,f16]",
+    "search.space.master_weights=[true]", "search.space.loss_scaling=[none,dynamic]",
+    "search.space.fused=false",
+]  # fmt: skip
+
+
+def _cfg(tmp_path: Path, *overrides: str):
+    register_experiments()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose("config", overrides=["+experiment=precision_search", *_TINY,
+                                            f"search.config_dir={tmp_path / 'cfg'}",
+                                            *overrides])  # fmt: skip
+
+
+def _psnrs(summary):
+    return {(r["candidate"], seed): run["psnr"] for r in summary["candidates"]
+            for seed, run in r["runs"].items()}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("search")
+    summary = run_search(_cfg(tmp), tmp / "out")
+    return tmp, summary
+
+
+def test_search_writes_a_result_that_trains_and_reproduces_its_psnr(searched):
+    tmp, summary = searched
+    out = tmp / "out"
+    assert {"search.json", "search.md", "pareto.png", "search_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
+    assert json.loads((out / "search.json").read_text())["certified"] == summary["certified"]
+    stages = {r["stage"] for r in summary["candidates"]}
+    assert {"reference", "screen: one part"} <= stages
+    # every trained candidate is a kept one, screened at the first seed
+    assert all("0" in r["runs"] for r in summary["candidates"])
+    path = Path(summary["result_config"])
+    assert path == tmp / "cfg" / "precision" / "search_builtin.yaml"
+    assert path.read_text().startswith("# Written by mptex's precision search")
+    # `mptex-train precision=search_builtin` composes it (its folder on the search path)...
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        # the reproduction command the search prints: the quick experiment's protocol
+        cfg = compose("config", overrides=["+experiment=quick", "precision=search_builtin",
+                                           f"hydra.searchpath=[file://{tmp / 'cfg'}]",
+                                           *_TINY[:7]])  # fmt: skip
+    assert summary["reproduce"].startswith(
+        "mptex-train +experiment=quick precision=search_builtin train.seed=0"
+    )
+    row = next(r for r in summary["candidates"] if r["candidate"] == summary["certified"])
+    assert Candidate.from_json(row).policy_dict("search_builtin") == dict(cfg.precision)
+    # ... and trains it to the PSNR the search measured (runs are bit-identical).
+    metrics = train(cfg, tmp / "rerun")
+    assert metrics["psnr"] == row["runs"]["0"]["psnr"]
+    assert "search_builtin" in (out / "search.md").read_text()
+
+
+def test_a_margin_no_interval_fits_certifies_only_the_reference(tmp_path, searched):
+    # Same runs (copied), margin 1e-6 dB: every candidate's interval crosses it.
+    import shutil
+
+    tmp, summary = searched
+    shutil.copytree(tmp / "out" / "runs", tmp_path / "out" / "runs")
+    strict = run_search(_cfg(tmp_path, "search.margin_db=1e-6"), tmp_path / "out")
+    assert strict["budget"]["trained"] == 0 or strict["budget"]["reused"] > 0
+    assert strict["certified_is_reference"] and strict["certified"] == "e32-f32.f32.f32-none"
+    tried = [r for r in strict["candidates"] if r["certificate"] and r["candidate"] !=
+             strict["reference"]]  # fmt: skip
+    assert tried and not any(r["certificate"]["certified"] for r in tried)
+    assert (
+        "No assignment cheaper than f32 was certified"
+        in (tmp_path / "out" / "search.md").read_text()
+    )
+
+
+def test_search_resumes_after_a_stop_signal_with_the_same_result(tmp_path, searched):
+    _, summary = searched
+    out = tmp_path / "out"
+    # A stop signal during the 4th iteration of the first run: it checkpoints, the search stops.
+    with pytest.raises(SearchInterrupted, match="the same command continues"):
+        run_search(_cfg(tmp_path, "train.inject_signal_at=3"), out)
+    first = next((out / "runs").glob("*/seed*/metrics.json"))
+    assert json.loads(first.read_text())["status"] == "interrupted"
+    resumed = run_search(_cfg(tmp_path), out)
+    assert resumed["certified"] == summary["certified"]
+    assert _psnrs(resumed) == _psnrs(summary)  # the resumed run continued bit-exactly
+    # a third start trains nothing: every run is read back
+    again = run_search(_cfg(tmp_path), out)
+    assert again["budget"]["trained"] == 0 and again["budget"]["reused"] == again["budget"]["runs"]
+
+
+def test_a_search_dir_refuses_other_settings(tmp_path, searched):
+    tmp, _ = searched
+    with pytest.raises(SearchError, match="other settings.*search"):
+        run_search(_cfg(tmp, "search.screen_db=0.25"), tmp / "out")
+
+
+def test_a_user_precision_config_is_never_overwritten(tmp_path):
+    target = tmp_path / "cfg" / "precision" / "mine.yaml"
+    target.parent.mkdir(parents=True)
+    target.write_text("name: mine\n")
+    with pytest.raises(SearchError, match="^search.name: .*mine.yaml exists"):
+        run_search(_cfg(tmp_path, "search.name=mine"), tmp_path / "out")
+    assert target.read_text() == "name: mine\n"
+    assert not (tmp_path / "out" / "runs").exists()  # refused before any training
+
+
+def test_mptex_train_runs_the_search_with_two_workers(tmp_path):
+    env = {**os.environ, "OMP_WAIT_POLICY": "passive"}
+    cmd = [sys.executable, "-c", "from mptex.cli import train_main; train_main()",
+           "+experiment=precision_search", *_TINY, "search.workers=2",
+           "search.space.encoder_dtypes=[f32]", f"search.config_dir={tmp_path / 'cfg'}",
+           f"hydra.run.dir={tmp_path / 'out'}"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "precision search: certified" in done.stdout
+    assert "mptex-train precision=search_builtin runs it" in done.stdout
+    summary = json.loads((tmp_path / "out" / "search.json").read_text())
+    assert summary["budget"]["workers"] == 2 and summary["budget"]["trained"] >= 4
+    assert math.isfinite(summary["budget"]["search_wall_s"])
+    bad = subprocess.run([*cmd[:-1], "search.certify_seeds=1", f"hydra.run.dir={tmp_path}/b"],
+                         capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert bad.returncode == 2
+    assert (
+        bad.stderr.strip()
+        .splitlines()[-1]
+        .startswith("mptex-train: error: search.certify_seeds: expected an integer >= 2")
+    )

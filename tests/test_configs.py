@@ -30,8 +30,10 @@ def test_every_group_option_composes(group, option):
     if group == "precision" and option in PrecisionPolicy.names():
         assert PrecisionPolicy.from_config(cfg.precision) == PrecisionPolicy.named(option)
     elif group == "precision":  # a precision search's result (mptex/search): a valid policy
-        assert (CONFIG_DIR / group / f"{option}.yaml").read_text().startswith(
-            "# Written by mptex's precision search"
+        assert (
+            (CONFIG_DIR / group / f"{option}.yaml")
+            .read_text()
+            .startswith("# Written by mptex's precision search")
         )
         PrecisionPolicy.from_config(cfg.precision)
     if group == "train":

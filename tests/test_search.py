@@ -163,7 +163,9 @@ def test_certification_is_the_report_equivalence_rule():
 
 
 def test_pareto_front_keeps_the_undominated_points():
-    points = [(3.0, 0.0), (1.0, -1.0), (2.0, -0.1), (2.5, -0.5), (1.0, -2.0)]
+    # (cost, Δ): distance to f32 is |Δ|; (1.0, +3.0) beats (1.0, -4.0) on |Δ| at equal cost,
+    # (2.5, -0.5) loses to (2.0, -0.1) on both.
+    points = [(3.0, 0.0), (1.0, +3.0), (2.0, -0.1), (2.5, -0.5), (1.0, -4.0)]
     assert pareto_front(points) == [1, 2, 0]
 
 
@@ -173,6 +175,7 @@ _TINY = [
     "train.val_interval=0", "train.checkpoint_interval=0", "train.stats_interval=0",
     "search.certify_seeds=2", "search.workers=1", "search.max_combinations=1",
     "search.max_variants=1", "search.max_certify=2",
+    "search.name=tiny_search",  # not a name a real search in configs/ may have written
     "search.space.encoder_dtypes=[f16,f32]", "search.space.layer_dtypes=[f32,f16]",
     "search.space.master_weights=[true]", "search.space.loss_scaling=[none,dynamic]",
     "search.space.fused=false",
@@ -211,23 +214,23 @@ def test_search_writes_a_result_that_trains_and_reproduces_its_psnr(searched):
     # every trained candidate is a kept one, screened at the first seed
     assert all("0" in r["runs"] for r in summary["candidates"])
     path = Path(summary["result_config"])
-    assert path == tmp / "cfg" / "precision" / "search_builtin.yaml"
+    assert path == tmp / "cfg" / "precision" / "tiny_search.yaml"
     assert path.read_text().startswith("# Written by mptex's precision search")
-    # `mptex-train precision=search_builtin` composes it (its folder on the search path)...
+    # `mptex-train precision=tiny_search` composes it (its folder on the search path)...
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         # the reproduction command the search prints: the quick experiment's protocol
-        cfg = compose("config", overrides=["+experiment=quick", "precision=search_builtin",
+        cfg = compose("config", overrides=["+experiment=quick", "precision=tiny_search",
                                            f"hydra.searchpath=[file://{tmp / 'cfg'}]",
                                            *_TINY[:7]])  # fmt: skip
     assert summary["reproduce"].startswith(
-        "mptex-train +experiment=quick precision=search_builtin train.seed=0"
+        "mptex-train +experiment=quick precision=tiny_search train.seed=0"
     )
     row = next(r for r in summary["candidates"] if r["candidate"] == summary["certified"])
-    assert Candidate.from_json(row).policy_dict("search_builtin") == dict(cfg.precision)
+    assert Candidate.from_json(row).policy_dict("tiny_search") == dict(cfg.precision)
     # ... and trains it to the PSNR the search measured (runs are bit-identical).
     metrics = train(cfg, tmp / "rerun")
     assert metrics["psnr"] == row["runs"]["0"]["psnr"]
-    assert "search_builtin" in (out / "search.md").read_text()
+    assert "tiny_search" in (out / "search.md").read_text()
 
 
 def test_a_margin_no_interval_fits_certifies_only_the_reference(tmp_path, searched):
@@ -289,7 +292,7 @@ def test_mptex_train_runs_the_search_with_two_workers(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "precision search: certified" in done.stdout
-    assert "mptex-train precision=search_builtin runs it" in done.stdout
+    assert "mptex-train precision=tiny_search runs it" in done.stdout
     summary = json.loads((tmp_path / "out" / "search.json").read_text())
     assert summary["budget"]["workers"] == 2 and summary["budget"]["trained"] >= 4
     assert math.isfinite(summary["budget"]["search_wall_s"])

@@ -642,7 +642,7 @@ def _summarise(state: _State, certified: Candidate) -> dict[str, Any]:
         measured = [
             r["time_per_iter_s"]
             for r in runs.values()
-            if r.get("device", "").startswith("cuda") and r.get("time_per_iter_s")
+            if str(r.get("device") or "").startswith("cuda") and r.get("time_per_iter_s")
         ]
         deltas = {s: delta(c, s) for s in runs}
         cert = _certificate(c, seeds, delta, runner, settings) if len(runs) == len(seeds) else None

@@ -26,13 +26,13 @@ def _quality(row: Mapping[str, Any], seed: int) -> float | None:
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     """Indices of the points no other point beats on both objectives: cost (lower is better)
-    and quality (higher is better); ordered by cost. Ties keep the first index."""
-    front = []
-    for i, (cost, quality) in enumerate(points):
-        dominated = any(
-            (c <= cost and q >= quality) and (c < cost or q > quality) for c, q in points
-        )
-        duplicate = any(points[j] == (cost, quality) for j in front)
+    and distance to f32, ``|Δ|`` (lower is better: the search asks for f32's quality, and a
+    candidate far above f32 is as far from being equivalent as one below); ordered by cost.
+    Equal points keep the first index."""
+    front, dist = [], [(cost, abs(delta)) for cost, delta in points]
+    for i, (cost, gap) in enumerate(dist):
+        dominated = any((c <= cost and g <= gap) and (c < cost or g < gap) for c, g in dist)
+        duplicate = any(dist[j] == (cost, gap) for j in front)
         if not dominated and not duplicate:
             front.append(i)
     return sorted(front, key=lambda i: points[i][0])
@@ -104,7 +104,7 @@ def _plot(path: Path, summary: Mapping[str, Any]) -> bool:
     ax.set_title(
         "Precision search: cost vs quality (hollow: one seed; bars: paired 95 % CI)", fontsize=9
     )
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="best")
     fig.savefig(path, dpi=120)
     return True
 
@@ -166,6 +166,17 @@ def write_search_report(out: Path, summary: Mapping[str, Any]) -> Path:
             f"{'yes' if cert.get('certified') else 'no'} | "
             f"{', '.join(f'{n} {s}' for s, n in sorted(statuses.items()))} |"
         )
+    better = [r["candidate"] for r in summary["candidates"]
+              if (r["delta_db"].get(str(seeds[0])) or 0.0) > summary["screen_db"]]  # fmt: skip
+    if better:
+        names = ", ".join(f"`{n}`" for n in better)
+        lines += [
+            "",
+            f"Above f32 by more than {summary['screen_db']} dB at seed {seeds[0]}: {names}. Not "
+            "equivalent to f32, so never certified: a different function (e.g. tcnn's fused "
+            "network has its own initialisation), not a precision effect; compare it as an arm "
+            "of its own.",
+        ]
     reasons = Counter((p["rule"], p["reason"]) for p in summary["space"]["pruned"])
     lines += [
         "",

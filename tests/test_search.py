@@ -304,3 +304,27 @@ def test_mptex_train_runs_the_search_with_two_workers(tmp_path):
         .splitlines()[-1]
         .startswith("mptex-train: error: search.certify_seeds: expected an integer >= 2")
     )
+
+
+def test_measured_ms_per_iteration_replaces_the_model_for_runs_on_a_gpu(tmp_path, searched):
+    # The same runs, as if trained on CUDA: metrics.json says device cuda:0 and 2 ms / iteration
+    # for one candidate; its cost becomes the measurement, the others keep the model.
+    import shutil
+
+    tmp, summary = searched
+    shutil.copytree(tmp / "out" / "runs", tmp_path / "out" / "runs")
+    gpu_run = tmp_path / "out" / "runs" / summary["certified"]
+    for path in gpu_run.glob("seed*/metrics.json"):
+        metrics = json.loads(path.read_text())
+        metrics.update(device="cuda:0", time_per_iter_s=0.002)
+        path.write_text(json.dumps(metrics))
+    again = run_search(_cfg(tmp_path), tmp_path / "out")
+    rows = {r["candidate"]: r for r in again["candidates"]}
+    assert rows[summary["certified"]]["cost_s"] == 0.002 == rows[summary["certified"]]["measured_s"]
+    others = [r for n, r in rows.items() if n != summary["certified"]]
+    assert all(r["measured_s"] is None and r["cost_s"] == r["model_s"] for r in others)
+    assert again["cost"]["measured"]
+    assert (
+        "Cost: measured on this machine's GPU where a candidate ran on CUDA"
+        in (tmp_path / "out" / "search.md").read_text()
+    )

@@ -117,7 +117,10 @@ def write_search_report(out: Path, summary: Mapping[str, Any]) -> Path:
     ref = next(r for r in summary["candidates"] if r["candidate"] == summary["reference"])
     best = next(r for r in summary["candidates"] if r["candidate"] == summary["certified"])
     cost = summary["cost"]
-    what = "measured" if cost["measured"] else "modelled"
+    what = ("measured on this machine's GPU where a candidate ran on CUDA, modelled elsewhere"
+            if cost["measured"] else "modelled")  # fmt: skip
+    where = ("measured on this machine's GPU" if best["measured_s"] and ref["measured_s"]
+             else f"modelled on {cost['gpu_name']}")  # fmt: skip
     lines = ["## Precision search", ""]
     if summary["certified_is_reference"]:
         lines.append(
@@ -128,9 +131,9 @@ def write_search_report(out: Path, summary: Mapping[str, Any]) -> Path:
         lines.append(
             f"**Certified cheapest: `{best['candidate']}`** — PSNR − PSNR(f32) "
             f"{_interval(best['certificate'])} dB (paired 95 % Student-t interval, seeds "
-            f"{seeds}, inside ±{margin} dB); {what} cost {best['cost_s'] * 1e6:.1f} µs / "
+            f"{seeds}, inside ±{margin} dB); cost {best['cost_s'] * 1e6:.1f} µs / "
             f"iteration vs f32's {ref['cost_s'] * 1e6:.1f} µs "
-            f"({ref['cost_s'] / best['cost_s']:.2f}x less) on {cost['gpu_name']}."
+            f"({ref['cost_s'] / best['cost_s']:.2f}x less), {where}."
         )
     lines += [
         "",
@@ -142,9 +145,9 @@ def write_search_report(out: Path, summary: Mapping[str, Any]) -> Path:
         f"same seed); passing candidates cheaper than f32 are re-run over seeds {seeds}, "
         f"cheapest first, and certified when the paired 95 % interval of Δ lies within "
         f"±{margin} dB (a collapsed, diverged or failed run is never certified). Cost: "
-        f"{what} per iteration of the texture on {cost['gpu_name']} ({cost['source']}), "
-        f"{cost['points']} texture queries per iteration; the model's assumptions are in "
-        "`mptex/search/cost.py` and the README.",
+        f"{what} (model: one iteration of the texture on {cost['gpu_name']}, {cost['source']}, "
+        f"{cost['points']} texture queries per iteration; its assumptions are in "
+        "`mptex/search/cost.py` and the README).",
         "",
     ]
     if plotted:

@@ -20,7 +20,11 @@ ARMS = [
 
 def test_every_arm_is_registered_and_has_a_config_file():
     assert PrecisionPolicy.names() == ARMS
-    assert sorted(p.stem for p in (CONFIG_DIR / "precision").glob("*.yaml")) == sorted(ARMS)
+    # configs/precision/ holds one file per arm, and the precision search's results (mptex/search:
+    # written by it, marked by its header line, checked in tests/test_configs.py).
+    written = [p for p in (CONFIG_DIR / "precision").glob("*.yaml")
+               if not p.read_text().startswith("# Written by mptex's precision search")]  # fmt: skip
+    assert sorted(p.stem for p in written) == sorted(ARMS)
 
 
 @pytest.mark.parametrize("arm", ARMS)

@@ -22,8 +22,9 @@ def test_every_arm_is_registered_and_has_a_config_file():
     assert PrecisionPolicy.names() == ARMS
     # configs/precision/ holds one file per arm, and the precision search's results (mptex/search:
     # written by it, marked by its header line, checked in tests/test_configs.py).
+    header = "# Written by mptex's precision search"
     written = [p for p in (CONFIG_DIR / "precision").glob("*.yaml")
-               if not p.read_text().startswith("# Written by mptex's precision search")]  # fmt: skip
+               if not p.read_text().startswith(header)]  # fmt: skip
     assert sorted(p.stem for p in written) == sorted(ARMS)
 
 

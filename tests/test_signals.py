@@ -497,3 +497,25 @@ def test_an_adam_state_that_fits_no_texture_is_one_line_naming_the_checkpoint(tm
     assert message.startswith(f"train.resume: checkpoint {path}: its optimizer state does not ")
     assert "\n" not in message and read_metrics(tmp_path)["failed_at"] == "start"
     assert load_checkpoint(path)["iteration"] == 3  # left as it was
+
+
+def test_the_mlp_rate_ramp_runs_at_the_ramps_rate_and_resumes_mid_ramp_bit_exactly(tmp_path):
+    # train.mlp_lr_ramp_to: the MLP's factor goes 0.1 -> 0.4 linearly over 4 iterations; the
+    # Adam lr of the MLP group at the last step (iteration 5: past the ramp) is the grid's x 0.4.
+    from mptex.train.loop import mlp_rate_factor
+
+    ramp = {"mlp_lr_scale": 0.1, "mlp_lr_ramp_to": 0.4, "mlp_lr_ramp_iter": 4}
+    assert [mlp_rate_factor(ramp, i) for i in (0, 2, 4, 9)] == pytest.approx([0.1, 0.25, 0.4, 0.4])
+    assert mlp_rate_factor({**ramp, "mlp_lr_ramp_to": None}, 2) == 0.1
+    cfg = (*ADAM_RUN, "train.mlp_lr_scale=0.1", "train.mlp_lr_ramp_to=0.4",
+           "train.mlp_lr_ramp_iter=4")  # fmt: skip
+    whole = train(tiny_cfg(*cfg), tmp_path / "whole")
+    grid, mlp = _adam_groups(tmp_path / "whole")
+    assert mlp["lr"] == pytest.approx(grid["lr"] * 0.4, rel=1e-12)
+    plain = train(tiny_cfg(*ADAM_RUN, "train.mlp_lr_scale=0.1"), tmp_path / "plain")
+    assert plain["psnr"] != whole["psnr"]  # the ramp changes the run
+    first = train(tiny_cfg(*cfg, "train.inject_signal_at=2"), tmp_path / "resumed")  # mid-ramp
+    assert first["status"] == "interrupted"
+    again = train(tiny_cfg(*cfg), tmp_path / "resumed")
+    assert again["psnr"] == whole["psnr"] and again["history"] == whole["history"]
+    _assert_same_adam_state(tmp_path / "resumed", tmp_path / "whole")

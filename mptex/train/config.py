@@ -25,6 +25,8 @@ TRAIN_DEFAULTS: dict[str, Any] = dict(
     batch_size=2,
     lr=0.01,
     mlp_lr_scale=1.0,
+    mlp_lr_ramp_to=None,
+    mlp_lr_ramp_iter=100,
     betas=[0.9, 0.999],
     warmup_iter=0,
     lr_decay=0.0002,
@@ -216,6 +218,11 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     need("lr", _is_number(s["lr"]) and s["lr"] > 0, "a finite number > 0")
     need("mlp_lr_scale", _is_number(s["mlp_lr_scale"]) and s["mlp_lr_scale"] > 0,
          "a finite number > 0 (the MLP's learning rate over the grid's)")  # fmt: skip
+    need("mlp_lr_ramp_to", s["mlp_lr_ramp_to"] is None
+         or (_is_number(s["mlp_lr_ramp_to"]) and s["mlp_lr_ramp_to"] > 0),
+         "null (the MLP keeps mlp_lr_scale) or a finite number > 0")  # fmt: skip
+    need("mlp_lr_ramp_iter", _is_int(s["mlp_lr_ramp_iter"]) and s["mlp_lr_ramp_iter"] >= 1,
+         "an integer >= 1 (iterations of the MLP rate's ramp)")  # fmt: skip
     need("lr_decay", _is_number(s["lr_decay"]) and s["lr_decay"] >= 0, "a finite number >= 0")
     need("betas", isinstance(s["betas"], (list, tuple)) and len(s["betas"]) == 2
          and all(_is_number(b) and 0 <= b < 1 for b in s["betas"]),

@@ -121,6 +121,22 @@ def _param_groups(texture, mlp_lr_scale: float) -> list[dict[str, Any]]:
     return [{"params": rest, "lr_scale": 1.0}, {"params": mlp, "lr_scale": float(mlp_lr_scale)}]
 
 
+def mlp_rate_factor(settings: Mapping[str, Any], iteration: int) -> float:
+    """The MLP's rate over the grid's at ``iteration`` (0-based): ``mlp_lr_scale``, or with
+    ``mlp_lr_ramp_to`` set a linear ramp from ``mlp_lr_scale`` at iteration 0 to
+    ``mlp_lr_ramp_to`` at ``mlp_lr_ramp_iter`` and constant after. A function of the iteration
+    only, so a resumed run takes the same steps.
+
+    Why a ramp (docs/benchmarks.md, "Real assets"): the MLP's runaway towards saturated logits
+    happens in the first tens of steps; past them, with the output margin keeping every target
+    at a finite logit, a larger MLP rate converges faster on every scene measured.
+    """
+    start, end = float(settings["mlp_lr_scale"]), settings.get("mlp_lr_ramp_to")
+    if end is None:
+        return start
+    return start + (float(end) - start) * min(1.0, iteration / settings["mlp_lr_ramp_iter"])
+
+
 def _optimizer_state(
     saved: Any, texture: MLPTexture3D, groups: list[dict[str, Any]], path: Path
 ) -> dict[str, Any]:
@@ -448,8 +464,11 @@ def _train(
         tick = time.perf_counter()
         factor = lr_schedule(it, settings["warmup_iter"], settings["lr_decay"],
                              settings["lr_schedule"], n_iter)  # fmt: skip
-        for group in optimizer.param_groups:
-            group["lr"] = settings["lr"] * factor * group["lr_scale"]
+        mlp_factor = mlp_rate_factor(settings, it)
+        for i, group in enumerate(optimizer.param_groups):
+            # group 1 is the MLP (_param_groups); its lr_scale is the ramp's start
+            scale = mlp_factor if i == 1 else group["lr_scale"]
+            group["lr"] = settings["lr"] * factor * scale
         optimizer.zero_grad(set_to_none=True)
         if monitor is not None:
             monitor.start(it)  # arms the hooks on sampled iterations, before the forward

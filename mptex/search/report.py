@@ -135,6 +135,13 @@ def write_search_report(out: Path, summary: Mapping[str, Any]) -> Path:
             f"iteration vs f32's {ref['cost_s'] * 1e6:.1f} µs "
             f"({ref['cost_s'] / best['cost_s']:.2f}x less), {where}."
         )
+        verdict = (best["certificate"] or {}).get("verdict")
+        if verdict in ("better", "worse"):
+            lines.append(
+                f"(The report's verdict is `{verdict}`: the interval excludes 0, so the "
+                "difference is detectable, but it lies inside the margin, which is what "
+                "certification asks.)"
+            )
     lines += [
         "",
         f"`mptex-train precision={summary['name']}` runs it (`{summary['result_config']}`); "

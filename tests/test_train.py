@@ -96,6 +96,9 @@ def test_every_cpu_arm_writes_complete_metrics(tmp_path, arm):
     assert m["peak_memory_kind"] in ("run_peak_rss", "process_peak_rss", "cuda_max_allocated")
     assert m["peak_memory_bytes"] > 0
     assert set(m["versions"]) >= {"mptex", "torch", "python", "cuda"}
+    # The CPU's vector capability picks the kernels whose rounding a run's bits depend on.
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert m["device_name"].endswith(f" cores, {capability})"), m["device_name"]
     # On a CPU every arm runs mptex's PyTorch twins (tcnn_fused included), and says so.
     assert m["backends"] == {"encoder": "torch", "mlp": "torch"}
     assert [h["iteration"] for h in m["history"]] == list(range(1, 5))

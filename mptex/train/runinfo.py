@@ -20,15 +20,25 @@ def _sync(device: torch.device) -> None:
 
 
 def _device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model, core count and torch's CPU capability.
+
+    The capability (``torch.backends.cpu.get_cpu_capability()``: DEFAULT, AVX2, AVX512, ...)
+    picks ATen's and MKL's vectorised kernels, whose rounding differs: one run is bit-identical
+    for any thread count on one capability, but moves by a few hundredths of a dB between an
+    AVX2 and an AVX-512 machine (docs/benchmarks.md, "Across CPUs"). Naming it here lets the
+    report show when compared runs came from machines that round differently.
+    """
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+                model = line.split(":", 1)[1].strip()
+                break
     except OSError:
         pass
-    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+    return f"{model} ({os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()})"
 
 
 def _versions() -> dict[str, Any]:

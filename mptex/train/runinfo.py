@@ -23,10 +23,11 @@ def _device_name(device: torch.device) -> str:
     """The GPU's name, or the CPU's model, core count and torch's CPU capability.
 
     The capability (``torch.backends.cpu.get_cpu_capability()``: DEFAULT, AVX2, AVX512, ...)
-    picks ATen's and MKL's vectorised kernels, whose rounding differs: one run is bit-identical
-    for any thread count on one capability, but moves by a few hundredths of a dB between an
-    AVX2 and an AVX-512 machine (docs/benchmarks.md, "Across CPUs"). Naming it here lets the
-    report show when compared runs came from machines that round differently.
+    helps pick ATen's and MKL's vectorised kernels, whose rounding differs: a run is
+    bit-identical for any thread count on one machine, but the same seed on another CPU model
+    moved by 0.03-0.19 dB on most scenes and up to 1.3 dB on the duck (docs/benchmarks.md,
+    "Across CPUs"). Naming it here lets the report show when compared runs came from
+    machines that may round differently.
     """
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

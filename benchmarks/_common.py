@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
+
+from mptex.train.runinfo import cpu_model
 
 __all__ = ["machine", "median_seconds", "print_table", "synchronize"]
 
@@ -39,14 +40,10 @@ def machine(device: torch.device | str = "cpu") -> str:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}"
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     threads = torch.get_num_threads()
-    return f"{cpu}, {os.cpu_count()} cores, {threads} torch threads, torch {torch.__version__}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    return (f"{cpu_model()}, {os.cpu_count()} cores ({capability}), {threads} torch threads, "
+            f"torch {torch.__version__}")  # fmt: skip
 
 
 def print_table(headers: list[str], rows: list[list[object]]) -> None:

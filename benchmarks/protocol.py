@@ -42,7 +42,8 @@ def run_one(arm: str, seed: int, threads: int, overrides: list[str]) -> dict:
         wall = time.perf_counter() - start
     curve = [(h["iteration"], h["psnr"]) for h in metrics["history"] if h["psnr"] is not None]
     return dict(arm=arm, seed=seed, threads=threads, psnr=metrics["psnr"], wall_s=wall,
-                status=metrics["status"], curve=curve)  # fmt: skip
+                status=metrics["status"], curve=curve,
+                psnr_per_image=metrics["psnr_per_image"])  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

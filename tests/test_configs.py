@@ -61,6 +61,27 @@ def test_every_experiment_composes_with_a_sweep_over_arms(experiment):
     assert set(arms) <= set(PrecisionPolicy.names()) and "tcnn_fused" in arms
 
 
+def test_real_assets_sweeps_the_suite_with_the_protocol():
+    # The protocol of docs/benchmarks.md, "Real assets", on every scene of the sweep: one
+    # setting for all (no per-scene tuning), validated on the 64-view orbit.
+    from mptex.cli import register_experiments
+
+    assert "real_assets" in register_experiments()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        sweep = compose(config_name="config", overrides=["+experiment=real_assets"],
+                        return_hydra_config=True)  # fmt: skip
+        cfg = compose(config_name="config", overrides=["+experiment=real_assets", "scene=duck"])
+    params = sweep.hydra.sweeper.params
+    assert str(params.scene).split(",") == ["duck", "torus", "aliengo", "soccer"]
+    assert set(str(params.precision).split(",")) <= set(PrecisionPolicy.names())
+    assert len(str(params["train.seed"]).split(",")) >= 5
+    assert (cfg.train.iterations, cfg.train.lr, cfg.train.lr_schedule) == (600, 0.03, "cosine")
+    assert (cfg.train.mlp_lr_scale, cfg.train.mlp_lr_ramp_to) == (0.1, 0.4)
+    assert list(map(list, cfg.texture.min_max)) == [[-0.01] * 3, [1.01] * 3]
+    assert (cfg.scene.name, cfg.scene.n_val_views, cfg.scene.n_train_views) == ("duck", 64, 64)
+    validate_config(cfg)
+
+
 @pytest.mark.parametrize("scene", ["builtin", "mesh"])
 def test_one_scene_path_serves_a_sweep_over_builtin_and_mesh(scene):
     # `scene=builtin,mesh scene.path=spot.obj` (README): every scene of the sweep takes the key.

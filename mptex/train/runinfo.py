@@ -31,15 +31,21 @@ def _device_name(device: torch.device) -> str:
     """
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
+    return f"{cpu_model()} ({os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()})"
+
+
+def cpu_model() -> str:
+    """The CPU's model name: /proc/cpuinfo's first ``model name``, else ``platform``'s guess.
+
+    Shared by ``metrics.json``'s device name and the benchmark tables' machine line.
+    """
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"{model} ({os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()})"
+    return platform.processor() or platform.machine()
 
 
 def _versions() -> dict[str, Any]:

@@ -557,3 +557,18 @@ def test_exported_runs_get_a_bake_column_and_export_keys_do_not_split_rows(tmp_p
 def test_no_bake_column_without_exported_runs(sweep):
     write_report(sweep)
     assert "bake vs neural" not in (sweep / "report.md").read_text()
+
+
+def test_each_scene_says_how_many_views_its_psnr_averages(tmp_path):
+    # metrics.json's psnr_per_image has one entry per validation view (scene.n_val_views).
+    _write(tmp_path, "0", _metrics("f32", 0, psnr_per_image=[30.0] * 64))
+    _write(tmp_path, "1", _metrics("f32", 1, psnr_per_image=[31.0] * 64))
+    _write(tmp_path, "2", _metrics("f32", 0, scene="duck", psnr_per_image=[40.0] * 8))
+    _write(tmp_path, "3", _metrics("f32", 1, scene="duck"))  # an older metrics.json: unknown
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    builtin, duck = text.split("## Scene `builtin`")[1], text.split("## Scene `duck`")[1]
+    assert "Iterations: 20; validation views: 64." in builtin.split("## Scene")[0]
+    assert "Iterations: 20; validation views: 8." in duck.split("## Scene")[0]
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert sorted(str(r["val_views"]) for r in runs) == ["64", "64", "8", "None"]

@@ -57,7 +57,7 @@ NOT_SWEPT = ("train.seed", "train.resume", "train.progress", "train.tensorboard"
 RUN_FIELDS = (
     "scene", "precision", "seed", "status", "psnr", "baseline_psnr", "time_per_iter_s",
     "peak_memory_bytes", "peak_memory_kind", "skipped_steps", "final_loss_scale", "iterations",
-    "iterations_planned", "diverged_at", "failed_at", "error", "wall_time_s", "train_time_s",
+    "iterations_planned", "val_views", "diverged_at", "failed_at", "error", "wall_time_s", "train_time_s",
     "n_params", "device", "device_name", "torch_threads", "encoder_backend", "mlp_backend",
     "bake_psnr", "run_dir",
 )  # fmt: skip
@@ -271,6 +271,10 @@ def _read_job(job_dir: Path) -> dict[str, Any]:
         run.update(status="failed", error=error, unreadable=True, _from=".hydra")
         return run
     run.update({key: metrics.get(key) for key in RUN_FIELDS})
+    # How many views the PSNR averages (scene.n_val_views): on few views a handful of edge
+    # pixels can decide it (docs/benchmarks.md, "Real assets", sixth round), so the report says.
+    per_image = metrics.get("psnr_per_image")
+    run["val_views"] = len(per_image) if isinstance(per_image, list) and per_image else None
     backends = metrics.get("backends")
     if isinstance(backends, Mapping):  # which implementation ran (e.g. tcnn, or mptex's twin)
         run["encoder_backend"], run["mlp_backend"] = backends.get("encoder"), backends.get("mlp")

@@ -290,8 +290,11 @@ def render_report(
                   if not k.startswith("precision.") and k != "scene.name"]  # fmt: skip
         its = sorted({str(r["iterations_planned"]) for i in indices for r in groups[i]
                       if r.get("iterations_planned") is not None})  # fmt: skip
+        views = sorted({r["val_views"] for i in indices for r in groups[i]
+                        if r.get("val_views") is not None})  # fmt: skip
         lines += [f"## Scene `{first['scene']}`" + "".join(f", {e}" for e in extras), "",
-                  f"Iterations: {', '.join(its) or '–'}.", ""]  # fmt: skip
+                  f"Iterations: {', '.join(its) or '–'}; validation views: "
+                  f"{', '.join(map(str, views)) or '–'}.", ""]  # fmt: skip
         table = [[
             f"`{r['precision']}`", *(_value(r["keys"].get(k)) for k in key_columns),
             str(r["n_seeds"]), _psnr(r), _delta(r), _verdict(r, margin_db),

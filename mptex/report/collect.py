@@ -57,9 +57,9 @@ NOT_SWEPT = ("train.seed", "train.resume", "train.progress", "train.tensorboard"
 RUN_FIELDS = (
     "scene", "precision", "seed", "status", "psnr", "baseline_psnr", "time_per_iter_s",
     "peak_memory_bytes", "peak_memory_kind", "skipped_steps", "final_loss_scale", "iterations",
-    "iterations_planned", "val_views", "diverged_at", "failed_at", "error", "wall_time_s", "train_time_s",
-    "n_params", "device", "device_name", "torch_threads", "encoder_backend", "mlp_backend",
-    "bake_psnr", "run_dir",
+    "iterations_planned", "val_views", "diverged_at", "failed_at", "error", "wall_time_s",
+    "train_time_s", "n_params", "device", "device_name", "torch_threads", "encoder_backend",
+    "mlp_backend", "bake_psnr", "run_dir",
 )  # fmt: skip
 # Config groups that never separate rows: how a finished run was exported, not what it trained.
 NOT_SWEPT_GROUPS = ("export.",)

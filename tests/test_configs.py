@@ -75,7 +75,7 @@ def test_real_assets_sweeps_the_suite_with_the_protocol():
     assert str(params.scene).split(",") == ["duck", "torus", "aliengo", "soccer"]
     assert set(str(params.precision).split(",")) <= set(PrecisionPolicy.names())
     assert len(str(params["train.seed"]).split(",")) >= 5
-    assert (cfg.train.iterations, cfg.train.lr, cfg.train.lr_schedule) == (600, 0.03, "cosine")
+    assert (cfg.train.iterations, cfg.train.lr, cfg.train.lr_schedule) == (1200, 0.03, "cosine")
     assert (cfg.train.mlp_lr_scale, cfg.train.mlp_lr_ramp_to) == (0.1, 0.4)
     assert list(map(list, cfg.texture.min_max)) == [[-0.01] * 3, [1.01] * 3]
     assert (cfg.scene.name, cfg.scene.n_val_views, cfg.scene.n_train_views) == ("duck", 64, 64)

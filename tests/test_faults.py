@@ -97,6 +97,8 @@ def finite_weights(ckpt: dict) -> bool:
         (["train.tensorboard=off"], "train.tensorboard"),
         (["train.seed=99999999999999999999"], "train.seed"),
         (["train.seed=-1"], "train.seed"),
+        (["train.init_seed=-1"], "train.init_seed"),
+        (["train.init_seed=1.5"], "train.init_seed"),
         (["train.iterations=4.5"], "train.iterations"),
         (["train.mlp_lr_ramp_to=0"], "train.mlp_lr_ramp_to"),
         (["train.mlp_lr_ramp_to=fast"], "train.mlp_lr_ramp_to"),

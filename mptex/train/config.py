@@ -48,6 +48,7 @@ TRAIN_DEFAULTS: dict[str, Any] = dict(
     checkpoint_interval=100,
     n_val_images=4,
     seed=0,
+    init_seed=None,
     device="auto",
     resume="auto",
     tensorboard=False,
@@ -245,6 +246,9 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     # The loop seeds numpy with seed % 2**32 and a torch generator with seed + 1 (< 2**64).
     need("seed", _is_int(s["seed"]) and 0 <= s["seed"] < 2**63 - 1,
          "an integer in [0, 2**63 - 1)")  # fmt: skip
+    need("init_seed", s["init_seed"] is None
+         or (_is_int(s["init_seed"]) and 0 <= s["init_seed"] < 2**63 - 1),
+         "null (train.seed) or an integer in [0, 2**63 - 1)")  # fmt: skip
     need("resume", isinstance(s["resume"], bool) or (isinstance(s["resume"], str)
          and s["resume"] != ""), "auto, true, false or a checkpoint path")  # fmt: skip
     need("device", isinstance(s["device"], str), "auto, cpu, cuda or cuda:N")

@@ -193,7 +193,9 @@ def _start(
 ) -> tuple[Scene, MLPTexture3D, dict[str, Any] | None]:
     """Everything a run reads before its first iteration: scene, texture, checkpoint.
 
-    Seeding comes first: the texture's initial weights are drawn from the global generators.
+    Seeding comes first: the texture's initial weights are drawn from the global generators,
+    seeded with ``train.init_seed`` when it is set (``train.seed`` otherwise); the generators
+    are then seeded with ``train.seed``, which alone sets the views, noise and jitter.
     A constructor's ``ValueError`` names its argument; the re-raised one names the config key.
     """
     settings = full["train"]
@@ -215,11 +217,15 @@ def _start(
             f"has zero extent along {', '.join(flat)}; a 3D texture needs a mesh with a volume"
         )
     _check_coverage(scene)
-    _seed_everything(int(settings["seed"]))
+    init_seed = settings["init_seed"]
+    _seed_everything(int(settings["seed"] if init_seed is None else init_seed))
     try:
         texture = _build_texture(scene.aabb, full["texture"], full["precision"]).to(device)
     except ValueError as exc:
         raise ValueError(config_key(str(exc))) from None
+    if init_seed is not None:
+        # Only the initial weights follow init_seed; everything drawn later follows train.seed.
+        _seed_everything(int(settings["seed"]))
     if full["export"]["enabled"]:
         # Everything the export at the end needs (writers, memory, xatlas) is checked now.
         try:

@@ -244,10 +244,11 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     need("progress", s["progress"] == "auto" or isinstance(s["progress"], bool),
          "auto, true or false")  # fmt: skip
     # The loop seeds numpy with seed % 2**32 and a torch generator with seed + 1 (< 2**64).
-    need("seed", _is_int(s["seed"]) and 0 <= s["seed"] < 2**63 - 1,
-         "an integer in [0, 2**63 - 1)")  # fmt: skip
-    need("init_seed", s["init_seed"] is None
-         or (_is_int(s["init_seed"]) and 0 <= s["init_seed"] < 2**63 - 1),
+    def is_seed(value: Any) -> bool:
+        return _is_int(value) and 0 <= value < 2**63 - 1
+
+    need("seed", is_seed(s["seed"]), "an integer in [0, 2**63 - 1)")
+    need("init_seed", s["init_seed"] is None or is_seed(s["init_seed"]),
          "null (train.seed) or an integer in [0, 2**63 - 1)")  # fmt: skip
     need("resume", isinstance(s["resume"], bool) or (isinstance(s["resume"], str)
          and s["resume"] != ""), "auto, true, false or a checkpoint path")  # fmt: skip

@@ -565,10 +565,30 @@ def test_each_scene_says_how_many_views_its_psnr_averages(tmp_path):
     _write(tmp_path, "1", _metrics("f32", 1, psnr_per_image=[31.0] * 64))
     _write(tmp_path, "2", _metrics("f32", 0, scene="duck", psnr_per_image=[40.0] * 8))
     _write(tmp_path, "3", _metrics("f32", 1, scene="duck"))  # an older metrics.json: unknown
-    write_report(tmp_path)
-    text = (tmp_path / "report.md").read_text()
-    builtin, duck = text.split("## Scene `builtin`")[1], text.split("## Scene `duck`")[1]
-    assert "Iterations: 20; validation views: 64." in builtin.split("## Scene")[0]
-    assert "Iterations: 20; validation views: 8." in duck.split("## Scene")[0]
-    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    builtin, duck, runs = _scene_headings(tmp_path)
+    assert "Iterations: 20; validation views: 64." in builtin
+    assert "Iterations: 20; validation views: 8." in duck
     assert sorted(str(r["val_views"]) for r in runs) == ["64", "64", "8", "None"]
+    assert sorted(str(r["val_spp"]) for r in runs) == ["1", "1", "1", "None"]
+
+
+def test_a_scene_scored_with_supersampling_says_so(tmp_path):
+    # train.val_spp=4: each pixel the 4 x 4 box-filtered mean; the heading names it, and a run
+    # without the key (older metrics.json) was scored at pixel centres (1).
+    spp4 = {"train.val_spp": 4}
+    _write(tmp_path, "0", _metrics("f32", 0, psnr_per_image=[30.0] * 64, config=spp4))
+    _write(tmp_path, "1", _metrics("f32", 1, psnr_per_image=[31.0] * 64, config=spp4))
+    _write(tmp_path, "2", _metrics("f32", 0, scene="duck", psnr_per_image=[40.0] * 8))
+    builtin, duck, runs = _scene_headings(tmp_path)
+    assert "validation views: 64, 4 x 4 samples per pixel." in builtin
+    assert "Iterations: 20; validation views: 8." in duck
+    assert sorted(r["val_spp"] for r in runs) == [1, 4, 4]
+
+
+def _scene_headings(root: Path) -> tuple[str, str, list[dict]]:
+    """The report's sections of the builtin and duck scenes, and results.json's runs."""
+    write_report(root)
+    text = (root / "report.md").read_text()
+    builtin, duck = (text.split(f"## Scene `{name}`")[1].split("## Scene")[0]
+                     for name in ("builtin", "duck"))  # fmt: skip
+    return builtin, duck, json.loads((root / "results.json").read_text())["runs"]

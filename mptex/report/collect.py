@@ -57,9 +57,9 @@ NOT_SWEPT = ("train.seed", "train.resume", "train.progress", "train.tensorboard"
 RUN_FIELDS = (
     "scene", "precision", "seed", "status", "psnr", "baseline_psnr", "time_per_iter_s",
     "peak_memory_bytes", "peak_memory_kind", "skipped_steps", "final_loss_scale", "iterations",
-    "iterations_planned", "val_views", "diverged_at", "failed_at", "error", "wall_time_s",
-    "train_time_s", "n_params", "device", "device_name", "torch_threads", "encoder_backend",
-    "mlp_backend", "bake_psnr", "run_dir",
+    "iterations_planned", "val_views", "val_spp", "diverged_at", "failed_at", "error",
+    "wall_time_s", "train_time_s", "n_params", "device", "device_name", "torch_threads",
+    "encoder_backend", "mlp_backend", "bake_psnr", "run_dir",
 )  # fmt: skip
 # Config groups that never separate rows: how a finished run was exported, not what it trained.
 NOT_SWEPT_GROUPS = ("export.",)
@@ -275,6 +275,12 @@ def _read_job(job_dir: Path) -> dict[str, Any]:
     # pixels can decide it (docs/benchmarks.md, "Real assets", sixth round), so the report says.
     per_image = metrics.get("psnr_per_image")
     run["val_views"] = len(per_image) if isinstance(per_image, list) and per_image else None
+    # ... and how each pixel is scored: train.val_spp (1, the default, also for runs older
+    # than the key: the pixel's centre; k: the k x k box-filtered mean).
+    config = metrics.get("config")
+    train_cfg = config.get("train") if isinstance(config, Mapping) else None
+    spp = train_cfg.get("val_spp", 1) if isinstance(train_cfg, Mapping) else 1
+    run["val_spp"] = spp if run["val_views"] is not None else None
     backends = metrics.get("backends")
     if isinstance(backends, Mapping):  # which implementation ran (e.g. tcnn, or mptex's twin)
         run["encoder_backend"], run["mlp_backend"] = backends.get("encoder"), backends.get("mlp")

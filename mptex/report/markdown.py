@@ -292,9 +292,12 @@ def render_report(
                       if r.get("iterations_planned") is not None})  # fmt: skip
         views = sorted({r["val_views"] for i in indices for r in groups[i]
                         if r.get("val_views") is not None})  # fmt: skip
+        spps = sorted({r["val_spp"] for i in indices for r in groups[i]
+                       if is_number(r.get("val_spp")) and r["val_spp"] > 1})  # fmt: skip
+        sampling = "".join(f", {k} x {k} samples per pixel" for k in spps)
         lines += [f"## Scene `{first['scene']}`" + "".join(f", {e}" for e in extras), "",
                   f"Iterations: {', '.join(its) or '–'}; validation views: "
-                  f"{', '.join(map(str, views)) or '–'}.", ""]  # fmt: skip
+                  f"{', '.join(map(str, views)) or '–'}{sampling}.", ""]  # fmt: skip
         table = [[
             f"`{r['precision']}`", *(_value(r["keys"].get(k)) for k in key_columns),
             str(r["n_seeds"]), _psnr(r), _delta(r), _verdict(r, margin_db),

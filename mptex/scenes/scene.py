@@ -90,8 +90,10 @@ class Scene:
         self.gt_texture = gt_texture
         self._cameras = {"train": _to(train_cameras, self.device), "val": _to(val_cameras, device)}
         self._reference = reference
-        self._rgba: dict[tuple[str, int], torch.Tensor] = {}
+        self._rgba: dict[tuple[str, int, int], torch.Tensor] = {}
         self.gbuffers = GBufferCache(self.mesh, self.resolution, backend=backend)
+        # Supersampled views (``spp`` > 1) at spp x the resolution: a cache per spp.
+        self._spp_gbuffers = {1: self.gbuffers}
 
     @property
     def aabb(self) -> torch.Tensor:
@@ -106,10 +108,24 @@ class Scene:
     def n_val_views(self) -> int:
         return len(self._cameras["val"])
 
-    def views(self, split: str, indices: Sequence[int] | torch.Tensor) -> ViewBatch:
-        """The views ``indices`` of ``split`` ("train" or "val"), G-buffers from the cache."""
+    def views(self, split: str, indices: Sequence[int] | torch.Tensor, spp: int = 1) -> ViewBatch:
+        """The views ``indices`` of ``split`` ("train" or "val"), G-buffers from the cache.
+
+        ``spp`` > 1 renders the same cameras at ``spp`` x the resolution (``[B, H * spp,
+        W * spp, ...]``): the pixel (y, x) of the scene's resolution is covered by the
+        sub-pixels (y * spp + i, x * spp + j), 0 <= i, j < spp, whose centres tile it evenly
+        (what a box-filtered, supersampled image averages). Only scenes whose reference is
+        rendered (mesh, builtin); image references have no sub-pixels.
+        """
         if split not in self._cameras:
             raise ValueError(f"split: expected 'train' or 'val', received {split!r}")
+        if not (isinstance(spp, int) and spp >= 1):
+            raise ValueError(f"spp: expected an integer >= 1, received {spp!r}")
+        if spp > 1 and not callable(self._reference):
+            raise ValueError(
+                f"spp: scene {self.name!r} has image references at {self.resolution}; "
+                f"expected 1, received {spp}"
+            )
         cams = self._cameras[split]
         index = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
         if index.numel() and (int(index.min()) < 0 or int(index.max()) >= len(cams)):
@@ -120,8 +136,15 @@ class Scene:
         keys = [(split, int(i)) for i in index]
         dev_index = index.to(self.device)
         mvp = cams.mvp[dev_index]
-        gbuffer = self.gbuffers.get(keys, mvp)
-        rgba = torch.cat([self._reference_rgba(k, gbuffer[n : n + 1]) for n, k in enumerate(keys)])
+        if spp not in self._spp_gbuffers:
+            height, width = self.resolution
+            self._spp_gbuffers[spp] = GBufferCache(
+                self.mesh, (height * spp, width * spp), backend=self.gbuffers.backend
+            )
+        gbuffer = self._spp_gbuffers[spp].get(keys, mvp)
+        rgba = torch.cat(
+            [self._reference_rgba(k, spp, gbuffer[n : n + 1]) for n, k in enumerate(keys)]
+        )
         return ViewBatch(
             index=index,
             mv=cams.mv[dev_index],
@@ -149,19 +172,19 @@ class Scene:
         index = torch.randint(self.n_train_views, (batch_size,), generator=generator)
         return self.views("train", index)
 
-    def val_views(self) -> ViewBatch:
+    def val_views(self, spp: int = 1) -> ViewBatch:
         """All validation views (an orbit for builtin/mesh scenes, the test split for nerf)."""
-        return self.views("val", range(self.n_val_views))
+        return self.views("val", range(self.n_val_views), spp)
 
-    def _reference_rgba(self, key: tuple[str, int], gbuffer: GBuffer) -> torch.Tensor:
-        if key not in self._rgba:
+    def _reference_rgba(self, key: tuple[str, int], spp: int, gbuffer: GBuffer) -> torch.Tensor:
+        if (*key, spp) not in self._rgba:
             if callable(self._reference):
                 with torch.no_grad():
-                    self._rgba[key] = self._reference(gbuffer).float()
+                    self._rgba[(*key, spp)] = self._reference(gbuffer).float()
             else:
                 split, i = key
-                self._rgba[key] = self._reference[split][i : i + 1].to(self.device)
-        return self._rgba[key]
+                self._rgba[(*key, spp)] = self._reference[split][i : i + 1].to(self.device)
+        return self._rgba[(*key, spp)]
 
 
 def _to(cameras: Cameras, device) -> Cameras:

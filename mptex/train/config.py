@@ -41,6 +41,7 @@ TRAIN_DEFAULTS: dict[str, Any] = dict(
     ambient=0.25,
     background="random",
     val_background="white",
+    val_spp=1,
     val_interval=50,
     history_interval=1,
     stats_interval=10,
@@ -214,6 +215,8 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
          "an integer >= 0 (0: no precision statistics)")  # fmt: skip
     need("warmup_iter", _is_int(s["warmup_iter"]) and s["warmup_iter"] >= 0, "an integer >= 0")
     need("n_val_images", _is_int(s["n_val_images"]) and s["n_val_images"] >= 0, "an integer >= 0")
+    need("val_spp", _is_int(s["val_spp"]) and 1 <= s["val_spp"] <= 16,
+         "an integer in [1, 16] (validation samples per pixel along each axis)")  # fmt: skip
     need("max_consecutive_skips", _is_int(s["max_consecutive_skips"])
          and s["max_consecutive_skips"] >= 1, "an integer >= 1")  # fmt: skip
     need("lr", _is_number(s["lr"]) and s["lr"] > 0, "a finite number > 0")
@@ -287,6 +290,11 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         policy.layer_dtypes(texture.get("hidden", 2) + 1)
     except ValueError as exc:
         raise ValueError(f"precision.{exc} (texture.hidden + 1)") from None
+    if s["val_spp"] > 1 and cfg["scene"].get("name") == "nerf":
+        raise ValueError(
+            "train.val_spp: scene=nerf's validation references are images at their own "
+            f"resolution (no sub-pixel samples to render); expected 1, got {s['val_spp']}"
+        )
     if s["shading"] == "diffuse" and channels < 9:
         raise ValueError("train.shading: 'diffuse' needs texture.channels=9 (kd, ks, normal)")
     if texture.get("backend", "auto") == "tcnn" and not has_tcnn():

@@ -19,47 +19,100 @@ from mptex.train.shading import _background, _render, composite
 
 
 # ----------------------------------------------------------------------------- validation
+def box_filter(img: torch.Tensor, spp: int) -> torch.Tensor:
+    """The mean of each ``spp`` x ``spp`` block: a supersampled image at its pixel resolution.
+
+    Args:
+        img: ``[B, H * spp, W * spp, C]``.
+        spp: samples per pixel along each axis (1: ``img`` itself).
+
+    Returns:
+        ``[B, H, W, C]``, pixel (y, x) the mean of sub-pixels (y * spp + i, x * spp + j).
+    """
+    if spp == 1:
+        return img
+    b, h, w, c = img.shape
+    if h % spp or w % spp:
+        raise ValueError(f"img: expected a height and width divisible by spp={spp}, got {h}x{w}")
+    return img.reshape(b, h // spp, spp, w // spp, spp, c).mean(dim=(2, 4))
+
+
 @torch.no_grad()
 def evaluate(
     texture: MLPTexture3D, scene: Scene, settings: Mapping[str, Any], light_dir: torch.Tensor
 ) -> dict[str, Any]:
-    """Validation as nvdiffrec reports it, plus the constant-colour baseline and the saturation.
+    """Validation as nvdiffrec reports it (PSNR over the validation views, constant-colour
+    baseline), optionally supersampled, plus the output-sigmoid saturation.
+
+    Algorithm: with ``settings["val_spp"]`` = 1 (the default) every validation pixel is scored
+    at its centre, as nvdiffrec does. With ``val_spp`` = k > 1 the views are rendered at k x
+    the resolution (the same cameras; :meth:`Scene.views`), the prediction is clamped to
+    [0, 1] sub-pixel by sub-pixel (what validation does to every pixel: a texel beyond the
+    output range must not cancel a neighbour's error), then prediction, reference and the
+    constant-colour image are box-filtered back to the scene's resolution (:func:`box_filter`)
+    before the PSNR: a pixel's score is its mean colour over its footprint, so a texture edge
+    that crosses a pixel counts by the area it covers, not by which side the centre falls on.
+    The views are evaluated in chunks of about as many sub-pixels as one point-sampled
+    validation of all views has.
 
     Returns:
         dict with ``psnr`` (mean over views), ``psnr_per_image`` (list), ``baseline_psnr`` (the
         best constant colour: the mean reference colour over covered pixels, rendered and
-        scored the same way), and ``pred``/``ref`` ``[B, H, W, 3]`` composited linear images,
-        upright: row 0 is the top of the picture (the camera's projection flips y, as
-        nvdiffrec's, so rasterized row 0 is already the top), ready to display without a flip;
-        ``saturation``: :func:`~mptex.diagnostics.saturation_statistics` of the texture's logits
-        at the covered pixels of the validation views (the same pixels at every validation), its
-        ``stuck_fraction`` against the reference's colour where ``shading`` is ``kd`` (there the
-        rendered colour is the texture's value; None otherwise).
+        scored the same way), and ``pred``/``ref`` ``[B, H, W, 3]`` composited linear images
+        at the scene's resolution, upright: row 0 is the top of the picture (the camera's
+        projection flips y, as nvdiffrec's, so rasterized row 0 is already the top), ready to
+        display without a flip; ``saturation``: :func:`~mptex.diagnostics.saturation_statistics`
+        of the texture's logits at the covered (sub-)pixels of the validation views (the same
+        pixels at every validation), its ``stuck_fraction`` against the reference's colour where
+        ``shading`` is ``kd`` (there the rendered colour is the texture's value; None otherwise).
     """
-    views = scene.val_views()
-    shape = views.mask.shape + (3,)
-    background = _background(settings["val_background"], shape, views.rgba.device, None)
-    ref = composite(views.rgba[..., 0:3], views.rgba[..., 3:4], background)
-    logits = []
+    spp = int(settings.get("val_spp", 1))
+    n_views = scene.n_val_views
+    per_chunk = max(1, n_views // (spp * spp))
+    kd = settings["shading"] == "kd"
+    logits, values, references, valid = [], [], [], []
+    preds, refs, coverages, backgrounds = [], [], [], []
+    color_sum, alpha_sum = 0.0, 0.0
     # The render's own forward: the saturation costs no second evaluation of the texture.
     hook = texture.net.register_forward_hook(lambda module, args, out: logits.append(out))
     try:
-        pred, _ = _render(texture, views, settings, background, light_dir)
+        for first in range(0, n_views, per_chunk):
+            views = scene.views("val", range(first, min(first + per_chunk, n_views)), spp)
+            shape = views.mask.shape + (3,)
+            background = _background(settings["val_background"], shape, views.rgba.device, None)
+            ref = composite(views.rgba[..., 0:3], views.rgba[..., 3:4], background)
+            pred, _ = _render(texture, views, settings, background, light_dir)
+            covered = views.mask
+            # Under kd shading a covered pixel is opaque: pred there is the texture's kd.
+            values.append(pred[covered] if kd else None)
+            references.append(views.rgba[..., 0:3][covered] if kd else None)
+            # Where the reference is mostly background (alpha < 0.5) its colour is no target.
+            valid.append(views.rgba[..., 3][covered] >= 0.5)
+            alpha = views.rgba[..., 3:4]
+            color_sum = color_sum + (views.rgba[..., 0:3] * alpha).sum((0, 1, 2))
+            alpha_sum = alpha_sum + alpha.sum()
+            if spp > 1:
+                pred = pred.clamp(0.0, 1.0)
+            preds.append(box_filter(pred, spp))
+            refs.append(box_filter(ref, spp))
+            coverages.append(box_filter(views.mask.unsqueeze(-1).float(), spp))
+            backgrounds.append(box_filter(background, spp))
     finally:
         hook.remove()
-    covered, kd = views.mask, settings["shading"] == "kd"
+    pred, ref = torch.cat(preds), torch.cat(refs)
     saturation = saturation_statistics(
         torch.cat(logits).float(),
-        # Under kd shading a covered pixel is opaque: pred there is the texture's kd.
-        values=pred[covered] if kd else None,
-        reference=views.rgba[..., 0:3][covered] if kd else None,
-        # Where the reference is mostly background (alpha < 0.5) its colour is no target.
-        valid=views.rgba[..., 3][covered] >= 0.5,
+        values=torch.cat(values) if kd else None,
+        reference=torch.cat(references) if kd else None,
+        valid=torch.cat(valid),
     )
     per_image = psnr(pred, ref)
-    alpha = views.rgba[..., 3:4]
-    mean_color = (views.rgba[..., 0:3] * alpha).sum((0, 1, 2)) / alpha.sum().clamp(min=1e-8)
-    constant = composite(mean_color.expand(shape), views.mask.unsqueeze(-1).float(), background)
+    mean_color = color_sum / alpha_sum.clamp(min=1e-8)
+    # composite() is linear in alpha and the background is uniform, so box-filtering the
+    # constant-colour image equals compositing with the pixels' covered fraction.
+    constant = composite(
+        mean_color.expand(pred.shape), torch.cat(coverages), torch.cat(backgrounds)
+    )
     return dict(
         psnr=float(per_image.mean().item()),
         psnr_per_image=[float(v) for v in per_image.cpu()],

@@ -71,7 +71,7 @@ def evaluate(
     per_chunk = max(1, n_views // (spp * spp))
     kd = settings["shading"] == "kd"
     logits, values, references, valid = [], [], [], []
-    preds, refs, coverages, backgrounds = [], [], [], []
+    preds, refs, coverages = [], [], []
     color_sum, alpha_sum = 0.0, 0.0
     # The render's own forward: the saturation costs no second evaluation of the texture.
     hook = texture.net.register_forward_hook(lambda module, args, out: logits.append(out))
@@ -95,8 +95,7 @@ def evaluate(
                 pred = pred.clamp(0.0, 1.0)
             preds.append(box_filter(pred, spp))
             refs.append(box_filter(ref, spp))
-            coverages.append(box_filter(views.mask.unsqueeze(-1).float(), spp))
-            backgrounds.append(box_filter(background, spp))
+            coverages.append(box_filter(covered.unsqueeze(-1).float(), spp))
     finally:
         hook.remove()
     pred, ref = torch.cat(preds), torch.cat(refs)
@@ -109,10 +108,10 @@ def evaluate(
     per_image = psnr(pred, ref)
     mean_color = color_sum / alpha_sum.clamp(min=1e-8)
     # composite() is linear in alpha and the background is uniform, so box-filtering the
-    # constant-colour image equals compositing with the pixels' covered fraction.
-    constant = composite(
-        mean_color.expand(pred.shape), torch.cat(coverages), torch.cat(backgrounds)
-    )
+    # constant-colour image equals compositing over the same background with the pixels'
+    # covered fraction.
+    background = _background(settings["val_background"], pred.shape, pred.device, None)
+    constant = composite(mean_color.expand(pred.shape), torch.cat(coverages), background)
     return dict(
         psnr=float(per_image.mean().item()),
         psnr_per_image=[float(v) for v in per_image.cpu()],

@@ -93,6 +93,8 @@ def finite_weights(ckpt: dict) -> bool:
         (["train.lr_decay=inf"], "train.lr_decay"),
         (["train.lr=nan"], "train.lr"),
         (["train.betas=[a,b]"], "train.betas"),
+        (["train.adam_eps=0"], "train.adam_eps"),
+        (["train.adam_eps=-1e-15"], "train.adam_eps"),
         (["train.kd_smooth=no"], "train.kd_smooth"),
         (["train.tensorboard=off"], "train.tensorboard"),
         (["train.seed=99999999999999999999"], "train.seed"),

@@ -453,6 +453,19 @@ def test_a_resume_runs_the_mlp_at_its_own_configs_rate(tmp_path):
     assert mlp["lr_scale"] == 0.5 and mlp["lr"] == grid["lr"] * 0.5
 
 
+def test_a_resume_runs_adam_with_its_own_configs_epsilon_and_betas(tmp_path):
+    train(tiny_cfg(*ADAM_RUN, "train.inject_signal_at=2"), tmp_path / "resumed")
+    assert [g["eps"] for g in _adam_groups(tmp_path / "resumed")] == [1e-8, 1e-8]
+    changed = ("train.adam_eps=1e-15", "train.betas=[0.8,0.99]")
+    again = train(tiny_cfg(*ADAM_RUN, *changed), tmp_path / "resumed")
+    assert again["status"] == "completed" and again["resume_count"] == 1
+    for group in _adam_groups(tmp_path / "resumed"):
+        assert group["eps"] == 1e-15 and tuple(group["betas"]) == (0.8, 0.99)
+    # and the epsilon is used: the same 6 iterations at 1e-8 throughout end elsewhere
+    whole = train(tiny_cfg(*ADAM_RUN), tmp_path / "whole")
+    assert again["psnr"] != whole["psnr"]
+
+
 def test_a_checkpoint_with_one_adam_group_resumes_bit_exactly(tmp_path, uninterrupted):
     # Checkpoints written before train.mlp_lr_scale hold one group of all the texture's
     # parameters in texture.parameters() order; at mlp_lr_scale 1 they continue as before.

@@ -28,6 +28,7 @@ TRAIN_DEFAULTS: dict[str, Any] = dict(
     mlp_lr_ramp_to=None,
     mlp_lr_ramp_iter=100,
     betas=[0.9, 0.999],
+    adam_eps=1e-8,
     warmup_iter=0,
     lr_decay=0.0002,
     lr_schedule="exponential",
@@ -231,6 +232,7 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     need("betas", isinstance(s["betas"], (list, tuple)) and len(s["betas"]) == 2
          and all(_is_number(b) and 0 <= b < 1 for b in s["betas"]),
          "two numbers in [0, 1)")  # fmt: skip
+    need("adam_eps", _is_number(s["adam_eps"]) and s["adam_eps"] > 0, "a finite number > 0")
     need("lr_schedule", s["lr_schedule"] in LR_SCHEDULES, f"one of {LR_SCHEDULES}")
     need("loss", s["loss"] in LOSSES, f"one of {sorted(LOSSES)}")
     need("shading", s["shading"] in _SHADINGS, f"one of {_SHADINGS}")

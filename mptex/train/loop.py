@@ -396,7 +396,7 @@ def _train(
     policy = texture.policy
     optimizer = torch.optim.Adam(
         _param_groups(texture, settings["mlp_lr_scale"]),
-        lr=settings["lr"], betas=tuple(settings["betas"]), eps=1e-8,
+        lr=settings["lr"], betas=tuple(settings["betas"]), eps=settings["adam_eps"],
     )  # fmt: skip
     stepper = PrecisionStepper(policy, optimizer)
     # Per-layer underflow/overflow statistics of the compute-dtype gradients (issue 7), sampled.
@@ -414,11 +414,12 @@ def _train(
     resumed_loss, resumed_time = None, None
     if ckpt is not None:
         texture.load_state_dict(ckpt["texture"])
-        scales = [group["lr_scale"] for group in optimizer.param_groups]
-        optimizer.load_state_dict(ckpt["optimizer"])
-        # The MLP's rate is this run's train.mlp_lr_scale, as lr is this run's train.lr.
-        for group, scale in zip(optimizer.param_groups, scales, strict=True):
-            group["lr_scale"] = scale
+        own = [(g["lr_scale"], g["betas"], g["eps"]) for g in optimizer.param_groups]
+        optimizer.load_state_dict(ckpt["optimizer"])  # also loads the checkpoint's hyperparameters
+        # The MLP's rate is this run's train.mlp_lr_scale, as lr is this run's train.lr; Adam's
+        # betas and epsilon are this run's train.betas and train.adam_eps.
+        for group, (scale, betas, eps) in zip(optimizer.param_groups, own, strict=True):
+            group.update(lr_scale=scale, betas=betas, eps=eps)
         stepper.load_state_dict(ckpt["stepper"])
         _set_rng_state(ckpt["rng"], generators)
         start_iter, history = int(ckpt["iteration"]), list(ckpt["history"])

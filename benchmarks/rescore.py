@@ -1,0 +1,128 @@
+"""Score finished ``mptex-train`` runs again from their checkpoints, at other validation settings.
+
+Each run directory's ``checkpoint.pt`` gives the trained texture and the config it was trained
+with; the scene is rebuilt from that config and validated with
+:func:`mptex.train.validation.evaluate` at each ``--val-spp`` (and, optionally, another number
+of validation views). Validation reads the texture under ``torch.no_grad`` and draws no random
+number, so ``--val-spp`` equal to the run's own reproduces its ``metrics.json`` PSNR to the
+last bit (checked and printed per run: ``own``). This is how docs/benchmarks.md scores the same
+checkpoints point-sampled and supersampled ("Real assets", tenth and eleventh rounds)::
+
+    python benchmarks/rescore.py outputs/2026-11-26/*/ --val-spp 1 4
+    python benchmarks/rescore.py runs/torus_s* --val-spp 4 --json torus.json
+
+Prints a Markdown table (run, scene, arm, seed, val_spp, PSNR, constant-colour baseline,
+seconds) and per ``(scene, arm, val_spp)`` the mean ± sample std over the runs' seeds;
+``--json`` also writes every view's PSNR. Runs on the CPU by default (``--device``), one torch
+thread unless ``--threads``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine, print_table  # noqa: E402
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", help="mptex-train run directories (checkpoint.pt)")
+    parser.add_argument("--val-spp", type=int, nargs="+", default=[1],
+                        help="validation samples per pixel along each axis (1-16)")  # fmt: skip
+    parser.add_argument("--n-val-views", type=int, default=None,
+                        help="validation views (default: the run's scene.n_val_views)")  # fmt: skip
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default=None, help="write every score (and view) here")
+    return parser
+
+
+def rescore(run_dir: Path, spps: list[int], device: torch.device,
+            n_val_views: int | None = None) -> list[dict]:  # fmt: skip
+    """The run's checkpoint validated at each of ``spps``; one dict per value."""
+    from mptex.scenes import build_scene
+    from mptex.train.checkpoint import load_checkpoint, load_texture
+    from mptex.train.validation import evaluate
+
+    checkpoint = run_dir / "checkpoint.pt"
+    ckpt = load_checkpoint(checkpoint, map_location="cpu", required=("texture", "config"))
+    config = ckpt["config"]
+    scene_cfg = dict(config["scene"])
+    if n_val_views is not None:
+        scene_cfg["n_val_views"] = n_val_views
+    scene = build_scene(scene_cfg, device)
+    texture = load_texture(checkpoint, device)
+    settings = dict(config["train"])
+    light_dir = torch.nn.functional.normalize(
+        torch.tensor(settings["light_dir"], dtype=torch.float32, device=device), dim=0
+    )
+    own = None
+    metrics_path = run_dir / "metrics.json"
+    if metrics_path.is_file():
+        own = json.loads(metrics_path.read_text()).get("psnr")
+    rows = []
+    for spp in spps:
+        start = time.perf_counter()
+        scored = evaluate(texture, scene, {**settings, "val_spp": spp}, light_dir)
+        same_setting = spp == int(settings.get("val_spp", 1)) and n_val_views is None
+        rows.append({
+            "run": str(run_dir), "scene": scene_cfg["name"], "arm": config["precision"]["name"],
+            "seed": settings["seed"], "val_spp": spp, "n_val_views": scene.n_val_views,
+            "psnr": scored["psnr"], "baseline_psnr": scored["baseline_psnr"],
+            "psnr_per_image": scored["psnr_per_image"], "seconds": time.perf_counter() - start,
+            # the run's own metrics.json PSNR when this is its own validation setting
+            "own": own if same_setting else None,
+        })  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    bad = [k for k in args.val_spp if not 1 <= k <= 16]
+    if bad:
+        print(f"rescore.py: --val-spp: expected integers in [1, 16], got {bad}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    rows = []
+    for run in args.runs:
+        run_dir = Path(run)
+        if not (run_dir / "checkpoint.pt").is_file():
+            print(f"rescore.py: {run_dir}: no checkpoint.pt (not a finished mptex-train run)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        rows += rescore(run_dir, args.val_spp, device, args.n_val_views)
+    print(f"machine: {machine(device)}\n")
+    print_table(
+        ["run", "scene", "arm", "seed", "val_spp", "PSNR (dB)", "baseline (dB)", "own", "s"],
+        [[Path(r["run"]).name, r["scene"], r["arm"], r["seed"], r["val_spp"], f"{r['psnr']:.2f}",
+          f"{r['baseline_psnr']:.2f}",
+          "-" if r["own"] is None else ("equal" if r["own"] == r["psnr"] else f"{r['own']:.2f}"),
+          f"{r['seconds']:.1f}"] for r in rows],
+    )  # fmt: skip
+    groups: dict[tuple, list[float]] = {}
+    for r in rows:
+        groups.setdefault((r["scene"], r["arm"], r["val_spp"]), []).append(r["psnr"])
+    print()
+    print_table(
+        ["scene", "arm", "val_spp", "runs", "mean ± sample std (dB)"],
+        [[scene, arm, spp, len(v), f"{statistics.mean(v):.2f} ± "
+          + (f"{statistics.stdev(v):.2f}" if len(v) > 1 else "-")]
+         for (scene, arm, spp), v in groups.items()],
+    )  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine(device), "scores": rows},
+                                              indent=1))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""benchmarks/rescore.py: a finished run's checkpoint scored again, at its own and other
+validation settings."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import load_benchmark
+from hydra import compose, initialize_config_dir
+
+from mptex.cli import CONFIG_DIR
+from mptex.train import train
+
+rescore = load_benchmark("rescore")
+
+
+def _run(tmp_path, *extra: str):
+    overrides = [
+        "texture=tiny", "train=tiny", "train.iterations=4", "train.val_interval=0",
+        "scene.resolution=24", "scene.n_train_views=2", "scene.n_val_views=2",
+        "scene.tubular_segments=48", "scene.radial_segments=8", "train.device=cpu", *extra,
+    ]  # fmt: skip
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    run_dir = tmp_path / "run"
+    metrics = train(cfg, run_dir)
+    return run_dir, metrics
+
+
+def test_own_setting_reproduces_the_runs_psnr_and_others_differ(tmp_path, capsys):
+    run_dir, metrics = _run(tmp_path, "train.val_spp=2")
+    out = tmp_path / "scores.json"
+    assert rescore.main([str(run_dir), "--val-spp", "2", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["scores"]
+    own, point = rows
+    # validation draws no random number and reads the texture only: the same bits
+    assert own["val_spp"] == 2 and own["psnr"] == metrics["psnr"] == own["own"]
+    assert own["psnr_per_image"] == metrics["psnr_per_image"]
+    assert own["baseline_psnr"] == metrics["baseline_psnr"]
+    # another setting is another score (and is not labelled as the run's own)
+    assert point["val_spp"] == 1 and point["own"] is None and point["psnr"] != own["psnr"]
+    assert "equal" in capsys.readouterr().out
+
+
+def test_more_views_are_scored_when_asked(tmp_path):
+    run_dir, _ = _run(tmp_path)
+    (rows,) = rescore.rescore(run_dir, [1], rescore.torch.device("cpu"), n_val_views=3)
+    assert rows["n_val_views"] == 3 and len(rows["psnr_per_image"]) == 3 and rows["own"] is None
+
+
+def test_bad_arguments_fail_with_one_line(tmp_path, capsys):
+    assert rescore.main([str(tmp_path), "--val-spp", "0"]) == 2
+    expected = "rescore.py: --val-spp: expected integers in [1, 16], got [0]"
+    assert capsys.readouterr().err.strip() == expected
+    assert rescore.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("no checkpoint.pt (not a finished mptex-train run)") and "\n" not in err

@@ -49,21 +49,20 @@ def rescore(run_dir: Path, spps: list[int], device: torch.device,
             n_val_views: int | None = None) -> list[dict]:  # fmt: skip
     """The run's checkpoint validated at each of ``spps``; one dict per value."""
     from mptex.scenes import build_scene
-    from mptex.train.checkpoint import load_checkpoint, load_texture
+    from mptex.train.checkpoint import TEXTURE_KEYS, load_checkpoint, texture_from_checkpoint
+    from mptex.train.shading import light_direction
     from mptex.train.validation import evaluate
 
     checkpoint = run_dir / "checkpoint.pt"
-    ckpt = load_checkpoint(checkpoint, map_location="cpu", required=("texture", "config"))
+    ckpt = load_checkpoint(checkpoint, map_location="cpu", required=TEXTURE_KEYS)
     config = ckpt["config"]
     scene_cfg = dict(config["scene"])
     if n_val_views is not None:
         scene_cfg["n_val_views"] = n_val_views
     scene = build_scene(scene_cfg, device)
-    texture = load_texture(checkpoint, device)
+    texture = texture_from_checkpoint(ckpt, device)
     settings = dict(config["train"])
-    light_dir = torch.nn.functional.normalize(
-        torch.tensor(settings["light_dir"], dtype=torch.float32, device=device), dim=0
-    )
+    light_dir = light_direction(settings, device)
     own = None
     metrics_path = run_dir / "metrics.json"
     if metrics_path.is_file():

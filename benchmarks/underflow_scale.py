@@ -32,7 +32,7 @@ from _common import machine, print_table  # noqa: E402
 from mptex.diagnostics import PrecisionMonitor  # noqa: E402
 from mptex.scenes import build_scene  # noqa: E402
 from mptex.train import composite, image_loss, load_checkpoint, load_texture  # noqa: E402
-from mptex.train.shading import _render  # noqa: E402
+from mptex.train.shading import _render, light_direction  # noqa: E402
 
 KEYS = (
     "encoder.out_grad_zero_frac",
@@ -53,7 +53,7 @@ def batch_statistics(run_dir: Path, resolution: int, batch: int) -> dict[str, fl
     settings = config["train"]
     views = scene.sample_train_batch(batch, torch.Generator().manual_seed(0))
     background = torch.ones(views.mask.shape + (3,))  # masked out of the colour loss anyway
-    light_dir = torch.nn.functional.normalize(torch.tensor(settings["light_dir"]), dim=0)
+    light_dir = light_direction(settings)
     monitor = PrecisionMonitor(texture, every=1)
     monitor.start(0)
     pred, _ = _render(texture, views, settings, background, light_dir)

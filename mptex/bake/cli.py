@@ -54,7 +54,12 @@ def export_main(argv: list[str] | None = None) -> int:
     """``mptex-export``; returns the exit status (0, or 2 for a problem found before work)."""
     from mptex.bake.export import export_asset, preflight_export
     from mptex.scenes import build_scene
-    from mptex.train.checkpoint import CheckpointError, load_checkpoint, load_texture
+    from mptex.train.checkpoint import (
+        TEXTURE_KEYS,
+        CheckpointError,
+        load_checkpoint,
+        texture_from_checkpoint,
+    )
 
     args = _parser().parse_args(argv)
     run_dir = Path(args.run_dir)
@@ -71,8 +76,7 @@ def export_main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         return _fail(f"--device: {exc}")
     try:
-        ckpt = load_checkpoint(checkpoint, map_location=device,
-                               required=("texture", "aabb", "config", "precision"))  # fmt: skip
+        ckpt = load_checkpoint(checkpoint, map_location=device, required=TEXTURE_KEYS)
     except CheckpointError as exc:
         return _fail(str(exc))
     config = ckpt["config"]
@@ -86,7 +90,7 @@ def export_main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else run_dir / "export"
     try:
         scene = build_scene(config["scene"], device)
-        texture = load_texture(checkpoint, device)
+        texture = texture_from_checkpoint(ckpt, device)
         options = preflight_export(options, scene.mesh, texture.channels, device, out)
     except (ValueError, RuntimeError) as exc:
         return _fail(str(exc))

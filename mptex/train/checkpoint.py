@@ -18,6 +18,8 @@ from mptex.texture import MLPTexture3D
 
 _CHECKPOINT = "checkpoint.pt"
 _METRICS = "metrics.json"
+# What a checkpoint needs to rebuild its texture (load_texture, texture_from_checkpoint).
+TEXTURE_KEYS = ("texture", "aabb", "config", "precision")
 # What train() writes into a checkpoint and reads back on resume (older checkpoints lack the
 # optional ones: ``loss`` and ``time_per_iter_s`` of the run so far).
 CHECKPOINT_KEYS = (
@@ -230,7 +232,16 @@ def load_texture(path: str | os.PathLike, device: str | torch.device = "cpu") ->
         tex = mptex.train.load_texture("outputs/.../checkpoint.pt")
         kd = tex.sample(points)  # [N, 3]
     """
-    ckpt = load_checkpoint(path, required=("texture", "aabb", "config", "precision"))
+    ckpt = load_checkpoint(path, required=TEXTURE_KEYS)
+    return texture_from_checkpoint(ckpt, device)
+
+
+def texture_from_checkpoint(
+    ckpt: dict[str, Any], device: str | torch.device = "cpu"
+) -> MLPTexture3D:
+    """:func:`load_texture` for a checkpoint already read with :func:`load_checkpoint`
+    (``required`` including :data:`TEXTURE_KEYS`): one read when the caller also needs the
+    checkpoint's config."""
     texture = _build_texture(ckpt["aabb"], ckpt["config"]["texture"], ckpt["precision"])
     texture.load_state_dict(ckpt["texture"])
     return texture.to(device)

@@ -58,7 +58,7 @@ from mptex.train.losses import image_loss, lr_schedule
 from mptex.train.memory import _peak_memory, _RunPeakRss
 from mptex.train.rng import _rng_state, _seed_everything, _set_rng_state
 from mptex.train.runinfo import _device_name, _Progress, _sync, _tensorboard, _versions
-from mptex.train.shading import _background, _render, composite
+from mptex.train.shading import _background, _render, composite, light_direction
 from mptex.train.signals import StopSignals, auto_resume_path, send_signal
 from mptex.train.validation import _save_val_images, evaluate
 
@@ -402,9 +402,7 @@ def _train(
     # Per-layer underflow/overflow statistics of the compute-dtype gradients (issue 7), sampled.
     stats_every = settings["stats_interval"]
     monitor = PrecisionMonitor(texture, every=stats_every) if stats_every else None
-    light_dir = torch.nn.functional.normalize(
-        torch.tensor(settings["light_dir"], dtype=torch.float32, device=device), dim=0
-    )
+    light_dir = light_direction(settings, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 

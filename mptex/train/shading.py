@@ -55,6 +55,12 @@ def shade(
     return kd * (ambient + (1.0 - ambient) * cos)
 
 
+def light_direction(settings: Mapping[str, Any], device=None) -> torch.Tensor:
+    """``settings["light_dir"]`` (towards the light, world space) as a unit ``[3]`` float32."""
+    direction = torch.tensor(settings["light_dir"], dtype=torch.float32, device=device)
+    return torch.nn.functional.normalize(direction, dim=0)
+
+
 def composite(rgb: torch.Tensor, alpha: torch.Tensor, background: torch.Tensor) -> torch.Tensor:
     """``lerp(background, rgb, alpha)``: ``[B, H, W, 3]`` over ``[B, H, W, 3]`` by ``[B, H, W, 1]``
     (nvdiffrec's ``prepare_batch``)."""

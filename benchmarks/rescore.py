@@ -84,6 +84,8 @@ def rescore(run_dir: Path, spps: list[int], device: torch.device,
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mptex.train.checkpoint import CheckpointError
+
     args = _parser().parse_args(argv)
     bad = [k for k in args.val_spp if not 1 <= k <= 16]
     if bad:
@@ -98,7 +100,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rescore.py: {run_dir}: no checkpoint.pt (not a finished mptex-train run)",
                   file=sys.stderr)  # fmt: skip
             return 2
-        rows += rescore(run_dir, args.val_spp, device, args.n_val_views)
+        try:
+            rows += rescore(run_dir, args.val_spp, device, args.n_val_views)
+        except CheckpointError as exc:  # unreadable, corrupt or not an mptex checkpoint
+            print(f"rescore.py: {exc}", file=sys.stderr)
+            return 2
     print(f"machine: {machine(device)}\n")
     print_table(
         ["run", "scene", "arm", "seed", "val_spp", "PSNR (dB)", "baseline (dB)", "own", "s"],

@@ -55,3 +55,7 @@ def test_bad_arguments_fail_with_one_line(tmp_path, capsys):
     assert rescore.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith("no checkpoint.pt (not a finished mptex-train run)") and "\n" not in err
+    (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    assert rescore.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rescore.py: ") and "checkpoint.pt" in err and "\n" not in err

@@ -56,6 +56,7 @@ __all__ = [
     "dtype_name",
     "scale_grad",
     "all_finite",
+    "grid_gradient_factor",
 ]
 
 LOSS_SCALING_MODES = ("none", "static", "dynamic", "nvdiffrec", "tcnn")
@@ -126,6 +127,27 @@ def scale_grad(x: torch.Tensor, factor: float) -> torch.Tensor:
     if not x.requires_grad:
         return x
     return _ScaleGrad.apply(x, factor)
+
+
+def grid_gradient_factor(loss_scaling: str, static_loss_scale: float) -> float:
+    """The factor the hash grid's own gradient still carries when the optimizer reads it.
+
+    nvdiffrec's hook multiplies the gradient flowing from its MLP into the encoder by
+    ``static_loss_scale`` (128) and divides back only the positions' gradient, never the
+    table's: under ``loss_scaling="nvdiffrec"`` Adam reads the grid's gradient x
+    ``static_loss_scale``. Every other scheme divides its scale back before the step
+    (GradScaler's unscale; tcnn's bindings divide ``input_grad`` by their scale): factor 1.
+
+    Adam is invariant to a constant factor on a gradient except through epsilon, so the grid's
+    *effective* epsilon is ``adam_eps / factor``: two arms whose factors differ also differ in
+    how much epsilon damps the grid's small steps (docs/benchmarks.md, "Real assets", "Eleventh
+    round": on the torus that alone is +0.29 dB). The report names it under a comparison.
+
+    Args:
+        loss_scaling: the policy's ``loss_scaling`` (:data:`LOSS_SCALING_MODES`).
+        static_loss_scale: the policy's ``static_loss_scale``.
+    """
+    return float(static_loss_scale) if loss_scaling == "nvdiffrec" else 1.0
 
 
 @dataclass(frozen=True)
@@ -354,6 +376,11 @@ class PrecisionPolicy:
         return out
 
     # ------------------------------------------------------------------ queries
+    @property
+    def grid_grad_factor(self) -> float:
+        """:func:`grid_gradient_factor` of this policy (128 for ``nvdiffrec``, else 1)."""
+        return grid_gradient_factor(self.loss_scaling, self.static_loss_scale)
+
     def layer_dtypes(self, n_layers: int) -> list[torch.dtype]:
         """Compute dtype of each of ``n_layers`` linear layers (a single dtype is broadcast)."""
         if len(self.mlp_dtypes) == 1:

@@ -592,3 +592,72 @@ def _scene_headings(root: Path) -> tuple[str, str, list[dict]]:
     builtin, duck = (text.split(f"## Scene `{name}`")[1].split("## Scene")[0]
                      for name in ("builtin", "duck"))  # fmt: skip
     return builtin, duck, json.loads((root / "results.json").read_text())["runs"]
+
+
+# ----------------------------------------------------------------------------- Adam's epsilon
+def test_grid_gradient_factor_is_what_adam_reads():
+    # The factor each arm leaves on the grid's gradient, measured: the gradient the optimizer
+    # reads (after the stepper's unscale) over the same arm's with every scale set to 1 (same
+    # initial weights, same batch): what is left of the arm's scaling when Adam steps.
+    import dataclasses
+
+    import torch
+
+    from mptex import MLPTexture3D
+    from mptex.precision import PrecisionPolicy, PrecisionStepper
+
+    def grid_grad(policy):
+        torch.manual_seed(0)
+        tex = MLPTexture3D([[0, 0, 0], [1, 1, 1]], precision=policy)
+        stepper = PrecisionStepper(tex.policy, torch.optim.Adam(tex.parameters(), lr=1e-3))
+        x = torch.rand(2048, 3, generator=torch.Generator().manual_seed(1))
+        stepper.backward((tex.sample(x) - 0.3).abs().mean())
+        stepper.unscale_()
+        return tex.encoder.params.grad.float()
+
+    arms = ("f32", "nvdiffrec", "nvdiffrec_scale1", "f16_static", "f16_dynamic", "bf16",
+            "tcnn_fused", "tcnn_fused_swap154")  # fmt: skip
+    for arm in arms:
+        policy = PrecisionPolicy.named(arm)
+        unit = dataclasses.replace(policy, static_loss_scale=1.0, init_scale=1.0,
+                                   fused_loss_scale=1.0)  # fmt: skip
+        got, ref = grid_grad(policy), grid_grad(unit)
+        both = (got != 0) & (ref != 0)  # f16 flushes small gradients, more of them at scale 1
+        assert both.sum() > 500, arm
+        # each f16 gradient is rounded to 11 bits (relative 2^-11) at both scales: the median
+        # ratio lies within 1 % of the factor
+        ratio = (got[both] / ref[both]).median().item()
+        assert ratio == pytest.approx(policy.grid_grad_factor, rel=1e-2), arm
+    assert PrecisionPolicy.named("nvdiffrec").grid_grad_factor == 128.0
+    assert PrecisionPolicy.named("tcnn_fused").grid_grad_factor == 1.0
+
+
+def test_an_arm_with_another_grid_epsilon_is_named_under_the_table(tmp_path):
+    nv = {"precision.loss_scaling": "nvdiffrec", "precision.static_loss_scale": 128.0}
+    s1 = {"precision.loss_scaling": "nvdiffrec", "precision.static_loss_scale": 1.0}
+    _three_seeds(tmp_path, "f32", [40.0, 41.0, 42.0], t=0.30)
+    _three_seeds(tmp_path, "nvdiffrec", [40.5, 41.6, 42.55], t=0.2, config=nv)
+    _three_seeds(tmp_path, "nvdiffrec_scale1", [40.1, 41.0, 41.9], t=0.2, config=s1)
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    rows = _rows(tmp_path)
+    assert rows[("nvdiffrec",)]["grid_adam_eps"] == [pytest.approx(1e-8 / 128)]
+    assert rows[("nvdiffrec_scale1",)]["grid_adam_eps"] == [1e-8]
+    assert rows[("f32",)]["grid_adam_eps"] == [1e-8]
+    (line,) = [x for x in text.splitlines() if x.startswith("- Not precision alone")]
+    assert "`nvdiffrec` runs Adam on the grid with an effective epsilon of 7.81e-11" in line
+    assert "`f32`'s 1e-08" in line and "`train.adam_eps=1e-15`" in line and "(x128)" in line
+    summary = json.loads((tmp_path / "results.json").read_text())["summary"]
+    assert {r["precision"]: r["grid_adam_eps"] for r in summary}["nvdiffrec"] == [7.8125e-11]
+
+
+def test_epsilons_below_where_they_matter_are_not_named(tmp_path):
+    nv = {"precision.loss_scaling": "nvdiffrec", "precision.static_loss_scale": 128.0}
+    _three_seeds(tmp_path, "f32", [40.0, 41.0, 42.0], t=0.30, config={"train.adam_eps": 1e-15})
+    _three_seeds(tmp_path, "nvdiffrec", [40.5, 41.6, 42.55], t=0.2,
+                 config={**nv, "train.adam_eps": 1e-15})  # fmt: skip
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert _rows(tmp_path)[("nvdiffrec",)]["grid_adam_eps"] == [pytest.approx(1e-15 / 128)]
+    assert "Not precision alone" not in text
+    assert "Better than `f32`: `nvdiffrec`" in text

@@ -109,6 +109,37 @@ def _name(row: Mapping[str, Any]) -> str:
     return f"`{' '.join([str(row['precision']), *extra])}`"
 
 
+# Adam epsilons on the grid at or below this were measured not to matter: nvdiffrec's arm (an
+# effective 1e-8 / 128) against itself at 1e-15, -0.03 [-0.18, +0.11] dB on the real-asset
+# torus, where the grid's sqrt(v) has median 2.3e-8 (docs/benchmarks.md, "Real assets",
+# eleventh round). Above it, two arms' different epsilons are named under the table.
+NEGLIGIBLE_GRID_EPS = 1e-8 / 128
+
+
+def _epsilon_lines(compared: Sequence[Mapping[str, Any]], ref: Mapping[str, Any]) -> list[str]:
+    """A line per compared arm whose Adam epsilon on the grid differs from the reference's
+    (:func:`mptex.report.stats.grid_adam_eps`): its Δ is not precision alone."""
+    lines = []
+    ref_eps = ref.get("grid_adam_eps") or []
+    for row in compared:
+        eps = row.get("grid_adam_eps") or []
+        if not (row["n_seeds"] and eps and ref_eps) or eps == ref_eps:
+            continue
+        if max(*eps, *ref_eps) <= NEGLIGIBLE_GRID_EPS:
+            continue  # both below where epsilon was measured not to matter
+        lines.append(
+            f"- Not precision alone: {_name(row)} runs Adam on the grid with an effective epsilon "
+            f"of {' / '.join(f'{e:.3g}' for e in eps)} against `{REFERENCE_ARM}`'s "
+            f"{' / '.join(f'{e:.3g}' for e in ref_eps)}: the arm leaves nvdiffrec's loss scale "
+            f"(x{_fmt(ref_eps[0] / eps[0], 'g')}) on the grid's gradient, and Adam is invariant "
+            "to that factor except through epsilon, which damps the grid's small steps "
+            "(docs/benchmarks.md, \"Real assets\", eleventh round: +0.29 dB on the torus by "
+            "itself). Its Δ holds both; `nvdiffrec_scale1` (the arm without it), or every arm "
+            "at `train.adam_eps=1e-15` (where neither epsilon matters), separates them."
+        )
+    return lines
+
+
 def _reading(rows: Sequence[Mapping[str, Any]], margin_db: float, on_cpu: bool) -> list[str]:
     """The automatic reading of one section's table, as Markdown bullet lines."""
     lines = []
@@ -167,6 +198,7 @@ def _reading(rows: Sequence[Mapping[str, Any]], margin_db: float, on_cpu: bool) 
                     "no paired seeds": f"No seed completed in both the arm and `{REFERENCE_ARM}`",
                 }.get(name, name.capitalize())
                 lines.append(f"- {lead}: {items}.")
+        lines += _epsilon_lines(compared, ref)
     diverged = [r for r in rows if r["diverged"]]
     if diverged:
         items = ", ".join(

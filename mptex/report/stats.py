@@ -20,6 +20,11 @@ Method (stated in every report.md):
 - "Fastest arm at f32's quality": the fastest (mean ms / iteration) among the reference arm and
   the arms whose verdict is ``better`` or ``no detectable difference``; an arm whose interval
   says ``worse`` or that is ``inconclusive`` is never named.
+- What else differs: Adam is invariant to a constant factor on a gradient except through its
+  epsilon, and nvdiffrec's arm leaves x128 on the grid's gradient, so against an f32 reference
+  at the same ``train.adam_eps`` its grid runs with a 128 x smaller effective epsilon
+  (:func:`grid_adam_eps`). The verdict stands as measured; report.md names the difference under
+  the table, so that it is not read as a precision effect alone.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mptex.precision import grid_gradient_factor
 from mptex.report.collect import REFERENCE_ARM, STATUSES, is_number
 
 __all__ = [
@@ -39,6 +45,7 @@ __all__ = [
     "mean_ci",
     "verdict",
     "summarize_groups",
+    "grid_adam_eps",
     "sections",
     "fastest_at_reference_quality",
 ]
@@ -184,6 +191,21 @@ def _effective_scale(run: Mapping[str, Any], recorded: float) -> float:
     return recorded
 
 
+def grid_adam_eps(run: Mapping[str, Any]) -> float | None:
+    """Adam's effective epsilon on the hash grid of one run: ``train.adam_eps`` (1e-8, torch's
+    default, for runs older than the key) over the factor its arm leaves on the grid's
+    gradient (:func:`mptex.precision.grid_gradient_factor`: nvdiffrec's x128). None without a
+    config (the loss scaling unknown)."""
+    config = run.get("config") or {}
+    if "precision.loss_scaling" not in config:
+        return None
+    eps = config.get("train.adam_eps", 1e-8)
+    scale = config.get("precision.static_loss_scale")
+    factor = grid_gradient_factor(config["precision.loss_scaling"],
+                                  float(scale) if is_number(scale) else 128.0)  # fmt: skip
+    return float(eps) / factor if is_number(eps) else None
+
+
 def _row(group: Sequence[Mapping[str, Any]], shown: Sequence[str]) -> dict[str, Any]:
     first = group[0]
     done = [r for r in group if r["status"] == "completed"]
@@ -215,6 +237,9 @@ def _row(group: Sequence[Mapping[str, Any]], shown: Sequence[str]) -> dict[str, 
         "final_loss_scale": sorted({_effective_scale(r, float(r["final_loss_scale"]))
                                     for r in done if is_number(r["final_loss_scale"])}),
         "diverged_at": [r["diverged_at"] for r in group if r["status"] == "diverged"],
+        # Adam's effective epsilon on the grid (distinct values over completed runs): an arm
+        # whose value differs from its reference's differs in more than precision.
+        "grid_adam_eps": sorted({e for e in map(grid_adam_eps, done) if e is not None}),
         # A collapse's note is its evidence, listed with collapsed_runs instead.
         "notes": sorted({f"{r['run_dir']}: {r['note']}" for r in group
                          if r.get("note") and r["status"] != "collapsed"}),
@@ -280,7 +305,8 @@ def summarize_groups(
         count per status, ``n_seeds`` (completed runs), ``psnr_mean``, ``psnr_std``,
         ``baseline_psnr``, ``below_baseline`` (run dirs at or under the constant-colour
         baseline), ``time_per_iter_s``, ``speedup`` (reference time / this row's), peak memory,
-        ``skipped_steps``, ``final_loss_scale`` (distinct effective scales), ``diverged_at``,
+        ``skipped_steps``, ``final_loss_scale`` (distinct effective scales), ``grid_adam_eps``
+        (distinct values of :func:`grid_adam_eps`), ``diverged_at``,
         ``notes``, ``errors``, ``underflow``, ``collapsed_runs`` (``run_dir``, ``seed``,
         ``reason`` of each collapsed run), ``reference`` (the reference row's index or None),
         ``pairs`` (list of ``[seed, difference]``), ``excluded`` (``seed``, ``run_dir``, ``why``:

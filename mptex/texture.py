@@ -105,7 +105,8 @@ class MLPTexture3D(nn.Module):
     undoing the x128 the MLP puts on the encoder's output gradient, as nvdiffrec's hooks do; the
     table's own gradient keeps the x128 (nvdiffrec's behaviour; Adam is invariant to it up to
     ``eps``: the grid's effective epsilon is ``eps / 128``, see
-    :func:`~mptex.precision.grid_gradient_factor`). Unlike nvdiffrec's hook, nothing fails when the positions do not require grad.
+    :func:`~mptex.precision.grid_gradient_factor`). Unlike nvdiffrec's hook, nothing fails when
+    the positions do not require grad.
     ``policy.encoder_hook`` keeps only the encoder's /128 (#154's swap).
 
     Args:

@@ -134,8 +134,9 @@ def _epsilon_lines(compared: Sequence[Mapping[str, Any]], ref: Mapping[str, Any]
             f"(x{_fmt(ref_eps[0] / eps[0], 'g')}) on the grid's gradient, and Adam is invariant "
             "to that factor except through epsilon, which damps the grid's small steps "
             "(docs/benchmarks.md, \"Real assets\", eleventh round: +0.29 dB on the torus by "
-            "itself). Its Δ holds both; `nvdiffrec_scale1` (the arm without it), or every arm "
-            "at `train.adam_eps=1e-15` (where neither epsilon matters), separates them."
+            "itself). Its Δ holds both. To measure the precision alone, run every arm at "
+            "`train.adam_eps=1e-15`, where neither epsilon matters (`nvdiffrec_scale1` is no "
+            "substitute: without the scale its f16 grid's gradient underflows)."
         )
     return lines
 

@@ -661,3 +661,43 @@ def test_epsilons_below_where_they_matter_are_not_named(tmp_path):
     assert _rows(tmp_path)[("nvdiffrec",)]["grid_adam_eps"] == [pytest.approx(1e-15 / 128)]
     assert "Not precision alone" not in text
     assert "Better than `f32`: `nvdiffrec`" in text
+
+
+# ----------------------------------------------------------------------------- plateau, stuck
+def _validated(psnrs, stuck, baseline=13.36, iterations=2400):
+    # validations every 800 iterations, as the real-asset protocol; the last one's saturation
+    step = iterations // len(psnrs)
+    history = [{"iteration": step * (i + 1), "loss": 0.03, "psnr": p,
+                "stuck_fraction": [0.0, 0.0, stuck]} for i, p in enumerate(psnrs)]  # fmt: skip
+    m = _metrics("tcnn_fused", 1, psnr=psnrs[-1], baseline=baseline, iterations=iterations,
+                 iterations_planned=iterations)  # fmt: skip
+    m.update(history=history, saturation={"stuck_fraction": [0.0, 0.0, stuck],
+                                          "saturated_fraction": [0.5, 0.3, 0.91]})  # fmt: skip
+    return m
+
+
+def test_a_plateau_held_by_stuck_pixels_above_the_baseline_is_a_collapse(tmp_path):
+    from mptex.report.collapse import classify_collapse
+
+    # tcnn_fused on the real-asset torus, seed 1 (docs/benchmarks.md, twelfth round)
+    got = classify_collapse(_validated([20.03, 20.04, 20.04], stuck=0.1616))
+    assert got["rule"] == "plateau, stuck" and got["stuck_channel"] == 2
+    assert got["reason"] == ("16% of covered pixels stuck in channel 2 (since iteration 800), "
+                             "PSNR 20.04 dB > baseline 13.36 dB, flat since iteration 800")
+    # not a collapse: still learning with the same stuck pixels; flat with few stuck pixels (a
+    # run that converged early); and the f32 runs' largest stuck fraction on a plateau
+    assert classify_collapse(_validated([20.03, 24.0, 28.0], stuck=0.1616)) is None
+    assert classify_collapse(_validated([48.0, 48.1, 48.1], stuck=0.09)) is None
+    assert classify_collapse(_validated([48.0, 48.1, 48.1], stuck=5.3e-4)) is None
+    # in a report: counted apart and left out of the pairs
+    for seed, psnr in enumerate([58.0, 57.5, 57.7]):
+        _write(tmp_path, f"f32_{seed}", _metrics("f32", seed, psnr=psnr))
+    for seed, psnr in ((0, 57.3), (2, 57.6)):
+        _write(tmp_path, f"tf_{seed}", _metrics("tcnn_fused", seed, psnr=psnr))
+    _write(tmp_path, "tf_1", _validated([20.03, 20.04, 20.04], stuck=0.1616))
+    write_report(tmp_path)
+    row = _rows(tmp_path)[("tcnn_fused",)]
+    assert row["collapsed"] == 1 and row["n_seeds"] == 2
+    assert [s for s, _ in row["pairs"]] == [0, 2]
+    assert "flat that way with ≥ 10% stuck, above the baseline too" in (
+        tmp_path / "report.md").read_text()

@@ -1,5 +1,6 @@
 """Naming a collapse (issue 19): a completed run whose texture output saturated at the wrong
-colour, or whose PSNR sat on a plateau below the constant-colour baseline.
+colour, or whose PSNR sat on a plateau below the constant-colour baseline or held there by stuck
+pixels.
 
 Such a run says nothing about precision: the same collapse happens in f32 (the issue's duck: every
 covered pixel (1, 1, 0)), so the report counts it apart from the completed runs and leaves it out
@@ -12,7 +13,12 @@ of the paired differences. The rule (:func:`classify_collapse`, stated in every 
   colour) and either some channel's stuck fraction is at least :data:`STUCK_BELOW_BASELINE`, or
   the PSNR is on a plateau: the last :data:`PLATEAU_MIN_VALIDATIONS` or more validation PSNRs
   of ``history`` lie within :data:`PLATEAU_DB` of each other and that flat stretch spans at least
-  :data:`PLATEAU_MIN_SPAN` of the run's iterations.
+  :data:`PLATEAU_MIN_SPAN` of the run's iterations; or
+- **plateau, stuck**: above the baseline, the PSNR on such a plateau and some channel's stuck
+  fraction at least :data:`STUCK_BELOW_BASELINE` (tcnn's fused network on the real-asset torus,
+  seed 1: flat at 20.04 dB from iteration 800 of 2400, 16 % of the blue channel stuck, where
+  the other seeds reach 57-58 dB; no f32 run of the real-asset protocol has had more than 0.06 %
+  stuck, docs/benchmarks.md, "Real assets", twelfth round).
 
 A metrics.json from before the saturation keys is judged by the plateau rule alone; a run
 without three validations in its history by the stuck rules alone. Nothing here reads tensors:
@@ -60,7 +66,8 @@ RULE = (
     f"reference's), or when it ends at or below the constant-colour baseline with "
     f"≥ {STUCK_BELOW_BASELINE:.0%} stuck or with its validation PSNR flat (the last "
     f"≥ {PLATEAU_MIN_VALIDATIONS} validations within {PLATEAU_DB:g} dB, over ≥ "
-    f"{PLATEAU_MIN_SPAN:.0%} of the run)"
+    f"{PLATEAU_MIN_SPAN:.0%} of the run), or when its validation PSNR is flat that way with "
+    f"≥ {STUCK_BELOW_BASELINE:.0%} stuck, above the baseline too"
 )
 
 
@@ -131,7 +138,8 @@ def classify_collapse(metrics: Mapping[str, Any]) -> dict[str, Any] | None:
         metrics: one run's metrics.json (any status; only ``completed`` runs can collapse).
 
     Returns:
-        None, or ``{"rule": "stuck" | "below baseline, stuck" | "below baseline, plateau",
+        None, or ``{"rule": "stuck" | "below baseline, stuck" | "below baseline, plateau" |
+        "plateau, stuck",
         "stuck_fraction", "stuck_channel", "stuck_since", "saturated_fraction" (that channel's),
         "psnr", "baseline_psnr", "flat_since", "reason"}`` (None where a value is unknown);
         ``reason`` is the one line the report prints, e.g. ``"97 % of covered pixels stuck in
@@ -154,6 +162,8 @@ def classify_collapse(metrics: Mapping[str, Any]) -> dict[str, Any] | None:
         rule = "below baseline, stuck"
     elif below and flat is not None:
         rule = "below baseline, plateau"
+    elif flat is not None and stuck is not None and stuck >= STUCK_BELOW_BASELINE:
+        rule = "plateau, stuck"  # stopped learning above the baseline, pinned by its stuck pixels
     else:
         return None
     channel = worst[0] if worst else None

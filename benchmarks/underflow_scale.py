@@ -31,7 +31,8 @@ from _common import machine, print_table  # noqa: E402
 
 from mptex.diagnostics import PrecisionMonitor  # noqa: E402
 from mptex.scenes import build_scene  # noqa: E402
-from mptex.train import composite, image_loss, load_checkpoint, load_texture  # noqa: E402
+from mptex.train import composite, image_loss, load_checkpoint  # noqa: E402
+from mptex.train.checkpoint import TEXTURE_KEYS, texture_from_checkpoint  # noqa: E402
 from mptex.train.shading import _render, light_direction  # noqa: E402
 
 KEYS = (
@@ -45,9 +46,9 @@ KEYS = (
 
 def batch_statistics(run_dir: Path, resolution: int, batch: int) -> dict[str, float]:
     """Monitor statistics of one training batch of ``run_dir``'s trained texture."""
-    ckpt = load_checkpoint(run_dir / "checkpoint.pt")
+    ckpt = load_checkpoint(run_dir / "checkpoint.pt", required=TEXTURE_KEYS)
     config = ckpt["config"]
-    texture = load_texture(run_dir / "checkpoint.pt")
+    texture = texture_from_checkpoint(ckpt)
     scene_cfg = {**config["scene"], "resolution": resolution, "n_train_views": batch}
     scene = build_scene(scene_cfg)
     settings = config["train"]

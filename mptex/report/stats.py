@@ -180,14 +180,19 @@ def _std(values) -> float | None:
     return statistics.stdev(values) if len(values) >= 2 else None
 
 
+def _static_scale(config: Mapping[str, Any]) -> float:
+    """A run's ``precision.static_loss_scale`` (128, the default, where the config lacks it)."""
+    fixed = config.get("precision.static_loss_scale")
+    return float(fixed) if is_number(fixed) else 128.0
+
+
 def _effective_scale(run: Mapping[str, Any], recorded: float) -> float:
     """The factor the f16 gradients carry: the recorded loss scale, times the fixed x128 that
     nvdiffrec's backward hook (``loss_scaling: nvdiffrec``) or tcnn's fused network
     (``tcnn``) applies inside the graph (mptex/precision.py, mptex/mlp.py)."""
     config = run.get("config") or {}
     if config.get("precision.loss_scaling") in ("nvdiffrec", "tcnn"):
-        fixed = config.get("precision.static_loss_scale")
-        return recorded * (float(fixed) if is_number(fixed) else 128.0)
+        return recorded * _static_scale(config)
     return recorded
 
 
@@ -200,9 +205,7 @@ def grid_adam_eps(run: Mapping[str, Any]) -> float | None:
     if "precision.loss_scaling" not in config:
         return None
     eps = config.get("train.adam_eps", 1e-8)
-    scale = config.get("precision.static_loss_scale")
-    factor = grid_gradient_factor(config["precision.loss_scaling"],
-                                  float(scale) if is_number(scale) else 128.0)  # fmt: skip
+    factor = grid_gradient_factor(config["precision.loss_scaling"], _static_scale(config))
     return float(eps) / factor if is_number(eps) else None
 
 

@@ -156,13 +156,14 @@ def classify_collapse(metrics: Mapping[str, Any]) -> dict[str, Any] | None:
     below = is_number(baseline) and psnr <= baseline
     history = metrics.get("history") or []
     flat = flat_since(history, metrics.get("iterations"))
+    some_stuck = stuck is not None and stuck >= STUCK_BELOW_BASELINE
     if stuck is not None and stuck >= STUCK_COLLAPSED:
         rule = "stuck"
-    elif below and stuck is not None and stuck >= STUCK_BELOW_BASELINE:
+    elif below and some_stuck:
         rule = "below baseline, stuck"
     elif below and flat is not None:
         rule = "below baseline, plateau"
-    elif flat is not None and stuck is not None and stuck >= STUCK_BELOW_BASELINE:
+    elif flat is not None and some_stuck:
         rule = "plateau, stuck"  # stopped learning above the baseline, pinned by its stuck pixels
     else:
         return None

@@ -70,7 +70,8 @@ case "$cuda" in
   13.0) nvcc_v=13.0.88; nvvm_v=13.0.88; crt_v=13.0.88; cudart_v=13.0.96; cccl_v=13.0.85 ;;
   *) die "--cuda must be 13.0 (the CUDA package versions of other releases are not listed here), got '$cuda'" ;;
 esac
-command -v "$python_exe" >/dev/null || die "--python '$python_exe' not found"
+"$python_exe" -c 'import sys; assert sys.version_info >= (3, 8)' 2>/dev/null \
+  || die "--python '$python_exe' does not run (give the interpreter's path, e.g. --python ~/.pyenv/versions/3.12.1/bin/python3.12)"
 arch_dotted="${arch:0:${#arch}-1}.${arch: -1}"
 mkdir -p "$out" "$work"
 log() { printf '[build_wheels %s] %s\n' "$(date +%H:%M:%S)" "$*"; }

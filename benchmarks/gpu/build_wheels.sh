@@ -138,14 +138,17 @@ export_tree() {  # $1 = git dir, $2 = commit, $3 = destination, $4... = paths (d
   local gd=$1 commit=$2 dest=$3; shift 3
   git --git-dir="$gd" cat-file -e "$commit^{commit}" 2>/dev/null || die "commit $commit is not in $gd"
   rm -rf "$dest"; mkdir -p "$dest"
-  git --git-dir="$gd" archive --format=tar "$commit" "$@" | tar -x -C "$dest"
+  set -o pipefail
+  git --git-dir="$gd" archive --format=tar "$commit" "$@" | tar -x -C "$dest" \
+    || die "could not export $* at $commit from $gd"
 }
 
 build_tcnn() {
   local gd src t0 cutlass_commit fmt_commit
   gd=$(git_dir_of tiny-cuda-nn "$TCNN_GIT")
   src="$work/src/tiny-cuda-nn"
-  export_tree "$gd" "$TCNN_COMMIT" "$src"
+  # What the bindings build from (a mirror may lack the large images under data/).
+  export_tree "$gd" "$TCNN_COMMIT" "$src" bindings include src dependencies CMakeLists.txt LICENSE.txt
   cutlass_commit=$(git --git-dir="$gd" ls-tree "$TCNN_COMMIT" dependencies/cutlass | awk '{print $3}')
   fmt_commit=$(git --git-dir="$gd" ls-tree "$TCNN_COMMIT" dependencies/fmt | awk '{print $3}')
   log "tiny-cuda-nn ${TCNN_COMMIT:0:7}: cutlass ${cutlass_commit:0:7}, fmt ${fmt_commit:0:7}"
@@ -161,7 +164,8 @@ build_tcnn() {
 build_nvdiffrast() {
   local src t0
   src="$work/src/nvdiffrast"
-  export_tree "$(git_dir_of nvdiffrast "$NVDIFFRAST_GIT")" "$NVDIFFRAST_COMMIT" "$src"
+  export_tree "$(git_dir_of nvdiffrast "$NVDIFFRAST_GIT")" "$NVDIFFRAST_COMMIT" "$src" \
+    csrc nvdiffrast setup.py pyproject.toml MANIFEST.in README.md LICENSE.txt
   log "nvdiffrast ${NVDIFFRAST_COMMIT:0:7}"
   t0=$(date +%s)
   (cd "$src" && TORCH_CUDA_ARCH_LIST="$arch_dotted" "$py" -m pip wheel -q --no-build-isolation --no-deps -w "$out" .) \

@@ -5,8 +5,10 @@ from __future__ import annotations
 import gc
 import math
 from collections.abc import Mapping, Sequence
+from numbers import Real
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -54,21 +56,35 @@ def _as_plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
-def _bounds(value: Any, arg: str, width: int | None) -> torch.Tensor:
-    """``[2, width]`` float32 tensor (min row, max row) from a tensor or nested sequence."""
-    value = _as_plain(value)
+def _float_rows(value: Any) -> torch.Tensor:
+    """A detached float32 CPU tensor from a tensor (any device, any grad state), a numpy array, a
+    number or nested sequences of these. Bounds are constants of the texture: a tensor that
+    carries an autograd graph (nvdiffrec's ``DLMesh`` makes ``v_pos`` a Parameter, so the AABB
+    computed from it does) must not keep it, or every step would backpropagate into it."""
     if isinstance(value, torch.Tensor):
-        tensor = value.detach().to(torch.float32)
-    elif isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2:
-        try:
-            rows = [torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in value]
-            tensor = torch.stack(rows)
-        except (TypeError, ValueError, RuntimeError):  # ragged rows, strings, None
-            raise ValueError(
-                f"{arg}: expected two rows of numbers [min, max], got {value!r}"
-            ) from None
-    else:
-        raise ValueError(f"{arg}: expected [min, max] rows, got {value!r}")
+        return value.detach().to(device="cpu", dtype=torch.float32)
+    if isinstance(value, (np.ndarray, Real)) and not isinstance(value, bool):
+        return torch.as_tensor(np.asarray(value, dtype=np.float64), dtype=torch.float32)
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return torch.stack([_float_rows(item) for item in value])
+    raise TypeError(f"not a number: {value!r}")
+
+
+def _bounds(value: Any, arg: str, width: int | None) -> torch.Tensor:
+    """``[2, width]`` float32 CPU tensor (min row, max row), detached, from any form of rows.
+
+    Accepted forms, converted the same way: one ``[2, width]`` tensor (any device, any dtype,
+    with or without grad) or numpy array, or two rows ``(min, max)`` as tensors, numpy arrays or
+    sequences of numbers (nvdiffrec's ``mesh.aabb()`` returns such a tuple of tensors).
+    """
+    value = _as_plain(value)
+    try:
+        if isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2:
+            tensor = torch.stack([_float_rows(row).reshape(-1) for row in value])
+        else:
+            tensor = _float_rows(value)
+    except (TypeError, ValueError, RuntimeError):  # ragged rows, strings, None
+        raise ValueError(f"{arg}: expected two rows of numbers [min, max], got {value!r}") from None
     if tensor.ndim != 2 or tensor.shape[0] != 2 or (width is not None and tensor.shape[1] != width):
         want = f"[2, {width}]" if width is not None else "[2, C]"
         raise ValueError(f"{arg}: expected shape {want}, got {list(tensor.shape)}")
@@ -110,12 +126,15 @@ class MLPTexture3D(nn.Module):
     ``policy.encoder_hook`` keeps only the encoder's /128 (#154's swap).
 
     Args:
-        AABB: ``[2, 3]`` (min corner, max corner) of the texture's domain; tensor or lists.
+        AABB: ``[2, 3]`` (min corner, max corner) of the texture's domain: one tensor or numpy
+            array, or a ``(min, max)`` pair of rows (tensors, arrays or lists; nvdiffrec's
+            ``mesh.aabb()``). Every form becomes the same detached float32 buffer on the
+            texture's device: an AABB computed from a vertex Parameter keeps no graph.
         channels: output channels (nvdiffrec: 3 for kd, 9 for kd + ks + normal).
         internal_dims: MLP width (``n_neurons``).
         hidden: MLP hidden layers (``n_hidden_layers``; ``hidden + 1`` linear layers).
-        min_max: ``[2, channels]`` output range; ``None`` (nvdiffrec would fail indexing it)
-            means [0, 1] per channel, i.e. the plain sigmoid.
+        min_max: ``[2, channels]`` output range, in any form ``AABB`` takes; ``None``
+            (nvdiffrec would fail indexing it) means [0, 1] per channel, the plain sigmoid.
         precision: a :class:`~mptex.PrecisionPolicy`, an arm name or a config mapping
             (default ``"nvdiffrec"``).
         encoder: ``None`` (nvdiffrec's config, :data:`NVDIFFREC_ENCODER_CONFIG`), a tcnn-style
@@ -176,6 +195,10 @@ class MLPTexture3D(nn.Module):
         self.net = PrecisionMLP(
             self.encoder.n_output_dims, channels, hidden, internal_dims, self.policy
         )
+        # The bounds live where the parameters were created (the default device), whatever
+        # device the given tensors were on; .to() moves them with the module from then on.
+        device = self.encoder.params.device
+        self.AABB, self.min_max = self.AABB.to(device), self.min_max.to(device)
 
     def sample(self, texc: torch.Tensor) -> torch.Tensor:
         """Texture values at positions ``texc``.

@@ -1,9 +1,11 @@
 """MLPTexture3D: nvdiffrec's constructor and sample(), per-arm forward/gradients, nvdiffrec
 equivalence (against a copy of its module), state dicts across backends, and a small fit per arm."""
 
+import copy
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import TOL, load_benchmark
@@ -84,6 +86,57 @@ def test_bad_arguments_name_themselves():
         MLPTexture3D(AABB, precision="f12", encoder=SMALL)
     with pytest.raises(ValueError, match="texc"):
         _texture("f32").sample(torch.zeros(4, 2))
+
+
+def _bound_forms(lo, hi):
+    """The same [min, max] bounds in every form a caller may hold them."""
+    lo64, hi64 = torch.tensor(lo, dtype=torch.float64), torch.tensor(hi, dtype=torch.float64)
+    return {
+        "lists": [lo, hi],
+        "tuple of tensors": (lo64.float(), hi64.float()),
+        "tuple of float64 tensors": (lo64, hi64),
+        "stacked tensor": torch.stack([lo64, hi64]),
+        "numpy array": np.array([lo, hi]),
+        "tuple of numpy rows": (np.array(lo), np.array(hi, dtype=np.float32)),
+        "rows of 0-d tensors": [[torch.tensor(v) for v in lo], [torch.tensor(v) for v in hi]],
+    }
+
+
+@pytest.mark.parametrize("form", list(_bound_forms(*AABB)))
+def test_bounds_are_converted_the_same_way_in_every_form(form):
+    min_max = [[0.0, -1.0, 0.5], [1.0, 1.0, 0.75]]
+    texture = MLPTexture3D(_bound_forms(*AABB)[form], min_max=_bound_forms(*min_max)[form],
+                           encoder=SMALL, backend="torch")  # fmt: skip
+    for buffer, expected in ((texture.AABB, AABB), (texture.min_max, min_max)):
+        assert buffer.dtype == torch.float32 and not buffer.requires_grad
+        assert buffer.grad_fn is None and buffer.device == texture.encoder.params.device
+        assert torch.equal(buffer, torch.tensor(expected))
+
+
+@pytest.mark.requires_cuda
+def test_bounds_on_another_device_move_to_the_textures():
+    aabb = (torch.tensor(AABB[0], device="cuda"), torch.tensor(AABB[1], device="cuda"))
+    texture = MLPTexture3D(aabb, encoder=SMALL, backend="torch")
+    assert texture.AABB.device == texture.encoder.params.device == torch.device("cpu")
+    assert texture.cuda().AABB.device.type == "cuda"
+
+
+def test_aabb_of_a_vertex_parameter_does_not_train_the_vertices():
+    # nvdiffrec's DLMesh holds v_pos as a Parameter and its mesh.aabb() is a (min, max) tuple
+    # computed from it: the texture must take the values, not the autograd graph.
+    gen = torch.Generator().manual_seed(0)
+    v_pos = torch.nn.Parameter(torch.rand(50, 3, generator=gen) * 2 - 1)
+    texture = MLPTexture3D((v_pos.min(dim=0).values, v_pos.max(dim=0).values),
+                           precision="f16_dynamic", encoder=SMALL, backend="torch")  # fmt: skip
+    opt = torch.optim.Adam(texture.parameters(), lr=1e-2)
+    stepper = texture.policy.stepper(opt)
+    points = v_pos.detach()  # the only path from the loss to v_pos would be the AABB
+    for _ in range(2):  # a graph kept in the AABB fails here at the second backward
+        opt.zero_grad()
+        stepper(texture.sample(points).square().mean())
+    assert v_pos.grad is None
+    twin = copy.deepcopy(texture)
+    assert torch.equal(twin.sample(points), texture.sample(points))
 
 
 def test_explicit_tcnn_mlp_fails_at_construction_without_tcnn():

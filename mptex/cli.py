@@ -185,7 +185,7 @@ def _interrupted(metrics: dict, run_dir: Path, multirun: bool) -> None:
     sys.exit(EXIT_CODES["interrupted"])
 
 
-def register_experiments(directory: Path = EXPERIMENTS_DIR) -> list[str]:
+def register_experiments(directory: str | os.PathLike = EXPERIMENTS_DIR) -> list[str]:
     """Make ``experiments/*.yaml`` the ``experiment`` config group (``+experiment=NAME``).
 
     Sweeps live beside ``configs/`` rather than in it (one place for what to run, one for how);
@@ -196,7 +196,7 @@ def register_experiments(directory: Path = EXPERIMENTS_DIR) -> list[str]:
     from omegaconf import OmegaConf
 
     store, names = ConfigStore.instance(), []
-    for path in sorted(directory.glob("*.yaml")):
+    for path in sorted(Path(directory).glob("*.yaml")):
         store.store(group="experiment", name=path.stem, node=OmegaConf.load(path),
                     package="_global_")  # fmt: skip
         names.append(path.stem)

@@ -212,7 +212,7 @@ def write_png16(path: str | os.PathLike, image: torch.Tensor) -> None:
 
 
 def write_texture_images(
-    directory: Path, texture: torch.Tensor, kd_format: str = "png8"
+    directory: str | os.PathLike, texture: torch.Tensor, kd_format: str = "png8"
 ) -> dict[str, str]:
     """Write the channel groups of a baked texture (layout in the module docstring).
 
@@ -224,6 +224,7 @@ def write_texture_images(
     Returns:
         ``{"kd": "texture_kd.png", ...}``, the files written (names relative to ``directory``).
     """
+    directory = Path(directory)
     suffix = KD_FORMATS[kd_format]
     written = {}
     for name, first, colour in _GROUPS:
@@ -252,7 +253,9 @@ def _rows(prefix: str, values: np.ndarray) -> str:
     return "".join(f"{prefix} {fmt % tuple(row)}\n" for row in values.tolist())
 
 
-def write_obj_asset(directory: Path, mesh: Mesh, images: Mapping[str, str]) -> dict[str, str]:
+def write_obj_asset(
+    directory: str | os.PathLike, mesh: Mesh, images: Mapping[str, str]
+) -> dict[str, str]:
     """Write ``mesh.obj`` and ``mesh.mtl`` (one material, ``map_Kd`` and ``map_Ks``).
 
     Args:
@@ -264,6 +267,7 @@ def write_obj_asset(directory: Path, mesh: Mesh, images: Mapping[str, str]) -> d
     Returns:
         ``{"obj": "mesh.obj", "mtl": "mesh.mtl"}``.
     """
+    directory = Path(directory)
     mtl = ["# mptex baked texture", "newmtl baked", "Ka 0 0 0", "Kd 1 1 1", "Ks 0 0 0",
            f"map_Kd {images['kd']}"]  # fmt: skip
     if "ks" in images:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -552,7 +553,7 @@ class CheckReport:
             }
         )
 
-    def to_json(self, path: str | None = None) -> str:
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
         """The report as JSON text, also written to ``path`` when given."""
         text = json.dumps(self.to_dict(), indent=2)
         if path is not None:

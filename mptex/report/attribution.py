@@ -21,9 +21,9 @@ its half arithmetic flushed (``net.<i>.fused_*``).
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from mptex.report.collect import is_number
@@ -189,7 +189,7 @@ def render(result: Mapping[str, Any], margin_db: float, plotted: bool) -> list[s
     return lines
 
 
-def plot_gap(path: Path, result: Mapping[str, Any]) -> bool:
+def plot_gap(path: str | os.PathLike, result: Mapping[str, Any]) -> bool:
     """``gap_curves.png``: the gap and the decomposition terms against iteration, mean with its
     confidence band. False (nothing written) without a curve."""
     terms = [t for t in (result["gap"], *result["decomposition"]) if t and t["curve"]]

@@ -60,7 +60,7 @@ def _tables(runs, margin_db):
 
 
 def write_report(
-    sweep_dir: str | Path, margin_db: float = stats.EQUIVALENCE_MARGIN_DB
+    sweep_dir: str | os.PathLike, margin_db: float = stats.EQUIVALENCE_MARGIN_DB
 ) -> dict[str, Path]:
     """Aggregate the jobs of one sweep and write the report files into ``sweep_dir``.
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -103,7 +104,7 @@ def _job_dirs(root: Path) -> list[Path]:
     return jobs
 
 
-def find_sweeps(folder: str | Path) -> list[Path]:
+def find_sweeps(folder: str | os.PathLike) -> list[Path]:
     """The sweeps under ``folder``, each reported on its own.
 
     Rule: a directory holding ``multirun.yaml`` is one sweep. ``folder`` itself holding one, or
@@ -322,7 +323,7 @@ def _seed_key(seed: Any) -> tuple[int, str]:
     return (0, f"{seed:020d}") if isinstance(seed, int) and seed >= 0 else (1, str(seed))
 
 
-def collect_runs(sweep_dir: str | Path) -> list[dict[str, Any]]:
+def collect_runs(sweep_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """Every job under ``sweep_dir`` (searched recursively), sorted by arm, seed and path.
 
     Returns:

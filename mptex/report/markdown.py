@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from mptex.report.collapse import RULE as COLLAPSE_RULE
@@ -263,7 +263,7 @@ def _identical(rows: Sequence[Mapping[str, Any]], groups) -> list[str]:
 
 # ----------------------------------------------------------------------------- document
 def render_report(
-    sweep_dir: Path,
+    sweep_dir: str | os.PathLike,
     runs: Sequence[Mapping[str, Any]],
     keys: Sequence[str],
     rows: Sequence[Mapping[str, Any]],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -85,7 +86,7 @@ def _scale(run, entry):
 
 
 def plot_history(
-    path: Path,
+    path: str | os.PathLike,
     sections: Sequence[tuple[str, Sequence[int]]],
     rows: Sequence[Mapping[str, Any]],
     groups: Sequence[Sequence[Mapping[str, Any]]],
@@ -170,7 +171,7 @@ def _detail_window(image, size: int) -> tuple[int, int]:
     return int(row), int(col)
 
 
-def image_panels(sweep_dir: Path, runs: Sequence[Mapping[str, Any]]):
+def image_panels(sweep_dir: str | os.PathLike, runs: Sequence[Mapping[str, Any]]):
     """The reference and one prediction per row, as stored on disk.
 
     The loop writes each validation view as one PNG ``[reference | prediction]`` side by side
@@ -186,7 +187,7 @@ def image_panels(sweep_dir: Path, runs: Sequence[Mapping[str, Any]]):
     """
     reference, predictions = None, []
     for run in runs:
-        images = sorted((sweep_dir / run["run_dir"] / "images").glob("*.png"))
+        images = sorted((Path(sweep_dir) / run["run_dir"] / "images").glob("*.png"))
         if not images:
             continue
         side = _read_image(images[0])
@@ -214,8 +215,8 @@ def error_gain(errors: Sequence[Any]) -> int:
 
 
 def plot_images(
-    path: Path,
-    sweep_dir: Path,
+    path: str | os.PathLike,
+    sweep_dir: str | os.PathLike,
     sections: Sequence[tuple[str, Sequence[int]]],
     rows: Sequence[Mapping[str, Any]],
     groups: Sequence[Sequence[Mapping[str, Any]]],

@@ -10,6 +10,7 @@ image aspect, ``proj = perspective(fovy, aspect, near, far)``, images sRGB -> li
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ def _frame_image(root: Path, file_path: str, json_path: Path) -> Path:
 
 
 def load_nerf_split(
-    root: str | Path, split: str, near: float = 0.1, far: float = 1000.0
+    root: str | os.PathLike, split: str, near: float = 0.1, far: float = 1000.0
 ) -> tuple[Cameras, torch.Tensor]:
     """Load the cameras and images of one split.
 

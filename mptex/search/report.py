@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -109,7 +110,7 @@ def _plot(path: Path, summary: Mapping[str, Any]) -> bool:
     return True
 
 
-def write_search_report(out: Path, summary: Mapping[str, Any]) -> Path:
+def write_search_report(out: str | os.PathLike, summary: Mapping[str, Any]) -> Path:
     """Write ``search.md`` (and ``pareto.png``) into ``out``; returns the markdown's path."""
     out = Path(out)
     plotted = _plot(out / "pareto.png", summary)

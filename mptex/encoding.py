@@ -10,12 +10,16 @@ backends gives the same outputs.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 import os
+import warnings
 from collections.abc import Mapping
-from numbers import Real
+from numbers import Integral, Real
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -33,7 +37,6 @@ __all__ = ["HashGridEncoding", "hash_grid_encode", "GridGeometry"]
 Backend = Literal["auto", "torch", "tcnn", "triton"]
 BACKENDS = ("auto", "torch", "tcnn", "triton")
 _DTYPES = {torch.float32: "float32", torch.float16: "float16"}
-_OTYPES = {"hashgrid": "Hash", "grid": None, "densegrid": "Dense"}
 
 
 # The finest level's resolution is capped where float32 grid coordinates stop being exact
@@ -74,6 +77,126 @@ def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) 
     return value
 
 
+# tcnn's grid encodings (src/encoding.cu registers them; names compare case-insensitively) and
+# the grid type each implies when the config has no "type" (create_grid_encoding_templated_2).
+_GRID_OTYPES = {"grid": "Hash", "hashgrid": "Hash", "densegrid": "Dense"}
+_GRID_TYPE_NAMES = {"hash": "Hash", "dense": "Dense"}
+_INTERPOLATION_NAMES = {name.lower(): name for name in INTERPOLATIONS}
+# Keys tcnn's grid reads that mptex reproduces at tcnn's default value only.
+_TCNN_FIXED_KEYS = {"fixed_point_pos": False, "stochastic_interpolation": False,
+                    "hash": "CoherentPrime"}  # fmt: skip
+_TCNN_GRID_KEYS = (
+    "otype", "type", "n_levels", "n_features", "n_grid_features", "n_features_per_level",
+    "log2_hashmap_size", "base_resolution", "per_level_scale", "interpolation",
+    *_TCNN_FIXED_KEYS,
+)  # fmt: skip
+
+
+def _config_int(arg: str, key: str, value: Any) -> int:
+    """An integer-valued config entry: ints, numpy integers, and floats that are whole (JSON has
+    one number type; tcnn reads 16.0 as 16). Anything else fails: tcnn would truncate 16.5."""
+    if isinstance(value, (bool, np.bool_)):
+        pass  # a JSON true is no number to tcnn either
+    elif isinstance(value, Integral):
+        return int(value)
+    elif isinstance(value, Real) and math.isfinite(value) and float(value).is_integer():
+        return int(value)
+    raise ValueError(f"{arg}.{key}: expected a whole number, got {value!r}")
+
+
+def _config_name(arg: str, key: str, value: Any, names: Mapping[str, str], what: str) -> str:
+    """A case-insensitive name (tcnn's ``equals_case_insensitive``), in mptex's spelling."""
+    if isinstance(value, str) and value.lower() in names:
+        return names[value.lower()]
+    raise ValueError(f"{arg}.{key}: expected {what}, got {value!r}")
+
+
+def _grid_kwargs_from_tcnn(config: Mapping[str, Any], arg: str) -> dict[str, Any]:
+    """The grid keyword arguments of :class:`HashGridEncoding` from a tcnn encoding config.
+
+    Reads the keys tcnn's grid reads (include/tiny-cuda-nn/encodings/grid.h,
+    ``create_grid_encoding``), with tcnn's defaults and case-insensitive names. Keys tcnn does
+    not read are ignored, as tcnn ignores them, with one warning naming them. Errors name
+    ``<arg>.<key>`` (``arg``: the caller's name for the config).
+    """
+    if not isinstance(config, Mapping):
+        raise ValueError(f"{arg}: expected a mapping of tcnn grid keys, got {config!r}")
+    # A missing otype is tcnn's "OneBlob"; for a class that is a grid, a grid is meant.
+    otype = config.get("otype", "HashGrid")
+    if not isinstance(otype, str) or otype.lower() not in _GRID_OTYPES:
+        raise ValueError(
+            f"{arg}.otype: HashGridEncoding implements tcnn's grid encodings "
+            f"'HashGrid', 'Grid' and 'DenseGrid' ('TiledGrid' is not implemented), got {otype!r}"
+        )
+    unknown = [key for key in config if key not in _TCNN_GRID_KEYS]
+    if unknown:
+        hints = [difflib.get_close_matches(str(k), _TCNN_GRID_KEYS, n=1) for k in unknown]
+        said = [f"{k!r} (did you mean {h[0]!r}?)" if h else repr(k) for k, h in zip(unknown, hints)]
+        warnings.warn(
+            f"{arg}: ignoring {', '.join(said)}: tcnn's {otype} encoding does not read "
+            "these keys", UserWarning, stacklevel=3,
+        )  # fmt: skip
+    for key, default in _TCNN_FIXED_KEYS.items():
+        value = config.get(key, default)
+        if isinstance(default, str):
+            same = isinstance(value, str) and value.lower() == default.lower()
+        else:
+            same = isinstance(value, (bool, np.bool_)) and bool(value) == default
+        if not same:
+            raise ValueError(
+                f"{arg}.{key}: mptex implements tcnn's default {default!r} only, got {value!r}"
+            )
+    default_type = _GRID_OTYPES[otype.lower()]
+    grid_type = _config_name(arg, "type", config.get("type", default_type), _GRID_TYPE_NAMES,
+                             "'Hash' or 'Dense' ('Tiled' is not implemented)")  # fmt: skip
+    sizes = {key: _config_int(arg, key, config.get(key, default)) for key, default in
+             (("n_levels", 16), ("n_features_per_level", 2), ("log2_hashmap_size", 19),
+              ("base_resolution", 16))}  # fmt: skip
+    n_levels, per_level = sizes["n_levels"], sizes["n_features_per_level"]
+    for key in ("n_features", "n_grid_features"):
+        if key not in config:
+            continue
+        if "n_levels" in config:
+            raise ValueError(
+                f"{arg}.{key}: may not be given with n_levels (one determines the other, as in "
+                "tcnn)"
+            )
+        n_features = _config_int(arg, key, config[key])
+        if per_level < 1 or n_features % per_level:
+            raise ValueError(f"{arg}.{key}: expected a multiple of n_features_per_level "
+                             f"({per_level}), got {n_features}")  # fmt: skip
+        n_levels = n_features // per_level
+        break
+    base_resolution = sizes["base_resolution"]
+    if "per_level_scale" in config:
+        per_level_scale = config["per_level_scale"]
+        if isinstance(per_level_scale, bool) or not isinstance(per_level_scale, Real):
+            raise ValueError(f"{arg}.per_level_scale: expected a number, got {per_level_scale!r}")
+        per_level_scale = float(per_level_scale)
+    elif grid_type == "Dense":
+        if n_levels < 2 or base_resolution < 1:
+            raise ValueError(
+                f"{arg}.per_level_scale: required here: tcnn's default for a dense grid, "
+                "exp(log(256 / base_resolution) / (n_levels - 1)), needs n_levels >= 2"
+            )
+        # In float32 as tcnn: std::exp(std::log(256.0f / (float)base) / (n_levels - 1)).
+        ratio = np.float32(256.0) / np.float32(base_resolution)
+        exponent = np.float32(math.log(ratio)) / np.float32(n_levels - 1)
+        per_level_scale = float(np.float32(math.exp(exponent)))
+    else:
+        per_level_scale = 2.0
+    return dict(
+        n_levels=n_levels,
+        n_features_per_level=per_level,
+        log2_hashmap_size=sizes["log2_hashmap_size"],
+        base_resolution=base_resolution,
+        per_level_scale=per_level_scale,
+        interpolation=_config_name(arg, "interpolation", config.get("interpolation", "Linear"),
+                                   _INTERPOLATION_NAMES, f"one of {INTERPOLATIONS}"),
+        grid_type=grid_type,
+    )  # fmt: skip
+
+
 class HashGridEncoding(nn.Module):
     """tiny-cuda-nn's ``HashGrid`` encoding, as a module with a torch and a tcnn backend.
 
@@ -84,8 +207,35 @@ class HashGridEncoding(nn.Module):
     ``x`` is placed at ``pos = fmaf(s_l, x, 0.5)`` and interpolated from the ``2^D`` corners of
     cell ``floor(pos)``. Nothing is clamped: at ``x = 1`` dense levels wrap around, as in tcnn.
 
+    Two call shapes:
+
+    * tcnn's, ``HashGridEncoding(n_input_dims, encoding_config, seed=1337, dtype=None,
+      *, backend="auto", device=None)``, as ``tinycudann.Encoding`` (nvdiffrec's
+      ``tcnn.Encoding(3, enc_cfg)`` becomes ``HashGridEncoding(3, enc_cfg)``). The config is
+      read as tcnn reads it: otypes "HashGrid", "Grid" and "DenseGrid" and tcnn's grid keys
+      with tcnn's defaults (``n_levels`` 16, ``n_features_per_level`` 2, ``log2_hashmap_size``
+      19, ``base_resolution`` 16, ``per_level_scale`` 2, or for a dense grid
+      ``exp(log(256 / base_resolution) / (n_levels - 1))``, ``interpolation`` "Linear",
+      ``n_features`` instead of ``n_levels``), names compared case-insensitively, whole numbers
+      given as floats (16.0) or numpy scalars accepted; keys tcnn does not read are ignored
+      with one warning naming them. Where mptex differs from tcnn, it says so instead of
+      guessing: an integer key given a fraction (16.5) raises ``ValueError`` (tcnn truncates
+      it), as do "TiledGrid", non-default ``hash``, ``fixed_point_pos`` or
+      ``stochastic_interpolation`` (not implemented), and a missing ``otype`` means "HashGrid"
+      (tcnn's default encoding is "OneBlob", which is no grid). ``dtype=None`` is tcnn's
+      preferred precision, float16 (tcnn's on every GPU it builds half support for); the
+      initial values are drawn from ``torch.Generator().manual_seed(seed)`` in tcnn's range,
+      not from tcnn's pcg32 stream, so they are reproducible but not tcnn's own values (copy
+      ``params`` from a tcnn module to get those).
+    * mptex's keyword form below (also :meth:`from_tcnn_config`), whose defaults differ from
+      tcnn's on purpose: ``dtype=torch.float32`` (the exact reference; the half mode is tcnn's
+      performance choice on tensor cores, emulated and slower on a CPU) and ``seed=None``
+      (drawn from torch's global generator, as ``torch.nn`` modules are initialised, so that
+      ``torch.manual_seed`` governs it).
+
     Args:
         n_input_dims: D, 2, 3 or 4.
+        encoding_config: (tcnn's call shape) tcnn's encoding dict, read as above.
         n_levels: number of levels L.
         n_features_per_level: F, 1, 2, 4 or 8.
         log2_hashmap_size: log2 of the maximum entries per level.
@@ -101,15 +251,43 @@ class HashGridEncoding(nn.Module):
         dtype: float32, or float16 for tcnn's half mode (float32 master ``params``, half table
             reads and accumulation, half output, backward with tcnn's loss scale of 128).
         device: where ``params`` is created.
-        seed: seed of the uniform [-1e-4, 1e-4] initialisation (tcnn's range).
+        seed: seed of the uniform [-1e-4, 1e-4] initialisation (tcnn's range); None draws
+            from torch's global generator.
+        grid_type: "Hash" or "Dense" (tcnn's ``type``).
 
     Attributes:
         params: [n_params] float32 parameter, entry ``i`` of level ``l``, feature ``f`` at
             ``(offsets[l] + i) * F + f``.
         n_params, n_output_dims (= L * F), geometry (the per-level constants).
+
+    Raises:
+        ValueError: naming the argument or ``encoding_config.<key>``, for a value out of range,
+            of the wrong type, or not implemented.
+        TypeError: for arguments that fit neither call shape (as Python's own).
     """
 
-    def __init__(
+    def __init__(self, n_input_dims: int, *args: Any, **kwargs: Any) -> None:
+        # Two call shapes, told apart by the second argument (a config, or n_levels); the
+        # keyword form's signature is _build's, tcnn's is _tcnn_call_shape's.
+        super().__init__()
+        if (args and isinstance(args[0], Mapping)) or "encoding_config" in kwargs:
+            call = _TCNN_CALL.bind(n_input_dims, *args, **kwargs)
+            call.apply_defaults()
+            tcnn_call = call.arguments
+            dtype = tcnn_call["dtype"]
+            self._build(
+                n_input_dims,
+                **_grid_kwargs_from_tcnn(tcnn_call["encoding_config"], "encoding_config"),
+                # tcnn's preferred precision: half wherever it was built with half support.
+                dtype=torch.float16 if dtype is None else dtype,
+                seed=tcnn_call["seed"],
+                backend=tcnn_call["backend"],
+                device=tcnn_call["device"],
+            )
+        else:
+            self._build(n_input_dims, *args, **kwargs)
+
+    def _build(
         self,
         n_input_dims: int,
         n_levels: int = 16,
@@ -124,7 +302,6 @@ class HashGridEncoding(nn.Module):
         seed: int | None = None,
         grid_type: str = "Hash",
     ) -> None:
-        super().__init__()
         _check_int("n_input_dims", n_input_dims, 2, 4)
         _check_int("n_levels", n_levels, 1, 32)
         if n_features_per_level not in (1, 2, 4, 8):
@@ -205,49 +382,14 @@ class HashGridEncoding(nn.Module):
     def from_tcnn_config(
         cls, n_input_dims: int, config: Mapping[str, Any], **kwargs: Any
     ) -> HashGridEncoding:
-        """Build from the dict passed to ``tinycudann.Encoding`` (nvdiffrec's ``enc_cfg``).
+        """Build from the dict passed to ``tinycudann.Encoding`` (nvdiffrec's ``enc_cfg``), with
+        mptex's defaults for the rest.
 
-        Keys: ``otype`` ("HashGrid", "Grid" or "DenseGrid"), ``type``, ``n_levels``,
-        ``n_features_per_level``, ``log2_hashmap_size``, ``base_resolution``,
-        ``per_level_scale``, ``interpolation``; missing keys take tcnn's defaults.
-        ``kwargs`` go to the constructor (``backend``, ``dtype``, ``device``, ``seed``).
+        The config is read as in tcnn's call shape (the class docstring); ``kwargs`` go to the
+        keyword form (``backend``, ``dtype`` default float32, ``device``, ``seed`` default
+        None), where ``HashGridEncoding(n_input_dims, config)`` has tcnn's (float16, 1337).
         """
-        if not isinstance(config, Mapping):
-            raise ValueError(f"config must be a mapping of tcnn grid keys, got {config!r}")
-        known = {
-            "otype",
-            "type",
-            "n_levels",
-            "n_features_per_level",
-            "log2_hashmap_size",
-            "base_resolution",
-            "per_level_scale",
-            "interpolation",
-        }
-        unknown = set(config) - known
-        if unknown:
-            raise ValueError(
-                f"config has keys tcnn's grid encoding does not take: {sorted(unknown)}"
-            )
-        otype = str(config.get("otype", "HashGrid"))
-        if otype.lower() not in _OTYPES:
-            raise ValueError(
-                f"config['otype'] must be 'HashGrid', 'Grid' or 'DenseGrid', got {otype!r}"
-            )
-        grid_type = config.get("type", _OTYPES[otype.lower()] or "Hash")
-        # Values pass through unconverted: the constructor refuses 4.7 levels rather than
-        # training 4 while the config says 4.7.
-        return cls(
-            n_input_dims,
-            n_levels=config.get("n_levels", 16),
-            n_features_per_level=config.get("n_features_per_level", 2),
-            log2_hashmap_size=config.get("log2_hashmap_size", 19),
-            base_resolution=config.get("base_resolution", 16),
-            per_level_scale=config.get("per_level_scale", 2.0),
-            interpolation=config.get("interpolation", "Linear"),
-            grid_type=grid_type,
-            **kwargs,
-        )
+        return cls(n_input_dims, **_grid_kwargs_from_tcnn(config, "config"), **kwargs)
 
     def tcnn_config(self) -> dict[str, Any]:
         """The equivalent ``tinycudann.Encoding`` config dict."""
@@ -363,3 +505,20 @@ class HashGridEncoding(nn.Module):
             f"interpolation={cfg['interpolation']!r}, "
             f"backend={self.backend!r}, dtype={_DTYPES.get(self.dtype)}, n_params={self.n_params}"
         )
+
+
+def _tcnn_call_shape(
+    n_input_dims: int,
+    encoding_config: Mapping[str, Any],
+    seed: int = 1337,
+    dtype: torch.dtype | None = None,
+    *,
+    backend: Backend = "auto",
+    device: torch.device | str | None = None,
+) -> None:
+    """``tinycudann.Encoding``'s parameters (bindings/torch/tinycudann/modules.py), with mptex's
+    ``backend`` and ``device`` after them: what :class:`HashGridEncoding` binds its arguments to
+    when the second one is a config."""
+
+
+_TCNN_CALL = inspect.signature(_tcnn_call_shape)

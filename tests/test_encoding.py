@@ -401,11 +401,116 @@ def test_bad_constructor_arguments(kwargs, match):
         HashGridEncoding(**kwargs)
 
 
-def test_bad_tcnn_config():
-    with pytest.raises(ValueError, match="n_level"):
-        HashGridEncoding.from_tcnn_config(3, {"otype": "HashGrid", "n_level": 16})
-    with pytest.raises(ValueError, match="otype"):
-        HashGridEncoding.from_tcnn_config(3, {"otype": "Frequency"})
+SMALL_CONFIG = {"otype": "HashGrid", "n_levels": 4, "log2_hashmap_size": 10, "base_resolution": 8,
+                "per_level_scale": 1.5}  # fmt: skip
+
+
+def _same_grid(a, b):
+    return a.geometry == b.geometry and a.config == b.config
+
+
+def test_tcnn_call_shape_builds_tcnns_encoding():
+    # tcnn.Encoding(n_input_dims, encoding_config, seed=1337, dtype=None): nvdiffrec's call.
+    enc = HashGridEncoding(3, NVDIFFREC_CONFIG)
+    keyword = HashGridEncoding.from_tcnn_config(3, NVDIFFREC_CONFIG, dtype=torch.float16,
+                                                seed=1337)  # fmt: skip
+    assert _same_grid(enc, keyword) and torch.equal(enc.params, keyword.params)
+    assert enc.dtype == torch.float16  # dtype=None: tcnn's preferred precision, half
+    assert enc.n_output_dims == 32 and enc.params.dtype == torch.float32
+    # The same call written every way tcnn accepts it.
+    calls = [
+        HashGridEncoding(3, SMALL_CONFIG, 1337, None),
+        HashGridEncoding(3, SMALL_CONFIG, seed=1337, dtype=None),
+        HashGridEncoding(n_input_dims=3, encoding_config=SMALL_CONFIG),
+    ]
+    for other in calls[1:]:
+        assert _same_grid(other, calls[0]) and torch.equal(other.params, calls[0].params)
+    f32 = HashGridEncoding(3, SMALL_CONFIG, 7, torch.float32, backend="torch")
+    assert f32.dtype == torch.float32 and f32.backend == "torch"
+    assert not torch.equal(f32.params, calls[0].params)  # another seed
+    x = torch.rand(64, 3, generator=torch.Generator().manual_seed(0))
+    assert calls[0](x).dtype == torch.float16 and f32(x).dtype == torch.float32
+    with pytest.raises(TypeError):  # tcnn's signature has no fifth positional argument
+        HashGridEncoding(3, SMALL_CONFIG, 1337, None, "torch")
+
+
+def test_keyword_form_keeps_mptex_defaults():
+    enc = HashGridEncoding(3, 4, 2, 10, 8, 1.5)
+    assert enc.dtype == torch.float32 and _same_grid(enc, HashGridEncoding(3, SMALL_CONFIG))
+    torch.manual_seed(3)
+    a = HashGridEncoding.from_tcnn_config(3, SMALL_CONFIG)
+    torch.manual_seed(3)
+    b = HashGridEncoding.from_tcnn_config(3, SMALL_CONFIG)
+    assert a.dtype == torch.float32 and torch.equal(a.params, b.params)  # torch's global RNG
+
+
+def test_tcnn_config_takes_numbers_and_names_as_tcnn_reads_them():
+    plain = HashGridEncoding.from_tcnn_config(3, SMALL_CONFIG)
+    variants = [
+        {**SMALL_CONFIG, "n_levels": np.int64(4), "log2_hashmap_size": np.int32(10)},
+        {**SMALL_CONFIG, "n_levels": 4.0, "base_resolution": np.float64(8.0)},
+        {**SMALL_CONFIG, "per_level_scale": np.float32(1.5)},
+        {**SMALL_CONFIG, "otype": "hashgrid", "type": "HASH", "interpolation": "linear"},
+        {**{k: v for k, v in SMALL_CONFIG.items() if k != "n_levels"}, "n_features": 8},
+        {**{k: v for k, v in SMALL_CONFIG.items() if k != "n_levels"}, "n_grid_features": 8},
+        {**SMALL_CONFIG, "otype": "Grid", "hash": "coherentprime", "fixed_point_pos": False},
+    ]
+    for config in variants:
+        assert _same_grid(HashGridEncoding.from_tcnn_config(3, config), plain), config
+    loaded = HashGridEncoding.from_tcnn_config(3, variants[0])
+    assert all(type(v) in (int, float, str) for v in loaded.config.values())
+
+
+def test_dense_grid_default_scale_is_tcnns():
+    enc = HashGridEncoding(3, {"otype": "DenseGrid", "n_levels": 4, "base_resolution": 8})
+    assert enc.config["type"] == "Dense"
+    # tcnn: std::exp(std::log(256.0f / (float)base_resolution) / (n_levels - 1)), in float.
+    # numpy's float32 log/exp may round differently from libm's logf/expf: 1 ulp allowed.
+    f32 = np.float32
+    expected = np.exp(np.log(f32(256) / f32(8)) / f32(3))
+    assert expected.dtype == np.float32
+    assert abs(enc.config["per_level_scale"] - float(expected)) <= float(np.spacing(expected))
+    hashed = HashGridEncoding(3, {"otype": "HashGrid", "n_levels": 4, "base_resolution": 8})
+    assert hashed.config["per_level_scale"] == 2.0
+
+
+def test_keys_tcnn_ignores_warn_once_in_one_line():
+    with pytest.warns(UserWarning) as record:
+        enc = HashGridEncoding(3, {**SMALL_CONFIG, "n_dims_to_encode": 3, "n_level": 16})
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "\n" not in message and "'n_dims_to_encode'" in message
+    assert "'n_level' (did you mean 'n_levels'?)" in message
+    assert record[0].filename == __file__  # points at the caller's line
+    assert _same_grid(enc, HashGridEncoding(3, SMALL_CONFIG))
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"otype": "Frequency", "n_frequencies": 12},
+         r"^encoding_config.otype: .*'HashGrid', 'Grid' and 'DenseGrid'.*got 'Frequency'"),
+        ({"otype": "TiledGrid"}, r"^encoding_config.otype: .*'TiledGrid' is not implemented"),
+        ({"n_levels": 16.5}, r"^encoding_config.n_levels: expected a whole number, got 16.5"),
+        ({"log2_hashmap_size": "19"}, r"^encoding_config.log2_hashmap_size: expected a whole"),
+        ({"base_resolution": True}, r"^encoding_config.base_resolution: expected a whole"),
+        ({"per_level_scale": "2"}, r"^encoding_config.per_level_scale: expected a number"),
+        ({"type": "Tiled"}, r"^encoding_config.type: .*'Tiled' is not implemented"),
+        ({"interpolation": "Cubic"}, r"^encoding_config.interpolation: expected one of"),
+        ({"hash": "Prime"}, r"^encoding_config.hash: .*'CoherentPrime' only"),
+        ({"stochastic_interpolation": True}, r"^encoding_config.stochastic_interpolation: "),
+        ({"n_features": 32, "n_levels": 16}, r"^encoding_config.n_features: may not be given"),
+        ({"n_features": 33}, r"^encoding_config.n_features: expected a multiple of"),
+        ({"otype": "DenseGrid", "n_levels": 1}, r"^encoding_config.per_level_scale: required"),
+        ({"n_levels": 0}, r"^n_levels must be an integer >= 1"),
+    ],
+)  # fmt: skip
+def test_bad_tcnn_config_names_the_key(config, match):
+    with pytest.raises(ValueError, match=match):
+        HashGridEncoding(3, config)
+    # from_tcnn_config names its own argument, config.
+    with pytest.raises(ValueError, match=match.replace("encoding_config", "config")):
+        HashGridEncoding.from_tcnn_config(3, config)
 
 
 @pytest.mark.parametrize(

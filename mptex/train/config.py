@@ -131,14 +131,14 @@ def config_key(message: str) -> str:
     """``"<key>: ..."`` for a constructor's ``"<argument>: ..."`` / ``"<argument> must ..."``.
 
     The message's leading argument name is replaced by the config key that feeds it (e.g.
-    ``n_levels`` -> ``texture.encoder.n_levels``); a message naming no known argument is
-    returned unchanged.
+    ``n_levels`` -> ``texture.encoder.n_levels``, ``config.n_levels`` -> the same); a message
+    naming no known argument is returned unchanged.
     """
-    match = re.match(r"(\w+)(:| must)(.*)", message, flags=re.DOTALL)
+    match = re.match(r"(\w+)((?:\.\w+)*)(:| must)(.*)", message, flags=re.DOTALL)
     if match is None or match.group(1) not in _ARGUMENT_KEYS:
         return message
-    name, sep, rest = match.groups()
-    return f"{_ARGUMENT_KEYS[name]}:{rest if sep == ':' else ' must' + rest}"
+    name, inner, sep, rest = match.groups()
+    return f"{_ARGUMENT_KEYS[name]}{inner}:{rest if sep == ':' else ' must' + rest}"
 
 
 def check_texture_config(texture: Mapping[str, Any]) -> None:

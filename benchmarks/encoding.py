@@ -57,6 +57,47 @@ def usable_backends(device: torch.device, wanted: list[str]) -> tuple[list[str],
     return run, skipped
 
 
+def measure(
+    device: torch.device, backends: list[str], log2_points: list[int], repeats: int = 7
+) -> tuple[list[list[str]], dict]:
+    """Time forward and forward+backward of every backend, dtype and size, in this process.
+
+    Returns:
+        (table rows: what, points, median time, throughput; ``{(backend, dtype, pass,
+        log2_points): points per second}``).
+    """
+    rows, throughput = [], {}
+    for backend in backends:
+        for dtype in (torch.float32, torch.float16):
+            enc = HashGridEncoding(
+                3, backend=backend, dtype=dtype, device=device, seed=0, **NVDIFFREC
+            )
+            for log2 in log2_points:
+                n = 2**log2
+                x = torch.rand(n, 3, device=device, generator=None)
+
+                def forward(enc=enc, x=x):
+                    with torch.no_grad():
+                        enc(x)
+
+                def forward_backward(enc=enc, x=x):
+                    enc.params.grad = None
+                    enc(x).float().sum().backward()
+
+                for name, fn in (("forward", forward), ("forward+backward", forward_backward)):
+                    seconds = median_seconds(fn, device, repeats=repeats)
+                    throughput[backend, dtype, name, log2] = n / seconds
+                    rows.append(
+                        [
+                            f"{backend} {str(dtype)[6:]} {name}",
+                            f"2^{log2}",
+                            f"{seconds * 1e3:.1f} ms",
+                            f"{n / seconds / 1e6:.3f} Mpts/s",
+                        ]
+                    )
+    return rows, throughput
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -70,35 +111,7 @@ def main() -> None:
     if args.log2_points is None:
         args.log2_points = [16, 18] if device.type == "cpu" else [18, 20]
     backends, skipped = usable_backends(device, args.backends)
-    rows, throughput = [], {}
-    for backend in backends:
-        for dtype in (torch.float32, torch.float16):
-            enc = HashGridEncoding(
-                3, backend=backend, dtype=dtype, device=device, seed=0, **NVDIFFREC
-            )
-            for log2_points in args.log2_points:
-                n = 2**log2_points
-                x = torch.rand(n, 3, device=device, generator=None)
-
-                def forward(enc=enc, x=x):
-                    with torch.no_grad():
-                        enc(x)
-
-                def forward_backward(enc=enc, x=x):
-                    enc.params.grad = None
-                    enc(x).float().sum().backward()
-
-                for name, fn in (("forward", forward), ("forward+backward", forward_backward)):
-                    seconds = median_seconds(fn, device, repeats=args.repeats)
-                    throughput[backend, dtype, name, log2_points] = n / seconds
-                    rows.append(
-                        [
-                            f"{backend} {str(dtype)[6:]} {name}",
-                            f"2^{log2_points}",
-                            f"{seconds * 1e3:.1f} ms",
-                            f"{n / seconds / 1e6:.3f} Mpts/s",
-                        ]
-                    )
+    rows, throughput = measure(device, backends, args.log2_points, args.repeats)
     print_table(["what", "points", "median time", "throughput"], rows)
     print_ratios(throughput)
     print(f"\nmachine: {machine(device)}")
@@ -108,9 +121,9 @@ def main() -> None:
         print(f"skipped {line}")
 
 
-def print_ratios(throughput: dict) -> None:
-    """triton's throughput over tcnn's and the twin's, per dtype, size and pass (the issue's
-    goals: >= 0.7x tcnn and >= 5x the twin, forward+backward on the same GPU)."""
+def ratio_rows(throughput: dict) -> list[list[str]]:
+    """triton's throughput over tcnn's and the twin's, per dtype, size and pass (the goals:
+    >= 0.7x tcnn and >= 5x the twin, forward+backward on the same GPU)."""
     rows = []
     for (backend, dtype, name, log2_points), value in throughput.items():
         if backend != "triton":
@@ -120,9 +133,17 @@ def print_ratios(throughput: dict) -> None:
             base = throughput.get((other, dtype, name, log2_points))
             ratios.append(f"{value / base:.2f}x" if base else "–")
         rows.append([f"{str(dtype)[6:]} {name}", f"2^{log2_points}", *ratios])
+    return rows
+
+
+RATIO_HEADERS = ["triton vs", "points", "tcnn", "torch twin"]
+
+
+def print_ratios(throughput: dict) -> None:
+    rows = ratio_rows(throughput)
     if rows:
         print()
-        print_table(["triton vs", "points", "tcnn", "torch twin"], rows)
+        print_table(RATIO_HEADERS, rows)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Precision diagnostics: where an MLPTexture3D loses precision, and whether two setups agree.
 
-Three tools, all for :class:`~mptex.MLPTexture3D` (the encoder and each MLP layer are "sites"):
+Tools, all for :class:`~mptex.MLPTexture3D` (the encoder and each MLP layer are "sites"):
 
 * :class:`PrecisionMonitor`: training-time statistics, sampled every ``every`` iterations, cheap
   enough to leave on: per site, the fraction of gradient elements that are zero or subnormal in
@@ -11,7 +11,9 @@ Three tools, all for :class:`~mptex.MLPTexture3D` (the encoder and each MLP laye
 * :func:`check_gradient_flow`: every trainable parameter receives a finite, non-zero gradient.
 * :func:`saturation_statistics`: per output channel, the fraction of the texture's logits where
   its output sigmoid saturates (``|z| > 8``), and of those the ones that are wrong ("stuck", the
-  signature of a collapsed run, issue 19); measured at every validation by ``mptex-train``.
+  signature of a collapsed run); measured at every validation by ``mptex-train``.
+* :func:`half_ulps`, :func:`ulp_summary`, :func:`outside_tolerance`: how far a twin's results are
+  from the native library's, in float16 ULPs and against a stated tolerance.
 
 And :func:`to_host`, the one synchronous device-to-host copy the code above reads results with.
 """
@@ -34,6 +36,7 @@ from mptex.diagnostics.saturation import (
     saturated_counts,
     saturation_statistics,
 )
+from mptex.diagnostics.ulp import half_ulps, outside_tolerance, ulp_summary
 
 __all__ = [
     "to_host",
@@ -52,4 +55,7 @@ __all__ = [
     "build_texture",
     "TEXTURE_CONFIGS",
     "TRAINING_COTANGENT_SCALE",
+    "half_ulps",
+    "ulp_summary",
+    "outside_tolerance",
 ]

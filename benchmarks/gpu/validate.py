@@ -1,0 +1,1029 @@
+"""mptex's GPU kit: one command that verifies and measures mptex against tinycudann and nvdiffrast.
+
+Usage, on the GPU machine, from the checkout's root (docs/gpu.md has the whole procedure)::
+
+    python3 benchmarks/gpu/validate.py --kit gpu-kit --out results/
+    python benchmarks/gpu/validate.py --device cpu --out /tmp/kit-dry-run   # the CPU dry run
+
+``--kit DIR`` (made by ``benchmarks/gpu/pack_kit.sh``) holds wheels: tinycudann and nvdiffrast
+built by ``build_wheels.sh`` and the pure-Python packages mptex needs that a bare GPU image may
+lack; they are installed with ``pip install --no-index --no-deps --target`` into a scratch folder
+first, so the machine needs no network and builds nothing. Then the stages run in order of
+value, each in a process of its own with a time box, each writing its result into
+``results.json`` and ``results.md`` in ``--out`` before the next starts (a stage that fails or
+runs out of time is recorded and the next one runs):
+
+=============  ==============================================================================
+env            device, driver, versions; whether tinycudann, nvdiffrast and triton import
+grid           tcnn's grid vs the torch twin, same parameters: forward max |err|, parameter-
+               gradient relative error, f32 and half, nvdiffrec's config and two others
+network        tcnn.Network (FullyFusedMLP) vs the twin: outputs, input and weight gradients
+               as median / p99 / max ULP of half
+raster         nvdiffrast vs the torch rasterizer: triangle-id agreement, barycentric and
+               interpolated-attribute max error, the built-in scene's mesh and a mesh file
+arms           every precision arm at nvdiffrec's scale (512², batch 4, nvdiffrec's texture):
+               ms / iteration (the loop's own synchronised median), peak memory, PSNR
+throughput     the grid's forward and forward+backward at 2^18 and 2^20 points: torch, Triton
+               and tcnn in one process
+nvdiffrec154   nvdiffrec #154 at 512², batch 4: ``nvdiffrec`` vs ``tcnn_fused_swap154``, as
+               many seeds as the time box allows, the paired PSNR difference with its interval
+tests          the test suite's tests marked requires_cuda / requires_tcnn / requires_nvdiffrast
+=============  ==============================================================================
+
+A stage that needs tinycudann or nvdiffrast and cannot import it is marked "unavailable" with
+the reason. ``--device cpu`` (the dry run CI makes) runs every stage at small sizes, so the
+script cannot rot between GPU runs; its numbers are not measurements of anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+RESULTS_JSON, RESULTS_MD, LOG = "results.json", "results.md", "log.txt"
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    title: str
+    seconds: float  # time box on a GPU; --device cpu uses its own small sizes
+    needs: tuple[str, ...] = ()  # "tcnn", "nvdiffrast": unavailable without them
+
+
+STAGES = [
+    Stage("env", "Environment", 40),
+    Stage("grid", "Hash grid: tcnn vs the torch twin", 45, ("tcnn",)),
+    Stage("network", "FullyFusedMLP: tcnn.Network vs the twin", 45, ("tcnn",)),
+    Stage("raster", "Rasterizer: nvdiffrast vs the torch twin", 40, ("nvdiffrast",)),
+    Stage("arms", "Every arm at nvdiffrec's scale", 130),
+    Stage("throughput", "Hash-grid throughput: torch, Triton, tcnn", 50),
+    Stage("nvdiffrec154", "nvdiffrec #154 at nvdiffrec's scale", 110),
+    Stage("tests", "The test suite's GPU tests", 60),
+]
+STAGE_NAMES = [s.name for s in STAGES]
+
+
+# --------------------------------------------------------------------------- comparisons
+# Grid configs compared: nvdiffrec's (16 hashed-and-dense levels up to 4096, 2^19 entries),
+# a coarse one (dense levels then hashed, small table: collisions) and a 2-D smoothstep one.
+GRID_CONFIGS = {
+    "nvdiffrec": dict(
+        n_input_dims=3,
+        n_levels=16,
+        n_features_per_level=2,
+        log2_hashmap_size=19,
+        base_resolution=16,
+        per_level_scale=1.4472692374403782,
+    ),
+    "coarse": dict(
+        n_input_dims=3,
+        n_levels=4,
+        n_features_per_level=2,
+        log2_hashmap_size=12,
+        base_resolution=4,
+        per_level_scale=2.0,
+    ),
+    "2d-smoothstep": dict(
+        n_input_dims=2,
+        n_levels=8,
+        n_features_per_level=4,
+        log2_hashmap_size=14,
+        base_resolution=8,
+        per_level_scale=1.5,
+        interpolation="Smoothstep",
+    ),
+}
+# The twin's stated agreement with tcnn (tests/test_encoding.py, test_torch_backend_matches_tcnn):
+# f32 outputs within 1e-5 (tcnn fuses the 2^D-corner sum into FMAs, so the order of its roundings
+# differs); half outputs within 8 half ulps of values up to 4; parameter gradients within
+# torch.testing's defaults for the dtype.
+GRID_TOLERANCE = {
+    "float32": {"forward_atol": 1e-5, "grad_rtol": 1.3e-6, "grad_atol": 1e-5},
+    "float16": {"forward_atol": 8 * 2**-11 * 4, "grad_rtol": 1e-3, "grad_atol": 1e-5},
+}
+
+
+def compare_grid(device: str, native: str, configs: dict, n_points: int, seed: int = 0) -> list:
+    """The twin (``backend="torch"``) and ``native`` on the same parameters and points.
+
+    Parameters are drawn from U(-1, 1) (the initial U(-1e-4, 1e-4) would hide relative errors);
+    the cotangent is N(0, 1). Returns one dict per (config, dtype).
+    """
+    import torch
+
+    from mptex import HashGridEncoding
+    from mptex.diagnostics import outside_tolerance
+
+    rows = []
+    for name, config in configs.items():
+        for dtype in (torch.float32, torch.float16):
+            cfg = dict(config)
+            dims = cfg.pop("n_input_dims")
+            enc = HashGridEncoding(
+                dims, **cfg, backend="torch", dtype=dtype, device=device, seed=seed
+            )
+            gen = torch.Generator(device="cpu").manual_seed(seed)
+            with torch.no_grad():
+                enc.params.copy_(torch.rand(enc.n_params, generator=gen) * 2 - 1)
+            x = torch.rand(n_points, dims, generator=gen).to(device)
+            v = torch.randn(n_points, enc.n_output_dims, generator=gen).to(device)
+            results = {}
+            for backend in ("torch", native):
+                enc.backend = backend
+                out = enc(x)
+                grad = torch.autograd.grad((out.float() * v).sum(), enc.params)[0]
+                results[backend] = (out.float(), grad)
+            (out_t, g_t), (out_n, g_n) = results["torch"], results[native]
+            tol = GRID_TOLERANCE[str(dtype)[6:]]
+            forward_err = float((out_t - out_n).abs().max())
+            grad_rel = float((g_t - g_n).norm() / g_n.norm().clamp_min(1e-30))
+            outside = outside_tolerance(g_t, g_n, tol["grad_rtol"], tol["grad_atol"])
+            rows.append(
+                {
+                    "config": name,
+                    "dtype": str(dtype)[6:],
+                    "points": n_points,
+                    "forward_max_abs_err": forward_err,
+                    "forward_atol": tol["forward_atol"],
+                    "grad_rel_err": grad_rel,
+                    "grad_outside_tol": outside,
+                    "ok": forward_err <= tol["forward_atol"] and outside == 0.0,
+                }
+            )
+    return rows
+
+
+# FullyFusedMLP configs: nvdiffrec's texture MLP as tcnn's fused network (32 inputs from the
+# grid, 3 outputs), a 9-channel texture of width 64, and tcnn's default network.
+NETWORK_CONFIGS = {
+    "32x2 (texture)": (32, 3, {"n_neurons": 32, "n_hidden_layers": 2}),
+    "64x3, 9 out": (32, 9, {"n_neurons": 64, "n_hidden_layers": 3}),
+    "128x5 (tcnn default)": (27, 16, {"n_neurons": 128, "n_hidden_layers": 5}),
+}
+# The twin's stated agreement (tests/test_network.py, test_twin_matches_tcnn_network): outputs
+# within rtol = atol = 2e-3 (two half ulps: tcnn's MMA order may differ from the model's by an
+# accumulator rounding), gradients within 1 %.
+NETWORK_TOLERANCE = {
+    "output": (2e-3, 2e-3),
+    "input_grad": (1e-2, 1e-5),
+    "weight_grad": (1e-2, 1e-4),
+}
+
+
+def compare_network(device: str, native: str, configs: dict, n_points: int, seed: int = 0) -> list:
+    """The twin and ``native`` on the same weights, inputs U(-1, 1) and half cotangent
+    N(0, 1e-3^2) (the scale of a training step's gradient after tcnn's x128)."""
+    import torch
+
+    from mptex import FullyFusedMLP
+    from mptex.diagnostics import outside_tolerance, ulp_summary
+
+    rows = []
+    for name, (n_in, n_out, net_cfg) in configs.items():
+        config = {
+            "otype": "FullyFusedMLP",
+            "activation": "ReLU",
+            "output_activation": "None",
+            **net_cfg,
+        }
+        net = FullyFusedMLP(n_in, n_out, config, backend="torch", seed=1337, device=device)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        x0 = (torch.rand(n_points, n_in, generator=gen) * 2 - 1).to(device)
+        cot = (torch.randn(n_points, n_out, generator=gen) * 1e-3).half().to(device)
+        results = {}
+        for backend in ("torch", native):
+            net.backend = backend
+            net.params.grad = None
+            x = x0.clone().requires_grad_(True)
+            out = net(x)
+            out.backward(cot)
+            results[backend] = (out.detach(), x.grad.detach(), net.params.grad.detach().clone())
+        row: dict[str, Any] = {"config": name, "points": n_points, "ok": True}
+        for key, a, b in zip(
+            ("output", "input_grad", "weight_grad"), results["torch"], results[native]
+        ):
+            row[key] = ulp_summary(a, b)
+            rtol, atol = NETWORK_TOLERANCE[key]
+            row[key]["outside_tol"] = outside_tolerance(a.float(), b.float(), rtol, atol)
+            row["ok"] = row["ok"] and row[key]["outside_tol"] == 0.0
+        rows.append(row)
+    return rows
+
+
+def raster_meshes(device: str, mesh_path: str | None) -> dict:
+    """The built-in scene's torus knot and, where given, a mesh file (normalised to unit size)."""
+    from mptex.render import load_obj, unit_size
+    from mptex.scenes import torus_knot
+
+    meshes = {"builtin (torus knot)": torus_knot(200, 24)}
+    if mesh_path:
+        meshes[Path(mesh_path).name] = unit_size(load_obj(mesh_path))
+    return {name: mesh.to(device) for name, mesh in meshes.items()}
+
+
+def compare_raster(device: str, native: str, meshes: dict, resolution: int, n_views: int) -> list:
+    """Rasterize each mesh from ``n_views`` random views (nvdiffrec's camera distribution) with
+    the torch twin and ``native``; interpolate the vertex positions through ``native``'s
+    rasterization with both backends.
+
+    The twin's stated agreement (tests/test_render_rasterize.py, test_torch_matches_nvdiffrast):
+    ids equal on >= 99.5 % of covered pixels (pixel centres on an edge may go either way: the tie
+    rules differ), barycentrics within 1e-4 where ids agree, interpolation within 1e-5.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from mptex.render import interpolate, random_views, rasterize
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    cams = random_views(n_views, generator=gen, device=device)
+    rows = []
+    for name, mesh in meshes.items():
+        clip = F.pad(mesh.v_pos, (0, 1), value=1.0).unsqueeze(0) @ cams.mvp.transpose(1, 2)
+        res = (resolution, resolution)
+        rast = {b: rasterize(clip, mesh.t_pos_idx, res, backend=b)[0] for b in ("torch", native)}
+        ours, ref = rast["torch"], rast[native]
+        covered = (ours[..., 3] > 0) | (ref[..., 3] > 0)
+        same = (ours[..., 3] == ref[..., 3]) & covered
+        agree = float(same.sum() / covered.sum().clamp_min(1))
+        bary_err = float((ours[..., :2] - ref[..., :2]).abs()[same].max()) if same.any() else 0.0
+        depth_err = float((ours[..., 2] - ref[..., 2]).abs()[same].max()) if same.any() else 0.0
+        attr = {
+            b: interpolate(mesh.v_pos, ref, mesh.t_pos_idx, backend=b)[0] for b in ("torch", native)
+        }
+        interp_err = float((attr["torch"] - attr[native]).abs().max())
+        rows.append(
+            {
+                "mesh": name,
+                "triangles": int(mesh.t_pos_idx.shape[0]),
+                "views": n_views,
+                "resolution": resolution,
+                "covered_pixels": int(covered.sum()),
+                "id_agreement": agree,
+                "bary_max_err": bary_err,
+                "depth_max_err": depth_err,
+                "interp_max_err": interp_err,
+                "ok": agree >= 0.995 and bary_err <= 1e-4 and interp_err <= 1e-5,
+            }
+        )
+    return rows
+
+
+# --------------------------------------------------------------------------- stage bodies
+class StageContext:
+    """What a stage's process gets: the options, its deadline, and ``save`` for partial results
+    (written at once, so a stage stopped by its time box keeps what it measured)."""
+
+    def __init__(self, args: argparse.Namespace, result_path: Path, deadline: float):
+        self.args, self.result_path, self.deadline = args, result_path, deadline
+        self.small = args.device == "cpu"
+        self.device = args.device
+        self.result: dict[str, Any] = {"status": "running", "tables": [], "data": {}}
+
+    def remaining(self) -> float:
+        return self.deadline - time.time()
+
+    def table(self, title: str, headers: list[str], rows: list[list[Any]], note: str = "") -> None:
+        self.result["tables"].append(
+            {
+                "title": title,
+                "headers": headers,
+                "rows": [[str(c) for c in r] for r in rows],
+                "note": note,
+            }
+        )
+
+    def save(self) -> None:
+        tmp = self.result_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.result, indent=1, default=str))
+        tmp.replace(self.result_path)
+
+
+def _needs(stage: Stage, args: argparse.Namespace) -> str:
+    """'' when the stage's native libraries are usable on ``args.device``, else why not."""
+    from mptex import _backends
+
+    device = args.device
+    natives = {args.native_grid, args.native_mlp, args.native_raster}
+    for lib in stage.needs:
+        if lib not in natives:  # pointed at the twin (the kit's own tests)
+            continue
+        if not device.startswith("cuda"):
+            return f"{lib} needs a CUDA device (--device {device})"
+        module = {"tcnn": "tinycudann", "nvdiffrast": "nvdiffrast.torch"}[lib]
+        ok, why = _backends._try_import(module)
+        if ok is None:
+            return f"{module} is not importable ({why})"
+    return ""
+
+
+def stage_env(ctx: StageContext) -> None:
+    import importlib.metadata as md
+
+    import torch
+
+    from mptex import _backends
+
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+    }
+    if ctx.device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(ctx.device)
+        env.update(
+            gpu=props.name,
+            capability=f"{props.major}.{props.minor}",
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            multiprocessors=props.multi_processor_count,
+        )
+        try:
+            env["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+                check=True,
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError) as exc:
+            env["driver"] = f"unknown ({type(exc).__name__})"
+    for dist, module in (
+        ("tinycudann", "tinycudann"),
+        ("nvdiffrast", "nvdiffrast.torch"),
+        ("triton", "triton"),
+        ("hydra-core", "hydra"),
+    ):
+        try:
+            version = md.version(dist)
+        except md.PackageNotFoundError:
+            version = None
+        imported, why = _backends._try_import(module)
+        env[dist] = version if imported is not None else f"not importable: {why}"
+    manifest = Path(ctx.args.kit or "", "manifest.json")
+    if ctx.args.kit and manifest.is_file():
+        env["kit"] = json.loads(manifest.read_text())
+    ctx.result["data"] = env
+    ctx.table(
+        "Environment",
+        ["what", "value"],
+        [[k, json.dumps(v) if isinstance(v, dict) else v] for k, v in env.items()],
+    )
+
+
+def stage_grid(ctx: StageContext) -> None:
+    n = 2**10 if ctx.small else 2**18
+    rows = compare_grid(ctx.device, ctx.args.native_grid, GRID_CONFIGS, n)
+    ctx.result["data"]["rows"] = rows
+    ctx.table(
+        f"{ctx.args.native_grid} vs the torch twin, same parameters U(-1, 1), {n} points",
+        [
+            "config",
+            "dtype",
+            "forward max |err|",
+            "tolerance",
+            "param-grad rel. err",
+            "grad outside tol",
+            "ok",
+        ],
+        [
+            [
+                r["config"],
+                r["dtype"],
+                f"{r['forward_max_abs_err']:.3g}",
+                f"{r['forward_atol']:.3g}",
+                f"{r['grad_rel_err']:.3g}",
+                f"{100 * r['grad_outside_tol']:.3g} %",
+                r["ok"],
+            ]
+            for r in rows
+        ],
+        "forward: max over points and features; gradient: ||g_twin - g_tcnn|| / ||g_tcnn||, and "
+        "the share of entries outside torch.testing's tolerance for the dtype",
+    )
+    if not all(r["ok"] for r in rows):
+        ctx.result["failed_checks"] = [f"{r['config']} {r['dtype']}" for r in rows if not r["ok"]]
+
+
+def stage_network(ctx: StageContext) -> None:
+    n = 2**10 + 17 if ctx.small else 2**16 + 17  # not a multiple of 256: tcnn pads the batch
+    rows = compare_network(ctx.device, ctx.args.native_mlp, NETWORK_CONFIGS, n)
+    ctx.result["data"]["rows"] = rows
+
+    def fmt(s):
+        return f"{s['median']:.0f} / {s['p99']:.0f} / {s['max']:.0f} ({100 * s['equal']:.1f} % =)"
+
+    ctx.table(
+        f"{ctx.args.native_mlp} vs the twin: half ULPs, median / p99 / max (share equal), "
+        f"{n} points",
+        ["network", "output", "input grad", "weight grad", "outside stated tol", "ok"],
+        [
+            [
+                r["config"],
+                fmt(r["output"]),
+                fmt(r["input_grad"]),
+                fmt(r["weight_grad"]),
+                " / ".join(
+                    f"{100 * r[k]['outside_tol']:.2g} %"
+                    for k in ("output", "input_grad", "weight_grad")
+                ),
+                r["ok"],
+            ]
+            for r in rows
+        ],
+        "gradients are float32 values of half products; their ULPs are counted after rounding "
+        "both to half",
+    )
+    if not all(r["ok"] for r in rows):
+        ctx.result["failed_checks"] = [r["config"] for r in rows if not r["ok"]]
+
+
+def stage_raster(ctx: StageContext) -> None:
+    meshes = raster_meshes(ctx.device, ctx.args.mesh)
+    res, views = (64, 2) if ctx.small else (512, 8)
+    rows = compare_raster(ctx.device, ctx.args.native_raster, meshes, res, views)
+    ctx.result["data"]["rows"] = rows
+    ctx.table(
+        f"{ctx.args.native_raster} vs the torch rasterizer, {views} random views at {res}²",
+        [
+            "mesh",
+            "triangles",
+            "covered px",
+            "id agreement",
+            "bary max err",
+            "depth max err",
+            "interp max err",
+            "ok",
+        ],
+        [
+            [
+                r["mesh"],
+                r["triangles"],
+                r["covered_pixels"],
+                f"{100 * r['id_agreement']:.3f} %",
+                f"{r['bary_max_err']:.3g}",
+                f"{r['depth_max_err']:.3g}",
+                f"{r['interp_max_err']:.3g}",
+                r["ok"],
+            ]
+            for r in rows
+        ],
+        "errors over pixels whose triangle ids agree; interpolation of vertex positions through "
+        "the same (nvdiffrast's) rasterization",
+    )
+    if not ctx.args.mesh:
+        ctx.result["data"]["note"] = "no mesh file given (--mesh, or the kit's duck)"
+    if not all(r["ok"] for r in rows):
+        ctx.result["failed_checks"] = [r["mesh"] for r in rows if not r["ok"]]
+
+
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    from mptex.cli import CONFIG_DIR, register_experiments
+
+    register_experiments()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def _scale_overrides(ctx: StageContext, iterations: int) -> list[str]:
+    """nvdiffrec's scale on a GPU (512², batch 4, its texture); tiny on the CPU dry run."""
+    if ctx.small:
+        sizes = [
+            "texture=tiny",
+            "scene.resolution=32",
+            "train.batch_size=1",
+            "scene.n_train_views=4",
+            "scene.n_val_views=2",
+        ]
+    else:
+        sizes = ["texture=default", "scene.resolution=512", "train.batch_size=4"]
+    return sizes + [
+        f"train.iterations={iterations}",
+        f"train.val_interval={iterations}",
+        f"train.device={ctx.device}",
+        "train.checkpoint_interval=0",
+        "train.progress=false",
+        "train.n_val_images=0",
+    ]
+
+
+def _train_run(cfg) -> dict:
+    from mptex.train import train
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        return train(cfg, run_dir)
+
+
+def stage_arms(ctx: StageContext) -> None:
+    from mptex import PrecisionPolicy
+
+    iterations = 3 if ctx.small else ctx.args.arm_iterations
+    rows, runs, last_wall = [], [], 0.0
+    # Every registered arm, the nine main ones first: what the time box cuts is the variants.
+    for arm in PrecisionPolicy.names():
+        if runs and ctx.remaining() < 1.3 * last_wall:
+            rows.append([arm, "not run: time box", "", "", "", "", ""])
+            continue
+        start = time.time()
+        try:
+            metrics = _train_run(_compose([f"precision={arm}"] + _scale_overrides(ctx, iterations)))
+        except Exception as exc:  # one arm's failure is a row, not the stage's end
+            rows.append([arm, f"failed: {type(exc).__name__}: {exc}".splitlines()[0], *[""] * 5])
+            continue
+        last_wall = time.time() - start
+        backends = metrics.get("backends") or {}
+        runs.append(
+            {
+                k: metrics.get(k)
+                for k in (
+                    "precision",
+                    "psnr",
+                    "time_per_iter_s",
+                    "peak_memory_bytes",
+                    "peak_memory_kind",
+                    "status",
+                    "skipped_steps",
+                    "backends",
+                    "iterations",
+                )
+            }
+        )
+        psnr = metrics.get("psnr")
+        rows.append(
+            [
+                arm,
+                metrics["status"],
+                f"{psnr:.2f}" if psnr is not None else "–",
+                f"{metrics['time_per_iter_s'] * 1e3:.2f}",
+                f"{metrics['peak_memory_bytes'] / 2**20:.0f} ({metrics['peak_memory_kind']})",
+                metrics["skipped_steps"],
+                ", ".join(f"{k}={v}" for k, v in backends.items()),
+            ]
+        )
+        ctx.result["data"]["runs"] = runs
+        ctx.result["tables"] = []
+        ctx.table(
+            f"Built-in scene, {iterations} iterations per arm, seed 0",
+            ["arm", "status", "PSNR (dB)", "ms / iter", "peak memory (MiB)", "skipped", "backends"],
+            rows,
+            "ms / iter: the loop's median of device-synchronised iteration times; one seed, so "
+            "the PSNR column is not a comparison between arms (see nvdiffrec154 for one)",
+        )
+        ctx.save()
+
+
+def stage_throughput(ctx: StageContext) -> None:
+    import torch
+
+    sys.path.insert(0, str(HERE.parent))
+    import encoding as bench  # benchmarks/encoding.py
+
+    device = torch.device(ctx.device)
+    backends, skipped = bench.usable_backends(device, ["torch", "triton", "tcnn"])
+    log2 = [10] if ctx.small else [18, 20]
+    rows, throughput = bench.measure(device, backends, log2, repeats=3 if ctx.small else 7)
+    ctx.result["data"] = {
+        "throughput_pts_per_s": {
+            f"{b} {str(d)[6:]} {p} 2^{n}": v for (b, d, p, n), v in throughput.items()
+        },
+        "skipped": skipped,
+    }
+    ctx.table(
+        "nvdiffrec's grid config, uniform points",
+        ["what", "points", "median time", "throughput"],
+        rows,
+        "; ".join(f"skipped {s}" for s in skipped),
+    )
+    ratios = bench.ratio_rows(throughput)
+    if ratios:
+        ctx.table("Triton's throughput relative to the others", bench.RATIO_HEADERS, ratios)
+
+
+def stage_nvdiffrec154(ctx: StageContext) -> None:
+    from mptex.report.stats import mean_ci, verdict
+
+    iterations = 3 if ctx.small else ctx.args.n154_iterations
+    arms = ("nvdiffrec", "tcnn_fused_swap154")
+    psnr: dict[str, list[float]] = {a: [] for a in arms}
+    rows, backends, seed, pair_wall = [], {}, 0, 0.0
+    max_seeds = 2 if ctx.small else 64
+    while seed < max_seeds and (seed == 0 or ctx.remaining() > 1.2 * pair_wall):
+        start, pair = time.time(), {}
+        for arm in arms:
+            overrides = ["+experiment=nvdiffrec154", f"precision={arm}", f"train.seed={seed}"]
+            metrics = _train_run(_compose(overrides + _scale_overrides(ctx, iterations)))
+            pair[arm] = metrics
+            backends[arm] = metrics.get("backends")
+        pair_wall = time.time() - start
+        if all(pair[a]["psnr"] is not None for a in arms):
+            for a in arms:
+                psnr[a].append(pair[a]["psnr"])
+        rows.append(
+            [seed]
+            + [
+                f"{pair[a]['psnr']:.2f} ({pair[a]['status']})"
+                if pair[a]["psnr"] is not None
+                else pair[a]["status"]
+                for a in arms
+            ]
+        )
+        seed += 1
+        diffs = [s - n for n, s in zip(psnr["nvdiffrec"], psnr["tcnn_fused_swap154"])]
+        ci = mean_ci(diffs) if len(diffs) >= 2 else None
+        ctx.result["data"] = {
+            "psnr": psnr,
+            "differences": diffs,
+            "ci": ci,
+            "verdict": verdict(ci) if ci else None,
+            "backends": backends,
+            "iterations": iterations,
+        }
+        ctx.result["tables"] = []
+        ctx.table(
+            f"Per seed, {iterations} iterations (+experiment=nvdiffrec154)",
+            ["seed", *arms],
+            rows,
+            "backends: " + "; ".join(f"{a}: {b}" for a, b in backends.items()),
+        )
+        if ci:
+            ctx.table(
+                "tcnn_fused_swap154 − nvdiffrec, paired by seed",
+                ["seeds", "mean Δ PSNR (dB)", "95 % interval", "verdict"],
+                [
+                    [
+                        len(diffs),
+                        f"{ci['mean']:+.2f}",
+                        f"[{ci['low']:+.2f}, {ci['high']:+.2f}]",
+                        verdict(ci),
+                    ]
+                ],
+                "Student-t interval over the per-seed differences (mptex.report.stats.mean_ci)",
+            )
+        ctx.save()
+
+
+def stage_tests(ctx: StageContext) -> None:
+    marks = "requires_cuda or requires_tcnn or requires_nvdiffrast"
+    report = Path(tempfile.mkdtemp()) / "junit.xml"
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        marks,
+        f"--junitxml={report}",
+        str(REPO / "tests"),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=max(ctx.remaining() - 5, 10)
+    )
+    import xml.etree.ElementTree as ET
+
+    cases = ET.parse(report).getroot().iter("testcase") if report.is_file() else []
+    rows = []
+    for case in cases:
+        outcome = "passed"
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                outcome = f"{tag}: {(node.get('message') or '').splitlines()[0][:160]}"
+        rows.append([f"{case.get('classname')}::{case.get('name')}", outcome])
+    ctx.result["data"] = {"returncode": proc.returncode, "tail": proc.stdout[-3000:]}
+    ctx.table(
+        f"pytest -m '{marks}'",
+        ["test", "outcome"],
+        rows,
+        proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "",
+    )
+    if proc.returncode not in (0, 5):  # 5: nothing collected
+        ctx.result["failed_checks"] = [
+            r[0] for r in rows if not r[1].startswith(("passed", "skipped"))
+        ]
+
+
+STAGE_BODIES: dict[str, Callable[[StageContext], None]] = {
+    "env": stage_env,
+    "grid": stage_grid,
+    "network": stage_network,
+    "raster": stage_raster,
+    "arms": stage_arms,
+    "throughput": stage_throughput,
+    "nvdiffrec154": stage_nvdiffrec154,
+    "tests": stage_tests,
+}
+
+
+def run_stage(args: argparse.Namespace) -> int:
+    """Body of a stage's own process: run it, write its result file, exit 0 (the result says
+    whether the stage failed)."""
+    stage = next(s for s in STAGES if s.name == args.stage)
+    ctx = StageContext(args, Path(args.result_file), args.deadline)
+    why = _needs(stage, args)
+    if why:
+        ctx.result.update(status="unavailable", reason=why)
+    else:
+        try:
+            STAGE_BODIES[stage.name](ctx)
+            failed = ctx.result.get("failed_checks")
+            ctx.result["status"] = "failed" if failed else "ok"
+            if failed:
+                ctx.result["reason"] = "outside the stated tolerance: " + ", ".join(failed)
+        except Exception as exc:
+            traceback.print_exc()
+            ctx.result.update(
+                status="failed", reason=f"{type(exc).__name__}: {exc}".splitlines()[0]
+            )
+    ctx.save()
+    return 0
+
+
+# --------------------------------------------------------------------------- the driver
+def install_kit(kit: Path, site: Path, log) -> list[str]:
+    """``pip install --no-index --no-deps --target site`` every wheel in ``kit``."""
+    wheels = sorted(glob.glob(str(kit / "*.whl")))
+    if not wheels:
+        raise SystemExit(f"validate.py: --kit {kit}: no *.whl in it (make it with pack_kit.sh)")
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--no-cache-dir",
+        "--upgrade",
+        "--target",
+        str(site),
+        *wheels,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    log.write(f"$ {shlex.join(cmd)}\n{proc.stdout}{proc.stderr}\n")
+    if proc.returncode != 0:
+        raise SystemExit(f"validate.py: installing the kit's wheels failed:\n{proc.stderr[-2000:]}")
+    return [Path(w).name for w in wheels]
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        "# mptex GPU kit results",
+        "",
+        f"- command: `{results['command']}`",
+        f"- started: {results['started']}",
+        f"- device: {results['device']}",
+    ]
+    env = (results["stages"].get("env") or {}).get("data") or {}
+    for key in (
+        "gpu",
+        "driver",
+        "capability",
+        "python",
+        "torch",
+        "cuda",
+        "tinycudann",
+        "nvdiffrast",
+        "triton",
+    ):
+        if key in env:
+            lines.append(f"- {key}: {env[key]}")
+    if results.get("installed"):
+        lines.append(f"- installed from the kit: {', '.join(results['installed'])}")
+    for stage in STAGES:
+        res = results["stages"].get(stage.name)
+        if res is None:
+            continue
+        lines += [
+            "",
+            f"## {stage.title} (`{stage.name}`)",
+            "",
+            f"status: **{res['status']}**"
+            + (f": {res['reason']}" if res.get("reason") else "")
+            + f" ({res.get('seconds', 0):.0f} s of a {res.get('box', 0):.0f} s box)",
+        ]
+        for table in res.get("tables", []):
+            lines += [
+                "",
+                f"**{table['title']}**",
+                "",
+                "| " + " | ".join(table["headers"]) + " |",
+                "|" + "|".join("---" for _ in table["headers"]) + "|",
+            ]
+            lines += [
+                "| " + " | ".join(c.replace("|", "\\|") for c in row) + " |"
+                for row in table["rows"]
+            ]
+            if table.get("note"):
+                lines += ["", table["note"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(out: Path, results: dict) -> None:
+    for name, text in (
+        (RESULTS_JSON, json.dumps(results, indent=1, default=str)),
+        (RESULTS_MD, markdown(results)),
+    ):
+        tmp = out / (name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out / name)
+
+
+def drive(args: argparse.Namespace) -> int:
+    t0 = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="mptex-gpu-kit-"))
+    log = open(out / LOG, "a", buffering=1)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    installed: list[str] = []
+    if args.kit:
+        installed = install_kit(Path(args.kit), work / "site", log)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(work / "site"), str(REPO), env.get("PYTHONPATH", "")]
+        ).rstrip(os.pathsep)
+    else:
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        )
+    if args.mesh is None and args.kit:
+        found = sorted(Path(args.kit).glob("assets/*/*.obj"))
+        if found:
+            args.mesh = str(found[0].resolve())
+            args.passthrough += ["--mesh", args.mesh]
+    results = {
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "device": args.device,
+        "budget_s": args.budget_s,
+        "installed": installed,
+        "stages": {},
+    }
+    chosen = [s for s in STAGES if s.name in args.stages]
+    for i, stage in enumerate(chosen):
+        left = args.budget_s - (time.time() - t0)
+        # Later stages keep their boxes; what earlier stages left unused goes to this one.
+        later = sum(s.seconds for s in chosen[i + 1 :])
+        box = min(max(stage.seconds, left - later), left) if not args.device == "cpu" else left
+        if box < 5:
+            results["stages"][stage.name] = {
+                "status": "not run",
+                "reason": "budget spent",
+                "box": 0,
+                "seconds": 0,
+                "tables": [],
+            }
+            write_results(out, results)
+            continue
+        print(f"[validate] {stage.name}: {stage.title} (box {box:.0f} s)", flush=True)
+        result_file = work / f"{stage.name}.json"
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--stage",
+            stage.name,
+            "--result-file",
+            str(result_file),
+            "--deadline",
+            str(time.time() + box),
+            *args.passthrough,
+        ]
+        start = time.time()
+        log.write(f"\n===== {stage.name} =====\n$ {shlex.join(cmd)}\n")
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            proc.wait(timeout=box + 15)  # grace: the stage stops itself at its deadline
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            timed_out = True
+        res = json.loads(result_file.read_text()) if result_file.is_file() else {"tables": []}
+        if timed_out:
+            res.update(status="timed out", reason=f"stopped after its {box:.0f} s box")
+        elif proc.returncode != 0 or res.get("status") in (None, "running"):
+            res.update(
+                status="failed",
+                reason=f"the stage's process exited {proc.returncode} (traceback in {LOG})",
+            )
+        res.update(seconds=time.time() - start, box=box)
+        results["stages"][stage.name] = res
+        write_results(out, results)
+        print(
+            f"[validate] {stage.name}: {res['status']}"
+            + (f": {res['reason']}" if res.get("reason") else ""),
+            flush=True,
+        )
+    results["wall_s"] = time.time() - t0
+    write_results(out, results)
+    print((out / RESULTS_MD).read_text())
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", help="results folder: results.json, results.md, log.txt")
+    parser.add_argument("--kit", help="folder of wheels (and assets/) to install first")
+    parser.add_argument(
+        "--device", default=None, help="cuda (default where available) or cpu (the dry run)"
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=480.0,
+        help="wall-clock budget of all stages together (default 480 = 8 min)",
+    )
+    parser.add_argument("--stages", nargs="+", default=STAGE_NAMES, choices=STAGE_NAMES)
+    parser.add_argument(
+        "--mesh", default=None, help="OBJ for the raster stage (default: the kit's assets/, if any)"
+    )
+    parser.add_argument("--arm-iterations", type=int, default=300)
+    parser.add_argument(
+        "--n154-iterations",
+        type=int,
+        default=500,
+        help="iterations per nvdiffrec #154 run (+experiment=nvdiffrec154: 500)",
+    )
+    # What the stages compare against: tcnn / nvdiffrast; the tests point them at the twin.
+    parser.add_argument("--native-grid", default="tcnn", help=argparse.SUPPRESS)
+    parser.add_argument("--native-mlp", default="tcnn", help=argparse.SUPPRESS)
+    parser.add_argument("--native-raster", default="nvdiffrast", help=argparse.SUPPRESS)
+    parser.add_argument("--stage", choices=STAGE_NAMES, help=argparse.SUPPRESS)
+    parser.add_argument("--result-file", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else None
+        if args.device is None:
+            parser.error("--device: no CUDA device here; pass --device cpu for the dry run")
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        parser.error(f"--device: expected cuda, cuda:N or cpu, got {args.device!r}")
+    if args.stage is None and not args.out:
+        parser.error("--out: the results folder is required")
+    if args.budget_s <= 0:
+        parser.error(f"--budget-s: expected a positive number of seconds, got {args.budget_s}")
+    for name in ("arm_iterations", "n154_iterations"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected a positive integer")
+    # Options a stage's process needs, passed on unchanged.
+    args.passthrough = [
+        "--device",
+        args.device,
+        "--arm-iterations",
+        str(args.arm_iterations),
+        "--n154-iterations",
+        str(args.n154_iterations),
+        "--native-grid",
+        args.native_grid,
+        "--native-mlp",
+        args.native_mlp,
+        "--native-raster",
+        args.native_raster,
+    ]
+    if args.mesh:
+        args.passthrough += ["--mesh", args.mesh]
+    if args.kit:
+        args.passthrough += ["--kit", str(Path(args.kit).resolve())]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.stage:
+        return run_stage(args)
+    return drive(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The GPU kit (benchmarks/gpu/): its CPU dry run, its comparisons, and the ULP measures."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mptex import PrecisionPolicy
+from mptex.diagnostics import half_ulps, outside_tolerance, ulp_summary
+
+ROOT = Path(__file__).resolve().parents[1]
+VALIDATE = ROOT / "benchmarks" / "gpu" / "validate.py"
+STAGES = ["env", "grid", "network", "raster", "arms", "throughput", "nvdiffrec154", "tests"]
+
+
+def _validate(tmp_path, *args, check=True):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(VALIDATE), "--device", "cpu", "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"OMP_WAIT_POLICY": "passive", **os.environ},
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    results_file = out / "results.json"
+    results = json.loads(results_file.read_text()) if results_file.is_file() else None
+    return proc, results, out
+
+
+# ------------------------------------------------------------------------------- ULPs
+def test_half_ulps_counts_representable_halves():
+    one = torch.tensor([1.0], dtype=torch.float16)
+    next_up = torch.nextafter(one, torch.tensor([2.0], dtype=torch.float16))
+    tiny = torch.tensor([2.0**-24])  # the smallest positive half subnormal
+    cases = [
+        (one, one, 0),
+        (one, next_up, 1),
+        (torch.tensor([0.0]), torch.tensor([-0.0]), 0),
+        (tiny, -tiny, 2),  # crossing zero: -tiny, (-)0, +tiny
+        (torch.tensor([1.0]), torch.tensor([2.0]), 1024),  # one binade: 2^10 mantissa steps
+        (torch.tensor([-1.0]), torch.tensor([-2.0]), 1024),
+        (torch.tensor([float("inf")]), one.float(), -1),
+        (torch.tensor([float("nan")]), one.float(), -1),
+    ]
+    for a, b, expected in cases:
+        assert int(half_ulps(a, b)[0]) == expected, (a, b)
+        assert int(half_ulps(b, a)[0]) == expected, (b, a)
+
+
+def test_half_ulps_matches_a_per_element_reference():
+    # Reference: the index of each value in the sorted list of every finite half.
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    halves = bits.view(torch.float16)
+    finite = halves[torch.isfinite(halves)].float().unique()  # -0 and +0 merge
+    gen = torch.Generator().manual_seed(0)
+    a = finite[torch.randint(len(finite), (500,), generator=gen)]
+    b = finite[torch.randint(len(finite), (500,), generator=gen)]
+    index = {v: i for i, v in enumerate(finite.tolist())}
+    expected = torch.tensor([abs(index[x] - index[y]) for x, y in zip(a.tolist(), b.tolist())])
+    assert torch.equal(half_ulps(a, b), expected)
+
+
+def test_half_ulps_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match="a and b: expected one shape"):
+        half_ulps(torch.zeros(3), torch.zeros(4))
+
+
+def test_ulp_summary_and_outside_tolerance_by_hand():
+    a = torch.tensor([1.0, 1.0, 1.0, float("nan")])
+    b = torch.tensor([1.0, 1.0 + 2**-10, 1.0 + 3 * 2**-10, 1.0])
+    summary = ulp_summary(a, b)
+    # distances 0, 1, 3; p99 by linear interpolation at rank 0.99 * 2 = 1.98: 1 + 0.98 * 2
+    assert summary == {"median": 1.0, "p99": pytest.approx(2.96), "max": 3.0,
+                       "equal": pytest.approx(1 / 3), "nonfinite": 1}  # fmt: skip
+    # |a - b| <= atol + rtol * |b|: 0 and 2^-10 are inside 1e-3 * 1.001 + 0, 3 * 2^-10 is not,
+    # NaN never is.
+    assert outside_tolerance(a, b, rtol=1e-3, atol=0.0) == 0.5
+    assert outside_tolerance(a, b, rtol=0.0, atol=0.01) == 0.25
+
+
+# ------------------------------------------------------------------------------- dry run
+@pytest.mark.slow
+def test_dry_run_runs_every_stage_and_records_why_native_ones_cannot(tmp_path):
+    proc, results, out = _validate(tmp_path)
+    for stage in STAGES:
+        assert f"[validate] {stage}:" in proc.stdout
+    stages = results["stages"]
+    assert list(stages) == STAGES
+    assert stages["env"]["status"] == "ok"
+    assert stages["env"]["data"]["torch"] == torch.__version__
+    for name, lib in (("grid", "tcnn"), ("network", "tcnn"), ("raster", "nvdiffrast")):
+        assert stages[name]["status"] == "unavailable", stages[name]
+        assert stages[name]["reason"] == f"{lib} needs a CUDA device (--device cpu)"
+    arms = stages["arms"]
+    assert arms["status"] == "ok", arms
+    ran = {run["precision"]: run for run in arms["data"]["runs"]}
+    assert list(ran) == PrecisionPolicy.names()
+    assert {r["status"] for r in ran.values()} <= {"completed", "diverged"}
+    assert ran["f32"]["status"] == "completed" and ran["f32"]["time_per_iter_s"] > 0
+    assert all(run["backends"]["encoder"] == "torch" for run in ran.values())
+    assert stages["throughput"]["status"] == "ok"
+    assert any(row[0].startswith("torch float32 forward+backward")
+               for row in stages["throughput"]["tables"][0]["rows"])  # fmt: skip
+    study = stages["nvdiffrec154"]
+    assert study["status"] == "ok" and len(study["data"]["differences"]) == 2
+    ci = study["data"]["ci"]
+    assert ci["low"] <= ci["mean"] <= ci["high"]
+    assert stages["tests"]["status"] == "ok"
+    assert all(r[1].startswith("skipped") for r in stages["tests"]["tables"][0]["rows"])
+    markdown = (out / "results.md").read_text()
+    assert "## Every arm at nvdiffrec's scale (`arms`)" in markdown
+    assert "| f32 | completed |" in markdown
+    assert sorted(p.name for p in out.iterdir()) == ["log.txt", "results.json", "results.md"]
+
+
+@pytest.mark.slow
+def test_comparisons_of_the_twin_with_itself_are_exact(tmp_path):
+    # The comparison stages pointed at the twin on both sides: every error is exactly 0, which
+    # they are only if both sides read the same parameters, points and cotangents.
+    proc, results, _ = _validate(
+        tmp_path, "--stages", "grid", "network", "raster", "--native-grid", "torch",
+        "--native-mlp", "torch", "--native-raster", "torch",
+    )  # fmt: skip
+    for name in ("grid", "network", "raster"):
+        assert results["stages"][name]["status"] == "ok", results["stages"][name]
+    grid = results["stages"]["grid"]["data"]["rows"]
+    assert len(grid) == 6 and {(r["config"], r["dtype"]) for r in grid} >= {
+        ("nvdiffrec", "float16"), ("2d-smoothstep", "float32")}  # fmt: skip
+    assert all(r["forward_max_abs_err"] == 0 and r["grad_rel_err"] == 0 for r in grid)
+    for row in results["stages"]["network"]["data"]["rows"]:
+        for key in ("output", "input_grad", "weight_grad"):
+            assert row[key]["max"] == 0 and row[key]["equal"] == 1.0
+    raster = results["stages"]["raster"]["data"]["rows"]
+    assert [r["id_agreement"] for r in raster] == [1.0] * len(raster)
+    assert raster[0]["covered_pixels"] > 0
+
+
+def test_a_stage_that_fails_is_recorded_and_the_next_one_runs(tmp_path):
+    # An unknown backend makes the grid stage raise; the network stage still runs after it.
+    proc, results, _ = _validate(
+        tmp_path, "--stages", "grid", "network", "--native-grid", "nonsense",
+        "--native-mlp", "torch",
+    )  # fmt: skip
+    grid, network = results["stages"]["grid"], results["stages"]["network"]
+    assert grid["status"] == "failed" and grid["reason"] == "KeyError: 'nonsense'"
+    assert network["status"] == "ok"
+
+
+def test_a_spent_budget_leaves_stages_not_run(tmp_path):
+    _, results, _ = _validate(tmp_path, "--budget-s", "1", "--stages", "env", "arms")
+    assert [s["status"] for s in results["stages"].values()] == ["not run", "not run"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--budget-s", "0"], "--budget-s: expected a positive number of seconds"),
+        (["--arm-iterations", "0"], "--arm-iterations: expected a positive integer"),
+        (["--device", "tpu"], "--device: expected cuda, cuda:N or cpu, got 'tpu'"),
+    ],
+)
+def test_bad_options_are_one_line(tmp_path, args, message):
+    proc, _, _ = _validate(tmp_path, *args, check=False)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_an_empty_kit_is_one_line(tmp_path):
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    proc, _, _ = _validate(tmp_path, "--kit", str(kit), check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"validate.py: --kit {kit}: no *.whl in it (make it with pack_kit.sh)"
+    )

@@ -10,7 +10,7 @@ from mptex.encoding import HashGridEncoding
 from mptex.mlp import PrecisionMLP
 from mptex.network import FullyFusedMLP
 from mptex.precision import PrecisionPolicy, PrecisionStepper, StepResult
-from mptex.texture import MLPTexture3D
+from mptex.texture import MLPTexture3D, convert_state_dict
 
 __version__ = "0.1.0"
 
@@ -26,4 +26,5 @@ __all__ = [
     "PrecisionMLP",
     "FullyFusedMLP",
     "MLPTexture3D",
+    "convert_state_dict",
 ]

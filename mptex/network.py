@@ -49,7 +49,7 @@ What was checked in tiny-cuda-nn's source (commit 6ee3546b, 2026-04-01), and whe
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -63,7 +63,13 @@ from mptex._fused_mlp_torch import (
     xavier_uniform_params,
 )
 
-__all__ = ["FullyFusedMLP", "FUSED_WIDTHS", "ACCUMULATE_MODES"]
+__all__ = [
+    "FullyFusedMLP",
+    "FUSED_WIDTHS",
+    "ACCUMULATE_MODES",
+    "fused_params_from_linear",
+    "linear_weights_from_fused",
+]
 
 Backend = Literal["auto", "torch", "tcnn"]
 FUSED_WIDTHS = (16, 32, 64, 128)
@@ -288,3 +294,109 @@ class FullyFusedMLP(nn.Module):
             f"backend={self.backend!r}, accumulate={self.spec.accumulate!r}, "
             f"split_k={self.spec.split_k}, loss_scale={self.loss_scale:g}, n_params={self.n_params}"
         )
+
+
+# ----------------------------------------------------------------------------- layouts
+def fused_params_from_linear(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """tcnn's flat ``FullyFusedMLP`` params holding a bias-free linear MLP's weights.
+
+    The linear MLP is nvdiffrec's ``_MLP`` (``Linear(in, width)``, ReLU, ...,
+    ``Linear(width, out)``, no biases; :class:`~mptex.PrecisionMLP`'s layers). tcnn's layout
+    (module docstring): the row-major ``[out, in]`` matrices in layer order, the first with
+    ``next_multiple(in, 16)`` columns, the last with ``next_multiple(out, 16)`` rows. The
+    padding is written as zeros: tcnn sets the padded inputs to 1, so non-zero padding columns
+    would be a first-layer bias, and the padded output rows feed outputs that are cut. The
+    fused network then computes the linear MLP's function (in half arithmetic).
+
+    Args:
+        weights: the ``[out, in]`` weight matrices, input layer first: at least two, every
+            hidden width equal and one of :data:`FUSED_WIDTHS` (tcnn's only fused widths).
+
+    Returns:
+        ``[n_params]`` float32, detached, on the weights' device.
+
+    Raises:
+        ValueError: naming ``weights[i]``, for a chain that does not fit the fused network.
+    """
+    weights = list(weights)
+    if len(weights) < 2:
+        raise ValueError(
+            f"weights: expected at least 2 matrices (FullyFusedMLP has >= 1 hidden layer), "
+            f"got {len(weights)}"
+        )
+    for i, weight in enumerate(weights):
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            got = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight)
+            raise ValueError(f"weights[{i}]: expected a 2-D [out, in] tensor, got {got}")
+    width = weights[0].shape[0]
+    if width not in FUSED_WIDTHS:
+        raise ValueError(
+            f"weights[0]: FullyFusedMLP supports {FUSED_WIDTHS} neurons, got {width} rows"
+        )
+    for i in range(1, len(weights)):
+        rows, cols = weights[i].shape
+        if cols != width or (i < len(weights) - 1 and rows != width):
+            expected = f"[*, {width}]" if i == len(weights) - 1 else f"[{width}, {width}]"
+            raise ValueError(
+                f"weights[{i}]: expected {expected} (one hidden width), got {[rows, cols]}"
+            )
+    spec = FusedMLPSpec(weights[0].shape[1], weights[-1].shape[0], width, len(weights) - 1)
+    padded = []
+    for weight, (rows, cols) in zip(weights, spec.shapes()):
+        matrix = weight.detach().to(torch.float32)
+        pad = (0, cols - matrix.shape[1], 0, rows - matrix.shape[0])
+        padded.append(torch.nn.functional.pad(matrix, pad).reshape(-1))
+    return torch.cat(padded)
+
+
+def linear_weights_from_fused(
+    params: torch.Tensor,
+    n_input_dims: int,
+    n_output_dims: int,
+    n_neurons: int,
+    n_hidden_layers: int,
+    *,
+    drop_input_bias: bool = False,
+) -> list[torch.Tensor]:
+    """The weights of a bias-free linear MLP (nvdiffrec's ``_MLP``) from tcnn's flat params.
+
+    The inverse of :func:`fused_params_from_linear`: each matrix of tcnn's layout without its
+    padding. The padded output rows are dropped (they feed outputs tcnn cuts, so nothing
+    depends on them). The padded input columns multiply tcnn's constant-1 inputs, a bias the
+    linear MLP does not have: they must be zero (as :func:`fused_params_from_linear` writes
+    them), or ``drop_input_bias=True`` drops them knowingly (the outputs then change; tcnn's
+    own xavier initialisation fills them).
+
+    Args:
+        params: ``[n_params]`` tcnn's flat parameters.
+        n_input_dims, n_output_dims, n_neurons, n_hidden_layers: the fused network's sizes.
+        drop_input_bias: drop non-zero padded input columns instead of refusing them.
+
+    Returns:
+        ``n_hidden_layers + 1`` float32 ``[out, in]`` matrices (copies), input layer first.
+
+    Raises:
+        ValueError: naming ``params``, for a size that does not match, or non-zero padded input
+            columns without ``drop_input_bias``.
+    """
+    spec = FusedMLPSpec(n_input_dims, n_output_dims, n_neurons, n_hidden_layers)
+    if not isinstance(params, torch.Tensor) or params.shape != (spec.n_params,):
+        got = list(params.shape) if isinstance(params, torch.Tensor) else type(params)
+        raise ValueError(
+            f"params: expected [{spec.n_params}] for {n_input_dims} inputs, {n_output_dims} "
+            f"outputs, {n_hidden_layers} hidden layers of {n_neurons}, got {got}"
+        )
+    matrices, offset = [], 0
+    for rows, cols in spec.shapes():
+        matrices.append(params.detach()[offset : offset + rows * cols].view(rows, cols))
+        offset += rows * cols
+    bias = matrices[0][:, n_input_dims:]
+    if bias.numel() and not drop_input_bias and bool(bias.ne(0).any()):
+        raise ValueError(
+            f"params: the first layer's padding columns {n_input_dims}..{spec.input_pad - 1} "
+            f"(a bias on tcnn's constant-1 inputs) hold values up to {float(bias.abs().max()):.3g};"
+            " a bias-free linear MLP cannot hold them (drop_input_bias=True drops them)"
+        )
+    matrices[0] = matrices[0][:, :n_input_dims]
+    matrices[-1] = matrices[-1][:n_output_dims]
+    return [m.to(torch.float32).clone() for m in matrices]

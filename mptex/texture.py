@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import math
+import re
 from collections.abc import Mapping, Sequence
 from numbers import Real
 from typing import Any
@@ -14,9 +15,10 @@ from torch import nn
 
 from mptex.encoding import HashGridEncoding
 from mptex.mlp import PrecisionMLP
+from mptex.network import fused_params_from_linear, linear_weights_from_fused
 from mptex.precision import PrecisionPolicy, scale_grad
 
-__all__ = ["MLPTexture3D", "NVDIFFREC_ENCODER_CONFIG"]
+__all__ = ["MLPTexture3D", "NVDIFFREC_ENCODER_CONFIG", "convert_state_dict"]
 
 # ATen's CPU elementwise kernels hand each thread one contiguous chunk once a tensor has more
 # than 32768 elements (at::internal::GRAIN_SIZE). Each chunk runs a vectorised loop and ends in a
@@ -262,3 +264,84 @@ class MLPTexture3D(nn.Module):
             f"channels={self.channels}, internal_dims={self.internal_dims}, "
             f"precision={self.policy.name!r}"
         )
+
+
+# nvdiffrec's _MLP keeps its layers in a Sequential ``net`` (ReLUs between: indices 0, 2, ...);
+# tcnn's fused network is one flat vector.
+_LINEAR_KEY = re.compile(r"net\.net\.(\d+)\.(weight|bias)")
+_FUSED_KEY = "net.net.params"
+
+
+def convert_state_dict(
+    state_dict: Mapping[str, torch.Tensor],
+    texture: MLPTexture3D,
+    *,
+    drop_input_bias: bool = False,
+) -> dict[str, torch.Tensor]:
+    """``state_dict`` with its MLP in ``texture``'s layout, for ``texture.load_state_dict``.
+
+    Two layouts hold an :class:`MLPTexture3D`'s MLP: nvdiffrec's ``_MLP`` (every arm with
+    ``mlp="linear"``: ``net.net.0.weight``, ``net.net.2.weight``, ... ``[out, in]`` bias-free
+    matrices) and tcnn's fully fused network (``tcnn_fused`` and its variants: the flat
+    ``net.net.params``). This converts between them in either direction
+    (:func:`~mptex.network.fused_params_from_linear`,
+    :func:`~mptex.network.linear_weights_from_fused`: tcnn's padding of the input and output
+    widths to multiples of 16, filled with zeros); a state dict already in ``texture``'s layout
+    is returned as a copy. Other entries (``encoder.params``) pass through. So an nvdiffrec
+    checkpoint loads into a ``tcnn_fused`` texture::
+
+        tex = mptex.MLPTexture3D(aabb, precision="tcnn_fused")
+        tex.load_state_dict(mptex.convert_state_dict(nvdiffrec_state_dict, tex))
+
+    Args:
+        state_dict: a texture state dict in either layout (values are not modified).
+        texture: the texture whose layout and sizes the result takes.
+        drop_input_bias: fused -> linear only: see
+            :func:`~mptex.network.linear_weights_from_fused`.
+
+    Returns:
+        a new dict; converted MLP weights are float32 (``load_state_dict`` casts them to the
+        parameters' dtype).
+
+    Raises:
+        ValueError: naming ``state_dict`` (no MLP, both layouts, biases, sizes that differ from
+            ``texture``'s) or ``params``.
+    """
+    linear = sorted(
+        (int(m.group(1)), key) for key in state_dict if (m := _LINEAR_KEY.fullmatch(key))
+    )
+    if not linear and _FUSED_KEY not in state_dict:
+        raise ValueError(
+            "state_dict: no MLP weights (expected nvdiffrec's net.net.<i>.weight or tcnn's "
+            f"{_FUSED_KEY})"
+        )
+    if linear and _FUSED_KEY in state_dict:
+        raise ValueError(f"state_dict: holds both layouts ({linear[0][1]} and {_FUSED_KEY})")
+    converted = {
+        k: v for k, v in state_dict.items() if k != _FUSED_KEY and not _LINEAR_KEY.fullmatch(k)
+    }
+    net = texture.net
+    if ("linear" if linear else "fused") == net.policy.mlp:
+        return dict(state_dict)
+    if net.policy.mlp == "fused":
+        biases = [key for _, key in linear if key.endswith(".bias")]
+        if biases:
+            raise ValueError(f"state_dict: {biases[0]}: tcnn's fused network has no biases")
+        weights = [state_dict[key] for _, key in linear]
+        converted[_FUSED_KEY] = fused_params_from_linear(weights)  # checks the chain
+        sizes = (weights[0].shape[1], weights[-1].shape[0], weights[0].shape[0], len(weights) - 1)
+        fused = net.net
+        wanted = (fused.n_input_dims, fused.n_output_dims, fused.width, fused.n_hidden_layers)
+        if sizes != wanted:
+            raise ValueError(
+                "state_dict: its MLP has (inputs, outputs, width, hidden layers) = "
+                f"{sizes}, the texture's is {wanted}"
+            )
+        return converted
+    weights = linear_weights_from_fused(
+        state_dict[_FUSED_KEY], net.n_input_dims, net.n_output_dims, net.n_neurons,
+        net.n_hidden_layers, drop_input_bias=drop_input_bias,
+    )  # fmt: skip
+    keys = [f"net.net.{i}.weight" for i, m in enumerate(net.net) if isinstance(m, nn.Linear)]
+    converted.update(zip(keys, weights, strict=True))
+    return converted

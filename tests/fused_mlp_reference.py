@@ -166,3 +166,29 @@ def pcg32_next_floats(seed: int, count: int) -> list[float]:
         mantissa = word >> 9
         out.append(mantissa / 2.0**23)  # (1 + m / 2^23) - 1, exact in f32
     return out
+
+
+HALF_UNIT_ROUNDOFF = 2.0**-11
+
+
+def forward_error_bound(weights: list[np.ndarray], x: np.ndarray) -> np.ndarray:
+    """Bound on |fused(x) - exact(x)| of a bias-free ReLU network run under the model, [N, out].
+
+    Standard forward error analysis (Higham, "Accuracy and Stability of Numerical Algorithms",
+    3.5): every rounding of a half value or of an accumulator holding a partial sum of a row is
+    a relative error of at most u = 2^-11, bounded by the row's sum of |w| |h|; ReLU is
+    1-Lipschitz, so errors pass on through |W|. With n roundings on the longest path (the input
+    cast, then per layer the weight cast and one accumulator rounding per k-block of the padded
+    width, counted with the smaller block of 8), |error| <= gamma_n |W_L| ... |W_1| |x| with
+    gamma_n = n u / (1 - n u).
+
+    Args:
+        weights: the unpadded [out, in] matrices, input layer first (zero padding adds nothing).
+        x: [N, in] inputs.
+    """
+    n = 1 + sum(1 + next_multiple(w.shape[1], 16) // 8 for w in weights)
+    chain = np.abs(np.asarray(x, dtype=np.float64))
+    for w in weights:
+        chain = chain @ np.abs(np.asarray(w, dtype=np.float64)).T
+    gamma = n * HALF_UNIT_ROUNDOFF / (1 - n * HALF_UNIT_ROUNDOFF)
+    return gamma * chain

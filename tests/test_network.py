@@ -15,7 +15,7 @@ from mptex._fused_mlp_torch import (
     split_k_weight_grad,
     xavier_uniform_params,
 )
-from mptex.network import FullyFusedMLP
+from mptex.network import FullyFusedMLP, fused_params_from_linear, linear_weights_from_fused
 
 
 def _case(n, n_in, n_out, width, n_hidden, seed=0, grad_scale=1e-3, **kw):
@@ -246,3 +246,102 @@ def test_twin_matches_tcnn_network():
     torch.testing.assert_close(out_twin, out_native, rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(twin.params.grad, native.params.grad.float(), rtol=1e-2, atol=1e-4)
     torch.testing.assert_close(x_twin.grad, x.grad, rtol=1e-2, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- layouts
+def _linear_weights(n_in, n_out, width, n_hidden, seed=0):
+    """nvdiffrec's _MLP weights: Kaiming-uniform [out, in] matrices, no biases."""
+    gen = torch.Generator().manual_seed(seed)
+    dims = [n_in] + [width] * n_hidden + [n_out]
+    return [
+        (torch.rand(dims[i + 1], dims[i], generator=gen) * 2 - 1) * (6 / dims[i]) ** 0.5
+        for i in range(len(dims) - 1)
+    ]
+
+
+def test_linear_weights_land_where_tcnn_reads_them():
+    w0, w1, w2 = _linear_weights(5, 3, 32, 2)
+    params = fused_params_from_linear([w0, w1, w2])
+    assert params.shape == (32 * 16 + 32 * 32 + 16 * 32,) and params.dtype == torch.float32
+    # Written out element by element from tcnn's set_params_impl: row-major [out, in] matrices
+    # in order, the first 16 columns wide, the last 16 rows tall, padding zero.
+    for r in range(32):
+        for c in range(16):
+            assert params[r * 16 + c] == (w0[r, c] if c < 5 else 0.0)
+    hidden = params[32 * 16 : 32 * 16 + 32 * 32]
+    assert all(hidden[r * 32 + c] == w1[r, c] for r in range(32) for c in range(32))
+    last = params[32 * 16 + 32 * 32 :]
+    for r in range(16):
+        for c in range(32):
+            assert last[r * 32 + c] == (w2[r, c] if r < 3 else 0.0)
+
+
+@pytest.mark.parametrize(
+    "n_in, n_out, width, n_hidden", [(5, 3, 32, 2), (32, 3, 32, 2), (16, 16, 16, 1), (7, 9, 64, 3)]
+)
+def test_layouts_round_trip_exactly(n_in, n_out, width, n_hidden):
+    weights = _linear_weights(n_in, n_out, width, n_hidden)
+    params = fused_params_from_linear(weights)
+    back = linear_weights_from_fused(params, n_in, n_out, width, n_hidden)
+    assert len(back) == len(weights)
+    assert all(torch.equal(b, w) for b, w in zip(back, weights, strict=True))
+    assert torch.equal(fused_params_from_linear(back), params)
+
+
+def test_fused_to_linear_refuses_a_padding_bias_unless_told():
+    # tcnn's xavier init fills the padding columns, which act on the constant-1 inputs.
+    net = FullyFusedMLP(5, 3, {"n_neurons": 32, "n_hidden_layers": 2}, backend="torch")
+    with pytest.raises(ValueError, match=r"^params: the first layer's padding columns 5\.\.15"):
+        linear_weights_from_fused(net.params, 5, 3, 32, 2)
+    weights = linear_weights_from_fused(net.params, 5, 3, 32, 2, drop_input_bias=True)
+    assert torch.equal(weights[0], net.layer_weights()[0][:, :5])
+    assert torch.equal(weights[2], net.layer_weights()[2][:3])
+    with pytest.raises(ValueError, match=r"^params: expected \[2048\]"):
+        linear_weights_from_fused(net.params[:-1], 5, 3, 32, 2)
+
+
+@pytest.mark.parametrize(
+    "weights, match",
+    [
+        ([torch.zeros(32, 5)], r"^weights: expected at least 2"),
+        ([torch.zeros(24, 5), torch.zeros(3, 24)], r"^weights\[0\]: FullyFusedMLP supports"),
+        ([torch.zeros(32, 5), torch.zeros(3, 16)], r"^weights\[1\]: expected \[\*, 32\]"),
+        ([torch.zeros(32, 5), torch.zeros(16, 32), torch.zeros(3, 32)], r"^weights\[1\]"),
+        ([torch.zeros(32, 5), torch.zeros(3)], r"^weights\[1\]: expected a 2-D"),
+    ],
+)
+def test_linear_to_fused_refuses_chains_tcnn_cannot_hold(weights, match):
+    with pytest.raises(ValueError, match=match):
+        fused_params_from_linear(weights)
+
+
+@pytest.mark.parametrize("n_in", [5, 32])
+def test_converted_network_computes_the_linear_mlp_up_to_half_arithmetic(n_in):
+    weights = _linear_weights(n_in, 3, 32, 2)
+    x = torch.rand(300, n_in, generator=torch.Generator().manual_seed(1))
+    exact = x.double()
+    for i, w in enumerate(weights):
+        exact = exact @ w.double().t()
+        exact = torch.relu(exact) if i < len(weights) - 1 else exact
+    net = FullyFusedMLP(n_in, 3, {"n_neurons": 32, "n_hidden_layers": 2}, backend="torch")
+    with torch.no_grad():
+        net.params.copy_(fused_params_from_linear(weights))
+    # The fused network rounds to half (inputs, weights, accumulators): the stated first-order
+    # bound of the model's roundings, elementwise (fused_mlp_reference.forward_error_bound).
+    bound = torch.from_numpy(ref.forward_error_bound([w.numpy() for w in weights], x.numpy()))
+
+    def within_bound() -> bool:
+        error = (net(x).detach().double() - exact).abs()
+        assert float(error.max()) > 0  # half arithmetic did round: the bound is what is tested
+        return bool((error <= bound).all())
+
+    assert within_bound()
+    # The bound is tight enough to catch a wrong layout (measured: 4-13x over it).
+    with torch.no_grad():
+        net.layer_weights()[1].copy_(weights[1].t())
+    assert not within_bound()
+    if n_in % 16:  # padding that is not zero is a bias on the constant-1 inputs
+        with torch.no_grad():
+            net.params.copy_(fused_params_from_linear(weights))
+            net.layer_weights()[0][:, n_in:] = 0.05
+        assert not within_bound()

@@ -5,12 +5,13 @@ import copy
 import math
 from pathlib import Path
 
+import fused_mlp_reference as ref
 import numpy as np
 import pytest
 import torch
 from conftest import TOL, load_benchmark
 
-from mptex import MLPTexture3D, PrecisionPolicy, PrecisionStepper
+from mptex import MLPTexture3D, PrecisionPolicy, PrecisionStepper, convert_state_dict
 from mptex.encoding import HashGridEncoding
 from mptex.texture import NVDIFFREC_ENCODER_CONFIG
 
@@ -325,6 +326,69 @@ def test_nvdiffrec_equivalence_outputs_and_gradients():
     (f32.sample(texc) * cotangent).sum().backward()
     ratio = grads_o[0].norm() / f32.encoder.params.grad.norm()
     assert ratio.item() == pytest.approx(128.0, rel=1e-2)
+
+
+def test_nvdiffrec_checkpoint_loads_into_the_fused_layout():
+    aabb = torch.tensor(AABB)
+    min_max = torch.tensor([[0.0, 0.2, -1.0], [1.0, 0.8, 1.0]])
+    theirs = _NvdiffrecTexture(aabb, 3, 32, 2, min_max, SMALL)  # 8 features: padded to 16
+    with torch.no_grad():
+        theirs.encoder.params.uniform_(-1, 1)
+    checkpoint = theirs.state_dict()
+    fused = MLPTexture3D(aabb, 3, 32, 2, min_max, precision="tcnn_fused", encoder=SMALL,
+                         backend="torch")  # fmt: skip
+    assert list(fused.state_dict()) == ["encoder.params", "net.net.params"]
+    converted = convert_state_dict(checkpoint, fused)
+    fused.load_state_dict(converted, strict=True)
+    assert torch.equal(fused.encoder.params, checkpoint["encoder.params"])
+
+    texc = _points(500)
+    with torch.no_grad():
+        expected = theirs.sample(texc)
+        got = fused.sample(texc)
+        unit = ((texc - aabb[0]) / (aabb[1] - aabb[0])).clamp(0, 1)
+        features = theirs.encoder(unit).float()  # the same half features feed both networks
+    # The MLP output differs by the fused network's half arithmetic, at most the model's
+    # first-order rounding bound (fused_mlp_reference.forward_error_bound; the f32 MLP's own
+    # error is 2^13 times smaller); the sigmoid's slope is at most 1/4, times the output range.
+    weights = [checkpoint[f"net.net.{i}.weight"].numpy() for i in (0, 2, 4)]
+    bound = torch.from_numpy(ref.forward_error_bound(weights, features.numpy()))
+    bound = bound.float() * (min_max[1] - min_max[0]) / 4
+    assert bool(((got - expected).abs() <= bound).all())
+    assert not torch.equal(got, expected)  # two arithmetics, as the bound says
+
+
+def test_state_dict_layouts_round_trip():
+    linear = _texture("f32")
+    fused = MLPTexture3D(AABB, precision="tcnn_fused", encoder=SMALL, backend="torch")
+    fused.load_state_dict(convert_state_dict(linear.state_dict(), fused))
+    back = MLPTexture3D(AABB, precision="nvdiffrec", encoder=SMALL, backend="torch")
+    restored = convert_state_dict(fused.state_dict(), back)
+    assert list(restored) == list(linear.state_dict())
+    for key, value in linear.state_dict().items():
+        assert torch.equal(restored[key], value), key
+    same = convert_state_dict(linear.state_dict(), back)  # one layout: a copy
+    assert same.keys() == linear.state_dict().keys()
+    # tcnn's own init fills the padding columns (a bias nvdiffrec's _MLP has not).
+    with pytest.raises(ValueError, match="^params: the first layer's padding"):
+        convert_state_dict(MLPTexture3D(AABB, precision="tcnn_fused", encoder=SMALL).state_dict(),
+                           back)  # fmt: skip
+
+
+def test_state_dict_conversion_errors_name_the_problem():
+    fused = MLPTexture3D(AABB, precision="tcnn_fused", encoder=SMALL, backend="torch")
+    linear = _texture("f32").state_dict()
+    narrow = _texture("f32", internal_dims=16).state_dict()
+    cases = [
+        ({"encoder.params": linear["encoder.params"]}, "^state_dict: no MLP weights"),
+        ({**linear, "net.net.params": torch.zeros(3)}, "^state_dict: holds both layouts"),
+        (narrow, r"^state_dict: its MLP has .* = \(8, 3, 16, 2\), the texture's is "
+                 r"\(8, 3, 32, 2\)"),
+        ({**linear, "net.net.0.bias": torch.zeros(32)}, "^state_dict: net.net.0.bias: tcnn"),
+    ]  # fmt: skip
+    for state_dict, match in cases:
+        with pytest.raises(ValueError, match=match):
+            convert_state_dict(state_dict, fused)
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")

@@ -381,7 +381,9 @@ def stage_env(ctx: StageContext) -> None:
         env[dist] = version if imported is not None else f"not importable: {why}"
     manifest = Path(ctx.args.kit or "", "manifest.json")
     if ctx.args.kit and manifest.is_file():
-        env["kit"] = json.loads(manifest.read_text())
+        kit = json.loads(manifest.read_text())
+        env["kit"] = {k: kit.get(k) for k in ("commit", "dirty", "packed")}
+        ctx.result["kit_files"] = kit.get("files")
     ctx.result["data"] = env
     ctx.table(
         "Environment",
@@ -494,8 +496,6 @@ def stage_raster(ctx: StageContext) -> None:
         ctx.result["data"]["note"] = "no mesh file given (--mesh, or the kit's duck)"
     if not all(r["ok"] for r in rows):
         ctx.result["failed_checks"] = [r["mesh"] for r in rows if not r["ok"]]
-
-
 
 
 def _compose(overrides: list[str]):

@@ -18,9 +18,10 @@ to continue (``train.resume=auto``). In a submitit job (``hydra/launcher=submiti
 submitit after the checkpoint, which requeues the job (exit 144 under ``submitit_local``), and
 the other stop signals end the job normally, so the sweep's report lists it.
 
-The configs are read from the ``configs/`` folder next to the ``mptex`` package, i.e. from a
-source checkout or an editable install (``pip install -e .``); they are deliberately not package
-data, because users edit them and ``experiments/`` sits beside them (see the README).
+The configs are ``configs/`` and ``experiments/`` at the top of a source checkout (an editable
+install reads them there), shipped inside the package by a wheel install (:mod:`mptex._paths`),
+so ``mptex-train`` runs from any folder. Add your own groups with Hydra's ``--config-dir DIR``
+(e.g. a precision search's result: ``DIR/precision/<name>.yaml``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from mptex._paths import CONFIG_DIR, EXPERIMENTS_DIR
 from mptex.scenes.assets import suite_path
 
 __all__ = [
@@ -44,10 +46,6 @@ __all__ = [
     "train_main",
 ]
 
-# configs/ and experiments/ at the repository root, next to the package (source checkout or
-# editable install).
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-EXPERIMENTS_DIR = CONFIG_DIR.parent / "experiments"
 
 _PROG = "mptex-train"
 # mptex-train's exit statuses (module docstring).
@@ -147,8 +145,7 @@ def _search(cfg, run_dir: Path) -> None:
     print(f"{_PROG}: precision search: certified {summary['certified']} "
           f"(PSNR - PSNR(f32) {interval}, seeds {summary['seeds']}); "
           f"{budget['runs']} runs, {budget['search_wall_s']:.0f} s")  # fmt: skip
-    print(f"{_PROG}: mptex-train precision={summary['name']} runs it "
-          f"({summary['result_config']})")  # fmt: skip
+    print(f"{_PROG}: {summary['reproduce']} trains it ({summary['result_config']})")
     print(f"{_PROG}: report in {run_dir / 'search.md'}")
 
 
@@ -226,8 +223,8 @@ def train_main() -> None:
     _reproducible_blas()
     if not (CONFIG_DIR / "config.yaml").is_file():
         _error(
-            f"configs not found at {CONFIG_DIR}; mptex-train needs a source checkout or an "
-            "editable install (pip install -e .) so that configs/ sits next to the mptex package"
+            f"configs not found at {CONFIG_DIR}: this mptex is neither a wheel install "
+            "(mptex/configs) nor a source checkout (configs/ beside mptex/); reinstall it"
         )
         sys.exit(2)
     import hydra

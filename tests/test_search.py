@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -182,11 +183,11 @@ _TINY = [
 ]  # fmt: skip
 
 
-def _cfg(tmp_path: Path, *overrides: str):
+def _cfg(tmp_path: Path, *overrides: str, config_dir: bool = True):
     register_experiments()
+    where = [f"search.config_dir={tmp_path / 'cfg'}"] if config_dir else []
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose("config", overrides=["+experiment=precision_search", *_TINY,
-                                            f"search.config_dir={tmp_path / 'cfg'}",
+        return compose("config", overrides=["+experiment=precision_search", *_TINY, *where,
                                             *overrides])  # fmt: skip
 
 
@@ -198,7 +199,8 @@ def _psnrs(summary):
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("search")
-    summary = run_search(_cfg(tmp), tmp / "out")
+    # search.config_dir left at its default: the result goes into the search's own folder
+    summary = run_search(_cfg(tmp, config_dir=False), tmp / "out")
     return tmp, summary
 
 
@@ -214,16 +216,18 @@ def test_search_writes_a_result_that_trains_and_reproduces_its_psnr(searched):
     # every trained candidate is a kept one, screened at the first seed
     assert all("0" in r["runs"] for r in summary["candidates"])
     path = Path(summary["result_config"])
-    assert path == tmp / "cfg" / "precision" / "tiny_search.yaml"
+    assert path == out / "configs" / "precision" / "tiny_search.yaml"
     assert path.read_text().startswith("# Written by mptex's precision search")
-    # `mptex-train precision=tiny_search` composes it (its folder on the search path)...
+    assert not (CONFIG_DIR / "precision" / "tiny_search.yaml").exists()  # mptex's own: untouched
+    # `mptex-train --config-dir <out>/configs precision=tiny_search` composes it...
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         # the reproduction command the search prints: the quick experiment's protocol
         cfg = compose("config", overrides=["+experiment=quick", "precision=tiny_search",
-                                           f"hydra.searchpath=[file://{tmp / 'cfg'}]",
+                                           f"hydra.searchpath=[file://{out / 'configs'}]",
                                            *_TINY[:7]])  # fmt: skip
     assert summary["reproduce"].startswith(
-        "mptex-train +experiment=quick precision=tiny_search train.seed=0"
+        f"mptex-train --config-dir {out / 'configs'} +experiment=quick precision=tiny_search "
+        "train.seed=0"
     )
     row = next(r for r in summary["candidates"] if r["candidate"] == summary["certified"])
     assert Candidate.from_json(row).policy_dict("tiny_search") == dict(cfg.precision)
@@ -292,10 +296,21 @@ def test_mptex_train_runs_the_search_with_two_workers(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "precision search: certified" in done.stdout
-    assert "mptex-train precision=tiny_search runs it" in done.stdout
+    assert (f"mptex-train --config-dir {tmp_path / 'cfg'} +experiment=quick precision=tiny_search "
+            "train.seed=0") in done.stdout
     summary = json.loads((tmp_path / "out" / "search.json").read_text())
     assert summary["budget"]["workers"] == 2 and summary["budget"]["trained"] >= 4
     assert math.isfinite(summary["budget"]["search_wall_s"])
+    # The printed command runs as printed (a few iterations: the command is what is tested).
+    again = shlex.split(summary["reproduce"])
+    assert again[0] == "mptex-train"
+    rerun = subprocess.run([*cmd[:3], *again[1:], "train.iterations=2", "train.val_interval=1",
+                            f"hydra.run.dir={tmp_path / 'rerun'}"],
+                           capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert rerun.returncode == 0, rerun.stderr
+    assert json.loads((tmp_path / "rerun" / "metrics.json").read_text())["precision"] == (
+        "tiny_search"
+    )
     bad = subprocess.run([*cmd[:-1], "search.certify_seeds=1", f"hydra.run.dir={tmp_path}/b"],
                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert bad.returncode == 2

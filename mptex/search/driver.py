@@ -28,8 +28,9 @@ config (``train`` group) with one candidate as the ``precision`` group:
    ``max_certify`` candidates are tried. If none certifies the answer is f32 itself.
 8. **Output** in the search directory: ``search.json`` (every candidate: stage, cost, runs, Δ,
    interval, verdict; the pruned list; the budget), ``search.md`` (the report section) with
-   ``pareto.png``, and ``precision/<name>.yaml`` under ``search.config_dir`` (default: mptex's
-   ``configs/``), which ``mptex-train precision=<name>`` runs.
+   ``pareto.png``, and ``precision/<name>.yaml`` under ``search.config_dir`` (default: the
+   search directory's ``configs/``; nothing is written into mptex's own configs), which
+   ``mptex-train --config-dir <config dir> precision=<name>`` runs.
 
 Runs live in ``<search dir>/runs/<candidate>/seed<k>/``; a run whose ``metrics.json`` says
 completed or diverged is read back instead of trained again, so the same command continues an
@@ -43,6 +44,7 @@ import itertools
 import json
 import math
 import os
+import shlex
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -76,7 +78,7 @@ SEARCH_DEFAULTS: dict[str, Any] = {
     "threads": 1,  # torch threads per run
     "space": {},
     "cost": {"gpu": "h100", "points": None, "texture": None},
-    "config_dir": None,  # where precision/<name>.yaml is written; null: mptex's configs/
+    "config_dir": None,  # where precision/<name>.yaml is written; null: <search dir>/configs
 }
 _HEADER = "# Written by mptex's precision search"
 _DONE = ("completed", "diverged")
@@ -350,7 +352,7 @@ def _cost_texture(settings: Mapping[str, Any], full: Mapping[str, Any]) -> dict[
         return full
     from omegaconf import OmegaConf
 
-    from mptex.cli import CONFIG_DIR
+    from mptex._paths import CONFIG_DIR
 
     path = CONFIG_DIR / "texture" / f"{name}.yaml"
     if not path.is_file():
@@ -358,10 +360,10 @@ def _cost_texture(settings: Mapping[str, Any], full: Mapping[str, Any]) -> dict[
     return {"texture": OmegaConf.to_container(OmegaConf.load(path), resolve=True)}
 
 
-def _result_path(settings: Mapping[str, Any], name: str) -> Path:
-    from mptex.cli import CONFIG_DIR
-
-    root = Path(settings["config_dir"]) if settings["config_dir"] else CONFIG_DIR
+def _result_path(settings: Mapping[str, Any], name: str, out: Path) -> Path:
+    """``<config dir>/precision/<name>.yaml``: ``search.config_dir``, by default the search
+    directory's ``configs/``, never mptex's own configs (``mptex-train --config-dir`` adds it)."""
+    root = Path(settings["config_dir"]) if settings["config_dir"] else out / "configs"
     return root / "precision" / f"{name}.yaml"
 
 
@@ -457,7 +459,7 @@ def run_search(cfg: Mapping[str, Any], out: str | os.PathLike) -> dict[str, Any]
     base["train"] = dict(full["train"])
     scene_name = str(full["scene"].get("name", "scene"))
     name = settings["name"] or f"search_{scene_name}"
-    result_path = _result_path(settings, name)
+    result_path = _result_path(settings, name, out)
     _check_result_path(result_path)
     record = _settings_record(settings, full)
     _check_dir(out, record)
@@ -669,7 +671,7 @@ def _summarise(state: _State, certified: Candidate) -> dict[str, Any]:
     return {
         "name": state.name,
         "scene": summary_scene,
-        "reproduce": _reproduce(state.name, seeds[0]),
+        "reproduce": _reproduce(state.name, seeds[0], state.result_path.parents[1]),
         "result_config": str(state.result_path),
         "certified": certified.name,
         "certified_is_reference": certified == ref,
@@ -701,7 +703,7 @@ def _summarise(state: _State, certified: Candidate) -> dict[str, Any]:
     }
 
 
-def _reproduce(name: str, seed: int) -> str:
+def _reproduce(name: str, seed: int, config_dir: Path) -> str:
     """The command that trains the result as the search did: the quick experiment has the
     search's protocol (train=ablation, 300 iterations, the output margin, 1 thread); the
     search's own scene/train/texture overrides are repeated."""
@@ -718,7 +720,8 @@ def _reproduce(name: str, seed: int) -> str:
     except ValueError:  # not under Hydra (a direct call): no overrides to repeat
         pass
     return " ".join(
-        ["mptex-train +experiment=quick", f"precision={name}", f"train.seed={seed}", *extra]
+        ["mptex-train", "--config-dir", shlex.quote(str(config_dir)), "+experiment=quick",
+         f"precision={name}", f"train.seed={seed}", *extra]  # fmt: skip
     )
 
 

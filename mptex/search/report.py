@@ -145,8 +145,9 @@ def write_search_report(out: str | os.PathLike, summary: Mapping[str, Any]) -> P
             )
     lines += [
         "",
-        f"`mptex-train precision={summary['name']}` runs it (`{summary['result_config']}`); "
-        f"with the search's protocol and seed {seeds[0]}: `{summary['reproduce']}`.",
+        f"`{summary['reproduce']}` trains it with the search's protocol and seed {seeds[0]} "
+        f"(its config: `{summary['result_config']}`; `--config-dir` adds the search's "
+        "`configs/` to mptex's, so `precision=` finds it).",
         "",
         f"Method: every candidate trains with this config's protocol; screens run one seed "
         f"({seeds[0]}) and pass when |Δ| <= {summary['screen_db']} dB (Δ = PSNR − PSNR(f32), "

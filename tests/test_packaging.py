@@ -1,0 +1,88 @@
+"""mptex as a wheel: it lists every package, ships its configs, and runs from any folder."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_pyproject_lists_every_package_and_maps_the_configs():
+    setuptools = _pyproject()["tool"]["setuptools"]
+    found = {
+        ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "mptex").rglob("__init__.py")
+    }
+    listed = set(setuptools["packages"])
+    assert found <= listed, f"packages missing from pyproject.toml: {sorted(found - listed)}"
+    assert listed - found == {"mptex.configs", "mptex.experiments"}
+    assert setuptools["package-dir"] == {
+        "mptex.configs": "configs",
+        "mptex.experiments": "experiments",
+    }
+    # every config file is matched by the package-data globs (at most two folders deep)
+    deepest = max(
+        len(p.relative_to(ROOT / "configs").parts) for p in ROOT.glob("configs/**/*.yaml")
+    )
+    assert deepest <= 3
+
+
+def test_config_dirs_of_a_checkout_are_beside_the_package():
+    from mptex._paths import CONFIG_DIR, EXPERIMENTS_DIR
+
+    assert CONFIG_DIR == ROOT / "configs" and EXPERIMENTS_DIR == ROOT / "experiments"
+
+
+@pytest.mark.slow
+def test_a_wheel_install_runs_the_main_job_from_an_empty_folder(tmp_path):
+    # Build the wheel, install it (alone: its dependencies come from this environment) into a
+    # fresh venv, and run the quick experiment, at test size, from a folder that is not the
+    # checkout: the configs and experiments must come from inside the installed package.
+    wheels = tmp_path / "wheels"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(wheels), str(ROOT)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stderr[-2000:]
+    (wheel,) = wheels.glob("mptex-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    python, train = venv / "bin" / "python", venv / "bin" / "mptex-train"
+    install = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert install.returncode == 0, install.stderr[-2000:]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = {**os.environ, "OMP_WAIT_POLICY": "passive", "PYTHONPATH": ""}
+    where = subprocess.run(
+        [str(python), "-c", "import mptex, mptex._paths as p; print(mptex.__file__); "
+         "print(p.CONFIG_DIR); print(p.EXPERIMENTS_DIR)"],
+        cwd=empty, env=env, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    assert [Path(p) for p in where] == [
+        site / "site-packages" / "mptex" / "__init__.py",
+        site / "site-packages" / "mptex" / "configs",
+        site / "site-packages" / "mptex" / "experiments",
+    ]
+    small = ["precision=f32", "train.seed=0", "train.iterations=2", "train.val_interval=1",
+             "train.n_val_images=1", "scene.resolution=24", "scene.n_train_views=2",
+             "scene.n_val_views=1", "hydra.sweep.dir=sweep"]  # fmt: skip
+    run = subprocess.run([str(train), "-m", "+experiment=quick", *small], cwd=empty, env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    (metrics,) = (empty / "sweep").glob("*/metrics.json")
+    assert json.loads(metrics.read_text())["status"] == "completed"
+    assert (empty / "sweep" / "report.md").is_file()
+    assert sorted(p.name for p in empty.iterdir()) == ["sweep"]  # nothing else written here

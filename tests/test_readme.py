@@ -1,11 +1,13 @@
-"""The README's examples run as written.
+"""The README's and the docs' examples run as written.
 
-Every fenced block tagged ``bash``, ``sh`` or ``python`` in README.md is an example and carries
-a marker on the line before it (blank lines between are allowed):
+Every fenced block tagged ``bash``, ``sh`` or ``python`` in README.md and in the docs pages
+(``docs/**/*.md``) is an example and carries a marker on the line before it (blank lines between
+are allowed):
 
-* ``<!-- runnable -->``: run by :func:`test_runnable_block_runs`, in README order, in one
-  temporary directory (a reader follows the README top to bottom, so a later block may use an
-  earlier block's output);
+* ``<!-- runnable -->``: run by :func:`test_runnable_block_runs`, in reading order (README.md,
+  then the docs pages in the order of mkdocs.yml's nav, then pages outside the nav), in one
+  temporary directory (a reader follows the pages in order, so a later block may use an earlier
+  block's output: the export guide exports the run the training page made);
 * ``<!-- not runnable: <reason> -->``: not run (it installs packages, needs a GPU or a
   cluster, ...); the reason is required.
 
@@ -16,7 +18,7 @@ The runnable blocks run against this checkout: ``mptex-train``, ``mptex-report``
 every ``mptex-train`` call gets :data:`SMALL` (every ``mptex-export`` call
 :data:`SMALL_EXPORT`), replacing the same keys the command sets, so that each command
 finishes in seconds: the test checks that the command as written composes, runs and exits 0,
-not the numbers it would give at full size (the README states those sizes and times).
+not the numbers it would give at full size (the pages state those sizes and times).
 """
 
 from __future__ import annotations
@@ -31,6 +33,29 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+
+
+def _nav_pages(node) -> list[str]:
+    """The pages of mkdocs.yml's nav, in order."""
+    if isinstance(node, str):
+        return [node]
+    if isinstance(node, dict):
+        return [p for value in node.values() for p in _nav_pages(value)]
+    return [p for item in node for p in _nav_pages(item)]
+
+
+def pages() -> list[Path]:
+    """README.md, the docs pages in nav order, then the pages outside the nav, sorted."""
+    import yaml
+
+    nav = [
+        ROOT / "docs" / p
+        for p in _nav_pages(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])
+    ]
+    rest = sorted(set((ROOT / "docs").rglob("*.md")) - set(nav))
+    # a nav entry without its file is tests/test_docs.py's failure (mkdocs build --strict)
+    return [README, *(p for p in nav if p.is_file()), *rest]
+
 
 # Appended to every mptex-train call of a runnable block (a key the command also sets is
 # replaced): few iterations, small views, one seed.
@@ -112,12 +137,17 @@ def _shims(bin_dir: Path) -> None:
         path.chmod(0o755)
 
 
-def test_every_example_block_is_marked():
-    blocks = readme_blocks(README.read_text())
-    assert len(blocks) >= 5
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_example_block_is_marked(page):
+    blocks = readme_blocks(page.read_text())
     unmarked = [b["line"] for b in blocks if b["marker"] is None]
-    assert not unmarked, f"README.md blocks without a runnable / not runnable marker: {unmarked}"
-    assert any(b["marker"] == "runnable" for b in blocks)
+    assert not unmarked, f"{page.name} blocks without a runnable / not runnable marker: {unmarked}"
+
+
+def test_the_readme_has_runnable_examples_and_stays_short():
+    blocks = readme_blocks(README.read_text())
+    assert len(blocks) >= 5 and any(b["marker"] == "runnable" for b in blocks)
+    assert len(README.read_text().splitlines()) <= 200  # a front page; depth lives in docs/
 
 
 def test_marker_parsing_on_a_hand_made_text():
@@ -136,7 +166,12 @@ def test_marker_parsing_on_a_hand_made_text():
     assert blocks[0]["code"] == "echo a" and blocks[2]["line"] == 13
 
 
-_RUNNABLE = [b for b in readme_blocks(README.read_text()) if b["marker"] == "runnable"]
+_RUNNABLE = [
+    {**b, "page": page}
+    for page in pages()
+    for b in readme_blocks(page.read_text())
+    if b["marker"] == "runnable"
+]
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +187,9 @@ def readme_env(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", _RUNNABLE, ids=[f"line{b['line']}" for b in _RUNNABLE])
+@pytest.mark.parametrize(
+    "block", _RUNNABLE, ids=[f"{b['page'].relative_to(ROOT)}:{b['line']}" for b in _RUNNABLE]
+)
 def test_runnable_block_runs(block, readme_env):
     work, env = readme_env
     if block["lang"] == "python":
@@ -163,5 +200,6 @@ def test_runnable_block_runs(block, readme_env):
                             timeout=300)  # fmt: skip
     if result.returncode != 0:
         output = f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-        pytest.fail(f"README.md block at line {block['line']} failed (exit {result.returncode}):"
+        pytest.fail(f"{block['page'].name} block at line {block['line']} failed "
+                    f"(exit {result.returncode}):"
                     f"\n{block['code']}\n{output}")  # fmt: skip

@@ -5,8 +5,9 @@ with; the scene is rebuilt from that config and validated with
 :func:`mptex.train.validation.evaluate` at each ``--val-spp`` (and, optionally, another number
 of validation views). Validation reads the texture under ``torch.no_grad`` and draws no random
 number, so ``--val-spp`` equal to the run's own reproduces its ``metrics.json`` PSNR to the
-last bit (checked and printed per run: ``own``). This is how docs/benchmarks.md scores the same
-checkpoints point-sampled and supersampled ("Real assets", tenth and eleventh rounds)::
+last bit (checked and printed per run: ``own``). This is how the same checkpoints were scored
+point-sampled and supersampled (docs/archive/supersampled-validation.md,
+docs/archive/torus-lost-side.md)::
 
     python benchmarks/rescore.py outputs/2026-11-26/*/ --val-spp 1 4
     python benchmarks/rescore.py runs/torus_s* --val-spp 4 --json torus.json

@@ -213,7 +213,7 @@ def _reproducible_blas() -> None:
     # MKL's strict conditional numerical reproducibility: its GEMMs return the same bits for any
     # thread count. Without it torch's CPU matmuls split the reduction over points between
     # threads, so 1 and 2 threads gave different MLP weight gradients, and a training run
-    # amplifies such differences (docs/benchmarks.md, "Measurement protocol"). MKL reads the
+    # amplifies such differences (docs/archive/thread-count.md). MKL reads the
     # variable at its first call, hence here, before any tensor work; a user's value is kept.
     os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 

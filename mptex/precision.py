@@ -140,8 +140,8 @@ def grid_gradient_factor(loss_scaling: str, static_loss_scale: float) -> float:
 
     Adam is invariant to a constant factor on a gradient except through epsilon, so the grid's
     *effective* epsilon is ``adam_eps / factor``: two arms whose factors differ also differ in
-    how much epsilon damps the grid's small steps (docs/benchmarks.md, "Real assets", "Eleventh
-    round": on the torus that alone is +0.29 dB). The report names it under a comparison.
+    how much epsilon damps the grid's small steps (docs/archive/adam-epsilon.md: on the
+    real-asset torus that alone is +0.29 dB). The report names it under a comparison.
 
     Args:
         loss_scaling: the policy's ``loss_scaling`` (:data:`LOSS_SCALING_MODES`).

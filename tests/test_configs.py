@@ -81,7 +81,8 @@ def test_real_assets_sweeps_the_suite_with_the_protocol():
     assert (cfg.train.mlp_lr_scale, cfg.train.mlp_lr_ramp_to) == (0.1, 0.4)
     assert list(map(list, cfg.texture.min_max)) == [[-0.01] * 3, [1.01] * 3]
     assert (cfg.scene.name, cfg.scene.n_val_views, cfg.scene.n_train_views) == ("duck", 64, 256)
-    # 2^17 hash entries per level and Adam's beta2 at 0.99 (fourteenth round): the rest of the
+    # 2^17 hash entries per level and Adam's beta2 at 0.99 (docs/archive/hash-table-size.md,
+    # docs/archive/adam-beta2.md): the rest of the
     # grid is texture=cpu's, unchanged.
     assert cfg.texture.encoder.log2_hashmap_size == 17 and list(cfg.train.betas) == [0.9, 0.99]
     assert (cfg.texture.encoder.n_levels, cfg.texture.encoder.base_resolution) == (12, 16)

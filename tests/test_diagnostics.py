@@ -300,7 +300,7 @@ def test_training_sized_gradients_flag_the_grid_without_x128():
 
 
 def test_training_sized_gradients_flag_the_arm_without_loss_scaling():
-    """Issue 13: by default the cotangent is as small as training's (~1e-5), where f16
+    """By default the cotangent is as small as training's (~1e-5), where f16
     gradients without loss scaling fall into the subnormal range; f16_dynamic's scale saves
     them."""
     naive = compare_setups("small", "f32", "f16_naive", points=1024, seed=0)

@@ -1,4 +1,4 @@
-"""Issue 13: faults and bad input. Nothing is corrupted, every error is one line naming the key
+"""Faults and bad input. Nothing is corrupted, every error is one line naming the key
 or the file, exit code 2 for bad input, and a run killed at any moment resumes to a complete,
 valid result.
 

@@ -81,8 +81,9 @@ def test_orbit_and_random_views():
 
 
 def test_a_denser_orbit_contains_the_sparser_one_bit_for_bit():
-    # experiments/real_assets.yaml validates 64 orbit views; docs/benchmarks.md reads the
-    # 8-view protocol's PSNR from the same runs as every 8th view, which needs equal cameras.
+    # experiments/real_assets.yaml validates 64 orbit views; docs/archive/validation-views.md
+    # reads the 8-view protocol's PSNR from the same runs as every 8th view, which needs equal
+    # cameras.
     dense, sparse = orbit_views(64), orbit_views(8)
     assert torch.equal(dense.mv[::8], sparse.mv)
     assert torch.equal(dense.mvp[::8], sparse.mvp)

@@ -207,7 +207,7 @@ def _headline(text):
 
 
 def test_headline_never_names_an_arm_the_interval_calls_worse(tmp_path):
-    # The issue's contradiction: the fastest arm was named "within 0.1 dB" although its own
+    # A contradiction once seen: the fastest arm was named "within 0.1 dB" although its own
     # difference said otherwise. Here the fastest arm (bf16) is clearly worse, the next fastest
     # (amp) is inconclusive (spread too wide): neither may be named; nvdiffrec is better.
     _three_seeds(tmp_path, "f32", [40.0, 41.0, 42.0], t=0.30)
@@ -359,7 +359,7 @@ def test_completed_without_psnr_is_counted_as_diverged(tmp_path):
     _write(tmp_path, "0", _metrics("f32", 0, psnr=30.0))
     _write(tmp_path, "1", _metrics("f32", 1, psnr=32.0))
     bad = _metrics("f32", 2, psnr=31.0)
-    bad["psnr"] = None  # an older loop's "completed, psnr null" with NaN weights (issue 13)
+    bad["psnr"] = None  # an older loop's "completed, psnr null" with NaN weights
     _write(tmp_path, "2", bad)
     (row,) = summarize(collect_runs(tmp_path))
     assert row["completed"] == 2 and row["diverged"] == 1 and row["n_runs"] == 3
@@ -647,6 +647,9 @@ def test_an_arm_with_another_grid_epsilon_is_named_under_the_table(tmp_path):
     (line,) = [x for x in text.splitlines() if x.startswith("- Not precision alone")]
     assert "`nvdiffrec` runs Adam on the grid with an effective epsilon of 7.81e-11" in line
     assert "`f32`'s 1e-08" in line and "`train.adam_eps=1e-15`" in line and "(x128)" in line
+    # the measurement it cites is a page of the docs
+    assert "(docs/archive/adam-epsilon.md: +0.29 dB" in line
+    assert (Path(__file__).resolve().parents[1] / "docs/archive/adam-epsilon.md").is_file()
     summary = json.loads((tmp_path / "results.json").read_text())["summary"]
     assert {r["precision"]: r["grid_adam_eps"] for r in summary}["nvdiffrec"] == [7.8125e-11]
 
@@ -679,7 +682,7 @@ def _validated(psnrs, stuck, baseline=13.36, iterations=2400):
 def test_a_plateau_held_by_stuck_pixels_above_the_baseline_is_a_collapse(tmp_path):
     from mptex.report.collapse import classify_collapse
 
-    # tcnn_fused on the real-asset torus, seed 1 (docs/benchmarks.md, twelfth round)
+    # tcnn_fused on the real-asset torus, seed 1 (docs/archive/collapse-rule.md)
     got = classify_collapse(_validated([20.03, 20.04, 20.04], stuck=0.1616))
     assert got["rule"] == "plateau, stuck" and got["stuck_channel"] == 2
     assert got["reason"] == ("16% of covered pixels stuck in channel 2 (since iteration 800), "

@@ -1,4 +1,4 @@
-"""Issue 21: cluster faults. A stop signal (Slurm's SIGTERM on preemption or scancel, a
+"""Cluster faults. A stop signal (Slurm's SIGTERM on preemption or scancel, a
 pre-timeout SIGUSR1/SIGUSR2, Ctrl-C) and a full disk lose nothing.
 
 Stop signals go through the real ``mptex-train`` in a subprocess, sent from outside at a random

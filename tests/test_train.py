@@ -81,7 +81,7 @@ def test_every_cpu_arm_writes_complete_metrics(tmp_path, arm):
     m = read_metrics(tmp_path)
     assert set(m) == set(mtrain.METRICS_KEYS)
     if arm == "f16_naive":
-        # Measured on the precision branch (docs/benchmarks_precision.md): f16 Adam state
+        # Measured (docs/benchmarks.md, "Precision arms"): f16 Adam state
         # underflows (eps = 1e-8 rounds to 0) and the parameters turn NaN at the first step; the
         # stepper's check after that step ends the run there. That is this arm's finding:
         # recorded, not a crash, and no checkpoint holds the NaN weights.

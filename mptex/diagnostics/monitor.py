@@ -135,7 +135,7 @@ class PrecisionMonitor:
                                     (the texture's MLP output, before the sigmoid) with
                                     ``|z| > 8`` (:data:`~mptex.diagnostics.saturation.
                                     SATURATION_LOGIT`): the sigmoid's gradient there is below
-                                    3.4e-4 (issue 19; the validation's ``stuck_fraction`` says
+                                    3.4e-4 (the validation's ``stuck_fraction`` says
                                     which of them are also wrong)
     ``loss_scale``, ``skipped``     from the :class:`~mptex.StepResult` (scale after the update)
     ``iteration``

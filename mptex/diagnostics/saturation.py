@@ -1,5 +1,5 @@
-"""Output-sigmoid saturation of an :class:`~mptex.MLPTexture3D` (issue 19): which fraction of the
-texture's logits sit where the sigmoid is flat, and which of those are also wrong ("stuck").
+"""Output-sigmoid saturation of an :class:`~mptex.MLPTexture3D`: which fraction of the texture's
+logits sit where the sigmoid is flat, and which of those are also wrong ("stuck").
 
 The texture's output is ``lo + sigmoid(z) * (hi - lo)`` per channel, ``z`` the MLP's logit. The
 gradient through the sigmoid is ``sigmoid'(z) = s (1 - s)``: 0.25 at ``z = 0``, 3.4e-4 at
@@ -25,13 +25,13 @@ __all__ = ["SATURATION_LOGIT", "STUCK_TOLERANCE", "saturated_counts", "saturatio
 # |z| > 8: sigmoid'(z) < 3.4e-4 (1/740 of its peak 0.25) and the output is within 3.4e-4 of its
 # rail, closer than one 8-bit sRGB level over most of the range (near 0, sRGB's slope of 12.92
 # puts it at ~1.1 levels): the channel is at the rail to display precision and its gradient is
-# almost gone. The issue's threshold.
+# almost gone.
 SATURATION_LOGIT = 8.0
 # A saturated value counts as wrong when it differs from the reference by more than this, in the
 # texture's linear output space: 0.1 is 10 % of the [0, 1] range, far beyond what a fit of a
 # near-black or near-white reference leaves (a reference within 0.1 of a rail is fitted by a
 # saturated logit legitimately), and well inside the gap of a channel pinned at the wrong rail
-# (the issue's duck: blue pinned at 0 where the reference is white).
+# (the duck's eye: blue pinned at 0 where the reference is white, docs/archive/loss-function.md).
 STUCK_TOLERANCE = 0.1
 
 

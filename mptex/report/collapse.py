@@ -1,10 +1,11 @@
-"""Naming a collapse (issue 19): a completed run whose texture output saturated at the wrong
+"""Naming a collapse: a completed run whose texture output saturated at the wrong
 colour, or whose PSNR sat on a plateau below the constant-colour baseline or held there by stuck
 pixels.
 
-Such a run says nothing about precision: the same collapse happens in f32 (the issue's duck: every
-covered pixel (1, 1, 0)), so the report counts it apart from the completed runs and leaves it out
-of the paired differences. The rule (:func:`classify_collapse`, stated in every report.md):
+Such a run says nothing about precision: the same collapse happens in f32 (the duck under one
+learning rate: every covered pixel (1, 1, 0), docs/archive/mlp-learning-rate.md), so the report
+counts it apart from the completed runs and leaves it out of the paired differences. The rule
+(:func:`classify_collapse`, stated in every report.md):
 
 - **stuck**: the final ``saturation.stuck_fraction`` of metrics.json (covered validation pixels
   whose logit is past ±8 *and* whose value is more than 0.1 from the reference's) is at least
@@ -18,7 +19,7 @@ of the paired differences. The rule (:func:`classify_collapse`, stated in every 
   fraction at least :data:`STUCK_BELOW_BASELINE` (tcnn's fused network on the real-asset torus,
   seed 1: flat at 20.04 dB from iteration 800 of 2400, 16 % of the blue channel stuck, where
   the other seeds reach 57-58 dB; no f32 run of the real-asset protocol has had more than 0.06 %
-  stuck, docs/benchmarks.md, "Real assets", twelfth round).
+  stuck, docs/archive/collapse-rule.md).
 
 A metrics.json from before the saturation keys is judged by the plateau rule alone; a run
 without three validations in its history by the stuck rules alone. Nothing here reads tensors:
@@ -51,13 +52,14 @@ STUCK_COLLAPSED = 0.5
 # saturation is what holds it there (a slow but healthy run below the baseline is unsaturated).
 STUCK_BELOW_BASELINE = 0.1
 # Flat: within 0.2 dB, about the seed-to-seed spread of f32 under the measurement protocol
-# (0.19 dB, docs/benchmarks.md) and far below what a learning run gains between validations.
+# (0.19 dB, docs/archive/quick-experiment-length.md) and far below what a learning run gains
+# between validations.
 PLATEAU_DB = 0.2
 # At least three validations (two intervals), so that one quiet interval is no plateau.
 PLATEAU_MIN_VALIDATIONS = 3
 # Spanning at least half the run: the cosine schedule of the protocol slows every run near its
-# end, so a flat last stretch alone is expected; a collapse is flat from early on (the issue's
-# runs sat still from iteration ~10).
+# end, so a flat last stretch alone is expected; a collapse is flat from early on (the collapsed
+# duck runs of docs/archive/mlp-learning-rate.md sat still from iteration ~10).
 PLATEAU_MIN_SPAN = 0.5
 # The rule in one sentence, as report.md states it.
 RULE = (

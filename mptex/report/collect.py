@@ -47,7 +47,8 @@ __all__ = [
 # unreadable metrics.json is a failed run (its error says why, its path is listed).
 STATUSES = ("completed", "collapsed", "diverged", "failed", "unavailable")
 REFERENCE_ARM = "f32"
-# Table order: the reference first, then the issue's order of arms; unknown arms follow by name.
+# Table order: the reference first, then the registered arms in a fixed order; unknown arms
+# follow by name.
 ARM_ORDER = ("f32", "nvdiffrec", "f16_naive", "f16_static", "f16_dynamic", "amp", "bf16",
              "per_layer", "tcnn_fused")  # fmt: skip
 # Config keys that never separate rows. train.seed: seeds are what the statistics pair over.
@@ -226,7 +227,7 @@ def _read_yaml(path: Path) -> Any:
 
 def _reject_constant(name: str) -> Any:
     # json accepts NaN / Infinity by default; they are not JSON, and a report that read them
-    # would crash when it writes results.json (issue 13). Refuse them where they are read.
+    # would crash when it writes results.json. Refuse them where they are read.
     raise ValueError(f"{name} is not valid JSON (metrics.json must be strict JSON)")
 
 
@@ -273,7 +274,7 @@ def _read_job(job_dir: Path) -> dict[str, Any]:
         return run
     run.update({key: metrics.get(key) for key in RUN_FIELDS})
     # How many views the PSNR averages (scene.n_val_views): on few views a handful of edge
-    # pixels can decide it (docs/benchmarks.md, "Real assets", sixth round), so the report says.
+    # pixels can decide it (docs/archive/validation-views.md), so the report says.
     per_image = metrics.get("psnr_per_image")
     run["val_views"] = len(per_image) if isinstance(per_image, list) and per_image else None
     # ... and how each pixel is scored: train.val_spp (1, the default, also for runs older

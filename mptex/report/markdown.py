@@ -111,8 +111,8 @@ def _name(row: Mapping[str, Any]) -> str:
 
 # Adam epsilons on the grid at or below this were measured not to matter: nvdiffrec's arm (an
 # effective 1e-8 / 128) against itself at 1e-15, -0.03 [-0.18, +0.11] dB on the real-asset
-# torus, where the grid's sqrt(v) has median 2.3e-8 (docs/benchmarks.md, "Real assets",
-# eleventh round). Above it, two arms' different epsilons are named under the table.
+# torus, where the grid's sqrt(v) has median 2.3e-8 (docs/archive/adam-epsilon.md). Above it,
+# two arms' different epsilons are named under the table.
 NEGLIGIBLE_GRID_EPS = 1e-8 / 128
 
 
@@ -133,8 +133,8 @@ def _epsilon_lines(compared: Sequence[Mapping[str, Any]], ref: Mapping[str, Any]
             f"{' / '.join(f'{e:.3g}' for e in ref_eps)}: the arm leaves nvdiffrec's loss scale "
             f"(x{_fmt(ref_eps[0] / eps[0], 'g')}) on the grid's gradient, and Adam is invariant "
             "to that factor except through epsilon, which damps the grid's small steps "
-            "(docs/benchmarks.md, \"Real assets\", eleventh round: +0.29 dB on the torus by "
-            "itself). Its Δ holds both. To measure the precision alone, run every arm at "
+            "(docs/archive/adam-epsilon.md: +0.29 dB on the real-asset torus by itself). "
+            "Its Δ holds both. To measure the precision alone, run every arm at "
             "`train.adam_eps=1e-15`, where neither epsilon matters (`nvdiffrec_scale1` is no "
             "substitute: without the scale its f16 grid's gradient underflows)."
         )

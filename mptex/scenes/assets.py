@@ -1,5 +1,5 @@
-"""The real-asset suite (issue 19): textured OBJ meshes that users bring, of different character,
-on which the measurement protocol is checked (docs/benchmarks.md, "Real assets").
+"""The real-asset suite: textured OBJ meshes that users bring, of different character, on which
+the measurement protocol is checked (docs/benchmarks.md, "Real assets").
 
 The meshes are not part of mptex (nor of its repository): they come with the ``pybullet``
 package's ``pybullet_data`` folder (zlib licence for the package; the assets are its demo data),

@@ -107,7 +107,7 @@ def _param_groups(texture, mlp_lr_scale: float) -> list[dict[str, Any]]:
     """Adam's parameter groups: the hash grid (and anything else) at ``lr``, the MLP at
     ``lr * mlp_lr_scale``; each group's ``lr_scale`` is applied on top of the schedule.
 
-    Why a separate MLP rate (docs/benchmarks.md, "Real assets"): Adam moves every weight by about
+    Why a separate MLP rate (docs/archive/mlp-learning-rate.md): Adam moves every weight by about
     ``lr`` per step whatever its gradient's size, so a consistent gradient (a colour the
     sigmoid reaches only at an infinite logit) changes a ``32 x 32`` layer by a rank-one
     matrix of spectral norm ~``32 lr`` per step. Measured on the duck (f32, lr 0.03, one MLP
@@ -127,7 +127,7 @@ def mlp_rate_factor(settings: Mapping[str, Any], iteration: int) -> float:
     ``mlp_lr_ramp_to`` at ``mlp_lr_ramp_iter`` and constant after. A function of the iteration
     only, so a resumed run takes the same steps.
 
-    Why a ramp (docs/benchmarks.md, "Real assets"): the MLP's runaway towards saturated logits
+    Why a ramp (docs/archive/mlp-learning-rate.md): the MLP's runaway towards saturated logits
     happens in the first tens of steps; past them, with the output margin keeping every target
     at a finite logit, a larger MLP rate converges faster on every scene measured.
     """
@@ -399,7 +399,7 @@ def _train(
         lr=settings["lr"], betas=tuple(settings["betas"]), eps=settings["adam_eps"],
     )  # fmt: skip
     stepper = PrecisionStepper(policy, optimizer)
-    # Per-layer underflow/overflow statistics of the compute-dtype gradients (issue 7), sampled.
+    # Per-layer underflow/overflow statistics of the compute-dtype gradients, sampled.
     stats_every = settings["stats_interval"]
     monitor = PrecisionMonitor(texture, every=stats_every) if stats_every else None
     light_dir = light_direction(settings, device)
@@ -539,7 +539,7 @@ def _train(
             psnr_now = None if evaluated is None else evaluated["psnr"]
             history.append(_history_entry(completed, loss_value, psnr_now, result,
                                           settings["lr"] * factor, stats))  # fmt: skip
-            if evaluated is not None:  # the saturation curve: when it sets in (issue 19)
+            if evaluated is not None:  # the saturation curve: when it sets in
                 saturation = evaluated["saturation"]
                 history[-1].update(saturated_fraction=saturation["saturated_fraction"],
                                    stuck_fraction=saturation["stuck_fraction"])  # fmt: skip

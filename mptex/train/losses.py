@@ -33,7 +33,7 @@ def lr_schedule(
       warmup_iter)))``, from 1 down to 0 at ``iterations`` (``lr_decay`` is not used). The run
       ends at a rate near 0, so its last iterations settle instead of oscillating, and its
       final PSNR is a property of the arm rather than of where the last step landed
-      (docs/benchmarks.md, "Measurement protocol").
+      (docs/archive/lr-schedule.md).
 
     Args:
         iterations: the run's length; needed by ``"cosine"``.

@@ -25,9 +25,9 @@ def _device_name(device: torch.device) -> str:
     The capability (``torch.backends.cpu.get_cpu_capability()``: DEFAULT, AVX2, AVX512, ...)
     helps pick ATen's and MKL's vectorised kernels, whose rounding differs: a run is
     bit-identical for any thread count on one machine, but the same seed on another CPU model
-    moved by 0.03-0.19 dB on most scenes and up to 1.3 dB on the duck (docs/benchmarks.md,
-    "Across CPUs"). Naming it here lets the report show when compared runs came from
-    machines that may round differently.
+    moved by 0.03-0.19 dB on most scenes and up to 1.3 dB on the duck
+    (docs/archive/across-machines.md). Naming it here lets the report show when compared runs
+    came from machines that may round differently.
     """
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

@@ -138,7 +138,7 @@ def test_forward_matches_reference_f32(case):
     expected, _ = _reference(enc, x)
     out = enc(x)
     assert out.dtype == torch.float32 and out.shape == (64, enc.n_output_dims)
-    # The bound: float32 rounding of an 8-term sum of values in [-1, 1].
+    # The bound asked of it: float32 rounding of an 8-term sum of values in [-1, 1].
     assert (out.double() - expected).abs().max().item() <= 1e-6
 
 

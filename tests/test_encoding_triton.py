@@ -6,7 +6,7 @@ be switched on safely inside a pytest process that may already have imported the
 process builds the cases, computes the twin's results and compares.
 
 What is claimed (mptex/_grid_triton.py states why):
-- forward, float32 and half mode: bit-exact with the twin (the issue's bound for float32 is
+- forward, float32 and half mode: bit-exact with the twin (the bound asked for float32 is
   1e-6 absolute; the kernels do the twin's operations in its order, so it is 0);
 - input gradient: bit-exact (no atomics: levels are summed in order, as in the twin);
 - parameter gradient: float32 atomics in any order; an entry with k contributions c_i differs
@@ -88,7 +88,7 @@ def _twin(n_dims, kwargs, dtype):
 def _case(name, n_dims, kwargs, dtype, x, seed):
     enc = _twin(n_dims, kwargs, dtype)
     gen = torch.Generator().manual_seed(seed)
-    params = torch.rand(enc.n_params, generator=gen) * 2 - 1  # [-1, 1]: the issue's range
+    params = torch.rand(enc.n_params, generator=gen) * 2 - 1  # [-1, 1]: the bound's range
     v = torch.randn(x.shape[0], enc.n_output_dims, generator=gen)
     return dict(
         name=name, n_dims=n_dims, kwargs=kwargs, dtype=dtype, x=x, params=params, v=v, want_x=True
@@ -210,8 +210,8 @@ def test_forward_is_bit_exact_with_twin(interpreted, name):
     case, result = interpreted[name]
     _, out, *_ = _twin_results(case)
     assert result["out"].dtype == case["dtype"] and result["out"].shape == out.shape
-    # float32: the issue asks for 1e-6; the kernels do the twin's operations, so 0.
-    # half mode: bit-exact by the issue's requirement.
+    # float32: 1e-6 is asked; the kernels do the twin's operations, so 0.
+    # half mode: bit-exact, as required.
     torch.testing.assert_close(result["out"], out, rtol=0, atol=0, equal_nan=True)
 
 

@@ -185,7 +185,7 @@ class PrecisionPolicy:
         fused_split_k: split the weight-gradient sums every 4096 samples (tcnn) (twin only).
         encoder_hook: divide the gradient w.r.t. the encoder's input positions by
             ``static_loss_scale`` (nvdiffrec's encoder hook) without the MLP's x128 hook: what
-            #154's swap left in place. Implied by ``loss_scaling="nvdiffrec"``.
+            the swap of nvdiffrec #154 left in place. Implied by ``loss_scaling="nvdiffrec"``.
 
     Raises:
         ValueError: naming the field, for an unknown dtype or mode, a bad number, or a combination

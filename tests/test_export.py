@@ -16,7 +16,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import mptex
-from mptex.bake import bake_texture
+from mptex.bake import MEASURE_VIEWS, bake_texture, export_mesh, orbit_views_around
 from mptex.bake.cli import export_main
 from mptex.bake.export import (
     check_export_config,
@@ -258,6 +258,75 @@ def test_mptex_export_of_a_multi_material_run(multi_material_run, tmp_path):
     loaded = load_obj(out / "mesh.obj")
     assert len(loaded.materials) == 1 and loaded.kd_texture.shape == (128, 128, 3)
     assert loaded.t_pos_idx.shape[0] == 2 * half
+
+
+def _moved_knot():
+    """The knot in a frame of its own (scaled and off the origin): export_mesh must frame it."""
+    knot = torus_knot(48, 8)
+    return dataclasses.replace(knot, v_pos=knot.v_pos * 3 + torch.tensor([5.0, -2.0, 1.0]))
+
+
+@pytest.mark.requires_xatlas
+@pytest.mark.requires_trimesh
+def test_export_mesh_from_a_mesh_alone(tmp_path):
+    mesh = _moved_knot()
+    texture = gradient_texture(mesh)
+    out = str(tmp_path / "asset")  # a str folder, as users write it
+    summary = export_mesh(texture, mesh, out, resolution=128, formats=["obj", "glb"])
+    for name in ("mesh.obj", "mesh.mtl", "texture_kd.png", "mesh.glb", "export.json"):
+        assert (tmp_path / "asset" / name).is_file(), name
+    written = json.loads((tmp_path / "asset" / "export.json").read_text())
+    assert written["files"] == summary["files"] and written["resolution"] == 128
+    assert summary["uv_source"] == "xatlas" and summary["n_views"] == MEASURE_VIEWS
+    assert summary["measured_on"].startswith(f"{MEASURE_VIEWS} orbit views")
+    # Views of its own: the whole knot in view in every one, whatever its frame.
+    gbuffer, _ = orbit_views_around(mesh)
+    covered = gbuffer.mask.float().mean(dim=(1, 2))
+    assert bool((covered > 0.1).all())
+    assert not bool(gbuffer.mask[:, 0].any() | gbuffer.mask[:, -1].any())  # nothing cut off
+    assert summary["psnr_baked_vs_neural"] > 30 and summary["texels_per_pixel"] > 0
+    assert "psnr_baked_vs_reference" not in summary  # a mesh alone has no reference
+    loaded = load_obj(tmp_path / "asset" / "mesh.obj")
+    assert loaded.kd_texture.shape == (128, 128, 3)
+    torch.testing.assert_close(loaded.aabb, mesh.aabb)  # written in the mesh's own frame
+
+
+@pytest.mark.requires_xatlas
+def test_export_mesh_writes_what_mptex_export_writes(builtin_run, tmp_path):
+    from mptex.train import load_texture
+
+    assert export_main([str(builtin_run), "--out", str(tmp_path / "cli"), "--resolution", "128",
+                        "--format", "obj"]) == 0  # fmt: skip
+    cli = json.loads((tmp_path / "cli" / "export.json").read_text())
+    texture = load_texture(builtin_run / "checkpoint.pt")
+    mesh = torus_knot(48, 8)  # the run's scene mesh (SMALL_KNOT)
+    api = export_mesh(texture, mesh, tmp_path / "api", resolution=128, formats="obj")
+    # The same bake: the same files, byte for byte, and the same bake statistics.
+    assert api["files"] == cli["files"]
+    for name in cli["files"].values():
+        assert (tmp_path / "api" / name).read_bytes() == (tmp_path / "cli" / name).read_bytes()
+    for key in ("uv_source", "unwrap_reason", "coverage", "texels_per_unit", "options"):
+        assert api[key] == cli[key], key
+    # Only the measurement's views differ: the scene's validation views, with references.
+    assert set(cli) - set(api) == {"psnr_baked_vs_reference", "psnr_neural_vs_reference"}
+    assert set(api) <= set(cli)
+    assert cli["measured_on"] == "the scene's 2 validation views"
+
+
+def test_export_mesh_errors_are_one_line_before_any_work(tmp_path):
+    mesh = quad_mesh()
+    texture = gradient_texture(mesh)
+    with pytest.raises(ValueError, match="^export.resolution: expected an integer >= 2"):
+        export_mesh(texture, mesh, tmp_path / "a", resolution=1)
+    with pytest.raises(ValueError, match="^export.formats: "):
+        export_mesh(texture, mesh, tmp_path / "a", formats=["fbx"])
+    with pytest.raises(ValueError, match="^background: expected 'white' or 'black'"):
+        export_mesh(texture, mesh, tmp_path / "a", background="grey")
+    assert not (tmp_path / "a").exists()
+    summary = export_mesh(texture, mesh, tmp_path / "b", resolution=16, formats="obj",
+                          measure=False)  # fmt: skip
+    assert summary["measure_skipped"] == "export.measure=false"
+    assert summary["uv_source"] == "mesh"
 
 
 def test_mptex_export_without_checkpoint_is_one_line(tmp_path, capsys):

@@ -4,7 +4,8 @@
   dilation), :func:`dilate`;
 * :mod:`~mptex.bake.unwrap`: xatlas UVs packed at the bake resolution;
 * :mod:`~mptex.bake.export`: OBJ + MTL + PNG and GLB writers, ``export.json``, the bake's
-  measurement (:func:`export_asset`);
+  measurement: :func:`export_mesh` (a texture and a mesh alone) and :func:`export_asset` (on
+  the scene the texture was trained on);
 * :mod:`~mptex.bake.cli`: ``mptex-export RUN_DIR``.
 
 Nothing here imports the training loop (``mptex.train`` calls :func:`export_asset` at the end
@@ -25,9 +26,13 @@ from mptex.bake.bake import (
 )
 from mptex.bake.export import (
     EXPORT_DEFAULTS,
+    MEASURE_RESOLUTION,
+    MEASURE_VIEWS,
     check_export_config,
     export_asset,
+    export_mesh,
     measure_bake,
+    orbit_views_around,
     preflight_export,
     write_glb,
     write_obj_asset,
@@ -51,8 +56,12 @@ __all__ = [
     "EXPORT_DEFAULTS",
     "check_export_config",
     "preflight_export",
+    "export_mesh",
     "export_asset",
     "measure_bake",
+    "orbit_views_around",
+    "MEASURE_VIEWS",
+    "MEASURE_RESOLUTION",
     "write_texture_images",
     "write_obj_asset",
     "write_glb",

@@ -1,9 +1,11 @@
 """Writing a baked texture as an asset (OBJ + MTL + PNG, GLB) and measuring the bake.
 
-:func:`export_asset` is the whole export of a trained texture on its scene, in order: check the
+:func:`export_mesh` is the whole export of a trained texture on a mesh, in order: check the
 options (:func:`check_export_config`) and that every writer is usable, bake
 (:func:`~mptex.bake.bake_texture`), write the texture images, ``mesh.obj`` + ``mesh.mtl`` and
-``mesh.glb``, measure (:func:`measure_bake`) and write ``export.json``.
+``mesh.glb``, measure (:func:`measure_bake`, on views of its own or a scene's) and write
+``export.json``. :func:`export_asset` runs it on the scene a texture was trained on
+(``mptex-export``, ``mptex-train`` with ``export.enabled=true``).
 
 Files (channel layout of the texture, nvdiffrec's split for ``channels=9``):
 
@@ -30,7 +32,7 @@ import struct
 import tempfile
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +47,11 @@ from mptex.bake.bake import (
     sample_in_chunks,
 )
 from mptex.bake.unwrap import has_xatlas
+from mptex.render.camera import orbit_views, translate
 from mptex.render.image import psnr, rgb_to_srgb, save_image
-from mptex.render.mesh import Mesh
-from mptex.scenes import MESH_SCENES, Scene, build_scene
+from mptex.render.material import shade_kd
+from mptex.render.mesh import Mesh, load_obj
+from mptex.scenes import GBuffer, Scene, ViewBatch, render_gbuffer
 from mptex.texture import MLPTexture3D
 
 __all__ = [
@@ -60,7 +64,11 @@ __all__ = [
     "write_texture_images",
     "write_obj_asset",
     "write_glb",
+    "MEASURE_VIEWS",
+    "MEASURE_RESOLUTION",
+    "orbit_views_around",
     "measure_bake",
+    "export_mesh",
     "export_asset",
 ]
 
@@ -79,6 +87,10 @@ EXPORT_DEFAULTS: dict[str, Any] = dict(
 )
 FORMATS = ("obj", "glb")
 KD_FORMATS = {"png8": ".png", "png16": ".png", "exr": ".exr"}
+# The views export_mesh measures the bake on when it has no scene: a mesh scene's validation
+# orbit (8 views), at twice the scenes' default resolution (thin features stay visible).
+MEASURE_VIEWS = 8
+MEASURE_RESOLUTION = 256
 # Channel groups written as images: (name, first channel, is colour (sRGB in 8/16-bit files)).
 _GROUPS = (("kd", 0, True), ("ks", 3, False), ("n", 6, False))
 
@@ -358,68 +370,99 @@ def _over(rgba: torch.Tensor, background: float) -> torch.Tensor:
     return background + (rgba[..., :3] - background) * rgba[..., 3:4]
 
 
+def orbit_views_around(
+    mesh: Mesh,
+    n_views: int = MEASURE_VIEWS,
+    resolution: int = MEASURE_RESOLUTION,
+    backend: str = "auto",
+) -> tuple[GBuffer, torch.Tensor]:
+    """Views of a mesh alone: the scenes' validation orbit around its bounding box.
+
+    The cameras are :func:`~mptex.render.orbit_views` (radius 3, fov 45 degrees, elevation -0.4
+    rad, as a mesh scene's validation views) in the frame where the mesh's AABB is centred and
+    its longest side is 2 (:func:`~mptex.render.unit_size`); the G-buffer positions stay in the
+    mesh's own frame, the texture's.
+
+    Args:
+        mesh: the mesh, on the device the views are rendered on.
+        n_views, resolution: ``n_views`` square views of ``resolution`` pixels.
+        backend: rasterizer backend.
+
+    Returns:
+        ``(gbuffer, mvp)``: the views' G-buffer and ``[n_views, 4, 4]`` world-to-clip matrices.
+    """
+    lo, hi = mesh.aabb
+    scale = 2.0 / float((hi - lo).max())
+    centre = ((lo + hi) / 2).tolist()
+    device = mesh.v_pos.device
+    to_unit = torch.diag(torch.tensor([scale, scale, scale, 1.0], device=device))
+    to_unit = to_unit @ translate(-centre[0], -centre[1], -centre[2], device=device)
+    cameras = orbit_views(n_views, device=device)
+    mvp = cameras.mvp @ to_unit
+    return render_gbuffer(mesh, mvp, (resolution, resolution), backend), mvp
+
+
 @torch.no_grad()
 def measure_bake(
     texture: MLPTexture3D,
-    scene: Scene,
     obj_path: str | os.PathLike,
-    scene_cfg: Mapping[str, Any],
+    gbuffer: GBuffer,
+    mvp: torch.Tensor,
+    reference: torch.Tensor | None = None,
     background: str = "white",
     chunk_size: int = 1 << 18,
+    backend: str = "auto",
 ) -> dict[str, Any]:
-    """Render the validation views with the exported OBJ and with the neural texture; compare.
+    """Render views with the exported OBJ and with the neural texture; compare.
 
-    The OBJ is re-read from disk by the mesh scene (``build_scene({"name": "mesh", "path":
-    obj_path, "normalize": False, ...})`` with the run's cameras), so its reference path (UVs
-    interpolated, ``map_Kd`` decoded from sRGB, bilinear wrap lookups) renders exactly what the
-    files hold. Both sides show the albedo (texture channels 0:3, unshaded) over the validation
-    background; PSNR is nvdiffrec's (sRGB, clamp, per image, mean over the views).
+    The OBJ is re-read from disk (:func:`~mptex.render.load_obj`) and rendered as the mesh scene
+    renders its reference (UVs interpolated, ``map_Kd`` decoded from sRGB, bilinear wrap
+    lookups: :func:`~mptex.render.material.shade_kd`), so it shows exactly what the files
+    hold. Both sides show the albedo (texture channels 0:3, unshaded) over the background;
+    PSNR is nvdiffrec's (sRGB, clamp, per image, mean over the views).
 
     Args:
         texture: the neural texture.
-        scene: the run's scene (its validation views and reference images).
         obj_path: the exported ``mesh.obj``.
-        scene_cfg: the run's scene config (cameras: resolution, views, radius, fov, seed).
+        gbuffer: the views of the mesh the texture was baked from (a scene's
+            ``val_views().gbuffer``, or :func:`orbit_views_around`), ``[B, H, W, ...]``.
+        mvp: ``[B, 4, 4]`` world-to-clip matrices of those views.
+        reference: ``[B, H, W, 4]`` reference RGBA of the views (a scene's ``val_views().rgba``),
+            or None when there is none.
         background: ``"white"`` or ``"black"``.
         chunk_size: points per ``texture.sample`` call.
+        backend: rasterizer backend for the OBJ's views.
 
     Returns:
-        ``psnr_baked_vs_neural``, ``psnr_baked_vs_reference``, ``psnr_neural_vs_reference``
-        (dB, mean over views), ``psnr_baked_vs_neural_per_image``, ``world_units_per_pixel``
-        (median distance between the surface points of neighbouring pixels) and ``n_views``.
+        ``psnr_baked_vs_neural`` (dB, mean over views), ``psnr_baked_vs_neural_per_image``,
+        with a reference ``psnr_baked_vs_reference`` and ``psnr_neural_vs_reference``;
+        ``world_units_per_pixel`` (median distance between the surface points of neighbouring
+        pixels), ``n_views``, ``background``.
     """
-    if scene_cfg.get("name") not in ("builtin", *MESH_SCENES):
-        raise ValueError(
-            f"scene.name: the bake is measured on builtin and mesh scenes (their cameras are "
-            f"rebuilt from the config), not {scene_cfg.get('name')!r}"
-        )
     level = 1.0 if background == "white" else 0.0
-    views = scene.val_views()
-    camera_keys = ("resolution", "n_val_views", "cam_radius", "fovy_deg", "near", "far", "seed",
-                   "raster_backend")  # fmt: skip
-    cameras = {k: scene_cfg[k] for k in camera_keys if k in scene_cfg}
-    if isinstance(cameras.get("resolution"), tuple):
-        cameras["resolution"] = list(cameras["resolution"])
-    baked_scene = build_scene({"name": "mesh", "path": str(obj_path), "normalize": False,
-                               "n_train_views": 1, **cameras}, scene.device)  # fmt: skip
-    baked_views = baked_scene.val_views()
-    points = views.position[views.mask]
-    kd = sample_in_chunks(texture, points, chunk_size)[..., :3]
-    neural_rgb = torch.zeros_like(views.position).index_put((views.mask,), kd)
-    alpha = views.mask.unsqueeze(-1).float()
-    neural = _over(torch.cat([neural_rgb, alpha], -1), level)
-    baked = _over(baked_views.rgba, level)
-    reference = _over(views.rgba, level)
+    baked_mesh = load_obj(obj_path).to(mvp.device)
+    baked_views = render_gbuffer(baked_mesh, mvp, tuple(gbuffer.mask.shape[1:3]), backend)
+    alpha = baked_views.mask.unsqueeze(-1).float()
+    baked_rgb = shade_kd(baked_mesh, baked_views.rast, backend)
+    baked = _over(torch.cat([baked_rgb * alpha, alpha], -1), level)
+    kd = sample_in_chunks(texture, gbuffer.position[gbuffer.mask], chunk_size)[..., :3]
+    neural_rgb = torch.zeros_like(gbuffer.position).index_put((gbuffer.mask,), kd)
+    neural = _over(torch.cat([neural_rgb, gbuffer.mask.unsqueeze(-1).float()], -1), level)
     per_image = psnr(baked, neural)
-    step = (views.position[:, :, 1:] - views.position[:, :, :-1]).norm(dim=-1)
-    both = views.mask[:, :, 1:] & views.mask[:, :, :-1]
-    return dict(
+    step = (gbuffer.position[:, :, 1:] - gbuffer.position[:, :, :-1]).norm(dim=-1)
+    both = gbuffer.mask[:, :, 1:] & gbuffer.mask[:, :, :-1]
+    measured: dict[str, Any] = dict(
         psnr_baked_vs_neural=float(per_image.mean()),
-        psnr_baked_vs_reference=float(psnr(baked, reference).mean()),
-        psnr_neural_vs_reference=float(psnr(neural, reference).mean()),
         psnr_baked_vs_neural_per_image=[float(v) for v in per_image.cpu()],
+    )
+    if reference is not None:
+        reference = _over(reference, level)
+        measured["psnr_baked_vs_reference"] = float(psnr(baked, reference).mean())
+        measured["psnr_neural_vs_reference"] = float(psnr(neural, reference).mean())
+    return dict(
+        **measured,
         world_units_per_pixel=float(step[both].median()) if bool(both.any()) else None,
-        n_views=int(views.mask.shape[0]),
+        n_views=int(gbuffer.mask.shape[0]),
         background=background,
     )
 
@@ -439,49 +482,74 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def export_asset(
+def export_mesh(
     texture: MLPTexture3D,
-    scene: Scene,
+    mesh: Mesh,
     out_dir: str | os.PathLike,
-    options: Mapping[str, Any] | None = None,
-    scene_cfg: Mapping[str, Any] | None = None,
+    *,
+    resolution: int = EXPORT_DEFAULTS["resolution"],
+    formats: str | Sequence[str] = tuple(EXPORT_DEFAULTS["formats"]),
+    padding: int = EXPORT_DEFAULTS["padding"],
+    unwrap: str = EXPORT_DEFAULTS["unwrap"],
+    kd_format: str = EXPORT_DEFAULTS["kd_format"],
+    chunk_size: int = EXPORT_DEFAULTS["chunk_size"],
+    measure: bool = EXPORT_DEFAULTS["measure"],
+    chart_options: Mapping[str, Any] | None = None,
+    pack_options: Mapping[str, Any] | None = None,
+    views: ViewBatch | None = None,
     background: str = "white",
+    backend: str = "auto",
 ) -> dict[str, Any]:
-    """Bake ``texture`` on ``scene``'s mesh, write the asset files and ``export.json``.
+    """Bake ``texture`` on ``mesh``, write the asset files and ``export.json``: the export of
+    ``mptex-export``, from a texture and a mesh alone.
 
-    Order: :func:`preflight_export` (options, writers, memory, xatlas when needed), bake,
-    images, OBJ/MTL, GLB, measurement (when ``options["measure"]`` and the scene is builtin or
-    mesh), ``export.json``.
-    The mesh is written in the scene's world frame (a mesh scene's ``normalize`` applied), the
-    frame of the texture and of the cameras.
+    Order: :func:`preflight_export` (options, writers, memory, xatlas when needed), bake
+    (:func:`~mptex.bake.bake_texture`), images, OBJ/MTL, GLB, measurement
+    (:func:`measure_bake`), ``export.json``. The mesh is written in its own frame, the frame
+    of the texture's AABB. Files and orientation: the module docstring.
 
     Args:
-        texture: the trained neural texture.
-        scene: the scene it was trained on.
+        texture: the trained neural texture (its AABB in ``mesh``'s frame).
+        mesh: the mesh to texture (UVs kept when usable, else xatlas's).
         out_dir: output folder (created).
-        options: the ``export`` group (:data:`EXPORT_DEFAULTS`; ``enabled`` is ignored here).
-        scene_cfg: the run's scene config (for the measurement's cameras); None: no measurement.
-        background: validation background of the measurement (the run's ``val_background``).
+        resolution: texels per side; this and ``formats``, ``padding``, ``unwrap``,
+            ``kd_format``, ``chunk_size``, ``measure``, ``chart_options``, ``pack_options`` are
+            the ``export`` config group's keys (:data:`EXPORT_DEFAULTS`,
+            ``configs/export/default.yaml``).
+        views: the measurement's views: a scene's ``val_views()`` (its reference images add
+            ``psnr_baked_vs_reference``); None: :data:`MEASURE_VIEWS` orbit views of
+            :data:`MEASURE_RESOLUTION` squared pixels made here (:func:`orbit_views_around`).
+        background: the measurement's background, ``"white"`` or ``"black"``.
+        backend: rasterizer backend of the bake and the measurement (``"auto"``, ``"torch"``,
+            ``"nvdiffrast"``).
 
     Returns:
         the ``export.json`` contents: ``files``, ``resolution``, ``channels``, ``layout``,
         ``uv_source``, ``unwrap_reason``, the bake's ``stats`` (``coverage``,
-        ``texels_per_unit``, times, ...), ``texels_per_pixel``, the measurement's PSNRs (or
-        ``measure_skipped`` with the reason), ``glb`` vertex and face counts.
+        ``texels_per_unit``, times, ...), ``texels_per_pixel``, ``measured_on`` and the
+        measurement's PSNRs (or ``measure_skipped``), ``glb`` vertex and face counts.
 
     Raises:
         ValueError: ``"export.<key>: ..."`` / ``"resolution: ..."`` (one line) before any work.
         RuntimeError: a writer or xatlas is needed but not installed (one line).
     """
+    if background not in ("white", "black"):
+        raise ValueError(f"background: expected 'white' or 'black', got {background!r}")
     out = Path(out_dir)
-    checked = preflight_export(options, scene.mesh, texture.channels, texture.AABB.device, out)
-    options = {k: v for k, v in checked.items() if k in EXPORT_DEFAULTS}
+    options = dict(
+        resolution=resolution, formats=formats, padding=padding, unwrap=unwrap,
+        kd_format=kd_format, chunk_size=chunk_size, measure=measure,
+        chart_options=chart_options or {}, pack_options=pack_options or {},
+    )  # fmt: skip
+    checked = preflight_export(options, mesh, texture.channels, texture.AABB.device, out)
+    options = {k: v for k, v in checked.items() if k in EXPORT_DEFAULTS and k != "enabled"}
+    mesh = mesh.to(texture.AABB.device)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     result: BakeResult = bake_texture(
-        texture, scene.mesh, options["resolution"], padding=options["padding"],
+        texture, mesh, options["resolution"], padding=options["padding"],
         unwrap=options["unwrap"], chart_options=options["chart_options"],
-        pack_options=options["pack_options"], chunk_size=options["chunk_size"],
+        pack_options=options["pack_options"], chunk_size=options["chunk_size"], backend=backend,
     )  # fmt: skip
     tick = time.perf_counter()
     files = write_texture_images(out, result.texture, options["kd_format"])
@@ -509,24 +577,58 @@ def export_asset(
         glb=glb,
         options=options,
     )
-    if options["measure"] and scene_cfg is not None:
+    if options["measure"]:
         tick = time.perf_counter()
-        try:
-            measured = measure_bake(texture, scene, out / "mesh.obj", scene_cfg, background,
-                                    options["chunk_size"])  # fmt: skip
-        except ValueError as exc:
-            summary["measure_skipped"] = str(exc)
+        if views is None:
+            gbuffer, mvp = orbit_views_around(mesh, backend=backend)
+            reference, summary["measured_on"] = None, (
+                f"{MEASURE_VIEWS} orbit views of {MEASURE_RESOLUTION}x{MEASURE_RESOLUTION} "
+                "around the mesh")  # fmt: skip
         else:
-            summary.update(measured)
-            if measured["world_units_per_pixel"] and summary["texels_per_unit"]:
-                summary["texels_per_pixel"] = (
-                    summary["texels_per_unit"] * measured["world_units_per_pixel"]
-                )
-            summary["measure_time_s"] = time.perf_counter() - tick
+            gbuffer, mvp, reference = views.gbuffer, views.mvp, views.rgba
+            summary["measured_on"] = f"the scene's {len(views)} validation views"
+        measured = measure_bake(texture, out / "mesh.obj", gbuffer, mvp, reference, background,
+                                options["chunk_size"], backend)  # fmt: skip
+        summary.update(measured)
+        if measured["world_units_per_pixel"] and summary["texels_per_unit"]:
+            summary["texels_per_pixel"] = (
+                summary["texels_per_unit"] * measured["world_units_per_pixel"]
+            )
+        summary["measure_time_s"] = time.perf_counter() - tick
     else:
-        summary["measure_skipped"] = "export.measure=false" if not options["measure"] else (
-            "no scene config")  # fmt: skip
+        summary["measure_skipped"] = "export.measure=false"
     summary["export_time_s"] = time.perf_counter() - start
     text = json.dumps(_json_safe(summary), indent=2, allow_nan=False) + "\n"
     (out / "export.json").write_text(text)
     return summary
+
+
+def export_asset(
+    texture: MLPTexture3D,
+    scene: Scene,
+    out_dir: str | os.PathLike,
+    options: Mapping[str, Any] | None = None,
+    background: str = "white",
+) -> dict[str, Any]:
+    """:func:`export_mesh` of a texture on the scene it was trained on (``mptex-export``, and
+    ``mptex-train`` with ``export.enabled=true``).
+
+    The scene gives the mesh (in its world frame: a mesh scene's ``normalize`` applied, the
+    frame of the texture and of the cameras), the rasterizer backend, and the measurement's
+    views: its validation views, whose references add ``psnr_baked_vs_reference`` and
+    ``psnr_neural_vs_reference``.
+
+    Args:
+        texture: the trained neural texture.
+        scene: the scene it was trained on.
+        out_dir: output folder (created).
+        options: the ``export`` group (:data:`EXPORT_DEFAULTS`; ``enabled`` is ignored here).
+        background: the measurement's background (the run's ``train.val_background``).
+
+    Returns and Raises: as :func:`export_mesh`.
+    """
+    options = check_export_config(options)
+    options.pop("enabled")
+    views = scene.val_views() if options["measure"] else None
+    return export_mesh(texture, scene.mesh, out_dir, **options, views=views,
+                       background=background, backend=scene.gbuffers.backend)  # fmt: skip

@@ -366,7 +366,7 @@ def _export(
     if not full["export"]["enabled"]:
         return None
     try:
-        summary = export_asset(texture, scene, run_dir / "export", full["export"], full["scene"],
+        summary = export_asset(texture, scene, run_dir / "export", full["export"],
                                full["train"]["val_background"])  # fmt: skip
     except (ValueError, RuntimeError, OSError) as exc:
         return {"dir": "export", "error": " ".join(f"{type(exc).__name__}: {exc}".split())}

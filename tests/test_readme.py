@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -203,3 +204,23 @@ def test_runnable_block_runs(block, readme_env):
         pytest.fail(f"{block['page'].name} block at line {block['line']} failed "
                     f"(exit {result.returncode}):"
                     f"\n{block['code']}\n{output}")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_examples_leave_a_checkout_clean(readme_env):
+    # Runs after every runnable block (pytest keeps the file's order): what they wrote must be
+    # what a checkout's .gitignore ignores (outputs/, multirun/), so that a reader who follows
+    # the pages inside a checkout finds `git status` clean.
+    work, env = readme_env
+    if not any(work.iterdir()):
+        pytest.skip("no runnable block ran in this session (run the whole file)")
+    shutil.copy(ROOT / ".gitignore", work / ".gitignore")
+    subprocess.run(["git", "init", "-q"], cwd=work, check=True)
+    status = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    assert [line for line in status if not line.endswith(".gitignore")] == []

@@ -18,6 +18,8 @@ __all__ = [
     "has_tcnn",
     "has_nvdiffrast",
     "has_triton",
+    "backend_problem",
+    "unavailable_message",
     "import_tcnn",
     "import_nvdiffrast",
     "import_triton",
@@ -55,46 +57,63 @@ def has_triton() -> bool:
     return _try_import("triton")[0] is not None
 
 
-def import_tcnn() -> ModuleType:
-    """Return the ``tinycudann`` module or raise ``RuntimeError`` saying why it is unusable."""
-    if not _cuda_available():
-        raise RuntimeError(
-            "backend 'tcnn' needs a CUDA device, and torch.cuda.is_available() is False"
-        )
-    module, why = _try_import("tinycudann")
+# What each optional backend needs, and how to install it.
+_NEEDS = {
+    "tcnn": ("tinycudann", True, "pip install "
+             "git+https://github.com/NVlabs/tiny-cuda-nn/#subdirectory=bindings/torch"),
+    "nvdiffrast": ("nvdiffrast.torch", True, "pip install git+https://github.com/NVlabs/nvdiffrast/"),
+    "triton": ("triton", False, "it ships with PyTorch's CUDA/ROCm builds, or pip install triton"),
+}  # fmt: skip
+
+
+def backend_problem(backend: str) -> str | None:
+    """Why ``backend`` ("tcnn", "nvdiffrast" or "triton") cannot run here, or None when it can;
+    never raises. The reason names what is missing: the CUDA device or the import (with its
+    error and how to install it)."""
+    module_name, needs_cuda, install = _NEEDS[backend]
+    if needs_cuda and not _cuda_available():
+        return "torch.cuda.is_available() is False"
+    module, why = _try_import(module_name)
     if module is None:
-        raise RuntimeError(
-            "backend 'tcnn' needs tinycudann, which is not importable "
-            f"({why}); install it with: pip install "
-            "git+https://github.com/NVlabs/tiny-cuda-nn/#subdirectory=bindings/torch"
-        )
-    return module
+        return f"{module_name.split('.')[0]} is not importable ({why}); {install}"
+    return None
 
 
-def import_nvdiffrast() -> ModuleType:
-    """Return ``nvdiffrast.torch`` or raise ``RuntimeError`` saying why it is unusable."""
-    if not _cuda_available():
-        raise RuntimeError(
-            "backend 'nvdiffrast' needs a CUDA device, and torch.cuda.is_available() is False"
-        )
-    module, why = _try_import("nvdiffrast.torch")
-    if module is None:
-        raise RuntimeError(
-            f"backend 'nvdiffrast' needs nvdiffrast, which is not importable ({why}); install it "
-            "with: pip install git+https://github.com/NVlabs/nvdiffrast/"
-        )
-    return module
+def unavailable_message(backend: str, key: str, instead: str | None = None) -> str | None:
+    """One line naming ``key`` (the argument or config key that asked for ``backend``), what the
+    backend needs, why it is missing here (:func:`backend_problem`) and what runs ``instead``
+    (default: ``key='torch'``, which runs on any device); None when the backend is usable."""
+    problem = backend_problem(backend)
+    if problem is None:
+        return None
+    module_name, needs_cuda, _ = _NEEDS[backend]
+    needs = module_name.split(".")[0] + (" and a CUDA device" if needs_cuda else "")
+    instead = instead or f"{key}='torch' runs on any device"
+    return f"{key}={backend!r} needs {needs}: {problem}; {instead}"
 
 
-def import_triton() -> ModuleType:
-    """Return ``triton`` or raise ``RuntimeError`` saying why it is unusable."""
-    module, why = _try_import("triton")
-    if module is None:
-        raise RuntimeError(
-            f"backend 'triton' needs triton, which is not importable ({why}); it ships with "
-            "PyTorch's CUDA/ROCm builds, or install it with: pip install triton"
-        )
-    return module
+def _require(backend: str, key: str, instead: str | None) -> ModuleType:
+    message = unavailable_message(backend, key, instead)
+    if message is not None:
+        raise RuntimeError(message)
+    return _try_import(_NEEDS[backend][0])[0]
+
+
+def import_tcnn(key: str = "backend", instead: str | None = None) -> ModuleType:
+    """Return the ``tinycudann`` module, or raise ``RuntimeError`` naming ``key`` (the argument
+    or config key that asked for tcnn), why tcnn is unusable, and ``instead`` (default: that
+    ``key='torch'`` runs on any device)."""
+    return _require("tcnn", key, instead)
+
+
+def import_nvdiffrast(key: str = "backend", instead: str | None = None) -> ModuleType:
+    """Return ``nvdiffrast.torch``, or raise ``RuntimeError`` as :func:`import_tcnn`."""
+    return _require("nvdiffrast", key, instead)
+
+
+def import_triton(key: str = "backend", instead: str | None = None) -> ModuleType:
+    """Return ``triton``, or raise ``RuntimeError`` as :func:`import_tcnn`."""
+    return _require("triton", key, instead)
 
 
 @functools.cache

@@ -393,12 +393,18 @@ class PrecisionPolicy:
         return list(self.mlp_dtypes)
 
     def availability(self) -> tuple[bool, str]:
-        """``(True, "")`` when this policy can run here, else ``(False, reason)``; never raises."""
-        if self.mlp_backend == "tcnn":  # "auto" falls back to the torch twin
-            from mptex._backends import has_tcnn
+        """``(True, "")`` when this policy can run here, else ``(False, reason)``; never raises.
 
-            if not has_tcnn():
-                return False, f"precision arm {self.name!r} needs tinycudann and a CUDA device"
+        The reason names the key that asked for what is missing (``precision.mlp_backend``),
+        why it is missing, and that the arm itself runs on the CPU with the torch twin.
+        """
+        if self.mlp_backend == "tcnn":  # "auto" falls back to the torch twin
+            from mptex._backends import unavailable_message
+
+            instead = f"the arm {self.name} runs on the CPU with mlp_backend='torch'"
+            why = unavailable_message("tcnn", "precision.mlp_backend", instead)
+            if why is not None:
+                return False, why
         return True, ""
 
     def check_available(self) -> None:

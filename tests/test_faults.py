@@ -25,10 +25,19 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import mptex.train.loop as loop
-from mptex import HashGridEncoding, MLPTexture3D, PrecisionPolicy, PrecisionStepper
+from mptex import (
+    FullyFusedMLP,
+    HashGridEncoding,
+    MLPTexture3D,
+    PrecisionPolicy,
+    PrecisionStepper,
+    _backends,
+)
 from mptex.check import check_main
 from mptex.cli import CONFIG_DIR
-from mptex.train import ConfigError, load_checkpoint, save_checkpoint, train
+from mptex.render import rasterize
+from mptex.scenes import build_scene
+from mptex.train import ConfigError, load_checkpoint, save_checkpoint, train, validate_config
 from mptex.train.checkpoint import CHECKPOINT_KEYS, CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,6 +180,62 @@ def test_api_refuses_bad_arguments_naming_them():
         with pytest.raises(ValueError) as info:
             build()
         assert str(info.value).startswith(argument), (argument, str(info.value))
+
+
+_SMALL_GRID = {"n_levels": 2, "log2_hashmap_size": 8}
+
+
+def _no_cuda(monkeypatch):
+    monkeypatch.setattr(_backends, "_cuda_available", lambda: False)
+    return "torch.cuda.is_available() is False"
+
+
+def _cuda_without_libraries(monkeypatch):
+    # A CUDA machine where neither native library imports (the other cause, named as such).
+    monkeypatch.setattr(_backends, "_cuda_available", lambda: True)
+    monkeypatch.setattr(_backends, "_try_import",
+                        lambda name: (None, f"ImportError: No module named {name!r}"))  # fmt: skip
+    return "is not importable (ImportError: No module named"
+
+
+# Each call that asks for a native backend, the key it asked with, and what runs instead.
+_UNAVAILABLE = [
+    (lambda: MLPTexture3D([[-1] * 3, [1] * 3], encoder=_SMALL_GRID,
+                          precision={"name": "tcnn_fused", "mlp_backend": "tcnn"}),
+     "precision.mlp_backend='tcnn' needs tinycudann and a CUDA device: ",
+     "; the arm tcnn_fused runs on the CPU with mlp_backend='torch'"),
+    (lambda: MLPTexture3D([[-1] * 3, [1] * 3], encoder=_SMALL_GRID, backend="tcnn"),
+     "backend='tcnn' needs tinycudann and a CUDA device: ", "; backend='torch' runs on any device"),
+    (lambda: HashGridEncoding(3, _SMALL_GRID, backend="tcnn"),
+     "backend='tcnn' needs tinycudann and a CUDA device: ", "; backend='torch' runs on any device"),
+    (lambda: FullyFusedMLP(8, 3, {"n_neurons": 16}, backend="tcnn"),
+     "backend='tcnn' needs tinycudann and a CUDA device: ", "; backend='torch' runs on any device"),
+    (lambda: rasterize(torch.zeros(1, 3, 4), torch.zeros(1, 3, dtype=torch.int32), (4, 4),
+                       backend="nvdiffrast"),
+     "backend='nvdiffrast' needs nvdiffrast and a CUDA device: ",
+     "; backend='torch' runs on any device"),
+    (lambda: build_scene({"name": "builtin", "raster_backend": "nvdiffrast"}),
+     "scene.raster_backend='nvdiffrast' needs nvdiffrast and a CUDA device: ",
+     "; scene.raster_backend='torch' runs on any device"),
+    (lambda: validate_config(tiny_cfg("precision=tcnn_fused", "precision.mlp_backend=tcnn")),
+     "precision.mlp_backend='tcnn' needs tinycudann and a CUDA device: ",
+     "; the arm tcnn_fused runs on the CPU with mlp_backend='torch'"),
+    (lambda: validate_config(tiny_cfg("texture.backend=tcnn")),
+     "texture.backend='tcnn' needs tinycudann and a CUDA device: ",
+     "; texture.backend='torch' runs on any device"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("machine", [_no_cuda, _cuda_without_libraries])
+@pytest.mark.parametrize("call, start, end", _UNAVAILABLE)
+def test_an_unavailable_backend_names_the_key_that_asked_for_it(call, start, end, machine,
+                                                                 monkeypatch):  # fmt: skip
+    cause = machine(monkeypatch)
+    with pytest.raises((RuntimeError, ValueError)) as info:
+        call()
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(start) and message.endswith(end), message
+    assert cause in message
 
 
 def test_api_refuses_bad_positions_instead_of_encoding_nan():

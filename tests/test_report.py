@@ -71,7 +71,9 @@ def sweep(tmp_path):
     _write(tmp_path, "3", _metrics("bf16", 1, psnr=29.0, t=0.15,
                                    backends={"encoder": "torch", "mlp": "torch"}))  # fmt: skip
     _write(tmp_path, "4", _metrics("f16_naive", 0, status="diverged", diverged_at=3))
-    why = "precision.name: precision arm 'tcnn_fused' needs tinycudann and a CUDA device"
+    why = ("precision.mlp_backend='tcnn' needs tinycudann and a CUDA device: "
+           "torch.cuda.is_available() is False; the arm tcnn_fused runs on the CPU with "
+           "mlp_backend='torch'")  # fmt: skip
     tcnn = _metrics("tcnn_fused", 0, status="failed", failed_at="start", error=why)
     tcnn["config"]["precision"]["mlp_backend"] = "tcnn"
     _write(tmp_path, "5", tcnn)

@@ -94,7 +94,10 @@ def _resolve_backend(backend: str, device: torch.device, what: str) -> str:
     if backend == "nvdiffrast":
         import_nvdiffrast()  # raises RuntimeError saying why it is unusable
         if device.type != "cuda":
-            raise RuntimeError(f"backend 'nvdiffrast' needs CUDA tensors, received device {device}")
+            raise RuntimeError(
+                f"backend='nvdiffrast' needs CUDA tensors, received device {device}; "
+                "backend='torch' runs on any device"
+            )
         return "nvdiffrast"
     if backend == "auto" and device.type == "cuda":
         if has_nvdiffrast():

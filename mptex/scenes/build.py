@@ -12,9 +12,11 @@ from pathlib import Path
 
 import torch
 
+from mptex._backends import unavailable_message
 from mptex.render.camera import orbit_views, random_views
 from mptex.render.material import mesh_materials, shade_kd
-from mptex.render.mesh import load_obj, unit_size
+from mptex.render.mesh import unit_size
+from mptex.render.obj import load_obj
 from mptex.scenes.assets import SUITE
 from mptex.scenes.builtin import gt_texture, torus_knot
 from mptex.scenes.gbuffer import GBuffer
@@ -260,6 +262,11 @@ def build_scene(cfg: Mapping, device: torch.device | str = "cpu") -> Scene:
     """
     resolved = _validate(cfg)
     device = torch.device(device)
-    if resolved["raster_backend"] == "nvdiffrast" and device.type != "cuda":
-        raise ValueError(f"scene.raster_backend: 'nvdiffrast' needs a CUDA device, not {device}")
+    if resolved["raster_backend"] == "nvdiffrast":
+        why = unavailable_message("nvdiffrast", "scene.raster_backend")
+        if why is None and device.type != "cuda":
+            why = (f"scene.raster_backend='nvdiffrast' needs the scene on a CUDA device, got "
+                   f"{device}; scene.raster_backend='torch' runs on any device")  # fmt: skip
+        if why is not None:
+            raise ValueError(why)
     return _BUILDERS[resolved["name"]](resolved, device)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from mptex._backends import has_tcnn, has_triton
+from mptex._backends import unavailable_message
 from mptex.bake.export import check_export_config
 from mptex.encoding import BACKENDS as ENCODER_BACKENDS
 from mptex.precision import PrecisionPolicy
@@ -282,7 +282,7 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"precision.{exc}") from None
     ok, why = policy.availability()
     if not ok:
-        raise ValueError(f"precision.name: {why}")
+        raise ValueError(why)  # it names the key, precision.mlp_backend
     texture = dict(cfg["texture"])
     check_texture_config(texture)
     channels = texture.get("channels", 3)
@@ -299,11 +299,16 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         )
     if s["shading"] == "diffuse" and channels < 9:
         raise ValueError("train.shading: 'diffuse' needs texture.channels=9 (kd, ks, normal)")
-    if texture.get("backend", "auto") == "tcnn" and not has_tcnn():
-        raise ValueError("texture.backend: 'tcnn' needs tinycudann and a CUDA device")
-    if texture.get("backend", "auto") == "triton":
-        if not has_triton():
-            raise ValueError("texture.backend: 'triton' needs triton (pip install triton)")
+    backend = texture.get("backend", "auto")
+    why = unavailable_message(backend, "texture.backend") if backend in ("tcnn", "triton") else None
+    if why is not None:
+        raise ValueError(why)
+    if backend == "tcnn" and dev.type != "cuda":
+        raise ValueError(
+            f"texture.backend='tcnn' needs train.device=cuda, got {dev.type}; "
+            "texture.backend='torch' runs on any device"
+        )
+    if backend == "triton":
         # Triton compiles for GPUs; on a CPU only its (slow) interpreter runs the kernels.
         if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
@@ -311,7 +316,10 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
                 "interpreter: set TRITON_INTERPRET=1 (slow; for testing) or use a GPU"
             )
     if policy.mlp_backend == "tcnn" and dev.type != "cuda":
-        raise ValueError(f"precision.name: {policy.name!r} needs train.device=cuda")
+        raise ValueError(
+            f"precision.mlp_backend='tcnn' needs train.device=cuda, got {dev.type}; the arm "
+            f"{policy.name} runs on the CPU with mlp_backend='torch'"
+        )
     # The export group is optional (configs written before it existed); its keys are checked
     # here, what the export needs from the machine by the loop once the scene is built.
     export = check_export_config(cfg.get("export"))

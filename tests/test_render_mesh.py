@@ -5,7 +5,14 @@ import pytest
 import torch
 from test_render_image import write_png16
 
-from mptex.render import Mesh, load_obj, srgb_to_rgb, vertex_normals, write_obj
+from mptex.render import (
+    Mesh,
+    UndefinedMaterialWarning,
+    load_obj,
+    srgb_to_rgb,
+    vertex_normals,
+    write_obj,
+)
 from mptex.scenes import torus_knot
 
 
@@ -72,7 +79,6 @@ def test_negative_indices_and_kd_only_material(tmp_path):
         ("v 0 0 0\nv 1 0 0\nf 1 2\n", r"bad\.obj:3: a face needs at least 3"),
         ("v 0 0 0\nv 1 0 0\nv 0 1 0\nvt 0 0\nf 1/1 2/1 3\n", r"bad\.obj:5: a face mixes corners"),
         ("mtllib missing.mtl\n", r"bad\.obj:1: material library .* does not exist"),
-        ("usemtl nothing\n", r"bad\.obj:1: material 'nothing' is not defined"),
         ("bogus 1 2 3\n", r"bad\.obj:1: unknown OBJ statement 'bogus'"),
         ("v 0 0 0\n", r"bad\.obj: no faces"),
     ],
@@ -409,3 +415,25 @@ def test_uvs_outside_the_unit_square_wrap_and_map_kd_options_through_load_obj(tm
     rgb = shade_kd(mesh, rast, backend="torch")[0, 0]
     expected = torch.stack([colour for _, _, colour in cases] + [_srgb(51, 102, 153)])
     torch.testing.assert_close(rgb, expected, rtol=0, atol=1e-6)
+
+
+def test_a_material_the_mtl_does_not_define_warns_once_and_gets_the_default(tmp_path):
+    # As exporters write them: the faces name a material the MTL does not define (here after
+    # one that it does); Blender and trimesh load them with a default material and a warning.
+    (tmp_path / "m.mtl").write_text("newmtl red\nKd 1 0 0\n")
+    (tmp_path / "m.obj").write_text(
+        "mtllib m.mtl\nv 0 0 0\nv 1 0 0\nv 0 1 0\nv 1 1 0\n"
+        "usemtl red\nf 1 2 3\nusemtl aiStandardSurface3SG\nf 2 4 3\n"
+        "usemtl aiStandardSurface3SG\nf 1 2 4\n"
+    )
+    with pytest.warns(UndefinedMaterialWarning) as record:
+        mesh = load_obj(tmp_path / "m.obj")
+    assert [str(w.message) for w in record] == [
+        f"{tmp_path / 'm.obj'}:8: material 'aiStandardSurface3SG' is not defined in the MTL "
+        "files; its faces get the MTL default (Kd 0.8 grey)"
+    ]
+    assert [m.name for m in mesh.materials] == ["red", "aiStandardSurface3SG"]
+    assert mesh.t_mat_idx.tolist() == [0, 1, 1]
+    grey = srgb_to_rgb(torch.tensor([0.8, 0.8, 0.8]))
+    torch.testing.assert_close(mesh.materials[1].kd, grey, rtol=0, atol=0)
+    assert mesh.materials[1].kd_texture is None

@@ -50,7 +50,8 @@ from mptex.bake.unwrap import has_xatlas
 from mptex.render.camera import orbit_views, translate
 from mptex.render.image import psnr, rgb_to_srgb, save_image
 from mptex.render.material import shade_kd
-from mptex.render.mesh import Mesh, load_obj
+from mptex.render.mesh import Mesh
+from mptex.render.obj import load_obj
 from mptex.scenes import GBuffer, Scene, ViewBatch, render_gbuffer
 from mptex.texture import MLPTexture3D
 

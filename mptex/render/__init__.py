@@ -1,4 +1,5 @@
-"""Rendering: rasterization, interpolation, cameras, texture sampling, meshes and image I/O.
+"""Rendering: rasterization, interpolation, cameras, texture sampling, meshes, OBJ files and image
+I/O.
 
 ``import mptex.render`` imports no native backend; nvdiffrast loads on first use.
 """
@@ -17,7 +18,8 @@ from mptex.render.camera import (
     translate,
 )
 from mptex.render.image import load_image, psnr, rgb_to_srgb, save_image, srgb_to_rgb
-from mptex.render.mesh import Mesh, load_obj, unit_size, vertex_normals, write_obj
+from mptex.render.mesh import Material, Mesh, unit_size, vertex_normals
+from mptex.render.obj import UndefinedMaterialWarning, load_obj, write_obj
 from mptex.render.rasterize import interpolate, rasterize
 from mptex.render.texture import texture
 
@@ -37,6 +39,8 @@ __all__ = [
     "orbit_views",
     "cameras_from_mv",
     "Mesh",
+    "Material",
+    "UndefinedMaterialWarning",
     "load_obj",
     "write_obj",
     "vertex_normals",

@@ -1,70 +1,21 @@
 """Diffuse materials of a mesh and the per-pixel diffuse colour they give.
 
-A ``Material`` is what ``load_obj`` reads from an MTL ``newmtl`` block: a ``Kd`` colour and an
-optional ``map_Kd`` texture with the ``-s`` / ``-o`` / ``-clamp`` options of that statement.
-:func:`shade_kd` is the one place that turns a mesh's materials into colours (the mesh scene's
-reference images use it), so a mesh with one material and one with several are shaded alike.
+A ``Material`` (defined with ``Mesh`` in :mod:`mptex.render.mesh`) is what ``load_obj`` reads
+from an MTL ``newmtl`` block: a ``Kd`` colour and an optional ``map_Kd`` texture with the
+``-s`` / ``-o`` / ``-clamp`` options of that statement. :func:`shade_kd` is the one place that
+turns a mesh's materials into colours (the mesh scene's reference images use it), so a mesh
+with one material and one with several are shaded alike.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
-
 import torch
 
+from mptex.render.mesh import DEFAULT_KD_SRGB, Material, Mesh
 from mptex.render.rasterize import Backend, interpolate
 from mptex.render.texture import texture
 
-if TYPE_CHECKING:  # mesh.py imports this module
-    from mptex.render.mesh import Mesh
-
 __all__ = ["Material", "DEFAULT_KD_SRGB", "mesh_materials", "shade_kd"]
-
-# The MTL format's Kd when a material gives none (and the colour of faces before any
-# ``usemtl``), as sRGB file values: 0.8 grey.
-DEFAULT_KD_SRGB = (0.8, 0.8, 0.8)
-
-
-@dataclass
-class Material:
-    """One diffuse material.
-
-    Attributes:
-        name: the MTL material name.
-        kd: [3] float32 linear-RGB diffuse colour, used where ``kd_texture`` is None.
-        kd_texture: [H, W, 3] float32 linear-RGB diffuse texture (``map_Kd``), or None. It
-            replaces ``kd`` (as nvdiffrec does; ``Kd`` is not multiplied in).
-        uv_scale: ``map_Kd -s u v``: the texture is addressed at ``uv * uv_scale + uv_offset``
-            in OBJ's UV space (v up), as three.js's ``repeat`` / ``offset``.
-        uv_offset: ``map_Kd -o u v``.
-        clamp: ``map_Kd -clamp on``: UVs outside [0, 1] take the edge texel; otherwise the
-            texture repeats (u and u + 1 give the same colour), as OBJ viewers do.
-    """
-
-    name: str
-    kd: torch.Tensor
-    kd_texture: torch.Tensor | None = None
-    uv_scale: tuple[float, float] = (1.0, 1.0)
-    uv_offset: tuple[float, float] = (0.0, 0.0)
-    clamp: bool = False
-
-    def to(self, device) -> Material:
-        """A copy with the tensors on ``device``."""
-        tex = None if self.kd_texture is None else self.kd_texture.to(device)
-        return replace(self, kd=self.kd.to(device), kd_texture=tex)
-
-    def texture_uv(self, uv: torch.Tensor) -> torch.Tensor:
-        """[..., 2] mesh UVs (v = 0 is texture row 0) -> the UVs the texture is sampled at.
-
-        ``-s`` and ``-o`` act in OBJ's UV space, where v points up (v_obj = 1 - v).
-        """
-        if self.uv_scale == (1.0, 1.0) and self.uv_offset == (0.0, 0.0):
-            return uv
-        (su, sv), (ou, ov) = self.uv_scale, self.uv_offset
-        u = uv[..., 0] * su + ou
-        v = 1.0 - ((1.0 - uv[..., 1]) * sv + ov)
-        return torch.stack([u, v], dim=-1)
 
 
 def mesh_materials(mesh: Mesh) -> tuple[list[Material], torch.Tensor] | None:

@@ -17,12 +17,14 @@ Nothing here imports the training loop: ``metrics.json`` is the contract (docs/m
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from mptex.report.collapse import classify_collapse
+from mptex.report.numbers import is_number
 
 __all__ = [
     "STATUSES",
@@ -77,11 +79,6 @@ _BACKEND_FLAGS = (
 
 class SweepLayoutError(ValueError):
     """A folder that is not one sweep: several sweeps mixed with loose jobs, or nothing."""
-
-
-def is_number(value: Any) -> bool:
-    """A finite int or float (not a bool)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # ----------------------------------------------------------------------------- sweeps
@@ -294,9 +291,6 @@ def _read_job(job_dir: Path) -> dict[str, Any]:
         run["error"] = (f"interrupted by {metrics.get('signal')} after iteration "
                         f"{metrics.get('interrupted_at')} and not resumed")  # fmt: skip
     if run["status"] == "completed":
-        # Imported here: mptex.report.collapse reads numbers with this module's is_number.
-        from mptex.report.collapse import classify_collapse
-
         run["collapse"] = classify_collapse(metrics)
         if run["collapse"] is not None:  # the note is the evidence the report prints
             run.update(status="collapsed", collapsed=True, note=run["collapse"]["reason"])

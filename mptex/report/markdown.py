@@ -7,7 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mptex.report.collapse import RULE as COLLAPSE_RULE
-from mptex.report.collect import REFERENCE_ARM, STATUSES, is_number
+from mptex.report.collect import REFERENCE_ARM, STATUSES
+from mptex.report.numbers import is_number
 from mptex.report.stats import CONFIDENCE, fastest_at_reference_quality
 
 __all__ = ["render_report"]

@@ -35,7 +35,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mptex.precision import grid_gradient_factor
-from mptex.report.collect import REFERENCE_ARM, STATUSES, is_number
+from mptex.report.collect import REFERENCE_ARM, STATUSES
+from mptex.report.numbers import is_number
 
 __all__ = [
     "EQUIVALENCE_MARGIN_DB",

@@ -1,0 +1,561 @@
+"""A Wavefront OBJ/MTL reader and writer for :class:`~mptex.render.mesh.Mesh`.
+
+Conventions follow nvdiffrec's ``render/obj.py``: polygons are split into triangle fans
+(concave ones, whose fan would leave the polygon, by ear clipping), the OBJ ``v`` texture
+coordinate is flipped (``v -> 1 - v``) so that UV (0, 0) addresses row 0 of the texture tensor
+(nvdiffrast's convention), the diffuse texture (``map_Kd``) and ``Kd`` are stored in linear RGB
+(files hold sRGB), and missing normals are computed as area-weighted vertex normals.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import warnings
+from pathlib import Path
+
+import torch
+
+from mptex.render.image import load_image, rgb_to_srgb, save_image, srgb_to_rgb
+from mptex.render.material import mesh_materials
+from mptex.render.mesh import DEFAULT_KD_SRGB, Material, Mesh, vertex_normals
+
+__all__ = ["load_obj", "write_obj", "UndefinedMaterialWarning"]
+
+
+class UndefinedMaterialWarning(UserWarning):
+    """A face names a material its MTL files do not define (it gets the MTL default)."""
+
+
+def _floats(tokens: list[str], count: int, path: Path, lineno: int, what: str) -> list[float]:
+    if len(tokens) < count:
+        raise ValueError(f"{path}:{lineno}: '{what}' needs {count} numbers, found {len(tokens)}")
+    try:
+        values = [float(t) for t in tokens[:count]]
+    except ValueError as exc:
+        raise ValueError(f"{path}:{lineno}: '{what}' has a non-numeric value: {exc}") from exc
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError(f"{path}:{lineno}: '{what}' has a non-finite value: {tokens[:count]}")
+    return values
+
+
+def _text_lines(path: Path) -> list[str]:
+    """The lines of an OBJ or MTL file: UTF-8, else Latin-1 (older exporters write material and
+    file names in it); a file with NUL bytes is binary, not OBJ/MTL text."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if b"\0" in data:
+        raise ValueError(f"{path}: not a text file (NUL bytes): not a Wavefront OBJ/MTL file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = data.decode("latin-1")
+    return text.splitlines()
+
+
+def _index(token: str, n_defined: int, path: Path, lineno: int, what: str) -> int:
+    try:
+        i = int(token)
+    except ValueError as exc:
+        raise ValueError(f"{path}:{lineno}: bad {what} index {token!r}") from exc
+    # OBJ indices are 1-based; negative ones count back from the last defined element.
+    i = i - 1 if i > 0 else n_defined + i
+    if not 0 <= i < n_defined or token in ("0", "-0"):
+        raise ValueError(
+            f"{path}:{lineno}: {what} index {token} out of range (1..{n_defined} defined so far)"
+        )
+    return i
+
+
+def _triangulate(points: list[list[float]]) -> list[tuple[int, int, int]] | None:
+    """Triangles (corner indices, the polygon's winding kept) covering a planar polygon.
+
+    The fan around corner 0 (as nvdiffrec and most readers split polygons) when it is valid:
+    every fan triangle turns the polygon's way (its normal along the polygon's Newell normal),
+    which holds for every convex polygon and for concave ones star-shaped from corner 0.
+    Otherwise (a concave polygon, e.g. an L-shaped hexagon, whose fan would cover area outside
+    it) ear clipping in the polygon's plane. A degenerate polygon (no area) keeps its fan.
+
+    Returns:
+        the triangles, or None when ear clipping finds no ear (some self-intersecting polygons;
+        others get triangles that cover them in some way).
+        A corner on the straight line between its neighbours may be left out of them.
+    """
+    n = len(points)
+    fan = [(0, k, k + 1) for k in range(1, n - 1)]
+    if n == 3:
+        return fan
+    # Newell's normal: twice the polygon's vector area, robust for non-planar polygons.
+    nx = ny = nz = 0.0
+    for k in range(n):
+        (x0, y0, z0), (x1, y1, z1) = points[k], points[(k + 1) % n]
+        nx += (y0 - y1) * (z0 + z1)
+        ny += (z0 - z1) * (x0 + x1)
+        nz += (x0 - x1) * (y0 + y1)
+    area2 = math.sqrt(nx * nx + ny * ny + nz * nz)
+    if area2 == 0.0:
+        return fan
+    eps = 1e-9 * area2  # relative: a fan triangle this small counts as flat, not turned back
+
+    def turn(a: int, b: int, c: int) -> float:  # twice the area of (a, b, c) along the normal
+        pa, pb, pc = points[a], points[b], points[c]
+        u = (pb[0] - pa[0], pb[1] - pa[1], pb[2] - pa[2])
+        v = (pc[0] - pa[0], pc[1] - pa[1], pc[2] - pa[2])
+        return (
+            nx * (u[1] * v[2] - u[2] * v[1])
+            + ny * (u[2] * v[0] - u[0] * v[2])
+            + nz * (u[0] * v[1] - u[1] * v[0])
+        ) / area2
+
+    if all(turn(*t) >= -eps for t in fan):
+        return fan
+    # Ear clipping: cut off a corner whose triangle turns the polygon's way and holds no other
+    # remaining corner, until three corners remain.
+    remaining = list(range(n))
+    triangles = []
+    while len(remaining) > 3:
+        m = len(remaining)
+        for j in range(m):
+            a, b, c = remaining[j - 1], remaining[j], remaining[(j + 1) % m]
+            if turn(a, b, c) <= eps:
+                continue
+            if any(
+                turn(a, b, q) >= -eps and turn(b, c, q) >= -eps and turn(c, a, q) >= -eps
+                for q in remaining
+                if q not in (a, b, c) and points[q] not in (points[a], points[b], points[c])
+            ):
+                continue
+            triangles.append((a, b, c))
+            del remaining[j]
+            break
+        else:
+            # No ear: drop a flat corner (on the line between its neighbours) if there is one.
+            flat = [j for j in range(m) if abs(turn(remaining[j - 1], remaining[j],
+                                                    remaining[(j + 1) % m])) <= eps]  # fmt: skip
+            if not flat:
+                return None
+            del remaining[flat[0]]
+    triangles.append(tuple(remaining))
+    return triangles
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+# map_Kd options (MTL spec) -> how many arguments they take. -s, -o and -clamp change where
+# the texture is sampled and are applied; -bm, -boost, -texres, -blendu and -blendv only tune
+# bump maps, mip-mapping or resolution and are accepted and ignored; the others would change
+# the colours in ways not implemented and are refused unless they are at their no-op value.
+_MAP_OPTIONS = {
+    "-s": 3, "-o": 3, "-t": 3, "-clamp": 1, "-blendu": 1, "-blendv": 1, "-cc": 1,
+    "-mm": 2, "-bm": 1, "-boost": 1, "-texres": 1, "-imfchan": 1, "-type": 1,
+}  # fmt: skip
+
+
+def _parse_map_kd(text: str, path: Path, lineno: int) -> dict:
+    """The options and file name of a ``map_Kd`` line (``text``: the line after ``map_Kd``).
+
+    The file name is the rest of the line after the options, so names with spaces work.
+
+    Returns:
+        dict with ``name`` (str), ``uv_scale`` and ``uv_offset`` ((u, v) floats), ``clamp``.
+    """
+    words = [(m.group(), m.start()) for m in re.finditer(r"\S+", text)]
+    where = f"{path}:{lineno}: map_Kd"
+    out = {"uv_scale": (1.0, 1.0), "uv_offset": (0.0, 0.0), "clamp": False}
+    i = 0
+    while i < len(words) - 1 and words[i][0].startswith("-") and not _is_number(words[i][0]):
+        option = words[i][0].lower()
+        if option not in _MAP_OPTIONS:
+            raise ValueError(f"{where} option {words[i][0]} is not supported")
+        i += 1
+        args = []
+        # -s / -o / -t take 1 to 3 numbers (v and w optional); the others a fixed count.
+        while i < len(words) - 1 and len(args) < _MAP_OPTIONS[option]:
+            if option in ("-s", "-o", "-t", "-mm", "-bm", "-boost", "-texres"):
+                if not _is_number(words[i][0]):
+                    break
+            args.append(words[i][0])
+            i += 1
+        fixed = option not in ("-s", "-o", "-t")
+        if not args or (fixed and len(args) < _MAP_OPTIONS[option]):
+            raise ValueError(f"{where} option {option} needs {_MAP_OPTIONS[option]} value(s)")
+        if option in ("-s", "-o", "-t", "-mm"):
+            values = [float(a) for a in args]
+            if not all(math.isfinite(v) for v in values):
+                raise ValueError(f"{where} option {option} has a non-finite value")
+        if option in ("-clamp", "-blendu", "-blendv", "-cc") and args[0].lower() not in (
+            "on",
+            "off",
+        ):
+            raise ValueError(f"{where} option {option} expects on or off, found {args[0]!r}")
+        if option == "-s":
+            out["uv_scale"] = (values[0], values[1] if len(values) > 1 else 1.0)
+        elif option == "-o":
+            out["uv_offset"] = (values[0], values[1] if len(values) > 1 else 0.0)
+        elif option == "-clamp":
+            out["clamp"] = args[0].lower() == "on"
+        elif option == "-t" and any(values):
+            raise ValueError(f"{where} option -t (turbulence) is not supported")
+        elif option == "-mm" and values != [0.0, 1.0]:
+            raise ValueError(f"{where} option -mm (colour base and gain) is not supported")
+        elif option == "-cc" and args[0].lower() == "on":
+            raise ValueError(f"{where} option -cc on (colour correction) is not supported")
+        elif option == "-imfchan":
+            raise ValueError(f"{where} option -imfchan (one channel as a scalar) is not supported")
+        elif option == "-type":
+            raise ValueError(f"{where} option -type (reflection map) is not supported")
+    if i >= len(words):
+        raise ValueError(f"{where} needs a file name")
+    out["name"] = text[words[i][1] :].strip()
+    return out
+
+
+def _find_file(folder: Path, name: str) -> Path | None:
+    r"""The file a ``map_Kd`` or ``mtllib`` name refers to, or None.
+
+    Tried in order: the name relative to the OBJ/MTL's folder (or absolute); without
+    surrounding quotes; with Windows ``\`` separators as ``/``; the file name alone in that
+    folder (exporters write absolute paths of the machine the asset was made on); and the last
+    two with the file name's letter case ignored (assets made on Windows or macOS name
+    ``Wood.PNG`` what is ``wood.png`` on disk).
+    """
+    unquoted = name[1:-1] if len(name) > 1 and name[0] == name[-1] == '"' else name
+    slashed = unquoted.replace("\\", "/")
+    base = slashed.rsplit("/", 1)[-1]
+    for candidate in (name, unquoted, slashed, base):
+        if candidate and (folder / candidate).is_file():
+            return folder / candidate
+    for candidate in (slashed, base):
+        parent = (folder / candidate).parent
+        if candidate and parent.is_dir():
+            lower = Path(candidate).name.lower()
+            found = sorted(p for p in parent.iterdir() if p.name.lower() == lower and p.is_file())
+            if found:
+                return found[0]
+    return None
+
+
+def _load_mtl(path: Path) -> dict[str, dict]:
+    """The materials of an MTL file: name -> dict with ``kd`` (sRGB list, absent when not
+    given), ``map_kd`` (texture path and options, see ``_parse_map_kd``), and ``error``: why
+    the material cannot be used (an unsupported option, a missing texture). Such errors are
+    raised only when a face uses the material: files often hold broken materials they never use.
+    """
+    materials: dict[str, dict] = {}
+    current = None
+    for lineno, raw in enumerate(_text_lines(path), start=1):
+        text = raw.split("#", 1)[0]
+        tokens = text.split()
+        if not tokens:
+            continue
+        key, args = tokens[0], tokens[1:]
+        if key == "newmtl":
+            if not args:
+                raise ValueError(f"{path}:{lineno}: 'newmtl' needs a name")
+            current = materials.setdefault(" ".join(args), {})
+        elif current is None:
+            continue
+        elif key == "Kd":
+            if args and args[0] in ("spectral", "xyz"):
+                current.setdefault("error", f"{path}:{lineno}: 'Kd {args[0]}' is not supported")
+            elif len(args) == 1:  # "Kd r": g and b equal r
+                current["kd"] = _floats(args, 1, path, lineno, "Kd") * 3
+            else:
+                current["kd"] = _floats(args, 3, path, lineno, "Kd")
+        elif key == "map_Kd":
+            try:
+                found = _parse_map_kd(text.split(None, 1)[1] if args else "", path, lineno)
+                texture_path = _find_file(path.parent, found["name"])
+                if texture_path is None:
+                    raise ValueError(
+                        f"{path}:{lineno}: map_Kd texture {path.parent / found['name']} "
+                        "does not exist"
+                    )
+            except ValueError as exc:
+                current.setdefault("error", str(exc))
+                continue
+            current["map_kd"] = {**found, "path": texture_path, "line": lineno, "mtl": path}
+    return materials
+
+
+def _kd_texture(info: dict) -> torch.Tensor:
+    """[H, W, 3] float32 linear RGB of a ``map_Kd`` texture: 8-bit or 16-bit, grey, grey +
+    alpha, RGB, RGBA or palette, sRGB-decoded; alpha is dropped (the diffuse colour has none)."""
+    try:
+        image = load_image(info["path"], to_linear=True)
+    except (OSError, RuntimeError) as exc:
+        why = " ".join(str(exc.__cause__ or exc).split())[:200]
+        raise ValueError(
+            f"{info['mtl']}:{info['line']}: map_Kd texture {info['path']} cannot be read as an "
+            f"image ({why})"
+        ) from None
+    if image.shape[-1] in (1, 2):  # grey (+ alpha): the same value in R, G and B
+        # (load_image converts only RGB/RGBA from sRGB; convert the grey value here)
+        image = srgb_to_rgb(image[..., :1].expand(*image.shape[:-1], 3))
+    return image[..., :3].contiguous()
+
+
+def _material(name: str | None, info: dict, textures: dict[Path, torch.Tensor]) -> Material:
+    """The ``Material`` of an MTL entry (``name`` None: the default material of faces before
+    any ``usemtl``: Kd 0.8 grey, the MTL default). ``textures`` caches decoded files: exporters
+    often give many materials one shared texture atlas."""
+    kd = srgb_to_rgb(torch.tensor(info.get("kd", DEFAULT_KD_SRGB), dtype=torch.float32))
+    texture = info.get("map_kd")
+    if texture is None:
+        return Material(name or "(default)", kd)
+    if texture["path"] not in textures:
+        textures[texture["path"]] = _kd_texture(texture)
+    return Material(
+        name, kd, textures[texture["path"]], uv_scale=texture["uv_scale"],
+        uv_offset=texture["uv_offset"], clamp=texture["clamp"],
+    )  # fmt: skip
+
+
+def load_obj(path: str | os.PathLike) -> Mesh:
+    r"""Read a Wavefront OBJ file with its MTL materials and diffuse textures.
+
+    Supported: polygons (split into triangle fans; concave ones by ear clipping; one that
+    intersects itself so that no ear is found is an error), negative (relative) indices,
+    several materials (``usemtl`` switching; ``Mesh.materials`` and ``Mesh.t_mat_idx``), one
+    or several ``mtllib`` files, faces with and without ``vt`` / ``vn`` in one file (faces
+    without ``vt`` need a material without ``map_Kd``; faces without ``vn`` get area-weighted
+    vertex normals), ``map_Kd`` options ``-s``, ``-o``, ``-clamp``, ``mtllib`` and ``map_Kd``
+    file names with spaces, ``\`` separators or another letter case, UVs outside [0, 1]
+    (the texture repeats unless ``-clamp on``).
+
+    Materials: ``Kd`` and ``map_Kd`` are sRGB in the files and linear in the mesh; a texture
+    replaces ``Kd``; a material without ``Kd`` gets 0.8 grey (the MTL default), and so do
+    faces before the first ``usemtl`` of a file that uses materials, and faces whose ``usemtl``
+    names a material no MTL file defines (with one :class:`UndefinedMaterialWarning` per name,
+    naming the file and line). Materials come in the
+    order faces first use them; only used materials are loaded (a broken material that no
+    face uses is no error). With exactly one material, ``kd`` / ``kd_texture`` are its; with
+    none (no ``usemtl``), ``materials`` and ``kd`` are None.
+
+    Args:
+        path: the ``.obj`` file; ``mtllib`` and ``map_Kd`` paths are relative to its folder.
+
+    Returns:
+        A ``Mesh`` with normals always present (computed when the file has none). Faces
+        without ``vt`` in a file with UVs get all three UV corners at one extra UV vertex
+        (0, 0), so ``t_tex_idx`` covers every triangle.
+
+    Raises:
+        FileNotFoundError: when ``path`` does not exist.
+        ValueError: for a malformed file or an unsupported feature, one line naming the file
+            and the line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"load_obj: no such file {path}")
+    positions: list[list[float]] = []
+    texcoords: list[list[float]] = []
+    normals: list[list[float]] = []
+    faces_pos: list[list[int]] = []
+    faces_tex: list[list[int] | None] = []  # None: the face has no vt
+    faces_nrm: list[list[int] | None] = []
+    faces_mat: list[str | None] = []  # None: before any usemtl
+    library: dict[str, dict] = {}
+    current: str | None = None
+    first_use: dict[str | None, int] = {}  # material -> line of its first face
+    undefined: set[str] = set()  # names of usemtl without a newmtl: warned once each
+
+    for lineno, raw in enumerate(_text_lines(path), start=1):
+        tokens = raw.split("#", 1)[0].split()
+        if not tokens:
+            continue
+        key, args = tokens[0], tokens[1:]
+        if key == "v":
+            positions.append(_floats(args, 3, path, lineno, "v"))
+        elif key == "vt":
+            u = _floats(args, 1, path, lineno, "vt")[0]
+            v = _floats(args[1:], 1, path, lineno, "vt")[0] if len(args) > 1 else 0.0  # spec
+            texcoords.append([u, 1.0 - v])
+        elif key == "vn":
+            normals.append(_floats(args, 3, path, lineno, "vn"))
+        elif key == "f":
+            if len(args) < 3:
+                raise ValueError(f"{path}:{lineno}: a face needs at least 3 vertices")
+            corners = []
+            for token in args:
+                parts = token.split("/")
+                if len(parts) > 3 or parts[0] == "":
+                    raise ValueError(f"{path}:{lineno}: malformed face vertex {token!r}")
+                p = _index(parts[0], len(positions), path, lineno, "position")
+                t = (
+                    _index(parts[1], len(texcoords), path, lineno, "texcoord")
+                    if (len(parts) > 1 and parts[1])
+                    else None
+                )
+                n = (
+                    _index(parts[2], len(normals), path, lineno, "normal")
+                    if (len(parts) > 2 and parts[2])
+                    else None
+                )
+                corners.append((p, t, n))
+            tex_given = [c[1] is not None for c in corners]
+            nrm_given = [c[2] is not None for c in corners]
+            if any(tex_given) != all(tex_given) or any(nrm_given) != all(nrm_given):
+                raise ValueError(
+                    f"{path}:{lineno}: a face mixes corners with and without texcoords or normals"
+                )
+            if not all(tex_given) and "map_kd" in library.get(current, {}):
+                raise ValueError(
+                    f"{path}:{lineno}: face without texcoords (vt) uses material "
+                    f"{current!r}, which has a map_Kd texture"
+                )
+            first_use.setdefault(current, lineno)
+            triangles = _triangulate([positions[c[0]] for c in corners])
+            if triangles is None:
+                raise ValueError(
+                    f"{path}:{lineno}: a polygon of {len(corners)} vertices cannot be "
+                    "triangulated (it intersects itself)"
+                )
+            for i, j, k in triangles:
+                tri = (corners[i], corners[j], corners[k])
+                faces_pos.append([c[0] for c in tri])
+                faces_tex.append([c[1] for c in tri] if all(tex_given) else None)
+                faces_nrm.append([c[2] for c in tri] if all(nrm_given) else None)
+                faces_mat.append(current)
+        elif key == "mtllib":
+            if not args:
+                raise ValueError(f"{path}:{lineno}: 'mtllib' needs a file name")
+            # One file whose name may hold spaces, else several files (the spec allows both).
+            rest = raw.split("#", 1)[0].split(None, 1)[1].strip()
+            found = {rest: _find_file(path.parent, rest)}
+            if found[rest] is None and len(args) > 1:
+                several = {name: _find_file(path.parent, name) for name in args}
+                if any(mtl_path is not None for mtl_path in several.values()):
+                    found = several
+            for name, mtl_path in found.items():
+                if mtl_path is None:
+                    raise ValueError(
+                        f"{path}:{lineno}: material library {path.parent / name} does not exist"
+                    )
+                library.update(_load_mtl(mtl_path))
+        elif key == "usemtl":
+            if not args:
+                raise ValueError(f"{path}:{lineno}: 'usemtl' needs a material name")
+            current = " ".join(args)
+            if current not in library and current not in undefined:
+                # Exporters write such files (a material renamed in the scene but not in the
+                # MTL); Blender and trimesh load the faces with a default material and warn.
+                undefined.add(current)
+                warnings.warn(
+                    f"{path}:{lineno}: material {current!r} is not defined in the MTL files; its "
+                    "faces get the MTL default (Kd 0.8 grey)",
+                    UndefinedMaterialWarning,
+                    stacklevel=2,
+                )
+        elif key in ("o", "g", "s", "l", "p", "vp"):
+            continue  # groups, smoothing and non-triangle elements do not affect the mesh
+        else:
+            raise ValueError(f"{path}:{lineno}: unknown OBJ statement {key!r}")
+
+    if not faces_pos:
+        raise ValueError(f"{path}: no faces")
+    for name, lineno in first_use.items():
+        if name is not None and "error" in library.get(name, {}):
+            raise ValueError(f"{library[name]['error']} (material {name!r}, used at line {lineno})")
+    v_pos = torch.tensor(positions, dtype=torch.float32)
+    t_pos_idx = torch.tensor(faces_pos, dtype=torch.int32)
+    mesh = Mesh(v_pos=v_pos, t_pos_idx=t_pos_idx)
+    if any(f is not None for f in faces_tex):
+        # Faces without vt (their material has no texture) get one extra UV vertex (0, 0).
+        none = [len(texcoords)] * 3
+        if any(f is None for f in faces_tex):
+            texcoords.append([0.0, 0.0])
+        mesh.v_tex = torch.tensor(texcoords, dtype=torch.float32)
+        mesh.t_tex_idx = torch.tensor([f or none for f in faces_tex], dtype=torch.int32)
+    computed = vertex_normals(v_pos, t_pos_idx)
+    if all(f is None for f in faces_nrm):
+        mesh.v_nrm, mesh.t_nrm_idx = computed, t_pos_idx.clone()
+    else:
+        # Faces without vn use the area-weighted vertex normals, appended after the file's.
+        v_nrm = torch.tensor(normals, dtype=torch.float32)
+        v_nrm = v_nrm / torch.linalg.norm(v_nrm, dim=-1, keepdim=True).clamp_min(1e-20)
+        mesh.v_nrm = torch.cat([v_nrm, computed]) if None in faces_nrm else v_nrm
+        offset = len(normals)
+        mesh.t_nrm_idx = torch.tensor(
+            [f if f is not None else [offset + i for i in faces_pos[t]]
+             for t, f in enumerate(faces_nrm)], dtype=torch.int32,
+        )  # fmt: skip
+
+    if any(m is not None for m in faces_mat):
+        order = {name: i for i, name in enumerate(first_use)}
+        textures: dict[Path, torch.Tensor] = {}
+        mesh.materials = [_material(n, library.get(n, {}), textures) for n in first_use]
+        mesh.t_mat_idx = torch.tensor([order[m] for m in faces_mat], dtype=torch.int32)
+        if len(mesh.materials) == 1:
+            mesh.kd, mesh.kd_texture = mesh.materials[0].kd, mesh.materials[0].kd_texture
+    return mesh
+
+
+# ---------------------------------------------------------------------------------------------
+# OBJ writing
+# ---------------------------------------------------------------------------------------------
+
+
+def write_obj(path: str | os.PathLike, mesh: Mesh) -> None:
+    """Write ``mesh`` as OBJ (+ ``<name>.mtl`` and one ``<name>_kd*.png`` per textured material
+    when it has materials).
+
+    The inverse of ``load_obj`` up to float formatting (9 significant digits, enough to
+    reproduce float32 exactly) and 8-bit quantisation of the textures. Several materials are
+    written with ``usemtl`` switching and their ``-s`` / ``-o`` / ``-clamp`` options.
+    """
+    path = Path(path)
+    lines = []
+    found = mesh_materials(mesh)
+    t_mat = None
+    if found is not None:
+        materials, t_mat_idx = found
+        t_mat = t_mat_idx.tolist()
+        mtl_path = path.with_suffix(".mtl")
+        mtl = []
+        for i, material in enumerate(materials):
+            kd = " ".join(f"{x:.9g}" for x in rgb_to_srgb(material.kd.cpu().float()).tolist())
+            mtl += [f"newmtl {material.name}", f"Kd {kd}"]
+            if material.kd_texture is not None:
+                tex_name = f"{path.stem}_kd.png" if i == 0 else f"{path.stem}_kd{i}.png"
+                save_image(path.parent / tex_name, material.kd_texture, to_srgb=True)
+                options = ""
+                if material.uv_scale != (1.0, 1.0):
+                    options += "-s {:.9g} {:.9g} 1 ".format(*material.uv_scale)
+                if material.uv_offset != (0.0, 0.0):
+                    options += "-o {:.9g} {:.9g} 0 ".format(*material.uv_offset)
+                if material.clamp:
+                    options += "-clamp on "
+                mtl.append(f"map_Kd {options}{tex_name}")
+        mtl_path.write_text("\n".join(mtl) + "\n")
+        lines.append(f"mtllib {mtl_path.name}")
+    lines += [f"v {x:.9g} {y:.9g} {z:.9g}" for x, y, z in mesh.v_pos.tolist()]
+    if mesh.v_tex is not None:
+        lines += [f"vt {u:.9g} {1.0 - v:.9g}" for u, v in mesh.v_tex.tolist()]
+    if mesh.v_nrm is not None:
+        lines += [f"vn {x:.9g} {y:.9g} {z:.9g}" for x, y, z in mesh.v_nrm.tolist()]
+    pos_i = mesh.t_pos_idx.tolist()
+    tex_i = mesh.t_tex_idx.tolist() if mesh.t_tex_idx is not None else None
+    nrm_i = mesh.t_nrm_idx.tolist() if mesh.t_nrm_idx is not None else None
+    used = None
+    for f in range(len(pos_i)):
+        if t_mat is not None and t_mat[f] != used:
+            used = t_mat[f]
+            lines.append(f"usemtl {found[0][used].name}")
+        corners = []
+        for k in range(3):
+            p = str(pos_i[f][k] + 1)
+            t = str(tex_i[f][k] + 1) if tex_i is not None else ""
+            n = str(nrm_i[f][k] + 1) if nrm_i is not None else ""
+            corners.append(p + (f"/{t}" if t or n else "") + (f"/{n}" if n else ""))
+        lines.append("f " + " ".join(corners))
+    path.write_text("\n".join(lines) + "\n")

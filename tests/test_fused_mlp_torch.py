@@ -3,14 +3,17 @@
 ``tests/test_network.py`` checks the twin against the per-element reference of the arithmetic
 model; these tests pin the bits the twin returned before it was made faster, for every
 activation, both accumulate modes, split-K with unequal slices, the padding paths and the
-statistics, at 1 and 2 torch threads.
+statistics, at 1 and 2 torch threads, with its C kernel (mptex._native_cpu) and with its eager
+PyTorch loops.
 """
 
 from __future__ import annotations
 
 import golden_io
 import pytest
+import torch
 
+import mptex._fused_mlp_torch as twin
 from mptex._fused_mlp_torch import FusedMLPSpec, fused_mlp
 
 GOLDEN = golden_io.load("fused_mlp_twin.pt")
@@ -41,13 +44,24 @@ def _check(name: str, entry: dict) -> None:
         assert spec.stats == entry["stats"]
 
 
+@pytest.fixture(params=["native", "eager"])
+def loops(request, monkeypatch):
+    """Run the twin's loops in the C kernel, or in eager PyTorch ops."""
+    if request.param == "native":
+        if twin.native_kernels() is None:
+            pytest.skip("the C kernel does not build here (no C compiler)")
+    else:
+        monkeypatch.setattr(twin, "_native", lambda tensor: None)
+    return request.param
+
+
 @pytest.mark.parametrize("name", list(GOLDEN))
-def test_twin_reproduces_its_golden_bits(name):
+def test_twin_reproduces_its_golden_bits(name, loops):
     _check(name, GOLDEN[name])
 
 
 @pytest.mark.parametrize("name", ["texture-half", "split-k-texture", "split-k-float"])
-def test_twin_bits_do_not_depend_on_the_thread_count(name):
+def test_twin_bits_do_not_depend_on_the_thread_count(name, loops):
     with golden_io.torch_threads(2):
         _check(name, GOLDEN[name])
 
@@ -60,3 +74,30 @@ def test_golden_covers_every_activation_and_switch():
     assert {s.output_activation for s in specs} == set(ACTIVATIONS)
     assert {s.accumulate for s in specs} == {"half", "float"}
     assert {s.split_k for s in specs} == {True, False}
+
+
+def test_the_c_kernel_can_be_turned_off(monkeypatch):
+    from mptex import _native_cpu
+
+    monkeypatch.setenv("MPTEX_NATIVE", "0")
+    _native_cpu.native_kernels.cache_clear()
+    try:
+        assert _native_cpu.native_kernels() is None
+    finally:
+        _native_cpu.native_kernels.cache_clear()
+
+
+def test_a_missing_compiler_falls_back_with_one_warning(monkeypatch, tmp_path):
+    from mptex import _native_cpu
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("MPTEX_CACHE_DIR", str(tmp_path))
+    _native_cpu.native_kernels.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="C kernel.*eager PyTorch"):
+            assert _native_cpu.native_kernels() is None
+        spec = FusedMLPSpec(5, 3, 16, 1)
+        x = torch.rand(40, 5)
+        assert twin.fused_mlp(x, twin.xavier_uniform_params(spec), spec).shape == (40, 3)
+    finally:
+        _native_cpu.native_kernels.cache_clear()

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import torch
 
+from mptex.report.markdown import markdown_table
 from mptex.train.runinfo import cpu_model
 
 __all__ = ["machine", "median_seconds", "print_table", "synchronize"]
@@ -48,10 +49,4 @@ def machine(device: torch.device | str = "cpu") -> str:
 
 def print_table(headers: list[str], rows: list[list[object]]) -> None:
     """Print a Markdown table."""
-    cells = [headers] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    print(line(headers))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in cells[1:]:
-        print(line(row))
+    print(markdown_table(headers, rows))

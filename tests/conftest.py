@@ -7,7 +7,6 @@ registered in pyproject.toml, and ``--strict-markers`` rejects typos.
 """
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -48,12 +47,3 @@ TOL = {
     torch.float32: dict(rtol=1.3e-6, atol=1e-5),
     torch.float64: dict(rtol=1e-7, atol=1e-7),
 }
-
-
-def load_benchmark(name: str):
-    """Import ``benchmarks/<name>.py`` (a script directory, not a package) as a module."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mptex.check import check_main
+from mptex.cli.check import check_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,7 +17,7 @@ def test_cli_f32_vs_f16_dynamic_passes(tmp_path):
     out = tmp_path / "check.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, "-m", "mptex.check", "--a", "f32", "--b", "f16_dynamic",
+        [sys.executable, "-m", "mptex.cli.check", "--a", "f32", "--b", "f16_dynamic",
          "--points", "2048", "--seed", "0", "--out", str(out)],
         capture_output=True, text=True, env=env, timeout=60,
     )  # fmt: skip

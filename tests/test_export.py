@@ -17,7 +17,6 @@ from hydra import compose, initialize_config_dir
 
 import mptex
 from mptex.bake import MEASURE_VIEWS, bake_texture, export_mesh, orbit_views_around
-from mptex.bake.cli import export_main
 from mptex.bake.export import (
     check_export_config,
     write_glb,
@@ -26,6 +25,7 @@ from mptex.bake.export import (
     write_texture_images,
 )
 from mptex.cli import CONFIG_DIR
+from mptex.cli.export import export_main
 from mptex.render import Mesh, load_image, load_obj, save_image, texture, write_obj
 from mptex.scenes.builtin import torus_knot
 from mptex.train import train

@@ -33,8 +33,8 @@ from mptex import (
     PrecisionStepper,
     _backends,
 )
-from mptex.check import check_main
 from mptex.cli import CONFIG_DIR
+from mptex.cli.check import check_main
 from mptex.render import rasterize
 from mptex.scenes import build_scene
 from mptex.train import ConfigError, load_checkpoint, save_checkpoint, train, validate_config

@@ -121,10 +121,12 @@ from {module} import {function}
 sys.exit({function}())
 """
 _COMMANDS = {
-    "mptex-train": ("mptex.cli", "train_main", SMALL),
-    "mptex-report": ("mptex.report", "report_main", []),
-    "mptex-check": ("mptex.check", "check_main", []),
-    "mptex-export": ("mptex.bake.cli", "export_main", SMALL_EXPORT),
+    "mptex-train": ("mptex.cli.train", "train_main", SMALL),
+    "mptex-search": ("mptex.cli.search", "search_main", SMALL),
+    "mptex-report": ("mptex.cli.report", "report_main", []),
+    "mptex-rescore": ("mptex.cli.rescore", "rescore_main", []),
+    "mptex-check": ("mptex.cli.check", "check_main", []),
+    "mptex-export": ("mptex.cli.export", "export_main", SMALL_EXPORT),
 }
 
 

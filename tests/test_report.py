@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 import mptex.report as report
+from mptex.cli.report import report_main
 from mptex.report import (
     REPORT_FILES,
     collect_runs,
     mean_ci,
-    report_main,
     summarize,
     t_quantile,
     verdict,
@@ -682,7 +682,7 @@ def _validated(psnrs, stuck, baseline=13.36, iterations=2400):
 
 
 def test_a_plateau_held_by_stuck_pixels_above_the_baseline_is_a_collapse(tmp_path):
-    from mptex.report.collapse import classify_collapse
+    from mptex.collapse import classify_collapse
 
     # tcnn_fused on the real-asset torus, seed 1 (docs/archive/collapse-rule.md)
     got = classify_collapse(_validated([20.03, 20.04, 20.04], stuck=0.1616))

@@ -1,17 +1,15 @@
-"""benchmarks/rescore.py: a finished run's checkpoint scored again, at its own and other
+"""mptex-rescore: a finished run's checkpoint scored again, at its own and other
 validation settings."""
 
 from __future__ import annotations
 
 import json
 
-from conftest import load_benchmark
+import torch
 from hydra import compose, initialize_config_dir
 
-from mptex.cli import CONFIG_DIR
+from mptex.cli import CONFIG_DIR, rescore
 from mptex.train import train
-
-rescore = load_benchmark("rescore")
 
 
 def _run(tmp_path, *extra: str):
@@ -30,7 +28,7 @@ def _run(tmp_path, *extra: str):
 def test_own_setting_reproduces_the_runs_psnr_and_others_differ(tmp_path, capsys):
     run_dir, metrics = _run(tmp_path, "train.val_spp=2")
     out = tmp_path / "scores.json"
-    assert rescore.main([str(run_dir), "--val-spp", "2", "1", "--json", str(out)]) == 0
+    assert rescore.rescore_main([str(run_dir), "--val-spp", "2", "1", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["scores"]
     own, point = rows
     # validation draws no random number and reads the texture only: the same bits
@@ -44,18 +42,18 @@ def test_own_setting_reproduces_the_runs_psnr_and_others_differ(tmp_path, capsys
 
 def test_more_views_are_scored_when_asked(tmp_path):
     run_dir, _ = _run(tmp_path)
-    (rows,) = rescore.rescore(run_dir, [1], rescore.torch.device("cpu"), n_val_views=3)
+    (rows,) = rescore.rescore(run_dir, [1], torch.device("cpu"), n_val_views=3)
     assert rows["n_val_views"] == 3 and len(rows["psnr_per_image"]) == 3 and rows["own"] is None
 
 
 def test_bad_arguments_fail_with_one_line(tmp_path, capsys):
-    assert rescore.main([str(tmp_path), "--val-spp", "0"]) == 2
-    expected = "rescore.py: --val-spp: expected integers in [1, 16], got [0]"
+    assert rescore.rescore_main([str(tmp_path), "--val-spp", "0"]) == 2
+    expected = "mptex-rescore: --val-spp: expected integers in [1, 16], got [0]"
     assert capsys.readouterr().err.strip() == expected
-    assert rescore.main([str(tmp_path)]) == 2
+    assert rescore.rescore_main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith("no checkpoint.pt (not a finished mptex-train run)") and "\n" not in err
     (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")
-    assert rescore.main([str(tmp_path)]) == 2
+    assert rescore.rescore_main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("rescore.py: ") and "checkpoint.pt" in err and "\n" not in err
+    assert err.startswith("mptex-rescore: ") and "checkpoint.pt" in err and "\n" not in err

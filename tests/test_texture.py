@@ -9,7 +9,7 @@ import fused_mlp_reference as ref
 import numpy as np
 import pytest
 import torch
-from conftest import TOL, load_benchmark
+from conftest import TOL
 
 from mptex import MLPTexture3D, PrecisionPolicy, PrecisionStepper, convert_state_dict
 from mptex.encoding import HashGridEncoding
@@ -436,7 +436,7 @@ def test_state_dict_round_trips_between_torch_and_tcnn_encoders():
 
 @pytest.mark.slow
 def test_every_arm_fits_a_3d_function(capsys):
-    fit = load_benchmark("fit_arms")
+    from mptex.diagnostics import fit
     threads = torch.get_num_threads()
     # One thread: small matmuls gain little from two, and with other jobs on a 2-core CI machine
     # two spinning OpenMP threads slow this test down ten-fold.

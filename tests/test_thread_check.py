@@ -1,9 +1,8 @@
-"""benchmarks/thread_check.py: the op-by-op 1-vs-2-thread comparison of a training run."""
+"""mptex.diagnostics.thread_check: the op-by-op 1-vs-2-thread comparison of a training run."""
 
 import torch
-from conftest import load_benchmark
 
-thread_check = load_benchmark("thread_check")
+from mptex.diagnostics import thread_check  # noqa: E402
 
 
 def test_written_arguments_are_copied_so_in_place_ops_apply_once():

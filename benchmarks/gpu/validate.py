@@ -623,7 +623,7 @@ def stage_throughput(ctx: StageContext) -> None:
 
 
 def stage_nvdiffrec154(ctx: StageContext) -> None:
-    from mptex.report.stats import mean_ci, verdict
+    from mptex.intervals import mean_ci, verdict
 
     iterations = 3 if ctx.small else ctx.args.n154_iterations
     arms = ("nvdiffrec", "tcnn_fused_swap154")
@@ -680,7 +680,7 @@ def stage_nvdiffrec154(ctx: StageContext) -> None:
                         verdict(ci),
                     ]
                 ],
-                "Student-t interval over the per-seed differences (mptex.report.stats.mean_ci)",
+                "Student-t interval over the per-seed differences (mptex.intervals.mean_ci)",
             )
         ctx.save()
 

@@ -6,11 +6,12 @@
 * :mod:`~mptex.bake.export`: OBJ + MTL + PNG and GLB writers, ``export.json``, the bake's
   measurement: :func:`export_mesh` (a texture and a mesh alone) and :func:`export_asset` (on
   the scene the texture was trained on);
-* :mod:`~mptex.bake.cli`: ``mptex-export RUN_DIR``.
+* the command ``mptex-export RUN_DIR`` is :mod:`mptex.cli.export`.
 
-Nothing here imports the training loop (``mptex.train`` calls :func:`export_asset` at the end
-of a run with ``export.enabled=true``); only the ``mptex-export`` entry point reads a
-checkpoint through it. ``xatlas`` and ``trimesh`` are imported on first use.
+Nothing here imports the training loop: ``mptex-train`` hands the loop a
+:class:`TrainingExport`, which runs :func:`export_asset` at the end of a run with
+``export.enabled=true``; the ``mptex-export`` command reads a checkpoint. ``xatlas`` and
+``trimesh`` are imported on first use.
 """
 
 from mptex.bake.bake import (
@@ -28,6 +29,7 @@ from mptex.bake.export import (
     EXPORT_DEFAULTS,
     MEASURE_RESOLUTION,
     MEASURE_VIEWS,
+    TrainingExport,
     check_export_config,
     export_asset,
     export_mesh,
@@ -41,6 +43,7 @@ from mptex.bake.export import (
 from mptex.bake.unwrap import PACK_DEFAULTS, has_xatlas, unwrap_mesh
 
 __all__ = [
+    "TrainingExport",
     "BakeResult",
     "bake_texture",
     "dilate",

@@ -633,3 +633,16 @@ def export_asset(
     views = scene.val_views() if options["measure"] else None
     return export_mesh(texture, scene.mesh, out_dir, **options, views=views,
                        background=background, backend=scene.gbuffers.backend)  # fmt: skip
+
+
+class TrainingExport:
+    """The exporter ``mptex-train`` hands the training loop for ``export.enabled=true``
+    (:class:`mptex.train.exporter.Exporter`): :func:`preflight_export` before the first
+    iteration, :func:`export_asset` on the run's scene after the final validation."""
+
+    def preflight(self, settings, mesh, channels, device, run_dir) -> None:
+        preflight_export(settings, mesh, channels, device, run_dir)
+
+    def export(self, texture, scene, out_dir, settings, background) -> dict[str, Any]:
+        return export_asset(texture, scene, out_dir, settings, background)
+

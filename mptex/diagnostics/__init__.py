@@ -28,15 +28,15 @@ from mptex.diagnostics.compare import (
     compare_setups,
 )
 from mptex.diagnostics.flow import check_gradient_flow
-from mptex.diagnostics.host import to_host
-from mptex.diagnostics.monitor import PrecisionMonitor, subnormal_threshold, tensor_statistics
-from mptex.diagnostics.saturation import (
+from mptex.diagnostics.ulp import half_ulps, outside_tolerance, ulp_summary
+from mptex.host import to_host
+from mptex.train.monitor import PrecisionMonitor, subnormal_threshold, tensor_statistics
+from mptex.train.saturation import (
     SATURATION_LOGIT,
     STUCK_TOLERANCE,
     saturated_counts,
     saturation_statistics,
 )
-from mptex.diagnostics.ulp import half_ulps, outside_tolerance, ulp_summary
 
 __all__ = [
     "to_host",

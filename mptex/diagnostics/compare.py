@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mptex.diagnostics.host import to_host
+from mptex.host import to_host
 from mptex.precision import PrecisionPolicy, dtype_name
 from mptex.texture import NVDIFFREC_ENCODER_CONFIG, MLPTexture3D
 

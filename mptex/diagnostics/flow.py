@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mptex.diagnostics.host import to_host
+from mptex.host import to_host
 
 
 # --------------------------------------------------------------------------- gradient flow

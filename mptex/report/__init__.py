@@ -1,7 +1,7 @@
 """The ablation report: a sweep's ``metrics.json`` files as tables with confidence intervals,
 verdicts and plots.
 
-``mptex-report FOLDER`` (:func:`report_main`), or :class:`ReportCallback` at the end of a Hydra
+``mptex-report FOLDER`` (:mod:`mptex.cli.report`), or :class:`ReportCallback` at the end of a Hydra
 multirun, writes into each sweep directory:
 
 - ``report.md``: per context (scene and every other swept value outside the precision group),
@@ -17,19 +17,11 @@ multirun, writes into each sweep directory:
 
 Modules: :mod:`~mptex.report.collect` (jobs, configs, sweeps, grouping by the swept keys),
 :mod:`~mptex.report.stats` (paired differences, intervals, verdicts),
-:mod:`~mptex.report.markdown`, :mod:`~mptex.report.plots`, :mod:`~mptex.report.cli` (writing,
-the command and the Hydra callbacks). Nothing here imports the training loop: ``metrics.json``
-is the contract (docs/metrics.md).
+:mod:`~mptex.report.markdown`, :mod:`~mptex.report.plots`, :mod:`~mptex.report.writer` (writing
+the files, and the Hydra callbacks); the command is :mod:`mptex.cli.report`. Nothing here
+imports the training loop: ``metrics.json`` is the contract (docs/metrics.md).
 """
 
-from mptex.report.cli import (
-    REPORT_FILES,
-    FreshSweepDirCallback,
-    ReportCallback,
-    report_main,
-    summarize,
-    write_report,
-)
 from mptex.report.collect import (
     ARM_ORDER,
     REFERENCE_ARM,
@@ -40,6 +32,13 @@ from mptex.report.collect import (
     group_runs,
 )
 from mptex.report.stats import EQUIVALENCE_MARGIN_DB, mean_ci, t_quantile, verdict
+from mptex.report.writer import (
+    REPORT_FILES,
+    FreshSweepDirCallback,
+    ReportCallback,
+    summarize,
+    write_report,
+)
 
 __all__ = [
     "STATUSES",
@@ -56,7 +55,6 @@ __all__ = [
     "t_quantile",
     "verdict",
     "write_report",
-    "report_main",
     "ReportCallback",
     "FreshSweepDirCallback",
 ]

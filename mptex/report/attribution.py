@@ -26,7 +26,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mptex.report.numbers import is_number
+from mptex.numbers import is_number
 from mptex.report.stats import CONFIDENCE, _context, mean_ci, verdict
 
 __all__ = ["DECOMPOSITION", "SWITCHES", "applies", "attribution", "render", "plot_gap"]

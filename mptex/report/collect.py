@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mptex.report.collapse import classify_collapse
-from mptex.report.numbers import is_number
+from mptex.collapse import classify_collapse
+from mptex.numbers import is_number
 
 __all__ = [
     "STATUSES",
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 # Run outcomes. "collapsed": completed, but its output saturated at the wrong colour or its PSNR
-# sat flat below the constant-colour baseline (mptex.report.collapse): counted apart from the
+# sat flat below the constant-colour baseline (mptex.collapse): counted apart from the
 # completed runs and out of their statistics. "unavailable": the arm needs a library or device
 # this machine lacks (tcnn_fused without tinycudann); it is listed, never silently dropped. An
 # unreadable metrics.json is a failed run (its error says why, its path is listed).
@@ -327,7 +327,7 @@ def collect_runs(sweep_dir: str | os.PathLike) -> list[dict[str, Any]]:
         status differs from the recorded one, or None), ``unreadable`` (metrics.json could not
         be parsed), ``config`` (flattened dotted keys, or None when no config was readable),
         ``history`` (list of dicts), ``underflow`` (name -> value), ``versions``, ``collapsed``
-        (bool), ``collapse`` (the evidence of :func:`mptex.report.collapse.classify_collapse`,
+        (bool), ``collapse`` (the evidence of :func:`mptex.collapse.classify_collapse`,
         or None) and ``saturation`` (metrics.json's, or None).
     """
     sweep_dir = Path(sweep_dir).resolve()

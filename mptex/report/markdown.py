@@ -6,9 +6,9 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mptex.report.collapse import RULE as COLLAPSE_RULE
+from mptex.collapse import RULE as COLLAPSE_RULE
+from mptex.numbers import is_number
 from mptex.report.collect import REFERENCE_ARM, STATUSES
-from mptex.report.numbers import is_number
 from mptex.report.stats import CONFIDENCE, fastest_at_reference_quality
 
 __all__ = ["render_report"]
@@ -62,6 +62,15 @@ def _verdict(row: Mapping[str, Any], margin_db: float) -> str:
 
 def _value(value: Any) -> str:
     return "–" if value is None else f"`{value}`"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table with columns padded to their widest cell (readable as plain text)."""
+    cells = [list(map(str, header))] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:

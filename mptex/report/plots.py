@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mptex.report.numbers import is_number
+from mptex.numbers import is_number
 from mptex.report.stats import _effective_scale
 
 __all__ = ["ARM_COLORS", "arm_color", "error_gain", "image_panels", "plot_history",

@@ -24,7 +24,7 @@ config (``train`` group) with one candidate as the ``precision`` group:
 7. **Certify**: the passing candidates, cheapest first, each re-run at the other seeds; certified
    when all ``certify_seeds`` runs completed and the paired 95 % Student-t interval of Δ lies
    within ``[-margin_db, +margin_db]`` (the report's equivalence rule,
-   :func:`mptex.report.stats.mean_ci`). The first certified is the answer; at most
+   :func:`mptex.intervals.mean_ci`). The first certified is the answer; at most
    ``max_certify`` candidates are tried. If none certifies the answer is f32 itself.
 8. **Output** in the search directory: ``search.json`` (every candidate: stage, cost, runs, Δ,
    interval, verdict; the pruned list; the budget), ``search.md`` (the report section) with
@@ -69,7 +69,7 @@ SEARCH_DEFAULTS: dict[str, Any] = {
     "name": None,  # the result's precision arm name; null: search_<scene>
     "seed": 0,
     "certify_seeds": 3,
-    "margin_db": 0.5,  # the report's equivalence margin (mptex.report.EQUIVALENCE_MARGIN_DB)
+    "margin_db": 0.5,  # the report's equivalence margin (mptex.intervals.EQUIVALENCE_MARGIN_DB)
     "screen_db": 0.5,
     "max_combinations": 3,
     "max_variants": 4,
@@ -214,7 +214,7 @@ def _job(cfg: dict[str, Any], run_dir: str) -> dict[str, Any]:
 
 
 def _summary(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    from mptex.report.collapse import classify_collapse
+    from mptex.collapse import classify_collapse
 
     status = metrics.get("status")
     note = None
@@ -322,7 +322,7 @@ def certify(deltas: Sequence[float], margin_db: float) -> dict[str, Any]:
     Returns ``mean_ci``'s dict plus ``verdict`` (the report's) and ``certified`` (True only when
     ``-margin_db <= low`` and ``high <= margin_db``; never with fewer than 2 values).
     """
-    from mptex.report.stats import mean_ci, verdict
+    from mptex.intervals import mean_ci, verdict
 
     ci = mean_ci(deltas)
     ok = ci["low"] is not None and -margin_db <= ci["low"] and ci["high"] <= margin_db

@@ -40,16 +40,15 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
 
 
 def _plot(path: Path, summary: Mapping[str, Any]) -> bool:
-    try:
-        from mptex.report.plots import _figure
-    except ImportError:  # pragma: no cover - matplotlib is a dependency
-        return False
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
     seed0 = summary["seeds"][0]
     rows = [r for r in summary["candidates"] if _quality(r, seed0) is not None]
     if not rows:
         return False
-    fig, axes = _figure(1, width=7.0, height=4.5)
-    ax = axes[0][0]
+    fig = Figure(figsize=(7.0, 4.5), layout="constrained")  # no pyplot: no global state
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
     margin = summary["margin_db"]
     ax.axhspan(-margin, margin, color="0.9", zorder=0, label=f"±{margin} dB (margin)")
     ax.axhline(0.0, color="0.5", lw=0.8)

@@ -21,8 +21,9 @@ PSNR per image ``-10 log10(MSE)``, mean over the images.
 Results go to a run directory: ``metrics.json`` (the contract with ``mptex-report``; keys in
 :data:`METRICS_KEYS`), ``images/`` (reference | prediction PNGs), ``checkpoint.pt`` (written
 atomically; :func:`load_texture` rebuilds the texture from it) and, with
-``export.enabled=true``, ``export/`` (the baked asset: :func:`mptex.bake.export_asset`, after
-the final validation of a completed run).
+``export.enabled=true``, ``export/`` (the baked asset, after the final validation of a
+completed run, by the ``exporter`` that ``mptex-train`` passes: :class:`mptex.bake.TrainingExport`;
+the loop itself never imports the exporter).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from typing import Any
 
 import torch
 
-from mptex.bake.export import export_asset, preflight_export
-from mptex.diagnostics import PrecisionMonitor
+from mptex.train.exporter import Exporter
+from mptex.train.monitor import PrecisionMonitor
 from mptex.precision import PrecisionStepper, all_finite
 from mptex.render.image import rgb_to_srgb
 from mptex.scenes import MESH_SCENES, Scene, build_scene
@@ -189,7 +190,7 @@ def _check_coverage(scene: Scene) -> None:
 
 
 def _start(
-    full: dict[str, Any], resume_from: Path | None, run_dir: Path
+    full: dict[str, Any], resume_from: Path | None, run_dir: Path, exporter: Exporter | None
 ) -> tuple[Scene, MLPTexture3D, dict[str, Any] | None]:
     """Everything a run reads before its first iteration: scene, texture, checkpoint.
 
@@ -227,9 +228,14 @@ def _start(
         # Only the initial weights follow init_seed; everything drawn later follows train.seed.
         _seed_everything(int(settings["seed"]))
     if full["export"]["enabled"]:
+        if exporter is None:
+            raise ValueError(
+                "export.enabled: true needs the exporter mptex-train passes; from Python, "
+                "train(cfg, run_dir, exporter=mptex.bake.TrainingExport())"
+            )
         # Everything the export at the end needs (writers, memory, xatlas) is checked now.
         try:
-            preflight_export(full["export"], scene.mesh, texture.channels, device, run_dir)
+            exporter.preflight(full["export"], scene.mesh, texture.channels, device, run_dir)
         except RuntimeError as exc:
             raise ValueError(str(exc)) from None
     ckpt = None
@@ -252,7 +258,9 @@ def _start(
     return scene, texture, ckpt
 
 
-def train(cfg: Mapping[str, Any], run_dir: str | os.PathLike) -> dict[str, Any]:
+def train(
+    cfg: Mapping[str, Any], run_dir: str | os.PathLike, *, exporter: Exporter | None = None
+) -> dict[str, Any]:
     """Train an :class:`~mptex.MLPTexture3D` on a scene; write results into ``run_dir``.
 
     Args:
@@ -306,7 +314,7 @@ def train(cfg: Mapping[str, Any], run_dir: str | os.PathLike) -> dict[str, Any]:
     remove_stale_temporaries(run_dir)
     stop = StopSignals()
     try:
-        return _train_validated(plain, run_dir, metrics, start_wall, stop)
+        return _train_validated(plain, run_dir, metrics, start_wall, stop, exporter)
     finally:
         stop.uninstall()
 
@@ -317,6 +325,7 @@ def _train_validated(
     metrics: dict[str, Any],
     start_wall: float,
     stop: StopSignals,
+    exporter: Exporter | None,
 ) -> dict[str, Any]:
     try:
         full = validate_config(plain)
@@ -325,7 +334,7 @@ def _train_validated(
         stop.install(settings["stop_signals"])
         device = torch.device(settings["device"])
         resume_from = _resume_path(settings["resume"], run_dir)
-        scene, texture, ckpt = _start(full, resume_from, run_dir)
+        scene, texture, ckpt = _start(full, resume_from, run_dir, exporter)
     except ValueError as exc:
         message = " ".join(str(exc).split())  # one line, whatever the source wrote
         metrics.update(error=message, failed_at="start")
@@ -336,7 +345,7 @@ def _train_validated(
         rss = _RunPeakRss().start()
         try:
             return _train(full, scene, texture, ckpt, run_dir, device, metrics, start_wall, rss,
-                          stop)  # fmt: skip
+                          stop, exporter)  # fmt: skip
         finally:
             rss.stop()
     except ConfigError as exc:
@@ -356,9 +365,9 @@ def _train_validated(
 
 
 def _export(
-    full: dict[str, Any], scene: Scene, texture: MLPTexture3D, run_dir: Path
+    full: dict[str, Any], scene: Scene, texture: MLPTexture3D, run_dir: Path, exporter
 ) -> dict[str, Any] | None:
-    """With ``export.enabled``: bake and write ``run_dir/export/`` (:func:`export_asset`).
+    """With ``export.enabled``: bake and write ``run_dir/export/`` (``exporter.export``).
 
     Returns the summary kept in metrics.json (None when not enabled). A failure here (the disk
     filled up, ...) does not undo the completed training: it is recorded as ``export.error``.
@@ -366,8 +375,8 @@ def _export(
     if not full["export"]["enabled"]:
         return None
     try:
-        summary = export_asset(texture, scene, run_dir / "export", full["export"],
-                               full["train"]["val_background"])  # fmt: skip
+        summary = exporter.export(texture, scene, run_dir / "export", full["export"],
+                                  full["train"]["val_background"])  # fmt: skip
     except (ValueError, RuntimeError, OSError) as exc:
         return {"dir": "export", "error": " ".join(f"{type(exc).__name__}: {exc}".split())}
     return {"dir": "export", **{k: summary.get(k) for k in _EXPORT_SUMMARY}}
@@ -384,6 +393,7 @@ def _train(
     start_wall: float,
     rss: _RunPeakRss,
     stop: StopSignals,
+    exporter: Exporter | None,
 ) -> dict[str, Any]:
     settings = full["train"]
     if settings["threads"] is not None:
@@ -580,7 +590,7 @@ def _train(
         _save_val_images(run_dir / "images", evaluation, settings["n_val_images"])
     if writer is not None:
         writer.close()
-    export = _export(full, scene, texture, run_dir) if status == "completed" else None
+    export = _export(full, scene, texture, run_dir, exporter) if status == "completed" else None
     rss.stop()
     peak, peak_kind = _peak_memory(device, rss)
     metrics.update(

@@ -19,7 +19,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
     """The GPU's name, or the CPU's model, core count and torch's CPU capability.
 
     The capability (``torch.backends.cpu.get_cpu_capability()``: DEFAULT, AVX2, AVX512, ...)
@@ -46,6 +46,9 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+_device_name = device_name  # the training loop's older name for it
 
 
 def _versions() -> dict[str, Any]:
@@ -104,3 +107,15 @@ def _tensorboard(run_dir: Path, enabled: bool):
               file=sys.stderr)  # fmt: skip
         return None
     return SummaryWriter(str(run_dir / "tensorboard"))
+
+
+def reproducible_blas() -> None:
+    """Turn on MKL's strict conditional numerical reproducibility (``MKL_CBWR=AUTO,STRICT``)
+    unless the user set ``MKL_CBWR``: its GEMMs then return the same bits for any thread count.
+
+    Without it torch's CPU matmuls split the reduction over points between threads, so 1 and 2
+    threads gave different MLP weight gradients, and a training run amplifies such differences
+    (docs/archive/thread-count.md). MKL reads the variable at its first call: call this before
+    any tensor work (``mptex-train`` does it first).
+    """
+    os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")

@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from mptex.diagnostics.saturation import saturation_statistics
 from mptex.render.image import save_image
 from mptex.scenes import Scene
 from mptex.texture import MLPTexture3D
 from mptex.train.checkpoint import disk_full_error
 from mptex.train.losses import psnr
+from mptex.train.saturation import saturation_statistics
 from mptex.train.shading import _background, _render, composite
 
 
@@ -61,7 +61,7 @@ def evaluate(
         scored the same way), and ``pred``/``ref`` ``[B, H, W, 3]`` composited linear images
         at the scene's resolution, upright: row 0 is the top of the picture (the camera's
         projection flips y, as nvdiffrec's, so rasterized row 0 is already the top), ready to
-        display without a flip; ``saturation``: :func:`~mptex.diagnostics.saturation_statistics`
+        display without a flip; ``saturation``: :func:`~mptex.train.saturation.saturation_statistics`
         of the texture's logits at the covered (sub-)pixels of the validation views (the same
         pixels at every validation), its ``stuck_fraction`` against the reference's colour where
         ``shading`` is ``kd`` (there the rendered colour is the texture's value; None otherwise).

@@ -10,10 +10,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mptex.diagnostics.host import to_host
-from mptex.diagnostics.saturation import SATURATION_LOGIT, saturated_counts
+from mptex.host import to_host
 from mptex.precision import StepResult
 from mptex.texture import MLPTexture3D
+from mptex.train.saturation import SATURATION_LOGIT, saturated_counts
 
 
 # --------------------------------------------------------------------------- statistics
@@ -133,7 +133,7 @@ class PrecisionMonitor:
                                     ``flushed_by_unscale_frac``; ``scaled_*`` before it)
     ``output.saturated_frac.<c>``   fraction of the batch's logits in output channel ``c``
                                     (the texture's MLP output, before the sigmoid) with
-                                    ``|z| > 8`` (:data:`~mptex.diagnostics.saturation.
+                                    ``|z| > 8`` (:data:`~mptex.train.saturation.
                                     SATURATION_LOGIT`): the sigmoid's gradient there is below
                                     3.4e-4 (the validation's ``stuck_fraction`` says
                                     which of them are also wrong)

@@ -1,4 +1,4 @@
-"""Score finished ``mptex-train`` runs again from their checkpoints, at other validation settings.
+"""``mptex-rescore``: score finished ``mptex-train`` runs again, at other validation settings.
 
 Each run directory's ``checkpoint.pt`` gives the trained texture and the config it was trained
 with; the scene is rebuilt from that config and validated with
@@ -9,8 +9,8 @@ last bit (checked and printed per run: ``own``). This is how the same checkpoint
 point-sampled and supersampled (docs/archive/supersampled-validation.md,
 docs/archive/torus-lost-side.md)::
 
-    python benchmarks/rescore.py outputs/2026-11-26/*/ --val-spp 1 4
-    python benchmarks/rescore.py runs/torus_s* --val-spp 4 --json torus.json
+    mptex-rescore outputs/2026-11-26/*/ --val-spp 1 4
+    mptex-rescore runs/torus_s* --val-spp 4 --json torus.json
 
 Prints a Markdown table (run, scene, arm, seed, val_spp, PSNR, constant-colour baseline,
 seconds) and per ``(scene, arm, val_spp)`` the mean ± sample std over the runs' seeds;
@@ -29,12 +29,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, print_table  # noqa: E402
+from mptex.report.markdown import markdown_table
+from mptex.train.runinfo import device_name
+
+__all__ = ["rescore", "rescore_main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="mptex-rescore", description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", help="mptex-train run directories (checkpoint.pt)")
     parser.add_argument("--val-spp", type=int, nargs="+", default=[1],
                         help="validation samples per pixel along each axis (1-16)")  # fmt: skip
@@ -84,13 +86,13 @@ def rescore(run_dir: Path, spps: list[int], device: torch.device,
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def rescore_main(argv: list[str] | None = None) -> int:
     from mptex.train.checkpoint import CheckpointError
 
     args = _parser().parse_args(argv)
     bad = [k for k in args.val_spp if not 1 <= k <= 16]
     if bad:
-        print(f"rescore.py: --val-spp: expected integers in [1, 16], got {bad}", file=sys.stderr)
+        print(f"mptex-rescore: --val-spp: expected integers in [1, 16], got {bad}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -98,37 +100,37 @@ def main(argv: list[str] | None = None) -> int:
     for run in args.runs:
         run_dir = Path(run)
         if not (run_dir / "checkpoint.pt").is_file():
-            print(f"rescore.py: {run_dir}: no checkpoint.pt (not a finished mptex-train run)",
+            print(f"mptex-rescore: {run_dir}: no checkpoint.pt (not a finished mptex-train run)",
                   file=sys.stderr)  # fmt: skip
             return 2
         try:
             rows += rescore(run_dir, args.val_spp, device, args.n_val_views)
         except CheckpointError as exc:  # unreadable, corrupt or not an mptex checkpoint
-            print(f"rescore.py: {exc}", file=sys.stderr)
+            print(f"mptex-rescore: {exc}", file=sys.stderr)
             return 2
-    print(f"machine: {machine(device)}\n")
-    print_table(
+    print(f"machine: {device_name(device)}\n")
+    print(markdown_table(
         ["run", "scene", "arm", "seed", "val_spp", "PSNR (dB)", "baseline (dB)", "own", "s"],
         [[Path(r["run"]).name, r["scene"], r["arm"], r["seed"], r["val_spp"], f"{r['psnr']:.2f}",
           f"{r['baseline_psnr']:.2f}",
           "-" if r["own"] is None else ("equal" if r["own"] == r["psnr"] else f"{r['own']:.2f}"),
           f"{r['seconds']:.1f}"] for r in rows],
-    )  # fmt: skip
+    ))  # fmt: skip
     groups: dict[tuple, list[float]] = {}
     for r in rows:
         groups.setdefault((r["scene"], r["arm"], r["val_spp"]), []).append(r["psnr"])
     print()
-    print_table(
+    print(markdown_table(
         ["scene", "arm", "val_spp", "runs", "mean ± sample std (dB)"],
         [[scene, arm, spp, len(v), f"{statistics.mean(v):.2f} ± "
           + (f"{statistics.stdev(v):.2f}" if len(v) > 1 else "-")]
          for (scene, arm, spp), v in groups.items()],
-    )  # fmt: skip
+    ))  # fmt: skip
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine(device), "scores": rows},
+        Path(args.json).write_text(json.dumps({"machine": device_name(device), "scores": rows},
                                               indent=1))  # fmt: skip
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(rescore_main())

@@ -1,5 +1,6 @@
-"""What the report counts as a number: the one test every reader of ``metrics.json`` values
-shares (a NaN, an infinity, a bool or a missing value is not a measurement)."""
+"""What counts as a number in a measurement: the one test every reader of ``metrics.json``
+values and every statistic shares (a NaN, an infinity, a bool or a missing value is not a
+measurement)."""
 
 from __future__ import annotations
 

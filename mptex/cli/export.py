@@ -11,8 +11,8 @@ problem found before the bake (no checkpoint, a bad flag, a mesh that needs xatl
 not installed, a resolution whose buffers do not fit in memory) is one line on stderr and
 exit status 2.
 
-This entry point is the one place of ``mptex.bake`` that reads a training checkpoint (through
-``mptex.train``); the library modules never import the training loop.
+The command reads the training checkpoint (``mptex.train.checkpoint``) and hands the texture
+and the run's scene to :func:`mptex.bake.export_asset`; the training loop never exports.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mptex.diagnostics.host import to_host
+from mptex.host import to_host
 
 __all__ = ["SATURATION_LOGIT", "STUCK_TOLERANCE", "saturated_counts", "saturation_statistics"]
 

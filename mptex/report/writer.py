@@ -1,4 +1,4 @@
-"""Writing the report: ``mptex-report``, the Hydra callbacks, :func:`write_report`.
+"""Writing the report (:func:`write_report`, which ``mptex-report`` runs) and the Hydra callbacks.
 
 Order of work in :func:`write_report`: read every job, group, summarise (nothing written yet, so
 a bad file can never leave half a report); then results.csv, results.json, the plots (a plot
@@ -7,7 +7,6 @@ that fails is named in report.md, never fatal) and report.md last.
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import csv
 import json
@@ -22,7 +21,7 @@ from hydra.experimental.callback import Callback
 
 from mptex.report import attribution, collect, markdown, plots, stats
 
-__all__ = ["REPORT_FILES", "SweepDirInUse", "summarize", "write_report", "report_main",
+__all__ = ["REPORT_FILES", "SweepDirInUse", "summarize", "write_report",
            "ReportCallback", "FreshSweepDirCallback"]  # fmt: skip
 
 REPORT_FILES = ("report.md", "results.csv", "results.json", "psnr_curves.png", "loss_scale.png",
@@ -142,40 +141,6 @@ def write_report(
     path.write_text(text)
     written[path.name] = path
     return written
-
-
-def report_main(argv: Sequence[str] | None = None) -> int:
-    """``mptex-report FOLDER``: report each sweep under FOLDER; print each report.md's path.
-
-    Exit 0 on success, 2 for a missing folder, a folder without jobs, or jobs outside the
-    sweeps of a folder of sweeps (one line naming them).
-    """
-    parser = argparse.ArgumentParser(
-        prog="mptex-report",
-        description="Aggregate mptex sweeps into report.md, results.csv/json and plots, written "
-        "into each sweep directory. A folder holding several sweeps (directories with Hydra's "
-        "multirun.yaml) gets one report per sweep.",
-    )
-    parser.add_argument("folder", type=Path, help="a multirun directory, or a folder of them")
-    parser.add_argument("--margin-db", type=float, default=stats.EQUIVALENCE_MARGIN_DB,
-                        help="equivalence margin of the verdicts in dB (default "
-                        f"{stats.EQUIVALENCE_MARGIN_DB})")  # fmt: skip
-    args = parser.parse_args(argv)
-    if not (math.isfinite(args.margin_db) and args.margin_db > 0):
-        print(f"mptex-report: error: --margin-db: expected a number > 0, got {args.margin_db}",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    try:
-        sweeps = collect.find_sweeps(args.folder)
-        if len(sweeps) > 1:
-            print(f"mptex-report: {args.folder} holds {len(sweeps)} sweeps; one report each")
-        for sweep in sweeps:
-            written = write_report(sweep, args.margin_db)
-            print(f"mptex-report: report in {written['report.md']}")
-    except (FileNotFoundError, collect.SweepLayoutError) as exc:
-        print(f"mptex-report: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
 
 
 class ReportCallback(Callback):

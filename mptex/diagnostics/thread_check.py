@@ -10,8 +10,8 @@ first ``--show``), then a count per op. An op that differs is a place where the 
 depend on the thread count; whether that reaches the weights depends on what consumes it (the
 loss's ``mean`` does not: a mean's gradient does not depend on its value).
 
-    python benchmarks/thread_check.py --arm f32 --seed 1 --iterations 300
-    python benchmarks/thread_check.py --arm f16_dynamic --iterations 20 -- \
+    python -m mptex.diagnostics.thread_check --arm f32 --seed 1 --iterations 300
+    python -m mptex.diagnostics.thread_check --arm f16_dynamic --iterations 20 -- \
         texture=default train.batch_size=4
 
 As ``mptex-train``, it turns on MKL's strict reproducibility mode first. Costs about 2.5x a
@@ -25,7 +25,8 @@ import collections
 import sys
 import tempfile
 
-from mptex.cli import CONFIG_DIR, _reproducible_blas
+from mptex._paths import CONFIG_DIR
+from mptex.train.runinfo import reproducible_blas
 
 _RUN_ONCE = ("aten.empty", "rand", "normal", "bernoulli", "uniform", "exponential",
              "multinomial", "dropout", "geometric", "cauchy", "log_normal")  # fmt: skip
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--show", type=int, default=25, help="print the first N differing ops")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, after --")
     args = parser.parse_args(argv)
-    _reproducible_blas()
+    reproducible_blas()
     import torch
     from hydra import compose, initialize_config_dir
 

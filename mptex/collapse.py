@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mptex.report.numbers import is_number
+from mptex.numbers import is_number
 
 __all__ = [
     "STUCK_COLLAPSED",

@@ -1,0 +1,75 @@
+"""``mptex-search``: the precision search, a Hydra app over mptex-train's configs.
+
+It finds the cheapest assignment of dtypes to the hash grid and each MLP layer whose PSNR is
+certified within the margin of f32's (:func:`mptex.search.run_search` states the method)::
+
+    mptex-search                                 # the built-in scene, +experiment=precision_search
+    mptex-search scene=soccer                    # a real asset
+    mptex-search search.certify_seeds=5 train.iterations=600
+
+Without an ``experiment`` override it adds ``+experiment=precision_search`` (the search's
+protocol and settings); ``mptex-train +experiment=precision_search`` is the same command under
+its older spelling. Results, the result's precision config included, go to the run directory
+(``outputs/precision_search/<scene>/``), which it prints with the command that trains the
+result. Exit status as ``mptex-train``'s: 0 done, 2 a bad setting (one line), 3 stopped by a
+signal (run the same command again to continue).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mptex.cli.app import EXIT_CODES, run_hydra_app
+
+__all__ = ["search_main", "run_search_command"]
+
+_PROG = "mptex-search"
+
+
+def run_search_command(cfg, run_dir: Path, prog: str = _PROG) -> None:
+    """Run the search of a composed config (with its ``search`` block); print the certified
+    assignment, the command that trains it and where the report is; exit 2 / 3 as documented."""
+    from mptex.search import SearchError, SearchInterrupted, run_search
+
+    try:
+        summary = run_search(cfg, run_dir)
+    except (SearchError, ValueError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_CODES["error"])
+    except SearchInterrupted as exc:
+        print(f"{prog}: interrupted: {exc}", file=sys.stderr)
+        sys.exit(EXIT_CODES["interrupted"])
+    row = next(r for r in summary["candidates"] if r["candidate"] == summary["certified"])
+    cert = row["certificate"] or {}
+    interval = (f"[{cert['low']:+.2f}, {cert['high']:+.2f}] dB"
+                if cert.get("low") is not None else "-")  # fmt: skip
+    budget = summary["budget"]
+    print(f"{prog}: precision search: certified {summary['certified']} "
+          f"(PSNR - PSNR(f32) {interval}, seeds {summary['seeds']}); "
+          f"{budget['runs']} runs, {budget['search_wall_s']:.0f} s")  # fmt: skip
+    print(f"{prog}: {summary['reproduce']} trains it ({summary['result_config']})")
+    print(f"{prog}: report in {run_dir / 'search.md'}")
+
+
+def _run(cfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    if "search" not in cfg:
+        print(f"{_PROG}: error: search: the composed config has no search block; use "
+              "+experiment=precision_search (the default) or an experiment that has one",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(EXIT_CODES["error"])
+    run_search_command(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+def search_main() -> None:
+    """Entry point of ``mptex-search``; see the module docstring."""
+    args = sys.argv[1:]
+    if not any(a.lstrip("+~").startswith("experiment=") for a in args):
+        sys.argv = [sys.argv[0], "+experiment=precision_search", *args]
+    run_hydra_app(_run, _PROG)
+
+
+if __name__ == "__main__":
+    search_main()

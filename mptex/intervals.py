@@ -1,0 +1,148 @@
+"""Confidence intervals and the verdicts they support: the statistics every comparison of arms
+in mptex uses (the ablation report, the precision search's certification, the GPU kit).
+
+Interval: mean of n values ± ``t_{(1+c)/2, n-1} * sd / sqrt(n)`` (Student t, two-sided, sample
+standard deviation), c = 95 % by default; it needs n >= 2. Verdict, with the equivalence
+margin m: ``better`` when the whole interval lies above 0, ``worse`` below 0, ``no detectable
+difference`` when it lies inside [-m, +m], ``inconclusive`` otherwise, ``cannot judge``
+without an interval.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mptex.numbers import is_number
+
+__all__ = [
+    "EQUIVALENCE_MARGIN_DB",
+    "CONFIDENCE",
+    "VERDICTS",
+    "t_quantile",
+    "mean_ci",
+    "verdict",
+]
+
+
+# The equivalence margin: two arms closer than this are "the same quality" for a paper table.
+# 0.5 dB: well above the seed-to-seed spread of f32 that the measurement protocol aims for
+# (<= 0.3 dB, docs/archive/index.md) and below the 1-2 dB differences the arms are expected to
+# show when precision matters.
+EQUIVALENCE_MARGIN_DB = 0.5
+CONFIDENCE = 0.95
+VERDICTS = (
+    "better",
+    "worse",
+    "no detectable difference",
+    "inconclusive",
+    "cannot judge",
+    "no paired seeds",
+)
+
+
+# ----------------------------------------------------------------------------- Student t
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the incomplete beta function (modified Lentz's method); converges
+    fast for x < (a+1)/(a+b+2)."""
+    tiny, eps = 1e-300, 1e-15
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    result = d
+    for m in range(1, 400):
+        # even step d_{2m}, then odd step d_{2m+1} of the fraction's coefficients
+        for coef in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1.0 + coef * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + coef / c
+            c = c if abs(c) > tiny else tiny
+            result *= c * d
+        if abs(c * d - 1.0) < eps:
+            break
+    return result
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """Regularised incomplete beta I_x(a, b) for 0 <= x <= 1."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x)
+                 + b * math.log1p(-x))  # fmt: skip
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(log_front) * _betacf(a, b, x) / a
+    # The symmetry I_x(a, b) = 1 - I_{1-x}(b, a) keeps the fraction in its fast region.
+    return 1.0 - math.exp(log_front) * _betacf(b, a, 1.0 - x) / b
+
+
+def _t_cdf(t: float, dof: float) -> float:
+    tail = 0.5 * _betainc(dof / 2.0, 0.5, dof / (dof + t * t))
+    return 1.0 - tail if t >= 0 else tail
+
+
+def t_quantile(p: float, dof: float) -> float:
+    """Quantile of Student's t distribution: the t with ``P(T <= t) = p``.
+
+    Algorithm: the CDF via the regularised incomplete beta function
+    (``P(T > t) = I_{dof/(dof+t^2)}(dof/2, 1/2) / 2``, continued fraction), inverted by
+    bisection to 1e-12 (no scipy). E.g. ``t_quantile(0.975, 2) = 4.3027``.
+
+    Args:
+        p: probability in (0, 1).
+        dof: degrees of freedom > 0.
+    """
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"p: expected a probability in (0, 1), got {p!r}")
+    if not (is_number(dof) and dof > 0):
+        raise ValueError(f"dof: expected a number > 0, got {dof!r}")
+    if p < 0.5:
+        return -t_quantile(1.0 - p, dof)
+    lo, hi = 0.0, 1.0
+    while _t_cdf(hi, dof) < p:
+        hi *= 2.0
+    while hi - lo > 1e-12 * max(1.0, hi):
+        mid = 0.5 * (lo + hi)
+        if _t_cdf(mid, dof) < p:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> dict[str, Any]:
+    """Mean and two-sided Student-t confidence interval of ``values``.
+
+    Returns:
+        ``{"n", "mean", "sd", "half_width", "low", "high"}``; ``sd`` is the sample standard
+        deviation; ``half_width = t_{(1+confidence)/2, n-1} * sd / sqrt(n)``. With fewer than
+        two values ``sd``, ``half_width``, ``low`` and ``high`` are None (no interval).
+    """
+    values = [float(v) for v in values]
+    n = len(values)
+    mean = statistics.fmean(values) if values else None
+    if n < 2:
+        return dict(n=n, mean=mean, sd=None, half_width=None, low=None, high=None)
+    sd = statistics.stdev(values)
+    half = t_quantile(0.5 + confidence / 2.0, n - 1) * sd / math.sqrt(n)
+    return dict(n=n, mean=mean, sd=sd, half_width=half, low=mean - half, high=mean + half)
+
+
+def verdict(ci: Mapping[str, Any], margin_db: float = EQUIVALENCE_MARGIN_DB) -> str:
+    """The statement an interval supports (the module docstring's rule); one of
+    :data:`VERDICTS`."""
+    low, high = ci.get("low"), ci.get("high")
+    if low is None or high is None:
+        return "cannot judge"
+    if low > 0:
+        return "better"
+    if high < 0:
+        return "worse"
+    if -margin_db <= low and high <= margin_db:
+        return "no detectable difference"
+    return "inconclusive"

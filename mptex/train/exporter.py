@@ -1,0 +1,35 @@
+"""What the training loop asks of an exporter, for ``export.enabled=true``.
+
+The loop checks at start whatever the export at the end needs (so a missing writer fails before
+training, not after it), and exports a completed run after its final validation. It never
+imports the exporter: ``mptex-train`` passes :class:`mptex.bake.TrainingExport` (mptex's layers
+point down: the bake sits above training).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["Exporter"]
+
+
+class Exporter(Protocol):
+    """The two calls the loop makes, in this order."""
+
+    def preflight(
+        self, settings: Mapping[str, Any], mesh: Any, channels: int, device: torch.device,
+        run_dir: Path,
+    ) -> None:  # fmt: skip
+        """Before the first iteration: raise ``ValueError`` / ``RuntimeError`` (one line naming
+        the ``export.<key>``) for anything the export would fail on."""
+
+    def export(
+        self, texture: Any, scene: Any, out_dir: Path, settings: Mapping[str, Any],
+        background: str,
+    ) -> dict[str, Any]:  # fmt: skip
+        """After the final validation of a completed run: write ``out_dir`` and return the
+        ``export.json`` contents."""

@@ -1,0 +1,85 @@
+"""The package's layers: imports point down only, and no two modules import each other.
+
+Layers, bottom up (pyproject.toml's ``[tool.importlinter]`` states them for import-linter):
+core (the grid, the network and their twins, precision, the texture, small shared modules) <
+render, scenes < train < bake, search, diagnostics < report < cli.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_import_linter_layers_contract():
+    pytest.importorskip("importlinter", reason="needs import-linter (the test extra)")
+    proc = subprocess.run([sys.executable, "-m", "importlinter.cli", "--no-cache"], cwd=ROOT,
+                          capture_output=True, text=True)  # fmt: skip
+    if proc.returncode != 0 and "No module named importlinter.cli" in proc.stderr:
+        proc = subprocess.run(["lint-imports", "--no-cache"], cwd=ROOT, capture_output=True,
+                              text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "1 kept, 0 broken" in proc.stdout
+
+
+def _cycles(graph, modules: set[str]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, on_stack, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in sorted(modules):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.find_modules_directly_imported_by(root) & modules)))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        component.append(top)
+                        if top == node:
+                            break
+                    if len(component) > 1:
+                        out.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = counter[0]
+                counter[0] += 1
+                stack.append(child)
+                on_stack.add(child)
+                imported = graph.find_modules_directly_imported_by(child) & modules
+                work.append((child, iter(sorted(imported))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return out
+
+
+def test_no_import_cycles_between_modules():
+    grimp = pytest.importorskip("grimp", reason="needs import-linter (the test extra)")
+    graph = grimp.build_graph("mptex", exclude_type_checking_imports=True)
+    # A package's __init__ re-exporting its modules is not a cycle with them: count modules only.
+    modules = {
+        m for m in graph.modules if not (ROOT / m.replace(".", "/") / "__init__.py").is_file()
+    }
+    assert _cycles(graph, modules) == []
+
+
+def test_the_cycle_finder_finds_a_planted_cycle():
+    class Graph:
+        edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+
+        def find_modules_directly_imported_by(self, module):
+            return set(self.edges.get(module, ()))
+
+    assert _cycles(Graph(), {"a", "b", "c", "d"}) == [["a", "b", "c"]]

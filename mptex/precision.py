@@ -40,12 +40,13 @@ nvdiffrec_scale1        (from ``nvdiffrec``) its x128 / /128 hooks with scale 1:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from mptex.config_schema import Integer, Number, OneOf, check_fields, check_keys, plain, setting
 
 __all__ = [
     "PrecisionPolicy",
@@ -63,6 +64,7 @@ LOSS_SCALING_MODES = ("none", "static", "dynamic", "nvdiffrec", "tcnn")
 _MLP_KINDS = ("linear", "fused")
 _MLP_BACKENDS = ("torch", "tcnn", "auto")
 _ACCUMULATE = ("half", "float")
+_SCALE = Number(min=0, min_open=True)  # a loss scale: finite and > 0
 
 _DTYPE_ALIASES = {
     "f32": torch.float32,
@@ -91,14 +93,6 @@ def parse_dtype(value: str | torch.dtype, field: str = "dtype") -> torch.dtype:
         f"{field}: expected one of {sorted(_DTYPE_ALIASES)} (or torch.float16/bfloat16/float32), "
         f"got {value!r}"
     )
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -197,17 +191,17 @@ class PrecisionPolicy:
     encoder_dtype: torch.dtype = torch.float32
     mlp_dtypes: tuple[torch.dtype, ...] = (torch.float32,)
     master_weights: bool = True
-    loss_scaling: str = "none"
-    static_loss_scale: float = 128.0
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
+    loss_scaling: str = setting("none", OneOf(LOSS_SCALING_MODES))
+    static_loss_scale: float = setting(128.0, _SCALE)
+    init_scale: float = setting(2.0**16, _SCALE)
+    growth_factor: float = setting(2.0, Number(min=1, min_open=True, note="GradScaler's rule"))
+    backoff_factor: float = setting(0.5, Number(0, 1, min_open=True, max_open=True))
+    growth_interval: int = setting(2000, Integer(min=1))
     autocast: bool = False
-    mlp_backend: str = "torch"
-    mlp: str = "linear"
-    fused_loss_scale: float = 128.0
-    fused_accumulate: str = "half"
+    mlp_backend: str = setting("torch", OneOf(_MLP_BACKENDS))
+    mlp: str = setting("linear", OneOf(_MLP_KINDS))
+    fused_loss_scale: float = setting(128.0, _SCALE)
+    fused_accumulate: str = setting("half", OneOf(_ACCUMULATE))
     fused_split_k: bool = True
     encoder_hook: bool = False
 
@@ -226,49 +220,12 @@ class PrecisionPolicy:
         self._validate()
 
     def _validate(self) -> None:
-        # Types first: a YAML ``no`` given as a string, or ``init_scale=big``, must not reach
-        # bool()/float() (a non-empty string is true; float("big") names no field).
-        for field in ("name", "loss_scaling", "mlp_backend", "mlp", "fused_accumulate"):
-            if not isinstance(getattr(self, field), str):
-                raise ValueError(f"{field}: expected a string, got {getattr(self, field)!r}")
-        for field in ("master_weights", "autocast", "fused_split_k", "encoder_hook"):
-            if not isinstance(getattr(self, field), bool):
-                raise ValueError(f"{field}: expected true or false, got {getattr(self, field)!r}")
-        for field in ("static_loss_scale", "init_scale", "growth_factor", "backoff_factor",
-                      "fused_loss_scale"):  # fmt: skip
-            value = getattr(self, field)
-            if not _is_real(value) or not math.isfinite(value):
-                raise ValueError(f"{field}: expected a finite number, got {value!r}")
-        if not _is_int(self.growth_interval):
-            raise ValueError(
-                f"growth_interval: expected a positive integer, got {self.growth_interval!r}"
-            )
+        # Each field's value first: a YAML ``no`` given as a string, or ``init_scale=big``, must
+        # not reach the rules below (a non-empty string is true; float("big") names no field).
+        check_fields(self)
         if self.encoder_dtype == torch.bfloat16:
             raise ValueError(
                 "encoder_dtype: the hash grid supports f32 and f16 (as tcnn), got bf16"
-            )
-        if self.loss_scaling not in LOSS_SCALING_MODES:
-            raise ValueError(
-                f"loss_scaling: expected one of {LOSS_SCALING_MODES}, got {self.loss_scaling!r}"
-            )
-        if self.mlp_backend not in _MLP_BACKENDS:
-            raise ValueError(
-                f"mlp_backend: expected one of {_MLP_BACKENDS}, got {self.mlp_backend!r}"
-            )
-        for field in ("static_loss_scale", "init_scale"):
-            if not float(getattr(self, field)) > 0:
-                raise ValueError(
-                    f"{field}: expected a positive number, got {getattr(self, field)!r}"
-                )
-        if not float(self.growth_factor) > 1.0:
-            raise ValueError(
-                f"growth_factor: expected > 1 (GradScaler's rule), got {self.growth_factor!r}"
-            )
-        if not 0.0 < float(self.backoff_factor) < 1.0:
-            raise ValueError(f"backoff_factor: expected in (0, 1), got {self.backoff_factor!r}")
-        if int(self.growth_interval) < 1 or int(self.growth_interval) != self.growth_interval:
-            raise ValueError(
-                f"growth_interval: expected a positive integer, got {self.growth_interval!r}"
             )
         if not self.master_weights:
             if len(self.mlp_dtypes) != 1:
@@ -287,16 +244,6 @@ class PrecisionPolicy:
                 )
         if self.autocast and len(self.mlp_dtypes) != 1:
             raise ValueError("mlp_dtypes: autocast takes a single dtype, got a per-layer list")
-        if self.mlp not in _MLP_KINDS:
-            raise ValueError(f"mlp: expected one of {_MLP_KINDS}, got {self.mlp!r}")
-        if self.fused_accumulate not in _ACCUMULATE:
-            raise ValueError(
-                f"fused_accumulate: expected one of {_ACCUMULATE}, got {self.fused_accumulate!r}"
-            )
-        if not float(self.fused_loss_scale) > 0:
-            raise ValueError(
-                f"fused_loss_scale: expected a positive number, got {self.fused_loss_scale!r}"
-            )
         if self.mlp == "linear":
             if self.mlp_backend != "torch":
                 raise ValueError(
@@ -354,17 +301,8 @@ class PrecisionPolicy:
             raise ValueError(
                 f"precision: expected an arm name, a mapping or a PrecisionPolicy, got {cfg!r}"
             )
-        try:  # DictConfig -> plain containers, resolving interpolations
-            from omegaconf import OmegaConf
-
-            if OmegaConf.is_config(cfg):
-                cfg = OmegaConf.to_container(cfg, resolve=True)
-        except ImportError:  # pragma: no cover - omegaconf is a dependency
-            pass
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(cfg) - fields)
-        if unknown:
-            raise ValueError(f"{unknown[0]}: unknown key; valid keys: {sorted(fields)}")
+        cfg = plain(cfg)
+        check_keys(cls, cfg)
         base = _ARMS.get(cfg.get("name"), cls())
         return dataclasses.replace(base, **cfg)
 

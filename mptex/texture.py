@@ -6,6 +6,7 @@ import gc
 import math
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from numbers import Real
 from typing import Any
 
@@ -13,12 +14,21 @@ import numpy as np
 import torch
 from torch import nn
 
+from mptex.config_schema import Group, Integer, OneOf, OrNull, check_group, is_int, plain, setting
+from mptex.encoding import BACKENDS as ENCODER_BACKENDS
 from mptex.encoding import HashGridEncoding
 from mptex.mlp import PrecisionMLP
 from mptex.network import fused_params_from_linear, linear_weights_from_fused
 from mptex.precision import PrecisionPolicy, scale_grad
 
-__all__ = ["MLPTexture3D", "NVDIFFREC_ENCODER_CONFIG", "convert_state_dict"]
+__all__ = [
+    "MLPTexture3D",
+    "NVDIFFREC_ENCODER_CONFIG",
+    "TextureConfig",
+    "GridConfig",
+    "check_texture_config",
+    "convert_state_dict",
+]
 
 # ATen's CPU elementwise kernels hand each thread one contiguous chunk once a tensor has more
 # than 32768 elements (at::internal::GRAIN_SIZE). Each chunk runs a vectorised loop and ends in a
@@ -49,13 +59,60 @@ NVDIFFREC_ENCODER_CONFIG: dict[str, Any] = {
 }
 
 
-def _as_plain(value: Any) -> Any:
-    """OmegaConf containers -> plain dicts/lists; anything else unchanged."""
-    try:
-        from omegaconf import OmegaConf
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        return value
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+@dataclass
+class GridConfig:
+    """The ``texture.encoder`` keys: tcnn's grid encoding config, as nvdiffrec passes it to
+    ``tcnn.Encoding`` (:meth:`~mptex.HashGridEncoding.from_tcnn_config` reads it, checks the
+    ranges and fills in what is left out; the defaults here are tcnn's)."""
+
+    otype: str = "HashGrid"
+    """``HashGrid``, ``Grid`` or ``DenseGrid``."""
+    type: str = "Hash"
+    """``Hash`` or ``Dense`` (left out: as ``otype`` says)."""
+    n_levels: int = 16
+    """Resolution levels."""
+    n_features_per_level: int = 2
+    """Features stored per entry of a level."""
+    log2_hashmap_size: int = 19
+    """Entries per level: ``2 ** log2_hashmap_size`` at most."""
+    base_resolution: int = 16
+    """The coarsest level's resolution."""
+    per_level_scale: float = 2.0
+    """Resolution growth per level (left out for a dense grid: the scale that reaches 256)."""
+    interpolation: str = "Linear"
+    """``Nearest``, ``Linear`` or ``Smoothstep``."""
+
+
+@dataclass
+class TextureConfig:
+    """The ``texture`` group: :class:`MLPTexture3D`'s arguments (``configs/texture/*.yaml``).
+    Types are checked here, ranges by the constructors (their errors name the argument, which
+    ``mptex.train`` maps to the key)."""
+
+    channels: int = setting(3, Integer(min=1))
+    """3: kd; 9: kd + ks + normal (``train.shading=diffuse``)."""
+    internal_dims: int = setting(32, Integer(min=1))
+    """MLP width (``n_neurons``)."""
+    hidden: int = setting(2, Integer(min=1))
+    """Hidden layers (``n_hidden_layers``): ``hidden + 1`` linear layers."""
+    min_max: Any = None
+    """``[[min per channel], [max per channel]]``; null: [0, 1]."""
+    backend: str = setting("auto", OneOf(ENCODER_BACKENDS))
+    """Hash-grid backend: auto (tcnn on CUDA when importable, else torch), torch, tcnn, triton."""
+    encoder: GridConfig | None = setting(
+        None, OrNull(Group(GridConfig, what="a mapping of grid keys"))
+    )
+    """tcnn's grid config; null: :data:`NVDIFFREC_ENCODER_CONFIG`."""
+
+
+def check_texture_config(texture: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A texture group's keys and types checked (:class:`~mptex.config_schema.ConfigError`, a
+    ``ValueError``, ``"texture.<key>: ..."``); the constructors check the ranges.
+
+    Returns:
+        the group with :class:`TextureConfig`'s defaults filled in (the constructors' own).
+    """
+    return check_group(TextureConfig, texture, "texture")
 
 
 def _float_rows(value: Any) -> torch.Tensor:
@@ -79,7 +136,7 @@ def _bounds(value: Any, arg: str, width: int | None) -> torch.Tensor:
     with or without grad) or numpy array, or two rows ``(min, max)`` as tensors, numpy arrays or
     sequences of numbers (nvdiffrec's ``mesh.aabb()`` returns such a tuple of tensors).
     """
-    value = _as_plain(value)
+    value = plain(value)
     try:
         if isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2:
             tensor = torch.stack([_float_rows(row).reshape(-1) for row in value])
@@ -165,9 +222,9 @@ class MLPTexture3D(nn.Module):
         backend: str = "auto",
     ):
         super().__init__()
-        if not isinstance(channels, int) or isinstance(channels, bool) or channels < 1:
+        if not is_int(channels) or channels < 1:
             raise ValueError(f"channels: expected a positive integer, got {channels!r}")
-        self.policy = PrecisionPolicy.from_config(_as_plain(precision))
+        self.policy = PrecisionPolicy.from_config(plain(precision))
         self.policy.check_available()
         self.channels = channels
         self.internal_dims = internal_dims
@@ -178,7 +235,7 @@ class MLPTexture3D(nn.Module):
             min_max = torch.stack([torch.zeros(channels), torch.ones(channels)])
         self.register_buffer("min_max", _bounds(min_max, "min_max", channels), persistent=False)
 
-        encoder = _as_plain(encoder)
+        encoder = plain(encoder)
         if encoder is None:
             encoder = NVDIFFREC_ENCODER_CONFIG
         if isinstance(encoder, HashGridEncoding):

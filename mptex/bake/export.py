@@ -47,6 +47,13 @@ from mptex.bake.bake import (
     sample_in_chunks,
 )
 from mptex.bake.unwrap import has_xatlas
+from mptex.export_config import (
+    EXPORT_DEFAULTS,
+    FORMATS,
+    KD_FORMATS,
+    ExportConfig,
+    check_export_config,
+)
 from mptex.render.camera import orbit_views, translate
 from mptex.render.image import psnr, rgb_to_srgb, save_image
 from mptex.render.material import shade_kd
@@ -56,6 +63,7 @@ from mptex.scenes import GBuffer, Scene, ViewBatch, render_gbuffer
 from mptex.texture import MLPTexture3D
 
 __all__ = [
+    "ExportConfig",
     "EXPORT_DEFAULTS",
     "FORMATS",
     "KD_FORMATS",
@@ -73,73 +81,12 @@ __all__ = [
     "export_asset",
 ]
 
-# Every key of the ``export`` config group (configs/export/default.yaml mirrors this table).
-EXPORT_DEFAULTS: dict[str, Any] = dict(
-    enabled=False,
-    resolution=1024,
-    formats=["obj", "glb"],
-    padding=4,
-    unwrap="auto",
-    kd_format="png8",
-    chunk_size=1 << 18,
-    measure=True,
-    chart_options={},
-    pack_options={},
-)
-FORMATS = ("obj", "glb")
-KD_FORMATS = {"png8": ".png", "png16": ".png", "exr": ".exr"}
 # The views export_mesh measures the bake on when it has no scene: a mesh scene's validation
 # orbit (8 views), at twice the scenes' default resolution (thin features stay visible).
 MEASURE_VIEWS = 8
 MEASURE_RESOLUTION = 256
 # Channel groups written as images: (name, first channel, is colour (sRGB in 8/16-bit files)).
 _GROUPS = (("kd", 0, True), ("ks", 3, False), ("n", 6, False))
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_export_config(cfg: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The ``export`` group with defaults filled in, every key checked.
-
-    Args:
-        cfg: the group (a mapping; None: all defaults). ``formats`` may be a list or a
-            comma-separated string (``"obj,glb"``).
-
-    Returns:
-        a plain dict with every key of :data:`EXPORT_DEFAULTS`.
-
-    Raises:
-        ValueError: ``"export.<key>: ..."`` for an unknown key or a bad value (one line).
-    """
-    cfg = dict(cfg or {})
-    unknown = sorted(set(cfg) - set(EXPORT_DEFAULTS))
-    if unknown:
-        raise ValueError(f"export.{unknown[0]}: unknown key; valid keys: {sorted(EXPORT_DEFAULTS)}")
-    s = {**EXPORT_DEFAULTS, **cfg}
-
-    def need(key: str, ok: bool, what: str) -> None:
-        if not ok:
-            raise ValueError(f"export.{key}: expected {what}, got {s[key]!r}")
-
-    for key in ("enabled", "measure"):
-        need(key, isinstance(s[key], bool), "true or false")
-    need("resolution", _is_int(s["resolution"]) and s["resolution"] >= 2, "an integer >= 2")
-    need("padding", _is_int(s["padding"]) and s["padding"] >= 0, "an integer >= 0")
-    need("chunk_size", _is_int(s["chunk_size"]) and s["chunk_size"] >= 1, "an integer >= 1")
-    need("unwrap", s["unwrap"] in ("auto", "always"), "'auto' or 'always'")
-    need("kd_format", s["kd_format"] in KD_FORMATS, f"one of {list(KD_FORMATS)}")
-    formats = s["formats"]
-    if isinstance(formats, str):
-        formats = [f.strip() for f in formats.split(",") if f.strip()]
-    valid = isinstance(formats, (list, tuple)) and formats and all(f in FORMATS for f in formats)
-    need("formats", bool(valid), f"a non-empty list of {list(FORMATS)}")
-    s["formats"] = list(dict.fromkeys(formats))
-    for key in ("chart_options", "pack_options"):
-        need(key, isinstance(s[key], Mapping), "a mapping of xatlas option names to values")
-        s[key] = dict(s[key])
-    return s
 
 
 def _import_trimesh():

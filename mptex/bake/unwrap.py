@@ -7,18 +7,31 @@ whether it is importable and :func:`unwrap_mesh` raises a one-line ``RuntimeErro
 from __future__ import annotations
 
 import importlib
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
+from mptex.config_schema import defaults_of
 from mptex.render.mesh import Mesh
 
-__all__ = ["has_xatlas", "unwrap_mesh", "PACK_DEFAULTS"]
+__all__ = ["has_xatlas", "unwrap_mesh", "PackDefaults", "PACK_DEFAULTS"]
 
-# Packing defaults: 2 texels of padding between charts, and room for bilinear filtering.
-PACK_DEFAULTS: dict[str, Any] = {"padding": 2, "bilinear": True}
+
+@dataclass
+class PackDefaults:
+    """mptex's ``xatlas.PackOptions`` where they differ from xatlas's own; ``export.pack_options``
+    overrides them and may set any other ``PackOptions`` attribute (xatlas's class is the
+    schema of those: :func:`unwrap_mesh` refuses a name it does not have)."""
+
+    padding: int = 2
+    """Texels between charts."""
+    bilinear: bool = True
+    """Leave room for bilinear filtering at chart borders."""
+
+
+PACK_DEFAULTS = defaults_of(PackDefaults)
 # Set by unwrap_mesh itself: the atlas is packed at exactly the bake resolution.
 _PACK_RESERVED = ("resolution", "texels_per_unit", "create_image")
 # Shrinking steps of texels_per_unit until all charts fit one N x N atlas.

@@ -11,12 +11,15 @@ a second signal during those writes interrupts nothing: the atomic writes stay a
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import threading
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+
+from mptex.config_schema import ListOf, OneOf
 
 # The signals ``train.stop_signals`` may name: those a scheduler or a user sends to ask for a
 # stop. SIGUSR2 is submitit's pre-timeout / preemption signal (its SUBMITIT_PREEMPT_SIGNAL
@@ -25,19 +28,14 @@ from pathlib import Path
 STOP_SIGNAL_NAMES = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGXCPU")
 
 
-def check_signal_names(names: object, key: str) -> list[str]:
-    """``names`` as a list of signal names from :data:`STOP_SIGNAL_NAMES` (duplicates dropped).
-
-    Raises:
-        ValueError: ``"<key>: ..."`` when ``names`` is not a list of such names.
-    """
-    if not isinstance(names, (list, tuple)) or not all(
-        isinstance(name, str) and name in STOP_SIGNAL_NAMES for name in names
-    ):
-        raise ValueError(
-            f"{key}: expected a list of signal names from {list(STOP_SIGNAL_NAMES)}, got {names!r}"
-        )
-    return list(dict.fromkeys(names))
+# train.stop_signals' default: what Slurm, submitit and a terminal send to stop a job.
+DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+# The kind of value ``train.stop_signals`` is (duplicates dropped).
+STOP_SIGNAL_LIST = ListOf(
+    OneOf(STOP_SIGNAL_NAMES),
+    unique=True,
+    what=f"a list of signal names from {list(STOP_SIGNAL_NAMES)}",
+)
 
 
 def send_signal(name: str) -> None:
@@ -46,7 +44,7 @@ def send_signal(name: str) -> None:
 
 
 class StopSignals:
-    """Flag-only handlers for a run's stop signals, restored on :meth:`uninstall`.
+    """Flag-only handlers for stop signals, restored on :meth:`uninstall`.
 
     Usage (what :func:`mptex.train.train` does)::
 
@@ -59,19 +57,28 @@ class StopSignals:
 
     Python runs signal handlers in the main thread only, and ``signal.signal`` may only be
     called there: from another thread :meth:`install` warns and installs nothing.
+
+    Args:
+        relay: also pass each signal on to this process's child processes (the precision
+            search's worker processes, :mod:`mptex.search.pool`): each one's run then stops
+            with its own handlers, checkpoints and exits, while this process, which only
+            records the signal, starts nothing new.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, relay: bool = False) -> None:
         self.received: list[str] = []  # signal names in order of arrival
+        self.relay = relay
         self._previous: dict[signal.Signals, object] = {}
 
-    def install(self, names: Sequence[str]) -> None:
+    def install(self, names: Sequence[str], owner: str = "train.stop_signals: train()") -> None:
+        """Install the handler for the signals ``names``; ``owner`` names the caller in the
+        warning given outside the main thread."""
         if not names:
             return
         if threading.current_thread() is not threading.main_thread():
             warnings.warn(
-                "train.stop_signals: train() runs outside the main thread, where Python cannot "
-                "install signal handlers; a stop signal will end the run without a checkpoint",
+                f"{owner} runs outside the main thread, where Python cannot install signal "
+                "handlers; a stop signal will end the run without a checkpoint",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -81,8 +88,14 @@ class StopSignals:
             self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: object) -> None:
-        # Only record: raising here could land inside a checkpoint write.
+        # Only record (and relay): raising here could land inside a checkpoint write.
         self.received.append(signal.Signals(signum).name)
+        if self.relay:
+            for child in multiprocessing.active_children():
+                try:
+                    os.kill(child.pid, signum)
+                except (ProcessLookupError, TypeError):  # exited, or not started (pid None)
+                    pass
 
     def uninstall(self) -> None:
         for signum, handler in self._previous.items():

@@ -5,8 +5,9 @@ Use ``build_scene(cfg, device)`` and the returned ``Scene``'s ``sample_train_bat
 """
 
 from mptex.scenes.assets import SUITE, suite_available, suite_path
-from mptex.scenes.build import MESH_SCENES, SCENE_DEFAULTS, build_scene
+from mptex.scenes.build import build_scene
 from mptex.scenes.builtin import gt_texture, torus_knot
+from mptex.scenes.config import MESH_SCENES, SCENE_DEFAULTS
 from mptex.scenes.gbuffer import GBuffer, GBufferCache, render_gbuffer
 from mptex.scenes.nerf import load_nerf_split
 from mptex.scenes.scene import Scene, ViewBatch

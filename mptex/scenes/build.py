@@ -1,7 +1,8 @@
 """``build_scene``: a ``Scene`` from a config mapping (a Hydra ``scene`` group entry).
 
-Each scene name has a table of defaults; the config is checked against it before any work
-(unknown name or key, missing required value, missing file -> ``ValueError`` naming the key).
+Each scene name has a schema (:mod:`mptex.scenes.config`); the config is checked against it
+before any work (unknown name or key, missing required value, missing file -> ``ValueError``
+naming the key).
 """
 
 from __future__ import annotations
@@ -17,131 +18,16 @@ from mptex.render.camera import orbit_views, random_views
 from mptex.render.material import mesh_materials, shade_kd
 from mptex.render.mesh import unit_size
 from mptex.render.obj import load_obj
-from mptex.scenes.assets import SUITE
 from mptex.scenes.builtin import gt_texture, torus_knot
+from mptex.scenes.config import MESH_SCENES, check_scene_config
 from mptex.scenes.gbuffer import GBuffer
 from mptex.scenes.nerf import load_nerf_split
 from mptex.scenes.scene import Scene
 
-__all__ = ["build_scene", "SCENE_DEFAULTS"]
+__all__ = ["build_scene"]
 
-_REQUIRED = "???"  # OmegaConf's marker for a mandatory value
-
-_CAMERA_DEFAULTS = dict(
-    resolution=128,
-    n_train_views=64,
-    n_val_views=8,
-    cam_radius=3.0,
-    fovy_deg=45.0,
-    near=0.1,
-    far=1000.0,
-    seed=0,
-    raster_backend="auto",
-)
-
-# Scenes built from one OBJ file at ``scene.path``: the mesh scene and the real-asset suite's.
-MESH_SCENES = ("mesh", *SUITE)
-
-SCENE_DEFAULTS: dict[str, dict] = {
-    # ``path`` is unused by the built-in scene; accepting it lets one sweep set the mesh
-    # scene's file (``scene=builtin,mesh scene.path=spot.obj``).
-    "builtin": dict(
-        name="builtin", path=None, **_CAMERA_DEFAULTS, tubular_segments=200, radial_segments=24
-    ),
-    "mesh": dict(name="mesh", path=_REQUIRED, normalize=True, **_CAMERA_DEFAULTS),
-    # The real-asset suite (mptex.scenes.assets): mesh scenes under their own names, so that a
-    # sweep's report gives each asset its section; configs/scene/<name>.yaml resolves the path.
-    **{name: dict(name=name, path=_REQUIRED, normalize=True, **_CAMERA_DEFAULTS) for name in SUITE},
-    "nerf": dict(
-        name="nerf",
-        path=_REQUIRED,
-        mesh=_REQUIRED,
-        train_split="train",
-        val_split="test",
-        near=0.1,
-        far=1000.0,
-        raster_backend="auto",
-    ),
-}
-
-
-def _to_dict(cfg: Mapping) -> dict:
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        pass
-    return dict(cfg)
-
-
-def _validate(cfg: Mapping) -> dict:
-    cfg = _to_dict(cfg)
-    name = cfg.get("name")
-    if name not in SCENE_DEFAULTS:
-        raise ValueError(f"scene.name: expected one of {sorted(SCENE_DEFAULTS)}, received {name!r}")
-    defaults = SCENE_DEFAULTS[name]
-    for key in cfg:
-        if key not in defaults:
-            raise ValueError(
-                f"scene.{key}: unknown key for scene {name!r}; expected keys {sorted(defaults)}"
-            )
-    merged = {**defaults, **cfg}
-    for key, value in merged.items():
-        if value == _REQUIRED or (value is None and defaults[key] == _REQUIRED):
-            raise ValueError(f"scene.{key}: required for scene {name!r}, not set")
-    if "resolution" in merged:
-        res = merged["resolution"]
-        res = [res, res] if _is_int(res) else list(res) if isinstance(res, (list, tuple)) else []
-        if len(res) != 2 or any(not _is_int(r) or r <= 0 for r in res):
-            got = merged["resolution"]
-            raise ValueError(
-                f"scene.resolution: expected a positive int or [H, W], received {got!r}"
-            )
-        merged["resolution"] = tuple(res)
-    for key, (ok, what) in _CHECKS.items():
-        if key in merged and merged[key] is None and defaults[key] is None:
-            continue  # left at its null default: unused by this scene (builtin's path)
-        if key in merged and not ok(merged[key]):
-            raise ValueError(f"scene.{key}: expected {what}, received {merged[key]!r}")
-    if not merged["far"] > merged["near"]:
-        raise ValueError(
-            f"scene.far: expected more than scene.near ({merged['near']!r}), "
-            f"received {merged['far']!r}"
-        )
-    return merged
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-# Type and range of every scene key (checked before any work; ``far > near`` after these).
-_CHECKS = {
-    "n_train_views": (lambda v: _is_int(v) and v > 0, "a positive int"),
-    "n_val_views": (lambda v: _is_int(v) and v > 0, "a positive int"),
-    "cam_radius": (lambda v: _is_number(v) and v > 0, "a finite number > 0"),
-    "fovy_deg": (lambda v: _is_number(v) and 0 < v < 180, "a number of degrees in (0, 180)"),
-    "near": (lambda v: _is_number(v) and v > 0, "a finite number > 0"),
-    "far": (lambda v: _is_number(v) and v > 0, "a finite number > 0"),
-    "seed": (lambda v: _is_int(v) and 0 <= v < 2**63 - 1, "an integer in [0, 2**63 - 1)"),
-    "raster_backend": (
-        lambda v: v in ("auto", "torch", "nvdiffrast"),
-        "one of 'auto', 'torch', 'nvdiffrast'",
-    ),  # fmt: skip
-    "tubular_segments": (lambda v: _is_int(v) and v >= 3, "an integer >= 3"),
-    "radial_segments": (lambda v: _is_int(v) and v >= 3, "an integer >= 3"),
-    "normalize": (lambda v: isinstance(v, bool), "true or false"),
-    "path": (lambda v: isinstance(v, str) and v != "", "a file or folder path"),
-    "mesh": (lambda v: isinstance(v, str) and v != "", "a file path"),
-    "train_split": (lambda v: isinstance(v, str) and v != "", "a split name"),
-    "val_split": (lambda v: isinstance(v, str) and v != "", "a split name"),
-}
+# The scene group's check, under the name the tests of the shipped configs call.
+_validate = check_scene_config
 
 
 def _check_extent(mesh, key: str, path: Path) -> None:
@@ -244,8 +130,8 @@ def _build_nerf(cfg: dict, device) -> Scene:
     )  # fmt: skip
 
 
-_BUILDERS = {"builtin": _build_builtin, "mesh": _build_mesh, "nerf": _build_nerf,
-             **{name: _build_mesh for name in SUITE}}  # fmt: skip
+_BUILDERS = {"builtin": _build_builtin, "nerf": _build_nerf,
+             **{name: _build_mesh for name in MESH_SCENES}}  # fmt: skip
 
 
 def build_scene(cfg: Mapping, device: torch.device | str = "cpu") -> Scene:
@@ -253,14 +139,14 @@ def build_scene(cfg: Mapping, device: torch.device | str = "cpu") -> Scene:
 
     Args:
         cfg: mapping with ``name`` ("builtin", "mesh" or "nerf") and that scene's keys (see
-            ``SCENE_DEFAULTS``; omitted keys take the defaults).
+            :mod:`mptex.scenes.config`; omitted keys take the defaults).
         device: where the mesh, cameras, G-buffers and references live.
 
     Raises:
         ValueError: naming the key, for an unknown name or key, a missing required value, a
             bad value or a missing file.
     """
-    resolved = _validate(cfg)
+    resolved = check_scene_config(cfg)
     device = torch.device(device)
     if resolved["raster_backend"] == "nvdiffrast":
         why = unavailable_message("nvdiffrast", "scene.raster_backend")

@@ -532,3 +532,25 @@ def test_the_mlp_rate_ramp_runs_at_the_ramps_rate_and_resumes_mid_ramp_bit_exact
     again = train(tiny_cfg(*cfg), tmp_path / "resumed")
     assert again["psnr"] == whole["psnr"] and again["history"] == whole["history"]
     _assert_same_adam_state(tmp_path / "resumed", tmp_path / "whole")
+
+
+def test_a_relaying_handler_records_the_signal_and_passes_it_to_child_processes():
+    # The precision search's handler (mptex.search.pool): the search process only records the
+    # signal; its worker processes get it and stop their runs. Here the child is a plain sleep,
+    # which SIGUSR1's default action ends.
+    import multiprocessing
+
+    from mptex.train.signals import StopSignals, send_signal
+
+    child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+    child.start()
+    stop = StopSignals(relay=True)
+    try:
+        stop.install(["SIGUSR1"])
+        send_signal("SIGUSR1")
+        time.sleep(0.1)  # the handler runs between bytecodes of the main thread
+    finally:
+        stop.uninstall()
+    child.join(30)
+    assert stop.received == ["SIGUSR1"]
+    assert child.exitcode == -signal.SIGUSR1

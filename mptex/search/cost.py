@@ -57,9 +57,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mptex._grid_torch import grid_geometry
+from mptex.config_schema import Integer, OneOf, OrNull, Text, setting
 from mptex.search.space import Candidate
 
-__all__ = ["GPU", "GPUS", "TextureShape", "iteration_cost", "shape_from_config", "ADAM_KERNELS"]
+__all__ = [
+    "GPU",
+    "GPUS",
+    "CostConfig",
+    "TextureShape",
+    "iteration_cost",
+    "shape_from_config",
+    "ADAM_KERNELS",
+]
 
 BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 ADAM_KERNELS = 5  # foreach Adam per parameter group: m, v updates, bias corrections, step
@@ -103,6 +112,22 @@ GPUS: dict[str, GPU] = {
         "NVIDIA Ada Lovelace GPU architecture whitepaper v1.03, Appendix A, Table 2",
     ),
 }
+
+
+@dataclass
+class CostConfig:
+    """The ``search.cost`` group: where the candidates' cost is modelled."""
+
+    gpu: str = setting("h100", OneOf(sorted(GPUS)))
+    """The target GPU (:data:`GPUS`)."""
+    points: int | None = setting(
+        None, OrNull(Integer(min=1), "this run's texture queries per iteration")
+    )
+    """Texture queries per iteration."""
+    texture: str | None = setting(
+        None, OrNull(Text(what="a configs/texture name"), "this run's texture group")
+    )
+    """The texture the cost is modelled for: a ``configs/texture`` name."""
 
 
 @dataclass(frozen=True)

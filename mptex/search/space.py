@@ -21,24 +21,43 @@ Pruning (:func:`enumerate_space`), in this order, each with its reason recorded:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mptex.config_schema import Flag, ListOf, Number, OneOf, check_group, defaults_of, setting
 from mptex.network import FUSED_WIDTHS, TCNN_LOSS_SCALE
 from mptex.precision import PrecisionPolicy
 
-__all__ = ["Candidate", "SPACE_DEFAULTS", "enumerate_space", "reference_candidate"]
+__all__ = ["Candidate", "SpaceConfig", "SPACE_DEFAULTS", "enumerate_space", "reference_candidate"]
 
-# What the search may vary (the ``search.space`` config block). Each key: the values tried.
-SPACE_DEFAULTS: dict[str, Any] = {
-    "encoder_dtypes": ["f16", "f32"],
-    "layer_dtypes": ["f32", "bf16", "f16"],
-    "master_weights": [True, False],
-    "loss_scaling": ["none", "static", "dynamic"],
-    "static_loss_scale": 128.0,  # the static mode's factor (tcnn's constant)
-    "fused": True,  # also try tcnn's fully fused f16 network where the width allows
-}
+
+def _values(allowed: list[str]) -> ListOf:
+    return ListOf(OneOf(allowed), non_empty=True, unique=True)
+
+
+@dataclass
+class SpaceConfig:
+    """The ``search.space`` group: what the search may vary, each key the values tried."""
+
+    encoder_dtypes: list[str] = setting(["f16", "f32"], _values(["f16", "f32", "bf16"]))
+    """The hash grid's dtypes (bf16 is accepted so that its pruning, no bf16 grid in tcnn, is
+    recorded, not hidden)."""
+    layer_dtypes: list[str] = setting(["f32", "bf16", "f16"], _values(["f32", "bf16", "f16"]))
+    """Each linear layer's compute dtypes."""
+    master_weights: list[bool] = setting([True, False], ListOf(Flag(), non_empty=True, unique=True))
+    """With and/or without f32 master weights."""
+    loss_scaling: list[str] = setting(
+        ["none", "static", "dynamic"], _values(["none", "static", "dynamic"])
+    )
+    """The loss-scaling modes."""
+    static_loss_scale: float = setting(128.0, Number(min=0, min_open=True))
+    """The static mode's factor (tcnn's constant)."""
+    fused: bool = True
+    """Also try tcnn's fully fused f16 network where the width allows."""
+
+
+SPACE_DEFAULTS = defaults_of(SpaceConfig)
 
 _LS_TAGS = {"none": "none", "dynamic": "dyn", "tcnn": "tcnn"}
 
@@ -139,43 +158,6 @@ def reference_candidate(n_layers: int) -> Candidate:
     return Candidate("f32", ("f32",) * n_layers)
 
 
-def _check_values(key: str, values: Any, allowed: Sequence[Any]) -> list[Any]:
-    if not isinstance(values, (list, tuple)) or not values:
-        raise ValueError(f"search.space.{key}: expected a non-empty list, got {values!r}")
-    for value in values:
-        if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
-            raise ValueError(
-                f"search.space.{key}: expected values from {list(allowed)}, got {value!r}"
-            )
-    return list(dict.fromkeys(values))
-
-
-def check_space(space: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``search.space`` with defaults filled in; ``ValueError`` naming the first bad key."""
-    space = dict(space or {})
-    unknown = sorted(set(space) - set(SPACE_DEFAULTS))
-    if unknown:
-        raise ValueError(
-            f"search.space.{unknown[0]}: unknown key; valid keys: {sorted(SPACE_DEFAULTS)}"
-        )
-    s = {**SPACE_DEFAULTS, **space}
-    # bf16 is accepted here so that its pruning (no bf16 grid in tcnn) is recorded, not hidden.
-    s["encoder_dtypes"] = _check_values(
-        "encoder_dtypes", s["encoder_dtypes"], ["f16", "f32", "bf16"]
-    )
-    s["layer_dtypes"] = _check_values("layer_dtypes", s["layer_dtypes"], ["f32", "bf16", "f16"])
-    s["master_weights"] = _check_values("master_weights", s["master_weights"], [True, False])
-    s["loss_scaling"] = _check_values(
-        "loss_scaling", s["loss_scaling"], ["none", "static", "dynamic"]
-    )
-    scale = s["static_loss_scale"]
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"search.space.static_loss_scale: expected a number > 0, got {scale!r}")
-    if not isinstance(s["fused"], bool):
-        raise ValueError(f"search.space.fused: expected true or false, got {s['fused']!r}")
-    return s
-
-
 def _redundant(c: Candidate) -> str | None:
     if not c.master_weights and all(d == "f32" for d in c.layers) and c.mlp == "linear":
         return "master_weights false with f32 layers stores the same f32 parameters"
@@ -196,13 +178,16 @@ def enumerate_space(
         n_layers: linear layers of the MLP (``texture.hidden + 1``).
         width: the MLP's hidden width (``texture.internal_dims``); the fused network needs one of
             tcnn's widths (16, 32, 64, 128).
-        space: ``search.space`` (:data:`SPACE_DEFAULTS` for missing keys).
+        space: ``search.space`` (:class:`SpaceConfig`'s defaults for missing keys).
+
+    Raises:
+        ConfigError: (a ``ValueError``) ``"search.space.<key>: ..."`` for a bad key, one line.
 
     Returns:
         ``(kept, pruned)``: kept candidates sorted by name; pruned as
         ``{"candidate": name, "rule": "invalid" | "redundant", "reason": str}``.
     """
-    s = check_space(space)
+    s = check_group(SpaceConfig, space, "search.space")
     raw: list[Candidate] = []
     for enc, layers, master, ls in itertools.product(
         s["encoder_dtypes"],

@@ -1,0 +1,166 @@
+"""The search's training runs: a pool of worker processes, finished runs read back, stop signals.
+
+:class:`RunPool` trains (candidate, seed) runs, ``search.workers`` at a time, each in a fresh
+process. A run whose ``metrics.json`` says completed or diverged is read back instead of trained
+again; an interrupted one continues from its checkpoint (``train.resume=auto``). Stop signals
+are :class:`mptex.train.signals.StopSignals`' with ``relay``: the search's own handler records
+the signal and passes it on to the worker processes, whose runs checkpoint and stop as any
+``mptex-train`` run does; the pool then starts nothing new and raises
+:class:`SearchInterrupted`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from mptex.search.space import Candidate
+from mptex.train.signals import StopSignals
+
+__all__ = ["SearchInterrupted", "RunPool", "run_summary"]
+
+# A run in one of these states is read back, never trained again.
+_DONE = ("completed", "diverged")
+
+
+class SearchInterrupted(RuntimeError):
+    """A stop signal ended the search; the same command continues it."""
+
+
+def _train_run(cfg: dict[str, Any], run_dir: str) -> dict[str, Any]:
+    """One training run (in a worker process); the metrics the search reads."""
+    from mptex.train import train
+
+    try:
+        metrics = train(cfg, run_dir)
+    except Exception as exc:  # noqa: BLE001 - a failed run is a result (metrics.json has it)
+        return {**run_summary({}), "status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+    return run_summary(metrics)
+
+
+def run_summary(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """What the search keeps of a run's ``metrics.json``; a completed run that collapsed
+    (:func:`mptex.collapse.classify_collapse`) has status ``"collapsed"`` and the reason in
+    ``note``."""
+    from mptex.collapse import classify_collapse
+
+    status = metrics.get("status")
+    note = None
+    if status == "completed":
+        collapse = classify_collapse(metrics)
+        if collapse is not None:
+            status, note = "collapsed", str(collapse.get("reason") or "collapsed")
+    return {
+        "status": status,
+        "psnr": metrics.get("psnr"),
+        "baseline_psnr": metrics.get("baseline_psnr"),
+        "time_per_iter_s": metrics.get("time_per_iter_s"),
+        "wall_time_s": metrics.get("wall_time_s"),
+        "iterations": metrics.get("iterations"),
+        "device": metrics.get("device"),
+        "error": metrics.get("error"),
+        "note": note,
+    }
+
+
+class RunPool:
+    """Trains (candidate, seed) runs, reusing finished ones; ``settings["workers"]`` processes
+    at a time.
+
+    Args:
+        base: the run config every run starts from (``scene``, ``texture``, ``train``,
+            ``export``); each run sets ``precision`` to its candidate and ``train.seed``.
+        out: the search directory; runs live in ``<out>/runs/<candidate>/seed<k>/``.
+        settings: the checked ``search`` group.
+        stop: the search's installed stop signals (``relay=True``).
+    """
+
+    def __init__(
+        self, base: dict[str, Any], out: Path, settings: Mapping[str, Any], stop: StopSignals
+    ):
+        self.base, self.out, self.settings, self.stop = base, out, settings, stop
+        self.results: dict[tuple[str, int], dict[str, Any]] = {}
+        self.trained, self.reused = 0, 0
+
+    def run_dir(self, candidate: Candidate, seed: int) -> Path:
+        return self.out / "runs" / candidate.name / f"seed{seed}"
+
+    def config(self, candidate: Candidate, seed: int) -> dict[str, Any]:
+        cfg = json.loads(json.dumps(self.base))
+        cfg["precision"] = candidate.policy_dict()
+        cfg["train"].update(
+            seed=seed,
+            threads=self.settings["threads"],
+            progress=False,
+            n_val_images=0,
+            resume="auto",
+        )
+        return cfg
+
+    def _finished(self, run_dir: Path) -> dict[str, Any] | None:
+        path = run_dir / "metrics.json"
+        if not path.is_file():
+            return None
+        try:
+            metrics = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return run_summary(metrics) if metrics.get("status") in _DONE else None
+
+    def _stopped_by(self) -> str | None:
+        return self.stop.received[0] if self.stop.received else None
+
+    def run(self, jobs: Sequence[tuple[Candidate, int]]) -> None:
+        """Train the runs of ``jobs`` not yet finished (read back the others) into
+        :attr:`results`.
+
+        Raises:
+            SearchInterrupted: a stop signal arrived (before, or during these runs: those
+                checkpointed and stopped).
+        """
+        todo = []
+        for candidate, seed in dict.fromkeys(jobs):
+            key = (candidate.name, seed)
+            if key in self.results:
+                continue
+            done = self._finished(self.run_dir(candidate, seed))
+            if done is not None:
+                self.results[key] = done
+                self.reused += 1
+            else:
+                todo.append((candidate, seed))
+        if not todo:
+            return
+        if self._stopped_by():
+            raise SearchInterrupted(
+                f"stopped by {self._stopped_by()}; the same command continues "
+                f"the search in {self.out}"
+            )
+        args = [(self.config(c, s), str(self.run_dir(c, s))) for c, s in todo]
+        workers = min(self.settings["workers"], len(todo))
+        if workers == 1:
+            outputs = [_train_run(*a) for a in args]
+        else:
+            # spawn: a fresh interpreter per job, so no torch state (threads, seeds) leaks between
+            # runs and a run is the same whichever worker trains it.
+            with ProcessPoolExecutor(
+                workers, mp_context=get_context("spawn"), max_tasks_per_child=1
+            ) as pool:
+                outputs = list(pool.map(_train_run, *zip(*args, strict=True)))
+        for (candidate, seed), result in zip(todo, outputs, strict=True):
+            self.results[(candidate.name, seed)] = result
+            self.trained += 1
+        stopped = [
+            self.run_dir(c, s)
+            for (c, s), r in zip(todo, outputs, strict=True)
+            if r["status"] == "interrupted"
+        ]
+        if stopped or self._stopped_by():
+            raise SearchInterrupted(
+                f"stopped by {self._stopped_by() or 'a signal'} ({len(stopped)} run(s) "
+                f"checkpointed); the same command continues the search in {self.out}"
+            )

@@ -1,0 +1,252 @@
+"""What the search writes into its directory, and what the directory remembers.
+
+* ``search_config.json``: the settings a search directory was started with
+  (:func:`check_search_dir` refuses others, so that resumed runs belong to one search);
+* ``search.json``: every candidate (stage, cost, runs, Δ, interval, verdict), the pruned list
+  and the budget (:func:`summarise`);
+* ``precision/<name>.yaml`` under ``search.config_dir``: the certified assignment as a
+  precision arm, with how it was certified and the command that reproduces it
+  (:func:`write_result`);
+* ``search.md`` and ``pareto.png`` (:func:`mptex.search.report.write_search_report`).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mptex.search.config import SearchError
+from mptex.search.cost import GPUS
+from mptex.search.space import Candidate
+
+if TYPE_CHECKING:
+    from mptex.search.driver import SearchState
+
+__all__ = [
+    "result_path",
+    "check_result_path",
+    "settings_record",
+    "check_search_dir",
+    "summarise",
+    "write_result",
+    "write_results",
+]
+
+# The first line of every precision config a search writes: one without it is the user's.
+_HEADER = "# Written by mptex's precision search"
+# train keys that do not change a run's result: a search continues across changes of these.
+_RUN_ONLY_KEYS = (
+    "seed",
+    "threads",
+    "progress",
+    "n_val_images",
+    "resume",
+    "device",
+    "tensorboard",
+    "checkpoint_interval",
+    "inject_signal_at",  # a stop and its resume give the same run
+    "inject_signal",
+    "stop_signals",
+)
+
+
+def result_path(settings: Mapping[str, Any], name: str, out: Path) -> Path:
+    """``<config dir>/precision/<name>.yaml``: ``search.config_dir``, by default the search
+    directory's ``configs/``, never mptex's own configs (``mptex-train --config-dir`` adds it)."""
+    root = Path(settings["config_dir"]) if settings["config_dir"] else out / "configs"
+    return root / "precision" / f"{name}.yaml"
+
+
+def check_result_path(path: Path) -> None:
+    """Refuse to overwrite a precision config that no search wrote (:class:`SearchError`)."""
+    if path.exists():
+        first = path.read_text().splitlines()[:1]
+        if not first or not first[0].startswith(_HEADER):
+            raise SearchError(
+                f"search.name: {path} exists and was not written by a precision search; "
+                "choose another search.name"
+            )
+
+
+def settings_record(settings: Mapping[str, Any], full: Mapping[str, Any]) -> dict[str, Any]:
+    """What must stay the same for a search directory's runs to be one search's: the search
+    settings (but its parallelism) and the scene, texture and training of the runs."""
+    train = {k: v for k, v in full["train"].items() if k not in _RUN_ONLY_KEYS}
+    return {
+        "search": {k: v for k, v in settings.items() if k not in ("workers", "threads")},
+        "scene": full["scene"],
+        "texture": full["texture"],
+        "train": train,
+    }
+
+
+def check_search_dir(out: Path, record: Mapping[str, Any]) -> None:
+    """Write ``record`` as ``out/search_config.json``, or refuse (:class:`SearchError`) a
+    directory whose record differs."""
+    path = out / "search_config.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old != json.loads(json.dumps(record)):
+            keys = sorted(k for k in set(old) | set(record) if old.get(k) != record.get(k))
+            raise SearchError(
+                f"search dir {out} holds a search with other settings ({', '.join(keys)} "
+                "differ); use a new directory or the same settings to continue it"
+            )
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=1, sort_keys=True, default=str))
+
+
+def write_results(state: SearchState, certified: Candidate) -> dict[str, Any]:
+    """Write the finished search's files (the module docstring's list); returns ``search.json``'s
+    dict."""
+    from mptex.search.report import write_search_report
+
+    summary = summarise(state, certified)
+    write_result(state.result_path, certified, summary)
+    (state.out / "search.json").write_text(json.dumps(summary, indent=1, default=str))
+    write_search_report(state.out, summary)
+    return summary
+
+
+def summarise(state: SearchState, certified: Candidate) -> dict[str, Any]:
+    """The ``search.json`` dict of a finished search whose answer is ``certified``."""
+    settings, pool, seeds, ref = state.settings, state.pool, state.seeds, state.ref
+    kept, model, stages, shape = state.kept, state.model, state.stages, state.shape
+    rows = []
+    by_name = {c.name: c for c in kept}
+    for cname, stage in stages.items():
+        c = by_name[cname]
+        runs = {s: pool.results[(cname, s)] for s in seeds if (cname, s) in pool.results}
+        measured = [
+            r["time_per_iter_s"]
+            for r in runs.values()
+            if str(r.get("device") or "").startswith("cuda") and r.get("time_per_iter_s")
+        ]
+        deltas = {s: state.delta(c, s) for s in runs}
+        cert = state.certificate(c) if len(runs) == len(seeds) else None
+        rows.append(
+            {
+                "candidate": cname,
+                "stage": stage,
+                **c.to_json(),
+                "model_s": model[cname]["seconds"],
+                "measured_s": sorted(measured)[len(measured) // 2] if measured else None,
+                "runs": {str(s): r for s, r in runs.items()},
+                "delta_db": {str(s): d for s, d in deltas.items()},
+                "screen_passed": (
+                    deltas.get(seeds[0]) is not None
+                    and abs(deltas[seeds[0]]) <= settings["screen_db"]
+                ),
+                "certificate": cert,
+            }
+        )
+    for row in rows:
+        row["cost_s"] = row["measured_s"] if row["measured_s"] is not None else row["model_s"]
+    rows.sort(key=lambda r: (r["cost_s"], r["candidate"]))
+    all_runs = list(pool.results.values())
+    return {
+        "name": state.name,
+        "scene": pool.base["scene"].get("name"),
+        "reproduce": _reproduce(state.name, seeds[0], state.result_path.parents[1]),
+        "result_config": str(state.result_path),
+        "certified": certified.name,
+        "certified_is_reference": certified == ref,
+        "reference": ref.name,
+        "seeds": seeds,
+        "margin_db": settings["margin_db"],
+        "screen_db": settings["screen_db"],
+        "cost": {
+            "gpu": settings["cost"]["gpu"],
+            "gpu_name": GPUS[settings["cost"]["gpu"]].name,
+            "source": GPUS[settings["cost"]["gpu"]].source,
+            "points": state.points,
+            "shape": vars(shape),
+            "measured": any(r["measured_s"] for r in rows),
+            "reference_parts": model[ref.name]["parts"],
+            "certified_parts": model[certified.name]["parts"],
+        },
+        "space": {"kept": len(kept), "pruned": state.pruned},
+        "candidates": rows,
+        "budget": {
+            "runs": len(all_runs),
+            "trained": pool.trained,
+            "reused": pool.reused,
+            "iterations": sum(int(r.get("iterations") or 0) for r in all_runs),
+            "run_wall_s": sum(float(r.get("wall_time_s") or 0) for r in all_runs),
+            "search_wall_s": time.perf_counter() - state.start,
+            "workers": settings["workers"],
+        },
+    }
+
+
+def _reproduce(name: str, seed: int, config_dir: Path) -> str:
+    """The command that trains the result as the search did: the quick experiment has the
+    search's protocol (train=ablation, 300 iterations, the output margin, 1 thread); the
+    search's own scene/train/texture overrides are repeated."""
+    extra = []
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        extra = [
+            o
+            for o in HydraConfig.get().overrides.task
+            if o.split("=")[0].lstrip("+~").split(".")[0] in ("scene", "train", "texture")
+            and not o.startswith("train.seed=")
+        ]
+    except ValueError:  # not under Hydra (a direct call): no overrides to repeat
+        pass
+    return " ".join(
+        [
+            "mptex-train",
+            "--config-dir",
+            shlex.quote(str(config_dir)),
+            "+experiment=quick",
+            f"precision={name}",
+            f"train.seed={seed}",
+            *extra,
+        ]  # fmt: skip
+    )
+
+
+def _psnrs(row: Mapping[str, Any]) -> str:
+    return ", ".join(
+        f"{seed}: {run['psnr']:.2f} dB"
+        for seed, run in row["runs"].items()
+        if run.get("psnr") is not None
+    )
+
+
+def write_result(path: Path, candidate: Candidate, summary: Mapping[str, Any]) -> None:
+    """Write ``candidate`` as the precision arm ``summary["name"]`` at ``path`` (atomically),
+    its header saying how it was certified and how to reproduce it."""
+    import yaml
+
+    row = next(r for r in summary["candidates"] if r["candidate"] == candidate.name)
+    cert = row["certificate"] or {}
+    interval = (
+        f"[{cert['low']:+.2f}, {cert['high']:+.2f}] dB"
+        if cert.get("low") is not None
+        else "none (the reference itself)"
+    )
+    ref_row = next(r for r in summary["candidates"] if r["candidate"] == summary["reference"])
+    lines = [
+        f"{_HEADER} ({summary['name']}): the cheapest assignment certified against f32.",
+        f"# Candidate {candidate.name}; paired 95 % interval of PSNR - PSNR(f32) over seeds "
+        f"{summary['seeds']}: {interval} (margin +-{summary['margin_db']} dB).",
+        f"# Modelled cost {row['model_s'] * 1e6:.1f} us / iteration on "
+        f"{summary['cost']['gpu_name']} (f32: {ref_row['model_s'] * 1e6:.1f} us); "
+        "report: search.md in the search directory.",
+        f"# PSNR per train.seed, this arm: {_psnrs(row)}; f32: {_psnrs(ref_row)} "
+        f"(scene {summary['scene']}). Reproduce seed {summary['seeds'][0]}:",
+        f"#   {summary['reproduce']}",
+    ]
+    body = yaml.safe_dump(candidate.policy_dict(summary["name"]), sort_keys=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text("\n".join(lines) + "\n" + body)
+    tmp.replace(path)

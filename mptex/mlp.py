@@ -10,10 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mptex.fp8 import E4M3, E5M2, ScalingRecipe, ScalingState, fp8_linear, statistics
 from mptex.network import FullyFusedMLP
 from mptex.precision import PrecisionPolicy, scale_grad
+from mptex.quantize import fake_quantize, quantization_error
 
-__all__ = ["PrecisionMLP", "CastLinear", "reduced_linear"]
+__all__ = ["PrecisionMLP", "CastLinear", "FP8Linear", "QuantizedLinear", "reduced_linear"]
 
 _ACTIVATIONS = {"ReLU": nn.ReLU, "LeakyReLU": nn.LeakyReLU, "Sigmoid": nn.Sigmoid, "Tanh": nn.Tanh}
 
@@ -83,6 +85,134 @@ class CastLinear(nn.Linear):
         return f"{super().extra_repr()}, compute_dtype={self.compute_dtype}"
 
 
+class QuantizedLinear(CastLinear):
+    """A :class:`CastLinear` whose forward sees its weight fake-quantised for an int8 or FP8
+    decoder (:func:`mptex.quantize.fake_quantize`: int8 per output channel, or E4M3 per tensor),
+    with a straight-through gradient to the f32 master weight: quantisation-aware training.
+
+    Args:
+        weight_quant: ``"int8"`` or ``"fp8"``; the other arguments are :class:`CastLinear`'s.
+
+    Attributes:
+        collect_stats: when set, each forward records the weight's quantisation error
+            (:meth:`quant_statistics`); the precision monitor sets it on sampled iterations.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, *, weight_quant="int8", **kw):
+        super().__init__(in_features, out_features, bias=bias, **kw)
+        self.weight_quant = weight_quant
+        self.collect_stats = False
+        self._weight_error: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = fake_quantize(self.weight, self.weight_quant)
+        if self.collect_stats:
+            self._weight_error = quantization_error(self.weight, weight)
+        dtype = self.compute_dtype or torch.float32
+        return reduced_linear(x, weight, self.bias, dtype)
+
+    def quant_statistics(self) -> dict[str, torch.Tensor]:
+        """Device scalars of the last collected forward: ``w_rel_error`` (``||q(W) - W|| /
+        ||W||``) and ``w_underflow_frac`` (non-zero weights quantised to 0); empty before."""
+        if self._weight_error is None:
+            return {}
+        error, self._weight_error = self._weight_error, None
+        return {"w_rel_error": error[0], "w_underflow_frac": error[1]}
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, weight_quant={self.weight_quant!r}"
+
+
+class FP8Linear(CastLinear):
+    """A :class:`CastLinear` whose GEMMs run in FP8 (:func:`mptex.fp8.fp8_linear`): input and
+    weight E4M3, output gradient E5M2, each with its own per-tensor scale under ``recipe``,
+    f32 accumulation and output. The f32 master weight gets an f32 gradient.
+
+    The three :class:`~mptex.fp8.ScalingState` (``input``, ``weight``, ``grad``) are part of the
+    module's state dict (``<prefix>_extra_state``: amax histories, scales, counters), so a
+    resumed run continues the delayed recipe where it stopped; they follow ``.to(device)``.
+
+    Args:
+        recipe: the :class:`~mptex.fp8.ScalingRecipe`.
+        gemm_backend: :func:`mptex.fp8.scaled_mm`'s backend (``"auto"``); the other arguments
+            are :class:`CastLinear`'s (``compute_dtype`` f32 or None: the GEMM's output is f32).
+    """
+
+    ROLES = ("input", "weight", "grad")
+
+    def __init__(
+        self, in_features, out_features, bias=True, *, recipe=None, gemm_backend="auto", **kw
+    ):
+        super().__init__(in_features, out_features, bias=bias, **kw)
+        self.recipe = recipe or ScalingRecipe()
+        self.gemm_backend = gemm_backend
+        device = self.weight.device
+        self.scaling = {
+            role: ScalingState(E5M2 if role == "grad" else E4M3, self.recipe, device)
+            for role in self.ROLES
+        }
+
+    @property
+    def collect_stats(self) -> bool:
+        return self.scaling["input"].collect
+
+    @collect_stats.setter
+    def collect_stats(self, value: bool) -> None:
+        for state in self.scaling.values():
+            state.collect = bool(value)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        states = tuple(self.scaling[role] for role in self.ROLES)
+        return fp8_linear(x, self.weight, self.bias, states, self.gemm_backend)
+
+    def quant_statistics(self) -> dict[str, torch.Tensor]:
+        """Device scalars ``<role>_<name>`` for roles ``input``, ``weight``, ``grad`` and the
+        names of :func:`mptex.fp8.statistics` (``amax``, ``scale``, ``overflows``,
+        ``nonfinite``, and with ``collect_stats`` ``rel_error``, ``underflow_frac``)."""
+        return {
+            f"{role}_{name}": value
+            for role, state in self.scaling.items()
+            for name, value in statistics(state).items()
+        }
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {role: state.state_dict() for role, state in self.scaling.items()}
+
+    def set_extra_state(self, state: Any) -> None:
+        for role, values in (state or {}).items():
+            if role in self.scaling:
+                self.scaling[role].load_state_dict(values)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        # The scaling state stays f32 whatever the module is cast to; it follows the device.
+        for state in self.scaling.values():
+            state.to(self.weight.device)
+        return self
+
+    def extra_repr(self) -> str:
+        r = self.recipe
+        return (
+            f"{super().extra_repr()}, fp8 recipe={r.recipe!r}, margin={r.margin}, "
+            f"amax_history_len={r.amax_history_len}, amax_compute_algo={r.amax_compute_algo!r}"
+        )
+
+
+def _linear_class(policy: PrecisionPolicy):
+    """The layer class and its extra arguments for ``policy``."""
+    if policy.fp8_gemm:
+        recipe = ScalingRecipe(
+            policy.fp8_recipe,
+            policy.fp8_margin,
+            policy.fp8_amax_history_len,
+            policy.fp8_amax_compute_algo,
+        )
+        return FP8Linear, {"recipe": recipe}
+    if policy.weight_quant != "none":
+        return QuantizedLinear, {"weight_quant": policy.weight_quant}
+    return CastLinear, {}
+
+
 class PrecisionMLP(nn.Module):
     """nvdiffrec's texture MLP with the precision of a :class:`~mptex.PrecisionPolicy`.
 
@@ -108,7 +238,11 @@ class PrecisionMLP(nn.Module):
           backend ``policy.mlp_backend``: tinycudann on CUDA, the torch twin elsewhere with
           ``"auto"``); ``self.layers`` is then empty and the weights are the flat
           ``self.net.params`` (``self.net.layer_weights()`` gives the matrices).
-          ``mlp_backend="tcnn"`` without tcnn + CUDA raises ``RuntimeError``.
+          ``mlp_backend="tcnn"`` without tcnn + CUDA raises ``RuntimeError``;
+        * ``policy.fp8_gemm``: each layer is an :class:`FP8Linear` (FP8 GEMMs, per-tensor
+          scales under the policy's recipe, f32 between the layers);
+        * ``policy.weight_quant``: each layer is a :class:`QuantizedLinear` (fake-quantised
+          weights, straight-through gradients).
 
     Args:
         n_input_dims: input features (the encoder's ``n_output_dims``).
@@ -174,16 +308,18 @@ class PrecisionMLP(nn.Module):
 
         dims = [n_input_dims] + [n_neurons] * n_hidden_layers + [n_output_dims]
         dtypes = self.policy.layer_dtypes(len(dims) - 1)
+        layer_class, layer_kwargs = _linear_class(self.policy)
         modules: list[nn.Module] = []
         for i, dtype in enumerate(dtypes):
             if i > 0:
                 modules.append(_ACTIVATIONS[activation]())
             modules.append(
-                CastLinear(
+                layer_class(
                     dims[i],
                     dims[i + 1],
                     bias=bias,
                     compute_dtype=None if self.policy.autocast else dtype,
+                    **layer_kwargs,
                 )
             )
         self.net = nn.Sequential(*modules)

@@ -35,6 +35,24 @@ tcnn_fused_scale1024    static scale 1024 instead of 128 (``fused_loss_scale``)
 nvdiffrec_scale1        (from ``nvdiffrec``) its x128 / /128 hooks with scale 1: the grid's
                         gradients without nvdiffrec's x128, the f32 MLP kept
 ======================  ====================================================================
+
+Arms below f16 (:mod:`mptex.fp8`, :mod:`mptex.quantize`; f32 master weights throughout):
+
+============  =========  ========================================  ============  ==============
+arm           encoder    MLP GEMMs                                 loss scaling  weights seen
+============  =========  ========================================  ============  ==============
+fp8           f16        FP8: E4M3 inputs/weights, E5M2 gradients  nvdiffrec     E4M3
+                         per-tensor, delayed scaling (TE defaults)
+fp8_current   f16        FP8 as ``fp8``, current scaling           nvdiffrec     E4M3
+int8_qat      f32        f32                                       none          int8 (fake)
+fp8_qat       f32        f32                                       none          E4M3 (fake)
+============  =========  ========================================  ============  ==============
+
+``fp8`` and ``fp8_current`` are ``nvdiffrec`` with the MLP's GEMMs in FP8 (``fp8_gemm``):
+``torch._scaled_mm`` on CUDA devices with FP8 tensor cores, an emulation with the same casts
+elsewhere. The QAT arms train for an int8 or FP8 decoder: the forward sees the weights
+fake-quantised (``weight_quant``: int8 per output channel, FP8 per tensor), the gradient
+passes straight through to the f32 master weights.
 """
 
 from __future__ import annotations
@@ -47,6 +65,8 @@ from typing import Any
 import torch
 
 from mptex.config_schema import Integer, Number, OneOf, check_fields, check_keys, plain, setting
+from mptex.fp8 import AMAX_COMPUTE_ALGOS, RECIPES
+from mptex.quantize import WEIGHT_QUANT
 
 __all__ = [
     "PrecisionPolicy",
@@ -180,6 +200,19 @@ class PrecisionPolicy:
         encoder_hook: divide the gradient w.r.t. the encoder's input positions by
             ``static_loss_scale`` (nvdiffrec's encoder hook) without the MLP's x128 hook: what
             the swap of nvdiffrec #154 left in place. Implied by ``loss_scaling="nvdiffrec"``.
+        fp8_gemm: the linear layers' GEMMs in FP8 (:func:`mptex.fp8.fp8_linear`: inputs and
+            weights E4M3, output gradients E5M2, per-tensor scales, f32 accumulation, f32
+            output); needs ``mlp_dtypes [f32]`` (the values between the GEMMs) and f32 masters.
+        fp8_recipe: ``"delayed"`` (an amax history: Transformer Engine's ``DelayedScaling``) or
+            ``"current"`` (each tensor's own amax).
+        fp8_margin: ``scale = fp8_max / amax / 2**fp8_margin`` (Transformer Engine: 0).
+        fp8_amax_history_len: the delayed recipe's history length (Transformer Engine: 1024).
+        fp8_amax_compute_algo: ``"max"`` of the history (Transformer Engine) or
+            ``"most_recent"``.
+        weight_quant: ``"none"``, or quantisation-aware training for an ``"int8"`` (per output
+            channel, symmetric) or ``"fp8"`` (E4M3, per tensor) decoder: the forward uses the
+            fake-quantised weights (:func:`mptex.quantize.fake_quantize`), the gradient reaches
+            the f32 masters straight through.
 
     Raises:
         ValueError: naming the field, for an unknown dtype or mode, a bad number, or a combination
@@ -204,6 +237,12 @@ class PrecisionPolicy:
     fused_accumulate: str = setting("half", OneOf(_ACCUMULATE))
     fused_split_k: bool = True
     encoder_hook: bool = False
+    fp8_gemm: bool = False
+    fp8_recipe: str = setting("delayed", OneOf(RECIPES))
+    fp8_margin: int = setting(0, Integer(min=0, max=64))
+    fp8_amax_history_len: int = setting(1024, Integer(min=1))
+    fp8_amax_compute_algo: str = setting("max", OneOf(AMAX_COMPUTE_ALGOS))
+    weight_quant: str = setting("none", OneOf(WEIGHT_QUANT))
 
     def __post_init__(self) -> None:
         # Normalise user-friendly spellings (strings, single dtype) once, so the fields are typed.
@@ -244,6 +283,7 @@ class PrecisionPolicy:
                 )
         if self.autocast and len(self.mlp_dtypes) != 1:
             raise ValueError("mlp_dtypes: autocast takes a single dtype, got a per-layer list")
+        self._validate_quantized()
         if self.mlp == "linear":
             if self.mlp_backend != "torch":
                 raise ValueError(
@@ -269,6 +309,27 @@ class PrecisionPolicy:
                     "mlp_backend: fused_accumulate/fused_split_k switches exist only in the "
                     "torch twin; use mlp_backend 'torch' or 'auto'"
                 )
+
+    def _validate_quantized(self) -> None:
+        if not self.quantized:
+            return
+        field = "fp8_gemm" if self.fp8_gemm else "weight_quant"
+        if self.mlp != "linear" or not self.master_weights or self.autocast:
+            raise ValueError(
+                f"{field}: needs the linear MLP on f32 master weights without autocast (mlp "
+                "'linear', master_weights true, autocast false)"
+            )
+        if self.fp8_gemm and self.weight_quant != "none":
+            raise ValueError(
+                "weight_quant: fp8_gemm already rounds the weights to E4M3 in every GEMM; "
+                "use one of them"
+            )
+        if self.fp8_gemm and set(self.mlp_dtypes) != {torch.float32}:
+            names = [dtype_name(d) for d in self.mlp_dtypes]
+            raise ValueError(
+                "mlp_dtypes: fp8_gemm's GEMMs take FP8 operands and return f32, so the values "
+                f"between them are f32 (mlp_dtypes [f32]), got {names}"
+            )
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -314,6 +375,11 @@ class PrecisionPolicy:
         return out
 
     # ------------------------------------------------------------------ queries
+    @property
+    def quantized(self) -> bool:
+        """Whether the MLP rounds below its dtypes: FP8 GEMMs or fake-quantised weights."""
+        return self.fp8_gemm or self.weight_quant != "none"
+
     @property
     def grid_grad_factor(self) -> float:
         """:func:`grid_gradient_factor` of this policy (128 for ``nvdiffrec``, else 1)."""
@@ -381,6 +447,12 @@ for _arm in (
     dataclasses.replace(_FUSED, name="tcnn_fused_nosplitk", fused_split_k=False),
     dataclasses.replace(_FUSED, name="tcnn_fused_scale1024", fused_loss_scale=1024.0),
     dataclasses.replace(_ARMS["nvdiffrec"], name="nvdiffrec_scale1", static_loss_scale=1.0),
+    dataclasses.replace(_ARMS["nvdiffrec"], name="fp8", fp8_gemm=True),
+    dataclasses.replace(
+        _ARMS["nvdiffrec"], name="fp8_current", fp8_gemm=True, fp8_recipe="current"
+    ),  # fmt: skip
+    PrecisionPolicy("int8_qat", _f32, (_f32,), weight_quant="int8"),
+    PrecisionPolicy("fp8_qat", _f32, (_f32,), weight_quant="fp8"),
 ):
     _ARMS[_arm.name] = _arm
 

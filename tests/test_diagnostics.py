@@ -3,6 +3,7 @@ underflow made visible), the gradient-flow check, host copies, and compare_setup
 localising injected faults while passing every healthy arm."""
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -26,6 +27,8 @@ from mptex.diagnostics import (
 PACKAGE = Path(__file__).resolve().parents[1] / "mptex"
 AABB = [[-1.0, -1.0, -1.0], [1.0, 1.0, 1.0]]
 CPU_ARMS = [n for n in PrecisionPolicy.names() if PrecisionPolicy.named(n).mlp == "linear"]
+# compare_setups' bounds model dtypes; the quantised arms are refused (tested below).
+DTYPE_ARMS = [n for n in CPU_ARMS if not PrecisionPolicy.named(n).quantized]
 
 
 def _texture(arm="f32", seed=0):
@@ -130,6 +133,45 @@ def test_monitor_records_the_fused_twins_half_statistics_on_sampled_iterations_o
     assert monitor.start(0) and texture.net.net.collect_stats
     monitor.collect()
     assert not monitor.start(1) and not texture.net.net.collect_stats
+
+
+@pytest.mark.parametrize("arm", ["fp8", "fp8_current", "int8_qat", "fp8_qat"])
+def test_monitor_records_quantisation_statistics_per_layer(arm):
+    history = _train(arm)
+    assert [h["iteration"] for h in history] == [0, 2, 4]
+    fp8 = PrecisionPolicy.named(arm).fp8_gemm
+    names = (
+        [f"{role}_{name}" for role in ("input", "weight", "grad")
+         for name in ("amax", "scale", "overflows", "nonfinite", "rel_error", "underflow_frac")]
+        if fp8 else ["w_rel_error", "w_underflow_frac"]
+    )  # fmt: skip
+    for stats in history:
+        json.dumps(stats)
+        for layer in range(3):
+            for name in names:
+                assert math.isfinite(stats[f"net.{layer}.q_{name}"]), (layer, name)
+    last = history[-1]
+    # E4M3 keeps 3 fraction bits (relative rounding error at most 2**-4 per normal value),
+    # int8 at most half a step of 1/127 of the row's largest weight per value.
+    worst = 2.0**-4 if arm != "int8_qat" else 0.5 / 127 * 32**0.5
+    for layer in range(3):
+        error = last[f"net.{layer}.q_{'weight_rel_error' if fp8 else 'w_rel_error'}"]
+        assert 0.0 < error <= worst, (layer, error)
+    if fp8:
+        assert last["net.0.q_weight_amax"] > 0 and last["net.0.q_input_scale"] > 0
+        assert last["net.0.q_grad_nonfinite"] == 0.0
+    # Between samples the layers do not pay for the error statistics.
+    texture = _texture(arm)
+    monitor = PrecisionMonitor(texture, every=2)
+    assert monitor.start(0) and all(layer.collect_stats for layer in texture.net.layers)
+    monitor.collect()
+    assert not monitor.start(1) and not any(layer.collect_stats for layer in texture.net.layers)
+
+
+def test_compare_setups_refuses_a_quantised_arm_in_one_line():
+    with pytest.raises(ValueError, match="^setup: fp8 quantises its MLP") as info:
+        compare_setups("small", "f32", "fp8", points=64)
+    assert "\n" not in str(info.value)
 
 
 def test_f16_naive_underflow_is_visible_and_loss_scaling_removes_it():
@@ -279,7 +321,7 @@ def test_no_unsynchronised_non_blocking_copies_in_the_package():
 # ----------------------------------------------------------------------------- compare_setups
 # nvdiffrec_scale1 is nvdiffrec without the x128 on the grid's incoming gradient: the #154
 # mechanism, flagged on purpose (test_training_sized_gradients_flag_the_grid_without_x128).
-@pytest.mark.parametrize("arm", [a for a in CPU_ARMS if a != "nvdiffrec_scale1"])
+@pytest.mark.parametrize("arm", [a for a in DTYPE_ARMS if a != "nvdiffrec_scale1"])
 def test_every_healthy_arm_is_within_its_bounds(arm):
     # f16_naive is healthy only for gradients far larger than training's (see the next test).
     scale = 1 / 1024 if arm == "f16_naive" else None

@@ -10,12 +10,16 @@ import numpy as np
 import pytest
 import torch
 from conftest import TOL
+from fp8_reference import seen_weight
 
 from mptex import MLPTexture3D, PrecisionPolicy, PrecisionStepper, convert_state_dict
 from mptex.encoding import HashGridEncoding
 from mptex.texture import NVDIFFREC_ENCODER_CONFIG
 
 CPU_ARMS = [n for n in PrecisionPolicy.names() if PrecisionPolicy.named(n).mlp == "linear"]
+# FP8 arms: forward tested with an independent quantiser in tests/test_fp8.py (their activation
+# scales come from the batch).
+DTYPE_ARMS = [n for n in CPU_ARMS if not PrecisionPolicy.named(n).fp8_gemm]
 SMALL = {
     "otype": "HashGrid", "n_levels": 4, "n_features_per_level": 2, "log2_hashmap_size": 12,
     "base_resolution": 4, "per_level_scale": 2.0,
@@ -196,14 +200,15 @@ def _reference_f64(texture, texc):
         h = enc32(unit.float()).double()
     bound = h.abs()
     for i, layer in enumerate(texture.net.layers):
-        h = h @ layer.weight.double().T
-        bound = bound @ layer.weight.double().abs().T
+        weight = seen_weight(layer, texture.policy)
+        h = h @ weight.T
+        bound = bound @ weight.abs().T
         h = h.relu() if i < len(texture.net.layers) - 1 else h
     mm = texture.min_max.double()
     return torch.sigmoid(h) * (mm[1] - mm[0]) + mm[0], bound
 
 
-@pytest.mark.parametrize("arm", CPU_ARMS)
+@pytest.mark.parametrize("arm", DTYPE_ARMS)
 def test_forward_matches_f64_reference(arm):
     texture = _texture(arm)
     texc = _points()
@@ -437,6 +442,7 @@ def test_state_dict_round_trips_between_torch_and_tcnn_encoders():
 @pytest.mark.slow
 def test_every_arm_fits_a_3d_function(capsys):
     from mptex.diagnostics import fit
+
     threads = torch.get_num_threads()
     # One thread: small matmuls gain little from two, and with other jobs on a 2-core CI machine
     # two spinning OpenMP threads slow this test down ten-fold.

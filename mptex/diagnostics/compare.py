@@ -113,6 +113,12 @@ def build_texture(source: MLPTexture3D, setup: Setup) -> MLPTexture3D:
             "setup: tcnn's fused MLP keeps its weights in its own layout; compare_setups "
             "supports the linear MLPs (every arm except tcnn_fused and its #154 variants)"
         )
+    if setup.precision.quantized:
+        raise ValueError(
+            f"setup: {setup.precision.name} quantises its MLP below its dtypes (FP8 GEMMs or "
+            "fake-quantised weights), which the per-stage dtype bounds do not model; its "
+            "quantisation error is in the training's metrics (net.<i>.q_*) and the report"
+        )
     texture = MLPTexture3D(
         source.AABB.detach().to("cpu", torch.float32),
         channels=source.channels,

@@ -137,6 +137,15 @@ class PrecisionMonitor:
                                     SATURATION_LOGIT`): the sigmoid's gradient there is below
                                     3.4e-4 (the validation's ``stuck_fraction`` says
                                     which of them are also wrong)
+    ``net.<i>.q_<role>_<name>``     quantised arms only (:attr:`~mptex.PrecisionPolicy.quantized`),
+                                    layer ``i``'s quantisation: FP8 GEMMs (roles ``input``,
+                                    ``weight``, ``grad``; :meth:`~mptex.mlp.FP8Linear.
+                                    quant_statistics`): ``amax`` and ``scale`` of the
+                                    iteration's last call, ``overflows`` and ``nonfinite``
+                                    (counts since the start), ``rel_error`` (``||q - x|| /
+                                    ||x||``) and ``underflow_frac`` (non-zero values quantised
+                                    to 0); fake-quantised weights (``w_rel_error``,
+                                    ``w_underflow_frac``)
     ``loss_scale``, ``skipped``     from the :class:`~mptex.StepResult` (scale after the update)
     ``iteration``
     ==============================  ===========================================================
@@ -195,6 +204,12 @@ class PrecisionMonitor:
         # (invisible to tensor hooks); tcnn's real network has no such hook.
         fused = texture.net.net if texture.policy.mlp == "fused" else None
         self._fused = fused if fused is not None and fused.resolved_backend() == "torch" else None
+        # FP8 and fake-quantised layers keep their own statistics (scales, amaxes, errors).
+        self._quantized = [
+            (index, layer)
+            for index, layer in enumerate(texture.net.layers)
+            if hasattr(layer, "quant_statistics")
+        ]
         for site, module, dtype in _site_modules(texture):
             self._handles.append(module.register_forward_hook(self._forward_hook(site, dtype)))
         for site, suffix, param, dtype in _site_params(texture):
@@ -243,6 +258,8 @@ class PrecisionMonitor:
         self._armed = self.should_sample(iteration)
         if self._fused is not None:
             self._fused.collect_stats = self._armed
+        for _, layer in self._quantized:
+            layer.collect_stats = self._armed
         return self._armed
 
     def collect(self, result: StepResult | None = None) -> dict[str, float] | None:
@@ -261,12 +278,30 @@ class PrecisionMonitor:
         keys = sorted(self._acc)
         stats: dict[str, float] = {"iteration": self._iteration}
         saturation = self._saturation
-        if keys or saturation is not None:
-            device = (self._acc[keys[0]] if keys else saturation).device
+        quantized = {
+            f"net.{index}.q_{name}": value
+            for index, layer in self._quantized
+            for name, value in sorted(layer.quant_statistics().items())
+        }
+        for _, layer in self._quantized:
+            layer.collect_stats = False
+        if keys or saturation is not None or quantized:
+            first = self._acc[keys[0]] if keys else saturation
+            first = first if first is not None else next(iter(quantized.values()))
+            # float64 counts where the device has float64 (_counts' accumulator).
+            device = first.device
+            acc = torch.float32 if device.type == "mps" else torch.float64
             flat = [self._acc[k].to(device) for k in keys]  # [5] each, see _counts
             if saturation is not None:
                 flat.append(saturation.to(device))
-            host = to_host(torch.cat(flat)).tolist()  # the one host copy
+            # Quantisation statistics go last, one value each.
+            flat += [value.reshape(1).to(device) for value in quantized.values()]
+            host = to_host(torch.cat([f.to(acc) for f in flat])).tolist()  # the one host copy
+            n_quantized = len(quantized)
+            if n_quantized:
+                for key, value in zip(quantized, host[-n_quantized:], strict=True):
+                    stats[key] = value
+                host = host[:-n_quantized]
             for index, key in enumerate(keys):
                 fractions = _fractions(host[index * 5 : index * 5 + 5])
                 wanted = ("maxabs", "nonfinite_frac") if key.endswith(".act") else fractions

@@ -1,0 +1,422 @@
+"""FP8 GEMMs for the MLP: per-tensor scaled E4M3/E5M2 operands, f32 accumulation, and the
+scaling recipes that choose the scales.
+
+Formats (OCP FP8, torch's dtypes): **E4M3** (``torch.float8_e4m3fn``: largest 448, smallest
+normal 2^-6, smallest subnormal 2^-9, 3 fraction bits, no infinity) for the forward operands,
+weights and activations; **E5M2** (``torch.float8_e5m2``: largest 57344, smallest subnormal
+2^-16, 2 fraction bits) for the gradients: Transformer Engine's ``HYBRID`` format.
+
+A tensor ``x`` is quantised with a per-tensor f32 ``scale``: ``q = fp8(x * scale)`` (one f32
+multiply, one cast, round to nearest even), and it stands for ``q * scale_inv`` with
+``scale_inv = 1 / scale`` (f32). A GEMM of two quantised operands is
+``(q_a @ q_b) * (scale_inv_a * scale_inv_b)`` accumulated in f32: :func:`scaled_mm`.
+
+Scale, as Transformer Engine computes it: ``scale = fp8_max / amax / 2**margin`` in f32, where
+``amax`` is the largest ``|x|``; an ``amax`` of 0 or a non-finite scale keeps the previous
+scale (1 at the start). The recipe says which ``amax``:
+
+* ``current``: this tensor's own ``amax`` (Transformer Engine's ``Float8CurrentScaling``);
+* ``delayed``: the largest (``amax_compute_algo="max"``) or the most recent
+  (``"most_recent"``) entry of the last ``amax_history_len`` amaxes seen before this call:
+  Transformer Engine's ``DelayedScaling``, whose defaults (margin 0, ``fp8_format=HYBRID``,
+  ``amax_history_len=1024``, ``amax_compute_algo="max"``) are :class:`ScalingRecipe`'s. One
+  history entry per training forward of the layer (per backward for the gradient): nvdiffrec's
+  smoothness term evaluates the texture twice per iteration, so 1024 entries are 512
+  iterations there. Forwards without autograd (validation, export) use the scale and record
+  nothing.
+
+Overflow: a delayed scale can be too large for this call's tensor (``amax * scale > fp8_max``).
+torch's casts do not agree on what then happens (torch 2.13 on a CPU saturates
+``float8_e4m3fn`` at 448, infinity included; other builds return NaN; ``float8_e5m2`` rounds to
+infinity), and none of it may reach the weights. So every call computes its own ``amax`` first
+and, where the recipe's scale would overflow, quantises with ``fp8_max / amax`` instead (the
+current scale) and counts an *overflow*. A non-finite ``amax`` (an inf or NaN in the tensor)
+becomes NaN in the quantised tensor (an inf is multiplied by the scale 0), so the GEMM's result
+is NaN and :class:`~mptex.PrecisionStepper` skips the step as it skips any non-finite
+gradient; such an ``amax`` is counted (``nonfinite``) and not recorded in the history.
+
+GEMM backends (:func:`scaled_mm`): on CUDA devices with FP8 tensor cores (compute capability
+8.9 and later: Ada, Hopper, Blackwell) ``torch._scaled_mm``; everywhere else an emulation that
+takes the same float8 tensors and scales, converts them to f32 (exact), multiplies in f32 and
+applies ``scale_inv_a * scale_inv_b`` to the f32 result. Products of two FP8 values are exact
+in f32 (at most 8 significant bits), so the two backends differ only in the order of the f32
+accumulation (tested against a float64 reference in ``tests/test_fp8.py``; the GPU kit compares
+them on a GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "FP8_MAX",
+    "RECIPES",
+    "AMAX_COMPUTE_ALGOS",
+    "GEMM_BACKENDS",
+    "ScalingRecipe",
+    "ScalingState",
+    "fp8_scale",
+    "quantize_fp8",
+    "dequantize_fp8",
+    "has_fp8_tensor_cores",
+    "resolve_gemm_backend",
+    "scaled_mm",
+    "fp8_linear",
+    "quantization_error",
+    "statistics",
+]
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+RECIPES = ("delayed", "current")
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+GEMM_BACKENDS = ("auto", "scaled_mm", "emulated")
+# torch._scaled_mm's cuBLASLt kernels want every matrix dimension a multiple of 16.
+_SCALED_MM_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class ScalingRecipe:
+    """How the per-tensor scales are chosen (module docstring).
+
+    Args:
+        recipe: ``"delayed"`` (an amax history, Transformer Engine's default recipe) or
+            ``"current"`` (each tensor's own amax).
+        margin: ``scale = fp8_max / amax / 2**margin`` (Transformer Engine: 0).
+        amax_history_len: entries of the delayed recipe's history (Transformer Engine: 1024).
+        amax_compute_algo: ``"max"`` of the history (Transformer Engine's default) or
+            ``"most_recent"``.
+    """
+
+    recipe: str = "delayed"
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+
+
+def fp8_scale(
+    amax: torch.Tensor, dtype: torch.dtype, margin: int = 0, previous: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Transformer Engine's scale: ``fp8_max(dtype) / amax / 2**margin`` in f32.
+
+    Where ``amax`` is 0 or the scale is not finite (an ``amax`` of inf or NaN, or so small
+    that the quotient overflows), ``previous`` is kept (default 1.0).
+
+    Args:
+        amax: f32 tensor (any shape) of largest magnitudes.
+        dtype: :data:`E4M3` or :data:`E5M2`.
+        margin: integer >= 0.
+        previous: the scale to keep, broadcastable to ``amax`` (default 1.0).
+
+    Returns:
+        f32 tensor of ``amax``'s shape.
+    """
+    amax = amax.float()
+    # Two f32 roundings, as Transformer Engine's kernel (the division by 2**margin is exact
+    # unless it reaches f32's subnormals).
+    scale = FP8_MAX[dtype] / amax / float(2**margin)
+    keep = torch.ones_like(amax) if previous is None else previous.float().expand_as(amax)
+    return torch.where((amax > 0) & torch.isfinite(amax) & torch.isfinite(scale), scale, keep)
+
+
+def quantize_fp8(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` in ``dtype`` with a per-tensor scale, never overflowing.
+
+    Args:
+        x: any shape, any float dtype (converted to f32 first: exact from f16/bf16).
+        scale: f32 scalar tensor, the recipe's scale (> 0).
+        dtype: :data:`E4M3` or :data:`E5M2`.
+        amax: ``x``'s largest magnitude when already computed (f32 scalar).
+
+    Returns:
+        ``(q, scale_inv, amax, used)``: ``q`` in ``dtype`` (``fp8(x * used)``), the f32
+        ``scale_inv = 1 / used`` that ``q`` is multiplied by, ``x``'s f32 ``amax`` and the scale
+        ``used``: ``scale`` unless ``amax * scale > fp8_max``, then ``fp8_max / amax`` (an
+        overflow avoided; 0 when ``amax`` is inf, which turns the infs into NaN). All scalars
+        stay on ``x``'s device: no host synchronisation.
+    """
+    fp8_max = FP8_MAX[dtype]
+    x = x.float()
+    if amax is None:
+        amax = _amax(x)
+    used = torch.where(amax * scale > fp8_max, fp8_max / amax, scale.float())
+    q = (x * used).to(dtype)
+    return q, torch.reciprocal(used), amax, used
+
+
+@torch.no_grad()
+def quantization_error(original: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
+    """``[2]`` f32: ``||q - x||_2 / ||x||_2`` (0 for a zero ``x``) and the fraction of the
+    non-zero elements of ``x`` that became exactly 0 (underflow)."""
+    x, q = original.detach().float(), quantized.detach().float()
+    norm = torch.linalg.vector_norm(x)
+    error = torch.linalg.vector_norm(q - x)
+    relative = torch.where(norm > 0, error / norm, torch.zeros_like(norm))
+    nonzero = x != 0
+    flushed = (nonzero & (q == 0)).sum().float() / nonzero.sum().clamp(min=1).float()
+    return torch.stack([relative, flushed])
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
+
+
+def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """``q * scale_inv`` in f32 (what a quantised tensor stands for)."""
+    return q.float() * scale_inv
+
+
+class ScalingState:
+    """The scale of one tensor role of one layer (input, weight or gradient) under a recipe,
+    with its statistics; every value a device tensor (no host synchronisation).
+
+    Attributes:
+        scale: f32 scalar, the scale the next call uses (delayed recipe; 1.0 at the start).
+        history: ``[amax_history_len]`` f32, most recent first (delayed recipe).
+        last_amax, last_scale: the last call's ``amax`` and the scale it used.
+        overflows: calls whose recipe scale would have overflowed (``amax * scale > fp8_max``)
+            and used ``fp8_max / amax``.
+        nonfinite: calls whose tensor held an inf or NaN.
+        calls: recorded calls.
+        last_error: with ``collect`` set, the last recorded call's
+            :func:`~mptex.quantize.quantization_error` (relative error, underflow fraction).
+        collect: compute ``last_error`` on recorded calls (a few extra reductions; the
+            precision monitor sets it on its sampled iterations).
+    """
+
+    def __init__(self, dtype: torch.dtype, recipe: ScalingRecipe, device: torch.device | None):
+        self.dtype, self.recipe = dtype, recipe
+        zeros = dict(dtype=torch.float32, device=device)
+        self.scale = torch.ones((), **zeros)
+        self.history = torch.zeros(recipe.amax_history_len, **zeros)
+        self.last_amax = torch.zeros((), **zeros)
+        self.last_scale = torch.ones((), **zeros)
+        self.overflows = torch.zeros((), **zeros)
+        self.nonfinite = torch.zeros((), **zeros)
+        self.calls = torch.zeros((), **zeros)
+        self.last_error = torch.zeros(2, **zeros)
+        self.collect = False
+
+    _TENSORS = (
+        "scale", "history", "last_amax", "last_scale", "overflows", "nonfinite", "calls",
+        "last_error",
+    )  # fmt: skip
+
+    def quantize(
+        self, x: torch.Tensor, record: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q, scale_inv, used)`` of ``x`` under the recipe; with ``record`` the history, the
+        next scale and the statistics are updated."""
+        amax = _amax(x)
+        if self.recipe.recipe == "current":
+            scale = fp8_scale(amax, self.dtype, self.recipe.margin)
+        else:
+            scale = self.scale
+        q, scale_inv, amax, used = quantize_fp8(x.detach(), scale, self.dtype, amax)
+        if record:
+            self._record(amax, scale, used)
+            if self.collect:
+                self.last_error = quantization_error(x, dequantize_fp8(q, scale_inv))
+        return q, scale_inv, used
+
+    @torch.no_grad()
+    def _record(self, amax: torch.Tensor, scale: torch.Tensor, used: torch.Tensor) -> None:
+        finite = torch.isfinite(amax)
+        self.overflows += (finite & (used != scale)).float()
+        self.nonfinite += (~finite).float()
+        self.calls += 1
+        self.last_amax, self.last_scale = amax.clone(), used.clone()
+        if self.recipe.recipe == "current":
+            return
+        # The history keeps finite amaxes only: a skipped step's inf must not pin the scale
+        # for amax_history_len calls.
+        rolled = torch.roll(self.history, 1)
+        rolled[0] = torch.where(finite, amax, rolled[0])
+        self.history = torch.where(finite, rolled, self.history)
+        reduced = self.history.amax() if self.recipe.amax_compute_algo == "max" else self.history[0]
+        self.scale = fp8_scale(reduced, self.dtype, self.recipe.margin, previous=self.scale)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name).clone() for name in self._TENSORS}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name in self._TENSORS:
+            if name in state:
+                old = getattr(self, name)
+                value = state[name].to(device=old.device, dtype=old.dtype)
+                if value.shape != old.shape:
+                    raise ValueError(
+                        f"state_dict: fp8 scaling state {name!r} has shape {list(value.shape)}, "
+                        f"expected {list(old.shape)} (another amax_history_len?)"
+                    )
+                setattr(self, name, value)
+
+    def to(self, device: torch.device) -> ScalingState:
+        for name in self._TENSORS:
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+
+def has_fp8_tensor_cores(device: torch.device | str) -> bool:
+    """Whether ``torch._scaled_mm`` runs FP8 on ``device``'s tensor cores: a CUDA device of
+    compute capability 8.9 or later (Ada, Hopper, Blackwell) and a torch that has it."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def resolve_gemm_backend(backend: str, device: torch.device | str) -> str:
+    """``"scaled_mm"`` or ``"emulated"`` for ``backend`` (``"auto"``: ``scaled_mm`` where
+    :func:`has_fp8_tensor_cores`). ``ValueError`` for an unknown name or ``scaled_mm``
+    where it cannot run."""
+    if backend not in GEMM_BACKENDS:
+        raise ValueError(f"backend: expected one of {GEMM_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "scaled_mm" if has_fp8_tensor_cores(device) else "emulated"
+    if backend == "scaled_mm" and not has_fp8_tensor_cores(device):
+        raise ValueError(
+            f"backend: 'scaled_mm' needs a CUDA device with FP8 tensor cores (compute "
+            f"capability 8.9 or later), got {device}"
+        )
+    return backend
+
+
+def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    if x.shape == (rows, cols):
+        return x
+    out = torch.zeros(rows, cols, dtype=x.dtype, device=x.device)
+    out[: x.shape[0], : x.shape[1]] = x
+    return out
+
+
+def _round_up(n: int) -> int:
+    return -(-max(n, 1) // _SCALED_MM_ALIGN) * _SCALED_MM_ALIGN
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_inv_a: torch.Tensor,
+    scale_inv_b: torch.Tensor,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``(a @ b) * (scale_inv_a * scale_inv_b)`` of FP8 matrices, f32 accumulation, f32 result.
+
+    Args:
+        a: ``[M, K]`` E4M3 or E5M2.
+        b: ``[K, N]`` E4M3 or E5M2 (not both E5M2: the tensor cores have no E5M2 x E5M2).
+        scale_inv_a, scale_inv_b: f32 scalars, what ``a`` and ``b`` are multiplied by.
+        backend: ``"auto"``, ``"scaled_mm"`` (``torch._scaled_mm``; operands padded with zeros
+            to multiples of 16 and laid out as cuBLASLt wants, ``b`` column-major) or
+            ``"emulated"`` (the operands in f32, ``torch.mm``, the scales applied after).
+
+    Returns:
+        ``[M, N]`` float32.
+    """
+    if a.dtype not in FP8_MAX or b.dtype not in FP8_MAX or a.dtype == b.dtype == E5M2:
+        raise ValueError(
+            f"a, b: expected E4M3/E5M2 operands (not both E5M2), got {a.dtype} and {b.dtype}"
+        )
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(
+            f"a, b: expected [M, K] and [K, N], got {list(a.shape)} and {list(b.shape)}"
+        )
+    if resolve_gemm_backend(backend, a.device) == "emulated":
+        return torch.mm(a.float(), b.float()) * (scale_inv_a * scale_inv_b)
+    (m, k), n = a.shape, b.shape[1]
+    mp, kp, np_ = _round_up(m), _round_up(k), _round_up(n)
+    a_pad = _pad_to(a, mp, kp).contiguous()
+    b_pad = _pad_to(b, kp, np_).t().contiguous().t()  # column-major
+    out = torch._scaled_mm(
+        a_pad, b_pad, scale_a=scale_inv_a.float(), scale_b=scale_inv_b.float(),
+        out_dtype=torch.float32,
+    )  # fmt: skip
+    return out[:m, :n]
+
+
+class _FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, states, backend, record):
+        x_state, w_state, grad_state = states
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        x_q, x_inv, _ = x_state.quantize(x2, record)
+        w_q, w_inv, _ = w_state.quantize(weight, record)
+        out = scaled_mm(x_q, w_q.t(), x_inv, w_inv, backend)
+        if bias is not None:
+            out = out + bias.float()
+        ctx.save_for_backward(x_q, w_q, x_inv, w_inv)
+        ctx.grad_state, ctx.backend, ctx.shape = grad_state, backend, shape
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_q, w_q, x_inv, w_inv = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        grad2 = grad_out.reshape(-1, grad_out.shape[-1])
+        g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = scaled_mm(g_q, w_q, g_inv, w_inv, ctx.backend).to(x_dtype).reshape(ctx.shape)
+        if ctx.needs_input_grad[1]:
+            # The weight gradient's reduction runs over the batch: a [out, N] x [N, in] GEMM.
+            g_t = g_q.t().contiguous()
+            grad_w = scaled_mm(g_t, x_q, g_inv, x_inv, ctx.backend).to(w_dtype)
+        if ctx.needs_input_grad[2]:
+            grad_b = grad2.float().sum(0).to(b_dtype)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    states: tuple[ScalingState, ScalingState, ScalingState],
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``F.linear`` with FP8 GEMMs (Transformer Engine's ``HYBRID`` format).
+
+    Forward: ``x`` and ``weight`` quantised to E4M3 with their states' scales, one
+    :func:`scaled_mm`, f32 output (plus ``bias`` in f32). Backward: ``dL/dy`` quantised to E5M2
+    with the gradient state's scale; ``dL/dx = g @ W`` and ``dL/dW = g^T @ x`` as E5M2 x E4M3
+    :func:`scaled_mm` from the saved quantised operands, f32 accumulation, returned in ``x``'s
+    and ``weight``'s dtypes (the f32 master weight gets an f32 gradient); ``dL/dbias`` in f32
+    from the unquantised ``dL/dy``.
+
+    Args:
+        x: ``[..., in]`` any float dtype.
+        weight: ``[out, in]`` (the f32 master).
+        bias: ``[out]`` or None.
+        states: the :class:`ScalingState` of the input, the weight and the output gradient.
+        backend: :func:`scaled_mm`'s.
+
+    Returns:
+        ``[..., out]`` float32.
+    """
+    # Only training forwards (autograd recording) move the delayed recipe's history.
+    record = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return _FP8Linear.apply(x, weight, bias, states, backend, record)
+
+
+def statistics(state: ScalingState) -> dict[str, torch.Tensor]:
+    """The state's statistics as device scalars: ``amax``, ``scale`` (the last call's),
+    ``overflows``, ``nonfinite`` (counts so far) and, where collected, ``rel_error`` and
+    ``underflow_frac`` (the last collected call's)."""
+    stats = {
+        "amax": state.last_amax,
+        "scale": state.last_scale,
+        "overflows": state.overflows,
+        "nonfinite": state.nonfinite,
+    }
+    if state.collect:
+        stats.update(rel_error=state.last_error[0], underflow_frac=state.last_error[1])
+    return stats

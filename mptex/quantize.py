@@ -1,0 +1,91 @@
+"""Weight quantisation for a decoder that runs in int8 or FP8: the quantisers, and their
+fake-quantised form for training (quantisation-aware training, QAT) with straight-through
+gradients.
+
+* **int8**, per output channel, symmetric (what int8 inference engines and the RTX Neural
+  Texture Compression SDK's int8 decoder take): row ``c`` of a ``[out, in]`` weight has the f32
+  scale ``s_c = max_j |W[c, j]| / 127`` (1.0 for a zero row) and the values
+  ``q = clamp(round_half_even(W / s_c), -127, 127)``; it stands for ``q * s_c``. -128 is never
+  used, so the range is symmetric.
+* **fp8**, per tensor, E4M3 with the current amax (:func:`mptex.fp8.quantize_fp8`,
+  ``scale = 448 / amax``): the weight stands for ``fp8(W * scale) / scale``.
+
+Fake quantisation returns the f32 value the quantised weight stands for; the backward passes
+the gradient through unchanged (the straight-through estimator: ``d fake_quantize(W) / dW`` is
+taken as the identity; no value is clipped, since the scales come from the weight's own
+maximum). The f32 master weights keep training; the forward sees what the decoder will see.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mptex.fp8 import E4M3, dequantize_fp8, fp8_scale, quantization_error, quantize_fp8
+
+__all__ = [
+    "WEIGHT_QUANT",
+    "INT8_MAX",
+    "int8_channel_scales",
+    "quantize_int8",
+    "fake_quantize",
+    "quantization_error",
+]
+
+WEIGHT_QUANT = ("none", "int8", "fp8")
+INT8_MAX = 127
+
+
+def int8_channel_scales(weight: torch.Tensor) -> torch.Tensor:
+    """``[out]`` f32 scales ``max_j |W[c, j]| / 127`` (1.0 where a row is all zero).
+
+    Args:
+        weight: ``[out, in]`` float.
+    """
+    amax = weight.detach().float().abs().amax(dim=1)
+    return torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scales)``: ``q`` ``[out, in]`` int8 in [-127, 127] and ``scales`` ``[out]`` f32,
+    with ``weight ~ q * scales[:, None]`` (module docstring)."""
+    scales = int8_channel_scales(weight)
+    # torch.round rounds half to even, as the IEEE default and int8 engines' conversions.
+    q = torch.round(weight.detach().float() / scales[:, None]).clamp(-INT8_MAX, INT8_MAX)
+    return q.to(torch.int8), scales
+
+
+def _quantized_value(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "int8":
+        q, scales = quantize_int8(weight)
+        return q.float() * scales[:, None]
+    amax = weight.detach().float().abs().amax()
+    q, scale_inv, _, _ = quantize_fp8(weight.detach(), fp8_scale(amax, E4M3), E4M3, amax)
+    return dequantize_fp8(q, scale_inv)
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, kind):
+        return _quantized_value(weight, kind).to(weight.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def fake_quantize(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """The value ``weight`` takes in an int8 or FP8 decoder, with a straight-through gradient.
+
+    Args:
+        weight: ``[out, in]`` float (the f32 master).
+        kind: ``"int8"`` (per output channel) or ``"fp8"`` (per tensor, E4M3); ``"none"``
+            returns ``weight`` itself.
+
+    Returns:
+        ``[out, in]`` in ``weight``'s dtype; its gradient reaches ``weight`` unchanged.
+    """
+    if kind == "none":
+        return weight
+    if kind not in WEIGHT_QUANT:
+        raise ValueError(f"kind: expected one of {WEIGHT_QUANT}, got {kind!r}")
+    return _StraightThrough.apply(weight, kind)

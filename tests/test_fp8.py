@@ -1,0 +1,303 @@
+"""FP8 GEMMs (mptex.fp8): quantisation bit for bit against a per-element reference, scales
+against float64, the emulated GEMM against a float64 reference with a stated bound, the recipes'
+histories by hand, and that no overflow or non-finite value reaches the weights."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from fp8_reference import FORMATS, fp8_code
+
+from mptex.fp8 import (
+    E4M3,
+    E5M2,
+    FP8_MAX,
+    ScalingRecipe,
+    ScalingState,
+    fp8_linear,
+    fp8_scale,
+    quantize_fp8,
+    resolve_gemm_backend,
+    scaled_mm,
+)
+from mptex.mlp import FP8Linear, PrecisionMLP
+from mptex.precision import PrecisionPolicy, PrecisionStepper
+
+U32 = 2.0**-24  # float32's unit roundoff
+
+
+def _values(n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    magnitudes = 10.0 ** (torch.rand(n, generator=gen) * 8 - 6)  # 1e-6 .. 1e2
+    return torch.randn(n, generator=gen).sign() * magnitudes
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_cast_matches_the_per_element_reference(dtype):
+    fp8_max = FP8_MAX[dtype]
+    x = _values(4000, 0)
+    x = x[x.abs() <= fp8_max]
+    # Exact ties between neighbours (even and odd mantissas), and the subnormal edge.
+    ebits, mbits, bias = FORMATS[dtype]
+    tiny = 2.0 ** (1 - bias - mbits)
+    ties = [tiny * 0.5, tiny * 1.5, tiny * 2.5, 1.0 + 2.0**-mbits / 2, 1.0 + 3 * 2.0**-mbits / 2]
+    x = torch.cat([x, torch.tensor(ties + [-t for t in ties] + [0.0, -0.0, fp8_max])])
+    codes = x.to(dtype).view(torch.uint8).tolist()
+    expected = [fp8_code(float(v), dtype) for v in x.tolist()]
+    assert codes == expected
+
+
+def test_scale_is_transformer_engines_formula_in_float32():
+    amax = torch.tensor([3.0e-5, 0.7, 1.0, 413.25, 9.9e4], dtype=torch.float32)
+    for dtype in (E4M3, E5M2):
+        for margin in (0, 1, 3):
+            got = fp8_scale(amax, dtype, margin)
+            # float64 quotient, rounded once to float32: the same as float32's own division
+            # (double rounding is innocuous for a quotient since 53 >= 2 * 24 + 2).
+            ref = [
+                np.float32(np.float32(FP8_MAX[dtype] / float(a)) / np.float32(2.0**margin))
+                for a in amax
+            ]
+            assert got.tolist() == [float(r) for r in ref]
+    previous = torch.tensor(5.0)
+    kept = fp8_scale(torch.tensor([0.0, math.inf, math.nan]), E4M3, 0, previous)
+    assert kept.tolist() == [5.0, 5.0, 5.0]  # amax 0 or non-finite keeps the previous scale
+    assert fp8_scale(torch.tensor(1e-42), E4M3).item() == 1.0  # 448 / 1e-42 overflows f32
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_quantize_is_one_float32_multiply_then_the_cast(dtype):
+    x = _values(2000, 1)
+    amax = x.abs().max()
+    scale = fp8_scale(amax, dtype)
+    q, scale_inv, got_amax, used = quantize_fp8(x, scale, dtype)
+    assert q.dtype == dtype and got_amax.item() == amax.item() and used.item() == scale.item()
+    assert scale_inv.item() == float(np.float32(1.0) / np.float32(scale.item()))
+    scaled = (x.numpy().astype(np.float64) * np.float64(scale.item())).astype(np.float32)
+    expected = [fp8_code(float(v), dtype) for v in scaled]
+    assert q.view(torch.uint8).tolist() == expected
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_a_scale_that_would_overflow_uses_the_current_one(dtype):
+    x = torch.tensor([1.0, -3.0, 1000.0, 0.5])
+    q, scale_inv, amax, used = quantize_fp8(x, torch.tensor(100.0), dtype)  # 1e5 > 57344
+    assert used.item() == np.float32(FP8_MAX[dtype]) / np.float32(1000.0)
+    assert torch.isfinite(q.float()).all()
+    assert q.float().abs().max().item() == FP8_MAX[dtype]
+
+
+def test_non_finite_input_becomes_nan_never_a_finite_value():
+    # torch 2.13's CPU cast saturates inf at 448: the scale 0 turns an inf into NaN first.
+    for bad in (math.inf, -math.inf, math.nan):
+        x = torch.tensor([1.0, bad, 2.0])
+        q, scale_inv, amax, used = quantize_fp8(x, torch.tensor(4.0), E4M3)
+        assert torch.isnan(q.float()[1]) and not torch.isfinite(amax)
+
+
+def test_delayed_recipe_uses_the_history_of_earlier_calls():
+    recipe = ScalingRecipe("delayed", margin=1, amax_history_len=3, amax_compute_algo="max")
+    state = ScalingState(E4M3, recipe, None)
+    used = []
+    for amax in (2.0, 8.0, 1.0, 0.5, 0.25):
+        _, _, scale = state.quantize(torch.tensor([amax, -amax / 4]), record=True)
+        used.append(scale.item())
+
+    def s(a):  # 448 / a / 2**margin, two float32 roundings
+        return float(np.float32(np.float32(448.0 / a) / np.float32(2.0)))
+
+    # By hand: call 1 uses the initial 1.0; call 2 the scale of history [2] (112), but
+    # 8 * 112 > 448, so 448 / 8 (one overflow); calls 3-5 the scale of max(history) = 8 until
+    # 8 leaves the 3-entry history after call 5.
+    assert used == [1.0, 448.0 / 8, s(8.0), s(8.0), s(8.0)]
+    assert state.overflows.item() == 1.0 and state.calls.item() == 5.0
+    assert state.history.tolist() == [0.25, 0.5, 1.0]
+    assert state.scale.item() == s(1.0)
+
+
+def test_delayed_recipe_counts_an_overflow_and_most_recent_forgets():
+    recipe = ScalingRecipe("delayed", amax_history_len=4, amax_compute_algo="most_recent")
+    state = ScalingState(E4M3, recipe, None)
+    state.quantize(torch.tensor([1.0]), record=True)  # scale 1 -> next 448
+    _, _, used = state.quantize(torch.tensor([2.0]), record=True)  # 2 * 448 > 448: overflow
+    assert used.item() == 224.0 and state.overflows.item() == 1.0
+    _, _, used = state.quantize(torch.tensor([0.5]), record=True)
+    assert used.item() == 224.0  # most recent: 448 / 2
+    assert state.scale.item() == 896.0
+
+
+def test_non_finite_amax_is_counted_and_kept_out_of_the_history():
+    state = ScalingState(E4M3, ScalingRecipe(amax_history_len=2), None)
+    state.quantize(torch.tensor([4.0]), record=True)
+    before = state.scale.clone()
+    state.quantize(torch.tensor([math.inf]), record=True)
+    assert state.nonfinite.item() == 1.0 and state.scale.item() == before.item()
+    assert state.history.tolist() == [4.0, 0.0]
+
+
+def test_current_recipe_is_each_tensors_own_amax():
+    state = ScalingState(E5M2, ScalingRecipe("current", margin=2), None)
+    x = torch.tensor([3.0e-4, -7.5e-3])
+    _, _, used = state.quantize(x, record=True)
+    assert used.item() == float(np.float32(np.float32(57344.0 / np.float32(7.5e-3)) / 4))
+
+
+def _gemm_reference(a, b, sa, sb):
+    """float64 result and the magnitude sum sum_k |a_ik b_kj| |alpha| (the bound's scale)."""
+    a64, b64 = a.double(), b.double()
+    alpha = sa.double() * sb.double()
+    return (a64 @ b64) * alpha, (a64.abs() @ b64.abs()) * alpha.abs()
+
+
+@pytest.mark.parametrize("shape", [(7, 32, 3), (300, 32, 32), (3, 4096, 32)])
+@pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)])
+def test_emulated_gemm_within_the_float32_accumulation_bound(shape, dtypes):
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(m + k)
+    a = torch.randn(m, k, generator=gen)
+    b = torch.randn(k, n, generator=gen) * 1e-3
+    qa, sa, _, _ = quantize_fp8(a, fp8_scale(a.abs().max(), dtypes[0]), dtypes[0])
+    qb, sb, _, _ = quantize_fp8(b, fp8_scale(b.abs().max(), dtypes[1]), dtypes[1])
+    out = scaled_mm(qa, qb, sa, sb, backend="emulated")
+    ref, magnitude = _gemm_reference(qa.float(), qb.float(), sa, sb)
+    # Products of FP8 values are exact in float32 and the float64 sum is exact, so the error is
+    # the float32 summation's, at most (k - 1) u sum|ab| (Higham's gamma_{k-1}), plus one
+    # rounding of alpha and one of the scaled result: (k + 2) u sum|ab| |alpha|.
+    err = (out.double() - ref).abs()
+    assert out.dtype == torch.float32
+    assert torch.all(err <= (k + 2) * U32 * magnitude), (err / magnitude).max()
+
+
+def test_torch_scaled_mm_on_this_cpu_agrees_within_the_same_bound():
+    """Where this torch build has a CPU torch._scaled_mm, it is a second, independent GEMM."""
+    a = _values(64 * 32, 2).reshape(64, 32)
+    b = _values(32 * 16, 3).reshape(32, 16)
+    qa, sa, _, _ = quantize_fp8(a, fp8_scale(a.abs().max(), E4M3), E4M3)
+    qb, sb, _, _ = quantize_fp8(b, fp8_scale(b.abs().max(), E4M3), E4M3)
+    try:
+        hardware = torch._scaled_mm(qa, qb.t().contiguous().t(), scale_a=sa, scale_b=sb,
+                                    out_dtype=torch.float32)  # fmt: skip
+    except (RuntimeError, NotImplementedError) as exc:
+        pytest.skip(f"torch._scaled_mm has no CPU kernel in this build: {exc}")
+    ref, magnitude = _gemm_reference(qa.float(), qb.float(), sa, sb)
+    assert torch.all((hardware.double() - ref).abs() <= 34 * U32 * magnitude)
+
+
+def test_scaled_mm_backend_resolution():
+    assert resolve_gemm_backend("auto", "cpu") == "emulated"
+    with pytest.raises(ValueError, match="backend: 'scaled_mm' needs a CUDA device"):
+        resolve_gemm_backend("scaled_mm", "cpu")
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        resolve_gemm_backend("cutlass", "cpu")
+    q = torch.zeros(2, 2, dtype=E5M2)
+    with pytest.raises(ValueError, match="not both E5M2"):
+        scaled_mm(q, q, torch.tensor(1.0), torch.tensor(1.0))
+
+
+def _states(recipe="current"):
+    r = ScalingRecipe(recipe)
+    return (ScalingState(E4M3, r, None), ScalingState(E4M3, r, None), ScalingState(E5M2, r, None))
+
+
+def test_fp8_linear_forward_and_backward_against_float64():
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.rand(513, 32, generator=gen) * 2 - 1).requires_grad_()
+    w = (torch.randn(16, 32, generator=gen) * 0.3).requires_grad_()
+    g = torch.randn(513, 16, generator=gen) * 1e-5  # training-sized cotangent
+    states = _states()
+    y = fp8_linear(x, w, None, states, backend="emulated")
+    grad_x, grad_w = torch.autograd.grad((y * g).sum(), (x, w))
+    # Independent quantisation of the three operands (current scaling: each tensor's amax).
+    quantized = []
+    for t, dtype in ((x.detach(), E4M3), (w.detach(), E4M3), (g, E5M2)):
+        scale = np.float32(FP8_MAX[dtype]) / np.float32(t.abs().max().item())
+        scaled = (t.numpy().astype(np.float64) * np.float64(scale)).astype(np.float32)
+        codes = torch.tensor([fp8_code(float(v), dtype) for v in scaled.reshape(-1)],
+                             dtype=torch.uint8).view(dtype).reshape(t.shape)  # fmt: skip
+        quantized.append((codes, torch.tensor(np.float32(1.0) / scale)))
+    (qx, sx), (qw, sw), (qg, sg) = quantized
+    for got, (a, b, sa, sb) in (
+        (y, (qx.float(), qw.float().t(), sx, sw)),
+        (grad_x, (qg.float(), qw.float(), sg, sw)),
+        (grad_w, (qg.float().t(), qx.float(), sg, sx)),
+    ):
+        ref, magnitude = _gemm_reference(a, b, sa, sb)
+        k = a.shape[1]
+        assert torch.all((got.double() - ref).abs() <= (k + 2) * U32 * magnitude)
+    assert grad_w.dtype == torch.float32 and grad_x.dtype == torch.float32
+
+
+def test_fp8_layer_state_round_trips_and_follows_the_device():
+    torch.manual_seed(0)
+    layer = FP8Linear(8, 4, bias=False, recipe=ScalingRecipe(amax_history_len=5))
+    for _ in range(3):
+        layer(torch.randn(10, 8)).sum().backward()
+    copy = FP8Linear(8, 4, bias=False, recipe=ScalingRecipe(amax_history_len=5))
+    copy.load_state_dict(layer.state_dict())
+    for role in FP8Linear.ROLES:
+        assert torch.equal(copy.scaling[role].history, layer.scaling[role].history)
+        assert torch.equal(copy.scaling[role].scale, layer.scaling[role].scale)
+    layer.half()  # a dtype cast leaves the scaling state in float32
+    assert layer.scaling["input"].history.dtype == torch.float32
+    other = FP8Linear(8, 4, bias=False, recipe=ScalingRecipe(amax_history_len=6))
+    with pytest.raises(ValueError, match="amax_history_len"):
+        other.load_state_dict(copy.state_dict())
+
+
+def test_no_grad_forwards_leave_the_history_alone():
+    torch.manual_seed(0)
+    layer = FP8Linear(8, 4, bias=False)
+    layer(torch.randn(10, 8)).sum().backward()
+    before = layer.get_extra_state()
+    with torch.no_grad():
+        layer(torch.randn(10, 8) * 100)
+    after = layer.get_extra_state()
+    for role in FP8Linear.ROLES:
+        assert all(torch.equal(before[role][k], after[role][k]) for k in before[role])
+
+
+@pytest.mark.parametrize("arm", ["fp8", "fp8_current"])
+def test_an_overflowing_step_never_puts_nan_into_weights_or_adam(arm):
+    torch.manual_seed(0)
+    policy = PrecisionPolicy.from_config({"name": arm, "encoder_dtype": "f32",
+                                          "loss_scaling": "none"})  # fmt: skip
+    mlp = PrecisionMLP(8, 3, 2, 16, policy)
+    optimizer = torch.optim.Adam(mlp.parameters(), lr=1e-2)
+    stepper = PrecisionStepper(policy, optimizer)
+    x = torch.rand(64, 8)
+    stepper(mlp(x).square().mean())  # a normal step: Adam state exists
+    # Activations 1e12 x larger than the delayed scales expect: the overflow rule rescales them.
+    optimizer.zero_grad()
+    result = stepper(mlp(x * 1e12).square().mean())
+    assert not result.skipped
+    assert all(torch.isfinite(p).all() for p in mlp.parameters())
+    if policy.fp8_recipe == "delayed":
+        assert mlp.layers[0].scaling["input"].overflows.item() >= 1
+    # An inf in the batch: the gradient is NaN, the step is skipped, nothing changes.
+    weights = [p.detach().clone() for p in mlp.parameters()]
+    adam = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in mlp.parameters()]
+    optimizer.zero_grad()
+    bad = x.clone()
+    bad[3, 2] = math.inf
+    result = stepper(mlp(bad).square().mean())
+    assert result.skipped
+    for p, before, state in zip(mlp.parameters(), weights, adam, strict=True):
+        assert torch.equal(p, before)
+        assert all(torch.equal(optimizer.state[p][k], v) for k, v in state.items())
+    assert mlp.layers[0].scaling["input"].nonfinite.item() == 1.0
+
+
+def test_fp8_policy_checks_name_the_key():
+    for cfg, key in (
+        ({"name": "fp8", "mlp_dtypes": ["f16"]}, "mlp_dtypes"),
+        ({"name": "fp8", "weight_quant": "int8"}, "weight_quant"),
+        ({"name": "fp8", "fp8_recipe": "mxfp8"}, "fp8_recipe"),
+        ({"name": "fp8", "fp8_margin": -1}, "fp8_margin"),
+        ({"name": "fp8", "fp8_amax_history_len": 0}, "fp8_amax_history_len"),
+        ({"name": "int8_qat", "master_weights": False}, "weight_quant"),
+        ({"name": "int8_qat", "weight_quant": "int4"}, "weight_quant"),
+    ):
+        with pytest.raises(ValueError, match=rf"^{key}: ") as info:
+            PrecisionPolicy.from_config(cfg)
+        assert "\n" not in str(info.value)

@@ -31,10 +31,10 @@ from mptex.config_schema import (
 )
 from mptex.scenes.assets import SUITE
 
+# The scene schemas are reached through SCENE_SCHEMAS and documented by name; they stay out of
+# __all__, mptex's public API, whose path parameters take str | os.PathLike: scene.path is a
+# YAML string (OmegaConf's structured configs allow no such union).
 __all__ = [
-    "BuiltinScene",
-    "MeshScene",
-    "NerfScene",
     "SCENE_SCHEMAS",
     "SCENE_DEFAULTS",
     "MESH_SCENES",

@@ -13,7 +13,7 @@
 ``mptex-train +experiment=precision_search`` runs it (:func:`run_search`).
 """
 
-from mptex.search.config import SEARCH_DEFAULTS, SearchConfig, SearchError, check_search_config
+from mptex.search.config import SEARCH_DEFAULTS, SearchError, check_search_config
 from mptex.search.cost import GPUS, CostConfig, TextureShape, iteration_cost, shape_from_config
 from mptex.search.driver import certify, run_search
 from mptex.search.pool import SearchInterrupted
@@ -35,7 +35,6 @@ __all__ = [
     "TextureShape",
     "iteration_cost",
     "shape_from_config",
-    "SearchConfig",
     "SpaceConfig",
     "CostConfig",
     "SEARCH_DEFAULTS",

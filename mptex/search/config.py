@@ -25,7 +25,11 @@ from mptex.config_schema import (
 from mptex.search.cost import CostConfig
 from mptex.search.space import SpaceConfig
 
-__all__ = ["SearchConfig", "SEARCH_DEFAULTS", "SearchError", "check_search_config"]
+# SearchConfig is the group's schema and documentation; code reads the group through
+# check_search_config. It stays out of __all__, mptex's public API, whose path parameters take
+# str | os.PathLike: its config_dir is a YAML string (OmegaConf's structured configs allow no
+# such union).
+__all__ = ["SEARCH_DEFAULTS", "SearchError", "check_search_config"]
 
 _MARGIN = Number(min=0, min_open=True)
 

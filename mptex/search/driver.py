@@ -66,7 +66,7 @@ from mptex.search.results import (
 from mptex.search.space import Candidate, enumerate_space, reference_candidate
 from mptex.train.signals import DEFAULT_STOP_SIGNALS, StopSignals
 
-__all__ = ["SearchState", "certify", "run_search"]
+__all__ = ["certify", "run_search"]
 
 
 def certify(deltas: Sequence[float], margin_db: float) -> dict[str, Any]:

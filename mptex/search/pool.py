@@ -12,6 +12,7 @@ the signal and passes it on to the worker processes, whose runs checkpoint and s
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -80,9 +81,13 @@ class RunPool:
     """
 
     def __init__(
-        self, base: dict[str, Any], out: Path, settings: Mapping[str, Any], stop: StopSignals
+        self,
+        base: dict[str, Any],
+        out: str | os.PathLike,
+        settings: Mapping[str, Any],
+        stop: StopSignals,
     ):
-        self.base, self.out, self.settings, self.stop = base, out, settings, stop
+        self.base, self.out, self.settings, self.stop = base, Path(out), settings, stop
         self.results: dict[tuple[str, int], dict[str, Any]] = {}
         self.trained, self.reused = 0, 0
 

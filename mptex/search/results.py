@@ -26,15 +26,7 @@ from mptex.search.space import Candidate
 if TYPE_CHECKING:
     from mptex.search.driver import SearchState
 
-__all__ = [
-    "result_path",
-    "check_result_path",
-    "settings_record",
-    "check_search_dir",
-    "summarise",
-    "write_result",
-    "write_results",
-]
+__all__ = ["write_results", "summarise"]
 
 # The first line of every precision config a search writes: one without it is the user's.
 _HEADER = "# Written by mptex's precision search"

@@ -1,0 +1,62 @@
+"""Weight quantisation for int8 / FP8 decoders (mptex.quantize): hand-computed values, the
+per-element reference, straight-through gradients, and the QAT layer."""
+
+import pytest
+import torch
+from fp8_reference import fake_quantize_reference
+
+from mptex.mlp import QuantizedLinear
+from mptex.quantize import fake_quantize, int8_channel_scales, quantize_int8
+
+
+def test_int8_per_channel_by_hand():
+    weight = torch.tensor(
+        [[0.5, -1.27, 0.004, 0.015], [0.0, 0.0, 0.0, 0.0], [2.54, 1.0, -1.0, 0.0]]
+    )
+    q, scales = quantize_int8(weight)
+    # Row 0: scale 1.27 / 127 = 0.01 -> 50, -127, 0.4 -> 0, 1.5 -> 2 (half to even);
+    # row 1: all zero, scale 1; row 2: scale 0.02 -> 127, 50, -50, 0.
+    assert scales.tolist() == pytest.approx([0.01, 1.0, 0.02], rel=1e-6)
+    assert q.tolist() == [[50, -127, 0, 2], [0, 0, 0, 0], [127, 50, -50, 0]]
+    assert q.dtype == torch.int8 and int(q.min()) >= -127  # -128 never used
+    assert torch.equal(int8_channel_scales(weight), scales)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_fake_quantize_matches_the_per_element_reference(kind):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(16, 32, generator=gen) * 10.0 ** (torch.rand(16, 1, generator=gen) * 3 - 2)
+    got = fake_quantize(weight, kind)
+    # Both compute each step in float32; the reference's last product is rounded once as well.
+    assert torch.equal(got.double(), fake_quantize_reference(weight, kind))
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_straight_through_gradient(kind):
+    weight = torch.randn(4, 8, requires_grad=True)
+    x = torch.randn(5, 8)
+    cotangent = torch.randn(5, 4)
+    (fake_quantize(weight, kind) @ x.T).T.mul(cotangent).sum().backward()
+    # d/dW of sum(cotangent * (x W^T)) with the quantiser taken as the identity.
+    assert torch.allclose(weight.grad, cotangent.T @ x, rtol=1.3e-6, atol=1e-6)
+    assert fake_quantize(weight, "none") is weight
+    with pytest.raises(ValueError, match="kind: expected one of"):
+        fake_quantize(weight, "int4")
+
+
+def test_qat_layer_computes_with_the_quantised_weight_and_trains_the_master():
+    torch.manual_seed(0)
+    layer = QuantizedLinear(8, 3, bias=False, compute_dtype=torch.float32, weight_quant="int8")
+    x = torch.randn(10, 8)
+    expected = x.double() @ fake_quantize_reference(layer.weight, "int8").T
+    out = layer(x)
+    # f32 GEMM over 8 terms against float64: 10 u |x||W|.
+    bound = 10 * 2.0**-24 * (x.double().abs() @ layer.weight.double().abs().T)
+    assert torch.all((out.double() - expected).abs() <= bound)
+    out.sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.dtype == torch.float32
+    assert layer.quant_statistics() == {}  # collected only when asked
+    layer.collect_stats = True
+    layer(x)
+    stats = layer.quant_statistics()
+    assert 0 < float(stats["w_rel_error"]) < 0.5 / 127 * 8**0.5

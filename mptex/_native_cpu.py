@@ -1,29 +1,36 @@
-"""A small C kernel for the fused-MLP twin's sequential arithmetic, compiled on first use.
+"""A small C kernel for the CPU twins' loops, compiled on first use.
 
-What it computes: :func:`mptex._fused_mlp_torch.half_matmul` and
-:func:`~mptex._fused_mlp_torch.split_k_weight_grads`, the twin's two loops, under the same
-arithmetic model: products of half values formed exactly in float64, summed per k-block in k
-order starting from +0.0 (as MKL's float64 GEMM does: an all-zero block sums to +0.0), each
-block sum added to the accumulator and rounded once to float32, then to half (half
-accumulators). The inputs arrive as float64 copies of the half operands and the accumulators
-leave as float64 holding the rounded values, so every conversion a caller sees is exact.
+What it computes, each under its PyTorch spelling's arithmetic, bit for bit:
+
+* the fused-MLP twin's two loops (:func:`mptex._fused_mlp_torch.half_matmul` and
+  :func:`~mptex._fused_mlp_torch.split_k_weight_grads`): products of half values formed
+  exactly in float64, summed per k-block in k order from +0.0 (as MKL's float64 GEMM does: an
+  all-zero block sums to +0.0), each block sum added to the accumulator and rounded once to
+  float32, then to half (half accumulators);
+* the torch hash grid's forward and backward (:func:`mptex._grid_torch.hash_grid_encode`):
+  tcnn's positions (``fmaf``), cells, hash and dense indices in uint32 arithmetic, weights in
+  corner order, the eager op's complex64 products (signs of zeros included), sums in corner
+  order, float32 or tcnn's half mode, and the parameter gradient scattered in the eager op's
+  order (chunk, level, corner, point), so that its float32 sums round alike.
 
 Why C: the half accumulation is sequential along the batch, one rounding per block of 8
-samples, ~530 steps per weight gradient at any batch size. Eager PyTorch pays ~3 µs of dispatch
-per op and step, about as much as the rest of the network; a loop does a step in a few hundred
-nanoseconds. The kernel is plain C (no torch headers, no Python API): the system compiler
-builds it in well under a second, ``ctypes`` loads it.
+samples, ~530 steps per weight gradient at any batch size, and eager PyTorch pays ~3 µs of
+dispatch per op and step; the grid's eager ops make ~20 passes over ``[level, corner, point]``
+arrays around the one gather and one scatter it needs. A loop does either in place. The kernel
+is plain C (no torch headers, no Python API): the system compiler builds it in about a second,
+``ctypes`` loads it. ``-ffp-contract=off`` keeps every float32 expression rounding as the eager
+op's; the MLP's fused multiply-adds take exact products, so they round as the add alone.
 
 Bits: float64 sums of exact products are exact, so their order cannot matter unless a block's
 terms span more than ~31 binary orders of magnitude, and a float64 difference then survives
-the float32 rounding only at a tie; ``tests/test_fused_mlp_torch.py`` holds both paths to the
-eager implementation's golden tensors. One thread: the bits do not depend on torch's thread
-count.
+the float32 rounding only at a tie. ``tests/test_fused_mlp_torch.py`` and
+``tests/test_grid_torch.py`` hold both paths to golden tensors of the first (eager)
+implementation. One thread: the bits do not depend on torch's thread count.
 
-Fallback: without a C compiler (``cc``, or ``$CC``), or with ``MPTEX_NATIVE=0``, the twin runs
-its eager PyTorch loops (a warning says so, once). Builds are cached under
-``$MPTEX_CACHE_DIR`` (default ``$XDG_CACHE_HOME/mptex`` or ``~/.cache/mptex``), one file per
-source, compiler flags and CPU (``-march=native``), written atomically.
+Fallback: without a C compiler (``cc``, or ``$CC``), or with ``MPTEX_NATIVE=0``, the eager
+PyTorch ops run (a warning says so, once). Builds are cached under ``$MPTEX_CACHE_DIR``
+(default ``$XDG_CACHE_HOME/mptex`` or ``~/.cache/mptex``), one file per source, compiler flags
+and CPU (``-march=native``), written atomically.
 """
 
 from __future__ import annotations
@@ -42,9 +49,17 @@ import torch
 
 from mptex._backends import warn_fallback_once
 
-__all__ = ["native_kernels", "half_matmul_native", "weight_grads_native"]
+__all__ = [
+    "native_kernels",
+    "half_matmul_native",
+    "weight_grads_native",
+    "grid_supported",
+    "grid_forward_native",
+    "grid_backward_native",
+]
 
 _SOURCE = r"""
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__F16C__)
@@ -131,7 +146,8 @@ int mptex_half_matmul(const half_bits *a, const half_bits *b, half_bits *out, do
                         sum[q] = _mm512_fmadd_pd(scale, _mm512_loadu_pd(b64 + kk * m + col + 8 * q),
                                                  sum[q]);
                 }
-                for (int q = 0; q < 4; ++q) acc[q] = round_acc8(_mm512_add_pd(acc[q], sum[q]), half);
+                for (int q = 0; q < 4; ++q)
+                    acc[q] = round_acc8(_mm512_add_pd(acc[q], sum[q]), half);
                 if (k == 0) break;
             }
             for (int q = 0; q < 4; ++q)
@@ -243,9 +259,376 @@ int mptex_weight_grad_slice(const half_bits *g, const half_bits *a, double *acc,
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------
+   The torch hash grid (mptex._grid_torch), in its order of operations: position
+   fmaf(scale, x, 0.5), cell floor, fraction, tcnn's corner order (dimension 0 fastest), weights
+   ((w_0 * w_1) * w_2) ..., rows (XOR of the primes' products masked by the table size, or the
+   dense index mod the size, in uint32 arithmetic), and the eager op's arithmetic of weight x
+   value: two features move as one complex64 value times the weight as complex64 (w, 0), so
+   re = v0 * w - v1 * 0 and im = v0 * 0 + v1 * w (signs of zeros included); an odd number of
+   features multiplies plainly. As the eager op, a level's rows and weights are computed for a
+   block of points first (loops the compiler vectorizes), then gathered or scattered in one
+   tight loop per corner. */
+
+#define MPTEX_MAX_DIMS 4
+#define MPTEX_MAX_CORNERS 16
+#define MPTEX_MAX_FEATURES 64
+static const uint32_t MPTEX_PRIMES[MPTEX_MAX_DIMS] = {1u, 2654435761u, 805459861u, 3674653429u};
+
+typedef struct {
+    int64_t n_dims, n_levels, n_features, interpolation; /* 0 Linear, 1 Smoothstep, 2 Nearest */
+    const float *scales;         /* [L] */
+    const uint8_t *hashed;       /* [L] */
+    const uint32_t *sizes;       /* [L] */
+    const int64_t *offsets;      /* [L] */
+    const uint32_t *resolutions; /* [L] */
+} mptex_grid;
+
+static inline float half_round(float v) { return (float)(_Float16)v; }
+
+/* Per block of points, one level: axis weights and derivatives [D][n] (grid_axes), and one
+   corner's rows and weights [n] (grid_corner). */
+typedef struct {
+    float *w0, *w1, *derivative; /* [D * n] each */
+    uint32_t *cells;             /* [D * n] */
+} mptex_axes;
+
+static int64_t grid_corners(const mptex_grid *grid) {
+    return grid->interpolation == 2 ? 1 : (int64_t)1 << grid->n_dims;
+}
+
+/* xs: the points' coordinates, dimension-major [D][stride], from the block's first point. */
+static void grid_axes(const mptex_grid *grid, int64_t level, const float *xs, int64_t stride,
+                      int64_t n, const mptex_axes *a) {
+    float scale = grid->scales[level];
+    for (int64_t d = 0; d < grid->n_dims; ++d) {
+        const float *restrict x = xs + d * stride;
+        float *restrict w0 = a->w0 + d * n, *restrict w1 = a->w1 + d * n;
+        float *restrict dv = a->derivative + d * n;
+        uint32_t *restrict cell = a->cells + d * n;
+        for (int64_t q = 0; q < n; ++q) {
+            float pos = fmaf(scale, x[q], 0.5f);
+            float low = floorf(pos);
+            w1[q] = pos - low; /* the fraction, for now */
+            cell[q] = (uint32_t)(int64_t)low;
+        }
+        if (grid->interpolation == 1) {
+            for (int64_t q = 0; q < n; ++q) {
+                float frac = w1[q];
+                w1[q] = (frac * frac) * (3.0f - 2.0f * frac);
+                dv[q] = (6.0f * frac) * (1.0f - frac);
+            }
+        } else {
+            for (int64_t q = 0; q < n; ++q) dv[q] = 1.0f;
+        }
+        for (int64_t q = 0; q < n; ++q) w0[q] = 1.0f - w1[q];
+    }
+}
+
+/* Rows and weights [n] of corner c of the points [from, from + n) of axes laid out for
+   `stride` points. index: scratch of n uint32. */
+static void grid_corner(const mptex_grid *grid, int64_t level, const mptex_axes *a,
+                        int64_t stride, int64_t from, int64_t n, int64_t c,
+                        uint32_t *restrict index, int64_t *restrict rows,
+                        float *restrict weights) {
+    int64_t dims = grid->n_dims;
+    uint32_t size = grid->sizes[level], mask = size - 1u, stride_d = 1;
+    int64_t offset = grid->offsets[level];
+    /* one loop per dimension, each one the compiler vectorizes */
+    for (int64_t d = 0; d < dims; ++d) {
+        const uint32_t *restrict cell = a->cells + d * stride + from;
+        uint32_t bit = (uint32_t)(c >> d) & 1u;
+        if (grid->hashed[level]) {
+            uint32_t prime = MPTEX_PRIMES[d];
+            if (d == 0)
+                for (int64_t q = 0; q < n; ++q) index[q] = (cell[q] + bit) * prime;
+            else
+                for (int64_t q = 0; q < n; ++q) index[q] ^= (cell[q] + bit) * prime;
+        } else {
+            if (d == 0)
+                for (int64_t q = 0; q < n; ++q) index[q] = (cell[q] + bit) * stride_d;
+            else
+                for (int64_t q = 0; q < n; ++q) index[q] += (cell[q] + bit) * stride_d;
+            stride_d *= grid->resolutions[level];
+        }
+    }
+    if (grid->hashed[level])
+        for (int64_t q = 0; q < n; ++q) rows[q] = offset + (int64_t)(index[q] & mask);
+    else /* index % size: a float64 quotient of 32-bit integers floors exactly */
+        for (int64_t q = 0; q < n; ++q)
+            rows[q] = offset + (int64_t)(index[q] - (uint32_t)((double)index[q] / size) * size);
+    if (grid->interpolation == 2) {
+        for (int64_t q = 0; q < n; ++q) weights[q] = 1.0f;
+        return;
+    }
+    const float *restrict first = ((c & 1) ? a->w1 : a->w0) + from;
+    for (int64_t q = 0; q < n; ++q) weights[q] = first[q];
+    for (int64_t d = 1; d < dims; ++d) {
+        const float *restrict part = (((c >> d) & 1) ? a->w1 : a->w0) + d * stride + from;
+        for (int64_t q = 0; q < n; ++q) weights[q] = weights[q] * part[q];
+    }
+}
+
+/* term = value * weight as the eager op computes it (see above). */
+static inline void weighted(const float *value, float weight, int64_t n_features, float *term) {
+    if (n_features % 2 == 0) {
+        for (int64_t f = 0; f < n_features; f += 2) {
+            term[f] = value[f] * weight - value[f + 1] * 0.0f;
+            term[f + 1] = value[f] * 0.0f + value[f + 1] * weight;
+        }
+    } else {
+        for (int64_t f = 0; f < n_features; ++f) term[f] = value[f] * weight;
+    }
+}
+
+/* Scratch of a pass over blocks of `block` points and sub-blocks of `sub` points: axes
+   [4 D block] floats, then per sub-block index, rows, weights and features. */
+typedef struct {
+    mptex_axes axes;
+    uint32_t *index;
+    int64_t *rows;
+    float *weights, *values, *acc;
+} mptex_scratch;
+
+#define MPTEX_SUB_BLOCK 2048
+
+static int64_t scratch_layout(const mptex_grid *grid, int64_t block, void *base,
+                              mptex_scratch *s) {
+    int64_t dims = grid->n_dims, features = grid->n_features, sub = MPTEX_SUB_BLOCK;
+    char *p = (char *)base;
+    int64_t *rows = (int64_t *)p;
+    p += sub * 8 * MPTEX_MAX_CORNERS;
+    float *f = (float *)p;
+    if (s) {
+        s->rows = rows;
+        s->axes.w0 = f;
+        s->axes.w1 = f + dims * block;
+        s->axes.derivative = f + 2 * dims * block;
+        s->axes.cells = (uint32_t *)(f + 3 * dims * block);
+        s->index = s->axes.cells + dims * block;
+        s->weights = (float *)(s->index + sub);
+        s->values = s->weights + sub * MPTEX_MAX_CORNERS;
+        s->acc = s->values + sub * features;
+    }
+    return sub * 8 * MPTEX_MAX_CORNERS +
+           4 * (4 * dims * block + sub + sub * MPTEX_MAX_CORNERS + 2 * sub * features);
+}
+
+int64_t mptex_grid_scratch_bytes(const mptex_grid *grid, int64_t block) {
+    return scratch_layout(grid, block, NULL, NULL);
+}
+
+/* values [n * F] = the table rows of one corner: a loop with nothing but the loads, so that
+   many of them are in flight at once (the tables are larger than the caches). */
+__attribute__((optimize("no-tree-vectorize"))) /* scalar loads: AVX-512 gathers are slower */
+static void gather_rows(const float *params, const int64_t *rows, int64_t n, int64_t features,
+                        float *restrict values) {
+    if (features == 2) {
+        const uint64_t *table = (const uint64_t *)params;
+        uint64_t *out = (uint64_t *)values;
+        for (int64_t q = 0; q < n; ++q) out[q] = table[rows[q]];
+        return;
+    }
+    for (int64_t q = 0; q < n; ++q)
+        for (int64_t f = 0; f < features; ++f)
+            values[q * features + f] = params[rows[q] * features + f];
+}
+
+/* grad_params[row] += term, point by point in order (pairs of features). */
+__attribute__((optimize("no-tree-vectorize")))
+static void scatter_pairs(float *grad_params, const int64_t *rows, const float *terms, int64_t n) {
+    for (int64_t q = 0; q < n; ++q) {
+        float *target = grad_params + rows[q] * 2;
+        target[0] += terms[2 * q];
+        target[1] += terms[2 * q + 1];
+    }
+}
+
+/* The forward's sum over corners for two features (complex64 rows), in loops without branches
+   that the compiler vectorizes: acc = term (first corner) or acc + term, each term
+   value * (w, 0) as above; half: values, terms and sums rounded to half. */
+static void accumulate_pairs(float *restrict values, const float *restrict weights, int64_t n,
+                             int first, int half, float *restrict acc) {
+    if (half)
+        for (int64_t e = 0; e < 2 * n; ++e) values[e] = half_round(values[e]);
+    for (int64_t q = 0; q < n; ++q) {
+        float v0 = values[2 * q], v1 = values[2 * q + 1], w = weights[q];
+        values[2 * q] = v0 * w - v1 * 0.0f;
+        values[2 * q + 1] = v0 * 0.0f + v1 * w;
+    }
+    if (half) {
+        for (int64_t e = 0; e < 2 * n; ++e) values[e] = half_round(values[e]);
+        if (first)
+            for (int64_t e = 0; e < 2 * n; ++e) acc[e] = values[e];
+        else
+            for (int64_t e = 0; e < 2 * n; ++e) acc[e] = half_round(acc[e] + values[e]);
+    } else {
+        if (first)
+            for (int64_t e = 0; e < 2 * n; ++e) acc[e] = values[e];
+        else
+            for (int64_t e = 0; e < 2 * n; ++e) acc[e] = acc[e] + values[e];
+    }
+}
+
+/* out [n, L * F]: float32, or half bits (half: table values rounded to half, each term rounded
+   to half, summed in half in corner order). xs [D][n]; scratch:
+   mptex_grid_scratch_bytes(MPTEX_SUB_BLOCK). A point's result does not depend on the blocks. */
+int mptex_grid_forward(const mptex_grid *grid, const float *xs, int64_t n, const float *params,
+                       int half, void *out, void *scratch) {
+    int64_t levels = grid->n_levels, features = grid->n_features, corners = grid_corners(grid);
+    int64_t block = MPTEX_SUB_BLOCK;
+    if (grid->n_dims > MPTEX_MAX_DIMS || features > MPTEX_MAX_FEATURES) return 1;
+    mptex_scratch s;
+    scratch_layout(grid, block, scratch, &s);
+    for (int64_t start = 0; start < n; start += block) {
+        int64_t count = start + block < n ? block : n - start;
+        for (int64_t level = 0; level < levels; ++level) {
+            grid_axes(grid, level, xs + start, n, count, &s.axes);
+            for (int64_t c = 0; c < corners; ++c) {
+                /* axes laid out for `block` points, so stride block */
+                grid_corner(grid, level, &s.axes, count, 0, count, c, s.index, s.rows, s.weights);
+                gather_rows(params, s.rows, count, features, s.values);
+                if (features == 2) {
+                    accumulate_pairs(s.values, s.weights, count, c == 0, half, s.acc);
+                    continue;
+                }
+                for (int64_t q = 0; q < count; ++q) {
+                    float *v = s.values + q * features, term[MPTEX_MAX_FEATURES];
+                    if (half)
+                        for (int64_t f = 0; f < features; ++f) v[f] = half_round(v[f]);
+                    weighted(v, s.weights[q], features, term);
+                    float *a = s.acc + q * features;
+                    for (int64_t f = 0; f < features; ++f) {
+                        float t = half ? half_round(term[f]) : term[f];
+                        a[f] = c == 0 ? t : (half ? half_round(a[f] + t) : a[f] + t);
+                    }
+                }
+            }
+            for (int64_t q = 0; q < count; ++q) {
+                int64_t base = (start + q) * levels * features + level * features;
+                for (int64_t f = 0; f < features; ++f) {
+                    if (half)
+                        ((half_bits *)out)[base + f] = float_to_half(s.acc[q * features + f]);
+                    else
+                        ((float *)out)[base + f] = s.acc[q * features + f];
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* Backward from grad [n, L * F] float32 (half mode: already rounded to half and times the loss
+   scale, as the eager op does). grad_params [E * F] (zeroed by the caller) receives the
+   weighted gradients in the eager op's scatter order: chunk by chunk of `chunk` points, level
+   by level, corner by corner, point by point. grad_x [n, D] (if not NULL): dL/dx in the eager
+   op's order (features, corners, then levels, each summed first term first). xs [D][n];
+   scratch: mptex_grid_scratch_bytes(min(chunk, n)). */
+int mptex_grid_backward(const mptex_grid *grid, const float *xs, int64_t n, const float *params,
+                        int half, const float *grad, int64_t chunk, float *grad_params,
+                        float *grad_x, void *scratch) {
+    int64_t dims = grid->n_dims, levels = grid->n_levels, features = grid->n_features;
+    int64_t corners = grid_corners(grid), sub = MPTEX_SUB_BLOCK;
+    if (dims > MPTEX_MAX_DIMS || features > MPTEX_MAX_FEATURES) return 1;
+    int64_t capacity = chunk < n ? chunk : n;
+    mptex_scratch s;
+    scratch_layout(grid, capacity, scratch, &s);
+    for (int64_t start = 0; start < n; start += chunk) {
+        int64_t count = start + chunk < n ? chunk : n - start;
+        for (int64_t level = 0; level < levels; ++level) {
+            grid_axes(grid, level, xs + start, n, count, &s.axes);
+            for (int64_t c = 0; c < corners; ++c) {
+                for (int64_t from = 0; from < count; from += sub) {
+                    int64_t m = from + sub < count ? sub : count - from;
+                    grid_corner(grid, level, &s.axes, count, from, m, c, s.index, s.rows,
+                                s.weights);
+                    const float *g = grad + (start + from) * levels * features + level * features;
+                    /* in order, point by point: a row hit twice adds as scatter_add_ does */
+                    if (features == 2) {
+                        int64_t step = levels * 2;
+                        float *restrict terms = s.values;
+                        const float *restrict w = s.weights;
+                        for (int64_t q = 0; q < m; ++q) {
+                            float g0 = g[q * step], g1 = g[q * step + 1];
+                            terms[2 * q] = g0 * w[q] - g1 * 0.0f;
+                            terms[2 * q + 1] = g0 * 0.0f + g1 * w[q];
+                        }
+                        scatter_pairs(grad_params, s.rows, terms, m);
+                    } else {
+                        for (int64_t q = 0; q < m; ++q)
+                            weighted(g + q * levels * features, s.weights[q], features,
+                                     s.values + q * features);
+                        for (int64_t q = 0; q < m; ++q)
+                            for (int64_t f = 0; f < features; ++f)
+                                grad_params[s.rows[q] * features + f] +=
+                                    s.values[q * features + f];
+                    }
+                }
+            }
+            if (grad_x == NULL) continue;
+            /* dL/dx, sub-block by sub-block: every corner's rows and weights of each point */
+            for (int64_t from = 0; from < count; from += sub) {
+                int64_t m = from + sub < count ? sub : count - from;
+                for (int64_t c = 0; c < corners; ++c)
+                    grid_corner(grid, level, &s.axes, count, from, m, c, s.index,
+                                s.rows + c * m, s.weights + c * m);
+                for (int64_t q = 0; q < m; ++q) {
+                    int64_t p = start + from + q;
+                    float *gx = grad_x + p * dims;
+                    if (grid->interpolation == 2) {
+                        for (int64_t d = 0; d < dims; ++d) gx[d] = 0.0f;
+                        continue;
+                    }
+                    const float *g = grad + p * levels * features + level * features;
+                    float corner_grad[MPTEX_MAX_CORNERS];
+                    for (int64_t c = 0; c < corners; ++c) {
+                        const float *row = params + s.rows[c * m + q] * features;
+                        float sum = 0.0f;
+                        for (int64_t f = 0; f < features; ++f) {
+                            float v = half ? half_round(row[f]) : row[f];
+                            sum = f == 0 ? v * g[f] : sum + v * g[f];
+                        }
+                        corner_grad[c] = sum;
+                    }
+                    for (int64_t dim = 0; dim < dims; ++dim) {
+                        float d_frac = 0.0f;
+                        for (int64_t c = 0; c < corners; ++c) {
+                            float w = 1.0f;
+                            for (int64_t d = 0; d < dims; ++d) {
+                                int64_t bit = (c >> d) & 1;
+                                float part = d == dim ? (bit ? 1.0f : -1.0f)
+                                                      : (bit ? s.axes.w1 : s.axes.w0)
+                                                            [d * count + from + q];
+                                w = d == 0 ? part : w * part;
+                            }
+                            float t = w * corner_grad[c];
+                            d_frac = c == 0 ? t : d_frac + t;
+                        }
+                        float d_pos = (d_frac * s.axes.derivative[dim * count + from + q]) *
+                                      grid->scales[level];
+                        gx[dim] = level == 0 ? d_pos : gx[dim] + d_pos;
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* tcnn's half gradient table, unscaled in half: g = half(half(g) / scale), as the eager op's
+   (grad.to(float16) / scale).to(float32). */
+int mptex_half_unscale(float *g, int64_t n, float scale) {
+    for (int64_t e = 0; e < n; ++e) g[e] = half_round(half_round(g[e]) / scale);
+    return 0;
+}
 """
 
-_CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11")
+# -ffp-contract=off: the grid's float32 expressions round as the eager ops' (no fused
+# multiply-add where they round twice); the MLP's products are exact, so its fmadd is the add.
+# -fno-tree-loop-distribute-patterns: no library memcpy for a copy of two features per point.
+_CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-tree-loop-distribute-patterns",
+           "-shared", "-fPIC", "-std=c11")  # fmt: skip
 
 
 def _cache_dir() -> Path:
@@ -271,16 +654,16 @@ def _build(compiler: str) -> Path:
     key = hashlib.sha256("\0".join((_SOURCE, compiler, *_CFLAGS, _cpu_key())).encode()).hexdigest()[
         :16
     ]
-    target = _cache_dir() / f"fused_mlp_cpu-{key}.so"
+    target = _cache_dir() / f"mptex_cpu-{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        source = Path(tmp) / "fused_mlp_cpu.c"
+        source = Path(tmp) / "mptex_cpu.c"
         source.write_text(_SOURCE)
         built = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *_CFLAGS, str(source), "-o", str(built)],
+            [compiler, *_CFLAGS, str(source), "-o", str(built), "-lm"],
             check=True,
             capture_output=True,
             timeout=120,
@@ -306,10 +689,17 @@ def native_kernels() -> ctypes.CDLL | None:
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
             lib.mptex_half_matmul.argtypes = [ptr] * 4 + [i64] * 4 + [ctypes.c_int]
             lib.mptex_weight_grad_slice.argtypes = [ptr] * 4 + [i64] * 5 + [ctypes.c_int, ptr]
+            lib.mptex_grid_forward.argtypes = [ptr, ptr, i64, ptr, ctypes.c_int, ptr, ptr]
+            lib.mptex_grid_scratch_bytes.argtypes = [ptr, i64]
+            lib.mptex_half_unscale.argtypes = [ptr, i64, ctypes.c_float]
+            lib.mptex_grid_scratch_bytes.restype = i64
+            lib.mptex_grid_backward.argtypes = [ptr, ptr, i64, ptr, ctypes.c_int, ptr, i64] + [
+                ptr
+            ] * 3
             return lib
     warn_fallback_once(
-        "the fused-MLP twin's C kernel",
-        f"{reason}; its eager PyTorch loops compute the same bits, several times slower",
+        "the C kernel of the fused-MLP twin and the hash grid",
+        f"{reason}; their eager PyTorch ops compute the same bits, several times slower",
     )
     return None
 
@@ -361,3 +751,104 @@ def weight_grads_native(
             counts[index] = [tally[0], tally[1]]
         out.append(acc)
     return out
+
+
+# ----------------------------------------------------------------------------- the hash grid
+class _Grid(ctypes.Structure):
+    _fields_ = [
+        ("n_dims", ctypes.c_int64),
+        ("n_levels", ctypes.c_int64),
+        ("n_features", ctypes.c_int64),
+        ("interpolation", ctypes.c_int64),
+        ("scales", ctypes.c_void_p),
+        ("hashed", ctypes.c_void_p),
+        ("sizes", ctypes.c_void_p),
+        ("offsets", ctypes.c_void_p),
+        ("resolutions", ctypes.c_void_p),
+    ]
+
+
+GRID_MAX_DIMS = 4  # MPTEX_MAX_DIMS
+HALF_LOSS_SCALE = 128.0  # mptex._grid_torch.TCNN_HALF_LOSS_SCALE
+GRID_MAX_FEATURES = 64
+_INTERPOLATIONS = {"Linear": 0, "Smoothstep": 1, "Nearest": 2}
+
+
+@functools.lru_cache(maxsize=64)
+def _grid_struct(geometry) -> tuple[_Grid, tuple[torch.Tensor, ...]]:
+    """The C view of a ``GridGeometry`` and the tensors it points into (kept alive here)."""
+    tensors = (
+        torch.tensor(geometry.scales, dtype=torch.float32),
+        torch.tensor(geometry.hashed, dtype=torch.uint8),
+        torch.tensor(geometry.table_sizes, dtype=torch.int64).to(torch.int32),
+        torch.tensor(geometry.offsets[:-1], dtype=torch.int64),
+        torch.tensor(geometry.resolutions, dtype=torch.int64).to(torch.int32),
+    )
+    grid = _Grid(geometry.n_input_dims, geometry.n_levels, geometry.n_features_per_level,
+                 _INTERPOLATIONS[geometry.interpolation],
+                 *(t.data_ptr() for t in tensors))  # fmt: skip
+    return grid, tensors
+
+
+def grid_supported(geometry) -> bool:
+    """Whether the C kernel takes this geometry (else the eager ops run)."""
+    return (
+        geometry.n_input_dims <= GRID_MAX_DIMS
+        and geometry.n_features_per_level <= GRID_MAX_FEATURES
+        and geometry.interpolation in _INTERPOLATIONS
+        and max(geometry.table_sizes) < 2**31
+        and max(geometry.resolutions) < 2**31
+    )
+
+
+# Points per block of the forward (MPTEX_SUB_BLOCK; any size gives the same bits): a level's
+# rows and weights of a block stay in the L2 cache between computing and gathering them.
+GRID_BLOCK = 2048
+
+
+def _scratch(lib: ctypes.CDLL, grid: _Grid, points: int) -> torch.Tensor:
+    size = lib.mptex_grid_scratch_bytes(ctypes.byref(grid), max(points, 1))
+    return torch.empty(size, dtype=torch.uint8)
+
+
+def grid_forward_native(
+    lib: ctypes.CDLL, geometry, x: torch.Tensor, params: torch.Tensor, half: bool
+) -> torch.Tensor:
+    """``hash_grid_encode``'s forward: x [N, D] and params float32 (CPU) -> [N, L * F] in
+    float32, or float16 in tcnn's half mode."""
+    grid, _ = _grid_struct(geometry)
+    xs, params = x.t().contiguous(), params.contiguous()
+    n_points = x.shape[0]
+    out = torch.empty(n_points, geometry.n_output_dims,
+                      dtype=torch.float16 if half else torch.float32)  # fmt: skip
+    scratch = _scratch(lib, grid, GRID_BLOCK)  # held: C writes into it
+    lib.mptex_grid_forward(ctypes.byref(grid), _ptr(xs), n_points, _ptr(params), int(half),
+                           _ptr(out), _ptr(scratch))  # fmt: skip
+    return out
+
+
+def grid_backward_native(
+    lib: ctypes.CDLL,
+    geometry,
+    x: torch.Tensor,
+    params: torch.Tensor,
+    half: bool,
+    grad: torch.Tensor,
+    chunk: int,
+    want_x: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dL/dparams float32 accumulated in the eager op's scatter order, dL/dx or None) from
+    ``grad`` [N, L * F] float32 (half mode: already rounded to half and scaled; dL/dparams is
+    returned unscaled as tcnn's half table is, dL/dx still scaled)."""
+    grid, _ = _grid_struct(geometry)
+    xs, params, grad = x.t().contiguous(), params.contiguous(), grad.contiguous()
+    n_points = x.shape[0]
+    grad_params = torch.zeros_like(params)
+    grad_x = torch.empty_like(x) if want_x else None
+    scratch = _scratch(lib, grid, min(chunk, n_points))
+    lib.mptex_grid_backward(ctypes.byref(grid), _ptr(xs), n_points, _ptr(params), int(half),
+                            _ptr(grad), chunk, _ptr(grad_params),
+                            _ptr(grad_x) if want_x else None, _ptr(scratch))  # fmt: skip
+    if half:
+        lib.mptex_half_unscale(_ptr(grad_params), grad_params.numel(), HALF_LOSS_SCALE)
+    return grad_params, grad_x

@@ -55,3 +55,14 @@ def torch_threads(count: int):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def native_or_eager(path: str, module, monkeypatch, pytest) -> str:
+    """Run ``module``'s op in the C kernel (``path == "native"``; skipped where it does not
+    build) or in its eager PyTorch ops (``module._native`` answers None)."""
+    if path == "native":
+        if module.native_kernels() is None:
+            pytest.skip("the C kernel does not build here (no C compiler)")
+    else:
+        monkeypatch.setattr(module, "_native", lambda *args: None)
+    return path

@@ -47,12 +47,7 @@ def _check(name: str, entry: dict) -> None:
 @pytest.fixture(params=["native", "eager"])
 def loops(request, monkeypatch):
     """Run the twin's loops in the C kernel, or in eager PyTorch ops."""
-    if request.param == "native":
-        if twin.native_kernels() is None:
-            pytest.skip("the C kernel does not build here (no C compiler)")
-    else:
-        monkeypatch.setattr(twin, "_native", lambda tensor: None)
-    return request.param
+    return golden_io.native_or_eager(request.param, twin, monkeypatch, pytest)
 
 
 @pytest.mark.parametrize("name", list(GOLDEN))

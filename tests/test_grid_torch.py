@@ -4,7 +4,7 @@
 the bits it returned before it was made faster (forward, dL/dx and the parameter gradient,
 whose float32 sums depend on the order of the scatter), float32 and half mode, dense and hashed
 levels, points outside [0, 1], Smoothstep, Nearest, 2-D to 4-D, more than one chunk of points,
-at 1 and 2 torch threads.
+at 1 and 2 torch threads, with its C kernel (mptex._native_cpu) and with its eager PyTorch ops.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import golden_io
 import pytest
 import torch
 
+import mptex._grid_torch as grid
 from mptex._grid_torch import grid_geometry, hash_grid_encode
 
 GOLDEN = golden_io.load("grid_torch.pt")
@@ -40,12 +41,32 @@ def _check(name: str, entry: dict) -> None:
     golden_io.assert_same_bits(f"{name} grad_params", params.grad, entry["grad_params"])
 
 
+@pytest.fixture(params=["native", "eager"])
+def ops(request, monkeypatch):
+    """Compute the grid in the C kernel, or in eager PyTorch ops."""
+    return golden_io.native_or_eager(request.param, grid, monkeypatch, pytest)
+
+
 @pytest.mark.parametrize("name", list(GOLDEN))
-def test_grid_reproduces_its_golden_bits(name):
+def test_grid_reproduces_its_golden_bits(name, ops):
     _check(name, GOLDEN[name])
 
 
 @pytest.mark.parametrize("name", ["cpu-texture-chunks-float32", "cpu-texture-chunks-float16"])
-def test_grid_bits_do_not_depend_on_the_thread_count(name):
+def test_grid_bits_do_not_depend_on_the_thread_count(name, ops):
     with golden_io.torch_threads(2):
         _check(name, GOLDEN[name])
+
+
+def test_the_c_kernel_runs_on_float32_cpu_tensors_only():
+    geometry = grid_geometry(3, 4, 2, 10, 4, 1.5)
+    x = torch.rand(10, 3)
+    params = torch.zeros(geometry.n_params)
+    assert (grid._native(x, params, geometry, torch.float32) is not None) == (
+        grid.native_kernels() is not None
+    )
+    assert grid._native(x.double(), params.double(), geometry, torch.float64) is None
+    five_d = grid_geometry(5, 2, 2, 10, 4, 1.5)
+    assert (
+        grid._native(torch.rand(3, 5), torch.zeros(five_d.n_params), five_d, torch.float32) is None
+    )

@@ -69,6 +69,23 @@ def test_gbuffers_are_rasterized_once_per_view():
     assert torch.equal(fresh.mask, first.mask[:1])
 
 
+def test_a_second_scene_of_the_same_mesh_takes_the_rasterized_views():
+    # A sweep's next job in the same process finds the G-buffers of the same mesh and cameras
+    # (mptex.scenes.gbuffer's process-wide store) and rasterizes nothing.
+    cfg = {"name": "builtin", "resolution": 12, "n_train_views": 3, "n_val_views": 2,
+           "tubular_segments": 24, "radial_segments": 5}  # fmt: skip
+    first = build_scene(cfg)
+    views = first.train_views([0, 2])
+    second = build_scene(cfg)
+    again = second.train_views([2, 0, 1])
+    assert second.gbuffers.rasterized == 1 and second.gbuffers.misses == 3
+    for name in ("rast", "position", "normal", "mask"):
+        assert torch.equal(getattr(again.gbuffer, name)[1], getattr(views.gbuffer, name)[0])
+    other = build_scene({**cfg, "radial_segments": 6})  # another mesh: its own views
+    other.train_views([0])
+    assert other.gbuffers.rasterized == 1
+
+
 def test_training_batches_are_deterministic():
     cfg = {"name": "builtin", "resolution": 16, "n_train_views": 5, "tubular_segments": 30,
            "radial_segments": 6}  # fmt: skip

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from mptex.train.exporter import Exporter
 from mptex.train.monitor import PrecisionMonitor
@@ -472,6 +473,7 @@ def _train(
     progress = _Progress(n_iter, start_iter, settings["progress"])
     iter_times: list[float] = []
     status, diverged_at, last_psnr, loss_value = "completed", None, None, None
+    evaluated = None
     metrics.update(iterations=start_iter, iterations_planned=n_iter)
     train_start = time.perf_counter()
     for it in range(start_iter, n_iter):
@@ -488,22 +490,27 @@ def _train(
         if monitor is not None:
             monitor.start(it)  # arms the hooks on sampled iterations, before the forward
 
-        views = scene.sample_train_batch(settings["batch_size"], view_gen)
-        shape = views.mask.shape + (3,)
-        background = _background(settings["background"], shape, device, noise_gen)
-        ref_alpha = views.rgba[..., 3:4]
-        ref = composite(views.rgba[..., 0:3], ref_alpha, background)
+        # Scopes named mptex.* split a torch profile of the run by part
+        # (benchmarks/cpu_speed.py profile); outside a profiler they cost microseconds.
+        with record_function("mptex.views"):
+            views = scene.sample_train_batch(settings["batch_size"], view_gen)
+            shape = views.mask.shape + (3,)
+            background = _background(settings["background"], shape, device, noise_gen)
+            ref_alpha = views.rgba[..., 3:4]
+            ref = composite(views.rgba[..., 0:3], ref_alpha, background)
         use_reg = settings["kd_smooth"] and settings["kd_smooth_weight"] > 0
-        pred, kd_grad = _render(texture, views, settings, background, light_dir,
-                                jitter if use_reg else None)  # fmt: skip
-        # nvdiffrec: alpha MSE + color loss on RGB masked by the reference alpha. The predicted
-        # alpha is the fixed mesh's coverage, so the alpha term carries no texture gradient.
-        pred_alpha = views.mask.unsqueeze(-1).to(pred.dtype)
-        loss = torch.nn.functional.mse_loss(pred_alpha, ref_alpha)
-        loss = loss + image_loss(pred * ref_alpha, ref * ref_alpha, settings["loss"])
-        if kd_grad is not None:
-            weight = settings["kd_smooth_weight"] * (min(1.0, it / ramp) if ramp > 0 else 1.0)
-            loss = loss + kd_grad * weight
+        with record_function("mptex.render"):
+            pred, kd_grad = _render(texture, views, settings, background, light_dir,
+                                    jitter if use_reg else None)  # fmt: skip
+        with record_function("mptex.loss"):
+            # nvdiffrec: alpha MSE + color loss on RGB masked by the reference alpha. The
+            # predicted alpha is the fixed mesh's coverage: the alpha term has no texture gradient.
+            pred_alpha = views.mask.unsqueeze(-1).to(pred.dtype)
+            loss = torch.nn.functional.mse_loss(pred_alpha, ref_alpha)
+            loss = loss + image_loss(pred * ref_alpha, ref * ref_alpha, settings["loss"])
+            if kd_grad is not None:
+                weight = settings["kd_smooth_weight"] * (min(1.0, it / ramp) if ramp > 0 else 1.0)
+                loss = loss + kd_grad * weight
         if settings["inject_nonfinite_at"] == it:  # test hook: a forced overflow
             loss = loss * float("inf")
         if settings["inject_signal_at"] == it:  # test hook: a stop signal mid-iteration
@@ -513,9 +520,12 @@ def _train(
         if not math.isfinite(loss_value) and stepper.scaler is None:
             status, diverged_at = "diverged", it
             break
-        stepper.backward(loss)
-        result = stepper.step()
-        stats = monitor.collect(result) if monitor is not None else None
+        with record_function("mptex.backward"):
+            stepper.backward(loss)
+        with record_function("mptex.optimizer"):
+            result = stepper.step()
+        with record_function("mptex.stats"):
+            stats = monitor.collect(result) if monitor is not None else None
         if result.diverged and result.skipped:
             # A non-finite gradient without loss scaling: the step was not taken, the weights
             # and Adam state are those after iteration it - 1; the run ends here.
@@ -537,7 +547,8 @@ def _train(
         last = completed == n_iter
         val_interval = settings["val_interval"]
         if last or (val_interval and completed % val_interval == 0):
-            evaluated = evaluate(texture, scene, settings, light_dir)
+            with record_function("mptex.validation"):
+                evaluated = evaluate(texture, scene, settings, light_dir)
             last_psnr = evaluated["psnr"]
             if writer is not None:
                 writer.add_scalar("val/psnr", last_psnr, completed)
@@ -563,9 +574,12 @@ def _train(
             status, diverged_at = "diverged", it
             break
         ck_interval = settings["checkpoint_interval"]
-        if not last and ck_interval and completed % ck_interval == 0 and not checkpoint(completed):
-            status, diverged_at = "diverged", it
-            break
+        if not last and ck_interval and completed % ck_interval == 0:
+            with record_function("mptex.checkpoint"):
+                written = checkpoint(completed)
+            if not written:
+                status, diverged_at = "diverged", it
+                break
         if stop.received and not last:
             status = "interrupted"
             interruptions.append({"iteration": completed, "signal": stop.received[0]})
@@ -574,20 +588,28 @@ def _train(
     train_time = time.perf_counter() - train_start
 
     completed = metrics["iterations"]
-    if status in ("completed", "interrupted") and not checkpoint(completed):
+    with record_function("mptex.checkpoint"):
+        written = status in ("completed", "interrupted") and checkpoint(completed)
+    if status in ("completed", "interrupted") and not written:
         status, diverged_at = "diverged", completed
     if status == "interrupted":
         # Within the scheduler's grace period: no validation render, no images.
         evaluation = dict.fromkeys(("psnr", "baseline_psnr", "psnr_per_image", "saturation"))
         metrics.update(interrupted_at=completed, signal=interruptions[-1]["signal"])
+    elif status == "completed" and evaluated is not None and completed == n_iter:
+        # The last iteration validated these weights (validation is deterministic: its
+        # background is white or black), so the final evaluation is that one.
+        evaluation = evaluated
     else:
-        evaluation = evaluate(texture, scene, settings, light_dir)
+        with record_function("mptex.validation"):
+            evaluation = evaluate(texture, scene, settings, light_dir)
     if status == "completed" and not math.isfinite(evaluation["psnr"]):
         # Finite weights can still render a non-finite image (an f16 overflow in the forward):
         # never a completed run.
         status, diverged_at = "diverged", completed
     if status == "completed" or (status != "interrupted" and math.isfinite(evaluation["psnr"])):
-        _save_val_images(run_dir / "images", evaluation, settings["n_val_images"])
+        with record_function("mptex.images"):
+            _save_val_images(run_dir / "images", evaluation, settings["n_val_images"])
     if writer is not None:
         writer.close()
     export = _export(full, scene, texture, run_dir, exporter) if status == "completed" else None

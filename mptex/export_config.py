@@ -12,11 +12,29 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mptex.config_schema import Integer, ListOf, OneOf, Table, check_group, defaults_of, setting
+from mptex.config_schema import (
+    Integer,
+    ListOf,
+    OneOf,
+    OrNull,
+    Table,
+    check_group,
+    defaults_of,
+    setting,
+)
 
-__all__ = ["ExportConfig", "EXPORT_DEFAULTS", "FORMATS", "KD_FORMATS", "check_export_config"]
+__all__ = [
+    "ExportConfig",
+    "EXPORT_DEFAULTS",
+    "FORMATS",
+    "KD_FORMATS",
+    "DECODE_PRECISIONS",
+    "check_export_config",
+]
 
 FORMATS = ("obj", "glb")
+# The precisions a trained texture is decoded in (mptex.bake.decode).
+DECODE_PRECISIONS = ("f32", "f16", "bf16", "fp8", "int8")
 # The albedo's file formats and the suffix of their files.
 KD_FORMATS = {"png8": ".png", "png16": ".png", "exr": ".exr"}
 _XATLAS_OPTIONS = Table(what="a mapping of xatlas option names to values")
@@ -50,6 +68,17 @@ class ExportConfig:
     """``xatlas.ChartOptions`` attributes, e.g. ``{max_iterations: 4}``."""
     pack_options: dict[str, Any] = setting({}, _XATLAS_OPTIONS)
     """``xatlas.PackOptions`` attributes (:data:`mptex.bake.PACK_DEFAULTS` unless given)."""
+    decode_precisions: list[str] = setting(
+        list(DECODE_PRECISIONS), ListOf(OneOf(DECODE_PRECISIONS), unique=True, comma_text=True)
+    )
+    """With ``measure``: decode the texture in each (``f32``, ``f16``, ``bf16``, ``fp8``,
+    ``int8``; :mod:`mptex.bake.decode`) on the measured views; export.json's
+    ``decode_precision`` holds each one's PSNR against the f32 decode. ``[]``: none."""
+    neural_precision: str | None = setting(
+        None, OrNull(OneOf(DECODE_PRECISIONS), "no neural export")
+    )
+    """Also write the grid and MLP weights in this precision (``texture_neural.safetensors``,
+    needs safetensors) with ``neural_decoder.py``, a NumPy decoder for it."""
 
 
 EXPORT_DEFAULTS = defaults_of(ExportConfig)

@@ -6,6 +6,9 @@
 * :mod:`~mptex.bake.export`: OBJ + MTL + PNG and GLB writers, ``export.json``, the bake's
   measurement: :func:`export_mesh` (a texture and a mesh alone) and :func:`export_asset` (on
   the scene the texture was trained on);
+* :mod:`~mptex.bake.decode`: the texture decoded in f32, f16, bf16, fp8 and int8
+  (:func:`decode_texture`, :func:`decode_precision_table`) and the neural export
+  (:func:`export_neural`), which :mod:`~mptex.bake.neural_decoder` (NumPy only) decodes;
 * the command ``mptex-export RUN_DIR`` is :mod:`mptex.cli.export`.
 
 Nothing here imports the training loop: ``mptex-train`` hands the loop a
@@ -24,6 +27,12 @@ from mptex.bake.bake import (
     sample_in_chunks,
     texel_positions,
     uv_problem,
+)
+from mptex.bake.decode import (
+    DECODE_PRECISIONS,
+    decode_precision_table,
+    decode_texture,
+    export_neural,
 )
 from mptex.bake.export import (
     EXPORT_DEFAULTS,
@@ -68,4 +77,8 @@ __all__ = [
     "write_texture_images",
     "write_obj_asset",
     "write_glb",
+    "DECODE_PRECISIONS",
+    "decode_texture",
+    "decode_precision_table",
+    "export_neural",
 ]

@@ -7,6 +7,12 @@ options (:func:`check_export_config`) and that every writer is usable, bake
 ``export.json``. :func:`export_asset` runs it on the scene a texture was trained on
 (``mptex-export``, ``mptex-train`` with ``export.enabled=true``).
 
+With ``measure``, the texture is also decoded in each of ``decode_precisions`` (f32, f16, bf16,
+fp8, int8: :mod:`mptex.bake.decode`) on the measured views, and ``export.json``'s
+``decode_precision`` holds each one's PSNR against the f32 decode. With ``neural_precision`` the
+grid and MLP weights are written in that precision (``texture_neural.safetensors``) with
+``neural_decoder.py``, a NumPy decoder for the file (:mod:`mptex.bake.neural_decoder`).
+
 Files (channel layout of the texture, nvdiffrec's split for ``channels=9``):
 
 * ``texture_kd.png``: channels 0:3, albedo, **sRGB** (8-bit; 16-bit PNG with
@@ -25,6 +31,7 @@ OBJ's ``vt`` counts v from the bottom, so the OBJ gets ``1 - v`` (``load_obj`` f
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -45,7 +52,9 @@ from mptex.bake.bake import (
     check_bake_memory,
     needs_unwrap,
     sample_in_chunks,
+    texel_positions,
 )
+from mptex.bake.decode import decode_precision_table, export_neural
 from mptex.bake.unwrap import has_xatlas
 from mptex.export_config import (
     EXPORT_DEFAULTS,
@@ -121,6 +130,9 @@ def preflight_export(
     if "glb" in options["formats"] and _import_trimesh() is None:
         raise RuntimeError("export.formats: 'glb' needs trimesh, which is not installed "
                            "(pip install trimesh, or formats=obj)")  # fmt: skip
+    if options["neural_precision"] is not None and importlib.util.find_spec("safetensors") is None:
+        raise RuntimeError("export.neural_precision: the neural export needs safetensors, which "
+                           "is not installed (pip install safetensors)")  # fmt: skip
     if options["kd_format"] == "exr":
         Path(directory).mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=directory) as tmp:
@@ -444,6 +456,8 @@ def export_mesh(
     measure: bool = EXPORT_DEFAULTS["measure"],
     chart_options: Mapping[str, Any] | None = None,
     pack_options: Mapping[str, Any] | None = None,
+    decode_precisions: str | Sequence[str] = tuple(EXPORT_DEFAULTS["decode_precisions"]),
+    neural_precision: str | None = EXPORT_DEFAULTS["neural_precision"],
     views: ViewBatch | None = None,
     background: str = "white",
     backend: str = "auto",
@@ -461,9 +475,9 @@ def export_mesh(
         mesh: the mesh to texture (UVs kept when usable, else xatlas's).
         out_dir: output folder (created).
         resolution: texels per side; this and ``formats``, ``padding``, ``unwrap``,
-            ``kd_format``, ``chunk_size``, ``measure``, ``chart_options``, ``pack_options`` are
-            the ``export`` config group's keys (:data:`EXPORT_DEFAULTS`,
-            ``configs/export/default.yaml``).
+            ``kd_format``, ``chunk_size``, ``measure``, ``chart_options``, ``pack_options``,
+            ``decode_precisions``, ``neural_precision`` are the ``export`` config group's keys
+            (:data:`EXPORT_DEFAULTS`, ``configs/export/default.yaml``).
         views: the measurement's views: a scene's ``val_views()`` (its reference images add
             ``psnr_baked_vs_reference``); None: :data:`MEASURE_VIEWS` orbit views of
             :data:`MEASURE_RESOLUTION` squared pixels made here (:func:`orbit_views_around`).
@@ -475,7 +489,10 @@ def export_mesh(
         the ``export.json`` contents: ``files``, ``resolution``, ``channels``, ``layout``,
         ``uv_source``, ``unwrap_reason``, the bake's ``stats`` (``coverage``,
         ``texels_per_unit``, times, ...), ``texels_per_pixel``, ``measured_on`` and the
-        measurement's PSNRs (or ``measure_skipped``), ``glb`` vertex and face counts.
+        measurement's PSNRs (or ``measure_skipped``), ``glb`` vertex and face counts,
+        ``decode_precision`` (with ``measure`` and ``decode_precisions``:
+        :func:`~mptex.bake.decode.decode_precision_table`) and ``neural`` (with
+        ``neural_precision``: the file, its precision and size).
 
     Raises:
         ValueError: ``"export.<key>: ..."`` / ``"resolution: ..."`` (one line) before any work.
@@ -488,6 +505,7 @@ def export_mesh(
         resolution=resolution, formats=formats, padding=padding, unwrap=unwrap,
         kd_format=kd_format, chunk_size=chunk_size, measure=measure,
         chart_options=chart_options or {}, pack_options=pack_options or {},
+        decode_precisions=decode_precisions, neural_precision=neural_precision,
     )  # fmt: skip
     checked = preflight_export(options, mesh, texture.channels, texture.AABB.device, out)
     options = {k: v for k, v in checked.items() if k in EXPORT_DEFAULTS and k != "enabled"}
@@ -542,13 +560,41 @@ def export_mesh(
             summary["texels_per_pixel"] = (
                 summary["texels_per_unit"] * measured["world_units_per_pixel"]
             )
+        if options["decode_precisions"]:
+            summary["decode_precision"] = decode_precision_table(
+                texture, gbuffer.position, gbuffer.mask, background, options["decode_precisions"]
+            )
+            summary["decode_precision"]["views"] = summary["measured_on"]
         summary["measure_time_s"] = time.perf_counter() - tick
     else:
         summary["measure_skipped"] = "export.measure=false"
+    if options["neural_precision"] is not None:
+        summary["neural"] = _write_neural(texture, result, options, out, backend)
+        summary["files"].update(
+            neural=summary["neural"]["file"], neural_decoder="neural_decoder.py"
+        )
     summary["export_time_s"] = time.perf_counter() - start
     text = json.dumps(_json_safe(summary), indent=2, allow_nan=False) + "\n"
     (out / "export.json").write_text(text)
     return summary
+
+
+def _write_neural(texture, result: BakeResult, options, out: Path, backend: str) -> dict[str, Any]:
+    """The neural export and its NumPy decoder (a copy of mptex.bake.neural_decoder)."""
+    import mptex.bake.neural_decoder as decoder
+
+    calibration = None
+    if options["neural_precision"] == "fp8":
+        # The activation scales come from the points the bake evaluated: the surface.
+        _, calibration, _ = texel_positions(result.mesh, options["resolution"], backend)
+    neural = export_neural(
+        texture, out / "texture_neural.safetensors", options["neural_precision"], calibration
+    )
+    (out / "neural_decoder.py").write_text(Path(decoder.__file__).read_text())
+    neural["decoder"] = "neural_decoder.py"
+    if calibration is not None:
+        neural["calibrated_on"] = f"{calibration.shape[0]} texel positions of the bake"
+    return neural
 
 
 def export_asset(
@@ -592,4 +638,3 @@ class TrainingExport:
 
     def export(self, texture, scene, out_dir, settings, background) -> dict[str, Any]:
         return export_asset(texture, scene, out_dir, settings, background)
-

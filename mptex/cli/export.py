@@ -41,6 +41,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--unwrap", choices=("auto", "always"), help="re-unwrap with xatlas")
     parser.add_argument("--kd-format", choices=("png8", "png16", "exr"), help="image format")
     parser.add_argument("--no-measure", action="store_true", help="skip the PSNR measurement")
+    parser.add_argument(
+        "--decode", dest="decode_precisions",
+        help="comma-separated decode precisions to measure (f32, f16, bf16, fp8, int8; '' none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--neural", dest="neural_precision", choices=("f32", "f16", "bf16", "fp8", "int8"),
+        help="also write the grid and MLP in this precision (safetensors + a NumPy decoder)",
+    )  # fmt: skip
     parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda")
     return parser
 
@@ -84,6 +92,7 @@ def export_main(argv: list[str] | None = None) -> int:
         "resolution": args.resolution, "formats": args.formats, "padding": args.padding,
         "unwrap": args.unwrap, "kd_format": args.kd_format,
         "measure": False if args.no_measure else None,
+        "decode_precisions": args.decode_precisions, "neural_precision": args.neural_precision,
     }  # fmt: skip
     options = {**(config.get("export") or {}), "enabled": True}
     options.update({k: v for k, v in overrides.items() if v is not None})

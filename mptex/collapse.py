@@ -24,10 +24,19 @@ counts it apart from the completed runs and leaves it out of the paired differen
 A metrics.json from before the saturation keys is judged by the plateau rule alone; a run
 without three validations in its history by the stuck rules alone. Nothing here reads tensors:
 metrics.json is the contract (docs/metrics.md).
+
+A run can also be **partly stuck** (:func:`classify_partly_stuck`, not a collapse): completed
+above its baseline and not collapsed, but with a few stuck pixels that hold most of its squared
+error (``saturation.stuck_error_fraction`` at least :data:`PARTLY_STUCK_ERROR`). Such a run
+counts in its row's PSNR and Δ like any completed run (it is what the arm produced), and the
+report names it, because its PSNR deficit is those pixels, not the precision's rounding: an
+nvdiffrec run on the real-asset duck lost 16 dB to 0.18 % stuck pixels (the white of the eye)
+and showed only as an inconclusive Δ (docs/archive/collapse-rule.md).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,7 +49,10 @@ __all__ = [
     "PLATEAU_MIN_VALIDATIONS",
     "PLATEAU_MIN_SPAN",
     "RULE",
+    "PARTLY_STUCK_ERROR",
+    "PARTLY_STUCK_RULE",
     "classify_collapse",
+    "classify_partly_stuck",
     "flat_since",
 ]
 
@@ -70,6 +82,16 @@ RULE = (
     f"≥ {PLATEAU_MIN_VALIDATIONS} validations within {PLATEAU_DB:g} dB, over ≥ "
     f"{PLATEAU_MIN_SPAN:.0%} of the run), or when its validation PSNR is flat that way with "
     f"≥ {STUCK_BELOW_BASELINE:.0%} stuck, above the baseline too"
+)
+
+
+# "Most of its squared error": more than half. Where stuck pixels hold a share s of the MSE,
+# fixing them would gain -10 log10(1 - s) dB: 3 dB at one half, 16 dB at 97.5 % (the duck).
+PARTLY_STUCK_ERROR = 0.5
+PARTLY_STUCK_RULE = (
+    f"a completed run above its constant-colour baseline and not collapsed is partly stuck when "
+    f"its stuck pixels (in any channel) hold ≥ {PARTLY_STUCK_ERROR:.0%} of its squared error on "
+    f"the covered validation pixels (sRGB, clamped, as the PSNR)"
 )
 
 
@@ -204,3 +226,46 @@ def _reason(evidence: Mapping[str, Any]) -> str:
     if evidence["flat_since"] is not None:
         parts.append(f"flat since iteration {evidence['flat_since']}")
     return ", ".join(parts)
+
+
+def classify_partly_stuck(metrics: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Whether a completed, not collapsed run above its baseline is partly stuck, by
+    :data:`PARTLY_STUCK_RULE`; the evidence if it is.
+
+    Args:
+        metrics: one run's metrics.json.
+
+    Returns:
+        None, or ``{"stuck_fraction" (the worst channel's), "stuck_channel",
+        "stuck_error_fraction", "gain_db" (``-10 log10(1 - share)``: what the PSNR would gain
+        with those pixels right, if every view had the same share; None at a share of 1),
+        "psnr", "baseline_psnr", "reason"}``; ``reason`` is the line the report prints, e.g.
+        ``"0.18 % of covered pixels stuck in channel 2 hold 97 % of the squared error (about
+        +16.0 dB without them), PSNR 31.20 dB > baseline 21.00 dB"``.
+    """
+    psnr, baseline = metrics.get("psnr"), metrics.get("baseline_psnr")
+    if metrics.get("status") != "completed" or not is_number(psnr):
+        return None
+    if not is_number(baseline) or psnr <= baseline or classify_collapse(metrics) is not None:
+        return None
+    saturation = metrics.get("saturation")
+    saturation = saturation if isinstance(saturation, Mapping) else {}
+    share = saturation.get("stuck_error_fraction")
+    worst = _worst_channel(saturation.get("stuck_fraction"))
+    if not is_number(share) or share < PARTLY_STUCK_ERROR or worst is None or worst[1] <= 0:
+        return None
+    gain = -10.0 * math.log10(1.0 - share) if share < 1.0 else None
+    evidence = {
+        "stuck_fraction": worst[1],
+        "stuck_channel": worst[0],
+        "stuck_error_fraction": float(share),
+        "gain_db": gain,
+        "psnr": psnr,
+        "baseline_psnr": baseline,
+    }
+    without = f" (about +{gain:.1f} dB without them)" if gain is not None else ""
+    evidence["reason"] = (
+        f"{worst[1]:.2%} of covered pixels stuck in channel {worst[0]} hold {share:.0%} of the "
+        f"squared error{without}, PSNR {psnr:.2f} dB > baseline {baseline:.2f} dB"
+    )
+    return evidence

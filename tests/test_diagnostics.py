@@ -247,11 +247,21 @@ def test_saturation_statistics_hand_computed():
     assert got["stuck_fraction"] == [1 / 4, 2 / 4, 0.0, None]
     assert got["covered_pixels"] == 4 and got["threshold_logit"] == 8.0
     assert got["stuck_tolerance"] == 0.1
+    # The stuck pixels' share of the squared error, in sRGB clamped to [0, 1] (the PSNR's):
+    # rows 1 and 2 hold stuck channels; row 3 is not a valid pixel.
+    def srgb(v):
+        v = max(0.0, min(1.0, v))
+        return v * 12.92 if v <= 0.0031308 else 1.055 * v ** (1 / 2.4) - 0.055
+
+    errors = [sum((srgb(float(a)) - srgb(float(b))) ** 2 for a, b in zip(v, r))
+              for v, r in zip(values.tolist(), reference.tolist())][:3]  # fmt: skip
+    assert got["stuck_error_fraction"] == pytest.approx((errors[1] + errors[2]) / sum(errors))
     # Without a valid mask the reference-less row counts: ch 0 and ch 2 gain a stuck pixel.
     assert saturation_statistics(logits, values, reference)["stuck_fraction"] == [
         2 / 4, 2 / 4, 1 / 4, None
     ]  # fmt: skip
     assert saturation_statistics(logits)["stuck_fraction"] is None
+    assert saturation_statistics(logits)["stuck_error_fraction"] is None
     with pytest.raises(ValueError, match="values, reference"):
         saturation_statistics(logits, values[:2], reference[:2])
 

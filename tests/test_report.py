@@ -706,3 +706,76 @@ def test_a_plateau_held_by_stuck_pixels_above_the_baseline_is_a_collapse(tmp_pat
     assert [s for s, _ in row["pairs"]] == [0, 2]
     assert "flat that way with ≥ 10% stuck, above the baseline too" in (
         tmp_path / "report.md").read_text()
+
+
+# ----------------------------------------------------------------------------- partly stuck
+def _partly_stuck(psnr=48.81, stuck=0.0018, share=0.975, baseline=28.9):
+    # The duck, nvdiffrec, seed 0 (docs/archive/collapse-rule.md): 0.18 % stuck in blue, 48.81
+    # dB against f32's 65.02, 19.9 dB above the baseline; a share of 97.5 % is that 16 dB.
+    m = _metrics("nvdiffrec", 0, psnr=psnr, baseline=baseline)
+    m["saturation"] = {"stuck_fraction": [0.0, 0.0, stuck], "saturated_fraction": [0.4, 0.2, 0.6],
+                       "stuck_error_fraction": share}  # fmt: skip
+    return m
+
+
+def test_a_run_whose_few_stuck_pixels_hold_most_of_its_error_is_partly_stuck(tmp_path):
+    from mptex.collapse import classify_collapse, classify_partly_stuck
+
+    duck = _partly_stuck()
+    assert classify_collapse(duck) is None
+    got = classify_partly_stuck(duck)
+    assert got["stuck_channel"] == 2 and got["stuck_error_fraction"] == 0.975
+    assert got["gain_db"] == pytest.approx(-10 * math.log10(0.025))  # 16.0 dB
+    assert got["reason"] == ("0.18% of covered pixels stuck in channel 2 hold 98% of the "
+                             "squared error (about +16.0 dB without them), PSNR 48.81 dB > "
+                             "baseline 28.90 dB")  # fmt: skip
+    # not partly stuck: stuck pixels holding half or less of the error; no stuck pixel; at or
+    # below the baseline (then the collapse rule judges it); an older metrics.json
+    assert classify_partly_stuck(_partly_stuck(share=0.5 - 1e-9)) is None
+    assert classify_partly_stuck(_partly_stuck(stuck=0.0)) is None
+    assert classify_partly_stuck(_partly_stuck(psnr=20.0)) is None
+    older = _partly_stuck()
+    del older["saturation"]["stuck_error_fraction"]
+    assert classify_partly_stuck(older) is None
+    assert classify_partly_stuck(_partly_stuck(share=0.5))["gain_db"] == pytest.approx(3.0103)
+    # in a report: counted (in the PSNR and the pairs), and named under the table
+    for seed, psnr in enumerate([65.02, 64.8, 64.9]):
+        _write(tmp_path, f"f32_{seed}", _metrics("f32", seed, psnr=psnr, baseline=28.9))
+    _write(tmp_path, "nv_0", duck)
+    for seed, psnr in ((1, 64.9), (2, 65.0)):
+        _write(tmp_path, f"nv_{seed}", _metrics("nvdiffrec", seed, psnr=psnr, baseline=28.9))
+    write_report(tmp_path)
+    row = _rows(tmp_path)[("nvdiffrec",)]
+    assert row["n_seeds"] == 3 and [s for s, _ in row["pairs"]] == [0, 1, 2]
+    assert [p["seed"] for p in row["partly_stuck_runs"]] == [0]
+    text = (tmp_path / "report.md").read_text()
+    assert "- Partly stuck (1 run; completed and counted in PSNR, Δ and verdict" in text
+    assert "`nvdiffrec` seed 0: 0.18% of covered pixels stuck in channel 2" in text
+    assert "is partly stuck when its stuck pixels (in any channel) hold ≥ 50%" in text
+
+
+def test_the_quantisation_table_per_layer(tmp_path):
+    def fp8_metrics(seed, overflows):
+        m = _metrics("fp8", seed, psnr=40.0)
+        for entry, error in zip(m["history"], (0.02, 0.04)):
+            for layer in (0, 1):
+                entry.update({f"net.{layer}.q_input_rel_error": error * (layer + 1),
+                              f"net.{layer}.q_input_overflows": overflows,
+                              f"net.{layer}.q_input_amax": 3.0 + seed})  # fmt: skip
+        return m
+
+    for seed in (0, 1):
+        _write(tmp_path, f"f32_{seed}", _metrics("f32", seed, psnr=40.0))
+    _write(tmp_path, "fp8_0", fp8_metrics(0, 2.0))
+    _write(tmp_path, "fp8_1", fp8_metrics(1, 4.0))
+    write_report(tmp_path)
+    row = _rows(tmp_path)[("fp8",)]
+    # per run: the mean error over the samples (0.03), the last count, the largest amax; then
+    # the mean over the runs
+    assert row["quantization"]["net.0.q_input_rel_error"] == pytest.approx(0.03)
+    assert row["quantization"]["net.1.q_input_rel_error"] == pytest.approx(0.06)
+    assert row["quantization"]["net.0.q_input_overflows"] == 3.0
+    assert row["quantization"]["net.0.q_input_amax"] == 3.5
+    text = (tmp_path / "report.md").read_text()
+    assert "| arm | layer | input rel. error | overflows input / weight / grad | amax" in text
+    assert "| `fp8` | net.1 | 0.06 | 3 / – / – | 3.5 / – / – |" in text

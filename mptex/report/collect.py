@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mptex.collapse import classify_collapse
+from mptex.collapse import classify_collapse, classify_partly_stuck
 from mptex.numbers import is_number
 
 __all__ = [
@@ -52,7 +52,7 @@ REFERENCE_ARM = "f32"
 # Table order: the reference first, then the registered arms in a fixed order; unknown arms
 # follow by name.
 ARM_ORDER = ("f32", "nvdiffrec", "f16_naive", "f16_static", "f16_dynamic", "amp", "bf16",
-             "per_layer", "tcnn_fused")  # fmt: skip
+             "per_layer", "tcnn_fused", "fp8", "fp8_current", "int8_qat", "fp8_qat")  # fmt: skip
 # Config keys that never separate rows. train.seed: seeds are what the statistics pair over.
 # train.resume / progress / tensorboard: how a run was driven, not what it computed (a resumed
 # job would otherwise become a row of its own).
@@ -68,6 +68,12 @@ RUN_FIELDS = (
 # Config groups that never separate rows: how a finished run was exported, not what it trained.
 NOT_SWEPT_GROUPS = ("export.",)
 _UNDERFLOW_SUFFIXES = ("grad_zero_frac", "grad_subnormal_frac")
+# Quantisation statistics of the arms below f16 (PrecisionMonitor's net.<i>.q_<name>): counts
+# since the start of the run (the last sample holds the total), the largest amax, and means of
+# the rest (relative errors, underflow fractions, scales) over the sampled iterations.
+_QUANT_MARK = ".q_"
+_QUANT_LAST = ("_overflows", "_nonfinite")
+_QUANT_MAX = ("_amax",)
 # A backend a config asks for, the versions flag saying whether this machine has it, and the
 # config key that mptex-train's error message names when it refuses the run for that reason.
 _BACKEND_FLAGS = (
@@ -209,6 +215,27 @@ def _underflow(metrics: Mapping[str, Any]) -> dict[str, float]:
     return dict(sorted(stats.items()))
 
 
+def _quantization(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Quantisation statistics of one run, ``{"net.<i>.q_<name>": value}`` from the history's
+    sampled entries: counts (``_overflows``, ``_nonfinite``) their last value, ``_amax`` the
+    largest, the others their mean."""
+    samples: dict[str, list[float]] = {}
+    for entry in metrics.get("history") or []:
+        if isinstance(entry, Mapping):
+            for key, value in entry.items():
+                if _QUANT_MARK in str(key) and is_number(value):
+                    samples.setdefault(str(key), []).append(float(value))
+    stats = {}
+    for key, values in samples.items():
+        if key.endswith(_QUANT_LAST):
+            stats[key] = values[-1]
+        elif key.endswith(_QUANT_MAX):
+            stats[key] = max(values)
+        else:
+            stats[key] = statistics.fmean(values)
+    return dict(sorted(stats.items()))
+
+
 def _read_yaml(path: Path) -> Any:
     from omegaconf import OmegaConf
 
@@ -240,8 +267,9 @@ def _read_metrics(path: Path) -> tuple[dict[str, Any] | None, str | None]:
 
 def _empty_run() -> dict[str, Any]:
     run: dict[str, Any] = dict.fromkeys(RUN_FIELDS)
-    run.update(history=[], underflow={}, versions={}, config=None, note=None, unreadable=False,
-               collapsed=False, collapse=None, saturation=None)  # fmt: skip
+    run.update(history=[], underflow={}, quantization={}, versions={}, config=None, note=None,
+               unreadable=False, collapsed=False, collapse=None, partly_stuck=None,
+               saturation=None)  # fmt: skip
     return run
 
 
@@ -294,6 +322,8 @@ def _read_job(job_dir: Path) -> dict[str, Any]:
         run["collapse"] = classify_collapse(metrics)
         if run["collapse"] is not None:  # the note is the evidence the report prints
             run.update(status="collapsed", collapsed=True, note=run["collapse"]["reason"])
+        else:  # counted as completed, named by the report
+            run["partly_stuck"] = classify_partly_stuck(metrics)
     run["saturation"] = metrics.get("saturation")
     if run["status"] == "unavailable" and not run.get("error"):
         run["error"] = f"needs {_missing_backend(metrics)}"
@@ -305,6 +335,7 @@ def _read_job(job_dir: Path) -> dict[str, Any]:
         run["config"] = _flatten(config) if isinstance(config, Mapping) else {}
     run["history"] = [h for h in metrics.get("history") or [] if isinstance(h, Mapping)]
     run["underflow"] = _underflow(metrics)
+    run["quantization"] = _quantization(metrics)
     run["versions"] = metrics.get("versions") or {}
     run["_from"] = "metrics.json"
     return run
@@ -326,9 +357,11 @@ def collect_runs(sweep_dir: str | os.PathLike) -> list[dict[str, Any]]:
         relative to ``sweep_dir``), ``status`` normalised to :data:`STATUSES`, ``note`` (why the
         status differs from the recorded one, or None), ``unreadable`` (metrics.json could not
         be parsed), ``config`` (flattened dotted keys, or None when no config was readable),
-        ``history`` (list of dicts), ``underflow`` (name -> value), ``versions``, ``collapsed``
-        (bool), ``collapse`` (the evidence of :func:`mptex.collapse.classify_collapse`,
-        or None) and ``saturation`` (metrics.json's, or None).
+        ``history`` (list of dicts), ``underflow`` (name -> value), ``quantization`` (the
+        quantised arms' ``net.<i>.q_<name>`` -> value), ``versions``, ``collapsed`` (bool),
+        ``collapse`` (the evidence of :func:`mptex.collapse.classify_collapse`, or None),
+        ``partly_stuck`` (:func:`mptex.collapse.classify_partly_stuck`'s evidence, or None) and
+        ``saturation`` (metrics.json's, or None).
     """
     sweep_dir = Path(sweep_dir).resolve()
     runs = []

@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mptex.collapse import PARTLY_STUCK_RULE
 from mptex.collapse import RULE as COLLAPSE_RULE
 from mptex.numbers import is_number
 from mptex.report.collect import REFERENCE_ARM, STATUSES
@@ -229,6 +230,14 @@ def _reading(rows: Sequence[Mapping[str, Any]], margin_db: float, on_cpu: bool) 
             f"- Collapsed ({n} run{'s' * (n != 1)}; counted apart from the completed runs, not in "
             f"their PSNR, Δ or verdict): {items}."
         )
+    partly = [(r, p) for r in rows for p in r.get("partly_stuck_runs", [])]
+    if partly:
+        items = "; ".join(f"{_name(r)} seed {p['seed']}: {p['reason']}" for r, p in partly)
+        lines.append(
+            f"- Partly stuck ({len(partly)} run{'s' * (len(partly) != 1)}; completed and counted "
+            f"in PSNR, Δ and verdict, but a few stuck pixels hold most of the squared error, so "
+            f"the run's deficit is those pixels, not the precision's rounding): {items}."
+        )
     excluded = [(r, e) for r in rows for e in r.get("excluded", [])]
     if excluded:
         items = ", ".join(f"{_name(r)} seed {e['seed']} ({e['why']})" for r, e in excluded)
@@ -269,6 +278,51 @@ def _identical(rows: Sequence[Mapping[str, Any]], groups) -> list[str]:
                     "are one measurement, not two agreeing ones."
                 )
     return lines
+
+
+# The quantisation table's columns: (heading, key suffixes after net.<i>.q_, format).
+_QUANT_COLUMNS = (
+    ("input rel. error", ("input_rel_error",), ".3g"),
+    ("weight rel. error", ("weight_rel_error",), ".3g"),
+    ("grad rel. error", ("grad_rel_error",), ".3g"),
+    ("underflow input / weight / grad",
+     ("input_underflow_frac", "weight_underflow_frac", "grad_underflow_frac"), ".2g"),
+    ("overflows input / weight / grad", ("input_overflows", "weight_overflows", "grad_overflows"),
+     "g"),
+    ("non-finite", ("input_nonfinite", "weight_nonfinite", "grad_nonfinite"), "g"),
+    ("amax input / weight / grad", ("input_amax", "weight_amax", "grad_amax"), ".3g"),
+    ("weight rel. error (QAT)", ("w_rel_error",), ".3g"),
+    ("weight underflow (QAT)", ("w_underflow_frac",), ".2g"),
+)  # fmt: skip
+
+
+def _quantization_table(section: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The per-layer quantisation table of the section's quantised arms (none: no lines)."""
+    rows = [r for r in section if r.get("quantization")]
+    if not rows:
+        return []
+    layers = sorted({int(k.split(".")[1]) for r in rows for k in r["quantization"]})
+    present = {k.split(".q_", 1)[1] for r in rows for k in r["quantization"]}
+    columns = [c for c in _QUANT_COLUMNS if present.intersection(c[1])]
+    table = []
+    for row in rows:
+        stats = row["quantization"]
+        for layer in layers:
+            if not any(k.startswith(f"net.{layer}.q_") for k in stats):
+                continue
+            cells = [" / ".join(_fmt(stats.get(f"net.{layer}.q_{n}"), spec) for n in names)
+                     for _, names, spec in columns]  # fmt: skip
+            table.append([_name(row), f"net.{layer}", *cells])
+    return [
+        "Quantisation (per layer of the arms below f16: relative error ‖q − x‖ / ‖x‖ and the "
+        "fraction of non-zero values quantised to 0, means over the sampled iterations; "
+        "overflows: calls whose recipe scale would have overflowed and used the tensor's own "
+        "(counts per run); non-finite: calls with an inf or NaN; amax: the largest seen; each "
+        "the mean over the row's completed and diverged runs):",
+        "",
+        *_table(["arm", "layer", *(c[0] for c in columns)], table),
+        "",
+    ]
 
 
 # ----------------------------------------------------------------------------- document
@@ -363,6 +417,7 @@ def render_report(
             table = [[_name(r), *(_fmt(r["underflow"].get(k), ".3g") for k in underflow_keys)]
                      for r in section]  # fmt: skip
             lines += _table(["arm", *(f"`{k}`" for k in underflow_keys)], table) + [""]
+        lines += _quantization_table(section)
     kinds = sorted({r["peak_memory_kind"] for r in runs if r.get("peak_memory_kind")})
     gain = plots.get("images.png")
     lines += [
@@ -381,6 +436,9 @@ def render_report(
         f"the verdict; it and its `{REFERENCE_ARM}` partner (or, for a collapsed "
         f"`{REFERENCE_ARM}` run, every arm's run of that seed) leave the paired differences, "
         "listed under the table.",
+        f"- Partly stuck: {PARTLY_STUCK_RULE}. Such a run stays in its row's PSNR, Δ and "
+        "verdict; the line under the table names it with its stuck pixels' share of the error "
+        "and about what the PSNR would gain without them (−10 log10(1 − share)).",
         f"- Δ vs `{REFERENCE_ARM}`: the mean of the paired differences PSNR(arm) − "
         f"PSNR(`{REFERENCE_ARM}`) over the seeds both completed, with the same other swept "
         f"values; [{CONFIDENCE:.0%} CI]: mean ± t(0.975, n−1) · sd / √n (Student t on the n "

@@ -26,7 +26,8 @@ __all__ = ["ARM_COLORS", "arm_color", "error_gain", "image_panels", "plot_histor
 ARM_COLORS = {
     "f32": "#000000", "nvdiffrec": "#1f77b4", "f16_naive": "#d62728", "f16_static": "#ff7f0e",
     "f16_dynamic": "#2ca02c", "amp": "#9467bd", "bf16": "#8c564b", "per_layer": "#e377c2",
-    "tcnn_fused": "#17becf",
+    "tcnn_fused": "#17becf", "fp8": "#bcbd22", "fp8_current": "#7f7f7f", "int8_qat": "#aec7e8",
+    "fp8_qat": "#98df8a",
 }  # fmt: skip
 _LINESTYLES = ("-", "--", "-.", ":")
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<")

@@ -103,6 +103,7 @@ def _row(group: Sequence[Mapping[str, Any]], shown: Sequence[str]) -> dict[str, 
     done = [r for r in group if r["status"] == "completed"]
     measured = [r for r in group if r["status"] in ("completed", "diverged")]
     underflow_keys = sorted({k for r in measured for k in r.get("underflow", {})})
+    quant_keys = sorted({k for r in measured for k in r.get("quantization", {})})
     below = [
         r for r in done if is_number(r.get("baseline_psnr")) and r["psnr"] <= r["baseline_psnr"]
     ]
@@ -140,6 +141,11 @@ def _row(group: Sequence[Mapping[str, Any]], shown: Sequence[str]) -> dict[str, 
         "errors": sorted({str(r["error"]) for r in group
                           if r["status"] in ("failed", "unavailable") and r.get("error")}),
         "underflow": {k: _mean(r["underflow"].get(k) for r in measured) for k in underflow_keys},
+        "quantization": {k: _mean(r.get("quantization", {}).get(k) for r in measured)
+                         for k in quant_keys},
+        "partly_stuck_runs": [{"run_dir": r["run_dir"], "seed": r["seed"],
+                               "reason": r["partly_stuck"]["reason"]}
+                              for r in done if r.get("partly_stuck")],
     }  # fmt: skip
 
 
@@ -199,8 +205,11 @@ def summarize_groups(
         baseline), ``time_per_iter_s``, ``speedup`` (reference time / this row's), peak memory,
         ``skipped_steps``, ``final_loss_scale`` (distinct effective scales), ``grid_adam_eps``
         (distinct values of :func:`grid_adam_eps`), ``diverged_at``,
-        ``notes``, ``errors``, ``underflow``, ``collapsed_runs`` (``run_dir``, ``seed``,
-        ``reason`` of each collapsed run), ``reference`` (the reference row's index or None),
+        ``notes``, ``errors``, ``underflow``, ``quantization`` (per ``net.<i>.q_<name>``, the
+        mean over the completed and diverged runs), ``collapsed_runs`` (``run_dir``, ``seed``,
+        ``reason`` of each collapsed run), ``partly_stuck_runs`` (the same for its completed
+        runs that :func:`mptex.collapse.classify_partly_stuck` names), ``reference`` (the
+        reference row's index or None),
         ``pairs`` (list of ``[seed, difference]``), ``excluded`` (``seed``, ``run_dir``, ``why``:
         the row's seeds left out of the pairs because the run or its reference partner
         collapsed), ``delta`` (:func:`mean_ci` of the paired differences) and ``verdict``.

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from mptex.host import to_host
+from mptex.render.image import rgb_to_srgb
 
 __all__ = ["SATURATION_LOGIT", "STUCK_TOLERANCE", "saturated_counts", "saturation_statistics"]
 
@@ -33,6 +34,13 @@ SATURATION_LOGIT = 8.0
 # saturated logit legitimately), and well inside the gap of a channel pinned at the wrong rail
 # (the duck's eye: blue pinned at 0 where the reference is white, docs/archive/loss-function.md).
 STUCK_TOLERANCE = 0.1
+
+
+def srgb_clamped(values: torch.Tensor) -> torch.Tensor:
+    """Linear values ``[N, K]`` (any K) -> sRGB clamped to [0, 1]: what nvdiffrec's PSNR
+    compares. The sRGB curve is per channel, so any channel count goes through it."""
+    per_value = rgb_to_srgb(values.reshape(-1, 1).expand(-1, 3))[:, 0]
+    return torch.clamp(per_value.reshape(values.shape), 0.0, 1.0)
 
 
 def saturated_counts(logits: torch.Tensor, threshold: float = SATURATION_LOGIT) -> torch.Tensor:
@@ -74,8 +82,12 @@ def saturation_statistics(
 
     Returns:
         ``{"saturated_fraction": [C floats], "stuck_fraction": [C] floats, None for channels
-        without a reference, or None without ``values``/``reference``, "covered_pixels": N,
-        "threshold_logit": threshold, "stuck_tolerance": tolerance}``; one host copy.
+        without a reference, or None without ``values``/``reference``,
+        "stuck_error_fraction": the share of the squared error that the stuck pixels hold (a
+        pixel stuck in any channel; the error of the K channels as the PSNR measures it: sRGB,
+        clamped to [0, 1], summed over channels and the valid pixels; 0.0 without error, None
+        without ``values``/``reference``), "covered_pixels": N, "threshold_logit": threshold,
+        "stuck_tolerance": tolerance}``; one host copy.
     """
     if logits.ndim != 2:
         raise ValueError(f"logits: expected shape [N, C], got {list(logits.shape)}")
@@ -97,15 +109,30 @@ def saturation_statistics(
         wrong = (values.detach().float() - reference.detach().float()).abs() > tolerance
         if valid is not None:
             wrong = wrong & valid.reshape(-1, 1)
-        counts.append((saturated & wrong).sum(0).to(counts[0].dtype))
+        stuck_pixels = saturated & wrong
+        counts.append(stuck_pixels.sum(0).to(counts[0].dtype))
+        # What the PSNR sees of each pixel's error (nvdiffrec's: sRGB, clamped).
+        error = (
+            (srgb_clamped(values.detach().float()) - srgb_clamped(reference.detach().float()))
+            .square()
+            .sum(-1)
+        )
+        if valid is not None:
+            error = error * valid.reshape(-1).to(error.dtype)
+        stuck_error = error[stuck_pixels.any(-1)].sum()
+        counts.append(torch.stack([stuck_error, error.sum()]).to(counts[0].dtype))
     host = to_host(torch.cat(counts)).tolist()  # the one host copy
     total = max(n_pixels, 1)
-    stuck = None
+    stuck = stuck_error_fraction = None
     if n_ref:
-        stuck = [c / total for c in host[n_channels:]] + [None] * (n_channels - n_ref)
+        stuck = [c / total for c in host[n_channels : n_channels + n_ref]]
+        stuck += [None] * (n_channels - n_ref)
+        stuck_sum, error_sum = host[n_channels + n_ref :]
+        stuck_error_fraction = stuck_sum / error_sum if error_sum > 0 else 0.0
     return {
         "saturated_fraction": [c / total for c in host[:n_channels]],
         "stuck_fraction": stuck,
+        "stuck_error_fraction": stuck_error_fraction,
         "covered_pixels": int(n_pixels),
         "threshold_logit": float(threshold),
         "stuck_tolerance": float(tolerance),

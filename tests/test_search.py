@@ -37,16 +37,22 @@ from mptex.train import train
 def test_space_counts_follow_the_pruning_rules():
     kept, pruned = enumerate_space(3, 32)
     # Raw space: 2 encoders x 3^3 layer dtypes x 2 master settings x 3 loss-scaling modes = 324
-    # linear candidates, + fused: 2 encoders x (tcnn, none, static, dynamic) = 8.
-    assert len(kept) + len(pruned) == 324 + 8
+    # linear candidates, + fused: 2 encoders x (tcnn, none, static, dynamic) = 8, + below f16:
+    # 2 encoders x 4 kinds (fp8, fp8_current, int8_qat, fp8_qat) x 3 loss-scaling modes = 24.
+    assert len(kept) + len(pruned) == 324 + 8 + 24
     names = {c.name for c in kept}
     by_name = {p["candidate"]: p for p in pruned}
     # f32 masters: encoder f16 keeps all 27 x 3 = 81; encoder f32 loses the 8 layer assignments
     # without f16 ({f32, bf16}^3) x {static, dynamic} = 16 (redundant scaling): 65.
     # No masters: only a single dtype for all layers (3) x 2 encoders x loss "none" (GradScaler
     # refuses f16 grads) = 6, minus the 2 all-f32 ones (redundant): 4. Fused: 2 x 3 = 6.
-    assert len(kept) == 81 + 65 + 4 + 6
-    assert sum(p["rule"] == "redundant" for p in pruned) == 16 + 2
+    # Below f16: an f16 encoder keeps all 4 x 3 = 12; an f32 encoder only loss "none" (4), its
+    # 8 scaled ones are redundant (FP8's per-tensor scales absorb a loss scale; QAT is f32).
+    assert len(kept) == 81 + 65 + 4 + 6 + 12 + 4
+    assert sum(p["rule"] == "redundant" for p in pruned) == 16 + 2 + 8
+    assert {"e16-fp8-dyn", "e16-fp8cur-none", "e32-qat8-none", "e32-qatfp8-none"} <= names
+    assert by_name["e32-fp8-dyn"]["rule"] == "redundant"
+    assert enumerate_space(3, 32, {"quantized": []})[0] == [c for c in kept if c.quant == "none"]
     assert "e16-f16.f16.f32-dyn" in names and "e16-fused-tcnn" in names
     assert "e16-f16.f16.f16-none-nomaster" in names  # f16_naive's shape
     assert "single mlp_dtypes" in by_name["e16-f16.f32.f32-none-nomaster"]["reason"]
@@ -74,6 +80,7 @@ def test_bf16_grid_and_unsupported_fused_widths_are_pruned_with_their_reason():
         ({"cost": {"gpu": "a100"}}, "search.cost.gpu"),
         ({"space": {"layer_dtypes": ["f8"]}}, "search.space.layer_dtypes"),
         ({"space": {"master_weights": ["yes"]}}, "search.space.master_weights"),
+        ({"space": {"quantized": ["int4_qat"]}}, "search.space.quantized"),
         ({"name": "a/b"}, "search.name"),
     ],
 )
@@ -146,6 +153,34 @@ def test_h100_constants_are_the_datasheet_figures():
     h100 = GPUS["h100"]
     assert (h100.bandwidth, h100.f32, h100.f16) == (3.35e12, 66.9e12, 989.4e12)
     assert (GPUS["rtx4090"].f16, GPUS["rtx4090"].f16_half_acc) == (165.2e12, 330.3e12)
+    # dense FP8 with f32 accumulation: H100 SXM5 datasheet 1,979 TFLOPS (3,958 with sparsity),
+    # twice its f16 rate; RTX 4090 (Ada whitepaper, Table 2) 330.3 TFLOPS.
+    assert (h100.rate("fp8"), GPUS["rtx4090"].rate("fp8")) == (1979e12, 330.3e12)
+    assert _GPU.rate("fp8") == _GPU.f32  # no FP8 tensor cores: mptex's f32 emulation
+
+
+def test_cost_of_fp8_gemms_and_qat_by_hand():
+    fp8_gpu = GPU("test", bandwidth=1e12, f32=1e12, f16=4e12, bf16=4e12, f16_half_acc=8e12,
+                  source="round numbers", launch_s=1e-6, sync_s=2e-6, fp8=8e12)  # fmt: skip
+    c = Candidate("f16", ("f32", "f32"), True, "none", quant="fp8")
+    parts = {p["name"]: p for p in iteration_cost(c, _SHAPE, fp8_gpu)["parts"]}
+    # layer 0: 2 x 1000 x 4 x 16 = 128000 FLOPs at 8 TFLOP/s = 0.016 us; bytes: one-byte input
+    # 4000, weight 64, f32 output 64000 = 68064 B = 0.068064 us: memory-bound, + 1 launch.
+    assert parts["layer 0 forward"]["seconds"] == pytest.approx(0.068064e-6 + 1e-6, rel=1e-12)
+    # quantising input and weight: (4000 + 64) values x (4 + 4 + 1) B, 4 kernels.
+    assert (
+        parts["layer 0 quantise"]["bytes"] == 4064 * 9 and parts["layer 0 quantise"]["kernels"] == 4
+    )
+    # the delayed recipe's three histories, 2 kernels each; the current recipe has none.
+    assert parts["layer 1 amax histories"]["kernels"] == 6
+    current = _parts(Candidate("f16", ("f32", "f32"), True, "none", quant="fp8_current"))
+    assert not any("histories" in n for n in current)
+    # the f16 grid's features cast to f32 for the first layer (forward and backward).
+    assert parts["layer 0 input cast"]["bytes"] == 2 * 1000 * 4 * (2 + 4)
+    qat = _parts(Candidate("f32", ("f32", "f32"), quant="int8_qat"))
+    assert qat["layer 1 fake quantisation"]["kernels"] == 5
+    assert qat["layer 1 fake quantisation"]["bytes"] == 48 * 4 * 2 * 5
+    assert qat["layer 1 forward"] == _parts(Candidate("f32", ("f32", "f32")))["layer 1 forward"]
 
 
 # ----------------------------------------------------------------------------- certification
@@ -296,8 +331,10 @@ def test_mptex_train_runs_the_search_with_two_workers(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "precision search: certified" in done.stdout
-    assert (f"mptex-train --config-dir {tmp_path / 'cfg'} +experiment=quick precision=tiny_search "
-            "train.seed=0") in done.stdout
+    assert (
+        f"mptex-train --config-dir {tmp_path / 'cfg'} +experiment=quick precision=tiny_search "
+        "train.seed=0"
+    ) in done.stdout
     summary = json.loads((tmp_path / "out" / "search.json").read_text())
     assert summary["budget"]["workers"] == 2 and summary["budget"]["trained"] >= 4
     assert math.isfinite(summary["budget"]["search_wall_s"])

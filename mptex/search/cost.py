@@ -29,6 +29,15 @@ device-to-host synchronisation. The iteration's cost is the sum over parts. Assu
   accumulation; input padded to a multiple of 16 and output to 16 columns; the hidden
   activations are written in the forward and read in the backward (tcnn keeps them for the
   backward pass); its loss scale is folded into its kernels.
+- FP8 GEMMs (candidates ``fp8``, ``fp8_current``; :mod:`mptex.fp8`): per layer the input and
+  the weight are quantised (an amax reduction over f32, then a scale-and-cast kernel writing one
+  byte per value) and the output gradient likewise in the backward; the three GEMMs (forward,
+  input and weight gradients) run at the FP8 tensor-core rate with f32 accumulation, reading
+  one-byte operands and writing f32; the delayed recipe updates each of the three amax
+  histories and scales (2 kernels each). A GPU without FP8 tensor cores runs mptex's
+  emulation: the operands converted to f32 and an f32 GEMM.
+- QAT (``int8_qat``, ``fp8_qat``): the f32 MLP plus each weight's fake quantisation forward
+  (``QAT_KERNELS`` small kernels over the weight: its amax, scale, divide, round, multiply).
 - Adam (PyTorch's multi-tensor ``foreach``): per parameter read p, g, m, v and write p, m, v in
   the parameter dtype (28 B for f32), ``ADAM_KERNELS`` kernels per parameter group (grid, MLP).
 - Loss scaling: ``static``/``dynamic`` scale the loss (1 kernel), unscale and check every gradient
@@ -44,10 +53,12 @@ GPU constants (:data:`GPUS`), dense (no sparsity) rates:
 
 - ``h100``: NVIDIA H100 SXM5, NVIDIA H100 Tensor Core GPU datasheet (SXM5 column): HBM3
   3.35 TB/s, FP32 67 TFLOPS, FP16 and BF16 tensor 989.4 TFLOPS (the datasheet's 1,979 is with
-  sparsity); the same rate with half accumulation.
+  sparsity); the same rate with half accumulation; FP8 tensor 1,979 TFLOPS (the datasheet's
+  3,958 is with sparsity).
 - ``rtx4090``: NVIDIA GeForce RTX 4090, NVIDIA Ada Lovelace GPU architecture whitepaper v1.03,
   Appendix A, Table 2: 1008 GB/s, FP32 82.6 TFLOPS, FP16/BF16 tensor with FP32 accumulate
-  165.2 TFLOPS, FP16 tensor with FP16 accumulate 330.3 TFLOPS.
+  165.2 TFLOPS, FP16 tensor with FP16 accumulate 330.3 TFLOPS, FP8 tensor with FP32 accumulate
+  330.3 TFLOPS.
 """
 
 from __future__ import annotations
@@ -70,8 +81,10 @@ __all__ = [
     "ADAM_KERNELS",
 ]
 
-BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+BYTES = {"f32": 4, "f16": 2, "bf16": 2, "fp8": 1}
 ADAM_KERNELS = 5  # foreach Adam per parameter group: m, v updates, bias corrections, step
+QAT_KERNELS = 5  # fake quantisation of one weight: amax, scale, divide, round + clamp, multiply
+FP8_HISTORY_KERNELS = 2  # delayed recipe, per tensor role: roll the history, new scale
 
 
 @dataclass(frozen=True)
@@ -87,8 +100,11 @@ class GPU:
     source: str
     launch_s: float = 5e-6
     sync_s: float = 10e-6
+    fp8: float | None = None  # FP8 tensor cores, f32 accumulation; None: none (emulated in f32)
 
     def rate(self, dtype: str) -> float:
+        if dtype == "fp8":
+            return self.fp8 if self.fp8 else self.f32
         return {"f32": self.f32, "f16": self.f16, "bf16": self.bf16}[dtype]
 
 
@@ -101,6 +117,7 @@ GPUS: dict[str, GPU] = {
         989.4e12,
         989.4e12,
         "NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (dense rates)",
+        fp8=1979e12,
     ),
     "rtx4090": GPU(
         "NVIDIA GeForce RTX 4090",
@@ -110,6 +127,7 @@ GPUS: dict[str, GPU] = {
         165.2e12,
         330.3e12,
         "NVIDIA Ada Lovelace GPU architecture whitepaper v1.03, Appendix A, Table 2",
+        fp8=330.3e12,
     ),
 }
 
@@ -238,6 +256,39 @@ def _linear_mlp(c: Candidate, s: TextureShape, gpu: GPU) -> list[Part]:
     return parts
 
 
+def _fp8_mlp(c: Candidate, s: TextureShape, gpu: GPU) -> list[Part]:
+    """The MLP with FP8 GEMMs (module docstring); values between the layers f32."""
+    parts, n, current = [], s.points, c.encoder
+    rate, delayed = gpu.rate("fp8"), c.quant == "fp8"
+    dims = s.layer_dims()
+    if current != "f32":  # the grid's features become the f32 input of the first layer
+        parts.append(_cast("layer 0 input cast", 2 * n * dims[0][0], current, "f32"))
+    for i, (fan_in, fan_out) in enumerate(dims):
+        w = fan_in * fan_out
+        # amax (read f32) + scale-and-cast (read f32, write 1 B) of input and weight
+        parts.append(Part(f"layer {i} quantise", bytes=(n * fan_in + w) * (4 + 4 + 1), kernels=4))
+        parts.append(Part(f"layer {i} forward", flops=2 * n * w, rate=rate,
+                          bytes=n * fan_in + w + n * fan_out * 4, kernels=1))  # fmt: skip
+        parts.append(Part(f"layer {i} gradient quantise", bytes=n * fan_out * 9, kernels=2))
+        parts.append(Part(f"layer {i} backward", flops=4 * n * w, rate=rate,
+                          bytes=2 * (n * fan_out + n * fan_in + w) + (n * fan_in + w) * 4,
+                          kernels=2))  # fmt: skip
+        if delayed:
+            parts.append(Part(f"layer {i} amax histories", kernels=3 * FP8_HISTORY_KERNELS))
+        if i < len(dims) - 1:
+            parts.append(Part(f"layer {i} activation", bytes=5 * n * fan_out * 4, kernels=2))
+    return parts
+
+
+def _qat(c: Candidate, s: TextureShape) -> list[Part]:
+    """Each weight's fake quantisation in the forward (read and write the weight a few times)."""
+    return [
+        Part(f"layer {i} fake quantisation", bytes=4 * fan_in * fan_out * 2 * QAT_KERNELS,
+             kernels=QAT_KERNELS)
+        for i, (fan_in, fan_out) in enumerate(s.layer_dims())
+    ]  # fmt: skip
+
+
 def _pad16(k: int) -> int:
     return -(-k // 16) * 16
 
@@ -300,8 +351,15 @@ def iteration_cost(
         rate, kernels, syncs, seconds}, ...]}``.
     """
     gpu = GPUS[gpu] if isinstance(gpu, str) else gpu
-    mlp = _fused_mlp if candidate.mlp == "fused" else _linear_mlp
-    parts = _grid(candidate, shape) + mlp(candidate, shape, gpu)
+    if candidate.mlp == "fused":
+        mlp = _fused_mlp(candidate, shape, gpu)
+    elif candidate.quant in ("fp8", "fp8_current"):
+        mlp = _fp8_mlp(candidate, shape, gpu)
+    else:
+        mlp = _linear_mlp(candidate, shape, gpu)
+        if candidate.quant in ("int8_qat", "fp8_qat"):
+            mlp += _qat(candidate, shape)
+    parts = _grid(candidate, shape) + mlp
     parts += _optimizer(candidate, shape) + _loss_scaling(candidate, shape)
     for part in parts:
         part.finish(gpu)

@@ -19,8 +19,10 @@ config (``train`` group) with one candidate as the ``precision`` group:
    cheapest first, screened while cheaper than the cheapest passing candidate so far, at most
    ``max_combinations`` screens.
 6. **Variants**: the cheapest passing candidate's dtypes with the other loss-scaling modes and
-   without master weights, and tcnn's fused network, each screened while cheaper than the
-   cheapest passing candidate, at most ``max_variants`` screens.
+   without master weights, tcnn's fused network, and the MLP below f16 (FP8 GEMMs, QAT: the
+   space's ``quantized``), each screened while cheaper than the cheapest passing candidate, at
+   most ``max_variants`` screens. (QAT adds work to the f32 MLP: it is screened only when the
+   model finds it cheaper, i.e. with a lower-precision grid than the cheapest passing one.)
 7. **Certify**: the passing candidates, cheapest first, each re-run at the other seeds; certified
    when all ``certify_seeds`` runs completed and the paired 95 % Student-t interval of Δ lies
    within ``[-margin_db, +margin_db]`` (the report's equivalence rule,
@@ -304,12 +306,15 @@ def _search(state: SearchState) -> dict[str, Any]:
             combos.append(c)
     explore(combos, "screen: combination", settings["max_combinations"])
 
-    # 6: variants of the cheapest passing candidate: other loss scaling, no masters, fused.
+    # 6: variants of the cheapest passing candidate: other loss scaling, no masters, fused, and
+    # the MLP below f16.
     best = order([ref] + passed)[0]
     variants = [
         c
         for c in kept
-        if c.mlp == "fused" or (c.encoder == best.encoder and c.layers == best.layers)
+        if c.mlp == "fused"
+        or c.quant != "none"
+        or (c.encoder == best.encoder and c.layers == best.layers)
     ]
     explore([c for c in variants if c != best], "screen: variant", settings["max_variants"])
 

@@ -3,9 +3,12 @@ are pruned before any training (with the reason).
 
 A :class:`Candidate` names one assignment: the hash grid's dtype, each linear layer's compute
 dtype (input layer first), whether the MLP keeps f32 master weights, the loss-scaling mode (and
-its static factor), and the network kind (``"linear"``: :class:`~mptex.PrecisionMLP`,
-``"fused"``: tcnn's FullyFusedMLP). :meth:`Candidate.policy` turns it into the
-:class:`~mptex.PrecisionPolicy` that ``mptex-train`` runs.
+its static factor), the network kind (``"linear"``: :class:`~mptex.PrecisionMLP`,
+``"fused"``: tcnn's FullyFusedMLP) and its quantisation below f16 (``"fp8"``,
+``"fp8_current"``: FP8 GEMMs with delayed or current scaling; ``"int8_qat"``, ``"fp8_qat"``:
+trained for an int8 / FP8 decoder; f32 values between the layers in each).
+:meth:`Candidate.policy` turns it into the :class:`~mptex.PrecisionPolicy` that ``mptex-train``
+runs.
 
 Pruning (:func:`enumerate_space`), in this order, each with its reason recorded:
 
@@ -15,7 +18,8 @@ Pruning (:func:`enumerate_space`), in this order, each with its reason recorded:
 2. ``redundant``: it computes exactly what a kept candidate computes, at a cost the model cannot
    rank lower: ``master_weights: false`` with every layer in f32 (the parameters are f32 either
    way); a loss scale where no value is f16 (a power-of-two scale is exact in f32 and bf16, whose
-   exponent range is f32's, so the run is the unscaled one plus an unscale pass).
+   exponent range is f32's, and FP8 GEMMs scale each tensor by its own amax, which absorbs it,
+   so the run is the unscaled one plus an unscale pass).
 """
 
 from __future__ import annotations
@@ -29,7 +33,26 @@ from mptex.config_schema import Flag, ListOf, Number, OneOf, check_group, defaul
 from mptex.network import FUSED_WIDTHS, TCNN_LOSS_SCALE
 from mptex.precision import PrecisionPolicy
 
-__all__ = ["Candidate", "SpaceConfig", "SPACE_DEFAULTS", "enumerate_space", "reference_candidate"]
+__all__ = [
+    "Candidate",
+    "SpaceConfig",
+    "SPACE_DEFAULTS",
+    "QUANT_KINDS",
+    "enumerate_space",
+    "reference_candidate",
+]
+
+
+# The quantisation of a candidate's MLP: the PrecisionPolicy fields each one sets.
+QUANT_KINDS = ("fp8", "fp8_current", "int8_qat", "fp8_qat")
+_QUANT_FIELDS = {
+    "none": {},
+    "fp8": {"fp8_gemm": True, "fp8_recipe": "delayed"},
+    "fp8_current": {"fp8_gemm": True, "fp8_recipe": "current"},
+    "int8_qat": {"weight_quant": "int8"},
+    "fp8_qat": {"weight_quant": "fp8"},
+}
+_QUANT_TAGS = {"fp8": "fp8", "fp8_current": "fp8cur", "int8_qat": "qat8", "fp8_qat": "qatfp8"}
 
 
 def _values(allowed: list[str]) -> ListOf:
@@ -55,6 +78,10 @@ class SpaceConfig:
     """The static mode's factor (tcnn's constant)."""
     fused: bool = True
     """Also try tcnn's fully fused f16 network where the width allows."""
+    quantized: list[str] = setting(list(QUANT_KINDS), ListOf(OneOf(QUANT_KINDS), unique=True))
+    """Also try the MLP below f16, with each encoder dtype and loss-scaling mode: FP8 GEMMs
+    (``fp8``: delayed scaling, ``fp8_current``) and QAT (``int8_qat``, ``fp8_qat``); ``[]``:
+    none."""
 
 
 SPACE_DEFAULTS = defaults_of(SpaceConfig)
@@ -74,6 +101,7 @@ class Candidate:
         loss_scaling: ``"none"``, ``"static"``, ``"dynamic"`` or (fused) ``"tcnn"``.
         static_loss_scale: the factor of ``"static"``.
         mlp: ``"linear"`` or ``"fused"``.
+        quant: ``"none"`` or one of :data:`QUANT_KINDS` (``layers`` then all ``"f32"``).
     """
 
     encoder: str
@@ -82,12 +110,15 @@ class Candidate:
     loss_scaling: str = "none"
     static_loss_scale: float = 128.0
     mlp: str = "linear"
+    quant: str = "none"
 
     @property
     def name(self) -> str:
         """A short unique id, e.g. ``e16-f16.f16.f32-dyn``, ``e16-fused-tcnn``,
-        ``e32-bf16.bf16.bf16-none-nomaster``."""
+        ``e32-bf16.bf16.bf16-none-nomaster``, ``e16-fp8-dyn``, ``e32-qat8-none``."""
         body = "fused" if self.mlp == "fused" else ".".join(self.layers)
+        if self.quant != "none":
+            body = _QUANT_TAGS[self.quant]
         if self.loss_scaling == "static":
             scale = self.static_loss_scale
             tag = f"s{int(scale)}" if float(scale).is_integer() else f"s{scale:g}"
@@ -98,7 +129,8 @@ class Candidate:
         return name if self.master_weights else name + "-nomaster"
 
     def has_f16(self) -> bool:
-        """Whether any value the run computes in is f16 (the encoder or a layer)."""
+        """Whether any value the run computes in is f16 (the encoder or a layer). FP8 GEMMs
+        scale each tensor by its own amax, which absorbs a power-of-two loss scale exactly."""
         return self.encoder == "f16" or "f16" in self.layers or self.mlp == "fused"
 
     def policy_dict(self, name: str | None = None) -> dict[str, Any]:
@@ -125,6 +157,13 @@ class Candidate:
             "fused_accumulate": "half",
             "fused_split_k": True,
             "encoder_hook": False,
+            "fp8_gemm": False,
+            "fp8_recipe": "delayed",
+            "fp8_margin": 0,
+            "fp8_amax_history_len": 1024,
+            "fp8_amax_compute_algo": "max",
+            "weight_quant": "none",
+            **_QUANT_FIELDS[self.quant],
         }
 
     def policy(self) -> PrecisionPolicy:
@@ -139,6 +178,7 @@ class Candidate:
             "loss_scaling": self.loss_scaling,
             "static_loss_scale": float(self.static_loss_scale),
             "mlp": self.mlp,
+            "quant": self.quant,
         }
 
     @classmethod
@@ -150,6 +190,7 @@ class Candidate:
             loss_scaling=data["loss_scaling"],
             static_loss_scale=float(data["static_loss_scale"]),
             mlp=data["mlp"],
+            quant=data.get("quant", "none"),  # search.json files from before the key
         )
 
 
@@ -199,6 +240,9 @@ def enumerate_space(
     if s["fused"]:
         for enc, ls in itertools.product(s["encoder_dtypes"], ["tcnn", *s["loss_scaling"]]):
             raw.append(Candidate(enc, ("f16",), True, ls, float(s["static_loss_scale"]), "fused"))
+    for enc, quant, ls in itertools.product(s["encoder_dtypes"], s["quantized"], s["loss_scaling"]):
+        layers = ("f32",) * n_layers
+        raw.append(Candidate(enc, layers, True, ls, float(s["static_loss_scale"]), quant=quant))
     kept, pruned = [], []
     for c in dict.fromkeys(raw):
         reason = None
@@ -225,9 +269,10 @@ def enumerate_space(
 def layer_lowerings(kept: Iterable[Candidate], n_layers: int) -> dict[tuple[str, int], list[str]]:
     """The one-part changes from f32 that the kept space allows: ``{("encoder", 0): ["f16"],
     ("layer", i): ["bf16", "f16"], ...}`` (the components the greedy stage screens)."""
-    encs = sorted({c.encoder for c in kept if c.mlp == "linear"} - {"f32"})
+    linear = [c for c in kept if c.mlp == "linear" and c.quant == "none"]
+    encs = sorted({c.encoder for c in linear} - {"f32"})
     options: dict[tuple[str, int], list[str]] = {("encoder", 0): encs}
     for i in range(n_layers):
-        dtypes = {c.layers[i] for c in kept if c.mlp == "linear"} - {"f32"}
+        dtypes = {c.layers[i] for c in linear} - {"f32"}
         options[("layer", i)] = sorted(dtypes)
     return {k: v for k, v in options.items() if v}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -48,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def rescore(run_dir: Path, spps: list[int], device: torch.device,
+def rescore(run_dir: str | os.PathLike, spps: list[int], device: torch.device,
             n_val_views: int | None = None) -> list[dict]:  # fmt: skip
     """The run's checkpoint validated at each of ``spps``; one dict per value."""
     from mptex.scenes import build_scene
@@ -56,6 +57,7 @@ def rescore(run_dir: Path, spps: list[int], device: torch.device,
     from mptex.train.shading import light_direction
     from mptex.train.validation import evaluate
 
+    run_dir = Path(run_dir)
     checkpoint = run_dir / "checkpoint.pt"
     ckpt = load_checkpoint(checkpoint, map_location="cpu", required=TEXTURE_KEYS)
     config = ckpt["config"]

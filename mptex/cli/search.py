@@ -17,6 +17,7 @@ signal (run the same command again to continue).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ __all__ = ["search_main", "run_search_command"]
 _PROG = "mptex-search"
 
 
-def run_search_command(cfg, run_dir: Path, prog: str = _PROG) -> None:
+def run_search_command(cfg, run_dir: str | os.PathLike, prog: str = _PROG) -> None:
     """Run the search of a composed config (with its ``search`` block); print the certified
     assignment, the command that trains it and where the report is; exit 2 / 3 as documented."""
     from mptex.search import SearchError, SearchInterrupted, run_search
@@ -49,7 +50,7 @@ def run_search_command(cfg, run_dir: Path, prog: str = _PROG) -> None:
           f"(PSNR - PSNR(f32) {interval}, seeds {summary['seeds']}); "
           f"{budget['runs']} runs, {budget['search_wall_s']:.0f} s")  # fmt: skip
     print(f"{prog}: {summary['reproduce']} trains it ({summary['result_config']})")
-    print(f"{prog}: report in {run_dir / 'search.md'}")
+    print(f"{prog}: report in {Path(run_dir) / 'search.md'}")
 
 
 def _run(cfg) -> None:

@@ -8,8 +8,8 @@ point down: the bake sits above training).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -22,13 +22,13 @@ class Exporter(Protocol):
 
     def preflight(
         self, settings: Mapping[str, Any], mesh: Any, channels: int, device: torch.device,
-        run_dir: Path,
+        run_dir: str | os.PathLike,
     ) -> None:  # fmt: skip
         """Before the first iteration: raise ``ValueError`` / ``RuntimeError`` (one line naming
         the ``export.<key>``) for anything the export would fail on."""
 
     def export(
-        self, texture: Any, scene: Any, out_dir: Path, settings: Mapping[str, Any],
+        self, texture: Any, scene: Any, out_dir: str | os.PathLike, settings: Mapping[str, Any],
         background: str,
     ) -> dict[str, Any]:  # fmt: skip
         """After the final validation of a completed run: write ``out_dir`` and return the

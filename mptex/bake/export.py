@@ -633,8 +633,14 @@ class TrainingExport:
     (:class:`mptex.train.exporter.Exporter`): :func:`preflight_export` before the first
     iteration, :func:`export_asset` on the run's scene after the final validation."""
 
-    def preflight(self, settings, mesh, channels, device, run_dir) -> None:
+    def preflight(
+        self, settings: Mapping[str, Any], mesh: Mesh, channels: int, device: torch.device,
+        run_dir: str | os.PathLike,
+    ) -> None:  # fmt: skip
         preflight_export(settings, mesh, channels, device, run_dir)
 
-    def export(self, texture, scene, out_dir, settings, background) -> dict[str, Any]:
+    def export(
+        self, texture: MLPTexture3D, scene: Scene, out_dir: str | os.PathLike,
+        settings: Mapping[str, Any], background: str,
+    ) -> dict[str, Any]:  # fmt: skip
         return export_asset(texture, scene, out_dir, settings, background)

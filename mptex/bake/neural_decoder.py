@@ -30,6 +30,7 @@ Usage::
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -92,7 +93,7 @@ _DTYPES = {
 }
 
 
-def read_safetensors(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """``(tensors, metadata)`` of a safetensors file; BF16 and F8_E4M3 tensors are returned
     as their float32 values, F16 as float16, I8 as int8, F32 as float32."""
     data = Path(path).read_bytes()
@@ -226,6 +227,6 @@ class NeuralTexture:
         return (value * (high - low) + low).astype(np.float32)
 
 
-def load(path: str | Path) -> NeuralTexture:
+def load(path: str | os.PathLike) -> NeuralTexture:
     """Read a neural export (``.safetensors``) into a :class:`NeuralTexture`."""
     return NeuralTexture(*read_safetensors(path))

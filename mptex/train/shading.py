@@ -16,7 +16,7 @@ _SHADINGS = ("kd", "diffuse")
 # ----------------------------------------------------------------------------- shading, PSNR
 def shade(
     tex: torch.Tensor,
-    normal: torch.Tensor,
+    normal: torch.Tensor | None,
     shading: str = "kd",
     light_dir: torch.Tensor | None = None,
     ambient: float = 0.25,
@@ -35,7 +35,8 @@ def shade(
 
     Args:
         tex: ``[N, C]`` float32 texture values (C >= 3; 9 for ``"diffuse"``).
-        normal: ``[N, 3]`` float32 unit geometric normals.
+        normal: ``[N, 3]`` float32 unit geometric normals (``"diffuse"`` only; None for
+            ``"kd"``).
         shading: ``"kd"`` or ``"diffuse"``.
         light_dir: ``[3]`` unit direction towards the light (``"diffuse"`` only).
         ambient: ambient fraction in [0, 1] (``"diffuse"`` only).
@@ -87,12 +88,16 @@ def _render(
     """Shaded prediction ``[B, H, W, 3]`` composited over ``background`` and the kd smoothness
     term (mean over all pixels of the covered points' kd gradient; None without ``jitter``)."""
     mask = views.mask
-    points = views.position[mask]  # [N, 3]: only covered pixels reach the texture
+    # Only covered pixels reach the texture: their indices once, for the points, the normals
+    # (diffuse shading only) and the image (the same gathers and scatter as boolean indexing).
+    covered = mask.reshape(-1).nonzero().squeeze(1)
+    points = views.position.reshape(-1, 3).index_select(0, covered)  # [N, 3]
     tex = texture.sample(points)
-    color = shade(tex, views.gbuffer.normal[mask], settings["shading"], light_dir,
-                  settings["ambient"])  # fmt: skip
-    image = torch.zeros(mask.shape + (3,), device=points.device, dtype=color.dtype)
-    image = image.index_put((mask,), color)
+    normal = (views.gbuffer.normal.reshape(-1, 3).index_select(0, covered)
+              if settings["shading"] != "kd" else None)  # fmt: skip
+    color = shade(tex, normal, settings["shading"], light_dir, settings["ambient"])
+    image = torch.zeros(mask.numel(), 3, device=points.device, dtype=color.dtype)
+    image = image.index_copy(0, covered, color).view(mask.shape + (3,))
     pred = composite(image, mask.unsqueeze(-1).to(image.dtype), background)
     kd_grad = None
     if jitter is not None:

@@ -5,6 +5,7 @@ core (the grid, the network and their twins, precision, the texture, small share
 render, scenes < train < bake, search, diagnostics < report < cli.
 """
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +81,14 @@ def test_the_cycle_finder_finds_a_planted_cycle():
             return set(self.edges.get(module, ()))
 
     assert _cycles(Graph(), {"a", "b", "c", "d"}) == [["a", "b", "c"]]
+
+
+def test_every_module_is_in_a_layer():
+    # A module that no layer names is not checked by the contract: new ones must be placed.
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (contract,) = config["contracts"]
+    placed = {name.strip() for layer in contract["layers"] for name in re.split(r"[|:]", layer)}
+    top = {p.stem for p in (ROOT / "mptex").glob("*.py") if p.stem != "__init__"}
+    top |= {p.parent.name for p in (ROOT / "mptex").glob("*/__init__.py")}
+    assert sorted(top - placed) == []

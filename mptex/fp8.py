@@ -331,6 +331,12 @@ def scaled_mm(
         )
     if resolve_gemm_backend(backend, a.device) == "emulated":
         return torch.mm(a.float(), b.float()) * (scale_inv_a * scale_inv_b)
+    return _scaled_mm_padded(a, b, scale_inv_a, scale_inv_b)
+
+
+def _scaled_mm_padded(a, b, scale_inv_a, scale_inv_b) -> torch.Tensor:
+    """``torch._scaled_mm`` on any shapes: zero-padded to multiples of 16, ``b`` column-major,
+    the padding cut from the f32 result (zero rows and columns add nothing to the sums)."""
     (m, k), n = a.shape, b.shape[1]
     mp, kp, np_ = _round_up(m), _round_up(k), _round_up(n)
     a_pad = _pad_to(a, mp, kp).contiguous()

@@ -169,19 +169,24 @@ def test_emulated_gemm_within_the_float32_accumulation_bound(shape, dtypes):
     assert torch.all(err <= (k + 2) * U32 * magnitude), (err / magnitude).max()
 
 
-def test_torch_scaled_mm_on_this_cpu_agrees_within_the_same_bound():
-    """Where this torch build has a CPU torch._scaled_mm, it is a second, independent GEMM."""
-    a = _values(64 * 32, 2).reshape(64, 32)
-    b = _values(32 * 16, 3).reshape(32, 16)
+@pytest.mark.parametrize("shape", [(7, 32, 3), (300, 32, 32), (3, 4096, 32)])
+def test_the_scaled_mm_path_on_this_cpus_kernel_agrees_within_the_same_bound(shape):
+    """The hardware path (padding to multiples of 16, column-major b) on this torch build's CPU
+    torch._scaled_mm kernel, where it has one: a second, independent GEMM."""
+    from mptex.fp8 import _scaled_mm_padded
+
+    m, k, n = shape
+    a = _values(m * k, 2).reshape(m, k)
+    b = _values(k * n, 3).reshape(k, n)
     qa, sa, _, _ = quantize_fp8(a, fp8_scale(a.abs().max(), E4M3), E4M3)
     qb, sb, _, _ = quantize_fp8(b, fp8_scale(b.abs().max(), E4M3), E4M3)
     try:
-        hardware = torch._scaled_mm(qa, qb.t().contiguous().t(), scale_a=sa, scale_b=sb,
-                                    out_dtype=torch.float32)  # fmt: skip
+        hardware = _scaled_mm_padded(qa, qb, sa, sb)
     except (RuntimeError, NotImplementedError) as exc:
         pytest.skip(f"torch._scaled_mm has no CPU kernel in this build: {exc}")
     ref, magnitude = _gemm_reference(qa.float(), qb.float(), sa, sb)
-    assert torch.all((hardware.double() - ref).abs() <= 34 * U32 * magnitude)
+    assert hardware.shape == (m, n)
+    assert torch.all((hardware.double() - ref).abs() <= (k + 2) * U32 * magnitude)
 
 
 def test_scaled_mm_backend_resolution():

@@ -14,7 +14,8 @@ from mptex.diagnostics import half_ulps, outside_tolerance, ulp_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 VALIDATE = ROOT / "benchmarks" / "gpu" / "validate.py"
-STAGES = ["env", "grid", "network", "raster", "arms", "throughput", "nvdiffrec154", "tests"]
+STAGES = ["env", "grid", "network", "raster", "fp8", "arms", "throughput", "nvdiffrec154",
+          "tests"]  # fmt: skip
 
 
 def _validate(tmp_path, *args, check=True):
@@ -97,6 +98,10 @@ def test_dry_run_runs_every_stage_and_records_why_native_ones_cannot(tmp_path):
     for name, lib in (("grid", "tcnn"), ("network", "tcnn"), ("raster", "nvdiffrast")):
         assert stages[name]["status"] == "unavailable", stages[name]
         assert stages[name]["reason"] == f"{lib} needs a CUDA device (--device cpu)"
+    assert stages["fp8"]["status"] == "unavailable", stages["fp8"]
+    assert stages["fp8"]["reason"] == (
+        "torch._scaled_mm needs a CUDA device with FP8 tensor cores (--device cpu)"
+    )
     arms = stages["arms"]
     assert arms["status"] == "ok", arms
     ran = {run["precision"]: run for run in arms["data"]["runs"]}

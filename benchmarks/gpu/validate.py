@@ -21,6 +21,9 @@ network        tcnn.Network (FullyFusedMLP) vs the twin: outputs, input and weig
                as median / p99 / max ULP of half
 raster         nvdiffrast vs the torch rasterizer: triangle-id agreement, barycentric and
                interpolated-attribute max error, the built-in scene's mesh and a mesh file
+fp8            mptex's FP8 GEMM emulation vs ``torch._scaled_mm`` (FP8 tensor cores, compute
+               capability 8.9+) on the same float8 operands and scales: the MLP's forward,
+               input- and weight-gradient shapes, errors against float64, and their times
 arms           every precision arm at nvdiffrec's scale (512², batch 4, nvdiffrec's texture):
                ms / iteration (the loop's own synchronised median), peak memory, PSNR
 throughput     the grid's forward and forward+backward at 2^18 and 2^20 points: torch, Triton
@@ -30,9 +33,10 @@ nvdiffrec154   nvdiffrec #154 at 512², batch 4: ``nvdiffrec`` vs ``tcnn_fused_s
 tests          the test suite's tests marked requires_cuda / requires_tcnn / requires_nvdiffrast
 =============  ==============================================================================
 
-A stage that needs tinycudann or nvdiffrast and cannot import it is marked "unavailable" with
-the reason. ``--device cpu`` (the dry run CI makes) runs every stage at small sizes, so the
-script cannot rot between GPU runs; its numbers are not measurements of anything.
+A stage that needs tinycudann or nvdiffrast and cannot import it, or FP8 tensor cores the
+device does not have, is marked "unavailable" with the reason. ``--device cpu`` (the dry run CI
+makes) runs every stage at small sizes, so the script cannot rot between GPU runs; its numbers
+are not measurements of anything.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ class Stage:
     name: str
     title: str
     seconds: float  # time box on a GPU; --device cpu uses its own small sizes
-    needs: tuple[str, ...] = ()  # "tcnn", "nvdiffrast": unavailable without them
+    needs: tuple[str, ...] = ()  # "tcnn", "nvdiffrast", "fp8": unavailable without them
 
 
 STAGES = [
@@ -72,6 +76,7 @@ STAGES = [
     Stage("grid", "Hash grid: tcnn vs the torch twin", 45, ("tcnn",)),
     Stage("network", "FullyFusedMLP: tcnn.Network vs the twin", 45, ("tcnn",)),
     Stage("raster", "Rasterizer: nvdiffrast vs the torch twin", 40, ("nvdiffrast",)),
+    Stage("fp8", "FP8 GEMMs: mptex's emulation vs torch._scaled_mm", 30, ("fp8",)),
     Stage("arms", "Every arm at nvdiffrec's scale", 130),
     Stage("throughput", "Hash-grid throughput: torch, Triton, tcnn", 50),
     Stage("nvdiffrec154", "nvdiffrec #154 at nvdiffrec's scale", 110),
@@ -286,6 +291,70 @@ def compare_raster(device: str, native: str, meshes: dict, resolution: int, n_vi
     return rows
 
 
+# FP8 GEMM shapes of the texture's MLP (nvdiffrec's: 32 inputs, width 32, 3 outputs) at a batch
+# of n points: the forward of a hidden layer, the output layer, and the two backward GEMMs.
+def fp8_gemm_cases(n: int) -> list[tuple[str, int, int, int, str, str]]:
+    """(name, M, K, N, dtype of a, dtype of b)."""
+    return [
+        ("forward, hidden layer", n, 32, 32, "e4m3", "e4m3"),
+        ("forward, output layer", n, 32, 3, "e4m3", "e4m3"),
+        ("input gradient", n, 32, 32, "e5m2", "e4m3"),
+        ("weight gradient", 32, n, 32, "e5m2", "e4m3"),
+    ]
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+# The 14 bits an FP8 tensor-core GEMM keeps in its accumulation before it promotes a partial sum
+# to float32, as measured on H800 (DeepSeek-V3 technical report, section 3.3.2); the emulation
+# accumulates in float32 (24 bits).
+FP8_ACCUMULATION_BITS = 14
+
+
+def compare_fp8(device: str, n: int, repeats: int = 20) -> list[dict[str, Any]]:
+    """Each case's emulated and torch._scaled_mm GEMM on the same quantised operands: errors
+    against float64 as a share of sum |a b| |alpha| (the accumulation bound's scale), and
+    median times over ``repeats`` calls."""
+    import torch
+
+    from mptex.fp8 import E4M3, E5M2, fp8_scale, quantize_fp8, scaled_mm
+
+    dtypes = {"e4m3": E4M3, "e5m2": E5M2}
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for name, m, k, n_cols, da, db in fp8_gemm_cases(n):
+        a = torch.randn(m, k, device=device, generator=gen) * (1e-4 if da == "e5m2" else 1.0)
+        b = torch.randn(k, n_cols, device=device, generator=gen) * 0.3
+        qa, sa, _, _ = quantize_fp8(a, fp8_scale(a.abs().max(), dtypes[da]), dtypes[da])
+        qb, sb, _, _ = quantize_fp8(b, fp8_scale(b.abs().max(), dtypes[db]), dtypes[db])
+        alpha = sa.double() * sb.double()
+        reference = (qa.double() @ qb.double()) * alpha
+        magnitude = ((qa.double().abs() @ qb.double().abs()) * alpha.abs()).clamp_min(1e-300)
+        row: dict[str, Any] = {"case": name, "shape": f"{m} x {k} x {n_cols}", "k": k}
+        for backend in ("emulated", "scaled_mm"):
+            out = scaled_mm(qa, qb, sa, sb, backend=backend)
+            row[f"{backend}_err"] = float(((out.double() - reference).abs() / magnitude).max())
+            times = []
+            for _ in range(repeats):
+                _sync(device)
+                tick = time.perf_counter()
+                scaled_mm(qa, qb, sa, sb, backend=backend)
+                _sync(device)
+                times.append(time.perf_counter() - tick)
+            row[f"{backend}_us"] = sorted(times)[len(times) // 2] * 1e6
+        row["emulated_bound"] = (k + 2) * 2.0**-24
+        row["scaled_mm_bound"] = (k + 2) * 2.0**-FP8_ACCUMULATION_BITS
+        row["ok"] = (row["emulated_err"] <= row["emulated_bound"]
+                     and row["scaled_mm_err"] <= row["scaled_mm_bound"])  # fmt: skip
+        rows.append(row)
+    return rows
+
+
 # --------------------------------------------------------------------------- stage bodies
 class StageContext:
     """What a stage's process gets: the options, its deadline, and ``save`` for partial results
@@ -321,8 +390,21 @@ def _needs(stage: Stage, args: argparse.Namespace) -> str:
     from mptex import _backends
 
     device = args.device
+    if "fp8" in stage.needs:
+        from mptex.fp8 import has_fp8_tensor_cores
+
+        if not device.startswith("cuda"):
+            return f"torch._scaled_mm needs a CUDA device with FP8 tensor cores (--device {device})"
+        if not has_fp8_tensor_cores(device):
+            import torch
+
+            major, minor = torch.cuda.get_device_capability(device)
+            return (f"no FP8 tensor cores: compute capability {major}.{minor}, "
+                    "torch._scaled_mm's FP8 needs 8.9 or later")  # fmt: skip
     natives = {args.native_grid, args.native_mlp, args.native_raster}
     for lib in stage.needs:
+        if lib == "fp8":
+            continue
         if lib not in natives:  # pointed at the twin (the kit's own tests)
             continue
         if not device.startswith("cuda"):
@@ -537,6 +619,25 @@ def _train_run(cfg) -> dict:
         return train(cfg, run_dir)
 
 
+def stage_fp8(ctx: StageContext) -> None:
+    n = 2**12 if ctx.small else 2**20
+    rows = compare_fp8(ctx.device, n)
+    ctx.result["data"]["rows"] = rows
+    ctx.table(
+        f"mptex's emulation vs torch._scaled_mm, the same float8 operands and scales, {n} points",
+        ["GEMM", "M x K x N", "emulated err", "bound", "_scaled_mm err", "bound",
+         "emulated µs", "_scaled_mm µs", "ok"],
+        [[r["case"], r["shape"], f"{r['emulated_err']:.3g}", f"{r['emulated_bound']:.3g}",
+          f"{r['scaled_mm_err']:.3g}", f"{r['scaled_mm_bound']:.3g}",
+          f"{r['emulated_us']:.1f}", f"{r['scaled_mm_us']:.1f}", r["ok"]] for r in rows],
+        "err: max |result - float64| / (sum |a b| |scale_a scale_b|); bounds (K + 2) x 2^-24 "
+        f"(float32 accumulation) and (K + 2) x 2^-{FP8_ACCUMULATION_BITS} (the tensor cores' "
+        "accumulation, DeepSeek-V3 technical report 3.3.2); times: median of 20 calls",
+    )  # fmt: skip
+    if not all(r["ok"] for r in rows):
+        ctx.result["failed_checks"] = [r["case"] for r in rows if not r["ok"]]
+
+
 def stage_arms(ctx: StageContext) -> None:
     from mptex import PrecisionPolicy
 
@@ -732,6 +833,7 @@ STAGE_BODIES: dict[str, Callable[[StageContext], None]] = {
     "grid": stage_grid,
     "network": stage_network,
     "raster": stage_raster,
+    "fp8": stage_fp8,
     "arms": stage_arms,
     "throughput": stage_throughput,
     "nvdiffrec154": stage_nvdiffrec154,

@@ -400,7 +400,7 @@ def _activate_backward(name: str, grad: torch.Tensor, out: torch.Tensor) -> torc
     if name == "None":
         return grad
     if name == "ReLU":
-        return torch.where(out > 0, grad, torch.zeros_like(grad))
+        return torch.where(out > 0, grad, 0.0)
     of = out.float()
     if name == "LeakyReLU":
         factor = torch.where(of > 0, 1.0, 0.01).half()

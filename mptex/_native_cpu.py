@@ -51,6 +51,7 @@ from mptex._backends import warn_fallback_once
 
 __all__ = [
     "native_kernels",
+    "build_kernels",
     "half_matmul_native",
     "weight_grads_native",
     "grid_supported",
@@ -285,7 +286,22 @@ typedef struct {
     const uint32_t *resolutions; /* [L] */
 } mptex_grid;
 
-static inline float half_round(float v) { return (float)(_Float16)v; }
+static inline float half_round(float v) { return half_to_float(float_to_half(v)); }
+
+/* v[e] = half_round(v[e] + add[e]) (add may be NULL: v[e] = half_round(v[e])), vectorized by
+   hand: compilers vectorize no _Float16 conversion without AVX-512 FP16. */
+static void round_half_array(float *restrict v, const float *restrict add, int64_t n) {
+    int64_t e = 0;
+#ifdef MPTEX_AVX512
+    for (; e + 16 <= n; e += 16) {
+        __m512 x = _mm512_loadu_ps(v + e);
+        if (add) x = _mm512_add_ps(x, _mm512_loadu_ps(add + e));
+        x = _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm512_storeu_ps(v + e, x);
+    }
+#endif
+    for (; e < n; ++e) v[e] = half_round(add ? v[e] + add[e] : v[e]);
+}
 
 /* Per block of points, one level: axis weights and derivatives [D][n] (grid_axes), and one
    corner's rows and weights [n] (grid_corner). */
@@ -450,19 +466,18 @@ static void scatter_pairs(float *grad_params, const int64_t *rows, const float *
    value * (w, 0) as above; half: values, terms and sums rounded to half. */
 static void accumulate_pairs(float *restrict values, const float *restrict weights, int64_t n,
                              int first, int half, float *restrict acc) {
-    if (half)
-        for (int64_t e = 0; e < 2 * n; ++e) values[e] = half_round(values[e]);
+    if (half) round_half_array(values, NULL, 2 * n);
     for (int64_t q = 0; q < n; ++q) {
         float v0 = values[2 * q], v1 = values[2 * q + 1], w = weights[q];
         values[2 * q] = v0 * w - v1 * 0.0f;
         values[2 * q + 1] = v0 * 0.0f + v1 * w;
     }
     if (half) {
-        for (int64_t e = 0; e < 2 * n; ++e) values[e] = half_round(values[e]);
+        round_half_array(values, NULL, 2 * n);
         if (first)
             for (int64_t e = 0; e < 2 * n; ++e) acc[e] = values[e];
         else
-            for (int64_t e = 0; e < 2 * n; ++e) acc[e] = half_round(acc[e] + values[e]);
+            round_half_array(acc, values, 2 * n);
     } else {
         if (first)
             for (int64_t e = 0; e < 2 * n; ++e) acc[e] = values[e];
@@ -619,7 +634,9 @@ int mptex_grid_backward(const mptex_grid *grid, const float *xs, int64_t n, cons
 /* tcnn's half gradient table, unscaled in half: g = half(half(g) / scale), as the eager op's
    (grad.to(float16) / scale).to(float32). */
 int mptex_half_unscale(float *g, int64_t n, float scale) {
-    for (int64_t e = 0; e < n; ++e) g[e] = half_round(half_round(g[e]) / scale);
+    round_half_array(g, NULL, n);
+    for (int64_t e = 0; e < n; ++e) g[e] = g[e] / scale;
+    round_half_array(g, NULL, n);
     return 0;
 }
 """
@@ -650,11 +667,9 @@ def _cpu_key() -> str:
     return platform.machine() + platform.processor()
 
 
-def _build(compiler: str) -> Path:
-    key = hashlib.sha256("\0".join((_SOURCE, compiler, *_CFLAGS, _cpu_key())).encode()).hexdigest()[
-        :16
-    ]
-    target = _cache_dir() / f"mptex_cpu-{key}.so"
+def _build(compiler: str, flags: tuple[str, ...]) -> Path:
+    key = "\0".join((_SOURCE, compiler, *flags, _cpu_key()))
+    target = _cache_dir() / f"mptex_cpu-{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -663,7 +678,7 @@ def _build(compiler: str) -> Path:
         source.write_text(_SOURCE)
         built = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *_CFLAGS, str(source), "-o", str(built), "-lm"],
+            [compiler, *flags, str(source), "-o", str(built), "-lm"],
             check=True,
             capture_output=True,
             timeout=120,
@@ -672,31 +687,37 @@ def _build(compiler: str) -> Path:
     return target
 
 
+def build_kernels(flags: tuple[str, ...] = _CFLAGS) -> ctypes.CDLL:
+    """Build (or take from the cache) and load the kernel compiled with ``flags``.
+
+    Raises:
+        OSError, subprocess.SubprocessError: no compiler, or the build failed.
+    """
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (cc) on PATH")
+    lib = ctypes.CDLL(str(_build(compiler, flags)))
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.mptex_half_matmul.argtypes = [ptr] * 4 + [i64] * 4 + [c_int]
+    lib.mptex_weight_grad_slice.argtypes = [ptr] * 4 + [i64] * 5 + [c_int, ptr]
+    lib.mptex_grid_scratch_bytes.argtypes = [ptr, i64]
+    lib.mptex_grid_scratch_bytes.restype = i64
+    lib.mptex_grid_forward.argtypes = [ptr, ptr, i64, ptr, c_int, ptr, ptr]
+    lib.mptex_grid_backward.argtypes = [ptr, ptr, i64, ptr, c_int, ptr, i64, ptr, ptr, ptr]
+    lib.mptex_half_unscale.argtypes = [ptr, i64, ctypes.c_float]
+    return lib
+
+
 @functools.cache
 def native_kernels() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None where it cannot be (warned once)."""
     if os.environ.get("MPTEX_NATIVE", "1") == "0":
         return None  # asked for: no warning
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    reason = "no C compiler (cc) on PATH"
-    if compiler is not None:
-        try:
-            lib = ctypes.CDLL(str(_build(compiler)))
-        except (OSError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", b"") or b""
-            reason = f"{type(exc).__name__}: {exc} {detail.decode(errors='replace')[:300]}"
-        else:
-            i64, ptr = ctypes.c_int64, ctypes.c_void_p
-            lib.mptex_half_matmul.argtypes = [ptr] * 4 + [i64] * 4 + [ctypes.c_int]
-            lib.mptex_weight_grad_slice.argtypes = [ptr] * 4 + [i64] * 5 + [ctypes.c_int, ptr]
-            lib.mptex_grid_forward.argtypes = [ptr, ptr, i64, ptr, ctypes.c_int, ptr, ptr]
-            lib.mptex_grid_scratch_bytes.argtypes = [ptr, i64]
-            lib.mptex_half_unscale.argtypes = [ptr, i64, ctypes.c_float]
-            lib.mptex_grid_scratch_bytes.restype = i64
-            lib.mptex_grid_backward.argtypes = [ptr, ptr, i64, ptr, ctypes.c_int, ptr, i64] + [
-                ptr
-            ] * 3
-            return lib
+    try:
+        return build_kernels()
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = (getattr(exc, "stderr", b"") or b"").decode(errors="replace")[:300]
+        reason = f"{type(exc).__name__}: {exc} {detail}".strip()
     warn_fallback_once(
         "the C kernel of the fused-MLP twin and the hash grid",
         f"{reason}; their eager PyTorch ops compute the same bits, several times slower",
@@ -811,6 +832,11 @@ def _scratch(lib: ctypes.CDLL, grid: _Grid, points: int) -> torch.Tensor:
     return torch.empty(size, dtype=torch.uint8)
 
 
+def _check(status: int, geometry) -> None:
+    if status:  # grid_supported keeps such geometries on the eager ops
+        raise RuntimeError(f"the C kernel refused the grid geometry {geometry}")
+
+
 def grid_forward_native(
     lib: ctypes.CDLL, geometry, x: torch.Tensor, params: torch.Tensor, half: bool
 ) -> torch.Tensor:
@@ -822,8 +848,9 @@ def grid_forward_native(
     out = torch.empty(n_points, geometry.n_output_dims,
                       dtype=torch.float16 if half else torch.float32)  # fmt: skip
     scratch = _scratch(lib, grid, GRID_BLOCK)  # held: C writes into it
-    lib.mptex_grid_forward(ctypes.byref(grid), _ptr(xs), n_points, _ptr(params), int(half),
-                           _ptr(out), _ptr(scratch))  # fmt: skip
+    status = lib.mptex_grid_forward(ctypes.byref(grid), _ptr(xs), n_points, _ptr(params),
+                                    int(half), _ptr(out), _ptr(scratch))  # fmt: skip
+    _check(status, geometry)
     return out
 
 
@@ -846,9 +873,10 @@ def grid_backward_native(
     grad_params = torch.zeros_like(params)
     grad_x = torch.empty_like(x) if want_x else None
     scratch = _scratch(lib, grid, min(chunk, n_points))
-    lib.mptex_grid_backward(ctypes.byref(grid), _ptr(xs), n_points, _ptr(params), int(half),
-                            _ptr(grad), chunk, _ptr(grad_params),
-                            _ptr(grad_x) if want_x else None, _ptr(scratch))  # fmt: skip
+    status = lib.mptex_grid_backward(ctypes.byref(grid), _ptr(xs), n_points, _ptr(params),
+                                     int(half), _ptr(grad), chunk, _ptr(grad_params),
+                                     _ptr(grad_x) if want_x else None, _ptr(scratch))  # fmt: skip
+    _check(status, geometry)
     if half:
         lib.mptex_half_unscale(_ptr(grad_params), grad_params.numel(), HALF_LOSS_SCALE)
     return grad_params, grad_x

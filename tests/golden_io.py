@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import subprocess
 from pathlib import Path
 
 import torch
@@ -57,12 +58,45 @@ def torch_threads(count: int):
         torch.set_num_threads(before)
 
 
+# Builds of the C kernel besides the default (-march=native): the portable code paths.
+_BUILDS = {
+    # x86-64 baseline or any other CPU: no F16C, no AVX-512 (_Float16 conversions)
+    "portable": (),
+    # AVX2 + F16C + FMA, no AVX-512: the scalar F16C conversions
+    "avx2": ("-mavx2", "-mf16c", "-mfma"),
+}
+PATHS = ["native", "eager", *_BUILDS]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def native_or_eager(path: str, module, monkeypatch, pytest) -> str:
-    """Run ``module``'s op in the C kernel (``path == "native"``; skipped where it does not
-    build) or in its eager PyTorch ops (``module._native`` answers None)."""
-    if path == "native":
+    """Run ``module``'s op in the C kernel (``"native"``: the default build; a name of
+    ``_BUILDS``: that build; skipped where it does not build or the CPU lacks what it needs)
+    or in its eager PyTorch ops (``"eager"``: ``module._native`` answers None)."""
+    from mptex import _native_cpu
+
+    if path == "eager":
+        monkeypatch.setattr(module, "_native", lambda *args: None)
+    elif path == "native":
         if module.native_kernels() is None:
             pytest.skip("the C kernel does not build here (no C compiler)")
     else:
-        monkeypatch.setattr(module, "_native", lambda *args: None)
+        extra = _BUILDS[path]
+        if extra and not {"avx2", "f16c", "fma"} <= _cpu_flags():
+            pytest.skip(f"the {path} build needs an x86-64 CPU with AVX2, F16C and FMA")
+        flags = tuple(f for f in _native_cpu._CFLAGS if f != "-march=native") + extra
+        try:
+            lib = _native_cpu.build_kernels(flags)
+        except (OSError, subprocess.SubprocessError) as exc:
+            pytest.skip(f"the {path} build of the C kernel failed here: {exc}")
+        monkeypatch.setattr(module, "native_kernels", lambda: lib)
     return path

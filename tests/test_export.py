@@ -233,6 +233,12 @@ def test_mptex_export_writes_obj_mtl_png_glb_and_measures(run, request, tmp_path
     # Even this small atlas reproduces the tiny run's smooth texture closely.
     assert summary["psnr_baked_vs_neural"] > 30
     assert abs(summary["psnr_baked_vs_reference"] - summary["psnr_neural_vs_reference"]) < 2
+    # The texture decoded in each precision (f32 runs: its f32 decode is the neural texture).
+    table = summary["decode_precision"]
+    assert table["views"] == "the scene's 2 validation views"
+    assert table["psnr_vs_reference"]["f32"] == pytest.approx(summary["psnr_neural_vs_reference"])
+    assert set(table["psnr_vs_reference"]) == {"f32", "f16", "bf16", "fp8", "int8"}
+    assert table["psnr_vs_f32"]["f16"] > table["psnr_vs_f32"]["fp8"]
     loaded = load_obj(out / "mesh.obj")
     assert loaded.kd_texture.shape == (128, 128, 3)
     glb = trimesh.load(out / "mesh.glb")

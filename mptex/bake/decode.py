@@ -222,8 +222,10 @@ def decode_precision_table(
     mask: torch.Tensor,
     background: str = "white",
     precisions: Sequence[str] = DECODE_PRECISIONS,
+    reference: torch.Tensor | None = None,
 ) -> dict[str, Any]:
-    """The PSNR of the texture decoded in each precision against its f32 decode.
+    """The PSNR of the texture decoded in each precision against its f32 decode (and against
+    the views' reference images where there are some).
 
     Each decode's albedo (channels 0:3) is put on the covered pixels of the views over the
     background and scored as the export scores its bake (nvdiffrec's PSNR: sRGB, clamp, per
@@ -235,19 +237,24 @@ def decode_precision_table(
         mask: ``[B, H, W]`` bool, the covered pixels.
         background: ``"white"`` or ``"black"``.
         precisions: the precisions to decode (f32, the reference, always runs).
+        reference: ``[B, H, W, 4]`` the views' reference RGBA (a scene's ``val_views().rgba``),
+            or None.
 
     Returns:
         ``{"reference": "f32", "weights": "post-training quantisation" or "trained
         fake-quantised (<kind>)", "psnr_vs_f32": {precision: dB}, "max_abs_error":
-        {precision: largest |value - f32 value| over the covered pixels' channels}}``.
+        {precision: largest |value - f32 value| over the covered pixels' channels}}``, and
+        with ``reference`` ``"psnr_vs_reference": {precision: dB}`` (f32 included: the
+        albedo composited as the export composites its bake, against the reference over the
+        same background).
     """
     unknown = [p for p in precisions if p not in DECODE_PRECISIONS]
     if unknown:
         raise ValueError(f"precisions: expected a list of {DECODE_PRECISIONS}, got {unknown}")
     level = 1.0 if background == "white" else 0.0
     points = positions[mask]
-    reference = decode_texture(texture, points, "f32")
-    ref_image = _composite(reference, mask, level)
+    f32_values = decode_texture(texture, points, "f32")
+    ref_image = _composite(f32_values, mask, level)
     weights = decoder_weights(texture)
     table: dict[str, Any] = {
         "reference": "f32",
@@ -258,15 +265,22 @@ def decode_precision_table(
         "psnr_vs_f32": {},
         "max_abs_error": {},
     }
+    target = None
+    if reference is not None:
+        target = level + (reference[..., :3] - level) * reference[..., 3:4]
+        table["psnr_vs_reference"] = {"f32": float(psnr(ref_image, target).mean())}
     for precision in precisions:
         if precision == "f32":
             continue
         values = decode_texture(texture, points, precision)
+        if target is not None:
+            image = _composite(values, mask, level)
+            table["psnr_vs_reference"][precision] = float(psnr(image, target).mean())
         table["psnr_vs_f32"][precision] = float(
             psnr(_composite(values, mask, level), ref_image).mean()
         )
         table["max_abs_error"][precision] = (
-            float((values - reference).abs().max()) if values.numel() else 0.0
+            float((values - f32_values).abs().max()) if values.numel() else 0.0
         )
     return table
 

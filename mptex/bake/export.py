@@ -562,8 +562,9 @@ def export_mesh(
             )
         if options["decode_precisions"]:
             summary["decode_precision"] = decode_precision_table(
-                texture, gbuffer.position, gbuffer.mask, background, options["decode_precisions"]
-            )
+                texture, gbuffer.position, gbuffer.mask, background,
+                options["decode_precisions"], reference,
+            )  # fmt: skip
             summary["decode_precision"]["views"] = summary["measured_on"]
         summary["measure_time_s"] = time.perf_counter() - tick
     else:

@@ -4,8 +4,14 @@ Mark a test with ``@pytest.mark.requires_cuda``, ``requires_tcnn``, ``requires_n
 ``requires_triton``, ``requires_xatlas``, ``requires_trimesh`` or ``requires_assets``; the hook
 below turns the mark into a skip with a reason when the dependency is absent. Markers are
 registered in pyproject.toml, and ``--strict-markers`` rejects typos.
+
+The quick tier, ``pytest -m "not slow"``, is for an edit-test loop: besides the tests marked
+``slow`` where they are written, :data:`SLOW` names the tests that start mptex's commands in a
+subprocess (2-60 s each: Hydra's start, a training run, signals, sweeps with launchers) or
+compile Triton's kernels under its interpreter. CI runs every test.
 """
 
+import fnmatch
 import importlib.util
 
 import pytest
@@ -33,8 +39,28 @@ _REQUIREMENTS = {
 }
 
 
+# Node ids (relative to tests/) of the tests the quick tier leaves out, with why.
+SLOW = (
+    "test_cli.py::*",  # every test runs mptex-train in a subprocess
+    "test_signals.py::*",  # signals, requeue, full disks: training subprocesses
+    "test_sweep.py::*",  # multiruns with Hydra's launchers
+    "test_encoding_triton.py::*",  # Triton's interpreter compiles each kernel (~20 s at first)
+    "test_faults.py::test_kill_9_*",  # kills and resumes a training subprocess
+    "test_faults.py::test_cli_*",  # mptex-train / mptex-check subprocesses
+    "test_search.py::test_mptex_train_runs_the_search_*",  # a search with 2 worker processes
+    "test_export.py::test_mptex_train_exports_*",  # mptex-train then its export
+    "test_check.py::test_cli_*",  # mptex-check in a subprocess
+    "test_gpu_kit.py::test_a_*",  # the GPU kit's stages in subprocesses
+    "test_gpu_kit.py::test_bad_options_*",
+    "test_gpu_kit.py::test_an_empty_kit_*",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        node = item.nodeid.split("/", 1)[-1]
+        if any(fnmatch.fnmatch(node, pattern) for pattern in SLOW):
+            item.add_marker(pytest.mark.slow)
         for name, (available, reason) in _REQUIREMENTS.items():
             if item.get_closest_marker(name) is not None and not available():
                 item.add_marker(pytest.mark.skip(reason=reason))

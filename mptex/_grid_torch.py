@@ -399,17 +399,23 @@ def _interpolate(elements, weights, n_features: int, out_dtype: torch.dtype) -> 
     return _real_rows(out.unsqueeze(1), n_features)[:, 0].to(out_dtype)
 
 
-def _gather_features(params, lookup: _Lookup, geometry: GridGeometry, half: bool):
-    """[L, C, n, (k)] row elements at the lookup's rows (half-rounded in half mode)."""
+def _table_dtype(out_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype the table is read in: half (tcnn's half mode) or bfloat16 for those outputs."""
+    return out_dtype if out_dtype in (torch.float16, torch.bfloat16) else None
+
+
+def _gather_features(params, lookup: _Lookup, geometry: GridGeometry, table_dtype):
+    """[L, C, n, (k)] row elements at the lookup's rows (rounded to ``table_dtype``, the half
+    or bfloat16 modes' table, unless None)."""
     n_levels, n_corners, n_points = lookup.rows.shape
     n_features = geometry.n_features_per_level
     table = _row_view(params, n_features)
     elements = table.index_select(0, lookup.rows.view(-1))
-    if half:
-        # Half mode reads a half copy of the table; rounding each gathered entry is the
-        # same as rounding the table first.
+    if table_dtype is not None:
+        # Half (bfloat16) mode reads a half (bfloat16) copy of the table; rounding each
+        # gathered entry is the same as rounding the table first.
         real = torch.view_as_real(elements) if elements.is_complex() else elements
-        real.copy_(real.to(torch.float16))
+        real.copy_(real.to(table_dtype))
     return elements.view(n_levels, n_corners, n_points, *table.shape[1:])
 
 
@@ -447,7 +453,7 @@ class _HashGridFunction(torch.autograd.Function):
         for start in range(0, n_points, chunk):
             end = min(start + chunk, n_points)
             lookup = _Lookup(x[start:end], geometry, scales, in_unit_cube)
-            features = _gather_features(params, lookup, geometry, half)
+            features = _gather_features(params, lookup, geometry, _table_dtype(out_dtype))
             out[start:end] = _interpolate(
                 features, lookup.weights, n_features, out_dtype
             ).transpose(0, 1)
@@ -500,7 +506,7 @@ def _native(x: torch.Tensor, params: torch.Tensor, geometry: GridGeometry, out_d
 
 def _backward_eager(ctx, x, params, grad_out, want_x: bool, want_params: bool):
     """dL/dx and dL/dparams (before the half mode's unscaling) from the kept lookups."""
-    geometry, half = ctx.geometry, ctx.out_dtype == torch.float16
+    geometry, table_dtype = ctx.geometry, _table_dtype(ctx.out_dtype)
     n_features = geometry.n_features_per_level
     grad_x = x.new_empty(x.shape) if want_x else None
     grad_params = params.new_zeros(params.shape) if want_params else None
@@ -514,7 +520,9 @@ def _backward_eager(ctx, x, params, grad_out, want_x: bool, want_params: bool):
             contributions = _weighted(grad_elements, lookup.weights)  # [L, C, n, (k)]
             _scatter_rows(grad_params, lookup.rows.view(-1), contributions, n_features)
         if want_x:
-            features = _real_rows(_gather_features(params, lookup, geometry, half), n_features)
+            features = _real_rows(
+                _gather_features(params, lookup, geometry, table_dtype), n_features
+            )
             grad_x[start:end] = _input_gradient(grad, features, lookup, ctx.scales)
     return grad_x, grad_params
 
@@ -560,7 +568,11 @@ def hash_grid_encode(
             ``f`` at ``(offsets[l] + i) * F + f``.
         geometry: the level constants, from :func:`grid_geometry`.
         out_dtype: float32 (or float64), or float16 for tcnn's half mode (half table values,
-            half accumulation, half output, backward with tcnn's fixed loss scale of 128).
+            half accumulation, half output, backward with tcnn's fixed loss scale of 128), or
+            bfloat16 for mptex's bfloat16 mode, which tcnn does not have: bfloat16 table values,
+            float32 weights and sums (the float32 path's), bfloat16 output; the backward is the
+            float32 path's on the bfloat16 ``dL/dy`` (no loss scale: bfloat16 has float32's
+            exponent range), the parameter gradient float32, summed in float32.
 
     Returns:
         [N, L * F] in ``out_dtype``, level-major (features of level 0 first).

@@ -36,7 +36,7 @@ __all__ = ["HashGridEncoding", "hash_grid_encode", "GridGeometry"]
 
 Backend = Literal["auto", "torch", "tcnn", "triton"]
 BACKENDS = ("auto", "torch", "tcnn", "triton")
-_DTYPES = {torch.float32: "float32", torch.float16: "float16"}
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 # The finest level's resolution is capped where float32 grid coordinates stop being exact
@@ -249,7 +249,15 @@ class HashGridEncoding(nn.Module):
             parameter gradients to float32 atomic-summation order), float32 only, on GPU
             tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (slow; for testing).
         dtype: float32, or float16 for tcnn's half mode (float32 master ``params``, half table
-            reads and accumulation, half output, backward with tcnn's loss scale of 128).
+            reads and accumulation, half output, backward with tcnn's loss scale of 128), or
+            bfloat16, which tcnn does not have (torch backend only; ``"auto"`` resolves to
+            it): the **parameters** stay the float32 master ``params``; the forward reads the
+            table rounded to bfloat16, interpolates in float32 and returns bfloat16; the
+            **gradients** are the float32 path's on the bfloat16 ``dL/dy``, summed in float32
+            into a float32 ``params.grad`` (no loss scale: bfloat16 has float32's range); the
+            **optimizer state** is therefore float32 too (Adam's moments of the f32 masters).
+            What it saves is the table's bytes read per lookup on hardware that reads a
+            bfloat16 copy; the twin gathers from the f32 table and rounds.
         device: where ``params`` is created.
         seed: seed of the uniform [-1e-4, 1e-4] initialisation (tcnn's range); None draws
             from torch's global generator.
@@ -335,7 +343,14 @@ class HashGridEncoding(nn.Module):
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be torch.float32 or torch.float16, got {dtype!r}")
+            raise ValueError(
+                f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}"
+            )
+        if dtype == torch.bfloat16 and backend in ("tcnn", "triton"):
+            raise ValueError(
+                f"dtype: tcnn has no bfloat16 grid and the Triton kernels are float32; "
+                f"torch.bfloat16 runs on backend 'torch' (or 'auto'), got backend {backend!r}"
+            )
         self.config = dict(
             n_levels=n_levels,
             n_features_per_level=n_features_per_level,
@@ -410,6 +425,12 @@ class HashGridEncoding(nn.Module):
         if self.backend != "auto":
             return self.backend
         if self.params.device.type != "cuda":
+            return "torch"
+        if self.dtype == torch.bfloat16:
+            _backends.warn_fallback_once(
+                "HashGridEncoding(backend='auto', dtype=torch.bfloat16)",
+                "tcnn has no bfloat16 grid",
+            )
             return "torch"
         if _backends.has_tcnn():
             return "tcnn"

@@ -16,6 +16,7 @@ f16_static    f16        f16                    f32      static 128    tcnn's co
 f16_dynamic   f16        f16                    f32      dynamic       GradScaler
 amp           f16        autocast f16           f32      dynamic       torch.autocast
 bf16          f32        bf16                   f32      none          tcnn has no bf16 grid
+bf16_grid     bf16       bf16                   f32      none          torch grid only
 per_layer     f16        f16, f16, f32          f32      dynamic       explicit casts
 tcnn_fused    f16        FullyFusedMLP f16      f32      tcnn (x128)   tcnn on CUDA, else twin
 ============  =========  =====================  =======  ============  ===================
@@ -170,8 +171,10 @@ class PrecisionPolicy:
 
     Args:
         name: arm name, used in reports (``"f16_dynamic"``, or anything for a custom policy).
-        encoder_dtype: hash-grid compute/output dtype, ``f32`` or ``f16`` (tcnn's half mode: f32
-            master table, f16 output). tcnn has no bf16 grid, so bf16 is refused.
+        encoder_dtype: hash-grid compute/output dtype, ``f32``, ``f16`` (tcnn's half mode: f32
+            master table, f16 output) or ``bf16`` (mptex's bfloat16 mode of the torch grid,
+            which tcnn does not have: f32 master table, bf16 table reads, bf16 output; see
+            :class:`~mptex.HashGridEncoding`).
         mlp_dtypes: the MLP's compute dtype, one for all layers (a single dtype or a 1-list) or one
             per ``torch.nn.Linear`` layer, input layer first (``per_layer``). With ``autocast``
             it is the autocast dtype and must be a single dtype.
@@ -262,10 +265,6 @@ class PrecisionPolicy:
         # Each field's value first: a YAML ``no`` given as a string, or ``init_scale=big``, must
         # not reach the rules below (a non-empty string is true; float("big") names no field).
         check_fields(self)
-        if self.encoder_dtype == torch.bfloat16:
-            raise ValueError(
-                "encoder_dtype: the hash grid supports f32 and f16 (as tcnn), got bf16"
-            )
         if not self.master_weights:
             if len(self.mlp_dtypes) != 1:
                 raise ValueError(
@@ -453,6 +452,7 @@ for _arm in (
     ),  # fmt: skip
     PrecisionPolicy("int8_qat", _f32, (_f32,), weight_quant="int8"),
     PrecisionPolicy("fp8_qat", _f32, (_f32,), weight_quant="fp8"),
+    PrecisionPolicy("bf16_grid", _bf16, (_bf16,)),
 ):
     _ARMS[_arm.name] = _arm
 

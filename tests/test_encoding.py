@@ -393,7 +393,7 @@ def test_state_dict_is_one_flat_vector():
         (dict(n_input_dims=3, per_level_scale=0.5), "per_level_scale"),
         (dict(n_input_dims=3, interpolation="Cubic"), "interpolation"),
         (dict(n_input_dims=3, backend="cuda"), "backend"),
-        (dict(n_input_dims=3, dtype=torch.bfloat16), "dtype"),
+        (dict(n_input_dims=3, dtype=torch.float64), "dtype"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, match):

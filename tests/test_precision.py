@@ -15,7 +15,7 @@ ARMS = [
     "nvdiffrec", "f32", "f16_naive", "f16_static", "f16_dynamic", "amp", "bf16", "per_layer",
     "tcnn_fused", "tcnn_fused_swap154", "tcnn_fused_dynamic", "tcnn_fused_f32acc",
     "tcnn_fused_nosplitk", "tcnn_fused_scale1024", "nvdiffrec_scale1", "fp8", "fp8_current",
-    "int8_qat", "fp8_qat",
+    "int8_qat", "fp8_qat", "bf16_grid",
 ]  # fmt: skip
 
 
@@ -59,7 +59,6 @@ def test_partial_config_starts_from_the_named_arm():
     [
         ({"mlp_dtypes": ["f16", "f8"]}, "mlp_dtypes"),
         ({"mlp_dtypes": []}, "mlp_dtypes"),
-        ({"encoder_dtype": "bf16"}, "encoder_dtype"),
         ({"encoder_dtype": "int8"}, "encoder_dtype"),
         ({"loss_scaling": "sometimes"}, "loss_scaling"),
         ({"static_loss_scale": 0}, "static_loss_scale"),

@@ -64,12 +64,24 @@ def test_space_counts_follow_the_pruning_rules():
         c.policy()
 
 
-def test_bf16_grid_and_unsupported_fused_widths_are_pruned_with_their_reason():
+def test_the_bf16_grid_is_in_the_space_and_unsupported_fused_widths_are_pruned():
     kept, pruned = enumerate_space(2, 24, {"encoder_dtypes": ["bf16", "f16"]})
     reasons = {p["candidate"]: p["reason"] for p in pruned}
-    assert "supports f32 and f16" in reasons["ebf16-f16.f16-dyn"]
+    names = {c.name for c in kept}
+    # mptex's bf16 grid is a candidate; like a bf16 layer it needs no loss scale.
+    assert {"ebf16-f16.f16-dyn", "ebf16-bf16.bf16-none", "ebf16-fp8-none"} <= names
+    assert "no f16 value" in reasons["ebf16-bf16.bf16-dyn"]
     assert "widths [16, 32, 64, 128]" in reasons["e16-fused-tcnn"]
-    assert not any(c.mlp == "fused" or c.encoder == "bf16" for c in kept)
+    assert not any(c.mlp == "fused" for c in kept)
+
+
+def test_cost_of_the_bf16_grid_by_hand():
+    parts = _parts(Candidate("bf16", ("f32", "f32")))
+    # bf16 table reads (2 B), its gradient summed in f32 (4 B atomics), no gradient cast.
+    assert parts["grid forward"]["bytes"] == 1000 * 4 * 8 * 2 + 12000 + 1000 * 4 * 2
+    assert parts["grid backward"]["bytes"] == 1000 * 4 * 8 * 2 * 4 + 1000 * 4 * 2 + 12000
+    assert parts["grid f32 -> bf16 table"]["bytes"] == 1000 * (4 + 2)
+    assert not any("gradient" in n and "cast" in n or n.endswith("f32 gradient") for n in parts)
 
 
 @pytest.mark.parametrize(

@@ -15,9 +15,11 @@ device-to-host synchronisation. The iteration's cost is the sum over parts. Assu
   smoothness term (the texture is sampled at the points and at jittered copies).
 - Hash grid (tcnn's semantics): forward reads 8 corners x ``F`` features x ``L`` levels per query in
   the encoder dtype; backward adds to as many gradient entries (an atomic add = read + write, in
-  the encoder dtype, tcnn's gradient type). No cache reuse and no sector over-fetch is modelled:
-  the gather/scatter bytes are a lower bound. With an f16 grid the f32 master table is cast to an
-  f16 copy once per step and the f16 gradient back to f32 for the optimizer (one pass each).
+  the encoder dtype, tcnn's gradient type; f32 for mptex's bf16 grid, which has no tcnn
+  counterpart and accumulates its gradient in f32). No cache reuse and no sector over-fetch is
+  modelled: the gather/scatter bytes are a lower bound. With an f16 grid the f32 master table is
+  cast to an f16 copy once per step and the f16 gradient back to f32 for the optimizer (one pass
+  each); a bf16 grid casts the table only.
 - Linear MLP (:class:`~mptex.PrecisionMLP`): per layer a GEMM forward (``2 N in out`` FLOPs) and
   two backward (``4 N in out``: input and weight gradients; the first layer's input gradient
   feeds the grid), activations read and written once per pass, a cast kernel (forward and
@@ -209,13 +211,16 @@ def _cast(name: str, n: float, src: str, dst: str) -> Part:
 
 def _grid(c: Candidate, s: TextureShape) -> list[Part]:
     b, n, lf = BYTES[c.encoder], s.points, s.n_levels * s.n_features
+    # tcnn's half grid accumulates its gradient in half; mptex's bf16 grid in f32.
+    g = BYTES["f32"] if c.encoder == "bf16" else b
     parts = [
         Part("grid forward", bytes=n * lf * 8 * b + n * 3 * 4 + n * lf * b, kernels=1),
-        Part("grid backward", bytes=n * lf * 8 * 2 * b + n * lf * b + n * 3 * 4, kernels=1),
-        Part("grid gradient zero", bytes=s.grid_params * b, kernels=1),
+        Part("grid backward", bytes=n * lf * 8 * 2 * g + n * lf * b + n * 3 * 4, kernels=1),
+        Part("grid gradient zero", bytes=s.grid_params * g, kernels=1),
     ]
     if c.encoder != "f32":
-        parts.append(_cast("grid f32 -> f16 table", s.grid_params, "f32", c.encoder))
+        parts.append(_cast(f"grid f32 -> {c.encoder} table", s.grid_params, "f32", c.encoder))
+    if c.encoder == "f16":
         parts.append(_cast("grid f16 -> f32 gradient", s.grid_params, c.encoder, "f32"))
     return parts
 

@@ -13,7 +13,7 @@ runs.
 Pruning (:func:`enumerate_space`), in this order, each with its reason recorded:
 
 1. ``invalid``: :class:`~mptex.PrecisionPolicy` refuses the combination (its ``ValueError``
-   is the reason), e.g. a bf16 grid (tcnn has none), loss scaling without f32 masters
+   is the reason), e.g. loss scaling without f32 masters
    (GradScaler refuses f16 gradients), the fused network with a width tcnn does not build.
 2. ``redundant``: it computes exactly what a kept candidate computes, at a cost the model cannot
    rank lower: ``master_weights: false`` with every layer in f32 (the parameters are f32 either
@@ -64,8 +64,7 @@ class SpaceConfig:
     """The ``search.space`` group: what the search may vary, each key the values tried."""
 
     encoder_dtypes: list[str] = setting(["f16", "f32"], _values(["f16", "f32", "bf16"]))
-    """The hash grid's dtypes (bf16 is accepted so that its pruning, no bf16 grid in tcnn, is
-    recorded, not hidden)."""
+    """The hash grid's dtypes (bf16: mptex's bfloat16 grid, torch backend only; tcnn has none)."""
     layer_dtypes: list[str] = setting(["f32", "bf16", "f16"], _values(["f32", "bf16", "f16"]))
     """Each linear layer's compute dtypes."""
     master_weights: list[bool] = setting([True, False], ListOf(Flag(), non_empty=True, unique=True))

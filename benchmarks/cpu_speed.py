@@ -2,6 +2,7 @@
 
     python benchmarks/cpu_speed.py mlp                  # twin vs the f32 MLP, forward+backward
     python benchmarks/cpu_speed.py grid                 # grid vs its gather/scatter floor
+    python benchmarks/cpu_speed.py iteration            # f32 vs tcnn_fused per iteration
     python benchmarks/cpu_speed.py profile --scene builtin --arm tcnn_fused
     python benchmarks/cpu_speed.py sweep multirun/...   # a sweep's time per iteration per arm
     python benchmarks/cpu_speed.py compare before/results.json after/results.json
@@ -11,9 +12,10 @@ repeats, median), on this machine; set ``OMP_WAIT_POLICY=passive`` on a shared m
 (spinning OpenMP threads slow torch 10-20x under load). Ratios are taken within one run.
 
 ``mlp``: the texture's MLP (``texture=cpu``: 24 inputs, 32 wide, 2 hidden layers, 3 outputs) at
-the rows of one training iteration of the built-in scene (two views: ~8,300 covered pixels, and
-as many jittered points), forward+backward: tcnn's fused network (the PyTorch twin) against the
-f32 arm's linear layers.
+the rows of one texture sample of the quick protocol (the covered pixels of two views: 9,290 on
+the built-in scene, 13,948 on the duck; an iteration samples twice, the points and jittered
+points), forward+backward: tcnn's fused network (the PyTorch twin) against the f32 arm's linear
+layers.
 
 ``grid``: the hash grid's forward+backward (float32 and tcnn's half mode) against its floor:
 the bare ``index_select`` of the same table rows (2 features as one complex64 element) and the
@@ -26,6 +28,10 @@ seed, one thread) under the torch profiler, by part: the texture's grid and MLP 
 backward), the rest of the forward and the loss, the optimizer step, the G-buffer cache, and
 what the protocol does every few iterations (validation every 50, checkpoints every 100,
 statistics every 10), per occurrence and spread over the iterations.
+
+``iteration``: each arm's time per iteration (``metrics.json``'s median) in runs of the quick
+protocol shortened to ``--iterations``, the arms alternating in one process for ``--rounds``
+rounds; the ratio is to the first arm's (f32).
 
 ``sweep``: the median time per iteration of each arm of a finished sweep over its seeds (the
 runs' ``metrics.json``), its ratio to f32's, and the sweep's wall time.
@@ -68,8 +74,9 @@ def grid_config(name: str) -> dict:
     return {key: config[key] for key in keys}
 
 
-# Covered pixels of two 128 x 128 views of the built-in scene, the rows of one texture sample.
-BUILTIN_ROWS = 8300
+# Rows of one texture sample in the quick protocol: the covered pixels of two 128 x 128 views,
+# averaged over the training views (built-in scene 9,290, the duck 13,948).
+SCENE_ROWS = {"builtin": 9290, "duck": 13948}
 
 
 def interleaved_medians(fns: dict, repeats: int, warmup: int = 2) -> dict[str, float]:
@@ -147,8 +154,15 @@ def grid_floor(x: torch.Tensor, geometry, params: torch.Tensor):
     return run
 
 
-def bench_grid(configs: list[str], log2_points: list[int], repeats: int) -> list[list[str]]:
+def bench_grid(
+    configs: list[str], log2_points: list[int], repeats: int, eager: bool = False
+) -> list[list[str]]:
+    """The grid's forward+backward against its floor; ``eager``: also its eager PyTorch ops
+    (what runs without the C kernel: the implementation before it)."""
+    import mptex._grid_torch as grid_module
     from mptex._grid_torch import grid_geometry, hash_grid_encode
+
+    native = grid_module._native
 
     rows = []
     for name in configs:
@@ -159,21 +173,24 @@ def bench_grid(configs: list[str], log2_points: list[int], repeats: int) -> list
             n = 2**log2
             x = torch.rand(n, 3, generator=torch.Generator().manual_seed(1))
 
-            def encode(dtype, x=x, params=params, geometry=geometry):
+            def encode(dtype, ops=native, x=x, params=params, geometry=geometry):
                 def run():
+                    grid_module._native = ops  # the C kernel where it runs, or eager ops
                     params.grad = None
                     hash_grid_encode(x, params, geometry, dtype).float().sum().backward()
+                    grid_module._native = native
 
                 return run
 
-            medians = interleaved_medians(
-                {
-                    "floor": grid_floor(x, geometry, params),
-                    "float32": encode(torch.float32),
-                    "float16": encode(torch.float16),
-                },
-                repeats,
-            )
+            runs = {
+                "floor": grid_floor(x, geometry, params),
+                "float32": encode(torch.float32),
+                "float16": encode(torch.float16),
+            }
+            if eager:
+                runs["float32 eager ops"] = encode(torch.float32, lambda *args: None)
+                runs["float16 eager ops"] = encode(torch.float16, lambda *args: None)
+            medians = interleaved_medians(runs, repeats)
             for what, seconds in medians.items():
                 label = "gather + scatter floor" if what == "floor" else f"{what} fwd+bwd"
                 rows.append([f"grid {name} {label}", f"2^{log2} points",
@@ -270,16 +287,9 @@ def profile_run(scene: str, arm: str, seed: int, overrides: list[str]) -> tuple[
     """Train one run of the quick protocol under the profiler; per part: ms in the run."""
     import tempfile
 
-    from hydra import compose, initialize_config_dir
-
-    from mptex.cli import CONFIG_DIR, register_experiments
     from mptex.train import train
 
-    register_experiments()
-    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["+experiment=quick", f"scene={scene}",
-                                           f"precision={arm}", f"train.seed={seed}",
-                                           "train.progress=false", *overrides])  # fmt: skip
+    cfg = quick_config(scene, arm, seed, overrides)
     hooks = _mlp_scope_hooks()
     try:
         with tempfile.TemporaryDirectory() as tmp, torch.profiler.profile() as prof:
@@ -301,6 +311,43 @@ def profile_run(scene: str, arm: str, seed: int, overrides: list[str]) -> tuple[
         for part, us in sorted(totals.items(), key=lambda kv: -kv[1])
     ]
     return rows, info
+
+
+# ----------------------------------------------------------------------------- iteration
+def quick_config(scene: str, arm: str, seed: int, overrides: list[str]):
+    """``+experiment=quick``'s config for one run (what the sweep's job composes)."""
+    from hydra import compose, initialize_config_dir
+
+    from mptex.cli import CONFIG_DIR, register_experiments
+
+    register_experiments()
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        return compose("config", overrides=["+experiment=quick", f"scene={scene}",
+                                            f"precision={arm}", f"train.seed={seed}",
+                                            "train.progress=false", *overrides])  # fmt: skip
+
+
+def iteration_rows(scenes: list[str], arms: list[str], rounds: int, iterations: int):
+    """Each arm's median time per iteration (metrics.json's) over ``rounds`` runs of
+    ``iterations`` quick-protocol iterations, the arms alternating in one process."""
+    import tempfile
+
+    from mptex.train import train
+
+    rows = []
+    for scene in scenes:
+        times: dict[str, list[float]] = {arm: [] for arm in arms}
+        for _ in range(rounds):
+            for arm in arms:
+                cfg = quick_config(scene, arm, 0, [f"train.iterations={iterations}"])
+                with tempfile.TemporaryDirectory() as tmp:
+                    times[arm].append(train(cfg, tmp)["time_per_iter_s"])
+        base = statistics.median(times[arms[0]])
+        for arm in arms:
+            median = statistics.median(times[arm])
+            rows.append([f"{scene}: {arm} time per iteration", f"{rounds} x {iterations} its",
+                         f"{median * 1e3:.1f} ms", f"{median / base:.2f}x"])  # fmt: skip
+    return rows
 
 
 # ----------------------------------------------------------------------------- sweep
@@ -358,10 +405,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     mlp = sub.add_parser("mlp", help="the fused-MLP twin against the f32 MLP")
-    mlp.add_argument("--rows", type=int, default=BUILTIN_ROWS)
+    mlp.add_argument("--rows", type=int, nargs="+", default=list(SCENE_ROWS.values()))
     grid = sub.add_parser("grid", help="the hash grid against its gather/scatter floor")
     grid.add_argument("--configs", nargs="+", default=["nvdiffrec", "cpu"])
     grid.add_argument("--log2-points", type=int, nargs="+", default=[16])
+    grid.add_argument("--eager", action="store_true", help="also time the eager PyTorch ops")
     for p in (mlp, grid):
         p.add_argument("--repeats", type=int, default=15)
         p.add_argument("--threads", type=int, default=1)
@@ -370,6 +418,11 @@ def main(argv: list[str] | None = None) -> None:
     prof.add_argument("--arm", default="f32")
     prof.add_argument("--seed", type=int, default=0)
     prof.add_argument("overrides", nargs="*", help="more Hydra overrides, after --")
+    per_iter = sub.add_parser("iteration", help="time per iteration of arms, in one process")
+    per_iter.add_argument("--scenes", nargs="+", default=["builtin", "duck"])
+    per_iter.add_argument("--arms", nargs="+", default=["f32", "tcnn_fused"])
+    per_iter.add_argument("--rounds", type=int, default=3)
+    per_iter.add_argument("--iterations", type=int, default=100)
     sweep = sub.add_parser("sweep", help="a finished sweep's time per iteration, per arm")
     sweep.add_argument("sweep_dir", type=Path)
     compare = sub.add_parser("compare", help="two reports' results.json, timings left out")
@@ -401,11 +454,19 @@ def main(argv: list[str] | None = None) -> None:
               f"{info['psnr']:.2f} dB)")  # fmt: skip
         print(f"machine: {machine('cpu')}")
         return
+    if args.command == "iteration":
+        from mptex.cli import _reproducible_blas
+
+        _reproducible_blas()
+        rows = iteration_rows(args.scenes, args.arms, args.rounds, args.iterations)
+        print_table(HEADERS, rows)
+        print(f"\nmachine: {machine('cpu')} (the runs: train.threads=1, +experiment=quick)")
+        return
     torch.set_num_threads(args.threads)
     if args.command == "mlp":
-        rows = bench_mlp(args.rows, args.repeats)
+        rows = [row for n in args.rows for row in bench_mlp(n, args.repeats)]
     else:
-        rows = bench_grid(args.configs, args.log2_points, args.repeats)
+        rows = bench_grid(args.configs, args.log2_points, args.repeats, args.eager)
     print_table(HEADERS, rows)
     print(f"\nmachine: {machine('cpu')}")
 

@@ -323,7 +323,21 @@ static void grid_axes(const mptex_grid *grid, int64_t level, const float *xs, in
         float *restrict w0 = a->w0 + d * n, *restrict w1 = a->w1 + d * n;
         float *restrict dv = a->derivative + d * n;
         uint32_t *restrict cell = a->cells + d * n;
-        for (int64_t q = 0; q < n; ++q) {
+        int64_t q = 0;
+#ifdef MPTEX_AVX512
+        /* compilers vectorize no fmaf: by hand, one rounding as fmaf's; the cell as the low 32
+           bits of an int64 where |floor| < 2^31 (else the lanes go through the scalar loop) */
+        const __m512 vscale = _mm512_set1_ps(scale), half = _mm512_set1_ps(0.5f);
+        const __m512 limit = _mm512_set1_ps(2147483648.0f);
+        for (; q + 16 <= n; q += 16) {
+            __m512 pos = _mm512_fmadd_ps(vscale, _mm512_loadu_ps(x + q), half);
+            __m512 low = _mm512_roundscale_ps(pos, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+            if (_mm512_cmp_ps_mask(_mm512_abs_ps(low), limit, _CMP_LT_OQ) != 0xFFFF) break;
+            _mm512_storeu_ps(w1 + q, _mm512_sub_ps(pos, low));
+            _mm512_storeu_si512((void *)(cell + q), _mm512_cvttps_epi32(low));
+        }
+#endif
+        for (; q < n; ++q) {
             float pos = fmaf(scale, x[q], 0.5f);
             float low = floorf(pos);
             w1[q] = pos - low; /* the fraction, for now */
@@ -371,9 +385,16 @@ static void grid_corner(const mptex_grid *grid, int64_t level, const mptex_axes 
     }
     if (grid->hashed[level])
         for (int64_t q = 0; q < n; ++q) rows[q] = offset + (int64_t)(index[q] & mask);
-    else /* index % size: a float64 quotient of 32-bit integers floors exactly */
-        for (int64_t q = 0; q < n; ++q)
-            rows[q] = offset + (int64_t)(index[q] - (uint32_t)((double)index[q] / size) * size);
+    else { /* index % size: one subtraction inside the unit cube (index < 2 size), else % */
+        uint32_t beyond = 0;
+        for (int64_t q = 0; q < n; ++q) {
+            uint32_t v = index[q] >= size ? index[q] - size : index[q];
+            beyond |= v >= size;
+            rows[q] = offset + (int64_t)v;
+        }
+        if (beyond)
+            for (int64_t q = 0; q < n; ++q) rows[q] = offset + (int64_t)(index[q] % size);
+    }
     if (grid->interpolation == 2) {
         for (int64_t q = 0; q < n; ++q) weights[q] = 1.0f;
         return;
@@ -451,13 +472,16 @@ static void gather_rows(const float *params, const int64_t *rows, int64_t n, int
             values[q * features + f] = params[rows[q] * features + f];
 }
 
-/* grad_params[row] += term, point by point in order (pairs of features). */
+/* grad_params[row] += g * (w, 0) (the eager op's complex product, see above), point by point
+   in order (pairs of features); the products ride along with the loads the loop waits for. */
 __attribute__((optimize("no-tree-vectorize")))
-static void scatter_pairs(float *grad_params, const int64_t *rows, const float *terms, int64_t n) {
+static void scatter_pairs(float *grad_params, const int64_t *rows, const float *weights,
+                          const float *grad, int64_t n) {
     for (int64_t q = 0; q < n; ++q) {
+        float g0 = grad[2 * q], g1 = grad[2 * q + 1], w = weights[q];
         float *target = grad_params + rows[q] * 2;
-        target[0] += terms[2 * q];
-        target[1] += terms[2 * q + 1];
+        target[0] += g0 * w - g1 * 0.0f;
+        target[1] += g0 * 0.0f + g1 * w;
     }
 }
 
@@ -534,8 +558,9 @@ int mptex_grid_forward(const mptex_grid *grid, const float *xs, int64_t n, const
     return 0;
 }
 
-/* Backward from grad [n, L * F] float32 (half mode: already rounded to half and times the loss
-   scale, as the eager op does). grad_params [E * F] (zeroed by the caller) receives the
+/* Backward from grad [L, n, F] float32, level-major (a level's gradients read once from the
+   cache for all its corners; half mode: already rounded to half and times the loss scale, as
+   the eager op does). grad_params [E * F] (zeroed by the caller) receives the
    weighted gradients in the eager op's scatter order: chunk by chunk of `chunk` points, level
    by level, corner by corner, point by point. grad_x [n, D] (if not NULL): dL/dx in the eager
    op's order (features, corners, then levels, each summed first term first). xs [D][n];
@@ -558,21 +583,13 @@ int mptex_grid_backward(const mptex_grid *grid, const float *xs, int64_t n, cons
                     int64_t m = from + sub < count ? sub : count - from;
                     grid_corner(grid, level, &s.axes, count, from, m, c, s.index, s.rows,
                                 s.weights);
-                    const float *g = grad + (start + from) * levels * features + level * features;
+                    const float *g = grad + (level * n + start + from) * features;
                     /* in order, point by point: a row hit twice adds as scatter_add_ does */
                     if (features == 2) {
-                        int64_t step = levels * 2;
-                        float *restrict terms = s.values;
-                        const float *restrict w = s.weights;
-                        for (int64_t q = 0; q < m; ++q) {
-                            float g0 = g[q * step], g1 = g[q * step + 1];
-                            terms[2 * q] = g0 * w[q] - g1 * 0.0f;
-                            terms[2 * q + 1] = g0 * 0.0f + g1 * w[q];
-                        }
-                        scatter_pairs(grad_params, s.rows, terms, m);
+                        scatter_pairs(grad_params, s.rows, s.weights, g, m);
                     } else {
                         for (int64_t q = 0; q < m; ++q)
-                            weighted(g + q * levels * features, s.weights[q], features,
+                            weighted(g + q * features, s.weights[q], features,
                                      s.values + q * features);
                         for (int64_t q = 0; q < m; ++q)
                             for (int64_t f = 0; f < features; ++f)
@@ -595,7 +612,7 @@ int mptex_grid_backward(const mptex_grid *grid, const float *xs, int64_t n, cons
                         for (int64_t d = 0; d < dims; ++d) gx[d] = 0.0f;
                         continue;
                     }
-                    const float *g = grad + p * levels * features + level * features;
+                    const float *g = grad + (level * n + p) * features;
                     float corner_grad[MPTEX_MAX_CORNERS];
                     for (int64_t c = 0; c < corners; ++c) {
                         const float *row = params + s.rows[c * m + q] * features;
@@ -634,9 +651,18 @@ int mptex_grid_backward(const mptex_grid *grid, const float *xs, int64_t n, cons
 /* tcnn's half gradient table, unscaled in half: g = half(half(g) / scale), as the eager op's
    (grad.to(float16) / scale).to(float32). */
 int mptex_half_unscale(float *g, int64_t n, float scale) {
-    round_half_array(g, NULL, n);
-    for (int64_t e = 0; e < n; ++e) g[e] = g[e] / scale;
-    round_half_array(g, NULL, n);
+    int64_t e = 0;
+#ifdef MPTEX_AVX512
+    const __m512 divisor = _mm512_set1_ps(scale);
+    for (; e + 16 <= n; e += 16) {
+        __m512 x = _mm512_loadu_ps(g + e);
+        x = _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        x = _mm512_div_ps(x, divisor);
+        x = _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm512_storeu_ps(g + e, x);
+    }
+#endif
+    for (; e < n; ++e) g[e] = half_round(half_round(g[e]) / scale);
     return 0;
 }
 """
@@ -868,8 +894,9 @@ def grid_backward_native(
     ``grad`` [N, L * F] float32 (half mode: already rounded to half and scaled; dL/dparams is
     returned unscaled as tcnn's half table is, dL/dx still scaled)."""
     grid, _ = _grid_struct(geometry)
-    xs, params, grad = x.t().contiguous(), params.contiguous(), grad.contiguous()
     n_points = x.shape[0]
+    xs, params = x.t().contiguous(), params.contiguous()
+    grad = grad.reshape(n_points, geometry.n_levels, -1).transpose(0, 1).contiguous()
     grad_params = torch.zeros_like(params)
     grad_x = torch.empty_like(x) if want_x else None
     scratch = _scratch(lib, grid, min(chunk, n_points))

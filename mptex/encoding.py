@@ -266,7 +266,9 @@ class HashGridEncoding(nn.Module):
     Attributes:
         params: [n_params] float32 parameter, entry ``i`` of level ``l``, feature ``f`` at
             ``(offsets[l] + i) * F + f``.
-        n_params, n_output_dims (= L * F), geometry (the per-level constants).
+        n_params: the length of ``params``.
+        n_output_dims: L * F.
+        geometry: the per-level constants (scales, resolutions, table offsets).
 
     Raises:
         ValueError: naming the argument or ``encoding_config.<key>``, for a value out of range,

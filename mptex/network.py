@@ -97,7 +97,8 @@ class FullyFusedMLP(nn.Module):
 
     Attributes:
         params: ``[n_params]`` float32 master parameters in tcnn's layout (module docstring).
-        n_input_dims, n_output_dims, n_params, width, n_hidden_layers, network_config.
+        network_config: the tcnn config dict, defaults filled in; ``n_input_dims``,
+            ``n_output_dims``, ``n_params``, ``width`` and ``n_hidden_layers`` as named.
         collect_stats: set True to record per-layer precision statistics in ``last_stats``
             during each twin backward (costs a few reductions per layer).
         last_stats: ``{layer: {...}}`` of the last twin backward with ``collect_stats``:

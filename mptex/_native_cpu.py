@@ -896,7 +896,8 @@ def grid_backward_native(
     grid, _ = _grid_struct(geometry)
     n_points = x.shape[0]
     xs, params = x.t().contiguous(), params.contiguous()
-    grad = grad.reshape(n_points, geometry.n_levels, -1).transpose(0, 1).contiguous()
+    grad = grad.reshape(n_points, geometry.n_levels, geometry.n_features_per_level)
+    grad = grad.transpose(0, 1).contiguous()
     grad_params = torch.zeros_like(params)
     grad_x = torch.empty_like(x) if want_x else None
     scratch = _scratch(lib, grid, min(chunk, n_points))

@@ -63,7 +63,7 @@ _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__SSE2__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512F__) && defined(__F16C__)
@@ -472,16 +472,20 @@ static void gather_rows(const float *params, const int64_t *rows, int64_t n, int
             values[q * features + f] = params[rows[q] * features + f];
 }
 
-/* grad_params[row] += g * (w, 0) (the eager op's complex product, see above), point by point
-   in order (pairs of features); the products ride along with the loads the loop waits for. */
+/* grad_params[row] += term, point by point in order (pairs of features): a loop of nothing
+   but the scattered adds (the products come before it), so that many are in flight at once. */
 __attribute__((optimize("no-tree-vectorize")))
-static void scatter_pairs(float *grad_params, const int64_t *rows, const float *weights,
-                          const float *grad, int64_t n) {
+static void scatter_pairs(float *grad_params, const int64_t *rows, const float *terms, int64_t n) {
     for (int64_t q = 0; q < n; ++q) {
-        float g0 = grad[2 * q], g1 = grad[2 * q + 1], w = weights[q];
         float *target = grad_params + rows[q] * 2;
-        target[0] += g0 * w - g1 * 0.0f;
-        target[1] += g0 * 0.0f + g1 * w;
+#ifdef __SSE2__ /* both features in one 8-byte load and store: two float adds, as apart */
+        __m128 sum = _mm_add_ps(_mm_castpd_ps(_mm_load_sd((const double *)target)),
+                                _mm_castpd_ps(_mm_load_sd((const double *)(terms + 2 * q))));
+        _mm_store_sd((double *)target, _mm_castps_pd(sum));
+#else
+        target[0] += terms[2 * q];
+        target[1] += terms[2 * q + 1];
+#endif
     }
 }
 
@@ -586,7 +590,14 @@ int mptex_grid_backward(const mptex_grid *grid, const float *xs, int64_t n, cons
                     const float *g = grad + (level * n + start + from) * features;
                     /* in order, point by point: a row hit twice adds as scatter_add_ does */
                     if (features == 2) {
-                        scatter_pairs(grad_params, s.rows, s.weights, g, m);
+                        float *restrict terms = s.values;
+                        const float *restrict w = s.weights;
+                        for (int64_t q = 0; q < m; ++q) {
+                            float g0 = g[2 * q], g1 = g[2 * q + 1];
+                            terms[2 * q] = g0 * w[q] - g1 * 0.0f;
+                            terms[2 * q + 1] = g0 * 0.0f + g1 * w[q];
+                        }
+                        scatter_pairs(grad_params, s.rows, terms, m);
                     } else {
                         for (int64_t q = 0; q < m; ++q)
                             weighted(g + q * features, s.weights[q], features,

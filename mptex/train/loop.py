@@ -39,8 +39,6 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from mptex.train.exporter import Exporter
-from mptex.train.monitor import PrecisionMonitor
 from mptex.precision import PrecisionStepper, all_finite
 from mptex.render.image import rgb_to_srgb
 from mptex.scenes import MESH_SCENES, Scene, build_scene
@@ -56,8 +54,10 @@ from mptex.train.checkpoint import (
     write_metrics,
 )
 from mptex.train.config import TRAIN_DEFAULTS, ConfigError, _plain, config_key, validate_config
+from mptex.train.exporter import Exporter
 from mptex.train.losses import image_loss, lr_schedule
 from mptex.train.memory import _peak_memory, _RunPeakRss
+from mptex.train.monitor import PrecisionMonitor
 from mptex.train.rng import _rng_state, _seed_everything, _set_rng_state
 from mptex.train.runinfo import _device_name, _Progress, _sync, _tensorboard, _versions
 from mptex.train.shading import _background, _render, composite, light_direction

@@ -8,6 +8,7 @@ Backends: the torch twin always; tcnn on CUDA where importable; triton where imp
 the device is a GPU, or on the CPU only under TRITON_INTERPRET=1 (Triton's interpreter: a
 correctness tool, orders of magnitude slower, not a speed measurement). Skipped backends are
 listed with the reason. Default sizes: 2^18 and 2^20 points on a GPU, 2^16 and 2^18 on a CPU.
+Dtypes: float32, half mode and bfloat16 mode (torch and triton only: tcnn has no bfloat16 grid).
 Prints a Markdown table: what, size, median time, throughput (million points/s), machine.
 """
 
@@ -68,7 +69,9 @@ def measure(
     """
     rows, throughput = [], {}
     for backend in backends:
-        for dtype in (torch.float32, torch.float16):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            if backend == "tcnn" and dtype == torch.bfloat16:
+                continue  # tcnn has no bfloat16 grid
             enc = HashGridEncoding(
                 3, backend=backend, dtype=dtype, device=device, seed=0, **NVDIFFREC
             )

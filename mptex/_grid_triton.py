@@ -11,8 +11,14 @@ same order, so that results agree to the bit wherever no atomics are involved:
   ``c_d * res^d`` and take ``% size`` (the wraparound at x = 1);
 - weights ``((w_0 * w_1) * w_2) ...`` per corner, corners in tcnn's order (dimension 0
   fastest), each term ``weight * value`` rounded and summed corner by corner; in half mode the
-  table value is rounded to half, each term to half, and the sum runs in half;
+  table value is rounded to half, each term to half, and the sum runs in half; in bfloat16 mode
+  the table value is rounded to bfloat16, the terms and the sum are the float32 path's, and the
+  sum is rounded to bfloat16 once (the twin's bfloat16 mode);
 - Nearest reads the lower corner with weight 1.
+
+Rounding to bfloat16 is done on the bits (round to nearest, ties to even, as torch rounds; NaN
+stays NaN): Triton's interpreter truncates on ``.to(tl.bfloat16)``, while compiled code rounds
+to nearest even, and the bit operations give torch's result in both.
 
 Kernels are launched with ``enable_fp_fusion=False``: Triton otherwise contracts ``a * b + c``
 into an fma on a GPU, which changes the rounding of the corner sums and of the smoothstep.
@@ -26,7 +32,9 @@ with relative error <= 2^-24 of a partial sum bounded by ``sum |c_i|``); the twi
 gradient needs no atomics: each level writes its ``d pos`` and the levels are summed in order,
 as in the twin, so it matches the twin to the bit. Under Triton's CPU interpreter the atomics
 run sequentially too, so there the parameter gradient matches the twin to float32 summation
-order only.
+order only. The bfloat16 mode's backward is the float32 kernels' on the float32 cast of the
+bfloat16 ``dL/dy`` (no loss scale), with the table values rounded to bfloat16 for the input
+gradient, as in the twin: the same claims hold.
 
 Devices: whatever Triton compiles for (CUDA, ROCm, XPU). CPU tensors run only under the
 interpreter, which is selected when ``triton.jit`` decorates the kernels, i.e. when this
@@ -53,6 +61,32 @@ _BLOCK = {"interpreter": 1024, "gpu": 128}
 
 # ----------------------------------------------------------------------------------------
 # Device code.
+
+
+@triton.jit
+def _bf16_bits(values):
+    """float32 values rounded to the nearest bfloat16 (ties to even, as torch; NaN to the quiet
+    NaN 0x7FC0): its 16 bits, in the low half of a uint32."""
+    bits = values.to(tl.uint32, bitcast=True)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    return tl.where(values != values, 0x7FC0, rounded)
+
+
+@triton.jit
+def _to_bf16(values):
+    """float32 -> bfloat16, rounded to nearest even (the interpreter's cast truncates)."""
+    return _bf16_bits(values).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _table_value(values, HALF: tl.constexpr, BF16: tl.constexpr):
+    """float32 table values as the mode reads them: rounded to half (tcnn's half mode) or to
+    bfloat16, and back to float32; unchanged in float32 mode."""
+    if HALF:
+        values = values.to(tl.float16).to(tl.float32)
+    if BF16:
+        values = (_bf16_bits(values) << 16).to(tl.float32, bitcast=True)
+    return values
 
 
 @triton.jit
@@ -227,6 +261,7 @@ def _forward_kernel(
     N_FEATURES: tl.constexpr,
     INTERP: tl.constexpr,
     HALF: tl.constexpr,
+    BF16: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     (
@@ -274,8 +309,7 @@ def _forward_kernel(
     values = tl.load(
         params_ptr + row[:, None] * N_FEATURES + features[None, :], mask=tile_mask, other=0.0
     )
-    if HALF:
-        values = values.to(tl.float16).to(tl.float32)
+    values = _table_value(values, HALF, BF16)
     if INTERP == 0:
         # Nearest: the lower corner, weight 1 (value * 1 is exact).
         acc = values
@@ -293,13 +327,15 @@ def _forward_kernel(
                 mask=tile_mask,
                 other=0.0,
             )
+            values = _table_value(values, HALF, BF16)
             weight = _corner_weight(w00, w01, w10, w11, w20, w21, w30, w31, corner, N_DIMS)
             if HALF:
                 # tcnn: result += (half)(weight * (float)half_value), the sum in half.
-                values = values.to(tl.float16).to(tl.float32)
                 acc = acc + (weight[:, None] * values).to(tl.float16)
             else:
                 acc = acc + weight[:, None] * values
+    if BF16:
+        acc = _to_bf16(acc)  # the float32 sum, rounded once
     out_offsets = points[:, None] * (n_levels * N_FEATURES) + level * N_FEATURES + features[None, :]
     tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
@@ -328,6 +364,7 @@ def _backward_kernel(
     N_FEATURES: tl.constexpr,
     INTERP: tl.constexpr,
     HALF: tl.constexpr,
+    BF16: tl.constexpr,
     WANT_PARAMS: tl.constexpr,
     WANT_X: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -391,9 +428,9 @@ def _backward_kernel(
                 contribution = grad * weight[:, None]
             tl.atomic_add(grad_params_ptr + entries, contribution, mask=tile_mask, sem="relaxed")
         if WANT_X and INTERP != 0:
-            values = tl.load(params_ptr + entries, mask=tile_mask, other=0.0)
-            if HALF:
-                values = values.to(tl.float16).to(tl.float32)
+            values = _table_value(
+                tl.load(params_ptr + entries, mask=tile_mask, other=0.0), HALF, BF16
+            )
             products = values * grad
             # g_c = sum_f value_f * dL/dy_f, features in order (the twin's _sum_in_order).
             corner_grad = _column(products, features, 0)
@@ -504,6 +541,7 @@ class _TritonGridFunction(torch.autograd.Function):
                 N_FEATURES=geometry.n_features_per_level,
                 INTERP=_INTERPOLATION_CODES[geometry.interpolation],
                 HALF=out_dtype == torch.float16,
+                BF16=out_dtype == torch.bfloat16,
                 BLOCK=block,
                 enable_fp_fusion=False,
             )
@@ -520,6 +558,7 @@ class _TritonGridFunction(torch.autograd.Function):
         if half:
             # tcnn's bindings run the half backward on dL/dy * 128 (the twin's same operations).
             grad_out = grad_out.to(torch.float16) * TCNN_HALF_LOSS_SCALE
+        # bfloat16: the float32 backward on the cast dL/dy, no loss scale (float32's range).
         grad_out = grad_out.to(torch.float32).contiguous()
         nearest = geometry.interpolation == "Nearest"
         grad_params = torch.zeros_like(params) if want_params else None
@@ -540,6 +579,7 @@ class _TritonGridFunction(torch.autograd.Function):
                 N_FEATURES=geometry.n_features_per_level,
                 INTERP=_INTERPOLATION_CODES[geometry.interpolation],
                 HALF=half,
+                BF16=ctx.out_dtype == torch.bfloat16,
                 WANT_PARAMS=want_params,
                 WANT_X=want_d_pos,
                 BLOCK=block,
@@ -565,13 +605,16 @@ def hash_grid_encode_triton(
     x: torch.Tensor, params: torch.Tensor, geometry: GridGeometry, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """Encode points with Triton kernels; the same contract as
-    :func:`mptex._grid_torch.hash_grid_encode`, float32 only.
+    :func:`mptex._grid_torch.hash_grid_encode` for float32 tensors (float32, half and bfloat16
+    modes; no float64).
 
     Args:
         x: [N, D] float32, contiguous, nominally in [0, 1] (not clamped: uint32 wraparound).
         params: [n_params] float32 flat table in tcnn's layout, contiguous, on x's device.
         geometry: the level constants, from :func:`mptex._grid_torch.grid_geometry`.
-        out_dtype: float32, or float16 for tcnn's half mode.
+        out_dtype: float32, float16 for tcnn's half mode, or bfloat16 for the twin's bfloat16
+            mode (bfloat16 table values, float32 weights and sums, bfloat16 output; backward
+            the float32 one on the bfloat16 ``dL/dy``, float32 parameter gradient).
 
     Returns:
         [N, L * F] in ``out_dtype``, level-major.
@@ -586,6 +629,8 @@ def hash_grid_encode_triton(
             "use backend='torch' for float64"
         )
     check_device(x.device)
-    if out_dtype not in (torch.float32, torch.float16):
-        raise ValueError(f"out_dtype: expected torch.float32 or torch.float16, got {out_dtype}")
+    if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"out_dtype: expected torch.float32, torch.float16 or torch.bfloat16, got {out_dtype}"
+        )
     return _TritonGridFunction.apply(x.contiguous(), params.contiguous(), geometry, out_dtype)

@@ -244,20 +244,23 @@ class HashGridEncoding(nn.Module):
         interpolation: "Linear", "Smoothstep" or "Nearest".
         backend: "torch", "tcnn", "triton", or "auto" (tcnn when importable and the module
             lives on CUDA, else torch; decided at each forward from the parameters' device).
-            "triton" is opt-in (never chosen by "auto" until measured on a GPU): Triton
-            kernels with the twin's results (f32 forward to the bit, half forward to the bit,
-            parameter gradients to float32 atomic-summation order), float32 only, on GPU
-            tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (slow; for testing).
+            "triton" is opt-in (never chosen by "auto" until measured on a GPU, for any
+            ``dtype``): Triton kernels with the twin's results (f32, half and bfloat16 forward
+            to the bit, parameter gradients to float32 atomic-summation order) for float32
+            ``params`` (no float64), on GPU tensors, or on CPU tensors under
+            ``TRITON_INTERPRET=1`` (slow; for testing).
         dtype: float32, or float16 for tcnn's half mode (float32 master ``params``, half table
             reads and accumulation, half output, backward with tcnn's loss scale of 128), or
-            bfloat16, which tcnn does not have (torch backend only; ``"auto"`` resolves to
-            it): the **parameters** stay the float32 master ``params``; the forward reads the
+            bfloat16, which tcnn does not have (backends "torch" and "triton"; ``"auto"``
+            resolves to "torch", with a warning on CUDA, as "auto" never picks "triton"):
+            the **parameters** stay the float32 master ``params``; the forward reads the
             table rounded to bfloat16, interpolates in float32 and returns bfloat16; the
             **gradients** are the float32 path's on the bfloat16 ``dL/dy``, summed in float32
             into a float32 ``params.grad`` (no loss scale: bfloat16 has float32's range); the
             **optimizer state** is therefore float32 too (Adam's moments of the f32 masters).
             What it saves is the table's bytes read per lookup on hardware that reads a
-            bfloat16 copy; the twin gathers from the f32 table and rounds.
+            bfloat16 copy; the twin and the Triton kernels gather from the f32 table and
+            round.
         device: where ``params`` is created.
         seed: seed of the uniform [-1e-4, 1e-4] initialisation (tcnn's range); None draws
             from torch's global generator.
@@ -348,10 +351,10 @@ class HashGridEncoding(nn.Module):
             raise ValueError(
                 f"dtype must be torch.float32, torch.float16 or torch.bfloat16, got {dtype!r}"
             )
-        if dtype == torch.bfloat16 and backend in ("tcnn", "triton"):
+        if dtype == torch.bfloat16 and backend == "tcnn":
             raise ValueError(
-                f"dtype: tcnn has no bfloat16 grid and the Triton kernels are float32; "
-                f"torch.bfloat16 runs on backend 'torch' (or 'auto'), got backend {backend!r}"
+                "dtype: tcnn has no bfloat16 grid; torch.bfloat16 runs on backend 'torch', "
+                f"'triton' or 'auto', got backend {backend!r}"
             )
         self.config = dict(
             n_levels=n_levels,

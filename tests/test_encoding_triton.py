@@ -6,11 +6,14 @@ be switched on safely inside a pytest process that may already have imported the
 process builds the cases, computes the twin's results and compares.
 
 What is claimed (mptex/_grid_triton.py states why):
-- forward, float32 and half mode: bit-exact with the twin (the bound asked for float32 is
-  1e-6 absolute; the kernels do the twin's operations in its order, so it is 0);
+- forward, float32, half and bfloat16 mode: bit-exact with the twin (the bound asked for
+  float32 is 1e-6 absolute; the kernels do the twin's operations in its order, so it is 0; in
+  bfloat16 mode the float32 sums are then the same bits, so their one rounding to bfloat16 is
+  too: no one-bfloat16-ulp allowance is needed);
 - input gradient: bit-exact (no atomics: levels are summed in order, as in the twin);
 - parameter gradient: float32 atomics in any order; an entry with k contributions c_i differs
-  from an ordered sum by at most (k - 1) 2^-24 sum |c_i|, so from the twin by twice that.
+  from an ordered sum by at most (k - 1) 2^-24 sum |c_i|, so from the twin by twice that (the
+  bfloat16 mode's backward is the float32 one on the cast dL/dy: the same bound).
 """
 
 import os
@@ -25,6 +28,7 @@ from test_encoding import NVDIFFREC_CONFIG, _reference
 
 import mptex
 from mptex import HashGridEncoding, MLPTexture3D
+from mptex._grid_torch import hash_grid_encode
 
 pytestmark = pytest.mark.requires_triton
 
@@ -78,7 +82,7 @@ CONFIGS = [
         dict(n_levels=2, log2_hashmap_size=8, base_resolution=3, per_level_scale=1.7),
     ),
 ]
-DTYPES = {"f32": torch.float32, "f16": torch.float16}
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _twin(n_dims, kwargs, dtype):
@@ -131,7 +135,22 @@ def _cases():
     )
     hand["params"] = torch.arange(16, dtype=torch.float32)
     cases.append(hand)
+    cases.append(_bf16_ties_case())
     return cases
+
+
+def _bf16_ties_case():
+    """bfloat16 rounding ties, in the table and in the output (Triton's interpreter truncates
+    on a cast to bfloat16; torch rounds to nearest even): a 4x4 dense level whose entries
+    1 + k 2^-8 are halfway between bfloat16 neighbours for odd k, read at cell centres
+    (weights 1/4) and at random points."""
+    kwargs = dict(n_levels=1, n_features_per_level=1, log2_hashmap_size=10, base_resolution=4,
+                  per_level_scale=2.0)  # fmt: skip
+    x = torch.cat([torch.tensor([[0.0, 0.0], [1.0, 1.0], [1.0, 0.0], [0.0, 1.0]]),
+                   _points(2, 7)])  # fmt: skip
+    case = _case("bf16-ties", 2, kwargs, torch.bfloat16, x, 7)
+    case["params"] = 1 + torch.arange(16, dtype=torch.float32) * 2**-8
+    return case
 
 
 CASE_NAMES = [c["name"] for c in _cases()]
@@ -188,6 +207,7 @@ def _param_gradient_bound(enc, case, grad_abs, grad_twin):
     """Allowed |triton - twin| of the parameter gradient (see the module docstring)."""
     k = _contributions_per_entry(enc, case["x"]).double()
     f32_sum = 2 * (k - 1).clamp(min=0) * 2**-24 * grad_abs.double()
+    # bfloat16 mode: the float32 backward on the bfloat16 dL/dy, so the float32 bound.
     if case["dtype"] == torch.float16:
         # The f32 sums (x128) are rounded to half and divided by 128 in half: two roundings
         # that can land one half ulp (2^-10 relative, 2^-24 absolute in half's subnormal
@@ -212,6 +232,8 @@ def test_forward_is_bit_exact_with_twin(interpreted, name):
     assert result["out"].dtype == case["dtype"] and result["out"].shape == out.shape
     # float32: 1e-6 is asked; the kernels do the twin's operations, so 0.
     # half mode: bit-exact, as required.
+    # bfloat16 mode: the float32 sums are the twin's bits, rounded once the same way (to
+    # nearest even): bit-exact, no one-ulp allowance for differently ordered sums.
     torch.testing.assert_close(result["out"], out, rtol=0, atol=0, equal_nan=True)
 
 
@@ -230,6 +252,17 @@ def test_param_gradient_within_atomic_order_bound(interpreted, name):
     difference = (result["grad_params"].double() - grad_params.double()).abs()
     bound = _param_gradient_bound(enc, case, grad_abs, grad_params)
     assert (difference <= bound).all(), (difference - bound).max().item()
+
+
+def test_bf16_ties_case_needs_round_to_nearest_even():
+    # The case would pass with truncation unless some table value and some float32 sum round
+    # up (away from zero, all values being positive) to bfloat16.
+    case = _bf16_ties_case()
+    enc = _twin(case["n_dims"], case["kwargs"], torch.float32)
+    table = case["params"].to(torch.bfloat16).float()
+    assert (table > case["params"]).any()
+    sums = hash_grid_encode(case["x"], table, enc.geometry, torch.float32)
+    assert (sums.to(torch.bfloat16).float() > sums).any()
 
 
 def test_hand_computed_wraparound(interpreted):
@@ -284,6 +317,17 @@ def test_triton_accepted_by_config_and_texture():
     assert texture.encoder.resolved_backend() == "triton"
 
 
+def test_bfloat16_runs_on_triton():
+    # tcnn still refuses it (tests/test_grid_bf16.py); "auto" never picks triton.
+    enc = HashGridEncoding(3, 2, 2, 8, 4, backend="triton", dtype=torch.bfloat16)
+    assert enc.resolved_backend() == "triton" and "bfloat16" in repr(enc)
+    auto = HashGridEncoding(3, 2, 2, 8, 4, dtype=torch.bfloat16)
+    assert auto.resolved_backend() == "torch"
+    texture = MLPTexture3D([[0, 0, 0], [1, 1, 1]], backend="triton", precision="bf16_grid")
+    assert texture.encoder.resolved_backend() == "triton"
+    assert texture.encoder.dtype == torch.bfloat16
+
+
 def test_cpu_tensors_need_the_interpreter():
     import mptex._grid_triton as grid_triton
 
@@ -323,7 +367,7 @@ def test_kernels_compile_for_a_cuda_target():
 
 
 @pytest.mark.requires_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_matches_twin_on_cuda(dtype):
     # The same claims as under the interpreter, compiled, at nvdiffrec's config.
     twin = HashGridEncoding.from_tcnn_config(

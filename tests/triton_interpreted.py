@@ -50,14 +50,18 @@ def compile_check() -> None:
     import mptex._grid_triton as grid_triton
 
     assert not grid_triton.INTERPRETED
-    for n_dims, interp, half in ((3, 2, True), (2, 0, True), (4, 1, False)):
-        constants = dict(N_DIMS=n_dims, N_FEATURES=2, INTERP=interp, HALF=half, BLOCK=128)
+    out_types = {"f32": "*fp32", "f16": "*fp16", "bf16": "*bf16"}
+    for n_dims, interp, mode in ((3, 2, "f16"), (2, 0, "f16"), (4, 1, "f32"), (3, 1, "bf16")):
+        half, bf16 = mode == "f16", mode == "bf16"
+        constants = dict(
+            N_DIMS=n_dims, N_FEATURES=2, INTERP=interp, HALF=half, BF16=bf16, BLOCK=128
+        )
         for kernel, extra in (
             (grid_triton._forward_kernel, {}),
             (grid_triton._backward_kernel, dict(WANT_PARAMS=True, WANT_X=True)),
         ):
             consts = {**constants, **extra}
-            types = dict(ARG_TYPES, out_ptr="*fp16" if half else "*fp32")
+            types = dict(ARG_TYPES, out_ptr=out_types[mode])
             signature = {
                 name: "constexpr" if name in consts else types[name] for name in kernel.arg_names
             }
@@ -68,7 +72,7 @@ def compile_check() -> None:
             )
             if kernel is grid_triton._forward_kernel:
                 fmas = compiled.asm["ptx"].count("fma.rn")
-                assert fmas == n_dims, (n_dims, interp, half, fmas)
+                assert fmas == n_dims, (n_dims, interp, mode, fmas)
 
 
 def run_cases(cases_path: str, results_path: str) -> None:

@@ -33,7 +33,7 @@ from mptex.diagnostics import PrecisionMonitor  # noqa: E402
 from mptex.scenes import build_scene  # noqa: E402
 from mptex.train import composite, image_loss, load_checkpoint  # noqa: E402
 from mptex.train.checkpoint import TEXTURE_KEYS, texture_from_checkpoint  # noqa: E402
-from mptex.train.shading import _render, light_direction  # noqa: E402
+from mptex.train.shading import light_direction, render_batch  # noqa: E402
 
 KEYS = (
     "encoder.out_grad_zero_frac",
@@ -57,7 +57,7 @@ def batch_statistics(run_dir: Path, resolution: int, batch: int) -> dict[str, fl
     light_dir = light_direction(settings)
     monitor = PrecisionMonitor(texture, every=1)
     monitor.start(0)
-    pred, _ = _render(texture, views, settings, background, light_dir)
+    pred, _ = render_batch(texture, views, settings, background, light_dir)
     ref_alpha = views.rgba[..., 3:4]
     ref = composite(views.rgba[..., 0:3], ref_alpha, background)
     loss = image_loss(pred * ref_alpha, ref * ref_alpha, settings["loss"])

@@ -364,7 +364,7 @@ def test_nonfinite_gradient_leaves_parameters_and_adam_state_bit_identical():
 
 def _inject_inf_gradient_at(monkeypatch, iteration: int) -> None:
     """Make the gradient of one MLP weight inf in backward number ``iteration`` (loss finite)."""
-    build = loop._build_texture
+    build = loop.build_texture
 
     def patched(*args, **kwargs):
         texture = build(*args, **kwargs)
@@ -380,7 +380,7 @@ def _inject_inf_gradient_at(monkeypatch, iteration: int) -> None:
         texture.net.layers[0].weight.register_hook(hook)
         return texture
 
-    monkeypatch.setattr(loop, "_build_texture", patched)
+    monkeypatch.setattr(loop, "build_texture", patched)
 
 
 @pytest.mark.parametrize("at, planned", [(5, 8), (3, 4)])

@@ -126,7 +126,7 @@ def _saturating_build(monkeypatch):
     """Make the loop's textures start saturated: grid features of order 1 (tcnn's init gives
     1e-4) and a last layer of +-1e3 per channel, so every logit is ~+-1e3 (yellow, (1, 1, 0)):
     the sigmoid's float32 gradient there is 0 (or ~1e-40), the run cannot leave it."""
-    build = mtrain.loop._build_texture
+    build = mtrain.loop.build_texture
 
     def saturated(*args, **kwargs):
         texture = build(*args, **kwargs)
@@ -136,7 +136,7 @@ def _saturating_build(monkeypatch):
             last.copy_(torch.tensor([1e3, 1e3, -1e3])[:, None].expand_as(last))
         return texture
 
-    monkeypatch.setattr(mtrain.loop, "_build_texture", saturated)
+    monkeypatch.setattr(mtrain.loop, "build_texture", saturated)
 
 
 def test_a_run_forced_to_saturate_is_reported_collapsed(tmp_path, monkeypatch):
@@ -207,7 +207,7 @@ def test_init_seed_sets_the_initial_weights_and_train_seed_the_rest(tmp_path, mo
     from mptex.scenes.scene import Scene
 
     drawn: dict[str, dict] = {}
-    build, sample = loop._build_texture, Scene.sample_train_batch
+    build, sample = loop.build_texture, Scene.sample_train_batch
 
     def recording_build(*args, **kwargs):
         texture = build(*args, **kwargs)
@@ -218,7 +218,7 @@ def test_init_seed_sets_the_initial_weights_and_train_seed_the_rest(tmp_path, mo
         current["views"].append(generator.get_state().clone())
         return sample(self, batch_size, generator)
 
-    monkeypatch.setattr(loop, "_build_texture", recording_build)
+    monkeypatch.setattr(loop, "build_texture", recording_build)
     monkeypatch.setattr(Scene, "sample_train_batch", recording_sample)
     runs = {"seed3": ["train.seed=3"], "init3_seed3": ["train.seed=3", "train.init_seed=3"],
             "init3_seed5": ["train.seed=5", "train.init_seed=3"], "seed5": ["train.seed=5"]}
@@ -378,9 +378,9 @@ def test_precision_statistics_reach_the_history(tmp_path):
 
 
 def test_run_peak_rss_sees_memory_held_during_the_run():
-    from mptex.train.memory import _RunPeakRss
+    from mptex.train.memory import RunPeakRss
 
-    rss = _RunPeakRss(interval_s=0.001).start()
+    rss = RunPeakRss(interval_s=0.001).start()
     if not rss.available:
         pytest.skip("no /proc/self/statm on this platform")
     before = rss.peak

@@ -76,7 +76,7 @@ def _spp_setup(resolution: int, *extra: str):
     """The knot at ``resolution``, 2 validation views, a tiny texture whose outputs reach past
     [0, 1] (a 30 % margin and a scaled output layer): what the supersampled score must clamp."""
     from mptex.train import validate_config
-    from mptex.train.checkpoint import _build_texture
+    from mptex.train.checkpoint import build_texture
 
     overrides = [
         "texture=tiny", "train=tiny", f"scene.resolution={resolution}", "scene.n_train_views=1",
@@ -88,7 +88,7 @@ def _spp_setup(resolution: int, *extra: str):
     full = validate_config(cfg)
     torch.manual_seed(0)
     scene = build_scene(full["scene"])
-    texture = _build_texture(scene.aabb, full["texture"], full["precision"])
+    texture = build_texture(scene.aabb, full["texture"], full["precision"])
     with torch.no_grad():
         # Grid features of order 1 (not the init's 1e-4) and a scaled output layer: logits of
         # several units, the sigmoid near 0 or 1, outputs spread over [-0.3, 1.3].
@@ -109,7 +109,7 @@ def _psnr_f64(pred: np.ndarray, ref: np.ndarray) -> np.ndarray:
 
 
 def test_supersampled_validation_matches_a_per_pixel_brute_force():
-    from mptex.train.shading import _background, _render, composite
+    from mptex.train.shading import composite, draw_background, render_batch
     from mptex.train.validation import evaluate
 
     low, spp = 10, 3
@@ -120,9 +120,9 @@ def test_supersampled_validation_matches_a_per_pixel_brute_force():
     # own), then per pixel and channel in float64: mean of the clamped sub-pixels.
     _, hi_scene, _, _ = _spp_setup(low * spp)
     views = hi_scene.val_views()
-    white = _background("white", views.mask.shape + (3,), "cpu", None)
+    white = draw_background("white", views.mask.shape + (3,), "cpu", None)
     with torch.no_grad():
-        pred_hi, _ = _render(texture, views, full["train"], white, light)
+        pred_hi, _ = render_batch(texture, views, full["train"], white, light)
     ref_hi = composite(views.rgba[..., :3], views.rgba[..., 3:], white)
     pred_hi, ref_hi = pred_hi.double().numpy(), ref_hi.double().numpy()
     alpha_hi = views.rgba[..., 3:].double().numpy()
@@ -171,8 +171,10 @@ def test_val_spp_1_scores_pixel_centres_in_one_batch(monkeypatch):
 
     full, scene, texture, light = _spp_setup(12)
     calls = []
-    real = validation._render
-    monkeypatch.setattr(validation, "_render", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = validation.render_batch
+    monkeypatch.setattr(
+        validation, "render_batch", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     got = validation.evaluate(texture, scene, full["train"], light)
     assert len(calls) == 1 and got["pred"].shape == (2, 12, 12, 3)
     assert float(got["pred"].max()) > 1.0  # the margin's values stay (clamped in the PSNR)

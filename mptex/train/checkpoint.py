@@ -16,7 +16,24 @@ import torch
 from mptex.precision import all_finite
 from mptex.texture import MLPTexture3D
 
-_CHECKPOINT = "checkpoint.pt"
+__all__ = [
+    "CHECKPOINT_FILE",
+    "TEXTURE_KEYS",
+    "CHECKPOINT_KEYS",
+    "CheckpointError",
+    "DiskFullError",
+    "remove_stale_temporaries",
+    "atomic_write_bytes",
+    "disk_full_error",
+    "write_metrics",
+    "save_checkpoint",
+    "load_checkpoint",
+    "build_texture",
+    "load_texture",
+    "texture_from_checkpoint",
+]
+
+CHECKPOINT_FILE = "checkpoint.pt"
 _METRICS = "metrics.json"
 # What a checkpoint needs to rebuild its texture (load_texture, texture_from_checkpoint).
 TEXTURE_KEYS = ("texture", "aabb", "config", "precision")
@@ -65,7 +82,7 @@ def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
     removed paths.
     """
     removed = []
-    for name in (_CHECKPOINT, _METRICS):
+    for name in (CHECKPOINT_FILE, _METRICS):
         for tmp in Path(run_dir).glob(f".{name}.*.tmp"):
             with _suppress_oserror():
                 tmp.unlink()
@@ -208,7 +225,9 @@ def load_checkpoint(
     return ckpt
 
 
-def _build_texture(aabb, texture_cfg: Mapping[str, Any], precision: Any) -> MLPTexture3D:
+def build_texture(aabb, texture_cfg: Mapping[str, Any], precision: Any) -> MLPTexture3D:
+    """The :class:`~mptex.MLPTexture3D` a run trains: its ``texture`` group (defaults as
+    ``configs/texture/default.yaml``) and ``precision`` (a name or policy) over ``aabb``."""
     cfg = dict(texture_cfg)
     return MLPTexture3D(
         aabb,
@@ -242,6 +261,6 @@ def texture_from_checkpoint(
     """:func:`load_texture` for a checkpoint already read with :func:`load_checkpoint`
     (``required`` including :data:`TEXTURE_KEYS`): one read when the caller also needs the
     checkpoint's config."""
-    texture = _build_texture(ckpt["aabb"], ckpt["config"]["texture"], ckpt["precision"])
+    texture = build_texture(ckpt["aabb"], ckpt["config"]["texture"], ckpt["precision"])
     texture.load_state_dict(ckpt["texture"])
     return texture.to(device)

@@ -181,9 +181,6 @@ _ARGUMENT_KEYS = {
     "mlp_dtypes": "precision.mlp_dtypes",
 }
 
-# The name the training loop reads the run config through.
-_plain = plain
-
 
 def config_key(message: str) -> str:
     """``"<key>: ..."`` for a constructor's ``"<argument>: ..."`` / ``"<argument> must ..."``.

@@ -15,6 +15,12 @@ One iteration (nvdiffrec's ``optimize_mesh`` with a fixed mesh and only the text
    ``10 ** (-lr_decay * (it - warmup_iter))`` (nvdiffrec: ``lr_decay = 0.0002``), or with
    ``lr_schedule: cosine`` a cosine from 1 to 0 at the last iteration.
 
+A run is five named steps over one :class:`RunState`: :func:`setup` (optimizer, stepper,
+monitor, a checkpoint's state), :func:`step` (one iteration, above), :func:`validate` (every
+``val_interval`` and at the end), :func:`checkpoint` (every ``checkpoint_interval`` and at the
+end) and :func:`finish` (final evaluation, images, export, ``metrics.json``); :func:`train` runs
+them in that order, with the config check before and the failure handling around them.
+
 Validation is nvdiffrec's: render the validation views, convert to sRGB, clamp to [0, 1],
 PSNR per image ``-10 log10(MSE)``, mean over the images.
 
@@ -33,36 +39,57 @@ import os
 import statistics
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.profiler import record_function
 
+from mptex.config_schema import plain as plain_config
 from mptex.precision import PrecisionStepper, all_finite
 from mptex.render.image import rgb_to_srgb
 from mptex.scenes import MESH_SCENES, Scene, build_scene
 from mptex.texture import MLPTexture3D
 from mptex.train.checkpoint import (
-    _CHECKPOINT,
+    CHECKPOINT_FILE,
     CHECKPOINT_KEYS,
     DiskFullError,
-    _build_texture,
+    build_texture,
     load_checkpoint,
     remove_stale_temporaries,
     save_checkpoint,
     write_metrics,
 )
-from mptex.train.config import TRAIN_DEFAULTS, ConfigError, _plain, config_key, validate_config
+from mptex.train.config import TRAIN_DEFAULTS, ConfigError, config_key, validate_config
 from mptex.train.exporter import Exporter
 from mptex.train.losses import image_loss, lr_schedule
-from mptex.train.memory import _peak_memory, _RunPeakRss
+from mptex.train.memory import RunPeakRss, peak_memory
 from mptex.train.monitor import PrecisionMonitor
-from mptex.train.rng import _rng_state, _seed_everything, _set_rng_state
-from mptex.train.runinfo import _device_name, _Progress, _sync, _tensorboard, _versions
-from mptex.train.shading import _background, _render, composite, light_direction
+from mptex.train.rng import rng_state, seed_everything, set_rng_state
+from mptex.train.runinfo import (
+    Progress,
+    device_name,
+    package_versions,
+    sync_device,
+    tensorboard_writer,
+)
+from mptex.train.shading import composite, draw_background, light_direction, render_batch
 from mptex.train.signals import StopSignals, auto_resume_path, send_signal
-from mptex.train.validation import _save_val_images, evaluate
+from mptex.train.validation import evaluate, save_val_images
+
+__all__ = [
+    "METRICS_KEYS",
+    "train",
+    "RunState",
+    "StepOutcome",
+    "setup",
+    "step",
+    "validate",
+    "checkpoint",
+    "finish",
+    "mlp_rate_factor",
+]
 
 METRICS_KEYS = (
     "status", "psnr", "baseline_psnr", "psnr_per_image", "saturation", "precision", "scene", "seed",
@@ -85,7 +112,7 @@ def _resume_path(setting: Any, run_dir: Path) -> Path | None:
         return auto_resume_path(run_dir)
     if setting is False or setting is None:
         return None
-    path = run_dir / _CHECKPOINT if setting is True else Path(setting)
+    path = run_dir / CHECKPOINT_FILE if setting is True else Path(setting)
     if not path.is_file():
         raise ValueError(f"train.resume: no checkpoint at {path}")
     return path
@@ -220,14 +247,14 @@ def _start(
         )
     _check_coverage(scene)
     init_seed = settings["init_seed"]
-    _seed_everything(int(settings["seed"] if init_seed is None else init_seed))
+    seed_everything(int(settings["seed"] if init_seed is None else init_seed))
     try:
-        texture = _build_texture(scene.aabb, full["texture"], full["precision"]).to(device)
+        texture = build_texture(scene.aabb, full["texture"], full["precision"]).to(device)
     except ValueError as exc:
         raise ValueError(config_key(str(exc))) from None
     if init_seed is not None:
         # Only the initial weights follow init_seed; everything drawn later follows train.seed.
-        _seed_everything(int(settings["seed"]))
+        seed_everything(int(settings["seed"]))
     if full["export"]["enabled"]:
         if exporter is None:
             raise ValueError(
@@ -300,14 +327,14 @@ def train(
     start_wall = time.perf_counter()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    plain = dict(_plain(cfg))
+    plain = dict(plain_config(cfg))
     metrics: dict[str, Any] = {
         "status": "failed",
         "precision": (plain.get("precision") or {}).get("name"),
         "scene": (plain.get("scene") or {}).get("name"),
         "seed": (plain.get("train") or {}).get("seed", TRAIN_DEFAULTS["seed"]),
         "run_dir": str(run_dir.resolve()),
-        "versions": _versions(),
+        "versions": package_versions(),
         "config": plain,
     }
     # A kill -9 during an atomic write leaves its temporary behind; no writer can be using
@@ -343,10 +370,12 @@ def _train_validated(
         raise ConfigError(message) from None
     metrics["config"] = full
     try:
-        rss = _RunPeakRss().start()
+        rss = RunPeakRss().start()
         try:
-            return _train(full, scene, texture, ckpt, run_dir, device, metrics, start_wall, rss,
-                          stop, exporter)  # fmt: skip
+            # The named steps: setup, the iterations (step, validate, checkpoint), finish.
+            run = setup(full, scene, texture, ckpt, run_dir, device, metrics)
+            evaluated = _iterate(run, stop)
+            return finish(run, evaluated, start_wall, rss, exporter)
         finally:
             rss.stop()
     except ConfigError as exc:
@@ -383,7 +412,73 @@ def _export(
     return {"dir": "export", **{k: summary.get(k) for k in _EXPORT_SUMMARY}}
 
 
-def _train(
+class RunState:
+    """What the steps of one run share: the run's objects, its counters and what it has measured.
+
+    Built by :func:`setup`; :func:`step`, :func:`validate`, :func:`checkpoint` and :func:`finish`
+    read and update it. ``status`` starts ``"completed"`` and becomes ``"diverged"`` or
+    ``"interrupted"`` when the loop stops early (``diverged_at``: the iteration, 0-based).
+    """
+
+    def __init__(self, full: dict[str, Any], scene: Scene, texture: MLPTexture3D,
+                 run_dir: Path, device: torch.device, metrics: dict[str, Any]) -> None:  # fmt: skip
+        self.full, self.settings = full, full["train"]
+        self.scene, self.texture, self.run_dir, self.device = scene, texture, run_dir, device
+        self.metrics = metrics
+        seed = int(self.settings["seed"])
+        # Two generators of the run's own: the views drawn, and the noise (random backgrounds,
+        # the smoothness jitter); with the global ones, a checkpoint saves them all.
+        self.generators = {
+            "views": torch.Generator().manual_seed(seed),
+            "noise": torch.Generator(device).manual_seed(seed + 1),
+        }
+        self.optimizer: torch.optim.Adam | None = None
+        self.stepper: PrecisionStepper | None = None
+        self.monitor: PrecisionMonitor | None = None
+        self.light_dir: torch.Tensor | None = None
+        self.writer = None
+        self.start_iter, self.n_iter = 0, int(self.settings["iterations"])
+        self.history: list[dict[str, Any]] = []
+        self.skipped_steps, self.consecutive_skips = 0, 0
+        self.resume_count, self.interruptions = 0, []
+        # What a resume that has no iteration left to run reports (the checkpoint's).
+        self.resumed_loss, self.resumed_time = None, None
+        self.iter_times: list[float] = []
+        self.loss_value: float | None = None
+        self.status, self.diverged_at = "completed", None
+        self.train_time = 0.0
+
+    def jitter(self, points: torch.Tensor) -> torch.Tensor:
+        """``points`` moved by ``N(0, kd_jitter_std)`` noise: the kd smoothness term's samples."""
+        noise = torch.randn(points.shape, device=points.device, generator=self.generators["noise"])
+        return points + noise * float(self.settings["kd_jitter_std"])
+
+    def time_per_iter(self) -> float | None:
+        """The median time of this run's iterations (the checkpoint's when none ran)."""
+        return statistics.median(self.iter_times) if self.iter_times else self.resumed_time
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """One iteration's result (:func:`step`).
+
+    Attributes:
+        loss: the iteration's loss (a Python float; may be non-finite).
+        lr: the grid's learning rate this iteration (``train.lr`` times the schedule).
+        result: the :class:`~mptex.precision.PrecisionStepper` step's result; None when a
+            non-finite loss in an arm without loss scaling stopped the run before backward.
+        stats: the precision monitor's statistics on a sampled iteration, else None.
+        diverged: the run ends here as diverged.
+    """
+
+    loss: float
+    lr: float
+    result: Any = None
+    stats: dict[str, Any] | None = None
+    diverged: bool = False
+
+
+def setup(
     full: dict[str, Any],
     scene: Scene,
     texture: MLPTexture3D,
@@ -391,258 +486,300 @@ def _train(
     run_dir: Path,
     device: torch.device,
     metrics: dict[str, Any],
-    start_wall: float,
-    rss: _RunPeakRss,
-    stop: StopSignals,
-    exporter: Exporter | None,
-) -> dict[str, Any]:
-    settings = full["train"]
+) -> RunState:
+    """The run's optimizer (:func:`_param_groups`), stepper, precision monitor, light and
+    generators, with a checkpoint's state restored when ``ckpt`` is given."""
+    run = RunState(full, scene, texture, run_dir, device, metrics)
+    settings = run.settings
     if settings["threads"] is not None:
         torch.set_num_threads(settings["threads"])
-    seed = int(settings["seed"])
-    view_gen = torch.Generator().manual_seed(seed)
-    noise_gen = torch.Generator(device).manual_seed(seed + 1)
-    generators = {"views": view_gen, "noise": noise_gen}
-
-    policy = texture.policy
-    optimizer = torch.optim.Adam(
+    run.optimizer = torch.optim.Adam(
         _param_groups(texture, settings["mlp_lr_scale"]),
         lr=settings["lr"], betas=tuple(settings["betas"]), eps=settings["adam_eps"],
     )  # fmt: skip
-    stepper = PrecisionStepper(policy, optimizer)
+    run.stepper = PrecisionStepper(texture.policy, run.optimizer)
     # Per-layer underflow/overflow statistics of the compute-dtype gradients, sampled.
     stats_every = settings["stats_interval"]
-    monitor = PrecisionMonitor(texture, every=stats_every) if stats_every else None
-    light_dir = light_direction(settings, device)
+    run.monitor = PrecisionMonitor(texture, every=stats_every) if stats_every else None
+    run.light_dir = light_direction(settings, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-
-    start_iter, history, skipped_steps, consecutive_skips = 0, [], 0, 0
-    resume_count, interruptions = 0, []
-    # What a resume that has no iteration left to run reports (the checkpoint's, see below).
-    resumed_loss, resumed_time = None, None
     if ckpt is not None:
         texture.load_state_dict(ckpt["texture"])
-        own = [(g["lr_scale"], g["betas"], g["eps"]) for g in optimizer.param_groups]
-        optimizer.load_state_dict(ckpt["optimizer"])  # also loads the checkpoint's hyperparameters
+        own = [(g["lr_scale"], g["betas"], g["eps"]) for g in run.optimizer.param_groups]
+        run.optimizer.load_state_dict(ckpt["optimizer"])  # also the checkpoint's hyperparameters
         # The MLP's rate is this run's train.mlp_lr_scale, as lr is this run's train.lr; Adam's
         # betas and epsilon are this run's train.betas and train.adam_eps.
-        for group, (scale, betas, eps) in zip(optimizer.param_groups, own, strict=True):
+        for group, (scale, betas, eps) in zip(run.optimizer.param_groups, own, strict=True):
             group.update(lr_scale=scale, betas=betas, eps=eps)
-        stepper.load_state_dict(ckpt["stepper"])
-        _set_rng_state(ckpt["rng"], generators)
-        start_iter, history = int(ckpt["iteration"]), list(ckpt["history"])
-        skipped_steps, consecutive_skips = ckpt["skipped_steps"], ckpt["consecutive_skips"]
-        resumed_loss = ckpt.get("loss", history[-1]["loss"] if history else None)
-        resumed_time = ckpt.get("time_per_iter_s")
-        resume_count = ckpt.get("resume_count", 0) + 1
-        interruptions = list(ckpt.get("interruptions", []))
-    metrics["resumed_from"] = start_iter if ckpt is not None else None
+        run.stepper.load_state_dict(ckpt["stepper"])
+        set_rng_state(ckpt["rng"], run.generators)
+        run.start_iter, run.history = int(ckpt["iteration"]), list(ckpt["history"])
+        run.skipped_steps, run.consecutive_skips = ckpt["skipped_steps"], ckpt["consecutive_skips"]
+        run.resumed_loss = ckpt.get("loss", run.history[-1]["loss"] if run.history else None)
+        run.resumed_time = ckpt.get("time_per_iter_s")
+        run.resume_count = ckpt.get("resume_count", 0) + 1
+        run.interruptions = list(ckpt.get("interruptions", []))
+    metrics["resumed_from"] = run.start_iter if ckpt is not None else None
+    metrics.update(iterations=run.start_iter, iterations_planned=run.n_iter)
+    run.writer = tensorboard_writer(run_dir, bool(settings["tensorboard"]))
+    return run
 
-    def checkpoint(completed: int) -> bool:
-        """Write ``checkpoint.pt``; False (nothing written) when a weight is not finite."""
-        if not all_finite(list(texture.parameters())):
-            return False
-        save_checkpoint(run_dir / _CHECKPOINT, {
-            "texture": texture.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "stepper": stepper.state_dict(),
+
+def step(run: RunState, it: int) -> StepOutcome:
+    """Iteration ``it`` (0-based): the learning rates, a batch of views, the render, the loss,
+    backward and the optimizer step through the stepper (the module docstring's steps 1-7).
+
+    Counts the step (``iter_times``, skipped steps, ``metrics["iterations"]``) unless it ends
+    the run before the optimizer (a non-finite loss without loss scaling, a non-finite gradient
+    without loss scaling: the weights stay those after iteration ``it - 1``). A step that made a
+    weight non-finite is counted and recorded in the history, and ends the run.
+    """
+    settings, texture, device = run.settings, run.texture, run.device
+    noise_gen = run.generators["noise"]
+    sync_device(device)
+    tick = time.perf_counter()
+    factor = lr_schedule(it, settings["warmup_iter"], settings["lr_decay"],
+                         settings["lr_schedule"], run.n_iter)  # fmt: skip
+    lr = settings["lr"] * factor
+    mlp_factor = mlp_rate_factor(settings, it)
+    for i, group in enumerate(run.optimizer.param_groups):
+        # group 1 is the MLP (_param_groups); its lr_scale is the ramp's start
+        group["lr"] = lr * (mlp_factor if i == 1 else group["lr_scale"])
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.monitor is not None:
+        run.monitor.start(it)  # arms the hooks on sampled iterations, before the forward
+
+    # Scopes named mptex.* split a torch profile of the run by part
+    # (benchmarks/cpu_speed.py profile); outside a profiler they cost microseconds.
+    with record_function("mptex.views"):
+        views = run.scene.sample_train_batch(settings["batch_size"], run.generators["views"])
+        shape = views.mask.shape + (3,)
+        background = draw_background(settings["background"], shape, device, noise_gen)
+        ref_alpha = views.rgba[..., 3:4]
+        ref = composite(views.rgba[..., 0:3], ref_alpha, background)
+    use_reg = settings["kd_smooth"] and settings["kd_smooth_weight"] > 0
+    with record_function("mptex.render"):
+        pred, kd_grad = render_batch(texture, views, settings, background, run.light_dir,
+                                     run.jitter if use_reg else None)  # fmt: skip
+    with record_function("mptex.loss"):
+        # nvdiffrec: alpha MSE + color loss on RGB masked by the reference alpha. The
+        # predicted alpha is the fixed mesh's coverage: the alpha term has no texture gradient.
+        pred_alpha = views.mask.unsqueeze(-1).to(pred.dtype)
+        loss = torch.nn.functional.mse_loss(pred_alpha, ref_alpha)
+        loss = loss + image_loss(pred * ref_alpha, ref * ref_alpha, settings["loss"])
+        if kd_grad is not None:
+            ramp = float(settings["kd_smooth_ramp"])
+            weight = settings["kd_smooth_weight"] * (min(1.0, it / ramp) if ramp > 0 else 1.0)
+            loss = loss + kd_grad * weight
+    if settings["inject_nonfinite_at"] == it:  # test hook: a forced overflow
+        loss = loss * float("inf")
+    if settings["inject_signal_at"] == it:  # test hook: a stop signal mid-iteration
+        send_signal(settings["inject_signal"])
+
+    run.loss_value = loss_value = float(loss.item())  # synchronous; also the divergence check
+    if not math.isfinite(loss_value) and run.stepper.scaler is None:
+        return StepOutcome(loss_value, lr, diverged=True)
+    with record_function("mptex.backward"):
+        run.stepper.backward(loss)
+    with record_function("mptex.optimizer"):
+        result = run.stepper.step()
+    with record_function("mptex.stats"):
+        stats = run.monitor.collect(result) if run.monitor is not None else None
+    if result.diverged and result.skipped:
+        # A non-finite gradient without loss scaling: the step was not taken, the weights
+        # and Adam state are those after iteration it - 1; the run ends here.
+        return StepOutcome(loss_value, lr, result, stats, diverged=True)
+    sync_device(device)
+    run.iter_times.append(time.perf_counter() - tick)
+    run.skipped_steps += int(result.skipped)
+    run.consecutive_skips = run.consecutive_skips + 1 if result.skipped else 0
+    run.metrics["iterations"] = it + 1
+    if result.diverged:  # the step itself made a weight non-finite (f16 Adam)
+        run.history.append(_history_entry(it + 1, loss_value, None, result, lr, stats))
+        return StepOutcome(loss_value, lr, result, stats, diverged=True)
+    return StepOutcome(loss_value, lr, result, stats)
+
+
+def validate(run: RunState, completed: int) -> dict[str, Any]:
+    """:func:`~mptex.train.validation.evaluate` on the validation views after ``completed``
+    iterations, logged to TensorBoard when it is on; returns the evaluation."""
+    with record_function("mptex.validation"):
+        evaluated = evaluate(run.texture, run.scene, run.settings, run.light_dir)
+    if run.writer is not None:
+        run.writer.add_scalar("val/psnr", evaluated["psnr"], completed)
+        run.writer.add_images("val/prediction", rgb_to_srgb(evaluated["pred"]).clamp(0, 1).cpu(),
+                              completed, dataformats="NHWC")  # fmt: skip
+    return evaluated
+
+
+def checkpoint(run: RunState, completed: int) -> bool:
+    """Write ``checkpoint.pt`` (atomically) after ``completed`` iterations; False, and nothing
+    written, when a weight is not finite (a checkpoint never holds one)."""
+    if not all_finite(list(run.texture.parameters())):
+        return False
+    with record_function("mptex.checkpoint"):
+        save_checkpoint(run.run_dir / CHECKPOINT_FILE, {
+            "texture": run.texture.state_dict(),
+            "optimizer": run.optimizer.state_dict(),
+            "stepper": run.stepper.state_dict(),
             "iteration": completed,
-            "rng": _rng_state(generators),
-            "history": history,
-            "skipped_steps": skipped_steps,
-            "consecutive_skips": consecutive_skips,
-            "aabb": scene.aabb.cpu(),
-            "precision": full["precision"],
-            "config": full,
-            "loss": loss_value if loss_value is not None else resumed_loss,
-            "time_per_iter_s": statistics.median(iter_times) if iter_times else resumed_time,
-            "resume_count": resume_count,
-            "interruptions": interruptions,
+            "rng": rng_state(run.generators),
+            "history": run.history,
+            "skipped_steps": run.skipped_steps,
+            "consecutive_skips": run.consecutive_skips,
+            "aabb": run.scene.aabb.cpu(),
+            "precision": run.full["precision"],
+            "config": run.full,
+            "loss": run.loss_value if run.loss_value is not None else run.resumed_loss,
+            "time_per_iter_s": run.time_per_iter(),
+            "resume_count": run.resume_count,
+            "interruptions": run.interruptions,
         })  # fmt: skip
-        return True
+    return True
 
-    n_iter = int(settings["iterations"])
-    ramp = float(settings["kd_smooth_ramp"])
-    std = float(settings["kd_jitter_std"])
 
-    def jitter(points: torch.Tensor) -> torch.Tensor:
-        return points + torch.randn(points.shape, device=points.device, generator=noise_gen) * std
-
-    writer = _tensorboard(run_dir, bool(settings["tensorboard"]))
-    progress = _Progress(n_iter, start_iter, settings["progress"])
-    iter_times: list[float] = []
-    status, diverged_at, last_psnr, loss_value = "completed", None, None, None
-    evaluated = None
-    metrics.update(iterations=start_iter, iterations_planned=n_iter)
-    train_start = time.perf_counter()
-    for it in range(start_iter, n_iter):
-        _sync(device)
-        tick = time.perf_counter()
-        factor = lr_schedule(it, settings["warmup_iter"], settings["lr_decay"],
-                             settings["lr_schedule"], n_iter)  # fmt: skip
-        mlp_factor = mlp_rate_factor(settings, it)
-        for i, group in enumerate(optimizer.param_groups):
-            # group 1 is the MLP (_param_groups); its lr_scale is the ramp's start
-            scale = mlp_factor if i == 1 else group["lr_scale"]
-            group["lr"] = settings["lr"] * factor * scale
-        optimizer.zero_grad(set_to_none=True)
-        if monitor is not None:
-            monitor.start(it)  # arms the hooks on sampled iterations, before the forward
-
-        # Scopes named mptex.* split a torch profile of the run by part
-        # (benchmarks/cpu_speed.py profile); outside a profiler they cost microseconds.
-        with record_function("mptex.views"):
-            views = scene.sample_train_batch(settings["batch_size"], view_gen)
-            shape = views.mask.shape + (3,)
-            background = _background(settings["background"], shape, device, noise_gen)
-            ref_alpha = views.rgba[..., 3:4]
-            ref = composite(views.rgba[..., 0:3], ref_alpha, background)
-        use_reg = settings["kd_smooth"] and settings["kd_smooth_weight"] > 0
-        with record_function("mptex.render"):
-            pred, kd_grad = _render(texture, views, settings, background, light_dir,
-                                    jitter if use_reg else None)  # fmt: skip
-        with record_function("mptex.loss"):
-            # nvdiffrec: alpha MSE + color loss on RGB masked by the reference alpha. The
-            # predicted alpha is the fixed mesh's coverage: the alpha term has no texture gradient.
-            pred_alpha = views.mask.unsqueeze(-1).to(pred.dtype)
-            loss = torch.nn.functional.mse_loss(pred_alpha, ref_alpha)
-            loss = loss + image_loss(pred * ref_alpha, ref * ref_alpha, settings["loss"])
-            if kd_grad is not None:
-                weight = settings["kd_smooth_weight"] * (min(1.0, it / ramp) if ramp > 0 else 1.0)
-                loss = loss + kd_grad * weight
-        if settings["inject_nonfinite_at"] == it:  # test hook: a forced overflow
-            loss = loss * float("inf")
-        if settings["inject_signal_at"] == it:  # test hook: a stop signal mid-iteration
-            send_signal(settings["inject_signal"])
-
-        loss_value = float(loss.item())  # synchronous; also the divergence check
-        if not math.isfinite(loss_value) and stepper.scaler is None:
-            status, diverged_at = "diverged", it
-            break
-        with record_function("mptex.backward"):
-            stepper.backward(loss)
-        with record_function("mptex.optimizer"):
-            result = stepper.step()
-        with record_function("mptex.stats"):
-            stats = monitor.collect(result) if monitor is not None else None
-        if result.diverged and result.skipped:
-            # A non-finite gradient without loss scaling: the step was not taken, the weights
-            # and Adam state are those after iteration it - 1; the run ends here.
-            status, diverged_at = "diverged", it
-            break
-        _sync(device)
-        iter_times.append(time.perf_counter() - tick)
-        skipped_steps += int(result.skipped)
-        consecutive_skips = consecutive_skips + 1 if result.skipped else 0
-        completed = it + 1
-        metrics["iterations"] = completed
-        if result.diverged:  # the step itself made a weight non-finite (f16 Adam)
-            status, diverged_at = "diverged", it
-            history.append(_history_entry(completed, loss_value, None, result,
-                                          settings["lr"] * factor, stats))  # fmt: skip
-            break
-
-        evaluated = None
-        last = completed == n_iter
-        val_interval = settings["val_interval"]
-        if last or (val_interval and completed % val_interval == 0):
-            with record_function("mptex.validation"):
-                evaluated = evaluate(texture, scene, settings, light_dir)
-            last_psnr = evaluated["psnr"]
-            if writer is not None:
-                writer.add_scalar("val/psnr", last_psnr, completed)
-                writer.add_images("val/prediction", rgb_to_srgb(evaluated["pred"]).clamp(0, 1)
-                                  .cpu(), completed, dataformats="NHWC")  # fmt: skip
-        interval = settings["history_interval"]
-        sampled = stats is not None
-        if sampled or evaluated is not None or last or (interval and completed % interval == 0):
-            psnr_now = None if evaluated is None else evaluated["psnr"]
-            history.append(_history_entry(completed, loss_value, psnr_now, result,
-                                          settings["lr"] * factor, stats))  # fmt: skip
-            if evaluated is not None:  # the saturation curve: when it sets in
-                saturation = evaluated["saturation"]
-                history[-1].update(saturated_fraction=saturation["saturated_fraction"],
+def _record(run: RunState, out: StepOutcome, completed: int, evaluated) -> None:
+    """The history entry (sampled statistics, a validation, the last iteration, every
+    ``history_interval``), TensorBoard's scalars and the progress bar after a step."""
+    settings, result = run.settings, out.result
+    interval = settings["history_interval"]
+    last = completed == run.n_iter
+    if (
+        out.stats is not None
+        or evaluated is not None
+        or last
+        or (interval and completed % interval == 0)
+    ):
+        psnr_now = None if evaluated is None else evaluated["psnr"]
+        run.history.append(_history_entry(completed, out.loss, psnr_now, result, out.lr,
+                                          out.stats))  # fmt: skip
+        if evaluated is not None:  # the saturation curve: when it sets in
+            saturation = evaluated["saturation"]
+            run.history[-1].update(saturated_fraction=saturation["saturated_fraction"],
                                    stuck_fraction=saturation["stuck_fraction"])  # fmt: skip
-        if writer is not None:
-            writer.add_scalar("train/loss", loss_value, completed)
-            writer.add_scalar("train/loss_scale", result.loss_scale, completed)
-            writer.add_scalar("train/lr", settings["lr"] * factor, completed)
-        progress.update(loss=f"{loss_value:.4f}", psnr=None if last_psnr is None
-                        else f"{last_psnr:.2f}", scale=f"{result.loss_scale:g}")  # fmt: skip
-        if consecutive_skips >= settings["max_consecutive_skips"]:
-            status, diverged_at = "diverged", it
+    if run.writer is not None:
+        run.writer.add_scalar("train/loss", out.loss, completed)
+        run.writer.add_scalar("train/loss_scale", result.loss_scale, completed)
+        run.writer.add_scalar("train/lr", out.lr, completed)
+
+
+def _iterate(run: RunState, stop: StopSignals) -> dict[str, Any] | None:
+    """The iterations left: :func:`step`, then :func:`validate` every ``val_interval`` and at
+    the end, the history, :func:`checkpoint` every ``checkpoint_interval``, and the stop
+    checks (divergence, skipped steps, a stop signal). Returns the last iteration's
+    evaluation when the last iteration validated (None otherwise)."""
+    settings = run.settings
+    progress = Progress(run.n_iter, run.start_iter, settings["progress"])
+    evaluated, last_psnr = None, None
+    train_start = time.perf_counter()
+    for it in range(run.start_iter, run.n_iter):
+        out = step(run, it)
+        if out.diverged:
+            run.status, run.diverged_at = "diverged", it
+            break
+        completed = it + 1
+        last = completed == run.n_iter
+        val_interval = settings["val_interval"]
+        evaluated = None
+        if last or (val_interval and completed % val_interval == 0):
+            evaluated = validate(run, completed)
+            last_psnr = evaluated["psnr"]
+        _record(run, out, completed, evaluated)
+        progress.update(loss=f"{out.loss:.4f}", psnr=None if last_psnr is None
+                        else f"{last_psnr:.2f}", scale=f"{out.result.loss_scale:g}")  # fmt: skip
+        if run.consecutive_skips >= settings["max_consecutive_skips"]:
+            run.status, run.diverged_at = "diverged", it
             break
         ck_interval = settings["checkpoint_interval"]
         if not last and ck_interval and completed % ck_interval == 0:
-            with record_function("mptex.checkpoint"):
-                written = checkpoint(completed)
-            if not written:
-                status, diverged_at = "diverged", it
+            if not checkpoint(run, completed):
+                run.status, run.diverged_at = "diverged", it
                 break
         if stop.received and not last:
-            status = "interrupted"
-            interruptions.append({"iteration": completed, "signal": stop.received[0]})
+            run.status = "interrupted"
+            run.interruptions.append({"iteration": completed, "signal": stop.received[0]})
             break
     progress.close()
-    train_time = time.perf_counter() - train_start
+    run.train_time = time.perf_counter() - train_start
+    return evaluated
 
+
+def finish(
+    run: RunState,
+    evaluated: dict[str, Any] | None,
+    start_wall: float,
+    rss: RunPeakRss,
+    exporter: Exporter | None,
+) -> dict[str, Any]:
+    """After the last iteration: the final checkpoint, the final evaluation (``evaluated``, the
+    last iteration's, when it validated the final weights), validation images, the export of
+    a completed run; writes and returns ``metrics.json``'s dict.
+
+    An interrupted run is checkpointed and not validated (it stops within the scheduler's
+    grace period). A completed or interrupted run whose weights are not finite, or a completed
+    run whose final render is not, ends as diverged.
+    """
+    metrics, settings, device = run.metrics, run.settings, run.device
     completed = metrics["iterations"]
-    with record_function("mptex.checkpoint"):
-        written = status in ("completed", "interrupted") and checkpoint(completed)
+    status = run.status
+    written = status in ("completed", "interrupted") and checkpoint(run, completed)
     if status in ("completed", "interrupted") and not written:
-        status, diverged_at = "diverged", completed
+        status, run.diverged_at = "diverged", completed
     if status == "interrupted":
         # Within the scheduler's grace period: no validation render, no images.
         evaluation = dict.fromkeys(("psnr", "baseline_psnr", "psnr_per_image", "saturation"))
-        metrics.update(interrupted_at=completed, signal=interruptions[-1]["signal"])
-    elif status == "completed" and evaluated is not None and completed == n_iter:
+        metrics.update(interrupted_at=completed, signal=run.interruptions[-1]["signal"])
+    elif status == "completed" and evaluated is not None and completed == run.n_iter:
         # The last iteration validated these weights (validation is deterministic: its
         # background is white or black), so the final evaluation is that one.
         evaluation = evaluated
     else:
         with record_function("mptex.validation"):
-            evaluation = evaluate(texture, scene, settings, light_dir)
+            evaluation = evaluate(run.texture, run.scene, settings, run.light_dir)
     if status == "completed" and not math.isfinite(evaluation["psnr"]):
         # Finite weights can still render a non-finite image (an f16 overflow in the forward):
         # never a completed run.
-        status, diverged_at = "diverged", completed
+        status, run.diverged_at = "diverged", completed
     if status == "completed" or (status != "interrupted" and math.isfinite(evaluation["psnr"])):
         with record_function("mptex.images"):
-            _save_val_images(run_dir / "images", evaluation, settings["n_val_images"])
-    if writer is not None:
-        writer.close()
-    export = _export(full, scene, texture, run_dir, exporter) if status == "completed" else None
+            save_val_images(run.run_dir / "images", evaluation, settings["n_val_images"])
+    if run.writer is not None:
+        run.writer.close()
+    run.status = status
+    export = (_export(run.full, run.scene, run.texture, run.run_dir, exporter)
+              if status == "completed" else None)  # fmt: skip
     rss.stop()
-    peak, peak_kind = _peak_memory(device, rss)
+    peak, peak_kind = peak_memory(device, rss)
     metrics.update(
         status=status,
         psnr=evaluation["psnr"],
         baseline_psnr=evaluation["baseline_psnr"],
         psnr_per_image=evaluation["psnr_per_image"],
         saturation=evaluation["saturation"],
-        final_loss=loss_value if loss_value is not None else resumed_loss,
-        time_per_iter_s=statistics.median(iter_times) if iter_times else resumed_time,
-        train_time_s=train_time,
+        final_loss=run.loss_value if run.loss_value is not None else run.resumed_loss,
+        time_per_iter_s=run.time_per_iter(),
+        train_time_s=run.train_time,
         wall_time_s=time.perf_counter() - start_wall,
         peak_memory_bytes=peak,
         peak_memory_kind=peak_kind,
-        skipped_steps=skipped_steps,
-        final_loss_scale=stepper.loss_scale,
-        diverged_at=diverged_at,
+        skipped_steps=run.skipped_steps,
+        final_loss_scale=run.stepper.loss_scale,
+        diverged_at=run.diverged_at,
         error=None,
         failed_at=None,
         failed_writing=None,
-        resume_count=resume_count,
-        interruptions=interruptions,
-        n_params=sum(p.numel() for p in texture.parameters()),
-        backends=texture.backends(),
+        resume_count=run.resume_count,
+        interruptions=run.interruptions,
+        n_params=sum(p.numel() for p in run.texture.parameters()),
+        backends=run.texture.backends(),
         device=str(device),
-        device_name=_device_name(device),
+        device_name=device_name(device),
         torch_threads=torch.get_num_threads(),
-        history=history,
+        history=run.history,
         export=export,
     )
     metrics = {k: metrics.get(k) for k in METRICS_KEYS}
-    write_metrics(run_dir, metrics)
+    write_metrics(run.run_dir, metrics)
     return metrics
+

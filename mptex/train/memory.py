@@ -9,8 +9,10 @@ import threading
 
 import torch
 
+__all__ = ["RunPeakRss", "peak_memory"]
 
-class _RunPeakRss:
+
+class RunPeakRss:
     """This run's peak resident memory, from /proc/self/statm sampled by a daemon thread.
 
     ``ru_maxrss`` is the process's lifetime peak: jobs that share a process (Hydra's basic
@@ -36,7 +38,7 @@ class _RunPeakRss:
         while not self._stop.wait(self._interval):
             self._sample()
 
-    def start(self) -> _RunPeakRss:
+    def start(self) -> RunPeakRss:
         if self.available:
             self._sample()
             self._thread.start()
@@ -49,7 +51,10 @@ class _RunPeakRss:
             self._sample()
 
 
-def _peak_memory(device: torch.device, rss: _RunPeakRss) -> tuple[int, str]:
+def peak_memory(device: torch.device, rss: RunPeakRss) -> tuple[int, str]:
+    """``(bytes, kind)``: the CUDA allocator's peak (``"cuda_max_allocated"``), this run's sampled
+    resident peak (``"run_peak_rss"``), or the process's lifetime peak (``"process_peak_rss"``)
+    where /proc cannot be sampled."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
     if rss.available:

@@ -9,14 +9,19 @@ from typing import Any
 import numpy as np
 import torch
 
+__all__ = ["seed_everything", "rng_state", "set_rng_state"]
 
-def _seed_everything(seed: int) -> None:
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators with ``seed`` (NumPy's mod 2^32)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
-def _rng_state(generators: Mapping[str, torch.Generator]) -> dict[str, Any]:
+def rng_state(generators: Mapping[str, torch.Generator]) -> dict[str, Any]:
+    """Every generator's state for a checkpoint: the global ones (Python, NumPy, torch, CUDA when
+    available) and ``generators`` by name (``gen_<name>``)."""
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -28,7 +33,8 @@ def _rng_state(generators: Mapping[str, torch.Generator]) -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: Mapping[str, Any], generators: Mapping[str, torch.Generator]) -> None:
+def set_rng_state(state: Mapping[str, Any], generators: Mapping[str, torch.Generator]) -> None:
+    """Restore what :func:`rng_state` saved, into the global generators and ``generators``."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])

@@ -13,8 +13,19 @@ import torch
 
 from mptex._backends import has_nvdiffrast, has_tcnn
 
+__all__ = [
+    "sync_device",
+    "device_name",
+    "cpu_model",
+    "package_versions",
+    "Progress",
+    "tensorboard_writer",
+    "reproducible_blas",
+]
 
-def _sync(device: torch.device) -> None:
+
+def sync_device(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA); a no-op on the CPU. Timings take it first."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -48,10 +59,9 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-_device_name = device_name  # the training loop's older name for it
-
-
-def _versions() -> dict[str, Any]:
+def package_versions() -> dict[str, Any]:
+    """mptex, torch, Python, NumPy, Hydra and CUDA versions, and whether tinycudann and
+    nvdiffrast import: ``metrics.json``'s ``versions``."""
     import mptex
 
     try:
@@ -72,7 +82,7 @@ def _versions() -> dict[str, Any]:
     }
 
 
-class _Progress:
+class Progress:
     """tqdm bar with loss, PSNR and loss scale; a no-op when disabled or tqdm is missing."""
 
     def __init__(self, total: int, initial: int, enabled: Any):
@@ -97,7 +107,9 @@ class _Progress:
             self.bar.close()
 
 
-def _tensorboard(run_dir: Path, enabled: bool):
+def tensorboard_writer(run_dir: Path, enabled: bool):
+    """A TensorBoard ``SummaryWriter`` into ``run_dir/tensorboard``; None when not ``enabled``,
+    or (with one line on stderr) when tensorboard is not installed."""
     if not enabled:
         return None
     try:

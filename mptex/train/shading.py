@@ -9,6 +9,8 @@ import torch
 
 from mptex.texture import MLPTexture3D
 
+__all__ = ["shade", "light_direction", "composite", "draw_background", "render_batch"]
+
 _BACKGROUNDS = ("random", "white", "black")
 _SHADINGS = ("kd", "diffuse")
 
@@ -68,7 +70,9 @@ def composite(rgb: torch.Tensor, alpha: torch.Tensor, background: torch.Tensor) 
     return background + (rgb - background) * alpha
 
 
-def _background(kind: str, shape, device, generator: torch.Generator | None) -> torch.Tensor:
+def draw_background(kind: str, shape, device, generator: torch.Generator | None) -> torch.Tensor:
+    """A background image of ``shape`` (``[B, H, W, 3]``) float32: ones (``"white"``), zeros
+    (``"black"``) or ``"random"``, uniform noise drawn from ``generator``."""
     if kind == "white":
         return torch.ones(shape, device=device)
     if kind == "black":
@@ -77,7 +81,7 @@ def _background(kind: str, shape, device, generator: torch.Generator | None) -> 
     return torch.rand(shape, device=device, generator=generator)
 
 
-def _render(
+def render_batch(
     texture: MLPTexture3D,
     views,
     settings: Mapping[str, Any],

@@ -15,7 +15,9 @@ from mptex.texture import MLPTexture3D
 from mptex.train.checkpoint import disk_full_error
 from mptex.train.losses import psnr
 from mptex.train.saturation import saturation_statistics
-from mptex.train.shading import _background, _render, composite
+from mptex.train.shading import composite, draw_background, render_batch
+
+__all__ = ["box_filter", "evaluate", "save_val_images"]
 
 
 # ----------------------------------------------------------------------------- validation
@@ -79,9 +81,9 @@ def evaluate(
         for first in range(0, n_views, per_chunk):
             views = scene.views("val", range(first, min(first + per_chunk, n_views)), spp)
             shape = views.mask.shape + (3,)
-            background = _background(settings["val_background"], shape, views.rgba.device, None)
+            background = draw_background(settings["val_background"], shape, views.rgba.device, None)
             ref = composite(views.rgba[..., 0:3], views.rgba[..., 3:4], background)
-            pred, _ = _render(texture, views, settings, background, light_dir)
+            pred, _ = render_batch(texture, views, settings, background, light_dir)
             covered = views.mask
             # Under kd shading a covered pixel is opaque: pred there is the texture's kd.
             values.append(pred[covered] if kd else None)
@@ -110,7 +112,7 @@ def evaluate(
     # composite() is linear in alpha and the background is uniform, so box-filtering the
     # constant-colour image equals compositing over the same background with the pixels'
     # covered fraction.
-    background = _background(settings["val_background"], pred.shape, pred.device, None)
+    background = draw_background(settings["val_background"], pred.shape, pred.device, None)
     constant = composite(mean_color.expand(pred.shape), torch.cat(coverages), background)
     return dict(
         psnr=float(per_image.mean().item()),
@@ -122,7 +124,13 @@ def evaluate(
     )
 
 
-def _save_val_images(out_dir: Path, evaluation: dict, n_images: int) -> None:
+def save_val_images(out_dir: Path, evaluation: dict, n_images: int) -> None:
+    """The first ``n_images`` validation views as ``out_dir/val_<i>.png``, reference | prediction
+    side by side in sRGB.
+
+    Raises:
+        DiskFullError: the disk filled up (the partial image is removed).
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     ref, pred = evaluation["ref"].cpu(), evaluation["pred"].cpu()
     for i in range(min(n_images, ref.shape[0])):

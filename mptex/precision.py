@@ -16,7 +16,7 @@ f16_static    f16        f16                    f32      static 128    tcnn's co
 f16_dynamic   f16        f16                    f32      dynamic       GradScaler
 amp           f16        autocast f16           f32      dynamic       torch.autocast
 bf16          f32        bf16                   f32      none          tcnn has no bf16 grid
-bf16_grid     bf16       bf16                   f32      none          torch grid only
+bf16_grid     bf16       bf16                   f32      none          torch or Triton grid
 per_layer     f16        f16, f16, f32          f32      dynamic       explicit casts
 tcnn_fused    f16        FullyFusedMLP f16      f32      tcnn (x128)   tcnn on CUDA, else twin
 ============  =========  =====================  =======  ============  ===================

@@ -64,7 +64,7 @@ class SpaceConfig:
     """The ``search.space`` group: what the search may vary, each key the values tried."""
 
     encoder_dtypes: list[str] = setting(["f16", "f32"], _values(["f16", "f32", "bf16"]))
-    """The hash grid's dtypes (bf16: mptex's bfloat16 grid, torch backend only; tcnn has none)."""
+    """The hash grid's dtypes (bf16: mptex's bfloat16 grid, torch and Triton; tcnn has none)."""
     layer_dtypes: list[str] = setting(["f32", "bf16", "f16"], _values(["f32", "bf16", "f16"]))
     """Each linear layer's compute dtypes."""
     master_weights: list[bool] = setting([True, False], ListOf(Flag(), non_empty=True, unique=True))

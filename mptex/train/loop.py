@@ -421,9 +421,10 @@ class RunState:
     """
 
     def __init__(self, full: dict[str, Any], scene: Scene, texture: MLPTexture3D,
-                 run_dir: Path, device: torch.device, metrics: dict[str, Any]) -> None:  # fmt: skip
+                 run_dir: str | os.PathLike, device: torch.device,
+                 metrics: dict[str, Any]) -> None:  # fmt: skip
         self.full, self.settings = full, full["train"]
-        self.scene, self.texture, self.run_dir, self.device = scene, texture, run_dir, device
+        self.scene, self.texture, self.run_dir, self.device = scene, texture, Path(run_dir), device
         self.metrics = metrics
         seed = int(self.settings["seed"])
         # Two generators of the run's own: the views drawn, and the noise (random backgrounds,
@@ -483,7 +484,7 @@ def setup(
     scene: Scene,
     texture: MLPTexture3D,
     ckpt: dict[str, Any] | None,
-    run_dir: Path,
+    run_dir: str | os.PathLike,
     device: torch.device,
     metrics: dict[str, Any],
 ) -> RunState:
@@ -522,7 +523,7 @@ def setup(
         run.interruptions = list(ckpt.get("interruptions", []))
     metrics["resumed_from"] = run.start_iter if ckpt is not None else None
     metrics.update(iterations=run.start_iter, iterations_planned=run.n_iter)
-    run.writer = tensorboard_writer(run_dir, bool(settings["tensorboard"]))
+    run.writer = tensorboard_writer(run.run_dir, bool(settings["tensorboard"]))
     return run
 
 
@@ -782,4 +783,3 @@ def finish(
     metrics = {k: metrics.get(k) for k in METRICS_KEYS}
     write_metrics(run.run_dir, metrics)
     return metrics
-

@@ -107,7 +107,7 @@ class Progress:
             self.bar.close()
 
 
-def tensorboard_writer(run_dir: Path, enabled: bool):
+def tensorboard_writer(run_dir: str | os.PathLike, enabled: bool):
     """A TensorBoard ``SummaryWriter`` into ``run_dir/tensorboard``; None when not ``enabled``,
     or (with one line on stderr) when tensorboard is not installed."""
     if not enabled:
@@ -118,7 +118,7 @@ def tensorboard_writer(run_dir: Path, enabled: bool):
         print("mptex-train: train.tensorboard=true but tensorboard is not installed; skipping",
               file=sys.stderr)  # fmt: skip
         return None
-    return SummaryWriter(str(run_dir / "tensorboard"))
+    return SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
 
 def reproducible_blas() -> None:

@@ -3,6 +3,7 @@ baseline), the output-sigmoid saturation on the same pixels, and the validation 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -124,13 +125,14 @@ def evaluate(
     )
 
 
-def save_val_images(out_dir: Path, evaluation: dict, n_images: int) -> None:
+def save_val_images(out_dir: str | os.PathLike, evaluation: dict, n_images: int) -> None:
     """The first ``n_images`` validation views as ``out_dir/val_<i>.png``, reference | prediction
     side by side in sRGB.
 
     Raises:
         DiskFullError: the disk filled up (the partial image is removed).
     """
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ref, pred = evaluation["ref"].cpu(), evaluation["pred"].cpu()
     for i in range(min(n_images, ref.shape[0])):

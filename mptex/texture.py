@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import math
 import re
@@ -350,6 +351,13 @@ def convert_state_dict(
         tex = mptex.MLPTexture3D(aabb, precision="tcnn_fused")
         tex.load_state_dict(mptex.convert_state_dict(nvdiffrec_state_dict, tex))
 
+    The FP8 arms' layers keep their scaling state in the state dict
+    (``net.net.<i>._extra_state``: amax histories, scales, counters). Where ``state_dict`` has
+    none for a layer of ``texture`` (an nvdiffrec or f32 checkpoint into ``fp8``), the result
+    takes ``texture``'s own, a fresh recipe that starts from the loaded weights as a new run
+    would; where ``texture`` keeps none (an ``fp8`` checkpoint into ``f32``), it is dropped.
+    Either way ``load_state_dict(..., strict=True)`` accepts the result.
+
     Args:
         state_dict: a texture state dict in either layout (values are not modified).
         texture: the texture whose layout and sizes the result takes.
@@ -379,7 +387,7 @@ def convert_state_dict(
     }
     net = texture.net
     if ("linear" if linear else "fused") == net.policy.mlp:
-        return dict(state_dict)
+        return _with_extra_state(dict(state_dict), texture)
     if net.policy.mlp == "fused":
         biases = [key for _, key in linear if key.endswith(".bias")]
         if biases:
@@ -394,11 +402,21 @@ def convert_state_dict(
                 "state_dict: its MLP has (inputs, outputs, width, hidden layers) = "
                 f"{sizes}, the texture's is {wanted}"
             )
-        return converted
+        return _with_extra_state(converted, texture)
     weights = linear_weights_from_fused(
         state_dict[_FUSED_KEY], net.n_input_dims, net.n_output_dims, net.n_neurons,
         net.n_hidden_layers, drop_input_bias=drop_input_bias,
     )  # fmt: skip
     keys = [f"net.net.{i}.weight" for i, m in enumerate(net.net) if isinstance(m, nn.Linear)]
     converted.update(zip(keys, weights, strict=True))
-    return converted
+    return _with_extra_state(converted, texture)
+
+
+def _with_extra_state(state_dict: dict[str, Any], texture: MLPTexture3D) -> dict[str, Any]:
+    # Modules' extra state (the FP8 layers' scaling recipe) as ``texture`` keeps it: its own
+    # where the state dict has none, none where it keeps none.
+    own = {k: v for k, v in texture.state_dict().items() if k.endswith("._extra_state")}
+    out = {k: v for k, v in state_dict.items() if not k.endswith("._extra_state") or k in own}
+    for key, value in own.items():
+        out.setdefault(key, copy.deepcopy(value))
+    return out

@@ -368,6 +368,10 @@ def test_mptex_train_exports_at_the_end_of_a_run(tmp_path):
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["export"]["dir"] == "export" and metrics["export"]["resolution"] == 64
     assert metrics["export"]["psnr_baked_vs_neural"] > 25
+    # The decode-precision table travels with the run's metrics, as export.json has it.
+    export_json = json.loads((tmp_path / "export" / "export.json").read_text())
+    assert metrics["export"]["decode_precision"] == export_json["decode_precision"]
+    assert set(metrics["export"]["decode_precision"]["psnr_vs_f32"]) >= {"f16", "int8", "fp8"}
     assert (tmp_path / "export" / "mesh.obj").is_file()
     assert not (tmp_path / "export" / "mesh.glb").exists()
     # A bad export key stops the run at start with one line naming it.

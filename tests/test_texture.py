@@ -380,6 +380,32 @@ def test_state_dict_layouts_round_trip():
                            back)  # fmt: skip
 
 
+@pytest.mark.parametrize("arm", ["fp8", "fp8_current"])
+def test_fp8_scaling_state_is_filled_in_or_dropped(arm):
+    # An nvdiffrec-layout checkpoint has no FP8 scaling state: the FP8 texture keeps its own
+    # fresh one; an FP8 checkpoint's scaling state is dropped for an arm that keeps none.
+    linear = _texture("f32")
+    fp8 = _texture(arm, seed=1)
+    state = convert_state_dict(linear.state_dict(), fp8)
+    extra = sorted(k for k in state if k.endswith("._extra_state"))
+    assert extra == ["net.net.0._extra_state", "net.net.2._extra_state", "net.net.4._extra_state"]
+    fp8.load_state_dict(state, strict=True)  # raised "Missing key(s)" before the fill-in
+    for key, value in linear.state_dict().items():
+        assert torch.equal(fp8.state_dict()[key], value), key
+    fp8.sample(_points(200)).sum().backward()  # records amaxes: no longer a fresh state
+    back = MLPTexture3D(AABB, precision="f32", encoder=SMALL, backend="torch")
+    back.load_state_dict(convert_state_dict(fp8.state_dict(), back), strict=True)
+    for key, value in linear.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
+    # Into another FP8 texture, the checkpoint's own scaling state is kept, not replaced.
+    other = _texture(arm, seed=2)
+    kept = convert_state_dict(fp8.state_dict(), other)
+    key = "net.net.0._extra_state"
+    torch.testing.assert_close(kept[key], fp8.state_dict()[key], rtol=0, atol=0)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(kept[key], other.state_dict()[key], rtol=0, atol=0)
+
+
 def test_state_dict_conversion_errors_name_the_problem():
     fused = MLPTexture3D(AABB, precision="tcnn_fused", encoder=SMALL, backend="torch")
     linear = _texture("f32").state_dict()

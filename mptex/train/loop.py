@@ -104,6 +104,7 @@ METRICS_KEYS = (
 _EXPORT_SUMMARY = (
     "resolution", "uv_source", "coverage", "texels_per_unit", "texels_per_pixel",
     "psnr_baked_vs_neural", "psnr_baked_vs_reference", "bake_time_s", "export_time_s",
+    "decode_precision",
 )  # fmt: skip
 
 

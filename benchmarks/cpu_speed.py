@@ -54,6 +54,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, print_table  # noqa: E402
 
+from mptex.report.compare import result_differences  # noqa: E402
+
 
 def grid_config(name: str) -> dict:
     """The grid of ``configs/texture/cpu.yaml`` ("cpu") or nvdiffrec's ("nvdiffrec"), as
@@ -373,29 +375,6 @@ def sweep_rows(sweep_dir: Path) -> tuple[list[list[str]], str]:
 # ----------------------------------------------------------------------------- compare
 # What a report's results.json may change without a change of results: timings, memory, the
 # timing ratio, where the runs were written.
-_NOT_RESULTS = ("time", "memory", "speedup", "run_dir", "sweep_dir")
-
-
-def result_differences(before, after, path: str = "") -> list[str]:
-    """Paths at which two results.json documents differ, timings and paths left out."""
-    if isinstance(before, dict) and isinstance(after, dict):
-        out = []
-        for key in sorted(set(before) | set(after)):
-            if any(word in key for word in _NOT_RESULTS):
-                continue
-            if key not in before or key not in after:
-                out.append(f"{path}/{key}: only in {'after' if key in after else 'before'}")
-            else:
-                out += result_differences(before[key], after[key], f"{path}/{key}")
-        return out
-    if isinstance(before, list) and isinstance(after, list):
-        if len(before) != len(after):
-            return [f"{path}: {len(before)} vs {len(after)} entries"]
-        return [d for i, (a, b) in enumerate(zip(before, after))
-                for d in result_differences(a, b, f"{path}[{i}]")]  # fmt: skip
-    return [] if before == after else [f"{path}: {before!r} -> {after!r}"]
-
-
 HEADERS = ["what", "size", "median", "ratio"]
 
 

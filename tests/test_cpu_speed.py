@@ -1,14 +1,24 @@
-"""benchmarks/cpu_speed.py: its tables run, and its results.json comparison ignores timings only."""
+"""benchmarks/cpu_speed.py, run as a user runs it: its tables print; its comparison of two
+reports' results.json (mptex.report.compare) leaves out timings and paths only."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_speed.py"
-_SPEC = importlib.util.spec_from_file_location("cpu_speed", _PATH)
-cpu_speed = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(cpu_speed)  # a script directory, not a package
+from mptex.report import result_differences
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "cpu_speed.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
 def test_results_comparison_ignores_timings_and_paths_only():
@@ -18,19 +28,32 @@ def test_results_comparison_ignores_timings_and_paths_only():
     after = {"sweep_dir": "/b", "runs": [{"psnr": 52.5, "time_per_iter_s": 0.05,
                                          "peak_memory_bytes": 2, "run_dir": "y"}],
              "summary": [{"verdict": "better", "speedup": 2.0}]}  # fmt: skip
-    assert cpu_speed.result_differences(before, after) == []
+    assert result_differences(before, after) == []
     after["runs"][0]["psnr"] = 52.500001
-    assert cpu_speed.result_differences(before, after) == ["/runs[0]/psnr: 52.5 -> 52.500001"]
+    assert result_differences(before, after) == ["/runs[0]/psnr: 52.5 -> 52.500001"]
     after["summary"].append({})
-    assert "/summary: 1 vs 2 entries" in cpu_speed.result_differences(before, after)
+    assert "/summary: 1 vs 2 entries" in result_differences(before, after)
+    after["runs"][0]["verdict"] = "worse"
+    assert "/runs[0]/verdict: only in after" in result_differences(before, after)
+
+
+def test_compare_command_exits_1_on_a_difference(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"runs": [{"psnr": 52.5, "time_per_iter_s": 0.1}]}))
+    b.write_text(json.dumps({"runs": [{"psnr": 52.5, "time_per_iter_s": 0.2}]}))
+    same = _run("compare", str(a), str(b))
+    assert same.returncode == 0 and "0 differences in 1 runs" in same.stdout
+    b.write_text(json.dumps({"runs": [{"psnr": 52.4, "time_per_iter_s": 0.2}]}))
+    moved = _run("compare", str(a), str(b))
+    assert moved.returncode == 1 and "/runs[0]/psnr: 52.5 -> 52.4" in moved.stdout
 
 
 def test_the_mlp_and_grid_tables_run():
-    rows = cpu_speed.bench_mlp(300, repeats=1)
-    assert [row[0] for row in rows] == [
-        "MLP f32 forward+backward",
-        "MLP tcnn_fused forward+backward",
-    ]
-    rows = cpu_speed.bench_grid(["cpu"], [8], repeats=1)
-    assert rows[0][0] == "grid cpu gather + scatter floor" and rows[0][3] == "1.00x"
-    assert len(rows) == 3
+    mlp = _run("mlp", "--rows", "300", "--repeats", "1")
+    assert mlp.returncode == 0, mlp.stderr
+    assert "MLP f32 forward+backward" in mlp.stdout
+    assert "MLP tcnn_fused forward+backward" in mlp.stdout
+    grid = _run("grid", "--configs", "cpu", "--log2-points", "8", "--repeats", "1")
+    assert grid.returncode == 0, grid.stderr
+    floor = [line for line in grid.stdout.splitlines() if "gather + scatter floor" in line]
+    assert len(floor) == 1 and "1.00x" in floor[0]

@@ -92,3 +92,48 @@ def test_every_module_is_in_a_layer():
     top = {p.stem for p in (ROOT / "mptex").glob("*.py") if p.stem != "__init__"}
     top |= {p.parent.name for p in (ROOT / "mptex").glob("*/__init__.py")}
     assert sorted(top - placed) == []
+
+
+def _benchmark_imports(source: str, benchmark_modules: set[str]) -> list[str]:
+    """Imports of benchmarks/ scripts in a test's source: ``import x`` / ``from x import``
+    of a script's module name, or a spec loaded from a path under benchmarks/."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] in benchmark_modules]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.split(".")[0] in benchmark_modules | {"benchmarks"}:
+                found.append(node.module)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") in (
+            "spec_from_file_location", "run_path", "import_module",
+        ):  # fmt: skip
+            if "benchmarks" in ast.unparse(node) or any(
+                f'"{name}"' in ast.unparse(node) for name in benchmark_modules
+            ):
+                found.append(ast.unparse(node))
+    return found
+
+
+def test_no_test_imports_a_benchmark_script():
+    # Benchmarks are scripts users run; tests run them as such (a subprocess), and what a test
+    # needs to import lives in the package.
+    bench = {p.stem for p in (ROOT / "benchmarks").rglob("*.py")} | {"benchmarks"}
+    offenders = {
+        path.name: hits
+        for path in sorted((ROOT / "tests").glob("*.py"))
+        if (hits := _benchmark_imports(path.read_text(), bench))
+    }
+    assert not offenders, offenders
+
+
+def test_the_benchmark_import_finder_finds_planted_imports():
+    bench = {"cpu_speed", "fit_arms", "benchmarks"}
+    planted = (
+        "import cpu_speed\nfrom fit_arms import fit\nfrom benchmarks.gpu import validate\n"
+        "import importlib.util\n"
+        "s = importlib.util.spec_from_file_location('m', ROOT / 'benchmarks' / 'x.py')\n"
+    )
+    assert len(_benchmark_imports(planted, bench)) == 4
+    assert _benchmark_imports("import mptex\nfrom pathlib import Path\n", bench) == []

@@ -17,6 +17,7 @@ multirun, writes into each sweep directory:
 
 Modules: :mod:`~mptex.report.collect` (jobs, configs, sweeps, grouping by the swept keys),
 :mod:`~mptex.report.stats` (paired differences, intervals, verdicts),
+:mod:`~mptex.report.compare` (two reports' results compared, timings left out),
 :mod:`~mptex.report.markdown`, :mod:`~mptex.report.plots`, :mod:`~mptex.report.writer` (writing
 the files, and the Hydra callbacks); the command is :mod:`mptex.cli.report`. Nothing here
 imports the training loop: ``metrics.json`` is the contract (docs/metrics.md).
@@ -31,6 +32,7 @@ from mptex.report.collect import (
     find_sweeps,
     group_runs,
 )
+from mptex.report.compare import result_differences
 from mptex.report.stats import EQUIVALENCE_MARGIN_DB, mean_ci, t_quantile, verdict
 from mptex.report.writer import (
     REPORT_FILES,
@@ -57,4 +59,5 @@ __all__ = [
     "write_report",
     "ReportCallback",
     "FreshSweepDirCallback",
+    "result_differences",
 ]

@@ -284,6 +284,38 @@ def test_search_writes_a_result_that_trains_and_reproduces_its_psnr(searched):
     assert "tiny_search" in (out / "search.md").read_text()
 
 
+def test_not_trained_lists_the_cheapest_of_each_kind_by_hand():
+    from mptex.search.results import not_trained
+
+    fp8_a = Candidate("f16", ("f32",) * 3, loss_scaling="dynamic", quant="fp8")
+    fp8_b = Candidate("f32", ("f32",) * 3, quant="fp8")
+    cur = Candidate("f16", ("f32",) * 3, loss_scaling="dynamic", quant="fp8_current")
+    bf16_grid = Candidate("bf16", ("f32",) * 3)
+    f16 = Candidate("f16", ("f16",) * 3, loss_scaling="dynamic")
+    f32 = Candidate("f32", ("f32",) * 3)
+    model = {c.name: {"seconds": t} for c, t in
+             [(fp8_a, 4.0), (fp8_b, 3.0), (cur, 5.0), (bf16_grid, 4.2), (f16, 2.5), (f32, 4.4)]}
+    got = not_trained([fp8_a, fp8_b, cur, bf16_grid, f16, f32], {f32.name, cur.name}, model)
+    assert got["count"] == 4  # fp8_a, fp8_b, bf16_grid, f16 (an f16 one has no kind listed)
+    assert got["cheapest_by_kind"] == [
+        {"kind": "FP8 GEMMs, delayed scaling", "candidate": fp8_b.name, "model_s": 3.0},
+        {"kind": "bfloat16 hash grid", "candidate": bf16_grid.name, "model_s": 4.2},
+    ]
+
+
+def test_the_search_reports_what_it_did_not_train(searched):
+    tmp, summary = searched
+    skipped = summary["not_trained"]
+    trained = {r["candidate"] for r in summary["candidates"]}
+    assert skipped["count"] == summary["space"]["kept"] - len(trained)
+    kinds = {k["kind"]: k for k in skipped["cheapest_by_kind"]}
+    assert "FP8 GEMMs, delayed scaling" in kinds  # the space holds FP8; the tiny search skips it
+    assert all(k["candidate"] not in trained for k in kinds.values())
+    text = (tmp / "out" / "search.md").read_text()
+    assert f"Not trained: {skipped['count']} kept candidates" in text
+    assert f"`{kinds['FP8 GEMMs, delayed scaling']['candidate']}`" in text
+
+
 def test_a_margin_no_interval_fits_certifies_only_the_reference(tmp_path, searched):
     # Same runs (copied), margin 1e-6 dB: every candidate's interval crosses it.
     import shutil

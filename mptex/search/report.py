@@ -188,6 +188,22 @@ def write_search_report(out: str | os.PathLike, summary: Mapping[str, Any]) -> P
             "network has its own initialisation), not a precision effect; compare it as an arm "
             "of its own.",
         ]
+    skipped = summary.get("not_trained")
+    if skipped and skipped["count"]:
+        lines += [
+            "",
+            f"Not trained: {skipped['count']} kept candidates. Combinations and variants are "
+            "screened only while modelled cheaper than the cheapest candidate that has passed "
+            f"its screen so far; the answer here, `{best['candidate']}`, costs "
+            f"{best['cost_s'] * 1e6:.1f} µs / it.",
+        ]
+        if skipped["cheapest_by_kind"]:
+            lines += ["", "The cheapest of each kind below f16 and of the bfloat16 grid:", ""]
+            lines += [
+                f"- {k['kind']}: `{k['candidate']}`, {k['model_s'] * 1e6:.1f} µs / it "
+                f"({k['model_s'] / ref['cost_s']:.2f} of f32's)"
+                for k in skipped["cheapest_by_kind"]
+            ]
     reasons = Counter((p["rule"], p["reason"]) for p in summary["space"]["pruned"])
     lines += [
         "",

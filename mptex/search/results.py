@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import shlex
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -163,6 +163,7 @@ def summarise(state: SearchState, certified: Candidate) -> dict[str, Any]:
             "certified_parts": model[certified.name]["parts"],
         },
         "space": {"kept": len(kept), "pruned": state.pruned},
+        "not_trained": not_trained(kept, set(stages), model),
         "candidates": rows,
         "budget": {
             "runs": len(all_runs),
@@ -173,6 +174,41 @@ def summarise(state: SearchState, certified: Candidate) -> dict[str, Any]:
             "search_wall_s": time.perf_counter() - state.start,
             "workers": settings["workers"],
         },
+    }
+
+
+def _kind(candidate: Candidate) -> str | None:
+    """The family a candidate belongs to for :func:`not_trained` (None: an f16/bf16/f32 one)."""
+    if candidate.quant != "none":
+        return {
+            "fp8": "FP8 GEMMs, delayed scaling",
+            "fp8_current": "FP8 GEMMs, current scaling",
+            "int8_qat": "trained for an int8 decoder",
+            "fp8_qat": "trained for an FP8 decoder",
+        }[candidate.quant]
+    if candidate.encoder == "bf16":
+        return "bfloat16 hash grid"
+    return None
+
+
+def not_trained(
+    kept: Sequence[Candidate], trained: set[str], model: Mapping[str, Mapping[str, Any]]
+) -> dict[str, Any]:
+    """The kept candidates the search never trained: how many, and the cheapest (modelled) one
+    of each family below f16 or of the bfloat16 grid, so that a reader sees what the search
+    knew of them and why it stopped before them."""
+    left = [c for c in kept if c.name not in trained]
+    cheapest: dict[str, Candidate] = {}
+    for c in sorted(left, key=lambda c: (model[c.name]["seconds"], c.name)):
+        kind = _kind(c)
+        if kind is not None and kind not in cheapest:
+            cheapest[kind] = c
+    return {
+        "count": len(left),
+        "cheapest_by_kind": [
+            {"kind": kind, "candidate": c.name, "model_s": model[c.name]["seconds"]}
+            for kind, c in cheapest.items()
+        ],
     }
 
 

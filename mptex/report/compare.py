@@ -17,7 +17,7 @@ __all__ = ["NOT_RESULTS", "result_differences"]
 NOT_RESULTS = ("time", "memory", "speedup", "run_dir", "sweep_dir")
 
 
-def result_differences(before: Any, after: Any, path: str = "") -> list[str]:
+def result_differences(before: Any, after: Any, where: str = "") -> list[str]:
     """Where two ``results.json`` documents (or any JSON values) differ.
 
     Walks both documents together: mappings key by key (a key in one only is a difference;
@@ -26,9 +26,9 @@ def result_differences(before: Any, after: Any, path: str = "") -> list[str]:
     must be the same number, bit for bit once parsed).
 
     Returns:
-        one line per difference, ``"<path>: <before> -> <after>"`` (``path`` as
-        ``/runs[0]/psnr``), ``"<path>: only in before|after"`` or ``"<path>: 3 vs 4 entries"``;
-        empty when the results are the same.
+        one line per difference, ``"<where>: <before> -> <after>"`` (``where`` the place in
+        the documents, as ``/runs[0]/psnr``), ``"<where>: only in before|after"`` or
+        ``"<where>: 3 vs 4 entries"``; empty when the results are the same.
     """
     if isinstance(before, dict) and isinstance(after, dict):
         out = []
@@ -36,16 +36,16 @@ def result_differences(before: Any, after: Any, path: str = "") -> list[str]:
             if any(word in key for word in NOT_RESULTS):
                 continue
             if key not in before or key not in after:
-                out.append(f"{path}/{key}: only in {'after' if key in after else 'before'}")
+                out.append(f"{where}/{key}: only in {'after' if key in after else 'before'}")
             else:
-                out += result_differences(before[key], after[key], f"{path}/{key}")
+                out += result_differences(before[key], after[key], f"{where}/{key}")
         return out
     if isinstance(before, list) and isinstance(after, list):
         if len(before) != len(after):
-            return [f"{path}: {len(before)} vs {len(after)} entries"]
+            return [f"{where}: {len(before)} vs {len(after)} entries"]
         return [
             line
             for i, (a, b) in enumerate(zip(before, after, strict=True))
-            for line in result_differences(a, b, f"{path}[{i}]")
+            for line in result_differences(a, b, f"{where}[{i}]")
         ]
-    return [] if before == after else [f"{path}: {before!r} -> {after!r}"]
+    return [] if before == after else [f"{where}: {before!r} -> {after!r}"]

@@ -82,10 +82,10 @@ if SLEEP or SLOW_SAVE or ENOSPC_AT:
     _real_import = builtins.__import__
 
     def _hooked_import(*args, **kwargs):
-        # Patch once mptex.train.loop is fully imported (its last definition exists).
+        # Patch once mptex.train.loop is fully imported (its last definition, finish, exists).
         module = _real_import(*args, **kwargs)
         loop = sys.modules.get("mptex.train.loop")
-        if loop is not None and hasattr(loop, "_train"):
+        if loop is not None and hasattr(loop, "finish"):
             builtins.__import__ = _real_import
             _patch(loop, sys.modules["mptex.train.checkpoint"], sys.modules["torch"])
         return module

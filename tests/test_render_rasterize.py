@@ -1,5 +1,7 @@
 """rasterize / interpolate against hand-computed values, a brute-force reference and nvdiffrast."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -265,6 +267,19 @@ def test_nvdiffrast_backend_missing_is_a_clear_error():
         pytest.skip("nvdiffrast is available here")
     with pytest.raises(RuntimeError, match="nvdiffrast"):
         rasterize(torch.zeros(3, 4), TRI1, (4, 4), backend="nvdiffrast")
+
+
+def test_resolved_backend_names_what_rasterize_runs(monkeypatch):
+    module = importlib.import_module("mptex.render.rasterize")  # the package's name is the function
+    for available in (False, True):
+        monkeypatch.setattr(module, "has_nvdiffrast", lambda available=available: available)
+        assert module.resolved_backend("auto", "cpu") == "torch"
+        assert module.resolved_backend("auto", torch.device("cuda", 0)) == (
+            "nvdiffrast" if available else "torch")  # fmt: skip
+        assert module.resolved_backend("torch", "cuda") == "torch"
+        assert module.resolved_backend("nvdiffrast", "cpu") == "nvdiffrast"  # named, unchecked
+    with pytest.raises(ValueError, match="backend: expected one of 'auto', 'torch'"):
+        module.resolved_backend("vulkan", "cpu")
 
 
 def _knot_clip(device, n_views=3):

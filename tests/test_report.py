@@ -68,8 +68,8 @@ def sweep(tmp_path):
     _write(tmp_path, "0", _metrics("f32", 0, psnr=30.0, t=0.10))
     _write(tmp_path, "1", _metrics("f32", 1, psnr=32.0, t=0.30))
     _write(tmp_path, "2", _metrics("bf16", 0, psnr=29.0, t=0.05))
-    _write(tmp_path, "3", _metrics("bf16", 1, psnr=29.0, t=0.15,
-                                   backends={"encoder": "torch", "mlp": "torch"}))  # fmt: skip
+    twins = {"encoder": "torch", "mlp": "torch", "raster": "torch"}
+    _write(tmp_path, "3", _metrics("bf16", 1, psnr=29.0, t=0.15, backends=twins))
     _write(tmp_path, "4", _metrics("f16_naive", 0, status="diverged", diverged_at=3))
     why = ("precision.mlp_backend='tcnn' needs tinycudann and a CUDA device: "
            "torch.cuda.is_available() is False; the arm tcnn_fused runs on the CPU with "
@@ -157,8 +157,8 @@ def test_report_files_and_rows(sweep):
     assert "t(0.975, n−1) · sd / √n" in text  # the method is stated
     assert "emulated" in text  # a CPU run's speed is flagged
     assert (
-        "Backends that ran (encoder / MLP; torch = mptex's PyTorch twin): `bf16` torch / torch"
-        in text
+        "Backends that ran (encoder / MLP / rasterizer; torch = mptex's PyTorch twin): "
+        "`bf16` torch / torch / torch" in text
     )
 
 
@@ -250,6 +250,18 @@ def test_one_seed_cannot_judge(tmp_path):
     assert "Cannot judge any arm against `f32`: 1 paired seed per arm" in text
     assert "- Fastest arm" not in text
     assert "| +1.55 (1 seed) | cannot judge (1 paired seed) |" in text
+
+
+def test_backends_line_names_the_rasterizer_and_a_dash_for_older_runs(tmp_path):
+    _write(tmp_path, "0", _metrics("f32", 0, backends={"encoder": "tcnn", "mlp": "torch",
+                                                       "raster": "nvdiffrast"}))
+    # metrics.json written before the rasterizer was recorded
+    _write(tmp_path, "1", _metrics("f16", 0, backends={"encoder": "torch", "mlp": "tcnn"}))
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert "`f32` tcnn / torch / nvdiffrast; `f16` torch / tcnn / –" in text
+    rows = {r["precision"]: r for r in json.loads((tmp_path / "results.json").read_text())["runs"]}
+    assert rows["f32"]["raster_backend"] == "nvdiffrast" and rows["f16"]["raster_backend"] is None
 
 
 # ----------------------------------------------------------------------------- grouping

@@ -99,8 +99,9 @@ def test_every_cpu_arm_writes_complete_metrics(tmp_path, arm):
     # The CPU's vector capability picks the kernels whose rounding a run's bits depend on.
     capability = torch.backends.cpu.get_cpu_capability()
     assert m["device_name"].endswith(f" cores, {capability})"), m["device_name"]
-    # On a CPU every arm runs mptex's PyTorch twins (tcnn_fused included), and says so.
-    assert m["backends"] == {"encoder": "torch", "mlp": "torch"}
+    # On a CPU every arm runs mptex's PyTorch twins (tcnn_fused included) and the torch
+    # rasterizer, and says so.
+    assert m["backends"] == {"encoder": "torch", "mlp": "torch", "raster": "torch"}
     assert [h["iteration"] for h in m["history"]] == list(range(1, 5))
     for h in m["history"]:
         assert set(h) >= {"iteration", "loss", "psnr", "loss_scale", "skipped"}

@@ -27,7 +27,7 @@ import torch
 
 from mptex._backends import has_nvdiffrast, import_nvdiffrast, warn_fallback_once
 
-__all__ = ["rasterize", "interpolate", "Backend"]
+__all__ = ["rasterize", "interpolate", "resolved_backend", "Backend"]
 
 Backend = Literal["auto", "torch", "nvdiffrast"]
 
@@ -86,11 +86,26 @@ def _check_tri(tri: torch.Tensor, n_vertices: int, device: torch.device) -> torc
     return tri
 
 
-def _resolve_backend(backend: str, device: torch.device, what: str) -> str:
+def resolved_backend(backend: str, device: torch.device | str) -> str:
+    """The rasterizer ``rasterize`` runs for ``backend`` on tensors on ``device``: ``"auto"``
+    is nvdiffrast on a CUDA device when it is importable, else torch; ``"torch"`` and
+    ``"nvdiffrast"`` are themselves. Checks nothing and warns about nothing (what a run
+    records in metrics.json; ``rasterize`` itself refuses an unusable ``"nvdiffrast"``).
+
+    Raises:
+        ValueError: ``backend`` is not ``"auto"``, ``"torch"`` or ``"nvdiffrast"``.
+    """
     if backend not in ("auto", "torch", "nvdiffrast"):
         raise ValueError(
             f"backend: expected one of 'auto', 'torch', 'nvdiffrast', received {backend!r}"
         )
+    if backend != "auto":
+        return backend
+    return "nvdiffrast" if torch.device(device).type == "cuda" and has_nvdiffrast() else "torch"
+
+
+def _resolve_backend(backend: str, device: torch.device, what: str) -> str:
+    chosen = resolved_backend(backend, device)
     if backend == "nvdiffrast":
         import_nvdiffrast()  # raises RuntimeError saying why it is unusable
         if device.type != "cuda":
@@ -98,12 +113,10 @@ def _resolve_backend(backend: str, device: torch.device, what: str) -> str:
                 f"backend='nvdiffrast' needs CUDA tensors, received device {device}; "
                 "backend='torch' runs on any device"
             )
-        return "nvdiffrast"
-    if backend == "auto" and device.type == "cuda":
-        if has_nvdiffrast():
-            return "nvdiffrast"
+        return chosen
+    if backend == "auto" and device.type == "cuda" and chosen == "torch":
         warn_fallback_once(what, "nvdiffrast is not importable")
-    return "torch"
+    return chosen
 
 
 def _nvdiffrast_context(device: torch.device):

@@ -98,9 +98,10 @@ def _environment(runs: Sequence[Mapping[str, Any]]) -> list[str]:
             versions.setdefault(key, set()).add(str(value))
     backends: dict[str, set[str]] = {}
     for run in runs:
-        if run.get("encoder_backend") or run.get("mlp_backend"):
-            pair = f"{run.get('encoder_backend') or '–'} / {run.get('mlp_backend') or '–'}"
-            backends.setdefault(str(run.get("precision")), set()).add(pair)
+        parts = [run.get(f"{part}_backend") for part in ("encoder", "mlp", "raster")]
+        if any(parts):
+            backends.setdefault(str(run.get("precision")), set()).add(
+                " / ".join(part or "–" for part in parts))
     backend_text = "; ".join(f"`{arm}` {', '.join(sorted(b))}" for arm, b in backends.items())
     backend_text = backend_text or "–"
     version_text = ", ".join(f"{k} {' / '.join(sorted(v))}" for k, v in sorted(versions.items()))
@@ -109,7 +110,8 @@ def _environment(runs: Sequence[Mapping[str, Any]]) -> list[str]:
         f"({' / '.join(distinct('device_name')) or 'unknown'}); torch threads per run: "
         f"{' / '.join(distinct('torch_threads')) or '–'}",
         f"- Versions: {version_text or '–'}",
-        f"- Backends that ran (encoder / MLP; torch = mptex's PyTorch twin): {backend_text}",
+        f"- Backends that ran (encoder / MLP / rasterizer; torch = mptex's PyTorch twin): "
+        f"{backend_text}",
     ]
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from mptex.render.mesh import Mesh
-from mptex.render.rasterize import Backend, interpolate, rasterize
+from mptex.render.rasterize import Backend, interpolate, rasterize, resolved_backend
 
 __all__ = ["GBuffer", "GBufferCache", "render_gbuffer"]
 
@@ -122,6 +122,11 @@ class GBufferCache:
         self.hits = 0
         self.misses = 0
         self.rasterized = 0
+
+    def resolved_backend(self) -> str:
+        """The rasterizer this cache runs on its mesh's device: ``"torch"`` or ``"nvdiffrast"``
+        (``"auto"`` resolved as :func:`mptex.render.rasterize.resolved_backend` does)."""
+        return resolved_backend(self.backend, self.mesh.v_pos.device)
 
     def _content_key(self, mvp: torch.Tensor) -> tuple:
         return (self._digest, self.resolution, self.backend, str(mvp.device),

@@ -774,7 +774,7 @@ def finish(
         resume_count=run.resume_count,
         interruptions=run.interruptions,
         n_params=sum(p.numel() for p in run.texture.parameters()),
-        backends=run.texture.backends(),
+        backends={**run.texture.backends(), "raster": run.scene.gbuffers.resolved_backend()},
         device=str(device),
         device_name=device_name(device),
         torch_threads=torch.get_num_threads(),

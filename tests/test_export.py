@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import zlib
@@ -379,3 +380,29 @@ def test_mptex_train_exports_at_the_end_of_a_run(tmp_path):
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1].startswith("mptex-train: error: export.colour:")
+
+
+def test_fp8_decode_parts_script_checks_itself_against_the_fp8_decode(builtin_run, tmp_path):
+    """benchmarks/fp8_decode_parts.py, run as a user runs it. Its 'both' variant must equal
+    decode_texture's fp8 decode to the bit (the script exits non-zero otherwise); the same run
+    given twice pairs into intervals of zero width around the difference of its own columns; a
+    folder without a checkpoint is one line."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_decode_parts.py"
+    done = subprocess.run([sys.executable, str(script), str(builtin_run), str(builtin_run)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    run_row = next(line for line in lines if line.startswith(f"| {builtin_run} "))
+    none, weights, inputs, both = (float(v) for v in run_row.split("|")[2:6])
+    for pair, expected in (("weights − none", weights - none), ("inputs − none", inputs - none),
+                           ("both − none", both - none), ("both − weights", both - weights)):
+        row = next(line for line in lines if line.startswith(f"| {pair} "))
+        mean, low, high = (float(v) for v in re.findall(r"[+-]\d+\.\d+", row.split("|")[3]))
+        assert mean == low == high  # one run twice: no spread
+        assert abs(mean - expected) <= 0.011  # the columns are rounded to 0.01 dB
+    empty = tmp_path / "not_a_run"
+    empty.mkdir()
+    done = subprocess.run([sys.executable, str(script), str(empty)], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"runs: no checkpoint.pt in {empty}"

@@ -22,9 +22,11 @@ the bare ``index_select`` + ``scatter_add_`` of the same rows (``docs/cpu-speed.
 
 from __future__ import annotations
 
+import decimal
 import functools
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -37,7 +39,7 @@ from mptex._native_cpu import (
     native_kernels,
 )
 
-__all__ = ["GridGeometry", "grid_geometry", "hash_grid_encode"]
+__all__ = ["EXP2_MODES", "H100_EX2_TABLE", "GridGeometry", "grid_geometry", "hash_grid_encode"]
 
 # tiny-cuda-nn's hash primes (fast_hash in encodings/grid.h); the first is 1 on purpose
 # (memory coherence along x).
@@ -93,6 +95,79 @@ class GridGeometry:
         return self.n_levels * self.n_features_per_level
 
 
+# Level-scale exponentials (``exp2f(level * log2f(per_level_scale))``), see grid_geometry.
+EXP2_MODES = ("correctly-rounded", "cuda-ex2", "h100-table")
+
+# tcnn 2.0's level exponentials as measured on an NVIDIA H100 (tinycudann 2.0 from tiny-cuda-nn
+# 6ee3546, torch bindings built with --use_fast_math, so exp2f is PTX ex2.approx.ftz.f32):
+# float32 bits of the ex2 input -> float32 bits of its result. They are the inputs of the
+# three configs of the GPU kit (per_level_scale 1.4472692374403782 over 16 levels, 2.0 over
+# 4, 1.5 over 8), each read back from tcnn's float32 outputs as the only float32 scale within
+# 4 ulps that reproduces them (tests/gpu_golden/grid.npz). A lookup of these inputs, not an
+# emulation of the instruction: other inputs get the correctly rounded value.
+H100_EX2_TABLE = {
+    0x3F088888: 0x3FB9401F, 0x3F15C01A: 0x3FC00000, 0x3F800000: 0x40000000,
+    0x3F888888: 0x40060DBC, 0x3F95C01A: 0x40100000, 0x3FCCCCCC: 0x404202FF,
+    0x3FE0A027: 0x40580000, 0x40000000: 0x40800000, 0x40088888: 0x408C64C2,
+    0x4015C01A: 0x40A20000, 0x402AAAAA: 0x40CB2FF4, 0x403B3020: 0x40F2FFFE,
+    0x40400000: 0x41000000, 0x404CCCCC: 0x4113088C, 0x4060A027: 0x41364000,
+    0x406EEEEE: 0x4154CC00, 0x40830817: 0x4188B000, 0x40888888: 0x4199FCB8,
+    0x40999999: 0x41DEDC65, 0x40AAAAAA: 0x42214516, 0x40BBBBBB: 0x426966A2,
+    0x40CCCCCC: 0x42A8E5A0, 0x40DDDDDD: 0x42F4707C, 0x40EEEEEE: 0x4330E282,
+    0x40FFFFFF: 0x437FFFFB,
+}  # fmt: skip
+
+
+def _round_f32(value: Fraction) -> np.float32:
+    """The float32 nearest to an exact rational (ties to even; normal range)."""
+    guess = np.float32(float(value))
+    candidates = [
+        np.nextafter(guess, np.float32(-np.inf)),
+        guess,
+        np.nextafter(guess, np.float32(np.inf)),
+    ]
+    return min(
+        candidates,
+        key=lambda c: (abs(Fraction(float(c)) - value), int(c.view(np.uint32)) & 1),
+    )
+
+
+def _log2f(value: np.float32) -> np.float32:
+    """Correctly rounded float32 log2 (tcnn's host ``std::log2(float)``: glibc's log2f, whose
+    error is below one ulp; it agrees on the three configs of tests/gpu_golden)."""
+    with decimal.localcontext() as ctx:
+        ctx.prec = 60
+        exact = decimal.Decimal(float(value)).ln() / decimal.Decimal(2).ln()
+    return _round_f32(Fraction(exact))
+
+
+def _exp2f(value: np.float32) -> np.float32:
+    """Correctly rounded float32 2^value, computed with 60 decimal digits: the same on every
+    machine (numpy's float32 exp2 is a SIMD routine chosen by the CPU's features)."""
+    with decimal.localcontext() as ctx:
+        ctx.prec = 60
+        exact = (decimal.Decimal(float(value)) * decimal.Decimal(2).ln()).exp()
+    return _round_f32(Fraction(exact))
+
+
+def _level_exponentials(inputs: list[np.float32], exp2: str) -> list[np.float32]:
+    """``exp2f`` of the level inputs as tcnn's kernels evaluate it, by ``exp2`` mode."""
+    if exp2 == "cuda-ex2":
+        from mptex._grid_triton import ex2_approx_cuda  # imports triton: only here
+
+        return [np.float32(v) for v in ex2_approx_cuda([float(v) for v in inputs])]
+    out = []
+    for value in inputs:
+        bits = int(value.view(np.uint32))
+        if exp2 == "h100-table" and bits in H100_EX2_TABLE:
+            out.append(np.uint32(H100_EX2_TABLE[bits]).view(np.float32))
+        elif bits == 0:
+            out.append(np.float32(1.0))  # 2^0, which ex2.approx returns exactly
+        else:
+            out.append(_exp2f(value))
+    return out
+
+
 def grid_geometry(
     n_input_dims: int,
     n_levels: int,
@@ -102,20 +177,41 @@ def grid_geometry(
     per_level_scale: float,
     interpolation: str = "Linear",
     grid_type: str = "Hash",
+    exp2: str = "correctly-rounded",
 ) -> GridGeometry:
     """Compute tcnn's per-level constants (see :class:`GridGeometry`).
 
     ``per_level_scale`` goes through float32 and ``log2f`` exactly as tcnn's JSON config does,
-    which is what makes nvdiffrec's 16 -> 4096 config give resolution 65 at level 5.
+    which is what makes nvdiffrec's 16 -> 4096 config give resolution 65 at level 5. The level
+    input ``level * log2f(per_level_scale)`` is a float32 product; its ``exp2f`` is what
+    ``exp2`` says:
+
+    * ``"correctly-rounded"``: the float32 nearest to the exact power (the host's value, and
+      tcnn's on the GPU within its instruction's error). tcnn's kernels are built with
+      ``--use_fast_math``, so their ``exp2f`` is PTX ``ex2.approx.ftz.f32``, which on an H100
+      was measured 0 to +1 float32 ulps from this value (+1 at 9 of nvdiffrec's 16 levels and
+      1 of the 8 levels of per_level_scale 1.5; the NVIDIA PTX manual bounds it at 2 ulps).
+      No bit-exact model of that instruction is known to mptex, so on a CPU this is the mode;
+      a 1-ulp scale moves positions by up to ``x * ulp(scale)`` and the level's outputs by up
+      to ~1e-3 relative where the cell changes (8e-4 measured on nvdiffrec's finest level).
+    * ``"cuda-ex2"``: the instruction itself, run once on the current CUDA device (a Triton
+      kernel with inline PTX): tcnn's scales on that device.
+    * ``"h100-table"``: ``H100_EX2_TABLE``, tcnn's results measured on an H100 for the inputs
+      of the three configs of tests/gpu_golden (nvdiffrec's, per_level_scale 2.0 and 1.5);
+      other inputs fall back to the correctly rounded value. A lookup, not an emulation.
     """
-    log2_scale = np.log2(np.float32(per_level_scale), dtype=np.float32)
+    if exp2 not in EXP2_MODES:
+        raise ValueError(f"exp2 must be one of {EXP2_MODES}, got {exp2!r}")
+    log2_scale = _log2f(np.float32(per_level_scale))
     base = np.float32(base_resolution)
+    inputs = [np.float32(np.float32(level) * log2_scale) for level in range(n_levels)]
+    host_pows = _level_exponentials(inputs, "correctly-rounded")
+    kernel_pows = host_pows if exp2 == "correctly-rounded" else _level_exponentials(inputs, exp2)
     scales, resolutions, table_sizes, offsets, hashed = [], [], [], [0], []
     for level in range(n_levels):
-        level_pow = np.exp2(np.float32(level) * log2_scale, dtype=np.float32)
         # Host (offset table): two roundings. Device (kernel): nvcc contracts to one fmaf.
-        host_scale = np.float32(level_pow * base) - np.float32(1.0)
-        kernel_scale = _fma_f32(torch.tensor(level_pow), torch.tensor(base), -1.0).item()
+        host_scale = np.float32(host_pows[level] * base) - np.float32(1.0)
+        kernel_scale = _fma_f32(torch.tensor(kernel_pows[level]), torch.tensor(base), -1.0).item()
         host_res = int(math.ceil(float(host_scale))) + 1
         dense_size = host_res**n_input_dims
         max_params = np.iinfo(np.uint32).max // 2
@@ -146,18 +242,20 @@ def grid_geometry(
 # Positions: one float32 rounding of scale * x + 0.5, as fmaf.
 
 
-def _fma_f32(a: torch.Tensor, b: torch.Tensor, c: float, nonnegative_product=False):
+def _fma_f32(a: torch.Tensor, b: torch.Tensor, c, nonnegative_product=False):
     """Exactly rounded float32 ``a * b + c`` for float32 tensors (broadcasting), like fmaf.
 
-    The product is exact in float64 (24 + 24 bits) and the float64 sum ``s`` is rounded once.
-    Rounding ``s`` to float32 is then correct unless ``s`` sits exactly on a float32 midpoint
-    (or in float32's subnormal range), where the first rounding may have decided the tie; those
-    rare elements are redone with the exact error of the sum (TwoSum), rounding to odd.
-    With ``c = 0.5`` and a product known to be >= 0, ``s`` is exact unless the product is below
-    2^-6 (the sum then spans at most 53 bits), which narrows the suspects further.
+    ``c`` is a float or a float32 tensor. The product is exact in float64 (24 + 24 bits) and
+    the float64 sum ``s`` is rounded once. Rounding ``s`` to float32 is then correct unless
+    ``s`` sits exactly on a float32 midpoint (or in float32's subnormal range), where the first
+    rounding may have decided the tie; those rare elements are redone with the exact error of
+    the sum (TwoSum), rounding to odd. With ``c = 0.5`` and a product known to be >= 0, ``s``
+    is exact unless the product is below 2^-6 (the sum then spans at most 53 bits), which
+    narrows the suspects further.
     """
     product = a.double() * b.double()
-    total = product + c
+    addend = c.double() if isinstance(c, torch.Tensor) else c
+    total = product + addend
     low_bits = total.view(torch.int64) & 0x1FFFFFFF  # the 29 bits float32 drops
     if nonnegative_product and c == 0.5:
         suspect = (low_bits == 0x10000000) & (product < 2.0**-6)
@@ -165,12 +263,33 @@ def _fma_f32(a: torch.Tensor, b: torch.Tensor, c: float, nonnegative_product=Fal
         suspect = (low_bits == 0x10000000) | (total.abs() < 2.0**-125)
     if bool(suspect.any()):
         p, t = product.expand_as(total)[suspect], total[suspect]
+        c_s = addend.expand_as(total)[suspect] if isinstance(c, torch.Tensor) else addend
         b_virtual = t - p
-        error = (p - (t - b_virtual)) + (c - b_virtual)
+        error = (p - (t - b_virtual)) + (c_s - b_virtual)
         towards = torch.where(error > 0, math.inf, -math.inf).to(t.dtype)
         even = (t.view(torch.int64) & 1) == 0
         total[suspect] = torch.where((error != 0) & even, torch.nextafter(t, towards), t)
     return total.float()
+
+
+def _hfma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded half ``a * b + c`` (``fma.rn.f16``, tcnn's ``__hfma2``) of half values
+    held in float32 tensors; returns float32 holding the half result.
+
+    ``a * b`` is exact in float32 (11 + 11 significant bits, exponents within float32's normal
+    range); the float32 sum is made round-to-odd with its exact error (TwoSum), so that the
+    final rounding to half (13 bits fewer) is the single correct rounding of the exact value.
+    """
+    product = a * b
+    total = product + c
+    b_virtual = total - product
+    error = (product - (total - b_virtual)) + (c - b_virtual)
+    even = (total.view(torch.int32) & 1) == 0
+    fix = (error != 0) & even
+    if bool(fix.any()):
+        towards = torch.where(error > 0, math.inf, -math.inf).to(total.dtype)
+        total = torch.where(fix, torch.nextafter(total, towards), total)
+    return total.to(torch.float16).to(torch.float32)
 
 
 # Devices without float64 (Apple's MPS): the exact fmaf emulation runs on the CPU for them.
@@ -387,16 +506,31 @@ class _Lookup:
 
 def _interpolate(elements, weights, n_features: int, out_dtype: torch.dtype) -> torch.Tensor:
     """Row elements [L, C, n, (k)] (values already in the table dtype), weights [L, C, n]
-    -> [L, n, F] in out_dtype."""
+    -> [L, n, F] in out_dtype.
+
+    tcnn's kernel (``kernel_grid`` in encodings/grid.h) starts from a zero result and takes one
+    fused multiply-add per corner, in corner order: ``result = fma((T)weight, value, result)``.
+    In float32 that is ``fmaf`` (one rounding per corner); in half mode the float32 weight is
+    rounded to half and ``__hfma2`` adds in half (one half rounding per corner). Nearest returns
+    the lower corner's value itself (no fma: a -0 stays -0).
+    """
+    values = _real_rows(elements, n_features)  # [L, C, n, F]
+    if weights.shape[1] == 1:  # Nearest
+        return values[:, 0].to(out_dtype)
+    w = weights.unsqueeze(-1)
+    acc = torch.zeros_like(values[:, 0])
     if out_dtype == torch.float16:
-        # tcnn half mode: each weight * value is formed in float32, rounded to half, and summed
-        # in half in corner order (`result += (T)(weight * data)`).
-        terms = _real_rows(_weighted(elements, weights), n_features).to(torch.float16)
-        return _sum_in_order(terms, 1)
-    # float32: summed corner by corner with elementwise adds (a reduction kernel's order can
-    # depend on the chunk's shape, and a point's encoding must not depend on its batch).
-    out = _sum_in_order(_weighted(elements, weights), 1)
-    return _real_rows(out.unsqueeze(1), n_features)[:, 0].to(out_dtype)
+        w = w.to(torch.float16).to(values.dtype)
+        for corner in range(values.shape[1]):
+            acc = _hfma(w[:, corner], values[:, corner], acc)
+        return acc.to(torch.float16)
+    if values.dtype == torch.float64:  # float64 twin: plain float64 arithmetic
+        for corner in range(values.shape[1]):
+            acc = acc + w[:, corner] * values[:, corner]
+        return acc.to(out_dtype)
+    for corner in range(values.shape[1]):
+        acc = _fma_f32(w[:, corner], values[:, corner], acc)
+    return acc.to(out_dtype)
 
 
 def _table_dtype(out_dtype: torch.dtype) -> torch.dtype | None:

@@ -51,7 +51,7 @@ import triton.language as tl
 
 from mptex._grid_torch import TCNN_HALF_LOSS_SCALE, GridGeometry
 
-__all__ = ["hash_grid_encode_triton", "INTERPRETED", "check_device"]
+__all__ = ["hash_grid_encode_triton", "INTERPRETED", "check_device", "ex2_approx_cuda"]
 
 _INTERPOLATION_CODES = {"Nearest": 0, "Linear": 1, "Smoothstep": 2}
 # Points per program: the interpreter runs one Python call per program, so it gets large
@@ -316,28 +316,45 @@ def _forward_kernel(
         if HALF:
             acc = acc.to(tl.float16)
     else:
-        weight = _corner_weight(w00, w01, w10, w11, w20, w21, w30, w31, 0, N_DIMS)
-        acc = weight[:, None] * values
-        if HALF:
-            acc = acc.to(tl.float16)
-        for corner in tl.static_range(1, 2**N_DIMS):
-            row = _corner_row(c0, c1, c2, c3, corner, N_DIMS, hashed, size, offset, s1, s2, s3)
-            values = tl.load(
-                params_ptr + row[:, None] * N_FEATURES + features[None, :],
-                mask=tile_mask,
-                other=0.0,
-            )
-            values = _table_value(values, HALF, BF16)
+        # tcnn: result = fma((T)weight, value, result) per corner from a zero result.
+        acc = tl.zeros_like(values)
+        for corner in tl.static_range(0, 2**N_DIMS):
+            if corner > 0:
+                row = _corner_row(c0, c1, c2, c3, corner, N_DIMS, hashed, size, offset, s1, s2, s3)
+                values = tl.load(
+                    params_ptr + row[:, None] * N_FEATURES + features[None, :],
+                    mask=tile_mask,
+                    other=0.0,
+                )
+                values = _table_value(values, HALF, BF16)
             weight = _corner_weight(w00, w01, w10, w11, w20, w21, w30, w31, corner, N_DIMS)
             if HALF:
-                # tcnn: result += (half)(weight * (float)half_value), the sum in half.
-                acc = acc + (weight[:, None] * values).to(tl.float16)
+                weight = weight.to(tl.float16).to(tl.float32)
+                acc = _half_fma(weight[:, None], values, acc)
             else:
-                acc = acc + weight[:, None] * values
+                acc = tl.fma(weight[:, None], values, acc)
+        if HALF:
+            acc = acc.to(tl.float16)
     if BF16:
         acc = _to_bf16(acc)  # the float32 sum, rounded once
     out_offsets = points[:, None] * (n_levels * N_FEATURES) + level * N_FEATURES + features[None, :]
     tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
+
+
+@triton.jit
+def _half_fma(w, v, acc):
+    """Half ``w * v + acc`` rounded once (tcnn's ``__hfma2``), on half values held in float32,
+    as the twin's ``_hfma``: the product is exact in float32, the sum made round-to-odd with
+    its exact error (TwoSum), then rounded to half (returned in float32)."""
+    p = w * v
+    s = p + acc
+    b = s - p
+    err = (p - (s - b)) + (acc - b)
+    bits = s.to(tl.int32, bitcast=True)
+    # one step away from s towards the exact value: +1 on the bits where the magnitude grows
+    step = tl.where((err > 0) == (s > 0), 1, -1)
+    bits = tl.where((err != 0) & ((bits & 1) == 0), bits + step, bits)
+    return bits.to(tl.float32, bitcast=True).to(tl.float16).to(tl.float32)
 
 
 @triton.jit
@@ -471,8 +488,43 @@ def _backward_kernel(
             tl.store(base + 3, dfrac3 * d3 * scale, mask=mask)
 
 
+@triton.jit
+def _ex2_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """out = PTX ``ex2.approx.ftz.f32`` of x: what ``exp2f`` is in code built with
+    ``--use_fast_math`` (tcnn's ``grid_scale``)."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+    y = tl.inline_asm_elementwise(
+        "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+    )
+    tl.store(out_ptr + offsets, y, mask=mask)
+
+
 # ----------------------------------------------------------------------------------------
 # Host code.
+
+
+def ex2_approx_cuda(inputs: list[float], device: torch.device | None = None) -> list[float]:
+    """PTX ``ex2.approx.ftz.f32`` of float32 ``inputs``, evaluated on a CUDA device (the
+    current one by default): tcnn's ``exp2f`` under ``--use_fast_math``, for
+    :func:`mptex._grid_torch.grid_geometry`'s ``exp2="cuda-ex2"``.
+
+    Raises:
+        RuntimeError: without a CUDA device, under Triton's interpreter (no inline PTX), or on
+            a GPU that is not NVIDIA's (ROCm has no PTX).
+    """
+    if INTERPRETED or not torch.cuda.is_available() or torch.version.hip is not None:
+        raise RuntimeError(
+            "exp2='cuda-ex2' needs an NVIDIA CUDA device and compiled Triton (not "
+            "TRITON_INTERPRET=1); use exp2='correctly-rounded' or 'h100-table' elsewhere"
+        )
+    device = torch.device("cuda") if device is None else torch.device(device)
+    x = torch.tensor(inputs, dtype=torch.float32, device=device)
+    out = torch.empty_like(x)
+    if x.numel():
+        _ex2_kernel[(triton.cdiv(x.numel(), 128),)](x, out, x.numel(), BLOCK=128)
+    return out.cpu().tolist()
 
 
 def _interpreted() -> bool:

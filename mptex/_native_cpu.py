@@ -489,28 +489,42 @@ static void scatter_pairs(float *grad_params, const int64_t *rows, const float *
     }
 }
 
-/* The forward's sum over corners for two features (complex64 rows), in loops without branches
-   that the compiler vectorizes: acc = term (first corner) or acc + term, each term
-   value * (w, 0) as above; half: values, terms and sums rounded to half. */
+/* tcnn's half step result = __hfma2(half(weight), value, result) of half values held in float:
+   the product is exact in float (11 + 11 bits), the float sum is made round-to-odd with its
+   exact error (TwoSum), and the one rounding to half is then the correct rounding of
+   w * v + acc. Needs -ffp-contract=off (the TwoSum must round each step). */
+static inline float half_fma(float w, float v, float acc) {
+    float p = w * v, s = p + acc, b = s - p;
+    float err = (p - (s - b)) + (acc - b);
+    uint32_t bits;
+    memcpy(&bits, &s, 4);
+    if (err != 0.0f && !(bits & 1u)) s = nextafterf(s, err > 0.0f ? INFINITY : -INFINITY);
+    return s;
+}
+
+/* The forward's sum over corners for two features, tcnn's one fused multiply-add per corner
+   from a zero result: acc = fmaf(w, value, acc) (float32), or half mode's __hfma2 with the
+   weight rounded to half and table values already rounded to half (half_fma, then one
+   rounding to half). */
 static void accumulate_pairs(float *restrict values, const float *restrict weights, int64_t n,
                              int first, int half, float *restrict acc) {
-    if (half) round_half_array(values, NULL, 2 * n);
-    for (int64_t q = 0; q < n; ++q) {
-        float v0 = values[2 * q], v1 = values[2 * q + 1], w = weights[q];
-        values[2 * q] = v0 * w - v1 * 0.0f;
-        values[2 * q + 1] = v0 * 0.0f + v1 * w;
-    }
+    if (first)
+        for (int64_t e = 0; e < 2 * n; ++e) acc[e] = 0.0f;
     if (half) {
         round_half_array(values, NULL, 2 * n);
-        if (first)
-            for (int64_t e = 0; e < 2 * n; ++e) acc[e] = values[e];
-        else
-            round_half_array(acc, values, 2 * n);
+        for (int64_t q = 0; q < n; ++q) {
+            float w = half_round(weights[q]);
+            values[2 * q] = half_fma(w, values[2 * q], acc[2 * q]);
+            values[2 * q + 1] = half_fma(w, values[2 * q + 1], acc[2 * q + 1]);
+        }
+        for (int64_t e = 0; e < 2 * n; ++e) acc[e] = values[e];
+        round_half_array(acc, NULL, 2 * n);
     } else {
-        if (first)
-            for (int64_t e = 0; e < 2 * n; ++e) acc[e] = values[e];
-        else
-            for (int64_t e = 0; e < 2 * n; ++e) acc[e] = acc[e] + values[e];
+        for (int64_t q = 0; q < n; ++q) {
+            float w = weights[q];
+            acc[2 * q] = fmaf(w, values[2 * q], acc[2 * q]);
+            acc[2 * q + 1] = fmaf(w, values[2 * q + 1], acc[2 * q + 1]);
+        }
     }
 }
 
@@ -532,19 +546,23 @@ int mptex_grid_forward(const mptex_grid *grid, const float *xs, int64_t n, const
                 /* axes laid out for `block` points, so stride block */
                 grid_corner(grid, level, &s.axes, count, 0, count, c, s.index, s.rows, s.weights);
                 gather_rows(params, s.rows, count, features, s.values);
-                if (features == 2) {
+                if (features == 2 && corners > 1) {
                     accumulate_pairs(s.values, s.weights, count, c == 0, half, s.acc);
                     continue;
                 }
                 for (int64_t q = 0; q < count; ++q) {
-                    float *v = s.values + q * features, term[MPTEX_MAX_FEATURES];
-                    if (half)
-                        for (int64_t f = 0; f < features; ++f) v[f] = half_round(v[f]);
-                    weighted(v, s.weights[q], features, term);
+                    const float *v = s.values + q * features;
                     float *a = s.acc + q * features;
+                    if (corners == 1) { /* Nearest: the value itself (tcnn: no fma) */
+                        for (int64_t f = 0; f < features; ++f)
+                            a[f] = half ? half_round(v[f]) : v[f];
+                        continue;
+                    }
+                    float w = half ? half_round(s.weights[q]) : s.weights[q];
                     for (int64_t f = 0; f < features; ++f) {
-                        float t = half ? half_round(term[f]) : term[f];
-                        a[f] = c == 0 ? t : (half ? half_round(a[f] + t) : a[f] + t);
+                        float acc = c == 0 ? 0.0f : a[f];
+                        a[f] = half ? half_round(half_fma(w, half_round(v[f]), acc))
+                                    : fmaf(w, v[f], acc);
                     }
                 }
             }

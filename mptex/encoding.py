@@ -25,6 +25,7 @@ from torch import nn
 
 from mptex import _backends
 from mptex._grid_torch import (
+    EXP2_MODES,
     GRID_TYPES,
     INTERPOLATIONS,
     GridGeometry,
@@ -265,6 +266,12 @@ class HashGridEncoding(nn.Module):
         seed: seed of the uniform [-1e-4, 1e-4] initialisation (tcnn's range); None draws
             from torch's global generator.
         grid_type: "Hash" or "Dense" (tcnn's ``type``).
+        exp2: how the level scales' ``exp2f`` is evaluated (see ``grid_geometry``):
+            "auto" (default) uses tcnn's own instruction, PTX ``ex2.approx.ftz.f32``, on the
+            CUDA device a forward runs on (NVIDIA GPUs with Triton; computed once), and the
+            correctly rounded value elsewhere (tcnn's within 0..+1 float32 ulp, measured on an
+            H100); "correctly-rounded", "cuda-ex2" or "h100-table" (tcnn's values measured on
+            an H100 for the inputs of three configs) force one.
 
     Attributes:
         params: [n_params] float32 parameter, entry ``i`` of level ``l``, feature ``f`` at
@@ -314,6 +321,7 @@ class HashGridEncoding(nn.Module):
         device: torch.device | str | None = None,
         seed: int | None = None,
         grid_type: str = "Hash",
+        exp2: str = "auto",
     ) -> None:
         _check_int("n_input_dims", n_input_dims, 2, 4)
         _check_int("n_levels", n_levels, 1, 32)
@@ -345,6 +353,8 @@ class HashGridEncoding(nn.Module):
             )
         if grid_type not in GRID_TYPES:
             raise ValueError(f"grid_type must be one of {GRID_TYPES}, got {grid_type!r}")
+        if exp2 not in ("auto", *EXP2_MODES):
+            raise ValueError(f"exp2 must be one of {('auto', *EXP2_MODES)}, got {exp2!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if dtype not in _DTYPES:
@@ -368,7 +378,8 @@ class HashGridEncoding(nn.Module):
         self.n_input_dims = n_input_dims
         self.dtype = dtype
         self.backend = backend
-        self.geometry = grid_geometry(
+        self.exp2 = exp2
+        self._geometry_args = (
             n_input_dims,
             n_levels,
             n_features_per_level,
@@ -378,6 +389,10 @@ class HashGridEncoding(nn.Module):
             interpolation,
             grid_type,
         )
+        self.geometry = grid_geometry(
+            *self._geometry_args, exp2="correctly-rounded" if exp2 == "auto" else exp2
+        )
+        self._cuda_geometry: GridGeometry | None = None
         # Refuse what cannot fit before allocating: the f32 table plus the temporaries of its
         # initialisation (two vectors of its size at once).
         needed = 2 * 4 * self.geometry.n_params
@@ -444,7 +459,7 @@ class HashGridEncoding(nn.Module):
         )
         return "torch"
 
-    def _check_input(self, x: torch.Tensor) -> None:
+    def _check_input(self, x: torch.Tensor, values: bool = True) -> None:
         if not isinstance(x, torch.Tensor):
             raise ValueError(
                 f"x must be a torch.Tensor of shape [N, {self.n_input_dims}], got {type(x)}"
@@ -461,6 +476,8 @@ class HashGridEncoding(nn.Module):
             raise ValueError(f"x must be {expected} (params: {self.params.dtype}), got {x.dtype}")
         if x.device != self.params.device:
             raise ValueError(f"x is on {x.device} but params are on {self.params.device}")
+        if not values:
+            return
         # One reduction and one sync for both checks: NaN fails the comparison. The grid's
         # domain is [0, 1]; tcnn wraps points outside it, which stays defined while the finest
         # level's coordinate pos = scale * x + 0.5 is an exact float32 integer range.
@@ -475,18 +492,21 @@ class HashGridEncoding(nn.Module):
                 f"to {largest:g}"
             )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, check_values: bool = True) -> torch.Tensor:
         """Encode points.
 
         Args:
             x: [N, D] float32 in [0, 1] (float64 allowed after ``.double()``, for gradcheck);
                 values outside wrap as in tcnn, but must be finite and within
                 ``|x| <= 2**24 / scale`` of the finest level (``ValueError`` naming ``x``).
+            check_values: check that (one reduction and one read on the host, which waits for
+                a device); False for a caller whose points are in [0, 1] by construction
+                (shape, dtype and device are checked either way).
 
         Returns:
             [N, n_output_dims] in ``dtype`` (float64 after ``.double()``), level-major.
         """
-        self._check_input(x)
+        self._check_input(x, check_values)
         x = x.contiguous()
         forward = {
             "torch": self._forward_torch,
@@ -495,15 +515,33 @@ class HashGridEncoding(nn.Module):
         }[self.resolved_backend()]
         return forward(x)
 
+    def geometry_on(self, device: torch.device) -> GridGeometry:
+        """The geometry the twin uses on ``device``: with ``exp2="auto"`` on an NVIDIA CUDA
+        device where Triton compiles, the level scales come from the device's own
+        ``ex2.approx.ftz.f32`` (tcnn's, computed once); elsewhere ``self.geometry``."""
+        if self.exp2 != "auto" or device.type != "cuda" or torch.version.hip is not None:
+            return self.geometry
+        if self._cuda_geometry is None:
+            if not _backends.has_triton():
+                _backends.warn_fallback_once(
+                    "HashGridEncoding(exp2='auto') on CUDA",
+                    "Triton is not importable: correctly rounded level scales (tcnn's within "
+                    "one float32 ulp)",
+                )
+                return self.geometry
+            self._cuda_geometry = grid_geometry(*self._geometry_args, exp2="cuda-ex2")
+        return self._cuda_geometry
+
     def _forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         out_dtype = torch.float64 if self.params.dtype == torch.float64 else self.dtype
-        return hash_grid_encode(x, self.params, self.geometry, out_dtype)
+        return hash_grid_encode(x, self.params, self.geometry_on(x.device), out_dtype)
 
     def _forward_triton(self, x: torch.Tensor) -> torch.Tensor:
         _backends.import_triton()
         from mptex._grid_triton import hash_grid_encode_triton  # imports triton: only here
 
-        return hash_grid_encode_triton(x, self.params, self.geometry, self.dtype)
+        geometry = self.geometry_on(x.device)
+        return hash_grid_encode_triton(x, self.params, geometry, self.dtype)
 
     def _forward_tcnn(self, x: torch.Tensor) -> torch.Tensor:
         if self.params.device.type != "cuda":

@@ -16,35 +16,59 @@ PRIMES = (1, 2654435761, 805459861, 3674653429, 2097192037, 1434869437, 21652197
 U32 = 0xFFFFFFFF
 
 
-def round_to_f32(value: Fraction) -> np.float32:
-    """Round an exact rational to the nearest float32, ties to even."""
+def _round(value: Fraction, mantissa_bits: int, min_exponent: int) -> float:
+    """Round an exact rational to the nearest binary float with ``mantissa_bits`` stored bits
+    and smallest normal exponent ``min_exponent``, ties to even (no overflow handling)."""
     if value == 0:
-        return np.float32(0.0)
+        return 0.0
     sign = -1 if value < 0 else 1
     value = abs(value)
     exponent = value.numerator.bit_length() - value.denominator.bit_length()
     if Fraction(2) ** exponent > value:
         exponent -= 1
-    exponent = max(exponent, -126)  # float32 subnormals share the smallest exponent
-    ulp = Fraction(2) ** (exponent - 23)
+    exponent = max(exponent, min_exponent)  # subnormals share the smallest exponent
+    ulp = Fraction(2) ** (exponent - mantissa_bits)
     scaled = value / ulp
     integer = math.floor(scaled)
     rest = scaled - integer
     if rest > Fraction(1, 2) or (rest == Fraction(1, 2) and integer % 2 == 1):
         integer += 1
-    return np.float32(sign * float(integer * ulp))
+    return sign * float(integer * ulp)
+
+
+def round_to_f32(value: Fraction) -> np.float32:
+    """Round an exact rational to the nearest float32, ties to even."""
+    return np.float32(_round(value, 23, -126))
 
 
 def fmaf(a, b, c) -> np.float32:
     return round_to_f32(Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c)))
 
 
+def hfma(a, b, c) -> np.float16:
+    """fma.rn.f16: half a * b + c rounded once."""
+    exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    return np.float16(_round(exact, 10, -14))
+
+
+def exp2f(value: np.float32) -> np.float32:
+    """Correctly rounded float32 2^value, from the float64 power (its error, under one float64
+    ulp, could only matter within 2^-40 of a float32 midpoint, which is checked)."""
+    power = 2.0 ** float(value)
+    result = np.float32(power)
+    below = np.nextafter(result, np.float32(-np.inf))
+    above = np.nextafter(result, np.float32(np.inf))
+    for midpoint in ((float(result) + float(below)) / 2, (float(result) + float(above)) / 2):
+        assert abs(power - midpoint) > 2.0**-40 * power, "too close to a float32 midpoint"
+    return result
+
+
 def levels(n_dims, n_levels, log2_size, base_res, per_level_scale, dense_grid=False):
     """Per level: (kernel scale, kernel resolution, table size, offset, hashed)."""
-    log2_scale = np.float32(np.log2(np.float32(per_level_scale)))
+    log2_scale = np.float32(math.log2(float(np.float32(per_level_scale))))
     out, offset = [], 0
     for level in range(n_levels):
-        power = np.float32(np.exp2(np.float32(np.float32(level) * log2_scale)))
+        power = exp2f(np.float32(np.float32(level) * log2_scale))
         host_scale = np.float32(np.float32(power * np.float32(base_res)) - np.float32(1))
         host_res = math.ceil(float(host_scale)) + 1
         size = -(-(host_res**n_dims) // 8) * 8
@@ -87,6 +111,8 @@ def encode_point(x, params, n_features, geometry, interpolation="Linear", half=F
                 f = np.float32(np.float32(f * f) * np.float32(np.float32(3) - np.float32(2) * f))
             frac.append(f)
             cell.append(int(floor) & U32)
+        # tcnn: result = fma((T)weight, value, result) per corner from zero (fmaf, or in half
+        # mode __hfma2 with the weight rounded to half); Nearest returns the value itself.
         acc = [np.float16(0) if half else np.float32(0) for _ in range(n_features)]
         corners = [0] if interpolation == "Nearest" else range(2**dims)
         for corner in corners:
@@ -99,11 +125,13 @@ def encode_point(x, params, n_features, geometry, interpolation="Linear", half=F
                 coords.append((cell[d] + bit) & U32)
             row = offset + index(coords, res, size, hashed)
             for f in range(n_features):
-                term = np.float32(weight * table[row * n_features + f])
-                if half:
-                    acc[f] = np.float16(acc[f] + np.float16(term))
+                value = table[row * n_features + f]
+                if interpolation == "Nearest":
+                    acc[f] = np.float16(value) if half else value
+                elif half:
+                    acc[f] = hfma(np.float16(weight), np.float16(value), acc[f])
                 else:
-                    acc[f] = np.float32(acc[f] + term)
+                    acc[f] = fmaf(weight, value, acc[f])
         result.extend(float(a) for a in acc)
     return result
 

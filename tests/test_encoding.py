@@ -4,7 +4,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import TOL
 from grid_reference import encode_point, levels, param_gradient
 
 import mptex
@@ -155,8 +154,9 @@ def test_outside_unit_cube_follows_uint32_arithmetic(case):
 
 @pytest.mark.parametrize("case", CASES[:4], ids=lambda c: f"{c['n_dims']}d-{c['n_levels']}L")
 def test_forward_half_mode_is_bit_exact(case):
-    # Half mode rounds every weight*value term to half and sums in half in corner order; the
-    # twin does the same operations, so it must agree to the bit with the reference.
+    # Half mode rounds each float32 weight to half and takes one half fma per corner in corner
+    # order (tcnn's __hfma2); the twin does the same operations, so it must agree to the bit
+    # with the reference.
     case = dict(case)
     enc = _encoder(case.pop("n_dims"), dtype=torch.float16, **case)
     x = torch.rand(48, enc.n_input_dims, generator=torch.Generator().manual_seed(2))
@@ -585,13 +585,23 @@ def test_torch_backend_matches_tcnn(dtype):
     x = torch.rand(2**16, 3, device="cuda")
     v = torch.randn(2**16, 32, device="cuda")
     out_t, out_c = torch_enc(x), tcnn_enc(x)
-    # f32: order of the 8-term accumulation (tcnn fuses it into FMAs); f16: one half ulp of
-    # values up to 4 per accumulation step.
-    atol = 1e-5 if dtype == torch.float32 else 8 * 2**-11 * 4
-    torch.testing.assert_close(out_t.float(), out_c.float(), rtol=0, atol=atol)
+    # The twin models tcnn 2.0's forward (one fma per corner; half mode: the weight rounded to
+    # half and __hfma2) with the level scales of the device's own ex2.approx (exp2="auto" on
+    # CUDA); on an H100 it was bit-equal to tcnn on 3 configs x 8192 points (tests/gpu_golden).
+    if dtype == torch.float32:
+        # 2.5e-7: two float32 ulps of outputs below 1 (U(-1, 1) table values).
+        torch.testing.assert_close(out_t, out_c, rtol=0, atol=2.5e-7)
+    else:
+        equal = (out_t.view(torch.int16) == out_c.view(torch.int16)).float().mean().item()
+        assert equal >= 0.999, f"{equal:.5f} of the half outputs bit-equal to tcnn's"
+        torch.testing.assert_close(out_t.float(), out_c.float(), rtol=0, atol=2**-11)
     g_t = torch.autograd.grad((out_t.float() * v).sum(), torch_enc.params)[0]
     g_c = torch.autograd.grad((out_c.float() * v).sum(), tcnn_enc.params)[0]
-    torch.testing.assert_close(g_t, g_c, **TOL[dtype])
+    relative = ((g_t - g_c).norm() / g_c.norm()).item()
+    # float32: atomic summation order only (measured <= 4e-7 per level on the H100). half: tcnn
+    # accumulates the gradient table in half with atomics (order-dependent half roundings),
+    # the twin in float32 rounded once (measured 4e-4 to 1.6e-3 relative on the H100).
+    assert relative <= (1e-6 if dtype == torch.float32 else 4e-3), relative
 
 
 def test_functional_op_refuses_a_geometry_with_shrinking_levels():

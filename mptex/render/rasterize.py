@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.nn.functional as Fn
 
 from mptex._backends import has_nvdiffrast, import_nvdiffrast, warn_fallback_once
 
@@ -127,114 +128,253 @@ def _nvdiffrast_context(device: torch.device):
 
 
 # ---------------------------------------------------------------------------------------------
-# Geometry shared by the visibility pass and the differentiable pass
+# nvdiffrast's CUDA rasterizer (cudaraster), reproduced
 # ---------------------------------------------------------------------------------------------
 
+# Vertices snap to 1/16 pixel (cudaraster's CR_SUBPIXEL_LOG2 = 4).
+_SUBPIXEL_LOG2 = 4
+# Depth is a 32-bit unsigned fixed-point value: z/w in [-1, 1] maps to [_DEPTH_MIN, _DEPTH_MAX],
+# a margin kept for the plane equation's interpolation error (cudaraster's CR_LERP_ERROR(3)).
+_DEPTH_MIN = 2200 << 3
+_DEPTH_MAX = 0xFFFFFFFF - _DEPTH_MIN
+_U32 = 0xFFFFFFFF
 
-def _homogeneous_barycentrics(
-    v0: torch.Tensor, v1: torch.Tensor, v2: torch.Tensor, x: torch.Tensor, y: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Perspective-correct barycentrics of the clip-space point seen through NDC (x, y).
 
-    The surface point is ``P = sum_k b_k V_k`` with ``sum_k b_k = 1`` and ``P.xy / P.w = (x, y)``,
-    i.e. ``b`` is orthogonal to ``a_k = X_k - x W_k`` and ``c_k = Y_k - y W_k``, so
-    ``b = (a x c) / sum(a x c)``. Working in homogeneous coordinates needs no near-plane
-    clipping: points behind the camera simply get ``P.w <= 0``.
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """float32 fused multiply-add ``round(a * b + c)``, as CUDA's contracted ``a * b + c``.
+
+    The float64 product of two float32 values is exact; rounding the float64 sum and then to
+    float32 differs from one rounding only when the float64 sum lands exactly half-way between
+    two float32 values, which no input of this module was measured to hit.
+    """
+    return (a.double() * b.double() + c.double()).float()
+
+
+def _clip_polygon_with_plane(bary, count, c0, c1, c2):
+    """One Sutherland-Hodgman step in the triangle's barycentric frame (cudaraster's clipper).
+
+    The plane value at barycentric (s, t) is ``c0 + c1 s + c2 t`` (>= 0 inside). The polygon
+    ``bary[m, :count[m]]`` ([M, K, 2] float32) is walked edge by edge from its last vertex: a
+    sign change emits the crossing, then an inside end point emits itself.
+    """
+    n_poly, width, _ = bary.shape
+    j = torch.arange(width, device=bary.device)
+    value = _fma(c2[:, None], bary[..., 1], _fma(c1[:, None], bary[..., 0], c0[:, None]))
+    prev = torch.where(j == 0, count[:, None] - 1, j - 1).clamp(min=0)
+    a_val = value.gather(1, prev)
+    a_bary = bary.gather(1, prev.unsqueeze(-1).expand(-1, -1, 2))
+    valid = (j < count[:, None]) & (count[:, None] >= 3)
+    crossing = valid & (a_val * value < 0)
+    t_b = a_val / torch.where(crossing, a_val - value, torch.ones_like(value))
+    t_a = 1 - t_b
+    cut = _fma(a_bary, t_a.unsqueeze(-1), bary * t_b.unsqueeze(-1))
+    keep = valid & (value >= 0)
+    emitted = torch.stack([cut, bary], dim=2).reshape(n_poly, 2 * width, 2)
+    emit = torch.stack([crossing, keep], dim=2).reshape(n_poly, 2 * width)
+    slot = torch.where(emit, emit.cumsum(1) - 1, torch.full_like(j[:1], 2 * width))
+    out = bary.new_zeros(n_poly, 2 * width + 1, 2)
+    out.scatter_(1, slot.unsqueeze(-1).expand(-1, -1, 2), emitted)
+    new_count = emit.sum(1)
+    return out[:, : max(int(new_count.max()), 3) if n_poly else 3], new_count
+
+
+def _clip_to_frustum(verts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip triangles against -w <= x, y, z <= w and fan the polygons into triangles.
 
     Args:
-        v0, v1, v2: [..., 4] clip-space vertices.
-        x, y: [...] NDC pixel centres (broadcast against the vertices).
+        verts: [M, 3, 4] float32 clip-space triangles.
 
     Returns:
-        (b0, b1, b2, denom): barycentrics [...] and the unnormalised sum ``sum(a x c)``
-        (zero for triangles seen edge-on).
+        (sub, owner): [S, 3, 4] float32 sub-triangles and [S] int64 index of the triangle each
+        came from, in triangle order. Axes are clipped only for triangles with a vertex outside
+        them (as cudaraster does), so untouched axes add no rounding.
     """
-    verts = (v0, v1, v2)
-    a = [vk[..., 0] - x * vk[..., 3] for vk in verts]
-    c = [vk[..., 1] - y * vk[..., 3] for vk in verts]
-    n0, n1, n2 = _cross(a, c)
-    denom = n0 + n1 + n2
-    safe = torch.where(denom == 0, torch.ones_like(denom), denom)
-    return n0 / safe, n1 / safe, n2 / safe, denom
+    device = verts.device
+    n_poly = verts.shape[0]
+    v0 = verts[:, 0]
+    d1, d2 = verts[:, 1] - v0, verts[:, 2] - v0
+    bary = torch.zeros(n_poly, 3, 2, device=device)
+    bary[:, 1, 0] = 1
+    bary[:, 2, 1] = 1
+    count = torch.full((n_poly,), 3, device=device)
+    for axis in range(3):
+        need = (verts[..., 3] < verts[..., axis].abs()).any(dim=1)
+        if not bool(need.any()):
+            continue
+        for sign in (1.0, -1.0):
+            planes = [v[:, 3] + sign * v[:, axis] for v in (v0, d1, d2)]
+            new_bary, new_count = _clip_polygon_with_plane(bary, count, *planes)
+            width = max(new_bary.shape[1], bary.shape[1])
+            bary = Fn.pad(bary, (0, 0, 0, width - bary.shape[1]))
+            new_bary = Fn.pad(new_bary, (0, 0, 0, width - new_bary.shape[1]))
+            bary = torch.where(need[:, None, None], new_bary, bary)
+            count = torch.where(need, new_count, count)
+    # Polygon vertex k is v0 + s_k d1 + t_k d2; fan k = 2.. count-1: (P0, P_{k-1}, P_k).
+    corners = _fma(
+        d2[:, None, :], bary[..., 1:2], _fma(d1[:, None, :], bary[..., 0:1], v0[:, None, :])
+    )  # [M, K, 4]
+    n_fan = (count - 2).clamp(min=0)
+    owner = torch.repeat_interleave(torch.arange(n_poly, device=device), n_fan)
+    first = torch.cumsum(n_fan, 0) - n_fan
+    k = torch.arange(owner.numel(), device=device) - torch.repeat_interleave(first, n_fan) + 2
+    sub = torch.stack([corners[owner, 0], corners[owner, k - 1], corners[owner, k]], dim=1)
+    return sub, owner
 
 
-def _depth(b0, b1, b2, v0, v1, v2) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clip-space (z, w) of the surface point with barycentrics b."""
-    z = b0 * v0[..., 2] + b1 * v1[..., 2] + b2 * v2[..., 2]
-    w = b0 * v0[..., 3] + b1 * v1[..., 3] + b2 * v2[..., 3]
-    return z, w
+def _setup_plane(values, zv0, d1, d2, area):
+    """cudaraster's integer depth plane: ``depth(px, py) = zx px + zy py + zb`` modulo 2^32.
 
+    Args:
+        values: [S, 3] float32 fixed-point depths of the vertices (below 2^32).
+        zv0: [S, 2] int64 vertex 0 in sub-pixels from pixel (0, 0)'s centre.
+        d1, d2: [S, 2] int64 edges P1 - P0, P2 - P0 in sub-pixels; area: [S] int64 > 0.
 
-def _sortable_key(depth: torch.Tensor, tri_index: torch.Tensor) -> torch.Tensor:
-    """int64 keys ordered by (depth, triangle index), for one ``scatter_reduce('amin')``.
-
-    The float32 bit pattern orders like the value for non-negative floats and in reverse for
-    negative ones; flipping the magnitude bits of negatives makes it monotone everywhere.
+    Returns:
+        (zx, zy, zb): [S] int64 holding unsigned 32-bit values.
     """
-    bits = depth.contiguous().view(torch.int32)
-    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
-    return bits * (1 << 32) + tri_index
+    top = values.amax(dim=1)
+    sh = ((top.view(torch.int32) >> 23).long() - (127 + 22)).clamp(0, 8)
+    t = values.double().clamp(0, _U32).long() >> sh[:, None]  # float -> u32 truncates
+    t0, t1, t2 = t[:, 0], t[:, 1] - t[:, 0], t[:, 2] - t[:, 0]
+    area_rcp = 1.0 / area.float()
+    bits = area_rcp.view(torch.int32).long()
+    rcp_mant = (bits & 0x007FFFFF) | 0x00800000
+    rcp_shift = (23 + 127) - (bits >> 23)
+    xc = (t1 * d2[:, 1] - t2 * d1[:, 1]) * rcp_mant
+    yc = (t2 * d1[:, 0] - t1 * d2[:, 0]) * rcp_mant
+    zx = (xc >> (rcp_shift - (sh + _SUBPIXEL_LOG2))) & _U32
+    zy = (yc >> (rcp_shift - (sh + _SUBPIXEL_LOG2))) & _U32
+    zero = torch.zeros_like(area)
+    lo = torch.minimum(torch.minimum(d1, d2), zero[:, None])
+    hi = torch.maximum(torch.maximum(d1, d2), zero[:, None])
+    centre = (zv0 * 2 + lo + hi) >> (_SUBPIXEL_LOG2 + 1)  # [S, 2], pixels
+    vc = zv0 - (centre << _SUBPIXEL_LOG2)
+    offset = ((xc >> 13) * vc[:, 0] + (yc >> 13) * vc[:, 1]) >> (rcp_shift - (sh + 13))
+    zb = (t0 << sh) - offset - zx * centre[:, 0] - zy * centre[:, 1]
+    return zx, zy, zb & _U32
 
 
-# ---------------------------------------------------------------------------------------------
-# Torch backend
-# ---------------------------------------------------------------------------------------------
+def _setup_triangles(verts: torch.Tensor, height: int, width: int) -> dict[str, torch.Tensor]:
+    """cudaraster's triangle setup: frustum cull / clip, snap, orient, edge and depth planes.
 
+    Args:
+        verts: [N, 3, 4] float32 clip-space triangles.
 
-def _pixel_span(lo: torch.Tensor, hi: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inclusive range of pixel indices whose centres may fall inside the NDC interval [lo, hi].
-
-    One pixel of slack on each side guards against rounding; the exact coverage test follows.
+    Returns:
+        Per drawn (sub-)triangle S: ``owner`` [S] (index into N), ``edges`` [S, 3, 3] int64
+        ``(dx, dy, c)`` such that a sample (sx, sy) in sub-pixels from the viewport centre is
+        covered iff ``dx sy - dy sx + c >= 0`` for all three edges (the tie rule folded into c),
+        ``plane`` [S, 3] int64 depth plane (see ``_setup_plane``), pixel spans ``x0, x1, y0,
+        y1`` [S] int64 (inclusive).
     """
-    first = torch.ceil((lo + 1) * (size / 2) - 0.5) - 1
-    last = torch.floor((hi + 1) * (size / 2) - 0.5) + 1
-    return first.clamp(0, size - 1).long(), last.clamp(0, size - 1).long()
+    device = verts.device
+    xyz, w = verts[..., :3], verts[..., 3]
+    # A triangle wholly outside one frustum plane is dropped; one wholly inside goes straight to
+    # setup; the rest are clipped to the frustum first.
+    outside = (w[..., None] < xyz).all(dim=1) | (w[..., None] < -xyz).all(dim=1)
+    culled = outside.any(dim=1)
+    inside = (w >= xyz.abs().amax(dim=-1)).all(dim=1)
+    fast = torch.nonzero(~culled & inside).squeeze(1)
+    slow = torch.nonzero(~culled & ~inside).squeeze(1)
+    sub, sub_owner = _clip_to_frustum(verts[slow])
+    tris = torch.cat([verts[fast], sub])
+    owner = torch.cat([fast, slow[sub_owner]])
+
+    # Snap: sub-pixels from the viewport centre, round half to even, saturating.
+    rcp_w = 1.0 / tris[..., 3]
+    scale = torch.tensor(
+        [float(width << (_SUBPIXEL_LOG2 - 1)), float(height << (_SUBPIXEL_LOG2 - 1))],
+        device=device,
+    )
+    snapped = torch.round(tris[..., :2] * rcp_w[..., None] * scale)
+    snapped = torch.nan_to_num(snapped, nan=0.0).clamp(-(2.0**31), 2.0**31 - 128)
+    p = snapped.long()  # [S, 3, 2]
+    d1, d2 = p[:, 1] - p[:, 0], p[:, 2] - p[:, 0]
+    area = d1[:, 0] * d2[:, 1] - d1[:, 1] * d2[:, 0]
+    # Both windings are drawn: clockwise triangles swap vertices 1 and 2.
+    swap = area < 0
+    order = torch.where(
+        swap[:, None], torch.tensor([0, 2, 1], device=device), torch.arange(3, device=device)
+    )
+    p = p.gather(1, order[..., None].expand(-1, -1, 2))
+    rcp_w = rcp_w.gather(1, order)
+    z = tris[..., 2].gather(1, order)
+    d1, d2, area = (
+        torch.where(swap[:, None], d2, d1),
+        torch.where(swap[:, None], d1, d2),
+        area.abs(),
+    )
+
+    # Pixel (i, j)'s sample sits at 16 i + 8 - 8 W sub-pixels from the centre (row 0 at the
+    # bottom); the span is the samples inside the snapped bounding box.
+    half = torch.tensor(
+        [width << (_SUBPIXEL_LOG2 - 1), height << (_SUBPIXEL_LOG2 - 1)], device=device
+    )
+    bias = half - (1 << (_SUBPIXEL_LOG2 - 1))
+    step = 1 << _SUBPIXEL_LOG2
+    first = (p.amin(dim=1) + bias + step - 1) >> _SUBPIXEL_LOG2
+    last = (p.amax(dim=1) + bias) >> _SUBPIXEL_LOG2
+    first = torch.maximum(first, torch.zeros_like(first))
+    last = torch.minimum(last, torch.tensor([width - 1, height - 1], device=device))
+    keep = (area != 0) & (first <= last).all(dim=1)
+
+    # Edge k runs P_k -> P_{k+1}. A sample exactly on an edge belongs to the triangle only when
+    # the edge points down, or is horizontal and points right (x+): a shared edge is walked in
+    # opposite directions by its two triangles, so exactly one of them gets the sample.
+    start, end = p, p.roll(-1, dims=1)
+    dx, dy = (end - start).unbind(-1)
+    exclusive = (dy > 0) | ((dy == 0) & (dx <= 0))
+    c = dy * start[..., 0] - dx * start[..., 1] - exclusive.long()
+    edges = torch.stack([dx, dy, c], dim=-1)
+
+    # Depth: z/w mapped to [_DEPTH_MIN, _DEPTH_MAX] per vertex in float32, then a fixed-point
+    # plane through them relative to pixel (0, 0)'s sample.
+    z_scale = torch.tensor(float(_DEPTH_MAX - _DEPTH_MIN), device=device) * 0.5
+    z_bias = torch.tensor(float(_DEPTH_MAX + _DEPTH_MIN), device=device) * 0.5
+    values = _fma(z * z_scale, rcp_w, z_bias.expand_as(z))
+    plane = torch.stack(_setup_plane(values, p[:, 0] + bias, d1, d2, area.clamp(min=1)), dim=1)
+    return {
+        "owner": owner[keep],
+        "edges": edges[keep],
+        "plane": plane[keep],
+        "x0": first[keep, 0],
+        "x1": last[keep, 0],
+        "y0": first[keep, 1],
+        "y1": last[keep, 1],
+    }
 
 
 @torch.no_grad()
 def _visibility(pos: torch.Tensor, tri: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """Index of the nearest covering triangle per pixel (-1 for background), shape [B*H*W].
+    """Index of the triangle nvdiffrast draws at each pixel (-1 for background), shape [B*H*W].
 
-    Triangles are binned by their screen bounding box into TILE x TILE pixel tiles; every
-    (triangle, tile) pair tests all pixels of its tile in one vectorised batch, and the nearest
-    hit per pixel is kept with a single ``scatter_reduce``. The returned indices count over the
-    batch: ``b * T + t``.
+    Setup (``_setup_triangles``) gives integer edge functions and depth planes; triangles are
+    binned by their pixel span into TILE x TILE pixel tiles, every (triangle, tile) pair tests
+    all pixels of its tile in one vectorised batch, and one ``scatter_reduce`` keeps, per pixel,
+    the smallest fixed-point depth, the highest triangle index among equal depths (cudaraster
+    draws in index order and a fragment passes the depth test when not farther). The returned
+    indices count over the batch: ``b * T + t``.
     """
     batch, n_tri = pos.shape[0], tri.shape[0]
     device = pos.device
-    pos = pos.float()
-    verts = pos[:, tri.long()]  # [B, T, 3, 4]
-    verts = verts.reshape(batch * n_tri, 3, 4)
-    w = verts[..., 3]
-    z = verts[..., 2]
-    in_front = w > 0
-    all_front = in_front.all(dim=1)
-    any_front = in_front.any(dim=1)
-
-    # Screen bounds: exact for triangles fully in front of the camera; a triangle crossing
-    # w = 0 has an unbounded projection, so it conservatively gets the whole screen.
-    safe_w = torch.where(in_front, w, torch.ones_like(w))
-    ndc = verts[..., :2] / safe_w.unsqueeze(-1)
-    lo = torch.where(all_front.unsqueeze(-1), ndc.amin(dim=1), torch.full_like(ndc[:, 0], -1.0))
-    hi = torch.where(all_front.unsqueeze(-1), ndc.amax(dim=1), torch.full_like(ndc[:, 0], 1.0))
-    zw = z / safe_w
-    # For a triangle in front of the camera, z/w inside it lies between its vertices' z/w.
-    depth_culled = all_front & ((zw.amin(dim=1) > 1) | (zw.amax(dim=1) < -1))
-    alive = any_front & ~depth_culled & (hi[:, 0] >= -1) & (lo[:, 0] <= 1)
-    alive &= (hi[:, 1] >= -1) & (lo[:, 1] <= 1)
-
-    x0, x1 = _pixel_span(lo[:, 0], hi[:, 0], width)
-    y0, y1 = _pixel_span(lo[:, 1], hi[:, 1], height)
+    verts = pos.float()[:, tri.long()].reshape(batch * n_tri, 3, 4)
+    setup = _setup_triangles(verts, height, width)
+    owner, edges, plane = setup["owner"], setup["edges"], setup["plane"]
+    x0, x1, y0, y1 = setup["x0"], setup["x1"], setup["y0"], setup["y1"]
     tx0, tx1 = x0 // _TILE, x1 // _TILE
     ty0, ty1 = y0 // _TILE, y1 // _TILE
     n_tx = tx1 - tx0 + 1
-    n_tiles = torch.where(alive, n_tx * (ty1 - ty0 + 1), torch.zeros_like(n_tx))
+    n_tiles = n_tx * (ty1 - ty0 + 1)
 
     best = torch.full((batch * height * width,), torch.iinfo(torch.int64).max, device=device)
-    tri_ids = torch.arange(batch * n_tri, device=device)
     offs = torch.arange(_TILE, device=device)
     off_y, off_x = torch.meshgrid(offs, offs, indexing="ij")
     off_x, off_y = off_x.reshape(1, -1), off_y.reshape(1, -1)
+    half_x = (width - 1) << (_SUBPIXEL_LOG2 - 1)
+    half_y = (height - 1) << (_SUBPIXEL_LOG2 - 1)
+    # Key: depth in the high word (made signed), 2^32 - 1 - index in the low word, so that the
+    # minimum is the nearest fragment and, among equal depths, the highest index.
+    low = _U32 - owner
 
     # Chunk the triangles so that no chunk holds more than _MAX_EVALS_PER_CHUNK evaluations.
     max_pairs = max(1, _MAX_EVALS_PER_CHUNK // (_TILE * _TILE))
@@ -247,7 +387,7 @@ def _visibility(pos: torch.Tensor, tri: torch.Tensor, height: int, width: int) -
         end = int(torch.searchsorted(cum, limit, right=True))
         end = max(end, start + 1)  # a single huge triangle still makes progress
         counts = n_tiles[start:end]
-        ids = torch.repeat_interleave(tri_ids[start:end], counts)
+        ids = torch.repeat_interleave(torch.arange(start, end, device=device), counts)
         first = torch.cumsum(counts, 0) - counts
         local = torch.arange(ids.numel(), device=device) - torch.repeat_interleave(first, counts)
         tx = tx0[ids] + local % n_tx[ids]
@@ -256,24 +396,58 @@ def _visibility(pos: torch.Tensor, tri: torch.Tensor, height: int, width: int) -
         py = ty.unsqueeze(1) * _TILE + off_y
         inside = (px >= x0[ids, None]) & (px <= x1[ids, None])
         inside &= (py >= y0[ids, None]) & (py <= y1[ids, None])
-        ndc_x = (2 * px + 1).float() / width - 1
-        ndc_y = (2 * py + 1).float() / height - 1
-        v = verts[ids].unsqueeze(1)  # [P, 1, 3, 4]
-        v0, v1, v2 = v[..., 0, :], v[..., 1, :], v[..., 2, :]
-        b0, b1, b2, denom = _homogeneous_barycentrics(v0, v1, v2, ndc_x, ndc_y)
-        zc, wc = _depth(b0, b1, b2, v0, v1, v2)
-        depth = zc / torch.where(wc > 0, wc, torch.ones_like(wc))
-        covered = inside & (denom != 0) & (b0 >= 0) & (b1 >= 0) & (b2 >= 0) & (wc > 0)
-        covered &= (depth >= -1) & (depth <= 1)
-        batch_of = ids // n_tri
-        pixel = (batch_of.unsqueeze(1) * height + py) * width + px
-        key = _sortable_key(depth[covered], ids.unsqueeze(1).expand_as(px)[covered])
-        best.scatter_reduce_(0, pixel[covered], key, reduce="amin")
+        sx = (px << _SUBPIXEL_LOG2) - half_x
+        sy = (py << _SUBPIXEL_LOG2) - half_y
+        e = edges[ids]  # [P, 3, 3]
+        for k in range(3):
+            inside &= e[:, k, 0:1] * sy - e[:, k, 1:2] * sx + e[:, k, 2:3] >= 0
+        pl = plane[ids]
+        depth = (pl[:, 0:1] * px + pl[:, 1:2] * py + pl[:, 2:3]) & _U32
+        inside &= depth <= _DEPTH_MAX
+        pixel = ((owner[ids] // n_tri).unsqueeze(1) * height + py) * width + px
+        key = ((depth - (1 << 31)) << 32) | low[ids].unsqueeze(1)
+        best.scatter_reduce_(0, pixel[inside], key[inside], reduce="amin")
         done = int(cum[end - 1])
         start = end
 
-    winner = best & 0xFFFFFFFF
+    winner = _U32 - (best & _U32)
     return torch.where(best == torch.iinfo(torch.int64).max, torch.full_like(winner, -1), winner)
+
+
+def _pixel_centres(px, py, height, width, dtype):
+    """NDC pixel centres as nvdiffrast computes them: ``fma(2/W, i, 1/W - 1)`` in float32."""
+    if dtype != torch.float32:
+        return (2 * px + 1).to(dtype) / width - 1, (2 * py + 1).to(dtype) / height - 1
+    out = []
+    for idx, size in ((px, width), (py, height)):
+        one = torch.ones((), dtype=torch.float32, device=px.device)
+        scale, offset = 2 * one / size, one / size - 1
+        out.append(_fma(scale.expand(idx.shape), idx.float(), offset.expand(idx.shape)))
+    return out[0], out[1]
+
+
+def _shade(v0, v1, v2, fx, fy):
+    """nvdiffrast's per-pixel output: clamped perspective-correct ``(b0, b1)`` and ``z/w``.
+
+    For float32 inputs every step is the CUDA kernel's float32 operation, contracted multiply-
+    adds included, so the values match to the bit on the golden meshes; other dtypes evaluate
+    the same formula in their precision. The clamps (each weight to [0, 1], then
+    ``b0 + b1 <= 1``, and z/w to [-1, 1]) act only where the pixel centre lies outside the
+    triangle in floating point but inside its snapped copy. Differentiable w.r.t. the vertices,
+    clamps included (zero gradient where clamped; nvdiffrast's backward pass ignores them).
+    """
+    exact = v0.dtype == torch.float32
+    fma = _fma if exact else (lambda a, b, c: a * b + c)
+    q = [(fma(-fx, v[:, 3], v[:, 0]), fma(-fy, v[:, 3], v[:, 1])) for v in (v0, v1, v2)]
+    a = [fma(q[i][0], q[j][1], -(q[i][1] * q[j][0])) for i, j in ((1, 2), (2, 0), (0, 1))]
+    inv = 1 / (a[0] + a[1] + a[2])
+    b0, b1 = a[0] * inv, a[1] * inv
+    z = fma(v2[:, 2], a[2], fma(v0[:, 2], a[0], v1[:, 2] * a[1]))
+    w = fma(v2[:, 3], a[2], fma(v0[:, 3], a[0], v1[:, 3] * a[1]))
+    zw = z / w
+    b0, b1 = (torch.where(torch.isnan(b), torch.zeros_like(b), b).clamp(0, 1) for b in (b0, b1))
+    shrink = 1 / torch.clamp(b0 + b1, min=1)
+    return b0 * shrink, b1 * shrink, zw.clamp(-1, 1)
 
 
 def _rasterize_torch(
@@ -287,20 +461,19 @@ def _rasterize_torch(
     t_idx = tri_flat % n_tri
     pix = covered % (height * width)
     px, py = pix % width, pix // width
-    ndc_x = (2 * px + 1).to(pos.dtype) / width - 1
-    ndc_y = (2 * py + 1).to(pos.dtype) / height - 1
+    ndc_x, ndc_y = _pixel_centres(px, py, height, width, pos.dtype)
 
-    # Recompute the winner's barycentrics with autograd so u, v carry gradients to pos.
+    # The winner's outputs are recomputed from the unsnapped vertices, with autograd, so u, v
+    # (and z/w) carry gradients to pos.
     vidx = tri.long()[t_idx]  # [N, 3]
     v0, v1, v2 = (pos[b_idx, vidx[:, k]] for k in range(3))
-    b0, b1, b2, _ = _homogeneous_barycentrics(v0, v1, v2, ndc_x, ndc_y)
-    zc, wc = _depth(b0, b1, b2, v0, v1, v2)
-    values = torch.stack([b0, b1, zc / wc, (t_idx + 1).to(pos.dtype)], dim=-1)
+    b0, b1, zw = _shade(v0, v1, v2, ndc_x, ndc_y)
+    values = torch.stack([b0, b1, zw, (t_idx + 1).to(pos.dtype)], dim=-1)
     rast = pos.new_zeros(batch * height * width, 4).index_put((covered,), values)
 
     # Image-space derivatives (du/dX, du/dY, dv/dX, dv/dY) in pixel units, as nvdiffrast's
-    # rast_db. With n = a x c (see _homogeneous_barycentrics), da_k/dx = -W_k and dc_k/dy = -W_k;
-    # one pixel is 2/W (resp. 2/H) in NDC.
+    # rast_db. With n = a x c (a_k = X_k - x W_k, c_k = Y_k - y W_k), da_k/dx = -W_k and
+    # dc_k/dy = -W_k; one pixel is 2/W (resp. 2/H) in NDC.
     verts = (v0, v1, v2)
     a = [vk[:, 0] - ndc_x * vk[:, 3] for vk in verts]
     c = [vk[:, 1] - ndc_y * vk[:, 3] for vk in verts]

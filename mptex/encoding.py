@@ -243,17 +243,17 @@ class HashGridEncoding(nn.Module):
         base_resolution: resolution parameter of level 0.
         per_level_scale: growth factor of the scale between levels.
         interpolation: "Linear", "Smoothstep" or "Nearest".
-        backend: "torch", "tcnn", "triton", or "auto" (tcnn when importable and the module
-            lives on CUDA, else torch; decided at each forward from the parameters' device).
-            "triton" is opt-in (never chosen by "auto" until measured on a GPU, for any
-            ``dtype``): Triton kernels with the twin's results (f32, half and bfloat16 forward
-            to the bit, parameter gradients to float32 atomic-summation order) for float32
+        backend: "torch", "tcnn", "triton", or "auto" (on CUDA the fastest measured that
+            imports: triton, then tcnn; else torch; decided at each forward from the
+            parameters' device, :meth:`resolved_backend`). "triton": Triton kernels with the
+            twin's results (f32, half and bfloat16 forward to the bit, parameter gradients to
+            float32 atomic-summation order) for float32
             ``params`` (no float64), on GPU tensors, or on CPU tensors under
             ``TRITON_INTERPRET=1`` (slow; for testing).
         dtype: float32, or float16 for tcnn's half mode (float32 master ``params``, half table
             reads and accumulation, half output, backward with tcnn's loss scale of 128), or
             bfloat16, which tcnn does not have (backends "torch" and "triton"; ``"auto"``
-            resolves to "torch", with a warning on CUDA, as "auto" never picks "triton"):
+            resolves to "triton" on CUDA, or to "torch" with a warning without triton):
             the **parameters** stay the float32 master ``params``; the forward reads the
             table rounded to bfloat16, interpolates in float32 and returns bfloat16; the
             **gradients** are the float32 path's on the bfloat16 ``dL/dy``, summed in float32
@@ -441,21 +441,30 @@ class HashGridEncoding(nn.Module):
         return self.geometry.n_output_dims
 
     def resolved_backend(self) -> str:
-        """The backend the next forward uses ("torch", "tcnn" or "triton")."""
+        """The backend the next forward uses ("torch", "tcnn" or "triton").
+
+        ``"auto"`` takes what was measured fastest for forward+backward on the device: on
+        CUDA, Triton where it imports and ``params`` are float32 (nvdiffrec's grid on an
+        H100: 1.51-1.65x tcnn's throughput in float32 and 1.13-1.22x in half, and the only
+        fast bfloat16 grid: 4.4-6.4x the torch twin; docs/gpu.md), else tcnn (float32 and
+        half), else the torch twin (with a warning); the twin off CUDA.
+        """
         if self.backend != "auto":
             return self.backend
         if self.params.device.type != "cuda":
             return "torch"
+        if self.params.dtype == torch.float32 and _backends.has_triton():
+            return "triton"
         if self.dtype == torch.bfloat16:
             _backends.warn_fallback_once(
                 "HashGridEncoding(backend='auto', dtype=torch.bfloat16)",
-                "tcnn has no bfloat16 grid",
+                "tcnn has no bfloat16 grid and triton is not importable",
             )
             return "torch"
         if _backends.has_tcnn():
             return "tcnn"
         _backends.warn_fallback_once(
-            "HashGridEncoding(backend='auto')", "tinycudann is not importable"
+            "HashGridEncoding(backend='auto')", "neither triton nor tinycudann is importable"
         )
         return "torch"
 

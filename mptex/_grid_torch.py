@@ -1,10 +1,35 @@
 """Pure-PyTorch multiresolution hash grid: the twin of tiny-cuda-nn's ``GridEncoding``.
 
-It reproduces tcnn's semantics bit for bit where they are deterministic (level scales,
-resolutions, table sizes and offsets, the ``fmaf`` position, cell, hash and dense indices,
-wraparound, corner order and weights, the half-precision forward accumulation) and to float
-rounding where tcnn itself is order-dependent (atomic gradient accumulation). It runs on any
-device torch supports.
+What it matches, measured against tinycudann 2.0 (tiny-cuda-nn 6ee3546, torch bindings built
+with ``--use_fast_math``) on an NVIDIA H100, three configs x 8192 points x float32 and half
+mode (tests/gpu_golden/grid.npz, tests/test_gpu_golden_grid.py):
+
+- Forward, given tcnn's level scales: bit-equal on every level of nvdiffrec's config
+  (16 levels, hashed), a coarse dense one and a 2-D Smoothstep one with 4 features, in float32
+  and in half mode. The kernel's arithmetic, modelled here: ``pos = fmaf(scale, x, 0.5)``,
+  ``frac = pos - floor(pos)``, weights ``((1 * w_0) * w_1) ...`` in float32, then per corner in
+  tcnn's order ``result = fma((T)weight, value, result)`` from zero (``kernel_grid`` in
+  include/tiny-cuda-nn/encodings/grid.h; ``fma`` of vec.h): ``fmaf`` in float32, and in half
+  mode the weight rounded to half and ``__hfma2`` on the half table value (one half rounding
+  per corner). Nearest returns the lower corner's value.
+- Level scales: ``exp2f(l * log2f(per_level_scale)) * base_resolution - 1`` with one fmaf
+  (nvcc contracts it). Under ``--use_fast_math`` tcnn's ``exp2f`` is PTX ``ex2.approx.ftz.f32``,
+  measured 0 or +1 float32 ulp above the correctly rounded value on the H100. mptex knows no
+  bit-exact CPU model of that instruction: on CUDA the twin runs the instruction itself
+  (:func:`grid_geometry`'s ``exp2="cuda-ex2"``, the encoding's default there), on a CPU it
+  uses the correctly rounded value (bit-equal levels wherever it coincides; elsewhere up to
+  8e-4 apart, measured) or, opted in, ``H100_EX2_TABLE`` (tcnn's measured values for the
+  three configs' inputs).
+- Parameter gradient: float32 within 4e-7 relative per level (tcnn adds with atomics in any
+  order; the twin in a fixed order); half mode within 1.6e-3 (tcnn accumulates the gradient
+  table in half with atomics, the twin in float32, unscaled and rounded to half once).
+
+Deterministic where tcnn is (scales, resolutions, table sizes and offsets, cells, hash and
+dense indices, wraparound, corner order, weights, forward) it reproduces tcnn bit for bit, and
+its own results do not depend on the machine: the level scales come from exact arithmetic
+(not the CPU's math library), and the eager ops use no operation whose rounding depends on
+ATen's or MKL's CPU dispatch (golden bits checked under ATEN_CPU_CAPABILITY=default, avx2 and
+avx512 and MKL_ENABLE_INSTRUCTIONS=AVX2). It runs on any device torch supports.
 
 Layout and speed: indices, weights and features are computed level-major (``[L, N, ...]``),
 as tcnn's kernels do one level per block, so that one level's table stays in cache while it is
@@ -61,7 +86,8 @@ class GridGeometry:
         n_features_per_level: F.
         interpolation: "Nearest", "Linear" or "Smoothstep".
         scales: [L] float32 values ``exp2f(l * log2f(per_level_scale)) * base_resolution - 1``
-            as the CUDA kernel evaluates them (one fused multiply-add for the last step).
+            as the CUDA kernel evaluates them (one fused multiply-add for the last step; the
+            ``exp2f`` as :func:`grid_geometry`'s ``exp2`` says).
         resolutions: [L] ``ceil(scale) + 1`` with the kernel's scale (used for indexing).
         table_sizes: [L] entries per level (host formula: ``min(2^log2_hashmap_size,
             next_multiple(res^D, 8))`` for hash grids).

@@ -10,10 +10,12 @@ same order, so that results agree to the bit wherever no atomics are involved:
   levels XOR ``c_d * prime_d`` and keep the low ``log2(size)`` bits, dense levels sum
   ``c_d * res^d`` and take ``% size`` (the wraparound at x = 1);
 - weights ``((w_0 * w_1) * w_2) ...`` per corner, corners in tcnn's order (dimension 0
-  fastest), each term ``weight * value`` rounded and summed corner by corner; in half mode the
-  table value is rounded to half, each term to half, and the sum runs in half; in bfloat16 mode
-  the table value is rounded to bfloat16, the terms and the sum are the float32 path's, and the
-  sum is rounded to bfloat16 once (the twin's bfloat16 mode);
+  fastest), and per corner one fused multiply-add from a zero result, tcnn 2.0's
+  ``result = fma((T)weight, value, result)``: ``tl.fma`` in float32; in half mode the table
+  value and the weight are rounded to half and the fma rounds once to half (``_half_fma``, the
+  twin's exact emulation, the same on a GPU and under the interpreter); in bfloat16 mode the
+  table value is rounded to bfloat16, the fmas are the float32 path's, and the result is
+  rounded to bfloat16 once (the twin's bfloat16 mode);
 - Nearest reads the lower corner with weight 1.
 
 Rounding to bfloat16 is done on the bits (round to nearest, ties to even, as torch rounds; NaN
@@ -21,7 +23,11 @@ stays NaN): Triton's interpreter truncates on ``.to(tl.bfloat16)``, while compil
 to nearest even, and the bit operations give torch's result in both.
 
 Kernels are launched with ``enable_fp_fusion=False``: Triton otherwise contracts ``a * b + c``
-into an fma on a GPU, which changes the rounding of the corner sums and of the smoothstep.
+into an fma on a GPU, which changes the rounding of the smoothstep and of ``_half_fma``'s
+error terms; the fmas tcnn takes are written out as ``tl.fma``.
+
+Level scales come with the geometry (:func:`mptex._grid_torch.grid_geometry`);
+:func:`ex2_approx_cuda` evaluates tcnn's ``exp2f`` (PTX ``ex2.approx.ftz.f32``) for it on CUDA.
 
 Accuracy of the gradients. The parameter gradient is scattered with ``tl.atomic_add`` in
 float32, in an order the hardware picks. An entry that receives ``k`` contributions

@@ -265,10 +265,11 @@ int mptex_weight_grad_slice(const half_bits *g, const half_bits *a, double *acc,
    The torch hash grid (mptex._grid_torch), in its order of operations: position
    fmaf(scale, x, 0.5), cell floor, fraction, tcnn's corner order (dimension 0 fastest), weights
    ((w_0 * w_1) * w_2) ..., rows (XOR of the primes' products masked by the table size, or the
-   dense index mod the size, in uint32 arithmetic), and the eager op's arithmetic of weight x
-   value: two features move as one complex64 value times the weight as complex64 (w, 0), so
-   re = v0 * w - v1 * 0 and im = v0 * 0 + v1 * w (signs of zeros included); an odd number of
-   features multiplies plainly. As the eager op, a level's rows and weights are computed for a
+   dense index mod the size, in uint32 arithmetic); the forward takes tcnn's one fused
+   multiply-add per corner from zero (fmaf, or half mode's __hfma2 as half_fma), the backward
+   the eager op's arithmetic of weight x gradient: two features move as one complex64 value
+   times the weight as complex64 (w, 0), so re = g0 * w - g1 * 0 and im = g0 * 0 + g1 * w
+   (signs of zeros included). As the eager op, a level's rows and weights are computed for a
    block of points first (loops the compiler vectorizes), then gathered or scattered in one
    tight loop per corner. */
 
@@ -528,8 +529,8 @@ static void accumulate_pairs(float *restrict values, const float *restrict weigh
     }
 }
 
-/* out [n, L * F]: float32, or half bits (half: table values rounded to half, each term rounded
-   to half, summed in half in corner order). xs [D][n]; scratch:
+/* out [n, L * F]: float32, or half bits (half: table values and weights rounded to half, one
+   half fma per corner in corner order). xs [D][n]; scratch:
    mptex_grid_scratch_bytes(MPTEX_SUB_BLOCK). A point's result does not depend on the blocks. */
 int mptex_grid_forward(const mptex_grid *grid, const float *xs, int64_t n, const float *params,
                        int half, void *out, void *scratch) {

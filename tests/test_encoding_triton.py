@@ -359,7 +359,8 @@ def test_kernels_compile_for_a_cuda_target():
     # The interpreter runs the kernels as Python; this compiles them to PTX and a cubin for
     # sm_80 (no GPU needed: triton's wheel ships ptxas), catching what only the compiler
     # rejects. It also checks that no fma was contracted (enable_fp_fusion=False): the only
-    # fma.rn instructions are the D position fmas.
+    # fma.rn instructions are the D position fmas and tcnn's corner fmas (float32 and bfloat16
+    # mode), and that the level-scale kernel is PTX ex2.approx.ftz.f32.
     proc = _run_helper("--compile-check", interpret=False)
     if proc.returncode == 3:
         pytest.skip(proc.stdout.strip())

@@ -34,8 +34,9 @@ ARG_TYPES = {
 
 def compile_check() -> None:
     """Compile forward and backward for sm_80 in a few variants; exit 3 (skip) if this triton
-    has no CUDA backend. Asserts that the forward PTX has exactly D ``fma.rn`` (the
-    positions): no multiply-add was contracted."""
+    has no CUDA backend. Asserts that the forward PTX has exactly the fmas written out (the D
+    positions, and the corner fmas outside half mode): no multiply-add was contracted; and
+    that the level-scale kernel is one ex2.approx.ftz.f32."""
     import triton
     from triton.compiler import ASTSource
 
@@ -71,8 +72,21 @@ def compile_check() -> None:
                 options={"enable_fp_fusion": False},
             )
             if kernel is grid_triton._forward_kernel:
+                # the D position fmas, plus tcnn's one fma per corner and feature in float32
+                # and bfloat16 mode (half mode's is emulated in float32 adds)
+                corner_fmas = 0 if half or interp == 0 else 2**n_dims * 2
                 fmas = compiled.asm["ptx"].count("fma.rn")
-                assert fmas == n_dims, (n_dims, interp, mode, fmas)
+                assert fmas == n_dims + corner_fmas, (n_dims, interp, mode, fmas)
+    # the level scales' exp2f: exactly one ex2.approx.ftz.f32, tcnn's fast-math instruction
+    compiled = triton.compile(
+        ASTSource(
+            fn=grid_triton._ex2_kernel,
+            signature={"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+            constexprs={"BLOCK": 128},
+        ),
+        target=target,
+    )
+    assert compiled.asm["ptx"].count("ex2.approx.ftz.f32") == 1, "ex2.approx.ftz.f32 expected"
 
 
 def run_cases(cases_path: str, results_path: str) -> None:

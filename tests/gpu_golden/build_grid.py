@@ -6,7 +6,9 @@ float16, keys ``{config}.{dtype}.x`` [8192, D], ``.v`` [2048, L*F], ``.out`` [81
 (tcnn's forward), ``.grad_idx`` / ``.grad_val`` (the nonzero entries of tcnn's parameter
 gradient of ``sum(out[:2048].float() * v)``). Parameters, points and cotangents come from
 ``gen = torch.Generator().manual_seed(0)``: ``params = rand(n_params) * 2 - 1``, then
-``x = rand(8192, D)``, ``v = randn(2048, L*F)``; the compact file does not store them.
+``x = rand(8192, D)``, ``v = randn(2048, L*F)``. The compact file stores ``v`` (torch's
+``randn`` gives other values under ``ATEN_CPU_CAPABILITY=default`` than with AVX2 or AVX-512)
+but neither the parameters nor ``x`` (``rand`` is the same on every CPU path).
 
 The compact ``grid.npz`` keeps, per ``{config}.{dtype}``:
 
@@ -16,8 +18,10 @@ The compact ``grid.npz`` keeps, per ``{config}.{dtype}``:
   gradient, drawn without replacement from its nonzero entries with
   ``numpy.random.default_rng(0)``, sorted by index;
 - ``.grad_norm`` (float64 scalar): the norm of tcnn's whole gradient;
-- ``.xv_sha256``: the SHA-256 of the float32 bytes of ``x`` then ``v`` as captured, so that a
-  test can tell its regenerated inputs are the captured ones.
+- ``.x_sha256``: the SHA-256 of the float32 bytes of ``x`` as captured, so that a test can
+  tell its regenerated points are the captured ones;
+
+and per ``{config}``: ``.v`` (float32 [2048, L*F], the cotangent, the same for both dtypes).
 
 Usage: ``python tests/gpu_golden/build_grid.py SRC_DIR OUT_DIR`` (reads SRC_DIR/grid.npz,
 writes OUT_DIR/grid.npz).
@@ -31,18 +35,15 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["N_FORWARD", "N_GRAD", "compact", "inputs_digest"]
+__all__ = ["N_FORWARD", "N_GRAD", "compact", "digest"]
 
 N_FORWARD = 1024
 N_GRAD = 4096
 
 
-def inputs_digest(x: np.ndarray, v: np.ndarray) -> str:
-    """SHA-256 of float32 ``x`` then ``v`` (C order)."""
-    digest = hashlib.sha256()
-    for array in (x, v):
-        digest.update(np.ascontiguousarray(array, dtype=np.float32).tobytes())
-    return digest.hexdigest()
+def digest(x: np.ndarray) -> str:
+    """SHA-256 of float32 ``x`` (C order)."""
+    return hashlib.sha256(np.ascontiguousarray(x, dtype=np.float32).tobytes()).hexdigest()
 
 
 def compact(src_dir: Path, out_dir: Path) -> Path:
@@ -62,7 +63,11 @@ def compact(src_dir: Path, out_dir: Path) -> Path:
         arrays[f"{case}.grad_idx"] = idx[keep].astype(np.int32)
         arrays[f"{case}.grad_val"] = val[keep].astype(np.float32)
         arrays[f"{case}.grad_norm"] = np.float64(np.linalg.norm(val.astype(np.float64)))
-        arrays[f"{case}.xv_sha256"] = np.array(inputs_digest(full[f"{case}.x"], full[f"{case}.v"]))
+        arrays[f"{case}.x_sha256"] = np.array(digest(full[f"{case}.x"]))
+        config, v = case.split(".")[0], full[f"{case}.v"].astype(np.float32)
+        if f"{config}.v" in arrays and not np.array_equal(arrays[f"{config}.v"], v):
+            raise ValueError(f"{case}.v differs from the other dtype's cotangent")
+        arrays[f"{config}.v"] = v
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "grid.npz"

@@ -612,3 +612,25 @@ def test_functional_op_refuses_a_geometry_with_shrinking_levels():
     geometry = grid_geometry(2, 3, 2, 6, 64, 0.3)
     with pytest.raises(ValueError, match="hashed levels must follow the dense ones"):
         hash_grid_encode(torch.rand(4, 2), torch.zeros(geometry.n_params), geometry, torch.float32)
+
+
+def test_level_scale_modes():
+    from mptex._grid_torch import H100_EX2_TABLE, grid_geometry
+
+    with pytest.raises(ValueError, match="exp2 must be one of"):
+        grid_geometry(3, 4, 2, 10, 4, 1.5, exp2="fast")
+    with pytest.raises(ValueError, match="exp2 must be one of"):
+        HashGridEncoding(3, 4, 2, 10, 4, 1.5, exp2="fast")
+    # nvdiffrec's level 1: tcnn's ex2.approx (measured on an H100) is one float32 ulp above the
+    # correctly rounded 2^0.53333330 = 1.44726920 (0x3FB9401E).
+    exact = grid_geometry(3, 2, 2, 19, 16, NVDIFFREC_SCALE)
+    table = grid_geometry(3, 2, 2, 19, 16, NVDIFFREC_SCALE, exp2="h100-table")
+    assert H100_EX2_TABLE[0x3F088888] == 0x3FB9401F
+    assert exact.scales[0] == table.scales[0] == 15.0
+    assert table.scales[1] - exact.scales[1] == 16 * 2.0**-23  # one ulp of 2^x, times 16
+    # the table changes no host constant (table sizes and offsets come from the host's exp2f)
+    assert (exact.table_sizes, exact.offsets) == (table.table_sizes, table.offsets)
+    if not torch.cuda.is_available():
+        pytest.importorskip("triton")
+        with pytest.raises(RuntimeError, match="cuda-ex2"):
+            grid_geometry(3, 2, 2, 19, 16, NVDIFFREC_SCALE, exp2="cuda-ex2")

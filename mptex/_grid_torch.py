@@ -179,7 +179,7 @@ def _exp2f(value: np.float32) -> np.float32:
 def _level_exponentials(inputs: list[np.float32], exp2: str) -> list[np.float32]:
     """``exp2f`` of the level inputs as tcnn's kernels evaluate it, by ``exp2`` mode."""
     if exp2 == "cuda-ex2":
-        from mptex._grid_triton import ex2_approx_cuda  # imports triton: only here
+        from mptex._ex2_cuda import ex2_approx_cuda  # imports triton: only here
 
         return [np.float32(v) for v in ex2_approx_cuda([float(v) for v in inputs])]
     out = []

@@ -27,7 +27,7 @@ into an fma on a GPU, which changes the rounding of the smoothstep and of ``_hal
 error terms; the fmas tcnn takes are written out as ``tl.fma``.
 
 Level scales come with the geometry (:func:`mptex._grid_torch.grid_geometry`);
-:func:`ex2_approx_cuda` evaluates tcnn's ``exp2f`` (PTX ``ex2.approx.ftz.f32``) for it on CUDA.
+:mod:`mptex._ex2_cuda` evaluates tcnn's ``exp2f`` (PTX ``ex2.approx.ftz.f32``) for it on CUDA.
 
 Accuracy of the gradients. The parameter gradient is scattered with ``tl.atomic_add`` in
 float32, in an order the hardware picks. An entry that receives ``k`` contributions
@@ -57,7 +57,7 @@ import triton.language as tl
 
 from mptex._grid_torch import TCNN_HALF_LOSS_SCALE, GridGeometry
 
-__all__ = ["hash_grid_encode_triton", "INTERPRETED", "check_device", "ex2_approx_cuda"]
+__all__ = ["hash_grid_encode_triton", "INTERPRETED", "check_device"]
 
 _INTERPOLATION_CODES = {"Nearest": 0, "Linear": 1, "Smoothstep": 2}
 # Points per program: the interpreter runs one Python call per program, so it gets large
@@ -494,43 +494,8 @@ def _backward_kernel(
             tl.store(base + 3, dfrac3 * d3 * scale, mask=mask)
 
 
-@triton.jit
-def _ex2_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    """out = PTX ``ex2.approx.ftz.f32`` of x: what ``exp2f`` is in code built with
-    ``--use_fast_math`` (tcnn's ``grid_scale``)."""
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
-    y = tl.inline_asm_elementwise(
-        "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
-    )
-    tl.store(out_ptr + offsets, y, mask=mask)
-
-
 # ----------------------------------------------------------------------------------------
 # Host code.
-
-
-def ex2_approx_cuda(inputs: list[float], device: torch.device | None = None) -> list[float]:
-    """PTX ``ex2.approx.ftz.f32`` of float32 ``inputs``, evaluated on a CUDA device (the
-    current one by default): tcnn's ``exp2f`` under ``--use_fast_math``, for
-    :func:`mptex._grid_torch.grid_geometry`'s ``exp2="cuda-ex2"``.
-
-    Raises:
-        RuntimeError: without a CUDA device, under Triton's interpreter (no inline PTX), or on
-            a GPU that is not NVIDIA's (ROCm has no PTX).
-    """
-    if INTERPRETED or not torch.cuda.is_available() or torch.version.hip is not None:
-        raise RuntimeError(
-            "exp2='cuda-ex2' needs an NVIDIA CUDA device and compiled Triton (not "
-            "TRITON_INTERPRET=1); use exp2='correctly-rounded' or 'h100-table' elsewhere"
-        )
-    device = torch.device("cuda") if device is None else torch.device(device)
-    x = torch.tensor(inputs, dtype=torch.float32, device=device)
-    out = torch.empty_like(x)
-    if x.numel():
-        _ex2_kernel[(triton.cdiv(x.numel(), 128),)](x, out, x.numel(), BLOCK=128)
-    return out.cpu().tolist()
 
 
 def _interpreted() -> bool:

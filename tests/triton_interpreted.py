@@ -48,6 +48,7 @@ def compile_check() -> None:
     except ImportError as exc:
         print(f"no CUDA backend in this triton: {exc}")
         sys.exit(3)
+    import mptex._ex2_cuda as _ex2_cuda
     import mptex._grid_triton as grid_triton
 
     assert not grid_triton.INTERPRETED
@@ -80,7 +81,7 @@ def compile_check() -> None:
     # the level scales' exp2f: exactly one ex2.approx.ftz.f32, tcnn's fast-math instruction
     compiled = triton.compile(
         ASTSource(
-            fn=grid_triton._ex2_kernel,
+            fn=_ex2_cuda._ex2_kernel,
             signature={"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
             constexprs={"BLOCK": 128},
         ),

@@ -2,10 +2,11 @@
 
 Two backends sit behind ``rasterize`` / ``interpolate``:
 
-* ``"torch"``: a tiled, vectorised PyTorch rasterizer (CPU or GPU) that reproduces nvdiffrast's
-  CUDA rasterizer (``RasterizeCudaContext``). Visibility is resolved without autograd; the
-  outputs of the winning triangle are then recomputed with autograd, so ``rast[..., :3]`` (and
-  everything interpolated from it) is differentiable w.r.t. ``pos``.
+* ``"torch"``: a tiled, vectorised PyTorch rasterizer (CPU or GPU; on Apple's MPS, which lacks
+  float64, it runs on the CPU) that reproduces nvdiffrast's CUDA rasterizer
+  (``RasterizeCudaContext``). Visibility is resolved without autograd; the outputs of the
+  winning triangle are then recomputed with autograd, so ``rast[..., :3]`` (and everything
+  interpolated from it) is differentiable w.r.t. ``pos``.
 * ``"nvdiffrast"``: ``nvdiffrast.torch.rasterize`` / ``interpolate`` on a cached
   ``RasterizeCudaContext`` (one per device).
 
@@ -573,6 +574,11 @@ def rasterize(
         dr = import_nvdiffrast()
         ctx = _nvdiffrast_context(pos.device)
         return dr.rasterize(ctx, pos.float().contiguous(), tri.contiguous(), (height, width))
+    if pos.device.type == "mps":
+        # The exact arithmetic needs float64, which MPS lacks: rasterize on the CPU (autograd
+        # follows the copies).
+        rast, rast_db = _rasterize_torch(pos.cpu().contiguous(), tri.cpu(), height, width)
+        return rast.to(pos.device), rast_db.to(pos.device)
     return _rasterize_torch(pos.contiguous(), tri.contiguous(), height, width)
 
 

@@ -437,7 +437,10 @@ def test_state_dict_round_trips_between_arms_and_devices_of_the_encoder():
     b.load_state_dict(a.state_dict())
     for key, value in a.state_dict().items():
         assert torch.equal(b.state_dict()[key], value)
-    torch.testing.assert_close(b.sample(_points()), a.sample(_points()), **TOL[torch.float16])
+    # The half arm carries tcnn's half-mode roundings (table values, interpolation weights and
+    # each corner's fma rounded to half, then the half MLP): half ulps of outputs below 1,
+    # 2^-11; measured up to 4.3e-4 over four seeds.
+    torch.testing.assert_close(b.sample(_points()), a.sample(_points()), rtol=1e-3, atol=2**-11)
     a.clamp_()  # nvdiffrec's no-op
     a.cleanup()
 

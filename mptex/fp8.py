@@ -78,6 +78,10 @@ AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 GEMM_BACKENDS = ("auto", "scaled_mm", "emulated")
 # torch._scaled_mm's cuBLASLt kernels want every matrix dimension a multiple of 16.
 _SCALED_MM_ALIGN = 16
+_INF = float("inf")
+# Recorded calls whose statistics (overflows, non-finite amaxes) wait to be counted: counted
+# together when read or when this many are waiting (one reduction instead of a few ops each).
+_PENDING_CALLS = 256
 
 
 @dataclass(frozen=True)
@@ -118,10 +122,15 @@ def fp8_scale(
     """
     amax = amax.float()
     # Two f32 roundings, as Transformer Engine's kernel (the division by 2**margin is exact
-    # unless it reaches f32's subnormals).
-    scale = FP8_MAX[dtype] / amax / float(2**margin)
+    # unless it reaches f32's subnormals; by 2**0 it is the identity, so it is left out).
+    scale = FP8_MAX[dtype] / amax
+    if margin:
+        scale = scale / float(2**margin)
     keep = torch.ones_like(amax) if previous is None else previous.float().expand_as(amax)
-    return torch.where((amax > 0) & torch.isfinite(amax) & torch.isfinite(scale), scale, keep)
+    # isfinite as comparisons (2 ops instead of isfinite's 4): amax is >= 0 or NaN, and so is
+    # the scale where amax > 0; NaN < inf is False.
+    usable = (amax > 0) & (amax < _INF) & (scale < _INF)
+    return torch.where(usable, scale, keep)
 
 
 def quantize_fp8(
@@ -165,12 +174,37 @@ def quantization_error(original: torch.Tensor, quantized: torch.Tensor) -> torch
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
+    # The infinity norm is max |x| in one reduction (the same value: the max is exact; NaN
+    # propagates), where abs().amax() is two.
+    if not x.numel():
+        return x.new_zeros((), dtype=torch.float32)
+    return torch.linalg.vector_norm(x.detach(), _INF).float()
 
 
 def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """``q * scale_inv`` in f32 (what a quantised tensor stands for)."""
     return q.float() * scale_inv
+
+
+class _Count:
+    """A float32 count of :class:`ScalingState` that includes the calls still waiting to be
+    counted (``_pending``): reading or setting it counts them first."""
+
+    def __init__(self, doc: str):
+        self.__doc__ = doc
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.attr = "_" + name
+
+    def __get__(self, state, owner=None):
+        if state is None:
+            return self
+        state._count_pending()
+        return getattr(state, self.attr)
+
+    def __set__(self, state, value: torch.Tensor) -> None:
+        state._count_pending()
+        setattr(state, self.attr, value)
 
 
 class ScalingState:
@@ -198,9 +232,11 @@ class ScalingState:
         self.history = torch.zeros(recipe.amax_history_len, **zeros)
         self.last_amax = torch.zeros((), **zeros)
         self.last_scale = torch.ones((), **zeros)
-        self.overflows = torch.zeros((), **zeros)
-        self.nonfinite = torch.zeros((), **zeros)
-        self.calls = torch.zeros((), **zeros)
+        # (amax, recipe scale, used scale) of recorded calls not yet counted (_count_pending).
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._overflows = torch.zeros((), **zeros)
+        self._nonfinite = torch.zeros((), **zeros)
+        self._calls = torch.zeros((), **zeros)
         self.last_error = torch.zeros(2, **zeros)
         self.collect = False
 
@@ -208,6 +244,23 @@ class ScalingState:
         "scale", "history", "last_amax", "last_scale", "overflows", "nonfinite", "calls",
         "last_error",
     )  # fmt: skip
+
+    def _count_pending(self) -> None:
+        """Add the waiting calls to the counters: a call overflowed when its amax was finite
+        and the scale it used is not the recipe's; it was non-finite when its amax was not."""
+        if not self._pending:
+            return
+        amax, scale, used = (torch.stack(column) for column in zip(*self._pending, strict=True))
+        finite = amax < _INF  # amax >= 0 or NaN
+        # float32 counts, as the old per-call "+= 1.0" (exact below 2**24 calls).
+        self._overflows = self._overflows + (finite & (used != scale)).sum().float()
+        self._nonfinite = self._nonfinite + (~finite).sum().float()
+        self._calls = self._calls + float(len(self._pending))
+        self._pending.clear()
+
+    overflows = _Count("recorded calls whose recipe scale would have overflowed")
+    nonfinite = _Count("recorded calls whose tensor held an inf or NaN")
+    calls = _Count("recorded calls")
 
     def quantize(
         self, x: torch.Tensor, record: bool
@@ -228,18 +281,18 @@ class ScalingState:
 
     @torch.no_grad()
     def _record(self, amax: torch.Tensor, scale: torch.Tensor, used: torch.Tensor) -> None:
-        finite = torch.isfinite(amax)
-        self.overflows += (finite & (used != scale)).float()
-        self.nonfinite += (~finite).float()
-        self.calls += 1
-        self.last_amax, self.last_scale = amax.clone(), used.clone()
+        # amax and used are new tensors that nothing writes to later: kept without copies.
+        self._pending.append((amax, scale, used))
+        if len(self._pending) >= _PENDING_CALLS:
+            self._count_pending()
+        self.last_amax, self.last_scale = amax, used
         if self.recipe.recipe == "current":
             return
         # The history keeps finite amaxes only: a skipped step's inf must not pin the scale
-        # for amax_history_len calls.
-        rolled = torch.roll(self.history, 1)
-        rolled[0] = torch.where(finite, amax, rolled[0])
-        self.history = torch.where(finite, rolled, self.history)
+        # for amax_history_len calls. Most recent first: [amax, older...] where finite.
+        finite = amax < _INF  # amax >= 0 or NaN
+        shifted = torch.cat([amax.reshape(1), self.history[:-1]])
+        self.history = torch.where(finite, shifted, self.history)
         reduced = self.history.amax() if self.recipe.amax_compute_algo == "max" else self.history[0]
         self.scale = fp8_scale(reduced, self.dtype, self.recipe.margin, previous=self.scale)
 
@@ -247,6 +300,7 @@ class ScalingState:
         return {name: getattr(self, name).clone() for name in self._TENSORS}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._count_pending()
         for name in self._TENSORS:
             if name in state:
                 old = getattr(self, name)
@@ -259,6 +313,7 @@ class ScalingState:
                 setattr(self, name, value)
 
     def to(self, device: torch.device) -> ScalingState:
+        self._count_pending()
         for name in self._TENSORS:
             setattr(self, name, getattr(self, name).to(device))
         return self

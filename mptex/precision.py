@@ -73,6 +73,7 @@ __all__ = [
     "PrecisionPolicy",
     "PrecisionStepper",
     "StepResult",
+    "PendingStep",
     "LOSS_SCALING_MODES",
     "parse_dtype",
     "dtype_name",
@@ -491,6 +492,41 @@ class StepResult:
     diverged: bool = False
 
 
+@dataclass(frozen=True)
+class PendingStep:
+    """A step whose outcome is still on the device (:meth:`PrecisionStepper.step_async`).
+
+    Attributes:
+        flags: ``[n]`` float32 on the device: ``found_inf`` (> 0 when a checked value was
+            inf/NaN), then the loss scale after the update (loss-scaled arms), then whether a
+            parameter is non-finite after the step (``master_weights=False`` with the step
+            decided on the device).
+        host_decides: the optimizer step waits for the host's read of ``flags``
+            (:meth:`PrecisionStepper.finish` takes it); otherwise it was already taken, or
+            skipped, on the device.
+    """
+
+    flags: torch.Tensor
+    host_decides: bool
+
+
+def _non_finite_flag(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``[1]`` float32 on ``device``: 1.0 when any element of ``tensors`` is inf/NaN, else 0.
+
+    ``torch._amp_foreach_non_finite_check_and_unscale_`` with the factor 1.0: GradScaler's own
+    check (one multi-tensor kernel per dtype on CUDA); ``x * 1.0`` is ``x`` bit for bit, so the
+    tensors are unchanged, and nothing is read on the host.
+    """
+    found = torch.zeros(1, dtype=torch.float32, device=device)
+    one = torch.ones(1, dtype=torch.float32, device=device)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for group in by_dtype.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
+    return found
+
+
 class PrecisionStepper:
     """Backward, unscale, overflow check, optimizer step (or skip) and scale update for a policy.
 
@@ -507,28 +543,42 @@ class PrecisionStepper:
 
     ``stepper(loss)`` does ``backward`` then ``step`` in one call.
 
-    Algorithm per ``policy.loss_scaling``:
+    Algorithm per ``policy.loss_scaling``, every check on the device:
         * ``"dynamic"``: ``torch.amp.GradScaler(device, init_scale, growth_factor, backoff_factor,
-          growth_interval)`` itself. ``backward`` = ``scaler.scale(loss).backward()``; ``step`` =
-          ``scaler.step(optimizer)`` (unscales the f32 master gradients in place, skips
-          ``optimizer.step()`` if any is inf/NaN) then ``scaler.update()`` (scale x backoff_factor
-          after a skipped step, x growth_factor after ``growth_interval`` clean steps in a row).
-        * ``"static"``: the same GradScaler calls, but ``update(new_scale=static_loss_scale)``
-          pins the scale: the overflow check and the skip are GradScaler's, not reimplemented.
-          (GradScaler alone cannot be static: it requires ``backoff_factor < 1``.)
-        * ``"none"``, ``"nvdiffrec"``, ``"tcnn"``: ``loss.backward()``, then every gradient is
-          checked (:func:`all_finite`, one sync); only if all are finite ``optimizer.step()``,
+          growth_interval)`` itself. ``backward`` = ``scaler.scale(loss).backward()``; ``step``:
+          ``scaler.unscale_(optimizer)`` (divides the f32 master gradients in place and records
+          whether any is inf/NaN, ``found_inf``), ``scaler.update()`` (scale x backoff_factor
+          after a skipped step, x growth_factor after ``growth_interval`` clean steps in a row;
+          it needs only ``found_inf``, so it runs before the optimizer), then
+          ``optimizer.step()`` unless ``found_inf``: GradScaler's ``step`` and ``update``
+          without GradScaler's host read of ``found_inf``.
+        * ``"static"``: the same, but ``update(new_scale=static_loss_scale)`` pins the scale: the
+          overflow check and the skip are GradScaler's, not reimplemented. (GradScaler alone
+          cannot be static: it requires ``backoff_factor < 1``.)
+        * ``"none"``, ``"nvdiffrec"``, ``"tcnn"``: ``loss.backward()``, then every gradient (and
+          the loss, when :meth:`step_async` is given it) is checked with GradScaler's kernel at
+          the factor 1 (:func:`_non_finite_flag`); only if all are finite ``optimizer.step()``,
           else the step is skipped and ``StepResult.diverged`` is set (nvdiffrec's and tcnn's
           fixed x128 happen inside the autograd graph, not on the loss). With
-          ``master_weights=False`` the parameters are checked after the step as well (a second
-          sync): f16 Adam can turn finite gradients into NaN weights.
+          ``master_weights=False`` the parameters are checked after the step as well: f16 Adam
+          can turn finite gradients into NaN weights.
 
-    A skipped step never calls ``optimizer.step()``, so every parameter and all optimizer state
-    (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``) stay bit-identical. Gradients are not zeroed.
+    Where the skip is decided: an optimizer built with ``fused=True`` (the training loop's on
+    CUDA) takes ``found_inf`` itself (``optimizer.found_inf``, as GradScaler hands it to fused
+    optimizers) and skips on the device: its kernel leaves parameters and moments untouched and
+    takes back its ``step`` increment. Any other optimizer is stepped, or not, by
+    :meth:`finish` after the host has read ``found_inf``. Either way a skipped step leaves every
+    parameter and all optimizer state (Adam's ``exp_avg``, ``exp_avg_sq``, ``step``)
+    bit-identical, and gradients are not zeroed.
+
+    Host reads: :meth:`step` reads the outcome once (one ``[n]`` tensor: ``found_inf``, the new
+    scale, the parameters' finiteness). A training loop that reads other values each step too
+    calls :meth:`step_async`, reads :attr:`PendingStep.flags` together with them in one copy, and
+    passes them to :meth:`finish` (``mptex.train.loop.step`` does). ``master_weights=False`` with
+    a host-decided step reads once more, after the step (the parameters' finiteness).
 
     GradScaler refuses f16 gradients, which is why the scaled arms keep f32 master weights. The
-    device is taken from the optimizer's first parameter. Reading ``skipped`` and ``loss_scale``
-    makes the CPU wait for the device once per step (two scalar reads).
+    device is taken from the optimizer's first parameter.
 
     Args:
         policy: the precision policy (a :class:`PrecisionPolicy`, arm name or config mapping).
@@ -569,30 +619,90 @@ class PrecisionStepper:
         else:
             self.scaler.scale(loss).backward(**backward_kwargs)
 
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _unscaled(self) -> bool:
+        from torch.amp.grad_scaler import OptState
+
+        state = self.scaler._per_optimizer_states[id(self.optimizer)]
+        return state["stage"] is OptState.UNSCALED
+
     def unscale_(self) -> None:
         """Divide the gradients by the loss scale in place now (optional; :meth:`step` does it)."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
 
-    def step(self) -> StepResult:
-        """Unscale, check, step or skip, update the scale; see the class docstring."""
-        if self.scaler is None:
-            params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            if not all_finite([p.grad for p in params]):
-                return StepResult(skipped=True, loss_scale=1.0, diverged=True)
-            self.optimizer.step()
-            broken = not self.policy.master_weights and not all_finite(params)
-            return StepResult(skipped=False, loss_scale=1.0, diverged=broken)
-        self.scaler.step(self.optimizer)
-        # GradScaler records the inf check per device and clears it in update(), so read it first.
-        found_inf = sum(
-            float(v.item()) for v in self.scaler._found_inf_per_device(self.optimizer).values()
-        )
-        if self.policy.loss_scaling == "static":
-            self.scaler.update(new_scale=float(self.policy.static_loss_scale))
+    def _device_decides(self) -> bool:
+        # Only torch's fused optimizers take found_inf (GradScaler's _step_supports_amp_scaling).
+        return bool(self.optimizer.defaults.get("fused"))
+
+    def step_async(self, loss: torch.Tensor | None = None) -> PendingStep:
+        """Unscale, check and update the scale on the device, and step the optimizer when the
+        skip can be decided there; nothing is read on the host.
+
+        Args:
+            loss: the iteration's (unscaled) loss, checked with the gradients in arms without
+                loss scaling (a non-finite loss skips the step there even where the gradients
+                are finite); not used by the loss-scaled arms (GradScaler checks gradients only).
+
+        Returns:
+            the :class:`PendingStep`; :meth:`finish` it with its ``flags`` read on the host.
+        """
+        params = self._params()
+        device = params[0].device if params else torch.device("cpu")
+        if self.scaler is not None:
+            if not self._unscaled():
+                self.scaler.unscale_(self.optimizer)
+            per_device = list(self.scaler._found_inf_per_device(self.optimizer).values())
+            found = sum(per_device[1:], per_device[0]).reshape(1)
+            # update() needs only found_inf: the scale after it is known before the step.
+            if self.policy.loss_scaling == "static":
+                self.scaler.update(new_scale=float(self.policy.static_loss_scale))
+            else:
+                self.scaler.update()
+            parts = [found, self.scaler._scale.reshape(1)]
         else:
-            self.scaler.update()
-        return StepResult(skipped=found_inf > 0, loss_scale=self.loss_scale)
+            checked = [p.grad for p in params if p.grad is not None]
+            if loss is not None:
+                checked.append(loss.detach().float().reshape(1).clone())
+            found = _non_finite_flag(checked, device)
+            parts = [found]
+        if not self._device_decides():
+            return PendingStep(torch.cat(parts) if len(parts) > 1 else found, host_decides=True)
+        self.optimizer.found_inf, self.optimizer.grad_scale = found, None
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf, self.optimizer.grad_scale
+        if self.scaler is None and not self.policy.master_weights:
+            with torch.no_grad():  # x * 1.0 in place: the parameters keep their bits
+                parts.append(_non_finite_flag([p.detach() for p in params], device))
+        return PendingStep(torch.cat(parts) if len(parts) > 1 else found, host_decides=False)
+
+    def finish(self, pending: PendingStep, flags: Sequence[float]) -> StepResult:
+        """The step's :class:`StepResult` from ``flags``, ``pending.flags`` read on the host;
+        steps the optimizer first when the host decides (``pending.host_decides``) and no
+        checked value was inf/NaN."""
+        found = flags[0] > 0
+        if self.scaler is not None:
+            if pending.host_decides and not found:
+                self.optimizer.step()
+            return StepResult(skipped=found, loss_scale=float(flags[1]))
+        if found:
+            return StepResult(skipped=True, loss_scale=1.0, diverged=True)
+        if pending.host_decides:
+            self.optimizer.step()
+            broken = not self.policy.master_weights and not all_finite(self._params())
+        else:
+            broken = not self.policy.master_weights and flags[1] > 0
+        return StepResult(skipped=False, loss_scale=1.0, diverged=broken)
+
+    def step(self) -> StepResult:
+        """Unscale, check, step or skip, update the scale; see the class docstring. One host
+        read of the outcome."""
+        pending = self.step_async()
+        return self.finish(pending, pending.flags.detach().to("cpu").tolist())
 
     def __call__(self, loss: torch.Tensor) -> StepResult:
         """``backward(loss)`` then ``step()``."""

@@ -260,12 +260,15 @@ class MLPTexture3D(nn.Module):
         device = self.encoder.params.device
         self.AABB, self.min_max = self.AABB.to(device), self.min_max.to(device)
 
-    def sample(self, texc: torch.Tensor) -> torch.Tensor:
+    def sample(self, texc: torch.Tensor, *, check: bool = True) -> torch.Tensor:
         """Texture values at positions ``texc``.
 
         Args:
             texc: ``[..., 3]`` float positions in world space (outside the AABB is clamped;
                 NaN raises ``ValueError``).
+            check: check for NaN (one read on the host, which waits for a device). False
+                leaves it out: a NaN position then gives NaN values (the training loop's
+                positions come from G-buffers; a non-finite loss skips its step).
 
         Returns:
             ``[..., channels]`` float32, in ``[min_max[0], min_max[1]]`` per channel.
@@ -280,7 +283,7 @@ class MLPTexture3D(nn.Module):
         if self.policy.loss_scaling == "nvdiffrec" or self.policy.encoder_hook:
             unit = scale_grad(unit, 1.0 / self.policy.static_loss_scale)
         try:
-            features = self.encoder(unit.contiguous())
+            features = self.encoder(unit.contiguous(), check_values=check)
         except ValueError as exc:
             # The clamp keeps finite points in [0, 1]; only a NaN in texc gets through to the
             # encoder's finiteness check (inf clamps to a face of the AABB).

@@ -10,7 +10,7 @@ from mptex.scenes.builtin import gt_texture, torus_knot
 from mptex.scenes.config import MESH_SCENES, SCENE_DEFAULTS
 from mptex.scenes.gbuffer import GBuffer, GBufferCache, render_gbuffer
 from mptex.scenes.nerf import load_nerf_split
-from mptex.scenes.scene import Scene, ViewBatch
+from mptex.scenes.scene import Scene, TrainingBatch, ViewBatch
 
 __all__ = [
     "build_scene",
@@ -21,6 +21,7 @@ __all__ = [
     "suite_path",
     "Scene",
     "ViewBatch",
+    "TrainingBatch",
     "GBuffer",
     "GBufferCache",
     "render_gbuffer",

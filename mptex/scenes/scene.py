@@ -16,7 +16,7 @@ from mptex.render.camera import Cameras
 from mptex.render.mesh import Mesh
 from mptex.scenes.gbuffer import GBuffer, GBufferCache
 
-__all__ = ["Scene", "ViewBatch"]
+__all__ = ["Scene", "ViewBatch", "TrainingBatch"]
 
 # Computes reference RGBA [B, H, W, 4] (linear RGB, alpha = coverage) from G-buffers.
 ReferenceFn = Callable[[GBuffer], torch.Tensor]
@@ -54,6 +54,38 @@ class ViewBatch:
 
     def __len__(self) -> int:
         return self.index.shape[0]
+
+
+@dataclass
+class TrainingBatch:
+    """A batch of B training views as the training loop consumes it: only what one iteration
+    reads, gathered from per-view tensors prepared once on the scene's device
+    (:meth:`Scene.training_batch`), so that drawing a batch reads nothing from the device.
+
+    Attributes:
+        index: the B view indices (Python ints, drawn on the host).
+        rgba: [B, H, W, 4] float32 reference, linear RGB and alpha.
+        coverage: [B, H, W, 1] float32, 1.0 where a triangle covers the pixel centre, else 0.
+        covered: [N] int64 indices of the covered pixels in the flattened ``[B * H * W]``
+            image, ascending (``coverage.reshape(-1).nonzero()``).
+        points: [N, 3] float32 world-space surface positions of the covered pixels.
+        normals: [N, 3] float32 unit normals of the covered pixels (None unless prepared).
+    """
+
+    index: list[int]
+    rgba: torch.Tensor
+    coverage: torch.Tensor
+    covered: torch.Tensor
+    points: torch.Tensor
+    normals: torch.Tensor | None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[B, H, W] bool pixel coverage (a new tensor)."""
+        return self.coverage[..., 0] > 0
+
+    def __len__(self) -> int:
+        return len(self.index)
 
 
 class Scene:
@@ -94,6 +126,9 @@ class Scene:
         self.gbuffers = GBufferCache(self.mesh, self.resolution, backend=backend)
         # Supersampled views (``spp`` > 1) at spp x the resolution: a cache per spp.
         self._spp_gbuffers = {1: self.gbuffers}
+        # Per training view, what training_batch gathers (prepare_training).
+        self._training: list[dict[str, torch.Tensor]] | None = None
+        self._training_normals = False
 
     @property
     def aabb(self) -> torch.Tensor:
@@ -171,6 +206,65 @@ class Scene:
         """
         index = torch.randint(self.n_train_views, (batch_size,), generator=generator)
         return self.views("train", index)
+
+    def prepare_training(self, normals: bool = False, chunk: int = 16) -> None:
+        """Rasterize every training view now (``chunk`` views per rasterizer call) and keep, per
+        view on the scene's device, what :meth:`training_batch` gathers: the reference, the
+        coverage, the covered pixels' indices, positions and (with ``normals``) normals.
+
+        Each view's G-buffer and reference are those :meth:`views` returns (a G-buffer does
+        not depend on the batch it was rasterized in), so training on prepared views takes the
+        same values, bit for bit. Reads each view's covered-pixel count once, here.
+        """
+        if self._training is not None and (self._training_normals or not normals):
+            return
+        prepared = []
+        for start in range(0, self.n_train_views, chunk):
+            batch = self.views("train", range(start, min(start + chunk, self.n_train_views)))
+            for n in range(len(batch)):
+                mask = batch.mask[n].reshape(-1)
+                covered = mask.nonzero().squeeze(1)
+                view = {
+                    "rgba": batch.rgba[n : n + 1],
+                    "coverage": mask.to(torch.float32).view(1, *self.resolution, 1),
+                    "covered": covered,
+                    "points": batch.position[n].reshape(-1, 3).index_select(0, covered),
+                }
+                if normals:
+                    normal = batch.gbuffer.normal[n].reshape(-1, 3)
+                    view["normals"] = normal.index_select(0, covered)
+                prepared.append(view)
+        self._training, self._training_normals = prepared, normals
+
+    def training_batch(
+        self, batch_size: int, generator: torch.Generator, normals: bool = False
+    ) -> TrainingBatch:
+        """``batch_size`` training views drawn as :meth:`sample_train_batch` draws them (the
+        same indices from the same CPU ``generator``), gathered from the prepared views
+        (:meth:`prepare_training`, run on first use).
+
+        On a device this reads nothing back and copies nothing to it: the indices are drawn
+        on the host, and each field is one concatenation of prepared per-view tensors (the
+        covered indices then offset by each view's place in the batch, in place).
+        """
+        self.prepare_training(normals)
+        index = torch.randint(self.n_train_views, (batch_size,), generator=generator).tolist()
+        views = [self._training[i] for i in index]
+        covered = torch.cat([v["covered"] for v in views])
+        pixels, start = self.resolution[0] * self.resolution[1], 0
+        for n, view in enumerate(views):
+            count = view["covered"].shape[0]
+            if n:
+                covered[start : start + count] += n * pixels
+            start += count
+        return TrainingBatch(
+            index=index,
+            rgba=torch.cat([v["rgba"] for v in views]),
+            coverage=torch.cat([v["coverage"] for v in views]),
+            covered=covered,
+            points=torch.cat([v["points"] for v in views]),
+            normals=torch.cat([v["normals"] for v in views]) if normals else None,
+        )
 
     def val_views(self, spp: int = 1) -> ViewBatch:
         """All validation views (an orbit for builtin/mesh scenes, the test split for nerf)."""

@@ -47,6 +47,7 @@ import torch
 from torch.profiler import record_function
 
 from mptex.config_schema import plain as plain_config
+from mptex.host import to_host
 from mptex.precision import PrecisionStepper, all_finite
 from mptex.render.image import rgb_to_srgb
 from mptex.scenes import MESH_SCENES, Scene, build_scene
@@ -71,7 +72,6 @@ from mptex.train.runinfo import (
     Progress,
     device_name,
     package_versions,
-    sync_device,
     tensorboard_writer,
 )
 from mptex.train.shading import composite, draw_background, light_direction, render_batch
@@ -165,6 +165,33 @@ def mlp_rate_factor(settings: Mapping[str, Any], iteration: int) -> float:
     if end is None:
         return start
     return start + (float(end) - start) * min(1.0, iteration / settings["mlp_lr_ramp_iter"])
+
+
+def _adam_implementation(texture: MLPTexture3D, device: torch.device) -> dict[str, bool]:
+    """Adam's implementation flags for the run: ``fused`` on CUDA (one multi-tensor kernel,
+    and it takes the stepper's ``found_inf``, so a skipped step is decided on the device);
+    ``foreach`` on the CPU when every parameter is float32 (measured bit-identical to the
+    per-parameter loop with torch 2.13; fused Adam on the CPU is not: 1 ulp), else the loop."""
+    if device.type == "cuda":
+        return {"fused": True, "foreach": False}
+    f32 = all(p.dtype == torch.float32 for p in texture.parameters())
+    return {"fused": False, "foreach": f32}
+
+
+def _place_adam_steps(optimizer: torch.optim.Adam) -> None:
+    """Put Adam's ``step`` counters where its implementation wants them after a checkpoint's
+    state was loaded (written by another implementation): fused on the parameter's device,
+    float32; otherwise on the host, as torch keeps them."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            step = state.get("step")
+            if not isinstance(step, torch.Tensor):
+                continue
+            if group.get("fused"):
+                state["step"] = step.to(device=param.device, dtype=torch.float32)
+            elif not group.get("capturable"):
+                state["step"] = step.to(device="cpu", dtype=torch.float32)
 
 
 def _optimizer_state(
@@ -498,7 +525,10 @@ def setup(
     run.optimizer = torch.optim.Adam(
         _param_groups(texture, settings["mlp_lr_scale"]),
         lr=settings["lr"], betas=tuple(settings["betas"]), eps=settings["adam_eps"],
+        **_adam_implementation(texture, device),
     )  # fmt: skip
+    # Every training view's G-buffer and covered pixels, now (one rasterization per chunk).
+    scene.prepare_training(normals=settings["shading"] != "kd")
     run.stepper = PrecisionStepper(texture.policy, run.optimizer)
     # Per-layer underflow/overflow statistics of the compute-dtype gradients, sampled.
     stats_every = settings["stats_interval"]
@@ -512,8 +542,10 @@ def setup(
         run.optimizer.load_state_dict(ckpt["optimizer"])  # also the checkpoint's hyperparameters
         # The MLP's rate is this run's train.mlp_lr_scale, as lr is this run's train.lr; Adam's
         # betas and epsilon are this run's train.betas and train.adam_eps.
+        implementation = _adam_implementation(texture, device)
         for group, (scale, betas, eps) in zip(run.optimizer.param_groups, own, strict=True):
-            group.update(lr_scale=scale, betas=betas, eps=eps)
+            group.update(lr_scale=scale, betas=betas, eps=eps, **implementation)
+        _place_adam_steps(run.optimizer)
         run.stepper.load_state_dict(ckpt["stepper"])
         set_rng_state(ckpt["rng"], run.generators)
         run.start_iter, run.history = int(ckpt["iteration"]), list(ckpt["history"])
@@ -539,7 +571,8 @@ def step(run: RunState, it: int) -> StepOutcome:
     """
     settings, texture, device = run.settings, run.texture, run.device
     noise_gen = run.generators["noise"]
-    sync_device(device)
+    # The previous iteration ended with its one host read (below), which waited for the device:
+    # no synchronisation of our own is needed for the timing.
     tick = time.perf_counter()
     factor = lr_schedule(it, settings["warmup_iter"], settings["lr_decay"],
                          settings["lr_schedule"], run.n_iter)  # fmt: skip
@@ -555,8 +588,9 @@ def step(run: RunState, it: int) -> StepOutcome:
     # Scopes named mptex.* split a torch profile of the run by part
     # (benchmarks/cpu_speed.py profile); outside a profiler they cost microseconds.
     with record_function("mptex.views"):
-        views = run.scene.sample_train_batch(settings["batch_size"], run.generators["views"])
-        shape = views.mask.shape + (3,)
+        views = run.scene.training_batch(settings["batch_size"], run.generators["views"],
+                                         normals=settings["shading"] != "kd")  # fmt: skip
+        shape = views.coverage.shape[:-1] + (3,)
         background = draw_background(settings["background"], shape, device, noise_gen)
         ref_alpha = views.rgba[..., 3:4]
         ref = composite(views.rgba[..., 0:3], ref_alpha, background)
@@ -567,7 +601,7 @@ def step(run: RunState, it: int) -> StepOutcome:
     with record_function("mptex.loss"):
         # nvdiffrec: alpha MSE + color loss on RGB masked by the reference alpha. The
         # predicted alpha is the fixed mesh's coverage: the alpha term has no texture gradient.
-        pred_alpha = views.mask.unsqueeze(-1).to(pred.dtype)
+        pred_alpha = views.coverage.to(pred.dtype)
         loss = torch.nn.functional.mse_loss(pred_alpha, ref_alpha)
         loss = loss + image_loss(pred * ref_alpha, ref * ref_alpha, settings["loss"])
         if kd_grad is not None:
@@ -579,20 +613,35 @@ def step(run: RunState, it: int) -> StepOutcome:
     if settings["inject_signal_at"] == it:  # test hook: a stop signal mid-iteration
         send_signal(settings["inject_signal"])
 
-    run.loss_value = loss_value = float(loss.item())  # synchronous; also the divergence check
-    if not math.isfinite(loss_value) and run.stepper.scaler is None:
-        return StepOutcome(loss_value, lr, diverged=True)
     with record_function("mptex.backward"):
         run.stepper.backward(loss)
     with record_function("mptex.optimizer"):
-        result = run.stepper.step()
+        # The finite check, the scale update and (on CUDA, fused Adam) the skip run on the
+        # device; a non-finite loss in an arm without loss scaling skips the step there too.
+        pending = run.stepper.step_async(loss)
     with record_function("mptex.stats"):
-        stats = run.monitor.collect(result) if run.monitor is not None else None
+        monitored = run.monitor.pending() if run.monitor is not None else None
+        # The iteration's one host read: loss, the step's flags and, on sampled iterations,
+        # the statistics, in one copy (docs/training.md, "Host synchronisation").
+        parts = [loss.detach().reshape(1), pending.flags]
+        if monitored is not None and monitored[0] is not None:
+            parts.append(monitored[0])
+        wide = torch.float32 if device.type == "mps" else torch.float64
+        host = to_host(torch.cat([part.to(wide) for part in parts])).tolist()
+        n_flags = pending.flags.numel()
+        run.loss_value = loss_value = host[0]
+        flags, rest = host[1 : 1 + n_flags], host[1 + n_flags :]
+    if not math.isfinite(loss_value) and run.stepper.scaler is None:
+        # Skipped: the weights and Adam's state are those after iteration it - 1.
+        return StepOutcome(loss_value, lr, diverged=True)
+    with record_function("mptex.optimizer"):
+        result = run.stepper.finish(pending, flags)
+    stats = None if monitored is None else monitored[1](rest if monitored[0] is not None
+                                                         else None, result)  # fmt: skip
     if result.diverged and result.skipped:
         # A non-finite gradient without loss scaling: the step was not taken, the weights
         # and Adam state are those after iteration it - 1; the run ends here.
         return StepOutcome(loss_value, lr, result, stats, diverged=True)
-    sync_device(device)
     run.iter_times.append(time.perf_counter() - tick)
     run.skipped_steps += int(result.skipped)
     run.consecutive_skips = run.consecutive_skips + 1 if result.skipped else 0

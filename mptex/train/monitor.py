@@ -42,7 +42,7 @@ def _counts(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             (magnitude == 0).sum().to(acc),
             ((magnitude > 0) & (magnitude < tiny)).sum().to(acc),
             (~finite).sum().to(acc),
-            torch.tensor(float(magnitude.numel()), dtype=acc, device=tensor.device),
+            magnitude.new_full((), float(magnitude.numel()), dtype=acc),  # no host copy
             torch.where(finite, magnitude, torch.zeros_like(magnitude)).amax().to(acc),
         ]
     )
@@ -220,7 +220,7 @@ class PrecisionMonitor:
         if not self._armed or not isinstance(logits, torch.Tensor) or logits.ndim != 2:
             return
         counts = saturated_counts(logits, SATURATION_LOGIT)
-        counts = torch.cat([counts, counts.new_tensor([logits.shape[0]])])
+        counts = torch.cat([counts, counts.new_full((1,), logits.shape[0])])
         old = self._saturation
         self._saturation = counts if old is None else old + counts.to(old.device)
 
@@ -272,11 +272,22 @@ class PrecisionMonitor:
         Returns:
             A flat dict of floats (JSON-serialisable), keys in the class docstring, sorted.
         """
+        pending = self.pending()
+        if pending is None:
+            return None
+        flat, decode = pending
+        return decode(None if flat is None else to_host(flat).tolist(), result)
+
+    def pending(self):
+        """:meth:`collect` in two halves, for a caller that reads other device values in the
+        same host copy: None on an iteration not sampled, else ``(flat, decode)``: ``flat``, a
+        1-D float64 tensor on the device (float32 on MPS) holding every statistic, or None
+        when there is none; ``decode(values, result)``, the dict :meth:`collect` returns, from
+        ``flat``'s values read on the host (a list of floats, None when ``flat`` is None)."""
         if not self._armed:
             return None
         self._armed = False
         keys = sorted(self._acc)
-        stats: dict[str, float] = {"iteration": self._iteration}
         saturation = self._saturation
         quantized = {
             f"net.{index}.q_{name}": value
@@ -285,45 +296,57 @@ class PrecisionMonitor:
         }
         for _, layer in self._quantized:
             layer.collect_stats = False
+        flat = None
         if keys or saturation is not None or quantized:
             first = self._acc[keys[0]] if keys else saturation
             first = first if first is not None else next(iter(quantized.values()))
             # float64 counts where the device has float64 (_counts' accumulator).
             device = first.device
             acc = torch.float32 if device.type == "mps" else torch.float64
-            flat = [self._acc[k].to(device) for k in keys]  # [5] each, see _counts
+            parts = [self._acc[k].to(device) for k in keys]  # [5] each, see _counts
             if saturation is not None:
-                flat.append(saturation.to(device))
+                parts.append(saturation.to(device))
             # Quantisation statistics go last, one value each.
-            flat += [value.reshape(1).to(device) for value in quantized.values()]
-            host = to_host(torch.cat([f.to(acc) for f in flat])).tolist()  # the one host copy
-            n_quantized = len(quantized)
-            if n_quantized:
-                for key, value in zip(quantized, host[-n_quantized:], strict=True):
-                    stats[key] = value
-                host = host[:-n_quantized]
-            for index, key in enumerate(keys):
-                fractions = _fractions(host[index * 5 : index * 5 + 5])
-                wanted = ("maxabs", "nonfinite_frac") if key.endswith(".act") else fractions
-                if key.endswith(".out_grad"):
-                    wanted = ("zero_frac", "subnormal_frac", "nonfinite_frac")
-                for name in wanted:
-                    stats[f"{key}_{name}"] = fractions[name]
-            if saturation is not None:
-                *per_channel, rows = host[len(keys) * 5 :]
-                for channel, count in enumerate(per_channel):
-                    stats[f"output.saturated_frac.{channel}"] = count / max(rows, 1.0)
+            parts += [value.reshape(1).to(device) for value in quantized.values()]
+            flat = torch.cat([f.to(acc) for f in parts])
+        acc_fused = None
+        if self._fused is not None:
+            acc_fused = {layer: dict(values) for layer, values in self._fused.last_stats.items()}
+            self._fused.collect_stats = False
         self._acc.clear()
         self._saturation = None
-        if self._fused is not None:
-            for layer, values in sorted(self._fused.last_stats.items()):
-                for name, value in sorted(values.items()):
-                    stats[f"net.{layer}.fused_{name}"] = float(value)
-            self._fused.collect_stats = False
-        if result is not None:
-            stats["loss_scale"] = float(result.loss_scale)
-            stats["skipped"] = bool(result.skipped)
-        return stats
+        iteration = self._iteration
+
+        def decode(host, result: StepResult | None = None) -> dict[str, float]:
+            stats: dict[str, float] = {"iteration": iteration}
+            if host is not None:
+                host = list(host)
+                n_quantized = len(quantized)
+                if n_quantized:
+                    for key, value in zip(quantized, host[-n_quantized:], strict=True):
+                        stats[key] = value
+                    host = host[:-n_quantized]
+                for index, key in enumerate(keys):
+                    fractions = _fractions(host[index * 5 : index * 5 + 5])
+                    wanted = ("maxabs", "nonfinite_frac") if key.endswith(".act") else fractions
+                    if key.endswith(".out_grad"):
+                        wanted = ("zero_frac", "subnormal_frac", "nonfinite_frac")
+                    for name in wanted:
+                        stats[f"{key}_{name}"] = fractions[name]
+                if saturation is not None:
+                    *per_channel, rows = host[len(keys) * 5 :]
+                    for channel, count in enumerate(per_channel):
+                        stats[f"output.saturated_frac.{channel}"] = count / max(rows, 1.0)
+            if acc_fused is not None:
+                for layer, values in sorted(acc_fused.items()):
+                    for name, value in sorted(values.items()):
+                        stats[f"net.{layer}.fused_{name}"] = float(value)
+            if result is not None:
+                stats["loss_scale"] = float(result.loss_scale)
+                stats["skipped"] = bool(result.skipped)
+            return stats
+
+        return flat, decode
 
     def remove(self) -> None:
         """Remove every hook this monitor registered."""

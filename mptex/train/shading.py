@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -90,23 +91,40 @@ def render_batch(
     jitter: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Shaded prediction ``[B, H, W, 3]`` composited over ``background`` and the kd smoothness
-    term (mean over all pixels of the covered points' kd gradient; None without ``jitter``)."""
-    mask = views.mask
-    # Only covered pixels reach the texture: their indices once, for the points, the normals
-    # (diffuse shading only) and the image (the same gathers and scatter as boolean indexing).
-    covered = mask.reshape(-1).nonzero().squeeze(1)
-    points = views.position.reshape(-1, 3).index_select(0, covered)  # [N, 3]
-    tex = texture.sample(points)
-    normal = (views.gbuffer.normal.reshape(-1, 3).index_select(0, covered)
-              if settings["shading"] != "kd" else None)  # fmt: skip
+    term (mean over all pixels of the covered points' kd gradient; None without ``jitter``).
+
+    ``views``: a :class:`~mptex.scenes.ViewBatch`, or a :class:`~mptex.scenes.TrainingBatch`
+    whose covered pixels (indices, points, normals) were gathered beforehand: the same values,
+    without the ``nonzero`` that would make the host wait for a device.
+    """
+    if hasattr(views, "covered"):  # a TrainingBatch
+        covered, points, coverage = views.covered, views.points, views.coverage
+        normal = views.normals if settings["shading"] != "kd" else None
+        shape = coverage.shape[:-1]
+    else:
+        mask = views.mask
+        # Only covered pixels reach the texture: their indices once, for the points, the
+        # normals (diffuse shading only) and the image (the same gathers and scatter as
+        # boolean indexing).
+        covered = mask.reshape(-1).nonzero().squeeze(1)
+        points = views.position.reshape(-1, 3).index_select(0, covered)  # [N, 3]
+        normal = (views.gbuffer.normal.reshape(-1, 3).index_select(0, covered)
+                  if settings["shading"] != "kd" else None)  # fmt: skip
+        coverage, shape = None, mask.shape
+    # Training positions come from the G-buffers (finite): the texture's NaN check, a read of
+    # the device, is left out there.
+    tex = texture.sample(points, check=not hasattr(views, "covered"))
     color = shade(tex, normal, settings["shading"], light_dir, settings["ambient"])
-    image = torch.zeros(mask.numel(), 3, device=points.device, dtype=color.dtype)
-    image = image.index_copy(0, covered, color).view(mask.shape + (3,))
-    pred = composite(image, mask.unsqueeze(-1).to(image.dtype), background)
+    pixels = math.prod(shape)
+    image = torch.zeros(pixels, 3, device=points.device, dtype=color.dtype)
+    image = image.index_copy(0, covered, color).view(*shape, 3)
+    if coverage is None or coverage.dtype != image.dtype:
+        coverage = (views.mask.unsqueeze(-1) if coverage is None else coverage).to(image.dtype)
+    pred = composite(image, coverage, background)
     kd_grad = None
     if jitter is not None:
-        tex_jitter = texture.sample(jitter(points))
+        tex_jitter = texture.sample(jitter(points), check=not hasattr(views, "covered"))
         per_point = torch.sum(torch.abs(tex_jitter[..., 0:3] - tex[..., 0:3]), dim=-1) / 3
         # nvdiffrec: mean over every pixel of kd_grad * alpha (zero on background).
-        kd_grad = per_point.sum() / mask.numel()
+        kd_grad = per_point.sum() / pixels
     return pred, kd_grad

@@ -1,0 +1,311 @@
+"""Per-iteration overhead of the training loop: aten ops and host synchronisations, per arm.
+
+    python benchmarks/loop_overhead.py                      # the main arms, table + JSON
+    python benchmarks/loop_overhead.py --arms f32 fp8 --json out.json
+    python benchmarks/loop_overhead.py --compare before.json after.json
+
+A GPU iteration of a small texture is bound by kernel launches and by the host waiting for the
+device, not by arithmetic (an H100 profile of nvdiffrec's texture at 512^2: 266 kernel launches
+and 10.2 ms per iteration, ~3 ms of it the texture's kernels). Both are properties of the code,
+not of the device, so they are counted here on the CPU: a run of ``mptex.train.train`` at
+64 x 64 pixels on the built-in scene with nvdiffrec's texture (``texture=default``, the quick
+protocol's training settings, ``train.batch_size=4``), under a ``TorchDispatchMode`` that sees
+every op that reaches a kernel, over the iterations ``[--start, --stop)`` (10-50 by default):
+the ``step`` calls of those iterations and everything the loop does between them (history,
+the statistics every ``stats_interval``, the validation after 50 iterations).
+
+What counts:
+
+* **op**: an operator call that reaches a backend kernel (one launch or more on CUDA), i.e.
+  every op the dispatch mode sees except those that only make a view or touch metadata
+  (``OpOverload.is_view``: ``view``, ``reshape`` as a view, ``t``, ``select``, ``slice``,
+  ``expand``, ``detach``, ``alias``, ``lift_fresh``...) and the profiler's scope markers
+  (``record_function``: no kernel). In-place ops and copies count.
+* **host synchronisation** (a *sync*): an op that would make the host wait for a CUDA device:
+  a read of a device value to the host (``aten::_local_scalar_dense``: ``.item()``,
+  ``bool()``, ``float()``, ``int()``; ``aten::is_nonzero``; ``aten::equal``), an op whose
+  output size depends on the values (``nonzero``, ``masked_select``, ``unique``...,
+  ``repeat_interleave`` without ``output_size``), a copy between the host and the device
+  (a ``_to_copy``/``copy_`` across devices, when the run is on one; on the CPU:
+  ``Tensor.tolist()``/``Tensor.numpy()`` of run data, which bypass the dispatcher, and
+  ``torch.tensor(...)`` of host data, ``aten::lift_fresh``, which on a device is a blocking
+  copy from pageable memory: PyTorch's blocking copy synchronises the stream).
+  Reads of tensors that live on the host by design are not syncs: the views' indices drawn
+  from the run's CPU generator (``RunState.generators["views"]``) and anything computed only
+  from them, and Adam's ``step`` counters (torch keeps them on the host unless
+  ``fused``/``capturable``), found by identity.
+
+The table: per arm, ops/iter and syncs/iter, the split of syncs by kind, and the three Python
+frames (innermost first, mptex's own code) of the most frequent sync sites. ``--json`` writes
+everything, including the op counts by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import tempfile
+import traceback
+import weakref
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import machine, print_table  # noqa: E402
+
+ARMS = ("f32", "nvdiffrec", "f16_dynamic", "fp8", "fp8_current", "bf16_grid", "f16_naive")
+_REPO = Path(__file__).resolve().parent.parent
+
+_READS = {"_local_scalar_dense", "is_nonzero", "equal"}
+_DATA_SIZED = {"nonzero", "nonzero_static", "masked_select", "unique_dim", "_unique",
+               "_unique2", "unique_consecutive", "unique_dim_consecutive",
+               "argwhere"}  # fmt: skip
+
+
+def _name(func) -> str:
+    return func._schema.name.split("::", 1)[-1]
+
+
+def _sites(limit: int = 3) -> str:
+    """The innermost ``limit`` frames of mptex's own code (package and benchmarks) on the
+    stack, innermost first."""
+    frames = []
+    for frame in reversed(traceback.extract_stack()[:-3]):
+        path = Path(frame.filename)
+        try:
+            rel = path.resolve().relative_to(_REPO)
+        except ValueError:
+            continue
+        if rel.parts[0] != "mptex":
+            continue
+        frames.append(f"{rel.as_posix()}:{frame.lineno} {frame.name}")
+        if len(frames) == limit:
+            break
+    return " < ".join(frames) or "(outside mptex)"
+
+
+class OverheadCounter(TorchDispatchMode):
+    """Counts ops and host synchronisations (module docstring) while active.
+
+    Args:
+        device: the run's device (``cpu`` counts cross-device copies as none).
+        host_generators: generators whose draws live on the host by design.
+    """
+
+    def __init__(self, device: torch.device, host_generators=()):
+        super().__init__()
+        self.device = torch.device(device)
+        # Dispatch hands a generator over as a new Python wrapper: known by seed and device.
+        self.host_generators = {(g.device, g.initial_seed()) for g in host_generators}
+        self._host: dict[int, weakref.ref] = {}
+        self.ops: collections.Counter = collections.Counter()
+        self.op_files: collections.Counter = collections.Counter()  # innermost mptex file
+        self.syncs: collections.Counter = collections.Counter()  # kind -> count
+        self.sites: collections.Counter = collections.Counter()  # (kind, site) -> count
+
+    # host-resident tensors, by identity
+    def mark_host(self, tensor: torch.Tensor) -> None:
+        key = id(tensor)
+        self._host[key] = weakref.ref(tensor, lambda _ref, key=key: self._host.pop(key, None))
+
+    def is_host(self, tensor) -> bool:
+        ref = self._host.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
+        return ref is not None and ref() is tensor
+
+    def record_sync(self, kind: str) -> None:
+        self.syncs[kind] += 1
+        self.sites[(kind, _sites())] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = _name(func)
+        tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                   if isinstance(a, torch.Tensor)]  # fmt: skip
+        generator = kwargs.get("generator")
+        host_out = (
+            generator is not None
+            and (generator.device, generator.initial_seed()) in self.host_generators
+        ) or (bool(tensors) and all(self.is_host(t) for t in tensors))
+        if host_out:
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.mark_host(t)
+        if name == "lift_fresh":
+            self.record_sync("host-to-device (torch.tensor)")
+            return out
+        if func.is_view or name.startswith("_record_function") or func.namespace == "profiler":
+            return out
+        self.ops[name] += 1
+        self.op_files[_sites(1).split(":")[0]] += 1
+        if host_out:
+            return out
+        if name in _READS:
+            self.record_sync("read (.item/bool/float)")
+        elif name in _DATA_SIZED or (name == "repeat_interleave" and "output_size" not in kwargs):
+            self.record_sync(f"data-sized ({name})")
+        elif name in ("_to_copy", "copy_") and self.device.type != "cpu":
+            devices = {t.device.type for t in tensors}
+            if isinstance(out, torch.Tensor):
+                devices.add(out.device.type)
+            if "cpu" in devices and len(devices) > 1:
+                self.record_sync("copy host<->device")
+        return out
+
+
+def _patch_host_reads(counter_ref: list):
+    """Count ``Tensor.tolist``/``Tensor.numpy`` of run data (on the CPU they bypass the
+    dispatcher; on a device they are a device-to-host copy). Returns an undo function."""
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+
+    def wrap(name, original):
+        def method(self, *args, **kwargs):
+            counter = counter_ref[0]
+            if counter is not None and not counter.is_host(self):
+                counter.record_sync(f"copy to host ({name})")
+            return original(self, *args, **kwargs)
+
+        return method
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, wrap(name, original))
+
+    def undo():
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+    return undo
+
+
+def run_config(arm: str, resolution: int, iterations: int, overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    from mptex.cli import CONFIG_DIR, register_experiments
+
+    register_experiments()
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        return compose("config", overrides=[
+            "+experiment=quick", "texture=default", f"precision={arm}",
+            f"scene.resolution={resolution}", "train.batch_size=4",
+            f"train.iterations={iterations}", "train.progress=false", "train.threads=1",
+            "train.device=cpu", *overrides,
+        ])  # fmt: skip
+
+
+def count_arm(arm: str, start: int, stop: int, resolution: int, overrides: list[str]) -> dict:
+    """Train one run of ``arm`` and count the loop's ops and syncs in iterations
+    ``[start, stop)``; returns the counts (per iteration and by name/site)."""
+    from mptex.train import loop
+
+    cfg = run_config(arm, resolution, stop + 5, overrides)
+    state: dict = {}
+    counter_ref: list = [None]
+    original_step, original_setup = loop.step, loop.setup
+
+    def setup(*args, **kwargs):
+        state["run"] = run = original_setup(*args, **kwargs)
+        return run
+
+    def step(run, it):
+        if it == start:
+            counter = OverheadCounter(run.device, [run.generators["views"]])
+            for param_state in run.optimizer.state.values():
+                if isinstance(param_state.get("step"), torch.Tensor):
+                    counter.mark_host(param_state["step"])
+            counter_ref[0] = counter
+            counter.__enter__()
+        if it == stop and counter_ref[0] is not None:
+            counter_ref[0].__exit__(None, None, None)
+            state["counter"], counter_ref[0] = counter_ref[0], None
+        return original_step(run, it)
+
+    undo = _patch_host_reads(counter_ref)
+    loop.step, loop.setup = step, setup
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            metrics = loop.train(cfg, tmp)
+    finally:
+        loop.step, loop.setup = original_step, original_setup
+        undo()
+        if counter_ref[0] is not None:
+            counter_ref[0].__exit__(None, None, None)
+    counter = state["counter"]
+    n = stop - start
+    return {
+        "arm": arm,
+        "iterations": [start, stop],
+        "status": metrics["status"],
+        "ops_per_iter": sum(counter.ops.values()) / n,
+        "syncs_per_iter": sum(counter.syncs.values()) / n,
+        "syncs_by_kind": {k: v / n for k, v in sorted(counter.syncs.items())},
+        "sync_sites": [
+            {"kind": kind, "site": site, "per_iter": count / n}
+            for (kind, site), count in counter.sites.most_common()
+        ],
+        "ops_by_name": {k: v / n for k, v in counter.ops.most_common()},
+        "ops_by_file": {k: v / n for k, v in counter.op_files.most_common()},
+    }
+
+
+def print_results(results: list[dict], top_sites: int) -> None:
+    rows = []
+    for r in results:
+        kinds = ", ".join(f"{k} {v:g}" for k, v in r["syncs_by_kind"].items()) or "–"
+        rows.append([r["arm"], f"{r['ops_per_iter']:.1f}", f"{r['syncs_per_iter']:.2f}", kinds])
+    print_table(["arm", "ops/iter", "syncs/iter", "syncs by kind (per iter)"], rows)
+    for r in results:
+        if not r["sync_sites"]:
+            continue
+        print(f"\n{r['arm']}: sync sites (per iteration; innermost mptex frames first)")
+        for site in r["sync_sites"][:top_sites]:
+            print(f"  {site['per_iter']:6.3f}  {site['kind']}: {site['site']}")
+
+
+def compare(before_path: Path, after_path: Path) -> None:
+    before = {r["arm"]: r for r in json.loads(before_path.read_text())["results"]}
+    after = {r["arm"]: r for r in json.loads(after_path.read_text())["results"]}
+    rows = []
+    for arm in after:
+        b, a = before.get(arm), after[arm]
+        rows.append([arm,
+                     "–" if b is None else f"{b['ops_per_iter']:.1f}", f"{a['ops_per_iter']:.1f}",
+                     "–" if b is None else f"{b['syncs_per_iter']:.2f}",
+                     f"{a['syncs_per_iter']:.2f}"])  # fmt: skip
+    print_table(["arm", "ops/iter before", "ops/iter after", "syncs/iter before",
+                 "syncs/iter after"], rows)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--arms", nargs="+", default=list(ARMS))
+    parser.add_argument("--start", type=int, default=10)
+    parser.add_argument("--stop", type=int, default=50)
+    parser.add_argument("--resolution", type=int, default=64)
+    parser.add_argument("--top-sites", type=int, default=6)
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--compare", type=Path, nargs=2, metavar=("BEFORE", "AFTER"))
+    parser.add_argument("overrides", nargs="*", help="more Hydra overrides, after --")
+    args = parser.parse_args(argv)
+    if args.compare:
+        compare(*args.compare)
+        return
+    torch.set_num_threads(1)
+    results = [count_arm(arm, args.start, args.stop, args.resolution, args.overrides)
+               for arm in args.arms]  # fmt: skip
+    print(f"builtin scene {args.resolution}x{args.resolution}, batch 4, texture=default, "
+          f"iterations [{args.start}, {args.stop}); {machine('cpu')}\n")
+    print_results(results, args.top_sites)
+    if args.json is not None:
+        payload = {"machine": machine("cpu"), "resolution": args.resolution,
+                   "overrides": args.overrides, "results": results}  # fmt: skip
+        args.json.write_text(json.dumps(payload, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

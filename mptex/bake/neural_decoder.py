@@ -8,9 +8,10 @@ including BF16 and F8_E4M3, which NumPy has no dtype for.
 Decoding (the precisions of :mod:`mptex.bake.decode`): positions are normalised into the
 texture's AABB and clamped to [0, 1]; each level of tcnn's hash grid places a point at
 ``fmaf(scale_l, x, 0.5)``, interpolates the ``2^D`` corners of its cell (dense index or tcnn's
-XOR-of-primes hash) with weights multiplied in tcnn's order; the features are summed in f32
-(``f32``, ``bf16``: then rounded to bf16) or as tcnn's half mode (each product rounded to f16,
-summed in f16: ``f16``, ``fp8``, ``int8``). The MLP: inputs padded with ones where the file
+XOR-of-primes hash) with weights multiplied in tcnn's order; the features are summed with one
+fused multiply-add per corner as tcnn 2.0 does, in f32 (``f32``, ``bf16``: then rounded to bf16)
+or as tcnn's half mode (the weight rounded to f16, each fma rounded to f16: ``f16``, ``fp8``,
+``int8``). The MLP: inputs padded with ones where the file
 says, each bias-free layer in the file's precision (f32; f16/bf16 operands, f32 accumulation,
 output rounded; fp8: E4M3 input with the stored input scale, saturating, times the E4M3
 weight, both scales applied to the f32 sum; int8: ``s_c * sum_j q_cj x_j`` on f16 inputs,
@@ -183,8 +184,11 @@ class NeuralTexture:
                     axis = frac[:, dim] if bit else np.float32(1) - frac[:, dim]
                     weight = (weight * axis).astype(np.float32)
                     corner_cells[:, dim] = cell[:, dim] + np.uint64(bit)
-                term = (weight[:, None] * table[self._rows(corner_cells, level)]).astype(np.float32)
-                acc = (acc + term.astype(acc.dtype)).astype(acc.dtype)
+                values = table[self._rows(corner_cells, level)].astype(np.float64)
+                if half:  # __hfma2(half(weight), value, acc): float64 holds w * v + acc exactly
+                    weight = weight.astype(np.float16)
+                # one rounding of the float64 value, fmaf's (up to float32 midpoints: rare)
+                acc = (weight[:, None].astype(np.float64) * values + acc).astype(acc.dtype)
             out.append(acc.astype(np.float32))
         features = np.concatenate(out, axis=1)
         return round_to_bf16(features) if self.precision == "bf16" else features

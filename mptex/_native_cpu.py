@@ -6,7 +6,7 @@ What it computes, each under its PyTorch spelling's arithmetic, bit for bit:
   :func:`~mptex._fused_mlp_torch.split_k_weight_grads`): products of half values formed
   exactly in float64, summed per k-block in k order from +0.0 (as MKL's float64 GEMM does: an
   all-zero block sums to +0.0), each block sum added to the accumulator and rounded once to
-  float32, then to half (half accumulators);
+  half (through float32 rounded to odd) or to float32 (float accumulators);
 * the torch hash grid's forward and backward (:func:`mptex._grid_torch.hash_grid_encode`):
   tcnn's positions (``fmaf``), cells, hash and dense indices in uint32 arithmetic, weights in
   corner order, the eager op's complex64 products (signs of zeros included), sums in corner
@@ -95,10 +95,24 @@ static inline half_bits float_to_half(float v) {
 static inline double half_to_double(half_bits h) { return (double)half_to_float(h); }
 static inline half_bits double_to_half(double v) { return float_to_half((float)v); }
 
-/* float64 -> float32 (one rounding) -> half (one rounding) -> float64 (exact). */
-static inline double round_acc(double value, int half) {
+/* float64 -> float32 rounded to odd (toward zero, last bit set where inexact): float32 keeps
+   13 bits more than half, so rounding that to half rounds the float64 value once. */
+static inline float round_to_odd_float(double value) {
     float single = (float)value;
-    return half ? (double)half_to_float(float_to_half(single)) : (double)single;
+    if (fabs((double)single) > fabs(value)) single = nextafterf(single, 0.0f);
+    if ((double)single != value) {
+        uint32_t bits;
+        memcpy(&bits, &single, sizeof bits);
+        bits |= 1u;
+        memcpy(&single, &bits, sizeof single);
+    }
+    return single;
+}
+
+/* float64 -> half (one rounding to nearest even) or float32 (one rounding) -> float64. */
+static inline double round_acc(double value, int half) {
+    if (half) return (double)half_to_float(float_to_half(round_to_odd_float(value)));
+    return (double)(float)value;
 }
 
 static void halves_to_doubles(const half_bits *src, double *dst, int64_t n) {
@@ -113,10 +127,13 @@ static void halves_to_doubles(const half_bits *src, double *dst, int64_t n) {
 
 #ifdef MPTEX_AVX512
 static inline __m512d round_acc8(__m512d value, int half) {
-    __m256 single = _mm512_cvtpd_ps(value);
-    if (half)
-        single = _mm256_cvtph_ps(
-            _mm256_cvtps_ph(single, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    if (!half) return _mm512_cvtps_pd(_mm512_cvtpd_ps(value));
+    /* round_acc's rounding to odd, then to half */
+    __m256 single = _mm512_cvt_roundpd_ps(value, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __mmask8 inexact = _mm512_cmp_pd_mask(_mm512_cvtps_pd(single), value, _CMP_NEQ_UQ);
+    __m256i odd = _mm512_cvtepi64_epi32(_mm512_maskz_set1_epi64(inexact, 1));
+    single = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(single), odd));
+    single = _mm256_cvtph_ps(_mm256_cvtps_ph(single, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     return _mm512_cvtps_pd(single);
 }
 #endif

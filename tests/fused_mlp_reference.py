@@ -6,8 +6,8 @@ rounding. Slow on purpose; tests keep the sizes small.
 
 Model: a dot product of half values is accumulated block by block (``k_block`` consecutive
 terms); each block's products are summed exactly (``math.fsum``), added to the accumulator, and the
-result rounded to float32 then to float16 (``"half"``) or to float32 only (``"float"``, rounded to
-half at the end).
+result rounded once to float16 (``"half"``) or to float32 (``"float"``, rounded to half at the
+end).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ def to_half(value: float) -> float:
 
 
 def to_acc(value: float, accumulate: str) -> float:
-    value = float(np.float32(value))
-    return float(np.float16(value)) if accumulate == "half" else value
+    # NumPy rounds float64 to float16 once (not through float32)
+    return float(np.float16(value)) if accumulate == "half" else float(np.float32(value))
 
 
 def dot(a: list[float], b: list[float], k_block: int, accumulate: str) -> float:
@@ -33,6 +33,45 @@ def dot(a: list[float], b: list[float], k_block: int, accumulate: str) -> float:
         block = math.fsum(a[k] * b[k] for k in range(start, min(start + k_block, len(a))))
         acc = to_acc(acc + block, accumulate)
     return to_half(acc)
+
+
+def f32(value: float) -> float:
+    return float(np.float32(value))
+
+
+def activation(name: str, v: float) -> float:
+    """tcnn's activation of one half value ``v`` as the twin's model states it: float32 math,
+    each elementary function correctly rounded to float32 (``math``'s float64 value rounded
+    once), the result rounded to half."""
+    k = 10.0  # common_device.h K_ACT
+    if name == "None":
+        return v
+    if name == "ReLU":
+        return relu(v)
+    if name == "LeakyReLU":
+        return to_half(f32(v * (1.0 if v > 0 else to_half(0.01))))
+    if name == "Exponential":
+        return to_half(f32(math.exp(v)))
+    if name == "Sigmoid":
+        return to_half(f32(1.0 / f32(1.0 + f32(math.exp(-v)))))
+    if name == "Squareplus":
+        z = f32(v * k)
+        root = f32(math.sqrt(f32(f32(z * z) + 4.0)))
+        return to_half(f32(f32(0.5 * f32(z + root)) / k))
+    if name == "Softplus":
+        inner = f32(f32(math.exp(f32(v * k))) + 1.0)
+        return to_half(f32(f32(math.log(inner)) / k))
+    if name == "Tanh":
+        return to_half(f32(math.tanh(v)))
+    raise ValueError(name)
+
+
+def activation_backward_factor(name: str, out: float) -> float:
+    """The half factor of warp_activation_backward, from the post-activation half ``out``."""
+    k = 10.0
+    if name == "Softplus":
+        return to_half(f32(1.0 - f32(math.exp(f32(-out * k)))))
+    raise ValueError(name)
 
 
 def relu(v: float) -> float:

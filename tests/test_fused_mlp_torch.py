@@ -99,3 +99,23 @@ def test_a_missing_compiler_falls_back_with_one_warning(monkeypatch, tmp_path):
         assert twin.fused_mlp(x, twin.xavier_uniform_params(spec), spec).shape == (40, 3)
     finally:
         _native_cpu.native_kernels.cache_clear()
+
+
+@pytest.mark.parametrize("name", [a for a in twin.ACTIVATIONS if a not in ("None", "ReLU")])
+def test_activations_do_not_depend_on_the_math_library(name):
+    """Each activation equals the per-element reference (Python's ``math``, float64, rounded
+    once to float32): the twin's bits do not come from the CPU's vector library (MKL's VML or
+    Sleef pick their code path by CPU, so their float32 exp / sqrt / log / tanh differ in the
+    last bit between CPUs). Every half value in [-12, 12) (exp's output stays finite)."""
+    import fused_mlp_reference as ref
+
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    x = bits[bits.float().abs() < 12].contiguous()
+    got = twin._activate(name, x)
+    want = torch.tensor([ref.activation(name, v) for v in x.tolist()], dtype=torch.float16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    if name == "Softplus":  # its backward's exp
+        out = got[got.isfinite()]
+        factor = twin._activate_backward(name, torch.ones_like(out), out)
+        want = [ref.activation_backward_factor(name, v) for v in out.tolist()]
+        assert torch.equal(factor, torch.tensor(want, dtype=torch.float16))

@@ -215,11 +215,11 @@ def grid_geometry(
     * ``"correctly-rounded"``: the float32 nearest to the exact power (the host's value, and
       tcnn's on the GPU within its instruction's error). tcnn's kernels are built with
       ``--use_fast_math``, so their ``exp2f`` is PTX ``ex2.approx.ftz.f32``, which on an H100
-      was measured 0 to +1 float32 ulps from this value (+1 at 9 of nvdiffrec's 16 levels and
-      1 of the 8 levels of per_level_scale 1.5; the NVIDIA PTX manual bounds it at 2 ulps).
+      was measured 0 to +1 float32 ulps from this value (+1 at 8 of nvdiffrec's 16 levels and
+      1 of the 8 levels of per_level_scale 1.5; CUDA's math documentation bounds exp2f at 2 ulps).
       No bit-exact model of that instruction is known to mptex, so on a CPU this is the mode;
       a 1-ulp scale moves positions by up to ``x * ulp(scale)`` and the level's outputs by up
-      to ~1e-3 relative where the cell changes (8e-4 measured on nvdiffrec's finest level).
+      to ~1e-3 for table values of order 1 (8e-4 measured on nvdiffrec's finest level).
     * ``"cuda-ex2"``: the instruction itself, run once on the current CUDA device (a Triton
       kernel with inline PTX): tcnn's scales on that device.
     * ``"h100-table"``: ``H100_EX2_TABLE``, tcnn's results measured on an H100 for the inputs

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,8 +15,9 @@ from mptex.diagnostics import half_ulps, outside_tolerance, ulp_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 VALIDATE = ROOT / "benchmarks" / "gpu" / "validate.py"
-STAGES = ["env", "grid", "network", "raster", "fp8", "arms", "throughput", "nvdiffrec154",
-          "tests"]  # fmt: skip
+STAGES = ["env", "golden", "grid", "network", "raster", "fp8", "arms", "throughput",
+          "nvdiffrec154", "tests"]  # fmt: skip
+FIXTURES = ROOT / "tests" / "gpu_golden"
 
 
 def _validate(tmp_path, *args, check=True):
@@ -95,7 +97,8 @@ def test_dry_run_runs_every_stage_and_records_why_native_ones_cannot(tmp_path):
     assert list(stages) == STAGES
     assert stages["env"]["status"] == "ok"
     assert stages["env"]["data"]["torch"] == torch.__version__
-    for name, lib in (("grid", "tcnn"), ("network", "tcnn"), ("raster", "nvdiffrast")):
+    for name, lib in (("golden", "tcnn"), ("grid", "tcnn"), ("network", "tcnn"),
+                      ("raster", "nvdiffrast")):  # fmt: skip
         assert stages[name]["status"] == "unavailable", stages[name]
         assert stages[name]["reason"] == f"{lib} needs a CUDA device (--device cpu)"
     assert stages["fp8"]["status"] == "unavailable", stages["fp8"]
@@ -128,12 +131,23 @@ def test_dry_run_runs_every_stage_and_records_why_native_ones_cannot(tmp_path):
 def test_comparisons_of_the_twin_with_itself_are_exact(tmp_path):
     # The comparison stages pointed at the twin on both sides: every error is exactly 0, which
     # they are only if both sides read the same parameters, points and cotangents.
-    proc, results, _ = _validate(
-        tmp_path, "--stages", "grid", "network", "raster", "--native-grid", "torch",
+    proc, results, out = _validate(
+        tmp_path, "--stages", "golden", "grid", "network", "raster", "--native-grid", "torch",
         "--native-mlp", "torch", "--native-raster", "torch",
     )  # fmt: skip
-    for name in ("grid", "network", "raster"):
+    for name in ("golden", "grid", "network", "raster"):
         assert results["stages"][name]["status"] == "ok", results["stages"][name]
+    # The golden stage, fed the twins instead of the libraries: a full fixture set comes back in
+    # the committed fixtures' format, one row per committed array.
+    golden = results["stages"]["golden"]["data"]
+    committed = sorted(p.name for p in FIXTURES.glob("*.npz"))
+    assert committed and sorted(p.name for p in (out / "golden").glob("*.npz")) == committed
+    rows = {(r["file"], r["array"]): r for r in golden["arrays"]}
+    assert len(rows) == len(golden["arrays"])
+    for name in committed:
+        with np.load(FIXTURES / name) as fixture:
+            for key in fixture.files:
+                assert rows[(name, key)]["status"] in ("same", "differs"), rows[(name, key)]
     grid = results["stages"]["grid"]["data"]["rows"]
     assert len(grid) == 6 and {(r["config"], r["dtype"]) for r in grid} >= {
         ("nvdiffrec", "float16"), ("2d-smoothstep", "float32")}  # fmt: skip

@@ -10,14 +10,18 @@ and 10.2 ms per iteration, ~3 ms of it the texture's kernels). Both are properti
 not of the device, so they are counted here on the CPU: a run of ``mptex.train.train`` at
 64 x 64 pixels on the built-in scene with nvdiffrec's texture (``texture=default``, the quick
 protocol's training settings, ``train.batch_size=4``), under a ``TorchDispatchMode`` that sees
-every op that reaches a kernel, over the iterations ``[--start, --stop)`` (10-50 by default):
-the ``step`` calls of those iterations and everything the loop does between them (history,
-the statistics every ``stats_interval``, the validation after 50 iterations).
+every op that reaches a kernel, over the iterations ``[--start, --stop)`` (10-50 by default).
+Per iteration: the ``step`` calls of those iterations and the loop's bookkeeping between
+them (history; the precision statistics every ``stats_interval``, 10, are inside ``step``).
+The validation (every ``val_interval``: once in the window, after 50 iterations) and
+checkpoints are counted per call, apart: they run at their own interval.
 
 What counts:
 
-* **op**: an operator call that reaches a backend kernel (one launch or more on CUDA), i.e.
-  every op the dispatch mode sees except those that only make a view or touch metadata
+* **op**: an operator call on run data that reaches a backend kernel (one launch or more on
+  CUDA), i.e. every op the dispatch mode sees except ops on host data only (below: no device
+  kernel; counted apart as ``host_ops_per_iter``) and those that only make a view or touch
+  metadata
   (``OpOverload.is_view``: ``view``, ``reshape`` as a view, ``t``, ``select``, ``slice``,
   ``expand``, ``detach``, ``alias``, ``lift_fresh``...) and the profiler's scope markers
   (``record_function``: no kernel). In-place ops and copies count.
@@ -28,15 +32,17 @@ What counts:
   ``repeat_interleave`` without ``output_size``), a copy between the host and the device
   (a ``_to_copy``/``copy_`` across devices, when the run is on one; on the CPU:
   ``Tensor.tolist()``/``Tensor.numpy()`` of run data, which bypass the dispatcher, and
-  ``torch.tensor(...)`` of host data, ``aten::lift_fresh``, which on a device is a blocking
-  copy from pageable memory: PyTorch's blocking copy synchronises the stream).
+  ``torch.tensor(..., device=...)``/``new_tensor`` of run data, which on a device are a
+  blocking copy from pageable memory: PyTorch's blocking copy synchronises the stream).
   Reads of tensors that live on the host by design are not syncs: the views' indices drawn
   from the run's CPU generator (``RunState.generators["views"]``) and anything computed only
-  from them, and Adam's ``step`` counters (torch keeps them on the host unless
-  ``fused``/``capturable``), found by identity.
+  from them, tensors made from Python data without a ``device``, Adam's ``step`` counters
+  (torch keeps them on the host unless ``fused``/``capturable``), found by identity, and the
+  host scalars torch's optimizers make for them.
 
-The table: per arm, ops/iter and syncs/iter, the split of syncs by kind, and the three Python
-frames (innermost first, mptex's own code) of the most frequent sync sites. ``--json`` writes
+The table: per arm, ops/iter and syncs/iter, the split of syncs by kind, ops and syncs per
+validation, and the three Python frames (innermost first, mptex's own code) of the most
+frequent sync sites. ``--json`` writes
 everything, including the op counts by name.
 """
 
@@ -45,6 +51,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import sys
 import tempfile
 import traceback
@@ -88,6 +95,11 @@ def _sites(limit: int = 3) -> str:
     return " < ".join(frames) or "(outside mptex)"
 
 
+def _in_optimizer() -> bool:
+    return any(f"{os.sep}torch{os.sep}optim{os.sep}" in frame.filename
+               for frame in traceback.extract_stack()[:-2])  # fmt: skip
+
+
 class OverheadCounter(TorchDispatchMode):
     """Counts ops and host synchronisations (module docstring) while active.
 
@@ -102,8 +114,11 @@ class OverheadCounter(TorchDispatchMode):
         # Dispatch hands a generator over as a new Python wrapper: known by seed and device.
         self.host_generators = {(g.device, g.initial_seed()) for g in host_generators}
         self._host: dict[int, weakref.ref] = {}
+        self.phase = "step"  # or "validate", "checkpoint": set by count_arm's wrappers
+        self.host_ops: collections.Counter = collections.Counter()
         self.ops: collections.Counter = collections.Counter()
         self.op_files: collections.Counter = collections.Counter()  # innermost mptex file
+        self.op_sites: collections.Counter = collections.Counter()  # (op, innermost frame)
         self.syncs: collections.Counter = collections.Counter()  # kind -> count
         self.sites: collections.Counter = collections.Counter()  # (kind, site) -> count
 
@@ -117,8 +132,8 @@ class OverheadCounter(TorchDispatchMode):
         return ref is not None and ref() is tensor
 
     def record_sync(self, kind: str) -> None:
-        self.syncs[kind] += 1
-        self.sites[(kind, _sites())] += 1
+        self.syncs[(self.phase, kind)] += 1
+        self.sites[(self.phase, kind, _sites())] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -135,19 +150,25 @@ class OverheadCounter(TorchDispatchMode):
             for t in torch.utils._pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self.mark_host(t)
-        if name == "lift_fresh":
-            self.record_sync("host-to-device (torch.tensor)")
+        if name == "lift_fresh":  # torch.tensor(...): _patch_host_reads decides
             return out
         if func.is_view or name.startswith("_record_function") or func.namespace == "profiler":
             return out
-        self.ops[name] += 1
-        self.op_files[_sites(1).split(":")[0]] += 1
-        if host_out:
+        if host_out:  # host data only: no kernel on the device, nothing to wait for
+            self.host_ops[(self.phase, name)] += 1
             return out
+        self.ops[(self.phase, name)] += 1
+        site = _sites(1)
+        self.op_files[(self.phase, site.split(":")[0])] += 1
+        self.op_sites[(self.phase, name, site)] += 1
         if name in _READS:
             self.record_sync("read (.item/bool/float)")
         elif name in _DATA_SIZED or (name == "repeat_interleave" and "output_size" not in kwargs):
             self.record_sync(f"data-sized ({name})")
+        elif name in ("index", "index_put", "index_put_") and any(
+            t.dtype == torch.bool for t in tensors[1:]
+        ):
+            self.record_sync(f"data-sized ({name} by a boolean mask)")
         elif name in ("_to_copy", "copy_") and self.device.type != "cpu":
             devices = {t.device.type for t in tensors}
             if isinstance(out, torch.Tensor):
@@ -159,8 +180,42 @@ class OverheadCounter(TorchDispatchMode):
 
 def _patch_host_reads(counter_ref: list):
     """Count ``Tensor.tolist``/``Tensor.numpy`` of run data (on the CPU they bypass the
-    dispatcher; on a device they are a device-to-host copy). Returns an undo function."""
+    dispatcher; on a device they are a device-to-host copy), and sort tensors made from Python
+    data: ``torch.tensor``/``torch.as_tensor`` without ``device`` and ``new_tensor`` of host
+    data make host tensors; with a ``device`` (or ``new_tensor`` of run data) they are a
+    host-to-device copy. Returns an undo function."""
     originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+    factories = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
+    new_tensor = torch.Tensor.new_tensor
+
+    def sort(out, to_device: bool):
+        counter = counter_ref[0]
+        if counter is not None and isinstance(out, torch.Tensor):
+            if to_device and not _in_optimizer():
+                counter.record_sync("host-to-device (torch.tensor)")
+            else:
+                # torch's optimizers make host scalars for their host step counters.
+                counter.mark_host(out)
+        return out
+
+    def factory(original):
+        def make(data, *args, **kwargs):
+            out = original(data, *args, **kwargs)
+            return sort(out, kwargs.get("device") is not None and not (
+                isinstance(data, torch.Tensor) and data is out))
+
+        return make
+
+    def make_new(self, data, *args, **kwargs):
+        counter = counter_ref[0]
+        out = new_tensor(self, data, *args, **kwargs)
+        on_device = kwargs.get("device") is not None or (
+            counter is not None and not counter.is_host(self))
+        return sort(out, on_device)
+
+    for name, original in factories.items():
+        setattr(torch, name, factory(original))
+    torch.Tensor.new_tensor = make_new
 
     def wrap(name, original):
         def method(self, *args, **kwargs):
@@ -177,11 +232,15 @@ def _patch_host_reads(counter_ref: list):
     def undo():
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
+        for name, original in factories.items():
+            setattr(torch, name, original)
+        torch.Tensor.new_tensor = new_tensor
 
     return undo
 
 
-def run_config(arm: str, resolution: int, iterations: int, overrides: list[str]):
+def run_config(arm: str, resolution: int, iterations: int, overrides: list[str],
+               texture: str = "default"):  # fmt: skip
     from hydra import compose, initialize_config_dir
 
     from mptex.cli import CONFIG_DIR, register_experiments
@@ -189,22 +248,38 @@ def run_config(arm: str, resolution: int, iterations: int, overrides: list[str])
     register_experiments()
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
         return compose("config", overrides=[
-            "+experiment=quick", "texture=default", f"precision={arm}",
+            "+experiment=quick", f"texture={texture}", f"precision={arm}",
             f"scene.resolution={resolution}", "train.batch_size=4",
             f"train.iterations={iterations}", "train.progress=false", "train.threads=1",
             "train.device=cpu", *overrides,
         ])  # fmt: skip
 
 
-def count_arm(arm: str, start: int, stop: int, resolution: int, overrides: list[str]) -> dict:
+def count_arm(arm: str, start: int, stop: int, resolution: int, overrides: list[str],
+              texture: str = "default") -> dict:  # fmt: skip
     """Train one run of ``arm`` and count the loop's ops and syncs in iterations
     ``[start, stop)``; returns the counts (per iteration and by name/site)."""
     from mptex.train import loop
 
-    cfg = run_config(arm, resolution, stop + 5, overrides)
+    cfg = run_config(arm, resolution, stop + 5, overrides, texture)
     state: dict = {}
     counter_ref: list = [None]
     original_step, original_setup = loop.step, loop.setup
+    originals = {name: getattr(loop, name) for name in ("validate", "checkpoint")}
+
+    def phased(name):
+        def call(*args, **kwargs):
+            counter = counter_ref[0]
+            if counter is None:
+                return originals[name](*args, **kwargs)
+            counter.phase = name
+            state[name + "s"] = state.get(name + "s", 0) + 1
+            try:
+                return originals[name](*args, **kwargs)
+            finally:
+                counter.phase = "step"
+
+        return call
 
     def setup(*args, **kwargs):
         state["run"] = run = original_setup(*args, **kwargs)
@@ -221,33 +296,60 @@ def count_arm(arm: str, start: int, stop: int, resolution: int, overrides: list[
         if it == stop and counter_ref[0] is not None:
             counter_ref[0].__exit__(None, None, None)
             state["counter"], counter_ref[0] = counter_ref[0], None
+        if counter_ref[0] is not None:
+            state["counted"] = state.get("counted", 0) + 1
         return original_step(run, it)
 
     undo = _patch_host_reads(counter_ref)
     loop.step, loop.setup = step, setup
+    for name in originals:
+        setattr(loop, name, phased(name))
     try:
         with tempfile.TemporaryDirectory() as tmp:
             metrics = loop.train(cfg, tmp)
     finally:
         loop.step, loop.setup = original_step, original_setup
+        for name, original in originals.items():
+            setattr(loop, name, original)
         undo()
-        if counter_ref[0] is not None:
+        if counter_ref[0] is not None:  # the run ended inside the window (diverged)
             counter_ref[0].__exit__(None, None, None)
+            state["counter"], counter_ref[0] = counter_ref[0], None
+    if "counter" not in state:
+        raise RuntimeError(f"{arm}: the run ended ({metrics['status']}) before iteration {start}")
     counter = state["counter"]
-    n = stop - start
+    n = max(1, state.get("counted", stop - start))
+
+    def per(counts, phase, scale):
+        return {k[1]: v / scale for k, v in counts.most_common() if k[0] == phase}
+
+    phases = {"validate": max(1, state.get("validations", 0)),
+              "checkpoint": max(1, state.get("checkpoints", 0))}  # fmt: skip
     return {
         "arm": arm,
-        "iterations": [start, stop],
+        "iterations": [start, start + n],
         "status": metrics["status"],
-        "ops_per_iter": sum(counter.ops.values()) / n,
-        "syncs_per_iter": sum(counter.syncs.values()) / n,
-        "syncs_by_kind": {k: v / n for k, v in sorted(counter.syncs.items())},
+        "ops_per_iter": sum(per(counter.ops, "step", n).values()),
+        "syncs_per_iter": sum(per(counter.syncs, "step", n).values()),
+        "syncs_by_kind": per(counter.syncs, "step", n),
+        "host_ops_per_iter": sum(per(counter.host_ops, "step", n).values()),
+        "per_call": {
+            phase: {
+                "calls": state.get(phase + "s", 0),
+                "ops": sum(per(counter.ops, phase, calls).values()),
+                "syncs": sum(per(counter.syncs, phase, calls).values()),
+            }
+            for phase, calls in phases.items()
+        },
         "sync_sites": [
-            {"kind": kind, "site": site, "per_iter": count / n}
-            for (kind, site), count in counter.sites.most_common()
+            {"phase": phase, "kind": kind, "site": site, "per_iter": count / n}
+            for (phase, kind, site), count in counter.sites.most_common()
         ],
-        "ops_by_name": {k: v / n for k, v in counter.ops.most_common()},
-        "ops_by_file": {k: v / n for k, v in counter.op_files.most_common()},
+        "ops_by_name": per(counter.ops, "step", n),
+        "ops_by_file": per(counter.op_files, "step", n),
+        "ops_by_site": [{"op": op, "site": site, "per_iter": v / n}
+                        for (phase, op, site), v in counter.op_sites.most_common()
+                        if phase == "step"],  # fmt: skip
     }
 
 
@@ -255,14 +357,17 @@ def print_results(results: list[dict], top_sites: int) -> None:
     rows = []
     for r in results:
         kinds = ", ".join(f"{k} {v:g}" for k, v in r["syncs_by_kind"].items()) or "–"
-        rows.append([r["arm"], f"{r['ops_per_iter']:.1f}", f"{r['syncs_per_iter']:.2f}", kinds])
-    print_table(["arm", "ops/iter", "syncs/iter", "syncs by kind (per iter)"], rows)
+        val = r["per_call"]["validate"]
+        rows.append([r["arm"], f"{r['ops_per_iter']:.1f}", f"{r['syncs_per_iter']:.2f}", kinds,
+                     f"{val['ops']:.0f} / {val['syncs']:.0f}"])  # fmt: skip
+    print_table(["arm", "ops/iter", "syncs/iter", "syncs by kind (per iter)",
+                 "per validation: ops / syncs"], rows)  # fmt: skip
     for r in results:
         if not r["sync_sites"]:
             continue
         print(f"\n{r['arm']}: sync sites (per iteration; innermost mptex frames first)")
         for site in r["sync_sites"][:top_sites]:
-            print(f"  {site['per_iter']:6.3f}  {site['kind']}: {site['site']}")
+            print(f"  {site['per_iter']:6.3f}  {site['phase']}: {site['kind']}: {site['site']}")
 
 
 def compare(before_path: Path, after_path: Path) -> None:
@@ -287,6 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--start", type=int, default=10)
     parser.add_argument("--stop", type=int, default=50)
     parser.add_argument("--resolution", type=int, default=64)
+    parser.add_argument("--texture", default="default", help="texture config (nvdiffrec's)")
     parser.add_argument("--top-sites", type=int, default=6)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--compare", type=Path, nargs=2, metavar=("BEFORE", "AFTER"))
@@ -296,9 +402,9 @@ def main(argv: list[str] | None = None) -> None:
         compare(*args.compare)
         return
     torch.set_num_threads(1)
-    results = [count_arm(arm, args.start, args.stop, args.resolution, args.overrides)
-               for arm in args.arms]  # fmt: skip
-    print(f"builtin scene {args.resolution}x{args.resolution}, batch 4, texture=default, "
+    results = [count_arm(arm, args.start, args.stop, args.resolution, args.overrides,
+                         args.texture) for arm in args.arms]  # fmt: skip
+    print(f"builtin scene {args.resolution}x{args.resolution}, batch 4, texture={args.texture}, "
           f"iterations [{args.start}, {args.stop}); {machine('cpu')}\n")
     print_results(results, args.top_sites)
     if args.json is not None:

@@ -59,6 +59,7 @@ passes straight through to the f32 master weights.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -510,6 +511,13 @@ class PendingStep:
     host_decides: bool
 
 
+@functools.lru_cache(maxsize=8)
+def _one(device: torch.device) -> torch.Tensor:
+    """A ``[1]`` float32 1.0 on ``device``, made once (GradScaler's unscale factor argument;
+    the kernel only reads it)."""
+    return torch.ones(1, dtype=torch.float32, device=device)
+
+
 def _non_finite_flag(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """``[1]`` float32 on ``device``: 1.0 when any element of ``tensors`` is inf/NaN, else 0.
 
@@ -518,7 +526,7 @@ def _non_finite_flag(tensors: Sequence[torch.Tensor], device: torch.device) -> t
     tensors are unchanged, and nothing is read on the host.
     """
     found = torch.zeros(1, dtype=torch.float32, device=device)
-    one = torch.ones(1, dtype=torch.float32, device=device)
+    one = _one(device)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
@@ -665,12 +673,14 @@ class PrecisionStepper:
         else:
             checked = [p.grad for p in params if p.grad is not None]
             if loss is not None:
-                checked.append(loss.detach().float().reshape(1).clone())
+                # Checked in place at the factor 1 (bits kept); backward is done with it.
+                checked.append(loss.detach().float().reshape(1))
             found = _non_finite_flag(checked, device)
             parts = [found]
         if not self._device_decides():
             return PendingStep(torch.cat(parts) if len(parts) > 1 else found, host_decides=True)
-        self.optimizer.found_inf, self.optimizer.grad_scale = found, None
+        # 0-dim, as GradScaler hands it over (fused Adam subtracts it from its step counters).
+        self.optimizer.found_inf, self.optimizer.grad_scale = found.reshape(()), None
         try:
             self.optimizer.step()
         finally:

@@ -235,6 +235,7 @@ class MLPTexture3D(nn.Module):
         if min_max is None:
             min_max = torch.stack([torch.zeros(channels), torch.ones(channels)])
         self.register_buffer("min_max", _bounds(min_max, "min_max", channels), persistent=False)
+        self._extents: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
         encoder = plain(encoder)
         if encoder is None:
@@ -278,8 +279,8 @@ class MLPTexture3D(nn.Module):
         if texc.dim() == 0 or texc.shape[-1] != 3:
             raise ValueError(f"texc: expected shape [..., 3], got {list(texc.shape)}")
         flat = texc.reshape(-1, 3).to(torch.float32)
-        lo, hi = self.AABB[0], self.AABB[1]
-        unit = torch.clamp((flat - lo[None]) / (hi - lo)[None], min=0, max=1)
+        lo = self.AABB[0]
+        unit = torch.clamp((flat - lo[None]) / self._extent("AABB")[None], min=0, max=1)
         if self.policy.loss_scaling == "nvdiffrec" or self.policy.encoder_hook:
             unit = scale_grad(unit, 1.0 / self.policy.static_loss_scale)
         try:
@@ -291,9 +292,20 @@ class MLPTexture3D(nn.Module):
                 raise
             raise ValueError("texc: contains NaN values") from None
         out = self.net(features).to(torch.float32)
-        lo_out, hi_out = self.min_max[0], self.min_max[1]
-        out = _sigmoid(out) * (hi_out - lo_out)[None] + lo_out[None]
+        lo_out = self.min_max[0]
+        out = _sigmoid(out) * self._extent("min_max")[None] + lo_out[None]
         return out.view(*texc.shape[:-1], self.channels)
+
+    def _extent(self, name: str) -> torch.Tensor:
+        """``bounds[1] - bounds[0]`` of the buffer ``name`` (``AABB`` or ``min_max``), computed
+        once per version of the buffer (a constant of the texture: one op less per sample)."""
+        bounds = getattr(self, name)
+        cached = self._extents.get(name)
+        # The cache holds the buffer itself: a new buffer (load, .to()) is another object.
+        if cached is None or cached[0] is not bounds or cached[1] != bounds._version:
+            cached = (bounds, bounds._version, bounds[1] - bounds[0])
+            self._extents[name] = cached
+        return cached[2]
 
     def forward(self, texc: torch.Tensor) -> torch.Tensor:
         """Same as :meth:`sample`."""

@@ -255,7 +255,7 @@ class Scene:
         for n, view in enumerate(views):
             count = view["covered"].shape[0]
             if n:
-                covered[start : start + count] += n * pixels
+                covered[start : start + count].add_(n * pixels)  # one op: no copy back
             start += count
         return TrainingBatch(
             index=index,

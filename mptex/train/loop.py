@@ -623,11 +623,12 @@ def step(run: RunState, it: int) -> StepOutcome:
         monitored = run.monitor.pending() if run.monitor is not None else None
         # The iteration's one host read: loss, the step's flags and, on sampled iterations,
         # the statistics, in one copy (docs/training.md, "Host synchronisation").
-        parts = [loss.detach().reshape(1), pending.flags]
+        parts = [loss.detach().float().reshape(1), pending.flags]
         if monitored is not None and monitored[0] is not None:
-            parts.append(monitored[0])
-        wide = torch.float32 if device.type == "mps" else torch.float64
-        host = to_host(torch.cat([part.to(wide) for part in parts])).tolist()
+            # The statistics' counts need float64 (exact beyond 2**24); float32 values
+            # (loss, flags) convert exactly.
+            parts = [part.to(monitored[0].dtype) for part in parts] + [monitored[0]]
+        host = to_host(torch.cat(parts)).tolist()
         n_flags = pending.flags.numel()
         run.loss_value = loss_value = host[0]
         flags, rest = host[1 : 1 + n_flags], host[1 + n_flags :]

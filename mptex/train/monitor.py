@@ -26,24 +26,28 @@ def subnormal_threshold(dtype: torch.dtype) -> float:
 
 
 def _counts(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[5] on ``tensor``'s device: zeros, subnormals in ``dtype``, non-finite, numel, max |finite|.
+    """[5] on ``tensor``'s device: zeros, values below ``tiny(dtype)`` (zeros included),
+    finite values, numel, max |finite| (:func:`_fractions` turns them into the statistics).
 
     A gradient that reached an f32 master through a cast from ``dtype`` holds exactly the values
     ``dtype`` had, so counting ``0 < |g| < tiny(dtype)`` on it counts ``dtype``'s subnormals.
+    Counted as the host subtracts them (subnormals = below tiny - zeros, non-finite = numel -
+    finite: exact integers in float64) and with comparisons instead of ``isfinite`` (``|x|`` is
+    >= 0 or NaN: finite is ``|x| < inf``): 11 ops per tensor instead of 20.
     """
     acc = torch.float32 if tensor.device.type == "mps" else torch.float64
-    magnitude = tensor.detach().abs()
-    finite = torch.isfinite(magnitude)
-    if magnitude.numel() == 0:
+    if tensor.numel() == 0:
         return torch.zeros(5, dtype=acc, device=tensor.device)
-    tiny = subnormal_threshold(dtype)
+    magnitude = tensor.detach().abs()
+    finite = magnitude < float("inf")
     return torch.stack(
         [
-            (magnitude == 0).sum().to(acc),
-            ((magnitude > 0) & (magnitude < tiny)).sum().to(acc),
-            (~finite).sum().to(acc),
+            (magnitude == 0).sum(dtype=acc),
+            (magnitude < subnormal_threshold(dtype)).sum(dtype=acc),
+            finite.sum(dtype=acc),
             magnitude.new_full((), float(magnitude.numel()), dtype=acc),  # no host copy
-            torch.where(finite, magnitude, torch.zeros_like(magnitude)).amax().to(acc),
+            # inf and NaN as 0 in one op (magnitude >= 0): the largest finite value.
+            torch.nan_to_num(magnitude, nan=0.0, posinf=0.0).amax().to(acc),
         ]
     )
 
@@ -55,7 +59,8 @@ def _merge(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
 
 
 def _fractions(counts: list[float]) -> dict[str, float]:
-    zero, subnormal, nonfinite, numel, maxabs = counts
+    zero, below_tiny, finite, numel, maxabs = counts
+    subnormal, nonfinite = below_tiny - zero, numel - finite  # exact: integers in float64
     numel = max(numel, 1.0)
     return {
         "zero_frac": zero / numel,

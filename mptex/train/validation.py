@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from mptex.host import to_host
 from mptex.render.image import save_image
 from mptex.scenes import Scene
 from mptex.texture import MLPTexture3D
@@ -64,8 +65,9 @@ def evaluate(
         scored the same way), and ``pred``/``ref`` ``[B, H, W, 3]`` composited linear images
         at the scene's resolution, upright: row 0 is the top of the picture (the camera's
         projection flips y, as nvdiffrec's, so rasterized row 0 is already the top), ready to
-        display without a flip; ``saturation``: :func:`~mptex.train.saturation.saturation_statistics`
-        of the texture's logits at the covered (sub-)pixels of the validation views (the same
+        display without a flip; ``saturation``:
+        :func:`~mptex.train.saturation.saturation_statistics` of the texture's logits at the
+        covered (sub-)pixels of the validation views (the same
         pixels at every validation), its ``stuck_fraction`` against the reference's colour where
         ``shading`` is ``kd`` (there the rendered colour is the texture's value; None otherwise).
     """
@@ -115,10 +117,14 @@ def evaluate(
     # covered fraction.
     background = draw_background(settings["val_background"], pred.shape, pred.device, None)
     constant = composite(mean_color.expand(pred.shape), torch.cat(coverages), background)
+    # One host copy: the mean, the baseline's mean and each image's PSNR (float32 values).
+    *per_image_host, psnr_mean, baseline_mean = to_host(
+        torch.cat([per_image, per_image.mean().reshape(1), psnr(constant, ref).mean().reshape(1)])
+    ).tolist()
     return dict(
-        psnr=float(per_image.mean().item()),
-        psnr_per_image=[float(v) for v in per_image.cpu()],
-        baseline_psnr=float(psnr(constant, ref).mean().item()),
+        psnr=psnr_mean,
+        psnr_per_image=per_image_host,
+        baseline_psnr=baseline_mean,
         pred=pred,
         ref=ref,
         saturation=saturation,

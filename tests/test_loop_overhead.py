@@ -1,0 +1,255 @@
+"""The training loop at its floor: views gathered on the device, the stepper's decision on the
+device, one host read per iteration (counted by benchmarks/loop_overhead.py), and the GPU preset
+that refuses a machine without CUDA."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mptex.precision import PendingStep, PrecisionStepper, StepResult
+from mptex.scenes import build_scene
+from mptex.train.device_check import device_problem
+from mptex.train.shading import render_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _benchmark():
+    spec = importlib.util.spec_from_file_location(
+        "loop_overhead", ROOT / "benchmarks" / "loop_overhead.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def scene():
+    return build_scene({"name": "builtin", "resolution": 24, "n_train_views": 6}, "cpu")
+
+
+def test_training_batch_is_the_views_batch_gathered(scene):
+    # The same indices from the same generator state, and every field equal to what the
+    # loop used to compute per batch from Scene.views (boolean mask, nonzero, gathers).
+    batch = scene.training_batch(5, torch.Generator().manual_seed(3), normals=True)
+    index = torch.randint(scene.n_train_views, (5,), generator=torch.Generator().manual_seed(3))
+    views = scene.views("train", index)
+    assert batch.index == index.tolist()
+    covered = views.mask.reshape(-1).nonzero().squeeze(1)
+    assert torch.equal(batch.rgba, views.rgba)
+    assert torch.equal(batch.coverage, views.mask.unsqueeze(-1).float())
+    assert torch.equal(batch.mask, views.mask)
+    assert torch.equal(batch.covered, covered)
+    assert torch.equal(batch.points, views.position.reshape(-1, 3)[covered])
+    assert torch.equal(batch.normals, views.gbuffer.normal.reshape(-1, 3)[covered])
+
+
+@pytest.mark.parametrize("shading", ["kd", "diffuse"])
+def test_render_batch_bits_equal_from_a_training_batch(scene, shading):
+    from mptex.texture import MLPTexture3D
+
+    torch.manual_seed(0)
+    channels = 9 if shading == "diffuse" else 3
+    texture = MLPTexture3D(scene.aabb, channels=channels, encoder=dict(
+        otype="HashGrid", n_levels=4, n_features_per_level=2, log2_hashmap_size=12,
+        base_resolution=16, per_level_scale=2.0), internal_dims=16)  # fmt: skip
+    settings = {"shading": shading, "ambient": 0.25}
+    light = torch.nn.functional.normalize(torch.tensor([0.5, 0.8, 0.3]), dim=0)
+    batch = scene.training_batch(3, torch.Generator().manual_seed(1), normals=True)
+    views = scene.views("train", batch.index)
+    background = torch.rand(views.mask.shape + (3,), generator=torch.Generator().manual_seed(2))
+
+    def jitter(points):
+        return points + 0.01 * torch.randn(points.shape, generator=torch.Generator().manual_seed(4))
+
+    got = render_batch(texture, batch, settings, background, light, jitter)
+    want = render_batch(texture, views, settings, background, light, jitter)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _params():
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.randn(8, 4))]
+
+
+def _adam(params, **kw):
+    return torch.optim.Adam([{"params": params[:1]}, {"params": params[1:]}], lr=0.01, **kw)
+
+
+def _state(params, optimizer):
+    tensors = [p.detach().clone() for p in params]
+    for p in params:
+        for value in optimizer.state[p].values():
+            tensors.append(torch.as_tensor(value).detach().clone())
+    return tensors
+
+
+@pytest.mark.parametrize("arm", ["f32", "f16_dynamic", "f16_static"])
+def test_device_decided_skip_leaves_weights_and_adam_bit_identical(arm):
+    # fused Adam takes the stepper's found_inf (the loop's choice on CUDA; fused Adam also
+    # runs on the CPU): a non-finite gradient skips the step on the device. Remove the
+    # optimizer.found_inf hand-over in step_async and this fails (the step is taken).
+    params = _params()
+    optimizer = _adam(params, fused=True)
+    stepper = PrecisionStepper(arm, optimizer)
+    for step in range(3):
+        optimizer.zero_grad(set_to_none=True)
+        stepper.backward(sum((p * (step + 1)).square().sum() for p in params))
+        pending = stepper.step_async()
+        assert isinstance(pending, PendingStep) and not pending.host_decides
+        result = stepper.finish(pending, pending.flags.tolist())
+        assert not result.skipped
+    before = _state(params, optimizer)
+    scale = stepper.loss_scale
+    optimizer.zero_grad(set_to_none=True)
+    stepper.backward(params[0].sum() * float("inf"))
+    pending = stepper.step_async()
+    result = stepper.finish(pending, pending.flags.tolist())
+    assert result.skipped
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(params, optimizer), strict=True))
+    if arm == "f16_dynamic":
+        assert result.loss_scale == stepper.loss_scale == scale * 0.5
+    else:
+        assert result.loss_scale == stepper.loss_scale == scale
+        assert result.diverged == (arm == "f32")
+
+
+@pytest.mark.parametrize("arm", ["f32", "f16_dynamic"])
+def test_step_async_with_a_host_read_equals_step(arm):
+    # The loop's split (step_async, one read, finish) takes the same steps as step().
+    results, states = [], []
+    for split in (False, True):
+        params = _params()
+        optimizer = _adam(params, foreach=True)
+        stepper = PrecisionStepper(arm, optimizer)
+        got = []
+        for step in range(4):
+            optimizer.zero_grad(set_to_none=True)
+            loss = sum((p * (step + 1)).square().sum() for p in params)
+            if step == 2:
+                loss = loss * float("inf")
+            stepper.backward(loss)
+            if split:
+                pending = stepper.step_async(loss)
+                assert pending.host_decides
+                got.append(stepper.finish(pending, pending.flags.tolist()))
+            else:
+                got.append(stepper.step())
+        results.append(got)
+        states.append(_state(params, optimizer))
+    assert results[0] == results[1]
+    assert results[0][2] == (StepResult(True, 1.0, True) if arm == "f32"
+                             else StepResult(True, 2.0**15))  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(*states, strict=True))
+
+
+def test_a_non_finite_loss_alone_skips_without_loss_scaling():
+    # The loss is checked with the gradients: an inf term without a gradient path.
+    params = _params()
+    optimizer = _adam(params, foreach=True)
+    stepper = PrecisionStepper("f32", optimizer)
+    loss = params[0].sum() + torch.tensor(float("inf"))
+    stepper.backward(loss)
+    before = _state(params, optimizer)
+    pending = stepper.step_async(loss)
+    result = stepper.finish(pending, pending.flags.tolist())
+    assert result == StepResult(True, 1.0, True)
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(params, optimizer), strict=True))
+
+
+def test_the_loop_reads_the_host_once_per_iteration():
+    # benchmarks/loop_overhead.py's count on a small run: one host read per f32 iteration (the
+    # loss, the step's flags and, every stats_interval, the statistics, in one copy). Reading
+    # the loss apart again (float(loss)) makes it 2.
+    bench = _benchmark()
+    small = ["scene.n_train_views=4", "scene.n_val_views=1", "train.stats_interval=3"]
+    result = bench.count_arm("f32", 2, 8, 24, small, texture="tiny")
+    assert result["status"] == "completed"
+    assert result["syncs_per_iter"] == 1.0, result["sync_sites"]
+    assert result["syncs_by_kind"] == {"copy to host (tolist)": 1.0}
+
+
+def test_the_counter_sees_reads_and_data_sized_ops():
+    bench = _benchmark()
+    counter = bench.OverheadCounter(torch.device("cpu"))
+    undo = bench._patch_host_reads([counter])
+    try:
+        x = torch.arange(6.0)
+        with counter:
+            float(x.sum())
+            x[x > 2].sum()
+            x.nonzero()
+            x.tolist()
+            torch.tensor([1.0, 2.0])  # host data, no device: not a sync
+            x.view(2, 3).t()  # views: not ops
+    finally:
+        undo()
+    assert dict(counter.syncs) == {
+        ("step", "read (.item/bool/float)"): 1,
+        ("step", "data-sized (index by a boolean mask)"): 1,
+        ("step", "data-sized (nonzero)"): 1,
+        ("step", "copy to host (tolist)"): 1,
+    }
+    # sum, the read itself, gt, index, sum, nonzero
+    assert sum(counter.ops.values()) == 6
+
+
+def test_device_check_names_what_is_missing():
+    assert device_problem("cpu") is None
+    if not torch.cuda.is_available():
+        assert "needs a CUDA GPU" in device_problem("cuda")
+    assert "train.device" in device_problem("nonsense")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_gpu_preset_refuses_a_machine_without_cuda_in_one_line(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "passive"}
+    run = subprocess.run(
+        ["mptex-train", "-m", "+experiment=gpu_main", f"hydra.sweep.dir={tmp_path / 's'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 2
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert lines == [
+        "mptex-train: error: this preset needs a CUDA GPU and none is available here "
+        "(train.device=cuda)"
+    ]
+
+
+def test_gpu_preset_is_nvdiffrecs_scale():
+    from hydra import compose, initialize_config_dir
+
+    from mptex.cli import CONFIG_DIR, register_experiments
+    from mptex.precision import PrecisionPolicy
+
+    assert "gpu_main" in register_experiments()
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["+experiment=gpu_main"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    assert set(str(params.precision).split(",")) <= set(PrecisionPolicy.names())
+    assert len(str(params["train.seed"]).split(",")) == 5
+    assert (cfg.scene.resolution, cfg.train.batch_size, cfg.train.device) == (512, 4, "cuda")
+    assert cfg.texture.encoder.log2_hashmap_size == 19 and cfg.texture.encoder.n_levels == 16
+
+
+@pytest.mark.slow
+def test_gpu_preset_runs_at_test_size_on_the_cpu_and_reports(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "passive",
+           "PYTHONPATH": str(ROOT)}  # fmt: skip
+    small = ["precision=f32,fp8", "train.seed=0", "train.device=cpu", "texture=tiny",
+             "train.iterations=2", "train.val_interval=1", "train.n_val_images=1",
+             "scene.resolution=24", "scene.n_train_views=2", "scene.n_val_views=1",
+             f"hydra.sweep.dir={tmp_path / 's'}"]  # fmt: skip
+    command = [sys.executable, "-m", "mptex.cli", "-m", "+experiment=gpu_main", *small]
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(list((tmp_path / "s").glob("*/metrics.json"))) == 2
+    assert (tmp_path / "s" / "report.md").is_file()

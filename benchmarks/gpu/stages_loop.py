@@ -1,0 +1,223 @@
+"""The GPU kit's training-loop stages, for ``benchmarks/gpu/validate.py`` to import:
+
+* ``profile`` (:func:`stage_profile`): each main arm at nvdiffrec's scale (512², batch 4, its
+  texture) for ``--profile-iterations`` iterations under ``torch.profiler``: ms per iteration,
+  kernel launches, stream synchronisations and device-to-host copies per iteration, the time
+  of the loop's parts (the ``mptex.*`` scopes) and the top ops by device time; then the same
+  arms under ``benchmarks/loop_overhead.py``'s counter on the device (ops and host
+  synchronisations per iteration, the sites of the syncs).
+* ``mainjob`` (:func:`stage_mainjob`): ``mptex-train -m +experiment=gpu_main`` (the main arms
+  x 5 seeds at nvdiffrec's scale, four runs sharing the GPU) as a user runs it, its wall time
+  against the 10-minute target, each arm's median ms per iteration and PSNR from the sweep's
+  ``results.json``, and the report's path.
+
+Each stage takes validate.py's ``StageContext`` (``small`` on ``--device cpu``: tiny sizes for
+a dry run) and writes tables and ``data`` through it; a failing check goes into
+``failed_checks``. Register them in validate.py's ``STAGES``/stage table as
+``Stage("profile", "The training loop under the profiler", 150)`` and
+``Stage("mainjob", "The GPU main job (experiments/gpu_main.yaml)", 660)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+PROFILE_ARMS = ("f32", "nvdiffrec", "f16_dynamic", "bf16_grid", "fp8", "fp8_current")
+MAINJOB_TARGET_S = 600.0
+
+
+def _scale(ctx, iterations: int) -> list[str]:
+    """nvdiffrec's scale on a GPU; tiny on the CPU dry run."""
+    if ctx.small:
+        sizes = ["texture=tiny", "scene.resolution=32", "train.batch_size=1",
+                 "scene.n_train_views=4", "scene.n_val_views=2"]  # fmt: skip
+    else:
+        sizes = ["texture=default", "scene.resolution=512", "train.batch_size=4"]
+    return sizes + [f"train.iterations={iterations}", f"train.val_interval={iterations}",
+                    f"train.device={ctx.device}", "train.checkpoint_interval=0",
+                    "train.progress=false", "train.n_val_images=0"]  # fmt: skip
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    from mptex.cli import CONFIG_DIR, register_experiments
+
+    register_experiments()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=["+experiment=quick", *overrides])
+
+
+def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
+    """One run under the profiler; counts per iteration over the whole run (the first
+    iterations' one-time work included: the number to compare is the difference between
+    runs, the profile's table says where the time went)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from mptex.train import train
+
+    cfg = _compose([f"precision={arm}", *_scale(ctx, iterations)])
+    activities = [ProfilerActivity.CPU]
+    if ctx.device.startswith("cuda"):
+        activities.append(ProfilerActivity.CUDA)
+    with tempfile.TemporaryDirectory() as run_dir, profile(activities=activities) as prof:
+        metrics = train(cfg, run_dir)
+    events = prof.key_averages()
+    by_name = {e.key: e for e in events}
+
+    def calls(*names: str) -> float:
+        return sum(by_name[n].count for n in names if n in by_name) / max(1, iterations)
+
+    def device_ms(e) -> float:
+        return getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0)) / 1e3
+
+    parts = {e.key: device_ms(e) / iterations for e in events if e.key.startswith("mptex.")}
+    top = sorted((e for e in events if not e.key.startswith("mptex.")), key=device_ms,
+                 reverse=True)[:10]  # fmt: skip
+    return {
+        "arm": arm,
+        "status": metrics["status"],
+        "ms_per_iter": (metrics["time_per_iter_s"] or 0.0) * 1e3,
+        "launches_per_iter": calls("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"),
+        "stream_syncs_per_iter": calls("cudaStreamSynchronize", "cudaDeviceSynchronize"),
+        "dtoh_per_iter": calls("Memcpy DtoH (Device -> Pageable)",
+                               "Memcpy DtoH (Device -> Pinned)"),
+        "parts_device_ms_per_iter": parts,
+        "top_ops": [[e.key, f"{device_ms(e) / iterations:.3f}", e.count] for e in top],
+        "backends": metrics.get("backends"),
+        "torch": torch.__version__,
+    }
+
+
+def stage_profile(ctx) -> None:
+    """The loop's cost per arm on the device (module docstring)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import loop_overhead
+
+    iterations = 4 if ctx.small else int(getattr(ctx.args, "profile_iterations", 60))
+    rows, runs = [], []
+    for arm in PROFILE_ARMS:
+        if runs and ctx.remaining() < 60:
+            rows.append([arm, "not run: time box", *[""] * 6])
+            continue
+        try:
+            run = _profile_arm(ctx, arm, iterations)
+        except Exception as exc:  # one arm's failure is a row, not the stage's end
+            rows.append([arm, f"failed: {type(exc).__name__}: {exc}".splitlines()[0],
+                         *[""] * 6])  # fmt: skip
+            continue
+        runs.append(run)
+        backends = ", ".join(f"{k}={v}" for k, v in (run["backends"] or {}).items())
+        rows.append([arm, run["status"], f"{run['ms_per_iter']:.2f}",
+                     f"{run['launches_per_iter']:.0f}", f"{run['stream_syncs_per_iter']:.1f}",
+                     f"{run['dtoh_per_iter']:.1f}", backends])  # fmt: skip
+        ctx.result["data"]["profile"] = runs
+        ctx.save()
+    ctx.table(
+        f"The loop under torch.profiler, {iterations} iterations, nvdiffrec's scale",
+        ["arm", "status", "ms / iter", "launches / iter", "stream syncs / iter", "DtoH / iter",
+         "backends"],
+        rows,
+        "ms / iter: the loop's median iteration time; the other columns: calls over the whole "
+        "run / iterations (setup's one-time work included)",
+    )  # fmt: skip
+    for run in runs:
+        ctx.table(f"{run['arm']}: device ms per iteration by part and the top ops",
+                  ["part or op", "device ms / iter", "calls"],
+                  [[k, f"{v:.3f}", ""]
+                   for k, v in sorted(run["parts_device_ms_per_iter"].items())]
+                  + run["top_ops"])  # fmt: skip
+    counted, count_rows = [], []
+    start, stop = (2, 6) if ctx.small else (10, 50)
+    overrides = [f"train.device={ctx.device}"]
+    for arm in PROFILE_ARMS:
+        if ctx.remaining() < 45:
+            break
+        try:
+            result = loop_overhead.count_arm(arm, start, stop, 32 if ctx.small else 64, overrides,
+                                             "tiny" if ctx.small else "default")  # fmt: skip
+        except Exception as exc:
+            count_rows.append([arm, f"failed: {type(exc).__name__}: {exc}".splitlines()[0], "", ""])
+            continue
+        counted.append(result)
+        sites = "; ".join(f"{s['per_iter']:.2f} {s['kind']} at {s['site'].split(' < ')[0]}"
+                          for s in result["sync_sites"] if s["phase"] == "step")  # fmt: skip
+        count_rows.append([arm, f"{result['ops_per_iter']:.1f}", f"{result['syncs_per_iter']:.2f}",
+                           sites or "–"])  # fmt: skip
+    ctx.result["data"]["loop_overhead"] = counted
+    ctx.table(f"benchmarks/loop_overhead.py on {ctx.device}, iterations [{start}, {stop})",
+              ["arm", "ops / iter", "host syncs / iter", "sync sites"], count_rows)  # fmt: skip
+    f32 = next((r for r in counted if r["arm"] == "f32"), None)
+    if f32 is not None and f32["syncs_per_iter"] > 1.0:
+        ctx.result["failed_checks"] = [f"f32: {f32['syncs_per_iter']:.2f} host syncs per iteration"]
+    ctx.save()
+
+
+def _sweep_summary(sweep_dir: Path) -> list[list[str]]:
+    per_arm: dict[str, list[dict]] = {}
+    for path in sorted(sweep_dir.glob("*/metrics.json")):
+        metrics = json.loads(path.read_text())
+        per_arm.setdefault(metrics.get("precision") or "?", []).append(metrics)
+    rows = []
+    for arm, runs in sorted(per_arm.items()):
+        done = [m for m in runs if m.get("status") == "completed"]
+        times = [m["time_per_iter_s"] * 1e3 for m in done if m.get("time_per_iter_s")]
+        psnrs = [m["psnr"] for m in done if m.get("psnr") is not None]
+        rows.append([arm, f"{len(done)}/{len(runs)}",
+                     f"{statistics.median(times):.2f}" if times else "–",
+                     f"{statistics.mean(psnrs):.2f}" if psnrs else "–",
+                     ", ".join(f"{k}={v}" for k, v in (runs[0].get("backends") or {}).items())])
+    return rows  # fmt: skip
+
+
+def stage_mainjob(ctx) -> None:
+    """``mptex-train -m +experiment=gpu_main`` as a user runs it (module docstring)."""
+    sweep_dir = ctx.result_path.parent / "mainjob_sweep"
+    overrides = [f"hydra.sweep.dir={sweep_dir}"]
+    if ctx.small:
+        overrides += ["precision=f32,fp8", "train.seed=0", "train.device=cpu", "texture=tiny",
+                      "train.iterations=2", "train.val_interval=1", "train.n_val_images=1",
+                      "scene.resolution=24", "scene.n_train_views=2", "scene.n_val_views=1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_WAIT_POLICY": "passive"}  # fmt: skip
+    command = [sys.executable, "-m", "mptex.cli", "-m", "+experiment=gpu_main", *overrides]
+    start = time.time()
+    try:
+        run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=max(60.0, ctx.remaining() - 20))  # fmt: skip
+        returncode, tail = run.returncode, (run.stderr or "")[-3000:]
+    except subprocess.TimeoutExpired:
+        returncode, tail = None, "timed out"
+    wall = time.time() - start
+    rows = _sweep_summary(sweep_dir) if sweep_dir.is_dir() else []
+    report = sweep_dir / "report.md"
+    ctx.result["data"].update(wall_s=wall, returncode=returncode, stderr_tail=tail,
+                              report=str(report) if report.is_file() else None,
+                              target_s=MAINJOB_TARGET_S)  # fmt: skip
+    ctx.table(
+        f"experiments/gpu_main.yaml: wall {wall:.0f} s (target < {MAINJOB_TARGET_S:.0f} s), "
+        f"exit {returncode}",
+        ["arm", "completed runs", "median ms / iter", "mean PSNR (dB)", "backends"],
+        rows,
+        f"report: {report if report.is_file() else 'not written'}",
+    )
+    failed = []
+    if returncode != 0:
+        failed.append(f"mptex-train exited {returncode}")
+    if not report.is_file():
+        failed.append("no report.md")
+    if not ctx.small and wall > MAINJOB_TARGET_S:
+        failed.append(f"wall {wall:.0f} s over the {MAINJOB_TARGET_S:.0f} s target")
+    if failed:
+        ctx.result["failed_checks"] = failed
+    ctx.save()

@@ -315,8 +315,10 @@ def count_arm(arm: str, start: int, stop: int, resolution: int, overrides: list[
         if counter_ref[0] is not None:  # the run ended inside the window (diverged)
             counter_ref[0].__exit__(None, None, None)
             state["counter"], counter_ref[0] = counter_ref[0], None
-    if "counter" not in state:
-        raise RuntimeError(f"{arm}: the run ended ({metrics['status']}) before iteration {start}")
+    if "counter" not in state:  # e.g. f16_naive diverges within a few iterations
+        return {"arm": arm, "iterations": None, "status": metrics["status"],
+                "ended_at": metrics.get("diverged_at"), "ops_per_iter": None,
+                "syncs_per_iter": None, "syncs_by_kind": {}, "sync_sites": []}  # fmt: skip
     counter = state["counter"]
     n = max(1, state.get("counted", stop - start))
 
@@ -356,6 +358,10 @@ def count_arm(arm: str, start: int, stop: int, resolution: int, overrides: list[
 def print_results(results: list[dict], top_sites: int) -> None:
     rows = []
     for r in results:
+        if r["ops_per_iter"] is None:
+            rows.append([r["arm"], "–", "–", f"{r['status']} at iteration {r['ended_at']}, "
+                         "before the window", "–"])  # fmt: skip
+            continue
         kinds = ", ".join(f"{k} {v:g}" for k, v in r["syncs_by_kind"].items()) or "–"
         val = r["per_call"]["validate"]
         rows.append([r["arm"], f"{r['ops_per_iter']:.1f}", f"{r['syncs_per_iter']:.2f}", kinds,
@@ -373,13 +379,15 @@ def print_results(results: list[dict], top_sites: int) -> None:
 def compare(before_path: Path, after_path: Path) -> None:
     before = {r["arm"]: r for r in json.loads(before_path.read_text())["results"]}
     after = {r["arm"]: r for r in json.loads(after_path.read_text())["results"]}
+    def cell(result, key, digits):
+        value = None if result is None else result.get(key)
+        return "–" if value is None else f"{value:.{digits}f}"
+
     rows = []
     for arm in after:
         b, a = before.get(arm), after[arm]
-        rows.append([arm,
-                     "–" if b is None else f"{b['ops_per_iter']:.1f}", f"{a['ops_per_iter']:.1f}",
-                     "–" if b is None else f"{b['syncs_per_iter']:.2f}",
-                     f"{a['syncs_per_iter']:.2f}"])  # fmt: skip
+        rows.append([arm, cell(b, "ops_per_iter", 1), cell(a, "ops_per_iter", 1),
+                     cell(b, "syncs_per_iter", 2), cell(a, "syncs_per_iter", 2)])  # fmt: skip
     print_table(["arm", "ops/iter before", "ops/iter after", "syncs/iter before",
                  "syncs/iter after"], rows)  # fmt: skip
 
@@ -402,8 +410,13 @@ def main(argv: list[str] | None = None) -> None:
         compare(*args.compare)
         return
     torch.set_num_threads(1)
-    results = [count_arm(arm, args.start, args.stop, args.resolution, args.overrides,
-                         args.texture) for arm in args.arms]  # fmt: skip
+    results = []
+    for arm in args.arms:
+        results.append(count_arm(arm, args.start, args.stop, args.resolution, args.overrides,
+                                 args.texture))  # fmt: skip
+        if args.json is not None:  # after each arm: a long run keeps what it counted
+            args.json.write_text(json.dumps({"machine": machine("cpu"), "results": results},
+                                            indent=1) + "\n")  # fmt: skip
     print(f"builtin scene {args.resolution}x{args.resolution}, batch 4, texture={args.texture}, "
           f"iterations [{args.start}, {args.stop}); {machine('cpu')}\n")
     print_results(results, args.top_sites)

@@ -151,6 +151,9 @@ def stage_profile(ctx) -> None:
             count_rows.append([arm, f"failed: {type(exc).__name__}: {exc}".splitlines()[0], "", ""])
             continue
         counted.append(result)
+        if result["ops_per_iter"] is None:
+            count_rows.append([arm, f"{result['status']} before the window", "", ""])
+            continue
         sites = "; ".join(f"{s['per_iter']:.2f} {s['kind']} at {s['site'].split(' < ')[0]}"
                           for s in result["sync_sites"] if s["phase"] == "step")  # fmt: skip
         count_rows.append([arm, f"{result['ops_per_iter']:.1f}", f"{result['syncs_per_iter']:.2f}",
@@ -159,7 +162,7 @@ def stage_profile(ctx) -> None:
     ctx.table(f"benchmarks/loop_overhead.py on {ctx.device}, iterations [{start}, {stop})",
               ["arm", "ops / iter", "host syncs / iter", "sync sites"], count_rows)  # fmt: skip
     f32 = next((r for r in counted if r["arm"] == "f32"), None)
-    if f32 is not None and f32["syncs_per_iter"] > 1.0:
+    if f32 is not None and (f32["syncs_per_iter"] or 0.0) > 1.0:
         ctx.result["failed_checks"] = [f"f32: {f32['syncs_per_iter']:.2f} host syncs per iteration"]
     ctx.save()
 

@@ -7,22 +7,27 @@ measured there, not assumed).
 
 Arithmetic model (``accumulate="half"``, tcnn's):
     A matrix product ``C[n, m] = sum_k A[n, k] B[k, m]`` of half operands is computed in k-blocks
-    of ``k_block`` consecutive k (16 for the fused kernel's ``wmma 16x16x16``; 8 for the CUTLASS
-    GEMMs, whose instruction shape tcnn sets to ``GemmShape<16, 8, 8>``). The products of one
-    block are summed exactly (in float64: products of two halves have 22 significant bits, so the
-    sum of a block is exact unless its terms span more than ~27 binary orders of magnitude), the
-    block sum is added to the half accumulator, and the exact result is rounded once to half
-    (to nearest even; :func:`_half_once`). Blocks are added in increasing k. So ``acc_0 = 0``,
-    ``acc_{j+1} = half(acc_j + sum_{k in block j} A[n, k] B[k, m])``.
-    ``accumulate="float"`` keeps the accumulator in float32 instead (same blocks) and rounds the
-    finished sum to half once: the switch that removes half accumulation.
+    of ``k_block`` consecutive k (16 for the fused kernel's ``wmma 16x16x16``, i.e. one
+    ``mma.m16n8k16`` per output element and block; 8 for the CUTLASS GEMMs, whose instruction
+    shape tcnn sets to ``GemmShape<16, 8, 8>``), blocks in increasing k, from a zero
+    accumulator. One step (:func:`_tensor_core_step`) adds a block to the half accumulator
+    ``c`` as the tensor core does: each product ``a_k b_k`` is exact, with the exponent
+    ``e(a_k) + e(b_k)`` (``e(v) = floor(log2 |v|)``, at least -14: half's subnormals share the
+    smallest normal exponent); ``E`` is the largest exponent among the non-zero products and
+    ``e(c)``; every product and ``c`` is truncated toward zero to a multiple of ``2^(E - 25)``;
+    the truncated terms are summed exactly and the sum is rounded once to half (to nearest
+    even). The split-K slices' half results are added in order, each sum rounded once to half
+    (CUTLASS ``ReduceSplitK`` with half ``ReduceAdd``).
+    ``accumulate="float"`` keeps the accumulator in float32 instead (same blocks, each block's
+    exact sum added and rounded to float32; not measured on a GPU) and rounds the finished sum
+    to half once: the switch that removes half accumulation.
 
-    Against tinycudann 2.0 on an H100 (``tests/gpu_golden/``, ``tests/test_gpu_golden_network.py``):
-    an earlier model that rounded each step to float32 first, then to half, matched 96.1 % of
-    the outputs and 46 % of the weight gradients of a 128-wide, 5-layer network; rounding once
-    matches 99.1 % and 92.9 % (weight-gradient p99 4 half ulps), and 99.99 % / 99.5 % at width 32.
-    The rest is the tensor core's own alignment of the 16 products (not modelled: a truncating
-    alignment to 27 bits matched more outputs at widths 64-128 and fewer at width 32).
+    Measured against tinycudann 2.0 on an H100 (``tests/gpu_golden/``,
+    ``tests/test_gpu_golden_network.py``): outputs, input gradients and parameter gradients of
+    the 32x2, 64x3 and 128x5 ReLU networks of the GPU kit are bit-equal, 8209 points each.
+    Two simpler models that were measured first: the exact block sum rounded to float32, then to
+    half, matched 96.1 % of the 128x5 outputs and 46 % of its weight gradients (p99 156 half
+    ulps); the exact block sum rounded once to half, 99.1 % and 92.9 % (p99 4).
 
 What the twin does, in tcnn's order (``Network`` = ``NetworkWithInputEncoding`` with an
 ``Identity`` encoding, see ``src/cpp_api.cu`` ``create_network``):
@@ -51,10 +56,10 @@ What the twin does, in tcnn's order (``Network`` = ``NetworkWithInputEncoding`` 
 Speed on a CPU: the two loops of the model, :func:`half_matmul` and
 :func:`split_k_weight_grads`, run in a small C kernel (:mod:`mptex._native_cpu`, built with the
 system C compiler on first use) with the same bits as their eager PyTorch spelling, which runs
-on other devices, without a compiler, or with ``MPTEX_NATIVE=0`` (tested against golden tensors
-of the first implementation, ``tests/test_fused_mlp_torch.py``). The half accumulation is
-sequential along the batch, ~530 rounding steps per weight gradient, and eager PyTorch pays
-its dispatch cost per op and step: 7x the time of the C kernel's twin at a texture's batch.
+on other devices, without a compiler, or with ``MPTEX_NATIVE=0`` (both held to the same golden
+tensors, ``tests/test_fused_mlp_torch.py``). The half accumulation is sequential along the
+batch, ~530 rounding steps per weight gradient, and eager PyTorch pays its dispatch cost per op
+and step.
 
 Parameter layout (``src/fully_fused_mlp.cu`` constructor and ``set_params_impl``): one flat
 vector, the matrices one after the other, each row-major ``[out, in]``: first layer
@@ -183,6 +188,46 @@ def _round_acc(value: torch.Tensor, accumulate: str) -> torch.Tensor:
     return _half_once(value) if accumulate == "half" else value.to(torch.float32)
 
 
+# The tensor core's alignment: terms truncated to multiples of 2^(E - 25), E the largest exponent.
+TC_ALIGN_BITS = 25
+_NO_TERM = -100000  # exponent of a zero term (below any other)
+
+
+def _half_exponent(values: torch.Tensor) -> torch.Tensor:
+    """``floor(log2 |v|)`` of half values held in float64, at least -14 (half's subnormals share
+    the smallest normal exponent); ``_NO_TERM`` for zeros. int64, same shape."""
+    field = (values.view(torch.int64) >> 52) & 0x7FF
+    return torch.where(values != 0, torch.clamp_min(field - 1023, -14), _NO_TERM)
+
+
+def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
+    """``2.0 ** exponent`` (int64, |exponent| < 1000) as float64, exactly (from the bits)."""
+    return ((exponent + 1023) << 52).view(torch.float64)
+
+
+def _tensor_core_step(
+    acc: torch.Tensor, products: torch.Tensor, exponents: torch.Tensor, dim: int
+) -> torch.Tensor:
+    """One step of a half accumulator (the module docstring's tensor-core model).
+
+    Args:
+        acc: ``[...]`` float64 holding half values.
+        products: float64 exact products, the block's terms along ``dim`` (else ``acc``'s shape).
+        exponents: int64 like ``products``: the sums of the factors' :func:`_half_exponent`.
+        dim: the block's dimension of ``products``.
+
+    Returns:
+        the new accumulator, float64 holding half values.
+    """
+    exponents = torch.where(products != 0, exponents, _NO_TERM)
+    top = torch.maximum(exponents.amax(dim), _half_exponent(acc))
+    top = torch.where(top == _NO_TERM, 0, top)  # every term zero: any scale gives +0.0
+    scale = _power_of_two(TC_ALIGN_BITS - top)
+    terms = torch.trunc(products * scale.unsqueeze(dim)).sum(dim) + torch.trunc(acc * scale)
+    # integers below 2^32: exact in any order; + 0.0 makes a zero sum +0.0 (as the C kernel)
+    return _half_once((terms + 0.0) * _power_of_two(top - TC_ALIGN_BITS)).double()
+
+
 def half_matmul(
     a: torch.Tensor, b: torch.Tensor, k_block: int, accumulate: str = "half"
 ) -> torch.Tensor:
@@ -208,6 +253,8 @@ def _half_matmul_eager(
     a: torch.Tensor, b: torch.Tensor, k_block: int, accumulate: str = "half"
 ) -> torch.Tensor:
     """:func:`half_matmul` in eager PyTorch ops (any device)."""
+    if accumulate == "half":
+        return _half_matmul_tensor_core(a, b, k_block)
     n, k = a.shape
     m = b.shape[1]
     n_blocks = max(1, math.ceil(k / k_block))
@@ -230,6 +277,29 @@ def _half_matmul_eager(
         if j + 1 < n_blocks:
             acc64 = acc.to(torch.float64)
     return acc.to(torch.float16)
+
+
+# Rows of ``a`` whose [rows, k_block, M] products are formed at once (bounds the scratch).
+_ROWS_CHUNK = 1024
+
+
+def _half_matmul_tensor_core(a: torch.Tensor, b: torch.Tensor, k_block: int) -> torch.Tensor:
+    """:func:`half_matmul` with a half accumulator in eager ops: :func:`_tensor_core_step` per
+    k-block, blocks in increasing k."""
+    n, k = a.shape
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    exp_a, exp_b = _half_exponent(a64), _half_exponent(b64)
+    out = torch.empty(n, b.shape[1], dtype=torch.float16, device=a.device)
+    for r0 in range(0, n, _ROWS_CHUNK):
+        rows = slice(r0, min(n, r0 + _ROWS_CHUNK))
+        acc = torch.zeros(rows.stop - r0, b.shape[1], dtype=torch.float64, device=a.device)
+        for k0 in range(0, k, k_block):
+            block = slice(k0, min(k, k0 + k_block))
+            products = a64[rows, block].unsqueeze(2) * b64[block].unsqueeze(0)
+            exponents = exp_a[rows, block].unsqueeze(2) + exp_b[block].unsqueeze(0)
+            acc = _tensor_core_step(acc, products, exponents, 1)
+        out[rows] = acc.to(torch.float16)
+    return out
 
 
 def _slice_bounds(batch: int, split_k: bool) -> list[tuple[int, int]]:
@@ -330,6 +400,8 @@ def _split_k_weight_grads_eager(
     then to half (half accumulators), and back to float64. The block sums (batched GEMMs) are
     formed ``_PARTS_CHUNK`` blocks at a time.
     """
+    if accumulate == "half":
+        return _split_k_weight_grads_tensor_core(layers, split_k, stats)
     k_block = 8
     batch = layers[0][0].shape[0]
     device = layers[0][0].device
@@ -392,6 +464,71 @@ def _split_k_weight_grads_eager(
     if stats is not None:
         for layer_stats, done, seen in zip(stats, absorbed, contributions):
             layer_stats["absorbed_frac"] = done / max(seen, 1)
+    return [total[lo:hi].view(n_out, n_in).to(torch.float16) for lo, hi, n_out, n_in in segments]
+
+
+# float64 + int64 elements of products formed at once by the eager weight gradients (~64 MiB).
+_STEP_ELEMENTS = 1 << 22
+
+
+def _split_k_weight_grads_tensor_core(
+    layers: list[tuple[torch.Tensor, torch.Tensor]],
+    split_k: bool = True,
+    stats: list[dict[str, float]] | None = None,
+) -> list[torch.Tensor]:
+    """:func:`split_k_weight_grads` with half accumulators in eager ops: every slice takes a
+    :func:`_tensor_core_step` per block of 8 rows (zero rows pad the shorter slices), then the
+    slices are added in order, each sum rounded once to half. The accumulators of all layers
+    and slices sit side by side in one ``[slices, sum of out * in]`` row and take each step
+    together; the products of several blocks are formed at once."""
+    k_block = 8
+    bounds = _slice_bounds(layers[0][0].shape[0], split_k)
+    longest = max(hi - lo for lo, hi in bounds)
+    length = max(1, math.ceil(longest / k_block)) * k_block
+    n_slices, n_blocks = len(bounds), length // k_block
+    padded, segments, width = [], [], 0
+    for grad_out, act_in in layers:
+        g = grad_out.new_zeros(n_slices, length, grad_out.shape[1], dtype=torch.float64)
+        a = act_in.new_zeros(n_slices, length, act_in.shape[1], dtype=torch.float64)
+        for s, (lo, hi) in enumerate(bounds):
+            g[s, : hi - lo] = grad_out[lo:hi]
+            a[s, : hi - lo] = act_in[lo:hi]
+        padded.append((g, a, _half_exponent(g), _half_exponent(a)))
+        segments.append((width, width + g.shape[2] * a.shape[2], g.shape[2], a.shape[2]))
+        width += g.shape[2] * a.shape[2]
+    acc = layers[0][0].new_zeros(n_slices, width, dtype=torch.float64)
+    chunk = max(1, min(n_blocks, _STEP_ELEMENTS // (n_slices * k_block * width)))
+    seen, absorbed = [0] * len(layers), [0] * len(layers)
+    for j0 in range(0, n_blocks, chunk):
+        rows = slice(j0 * k_block, min(n_blocks, j0 + chunk) * k_block)
+        count = (rows.stop - rows.start) // k_block
+        shape = (n_slices, count, k_block, -1)
+        products = torch.cat(
+            [(g[:, rows, :, None] * a[:, rows, None, :]).reshape(shape) for g, a, _, _ in padded],
+            dim=3,
+        )
+        exponents = torch.cat(
+            [
+                (eg[:, rows, :, None] + ea[:, rows, None, :]).reshape(shape)
+                for _, _, eg, ea in padded
+            ],
+            dim=3,
+        )
+        for j in range(count):
+            new = _tensor_core_step(acc, products[:, j], exponents[:, j], 1)
+            if stats is not None:
+                nonzero = (products[:, j] != 0).any(1)
+                unchanged = nonzero & (new == acc)
+                for index, (lo, hi, _, _) in enumerate(segments):
+                    seen[index] += int(nonzero[:, lo:hi].sum())
+                    absorbed[index] += int(unchanged[:, lo:hi].sum())
+            acc = new
+    total = acc[0]
+    for s in range(1, n_slices):
+        total = _round_acc(total + acc[s], "half").to(torch.float64)
+    if stats is not None:
+        for layer_stats, done, count in zip(stats, absorbed, seen):
+            layer_stats["absorbed_frac"] = done / max(count, 1)
     return [total[lo:hi].view(n_out, n_in).to(torch.float16) for lo, hi, n_out, n_in in segments]
 
 

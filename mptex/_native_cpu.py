@@ -3,10 +3,12 @@
 What it computes, each under its PyTorch spelling's arithmetic, bit for bit:
 
 * the fused-MLP twin's two loops (:func:`mptex._fused_mlp_torch.half_matmul` and
-  :func:`~mptex._fused_mlp_torch.split_k_weight_grads`): products of half values formed
-  exactly in float64, summed per k-block in k order from +0.0 (as MKL's float64 GEMM does: an
-  all-zero block sums to +0.0), each block sum added to the accumulator and rounded once to
-  half (through float32 rounded to odd) or to float32 (float accumulators);
+  :func:`~mptex._fused_mlp_torch.split_k_weight_grads`): with half accumulators the tensor
+  core's step of :func:`mptex._fused_mlp_torch._tensor_core_step` (products and accumulator
+  truncated to a multiple of 2^(E - 25), summed exactly, rounded once to half through float32
+  rounded to odd); with float accumulators, products of half values formed exactly in float64,
+  summed per k-block in k order from +0.0 (as MKL's float64 GEMM does: an all-zero block sums
+  to +0.0), each block sum added to the accumulator and rounded once to float32;
 * the torch hash grid's forward and backward (:func:`mptex._grid_torch.hash_grid_encode`):
   tcnn's positions (``fmaf``), cells, hash and dense indices in uint32 arithmetic, weights in
   corner order, the eager op's complex64 products (signs of zeros included), sums in corner
@@ -115,6 +117,88 @@ static inline double round_acc(double value, int half) {
     return (double)(float)value;
 }
 
+/* The tensor core's step with a half accumulator (H100, HMMA with f16 accumulation, as measured
+   against tinycudann 2.0): each product's exponent is the sum of its factors' exponents
+   (floor(log2 |v|), at least -14 for half subnormals), the accumulator's its own; every term is
+   truncated toward zero to a multiple of 2^(E - 25), E the largest exponent among the non-zero
+   terms; the truncated terms are summed exactly (integers below 2^32 times 2^(E - 25)) and
+   the sum is rounded once to half. */
+#define MPTEX_NO_TERM (-100000)
+#define MPTEX_TC_BITS 25
+static inline int half_value_exponent(double v) {
+    if (v == 0.0) return MPTEX_NO_TERM;
+    uint64_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    int e = (int)((bits >> 52) & 0x7ff) - 1023;
+    return e < -14 ? -14 : e;
+}
+static inline double power_of_two(int e) { /* 2^e, |e| < 1000 */
+    uint64_t bits = (uint64_t)(e + 1023) << 52;
+    double v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+/* products p[0..n) with exponents pe[0..n), accumulator acc (a half value) -> new half value */
+static inline double tc_step_half(double acc, const double *p, const int *pe, int64_t n) {
+    int top = half_value_exponent(acc);
+    for (int64_t q = 0; q < n; ++q)
+        if (p[q] != 0.0 && pe[q] > top) top = pe[q];
+    if (top == MPTEX_NO_TERM) return 0.0;
+    double scale = power_of_two(MPTEX_TC_BITS - top), sum = trunc(acc * scale);
+    for (int64_t q = 0; q < n; ++q) sum += trunc(p[q] * scale);
+    return round_acc(sum * power_of_two(top - MPTEX_TC_BITS), 1);
+}
+
+/* half_matmul with half accumulators: tc_step_half per k-block. */
+static void tc_half_matmul(const half_bits *a, const half_bits *b, half_bits *out, int64_t n,
+                           int64_t k, int64_t m, int64_t k_block) {
+    double p[64];
+    int pe[64];
+    for (int64_t row = 0; row < n; ++row)
+        for (int64_t col = 0; col < m; ++col) {
+            double acc = 0.0;
+            for (int64_t k0 = 0; k0 < k; k0 += k_block) {
+                int64_t count = (k0 + k_block < k ? k0 + k_block : k) - k0;
+                for (int64_t q = 0; q < count; ++q) {
+                    double x = half_to_double(a[row * k + k0 + q]);
+                    double y = half_to_double(b[(k0 + q) * m + col]);
+                    p[q] = x * y;
+                    pe[q] = half_value_exponent(x) + half_value_exponent(y);
+                }
+                acc = tc_step_half(acc, p, pe, count);
+            }
+            out[row * m + col] = double_to_half(acc);
+        }
+}
+
+/* One slice of the weight gradient with half accumulators: tc_step_half per block of rows. */
+static void tc_weight_grad_slice(const half_bits *g, const half_bits *a, double *acc, int64_t lo,
+                                 int64_t hi, int64_t o, int64_t i, int64_t k_block,
+                                 int64_t *counts) {
+    double p[64];
+    int pe[64];
+    for (int64_t r0 = lo; r0 < hi; r0 += k_block) {
+        int64_t rows = (r0 + k_block < hi ? r0 + k_block : hi) - r0;
+        for (int64_t out = 0; out < o; ++out)
+            for (int64_t in = 0; in < i; ++in) {
+                int any = 0;
+                for (int64_t r = 0; r < rows; ++r) {
+                    double x = half_to_double(g[(r0 + r) * o + out]);
+                    double y = half_to_double(a[(r0 + r) * i + in]);
+                    p[r] = x * y;
+                    pe[r] = half_value_exponent(x) + half_value_exponent(y);
+                    any |= p[r] != 0.0;
+                }
+                double old = acc[out * i + in], new_ = tc_step_half(old, p, pe, rows);
+                if (counts && any) {
+                    counts[0] += 1;
+                    counts[1] += new_ == old;
+                }
+                acc[out * i + in] = new_;
+            }
+    }
+}
+
 static void halves_to_doubles(const half_bits *src, double *dst, int64_t n) {
     int64_t e = 0;
 #ifdef MPTEX_AVX512
@@ -143,6 +227,11 @@ static inline __m512d round_acc8(__m512d value, int half) {
    accumulator stored as half at the end. scratch: k * m + m doubles. */
 int mptex_half_matmul(const half_bits *a, const half_bits *b, half_bits *out, double *scratch,
                       int64_t n, int64_t k, int64_t m, int64_t k_block, int half) {
+    if (half) {
+        if (k_block > 64) return 1;
+        tc_half_matmul(a, b, out, n, k, m, k_block);
+        return 0;
+    }
     double *b64 = scratch, *acc = scratch + k * m;
     halves_to_doubles(b, b64, k * m);
     double a_row[4096];
@@ -216,6 +305,10 @@ int mptex_weight_grad_slice(const half_bits *g, const half_bits *a, double *acc,
                             int64_t lo, int64_t hi, int64_t o, int64_t i, int64_t k_block,
                             int half, int64_t *counts) {
     if (k_block > 64) return 1;
+    if (half) {
+        tc_weight_grad_slice(g, a, acc, lo, hi, o, i, k_block, counts);
+        return 0;
+    }
     double *g64 = scratch, *a64 = scratch + k_block * o;
     for (int64_t r0 = lo; r0 < hi; r0 += k_block) {
         int64_t rows = (r0 + k_block < hi ? r0 + k_block : hi) - r0;

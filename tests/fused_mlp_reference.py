@@ -5,9 +5,11 @@ scalar Python floats, one accumulator per output element, NumPy float16/float32 
 rounding. Slow on purpose; tests keep the sizes small.
 
 Model: a dot product of half values is accumulated block by block (``k_block`` consecutive
-terms); each block's products are summed exactly (``math.fsum``), added to the accumulator, and the
-result rounded once to float16 (``"half"``) or to float32 (``"float"``, rounded to half at the
-end).
+terms). Half accumulators (``"half"``): the block's products and the accumulator are each
+truncated toward zero to a multiple of 2^(E - 25), E the largest exponent among them (a
+product's exponent: the sum of its factors' floor(log2 |v|), at least -14), summed as integers
+and rounded once to float16. Float accumulators (``"float"``): the block's exact sum
+(``math.fsum``) is added and rounded to float32; the result is rounded to half at the end.
 """
 
 from __future__ import annotations
@@ -26,12 +28,34 @@ def to_acc(value: float, accumulate: str) -> float:
     return float(np.float16(value)) if accumulate == "half" else float(np.float32(value))
 
 
+def exponent(v: float) -> int | None:
+    """floor(log2 |v|) of a half value, at least -14; None for zero."""
+    return None if v == 0 else max(math.frexp(v)[1] - 1, -14)
+
+
+def tensor_core_step(acc: float, a: list[float], b: list[float]) -> float:
+    """A half accumulator plus sum a[k] b[k]: every term (and ``acc``) truncated toward zero
+    to a multiple of 2^(E - 25), E the largest of the products' exponent sums and acc's
+    exponent, the integers summed, the result rounded once to half."""
+    terms = [(x * y, exponent(x) + exponent(y)) for x, y in zip(a, b) if x * y != 0]
+    if acc != 0:
+        terms.append((acc, exponent(acc)))
+    if not terms:
+        return 0.0
+    top = max(e for _, e in terms)
+    units = sum(math.trunc(t * 2.0 ** (25 - top)) for t, _ in terms)
+    return float(np.float16(units * 2.0 ** (top - 25)))
+
+
 def dot(a: list[float], b: list[float], k_block: int, accumulate: str) -> float:
     """Half result of sum_k a[k] b[k] under the model."""
     acc = 0.0
     for start in range(0, len(a), k_block):
-        block = math.fsum(a[k] * b[k] for k in range(start, min(start + k_block, len(a))))
-        acc = to_acc(acc + block, accumulate)
+        end = min(start + k_block, len(a))
+        if accumulate == "half":
+            acc = tensor_core_step(acc, a[start:end], b[start:end])
+        else:
+            acc = to_acc(acc + math.fsum(a[k] * b[k] for k in range(start, end)), accumulate)
     return to_half(acc)
 
 
@@ -182,8 +206,11 @@ def slice_dot(g: list[float], a: list[float], accumulate: str) -> float:
     """Accumulator value (not rounded to half at the end) of one slice, blocks of 8."""
     acc = 0.0
     for start in range(0, len(g), 8):
-        block = math.fsum(g[k] * a[k] for k in range(start, min(start + 8, len(g))))
-        acc = to_acc(acc + block, accumulate)
+        end = min(start + 8, len(g))
+        if accumulate == "half":
+            acc = tensor_core_step(acc, g[start:end], a[start:end])
+        else:
+            acc = to_acc(acc + math.fsum(g[k] * a[k] for k in range(start, end)), accumulate)
     return acc
 
 

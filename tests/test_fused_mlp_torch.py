@@ -1,7 +1,7 @@
 """The fused-MLP twin against golden tensors of its first implementation (tests/golden/).
 
 ``tests/test_network.py`` checks the twin against the per-element reference of the arithmetic
-model; these tests pin the bits the twin returned before it was made faster, for every
+model; these tests pin the twin's bits (tests/golden/make_golden.py wrote them), for every
 activation, both accumulate modes, split-K with unequal slices, the padding paths and the
 statistics, at 1 and 2 torch threads, with its C kernel (mptex._native_cpu) and with its eager
 PyTorch loops.

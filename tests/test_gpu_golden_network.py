@@ -7,15 +7,11 @@ what is stored. Parameters and points are regenerated here from their seeds (the
 are stored). Set ``MPTEX_GPU_GOLDEN_DIR`` to check against another capture compacted by that
 script.
 
-What is claimed (the floors sit below what was measured on the fixture, in half ulps):
-
-- outputs and input gradients bit-equal at >= 99.9 % at widths 32 and 64 (measured 99.99 /
-  99.9 %), >= 99 % at width 128 (measured 99.1 / 99.4 %): the twin rounds each tensor-core
-  step's exact sum once to half; tcnn's tensor cores align the 16 products before they add
-  them, which the twin does not model, and a differing hidden unit passes on through the
-  layers below it;
-- parameter gradients: p99 <= 4 half ulps in every case (measured 0, 0, 4), the split-K
-  CUTLASS reduction of two slices of 4224 samples in blocks of 8.
+What is claimed, for the C kernel (the eager ops give the same bits, tests/test_fused_mlp_torch.py):
+outputs, input gradients and parameter gradients bit-equal to tcnn's, every stored element
+(measured so). The twin's model of the tensor core (see mptex/_fused_mlp_torch.py): products
+aligned to the largest exponent and truncated to 2^(E - 25), summed exactly, rounded once to
+half; tcnn's block order (16 for the fused kernel, 8 for CUTLASS) and split-K slices.
 """
 
 from __future__ import annotations
@@ -35,10 +31,6 @@ HERE = Path(__file__).resolve().parent
 FIXTURE_DIR = Path(os.environ.get("MPTEX_GPU_GOLDEN_DIR", HERE / "gpu_golden"))
 LOSS_SCALE = 128.0
 N_POINTS = 8209
-
-# case: (output floor, input-gradient floor) as shares bit-equal; wgrad p99 bound in half ulps
-FLOORS = {"32x2": (0.999, 0.999), "64x3": (0.999, 0.999), "128x5": (0.99, 0.99)}
-WGRAD_P99 = 4.0
 
 
 def _builder():
@@ -77,7 +69,6 @@ def test_twin_matches_tcnn(key, fixture):
     params = params.requires_grad_(True)
     out = fused_mlp(x, params, spec)
     out.backward(cot)
-    out_floor, xgrad_floor = FLOORS[key]
     n_out = fixture[f"{key}.out"].shape[0]
     n_xgrad = fixture[f"{key}.xgrad128"].shape[0]
     got = {
@@ -88,7 +79,5 @@ def test_twin_matches_tcnn(key, fixture):
         "wgrad": ulp_summary(params.grad.half(), torch.from_numpy(fixture[f"{key}.wgrad"])),
     }
     print(key, {k: (round(100 * v["equal"], 3), v["p99"], v["max"]) for k, v in got.items()})
-    assert got["out"]["equal"] >= out_floor, got["out"]
-    assert got["xgrad"]["equal"] >= xgrad_floor, got["xgrad"]
-    assert got["wgrad"]["p99"] <= WGRAD_P99, got["wgrad"]
-    assert all(v["nonfinite"] == 0 for v in got.values()), got
+    for name, summary in got.items():
+        assert summary["equal"] == 1.0 and summary["nonfinite"] == 0, (name, summary)

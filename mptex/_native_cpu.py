@@ -65,6 +65,7 @@ _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <stdlib.h>
 #if defined(__F16C__) || defined(__SSE2__)
 #include <immintrin.h>
 #endif
@@ -149,44 +150,85 @@ static inline double tc_step_half(double acc, const double *p, const int *pe, in
     return round_acc(sum * power_of_two(top - MPTEX_TC_BITS), 1);
 }
 
-/* half_matmul with half accumulators: tc_step_half per k-block. */
-static void tc_half_matmul(const half_bits *a, const half_bits *b, half_bits *out, int64_t n,
-                           int64_t k, int64_t m, int64_t k_block) {
-    double p[64];
-    int pe[64];
-    for (int64_t row = 0; row < n; ++row)
+/* half_matmul with half accumulators: tc_step_half per k-block. b is converted once, transposed
+   (bt [m, k]: each output's column contiguous), with its exponents. */
+static int tc_half_matmul(const half_bits *a, const half_bits *b, half_bits *out, int64_t n,
+                          int64_t k, int64_t m, int64_t k_block) {
+    double *bt = malloc((size_t)(k * m + k) * sizeof(double));
+    int *bt_e = malloc((size_t)(k * m + k) * sizeof(int));
+    if (!bt || !bt_e) {
+        free(bt);
+        free(bt_e);
+        return 1;
+    }
+    double *a_row = bt + k * m, p[64];
+    int *a_e = bt_e + k * m, pe[64];
+    for (int64_t kk = 0; kk < k; ++kk)
         for (int64_t col = 0; col < m; ++col) {
+            bt[col * k + kk] = half_to_double(b[kk * m + col]);
+            bt_e[col * k + kk] = half_value_exponent(bt[col * k + kk]);
+        }
+    for (int64_t row = 0; row < n; ++row) {
+        for (int64_t kk = 0; kk < k; ++kk) {
+            a_row[kk] = half_to_double(a[row * k + kk]);
+            a_e[kk] = half_value_exponent(a_row[kk]);
+        }
+        for (int64_t col = 0; col < m; ++col) {
+            const double *b_col = bt + col * k;
+            const int *b_col_e = bt_e + col * k;
             double acc = 0.0;
             for (int64_t k0 = 0; k0 < k; k0 += k_block) {
                 int64_t count = (k0 + k_block < k ? k0 + k_block : k) - k0;
                 for (int64_t q = 0; q < count; ++q) {
-                    double x = half_to_double(a[row * k + k0 + q]);
-                    double y = half_to_double(b[(k0 + q) * m + col]);
-                    p[q] = x * y;
-                    pe[q] = half_value_exponent(x) + half_value_exponent(y);
+                    p[q] = a_row[k0 + q] * b_col[k0 + q];
+                    pe[q] = a_e[k0 + q] + b_col_e[k0 + q];
                 }
                 acc = tc_step_half(acc, p, pe, count);
             }
             out[row * m + col] = double_to_half(acc);
         }
+    }
+    free(bt);
+    free(bt_e);
+    return 0;
 }
 
-/* One slice of the weight gradient with half accumulators: tc_step_half per block of rows. */
-static void tc_weight_grad_slice(const half_bits *g, const half_bits *a, double *acc, int64_t lo,
-                                 int64_t hi, int64_t o, int64_t i, int64_t k_block,
-                                 int64_t *counts) {
-    double p[64];
-    int pe[64];
+/* One slice of the weight gradient with half accumulators: tc_step_half per block of rows. Each
+   block's rows are converted once, transposed (row index fastest), with their exponents. */
+static int tc_weight_grad_slice(const half_bits *g, const half_bits *a, double *acc, int64_t lo,
+                                int64_t hi, int64_t o, int64_t i, int64_t k_block,
+                                int64_t *counts) {
+    double *gt = malloc((size_t)(k_block * (o + i)) * sizeof(double));
+    int *gt_e = malloc((size_t)(k_block * (o + i)) * sizeof(int));
+    if (!gt || !gt_e) {
+        free(gt);
+        free(gt_e);
+        return 1;
+    }
+    double *at = gt + k_block * o, p[64];
+    int *at_e = gt_e + k_block * o, pe[64];
     for (int64_t r0 = lo; r0 < hi; r0 += k_block) {
         int64_t rows = (r0 + k_block < hi ? r0 + k_block : hi) - r0;
-        for (int64_t out = 0; out < o; ++out)
+        for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t c = 0; c < o; ++c) {
+                gt[c * k_block + r] = half_to_double(g[(r0 + r) * o + c]);
+                gt_e[c * k_block + r] = half_value_exponent(gt[c * k_block + r]);
+            }
+            for (int64_t c = 0; c < i; ++c) {
+                at[c * k_block + r] = half_to_double(a[(r0 + r) * i + c]);
+                at_e[c * k_block + r] = half_value_exponent(at[c * k_block + r]);
+            }
+        }
+        for (int64_t out = 0; out < o; ++out) {
+            const double *gc = gt + out * k_block;
+            const int *gc_e = gt_e + out * k_block;
             for (int64_t in = 0; in < i; ++in) {
+                const double *ac = at + in * k_block;
+                const int *ac_e = at_e + in * k_block;
                 int any = 0;
                 for (int64_t r = 0; r < rows; ++r) {
-                    double x = half_to_double(g[(r0 + r) * o + out]);
-                    double y = half_to_double(a[(r0 + r) * i + in]);
-                    p[r] = x * y;
-                    pe[r] = half_value_exponent(x) + half_value_exponent(y);
+                    p[r] = gc[r] * ac[r];
+                    pe[r] = gc_e[r] + ac_e[r];
                     any |= p[r] != 0.0;
                 }
                 double old = acc[out * i + in], new_ = tc_step_half(old, p, pe, rows);
@@ -196,7 +238,11 @@ static void tc_weight_grad_slice(const half_bits *g, const half_bits *a, double 
                 }
                 acc[out * i + in] = new_;
             }
+        }
     }
+    free(gt);
+    free(gt_e);
+    return 0;
 }
 
 static void halves_to_doubles(const half_bits *src, double *dst, int64_t n) {
@@ -227,11 +273,7 @@ static inline __m512d round_acc8(__m512d value, int half) {
    accumulator stored as half at the end. scratch: k * m + m doubles. */
 int mptex_half_matmul(const half_bits *a, const half_bits *b, half_bits *out, double *scratch,
                       int64_t n, int64_t k, int64_t m, int64_t k_block, int half) {
-    if (half) {
-        if (k_block > 64) return 1;
-        tc_half_matmul(a, b, out, n, k, m, k_block);
-        return 0;
-    }
+    if (half) return k_block > 64 ? 1 : tc_half_matmul(a, b, out, n, k, m, k_block);
     double *b64 = scratch, *acc = scratch + k * m;
     halves_to_doubles(b, b64, k * m);
     double a_row[4096];
@@ -305,10 +347,7 @@ int mptex_weight_grad_slice(const half_bits *g, const half_bits *a, double *acc,
                             int64_t lo, int64_t hi, int64_t o, int64_t i, int64_t k_block,
                             int half, int64_t *counts) {
     if (k_block > 64) return 1;
-    if (half) {
-        tc_weight_grad_slice(g, a, acc, lo, hi, o, i, k_block, counts);
-        return 0;
-    }
+    if (half) return tc_weight_grad_slice(g, a, acc, lo, hi, o, i, k_block, counts);
     double *g64 = scratch, *a64 = scratch + k_block * o;
     for (int64_t r0 = lo; r0 < hi; r0 += k_block) {
         int64_t rows = (r0 + k_block < hi ? r0 + k_block : hi) - r0;

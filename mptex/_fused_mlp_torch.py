@@ -393,12 +393,12 @@ def _split_k_weight_grads_eager(
 ) -> list[torch.Tensor]:
     """:func:`split_k_weight_grads` in eager PyTorch ops (any device).
 
-    The accumulation is sequential along the batch (one rounding per block of 8 samples), and
+    Half accumulators: :func:`_split_k_weight_grads_tensor_core`. Float accumulators: the
+    accumulation is sequential along the batch (one rounding per block of 8 samples), and
     eager PyTorch's cost is the number of steps, not their width: the accumulators of every
     layer and slice sit side by side in one ``[slices, sum of out * in]`` row and take each
-    step together, as two or three kernels: the float64 sum stored as float32 (one rounding),
-    then to half (half accumulators), and back to float64. The block sums (batched GEMMs) are
-    formed ``_PARTS_CHUNK`` blocks at a time.
+    step together, as two kernels: the float64 sum stored as float32 (one rounding) and back
+    to float64. The block sums (batched GEMMs) are formed ``_PARTS_CHUNK`` blocks at a time.
     """
     if accumulate == "half":
         return _split_k_weight_grads_tensor_core(layers, split_k, stats)
@@ -422,14 +422,10 @@ def _split_k_weight_grads_eager(
         )
         segments.append((width, width + n_out * n_in, n_out, n_in))
         width += n_out * n_in
-    half = accumulate == "half"
     chunk = min(_PARTS_CHUNK, n_blocks)
     # history[j]: the accumulators after step j of the chunk (history[0]: before its first)
-    history = torch.zeros(
-        chunk + 1, n_slices, width, dtype=torch.float16 if half else torch.float32, device=device
-    )
+    history = torch.zeros(chunk + 1, n_slices, width, dtype=torch.float32, device=device)
     acc64 = torch.zeros(n_slices, width, dtype=torch.float64, device=device)
-    sum64 = torch.empty(n_slices, width, dtype=torch.float64, device=device) if half else None
     parts = torch.empty(chunk, n_slices, width, dtype=torch.float64, device=device)
     absorbed = [0] * len(layers)
     contributions = [0] * len(layers)
@@ -444,11 +440,7 @@ def _split_k_weight_grads_eager(
                 block_sums.transpose(0, 1)
             )
         for j in range(count):
-            if half:
-                torch.add(acc64, parts[j], out=sum64)
-                history[j + 1].copy_(_half_once(sum64))
-            else:
-                torch.add(acc64, parts[j], out=history[j + 1])
+            torch.add(acc64, parts[j], out=history[j + 1])
             acc64.copy_(history[j + 1])
         if stats is not None:
             nonzero = parts[:count] != 0

@@ -208,19 +208,19 @@ def test_init_seed_sets_the_initial_weights_and_train_seed_the_rest(tmp_path, mo
     from mptex.scenes.scene import Scene
 
     drawn: dict[str, dict] = {}
-    build, sample = loop.build_texture, Scene.sample_train_batch
+    build, sample = loop.build_texture, Scene.training_batch
 
     def recording_build(*args, **kwargs):
         texture = build(*args, **kwargs)
         current["init"] = {k: v.clone() for k, v in texture.state_dict().items()}
         return texture
 
-    def recording_sample(self, batch_size, generator):
+    def recording_sample(self, batch_size, generator, *args, **kwargs):
         current["views"].append(generator.get_state().clone())
-        return sample(self, batch_size, generator)
+        return sample(self, batch_size, generator, *args, **kwargs)
 
     monkeypatch.setattr(loop, "build_texture", recording_build)
-    monkeypatch.setattr(Scene, "sample_train_batch", recording_sample)
+    monkeypatch.setattr(Scene, "training_batch", recording_sample)
     runs = {"seed3": ["train.seed=3"], "init3_seed3": ["train.seed=3", "train.init_seed=3"],
             "init3_seed5": ["train.seed=5", "train.init_seed=3"], "seed5": ["train.seed=5"]}
     for name, overrides in runs.items():

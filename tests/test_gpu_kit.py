@@ -15,8 +15,8 @@ from mptex.diagnostics import half_ulps, outside_tolerance, ulp_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 VALIDATE = ROOT / "benchmarks" / "gpu" / "validate.py"
-STAGES = ["env", "golden", "grid", "network", "raster", "fp8", "arms", "throughput",
-          "nvdiffrec154", "tests"]  # fmt: skip
+STAGES = ["env", "golden", "tests", "profile", "arms", "nvdiffrec154", "grid", "network",
+          "raster", "fp8", "throughput"]  # fmt: skip
 FIXTURES = ROOT / "tests" / "gpu_golden"
 
 
@@ -117,6 +117,12 @@ def test_dry_run_runs_every_stage_and_records_why_native_ones_cannot(tmp_path):
                for row in stages["throughput"]["tables"][0]["rows"])  # fmt: skip
     study = stages["nvdiffrec154"]
     assert study["status"] == "ok" and len(study["data"]["differences"]) == 2
+    assert set(study["data"]["pairs"]) == {"tcnn_fused_swap154", "tcnn_fused_dynamic"}
+    assert all(len(p["differences"]) == 2 for p in study["data"]["pairs"].values())
+    profile = stages["profile"]
+    assert profile["status"] == "ok", profile
+    counted = {r["arm"]: r for r in profile["data"]["loop_overhead"]}
+    assert counted["f32"]["syncs_per_iter"] <= 1.0
     ci = study["data"]["ci"]
     assert ci["low"] <= ci["mean"] <= ci["high"]
     assert stages["tests"]["status"] == "ok"
@@ -158,6 +164,19 @@ def test_comparisons_of_the_twin_with_itself_are_exact(tmp_path):
     raster = results["stages"]["raster"]["data"]["rows"]
     assert [r["id_agreement"] for r in raster] == [1.0] * len(raster)
     assert raster[0]["covered_pixels"] > 0
+
+
+@pytest.mark.slow
+def test_the_main_job_stage_runs_only_when_named_and_keeps_its_report(tmp_path):
+    proc, results, out = _validate(tmp_path, "--stages", "mainjob")
+    assert list(results["stages"]) == ["mainjob"]
+    mainjob = results["stages"]["mainjob"]
+    assert mainjob["status"] == "ok", mainjob
+    assert mainjob["data"]["returncode"] == 0
+    report = out / "mainjob-report.md"
+    assert mainjob["data"]["report"] == str(report) and report.is_file()
+    arms = {row[0] for row in mainjob["tables"][0]["rows"]}
+    assert arms == {"f32", "fp8"}
 
 
 def test_a_stage_that_fails_is_recorded_and_the_next_one_runs(tmp_path):

@@ -13,9 +13,9 @@
 
 Each stage takes validate.py's ``StageContext`` (``small`` on ``--device cpu``: tiny sizes for
 a dry run) and writes tables and ``data`` through it; a failing check goes into
-``failed_checks``. Register them in validate.py's ``STAGES``/stage table as
-``Stage("profile", "The training loop under the profiler", 150)`` and
-``Stage("mainjob", "The GPU main job (experiments/gpu_main.yaml)", 660)``.
+``failed_checks``. validate.py runs ``profile`` by default and ``mainjob`` when named
+(``--stages mainjob``: it takes up to 11 minutes of a GPU), and keeps the main job's report as
+``mainjob-report.md`` beside its results.
 """
 
 from __future__ import annotations
@@ -204,6 +204,11 @@ def stage_mainjob(ctx) -> None:
     wall = time.time() - start
     rows = _sweep_summary(sweep_dir) if sweep_dir.is_dir() else []
     report = sweep_dir / "report.md"
+    results_dir = getattr(ctx.args, "results_dir", None)
+    if report.is_file() and results_dir:  # the sweep's folder is scratch: keep the report
+        kept = Path(results_dir) / "mainjob-report.md"
+        kept.write_text(report.read_text())
+        report = kept
     ctx.result["data"].update(wall_s=wall, returncode=returncode, stderr_tail=tail,
                               report=str(report) if report.is_file() else None,
                               target_s=MAINJOB_TARGET_S)  # fmt: skip

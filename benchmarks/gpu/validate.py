@@ -63,6 +63,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+import stages_loop  # noqa: E402  (benchmarks/gpu/stages_loop.py: the profile and mainjob stages)
+
 RESULTS_JSON, RESULTS_MD, LOG = "results.json", "results.md", "log.txt"
 
 
@@ -74,6 +77,8 @@ class Stage:
     needs: tuple[str, ...] = ()  # "tcnn", "nvdiffrast", "fp8": unavailable without them
 
 
+# In order of value: a short loan runs the first ones. ``mainjob`` (up to 11 minutes) is not in
+# the default run; it runs on its own: ``--stages mainjob --budget-s 660``.
 STAGES = [
     Stage("env", "Environment", 40),
     Stage(
@@ -82,15 +87,18 @@ STAGES = [
         60,
         ("tcnn", "nvdiffrast"),
     ),
+    Stage("tests", "The test suite's GPU tests", 60),
+    Stage("profile", "The training loop under the profiler", 150),
+    Stage("arms", "Every arm at nvdiffrec's scale", 130),
+    Stage("nvdiffrec154", "nvdiffrec #154 at nvdiffrec's scale", 110),
     Stage("grid", "Hash grid: tcnn vs the torch twin", 45, ("tcnn",)),
     Stage("network", "FullyFusedMLP: tcnn.Network vs the twin", 45, ("tcnn",)),
     Stage("raster", "Rasterizer: nvdiffrast vs the torch twin", 40, ("nvdiffrast",)),
     Stage("fp8", "FP8 GEMMs: mptex's emulation vs torch._scaled_mm", 30, ("fp8",)),
-    Stage("arms", "Every arm at nvdiffrec's scale", 130),
     Stage("throughput", "Hash-grid throughput: torch, Triton, tcnn", 50),
-    Stage("nvdiffrec154", "nvdiffrec #154 at nvdiffrec's scale", 110),
-    Stage("tests", "The test suite's GPU tests", 60),
+    Stage("mainjob", "The GPU main job (experiments/gpu_main.yaml)", 660),
 ]
+DEFAULT_STAGES = [s.name for s in STAGES if s.name != "mainjob"]
 STAGE_NAMES = [s.name for s in STAGES]
 
 
@@ -767,41 +775,51 @@ def stage_throughput(ctx: StageContext) -> None:
 
 
 def stage_nvdiffrec154(ctx: StageContext) -> None:
+    """nvdiffrec #154 with the real libraries: per seed, ``nvdiffrec`` (its f16 grid and f32
+    MLP), the swap as #154 made it (``tcnn_fused_swap154``) and the fix candidate
+    (``tcnn_fused_dynamic``: tcnn's fused network under dynamic loss scaling), each paired with
+    ``nvdiffrec`` by seed while the time box allows."""
     from mptex.intervals import mean_ci, verdict
 
     iterations = 3 if ctx.small else ctx.args.n154_iterations
-    arms = ("nvdiffrec", "tcnn_fused_swap154")
+    base, others = "nvdiffrec", ("tcnn_fused_swap154", "tcnn_fused_dynamic")
+    arms = (base, *others)
+    # The grid as nvdiffrec runs it: tinycudann's (backend "auto" would take Triton on CUDA).
+    grid = [f"texture.backend={ctx.args.native_grid}"] if not ctx.small else []
     psnr: dict[str, list[float]] = {a: [] for a in arms}
-    rows, backends, seed, pair_wall = [], {}, 0, 0.0
+    rows, backends, seed, seed_wall = [], {}, 0, 0.0
     max_seeds = 2 if ctx.small else 64
-    while seed < max_seeds and (seed == 0 or ctx.remaining() > 1.2 * pair_wall):
-        start, pair = time.time(), {}
+    while seed < max_seeds and (seed == 0 or ctx.remaining() > 1.2 * seed_wall):
+        start, runs = time.time(), {}
         for arm in arms:
             overrides = ["+experiment=nvdiffrec154", f"precision={arm}", f"train.seed={seed}"]
-            metrics = _train_run(_compose(overrides + _scale_overrides(ctx, iterations)))
-            pair[arm] = metrics
+            metrics = _train_run(_compose(overrides + grid + _scale_overrides(ctx, iterations)))
+            runs[arm] = metrics
             backends[arm] = metrics.get("backends")
-        pair_wall = time.time() - start
-        if all(pair[a]["psnr"] is not None for a in arms):
+        seed_wall = time.time() - start
+        if all(runs[a]["psnr"] is not None for a in arms):
             for a in arms:
-                psnr[a].append(pair[a]["psnr"])
+                psnr[a].append(runs[a]["psnr"])
         rows.append(
             [seed]
             + [
-                f"{pair[a]['psnr']:.2f} ({pair[a]['status']})"
-                if pair[a]["psnr"] is not None
-                else pair[a]["status"]
+                f"{runs[a]['psnr']:.2f} ({runs[a]['status']})"
+                if runs[a]["psnr"] is not None
+                else runs[a]["status"]
                 for a in arms
             ]
         )
         seed += 1
-        diffs = [s - n for n, s in zip(psnr["nvdiffrec"], psnr["tcnn_fused_swap154"])]
-        ci = mean_ci(diffs) if len(diffs) >= 2 else None
+        pairs = {}
+        for arm in others:
+            diffs = [s - n for n, s in zip(psnr[base], psnr[arm])]
+            ci = mean_ci(diffs) if len(diffs) >= 2 else None
+            pairs[arm] = {"differences": diffs, "ci": ci, "verdict": verdict(ci) if ci else None}
         ctx.result["data"] = {
             "psnr": psnr,
-            "differences": diffs,
-            "ci": ci,
-            "verdict": verdict(ci) if ci else None,
+            "pairs": pairs,
+            # the first pair, under the keys earlier runs of the kit wrote
+            **pairs[others[0]],
             "backends": backends,
             "iterations": iterations,
         }
@@ -812,18 +830,16 @@ def stage_nvdiffrec154(ctx: StageContext) -> None:
             rows,
             "backends: " + "; ".join(f"{a}: {b}" for a, b in backends.items()),
         )
-        if ci:
+        paired = [
+            [f"{arm} − {base}", len(p["differences"]), f"{p['ci']['mean']:+.2f}",
+             f"[{p['ci']['low']:+.2f}, {p['ci']['high']:+.2f}]", p["verdict"]]
+            for arm, p in pairs.items() if p["ci"]
+        ]  # fmt: skip
+        if paired:
             ctx.table(
-                "tcnn_fused_swap154 − nvdiffrec, paired by seed",
-                ["seeds", "mean Δ PSNR (dB)", "95 % interval", "verdict"],
-                [
-                    [
-                        len(diffs),
-                        f"{ci['mean']:+.2f}",
-                        f"[{ci['low']:+.2f}, {ci['high']:+.2f}]",
-                        verdict(ci),
-                    ]
-                ],
+                f"Paired by seed against {base}",
+                ["difference", "seeds", "mean Δ PSNR (dB)", "95 % interval", "verdict"],
+                paired,
                 "Student-t interval over the per-seed differences (mptex.intervals.mean_ci)",
             )
         ctx.save()
@@ -886,7 +902,11 @@ def stage_golden(ctx: StageContext) -> None:
     # The full capture (about 25 MB) stays in scratch; the compact fixtures (what a commit of a
     # new golden set would take) come back in the results folder.
     full = Path(tempfile.mkdtemp(prefix="mptex-golden-capture-"))
-    fixtures = Path(ctx.args.golden_out or tempfile.mkdtemp(prefix="mptex-golden-"))
+    fixtures = (
+        Path(ctx.args.results_dir) / "golden"
+        if ctx.args.results_dir
+        else Path(tempfile.mkdtemp(prefix="mptex-golden-"))
+    )
     shutil.rmtree(fixtures, ignore_errors=True)
     fixtures.mkdir(parents=True)
     duck = ctx.args.mesh
@@ -938,6 +958,8 @@ STAGE_BODIES: dict[str, Callable[[StageContext], None]] = {
     "throughput": stage_throughput,
     "nvdiffrec154": stage_nvdiffrec154,
     "tests": stage_tests,
+    "profile": stages_loop.stage_profile,
+    "mainjob": stages_loop.stage_mainjob,
 }
 
 
@@ -1087,8 +1109,9 @@ def drive(args: argparse.Namespace) -> int:
         "stages": {},
     }
     chosen = [s for s in STAGES if s.name in args.stages]
-    # The golden stage's capture comes back with the results (a new fixture set, if wanted).
-    args.passthrough += ["--golden-out", str((out / "golden").resolve())]
+    # Stages that keep files (the golden stage's new fixtures, the main job's report) put them
+    # beside the results.
+    args.passthrough += ["--results-dir", str(out.resolve())]
     for i, stage in enumerate(chosen):
         left = args.budget_s - (time.time() - t0)
         # Later stages keep their boxes; what earlier stages left unused goes to this one.
@@ -1166,7 +1189,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=480.0,
         help="wall-clock budget of all stages together (default 480 = 8 min)",
     )
-    parser.add_argument("--stages", nargs="+", default=STAGE_NAMES, choices=STAGE_NAMES)
+    parser.add_argument(
+        "--stages",
+        nargs="+",
+        default=DEFAULT_STAGES,
+        choices=STAGE_NAMES,
+        help="stages to run, in the kit's order (default: all but mainjob)",
+    )
     parser.add_argument(
         "--mesh", default=None, help="OBJ for the raster stage (default: the kit's assets/, if any)"
     )
@@ -1183,7 +1212,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--native-raster", default="nvdiffrast", help=argparse.SUPPRESS)
     parser.add_argument("--stage", choices=STAGE_NAMES, help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
-    parser.add_argument("--golden-out", help=argparse.SUPPRESS)
+    parser.add_argument("--results-dir", help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.device is None:

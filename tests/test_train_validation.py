@@ -153,14 +153,25 @@ def test_supersampled_validation_matches_a_per_pixel_brute_force():
 
 
 def test_the_centre_sub_pixel_of_an_odd_spp_is_the_point_sample():
-    # Sub-pixel (3y + 1, 3x + 1) has the pixel's centre: the same surface point.
+    # Sub-pixel (3y + 1, 3x + 1) has the pixel's centre: the same surface point, up to the
+    # rasterizer's snapping. It snaps vertices to 1/16 of a pixel of the resolution it draws (as
+    # nvdiffrast does), so a centre within a snapping step of an edge may be covered at one
+    # resolution and not the other (only where the pixel's footprint is partly covered), or get
+    # barycentrics clamped onto the edge: a position off by at most about two snapping steps,
+    # 2/16 of a 12-pixel view's pixel (this unit-size scene: ~0.17 world units a pixel).
     _, scene, _, _ = _spp_setup(12)
     point, sub = scene.val_views(), scene.val_views(spp=3)
     assert sub.mask.shape == (2, 36, 36)
-    centre = sub.position[:, 1::3, 1::3]
-    assert torch.equal(sub.mask[:, 1::3, 1::3], point.mask)
-    torch.testing.assert_close(centre, point.position, rtol=0, atol=1e-5)
-    torch.testing.assert_close(sub.rgba[:, 1::3, 1::3], point.rgba, rtol=0, atol=1e-5)
+    blocks = sub.mask.view(2, 12, 3, 12, 3)
+    partial = blocks.any(4).any(2) & ~blocks.all(4).all(2)
+    centre_mask = sub.mask[:, 1::3, 1::3]
+    assert torch.equal(centre_mask & ~partial, point.mask & ~partial)
+    both = centre_mask & point.mask
+    error = (sub.position[:, 1::3, 1::3] - point.position).abs().amax(-1)[both]
+    assert error.max() <= 2 / 16 * 0.17
+    assert (error <= 1e-5).float().mean() >= 0.9  # elsewhere the same point, to float32
+    colour = (sub.rgba[:, 1::3, 1::3] - point.rgba).abs().amax(-1)[both]
+    assert (colour <= 1e-5).float().mean() >= 0.9
     # Coverage of the other sub-pixels differs at the silhouette: they sample other points.
     assert not torch.equal(sub.mask[:, 0::3, 0::3], point.mask)
 

@@ -97,6 +97,7 @@ def _run_after_mptex_train_blas_setup(code: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True)
 
 
+@pytest.mark.golden_bits
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="needs torch built with MKL")
 def test_mptex_train_makes_mkl_gemms_thread_count_independent():
     # A reduction over 20,000 rows, as the MLP's weight gradient over the batch's points: MKL
@@ -112,6 +113,7 @@ def test_mptex_train_makes_mkl_gemms_thread_count_independent():
     assert out.stdout.split() == ["AUTO,STRICT", "True"], out.stderr
 
 
+@pytest.mark.golden_bits
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="needs torch built with MKL")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_reduced_precision_linear_layers_are_thread_count_independent(dtype):

@@ -51,11 +51,13 @@ def loops(request, monkeypatch):
     return golden_io.native_or_eager(request.param, twin, monkeypatch, pytest)
 
 
+@pytest.mark.golden_bits
 @pytest.mark.parametrize("name", list(GOLDEN))
 def test_twin_reproduces_its_golden_bits(name, loops):
     _check(name, GOLDEN[name])
 
 
+@pytest.mark.golden_bits
 @pytest.mark.parametrize("name", ["texture-half", "split-k-texture", "split-k-float"])
 def test_twin_bits_do_not_depend_on_the_thread_count(name, loops):
     if loops not in ("native", "eager"):
@@ -101,6 +103,7 @@ def test_a_missing_compiler_falls_back_with_one_warning(monkeypatch, tmp_path):
         _native_cpu.native_kernels.cache_clear()
 
 
+@pytest.mark.golden_bits
 @pytest.mark.parametrize("name", [a for a in twin.ACTIVATIONS if a not in ("None", "ReLU")])
 def test_activations_do_not_depend_on_the_math_library(name):
     """Each activation equals the per-element reference (Python's ``math``, float64, rounded

@@ -33,6 +33,8 @@ import torch
 import mptex._grid_torch as grid
 from mptex._grid_torch import grid_geometry, hash_grid_encode
 
+pytestmark = pytest.mark.golden_bits  # rerun under other CPU kernels: tests/test_dispatch.py
+
 HERE = Path(__file__).parent
 FIXTURE_DIR = Path(os.environ.get("MPTEX_GPU_GOLDEN_DIR", HERE / "gpu_golden"))
 

@@ -27,6 +27,8 @@ import torch
 from mptex._fused_mlp_torch import FusedMLPSpec, fused_mlp, xavier_uniform_params
 from mptex.diagnostics.ulp import ulp_summary
 
+pytestmark = pytest.mark.golden_bits  # rerun under other CPU kernels: tests/test_dispatch.py
+
 HERE = Path(__file__).resolve().parent
 FIXTURE_DIR = Path(os.environ.get("MPTEX_GPU_GOLDEN_DIR", HERE / "gpu_golden"))
 LOSS_SCALE = 128.0

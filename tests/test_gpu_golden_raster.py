@@ -30,6 +30,8 @@ import torch
 
 from mptex.render import rasterize
 
+pytestmark = pytest.mark.golden_bits  # rerun under other CPU kernels: tests/test_dispatch.py
+
 HERE = Path(__file__).parent
 FIXTURE_DIR = Path(os.environ.get("MPTEX_GPU_GOLDEN_DIR", HERE / "gpu_golden"))
 

@@ -48,6 +48,7 @@ def ops(request, monkeypatch):
     return golden_io.native_or_eager(request.param, grid, monkeypatch, pytest)
 
 
+@pytest.mark.golden_bits
 @pytest.mark.parametrize("name", list(GOLDEN))
 def test_grid_reproduces_its_golden_bits(name, ops):
     if ops not in ("native", "eager") and GOLDEN[name]["n_points"] > 2000:
@@ -55,6 +56,7 @@ def test_grid_reproduces_its_golden_bits(name, ops):
     _check(name, GOLDEN[name])
 
 
+@pytest.mark.golden_bits
 @pytest.mark.parametrize("name", ["cpu-texture-chunks-float32", "cpu-texture-chunks-float16"])
 def test_grid_bits_do_not_depend_on_the_thread_count(name, ops):
     if ops not in ("native", "eager"):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import TOL
-from fp8_reference import seen_weight
+from fp8_reference import seen_input, seen_weight
 
 from mptex import MLPTexture3D, PrecisionPolicy, PrecisionStepper, convert_state_dict
 from mptex.encoding import HashGridEncoding
@@ -201,7 +201,7 @@ def _reference_f64(texture, texc):
     bound = h.abs()
     for i, layer in enumerate(texture.net.layers):
         weight = seen_weight(layer, texture.policy)
-        h = h @ weight.T
+        h = seen_input(h, texture.policy) @ weight.T
         bound = bound @ weight.abs().T
         h = h.relu() if i < len(texture.net.layers) - 1 else h
     mm = texture.min_max.double()
@@ -459,11 +459,26 @@ def test_state_dict_round_trips_between_torch_and_tcnn_encoders():
     cotangent = torch.randn_like(out_torch)
     (out_tcnn * cotangent).sum().backward()
     (out_torch * cotangent).sum().backward()
-    for (name, a), b in zip(tcnn_tex.named_parameters(), torch_tex.parameters()):
-        # Half-precision gradient tables (tcnn: half atomics in any order): relative to the
-        # largest gradient of the group.
+    named = dict(torch_tex.named_parameters())
+    assert [n for n, _ in tcnn_tex.named_parameters()] == list(named)
+    for name, a in tcnn_tex.named_parameters():
+        b = named[name]
+        assert a.grad is not None and b.grad is not None, f"{name}: no gradient reached it"
+        assert a.grad.dtype == b.grad.dtype == torch.float32, name
+        # tcnn accumulates the half gradient table with half atomics in the order threads
+        # arrive; on this config (tcnn's golden tensors, tests/gpu_golden/: the coarse config,
+        # U(-1, 1) table) that puts entries at most 0.5 % of the table's largest gradient from
+        # the twin's; 2 % leaves room for this test's larger cotangents.
         scale = b.grad.abs().max().item()
-        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=2e-2 * scale, msg=name)
+        diff = (a.grad - b.grad).abs()
+        worst = int(diff.argmax())
+        assert bool(torch.isfinite(a.grad).all()), f"{name}: tcnn's gradient is not finite"
+        assert diff.max().item() <= 2e-2 * scale, (
+            f"{name}: {int((diff > 2e-2 * scale).sum())} of {diff.numel()} entries differ by "
+            f"more than 2 % of the largest ({scale:.4g}); worst at {worst}: tcnn "
+            f"{a.grad.flatten()[worst].item():.6g}, twin {b.grad.flatten()[worst].item():.6g}; "
+            f"||tcnn|| / ||twin|| = {(a.grad.norm() / b.grad.norm()).item():.6g}"
+        )
     torch_tex.load_state_dict(tcnn_tex.state_dict())
     tcnn_tex.cleanup()
 
@@ -505,6 +520,7 @@ def test_texture_config_builds_nvdiffrecs_texture():
     assert texture.encoder.n_output_dims == 32 and texture.channels == 3
 
 
+@pytest.mark.golden_bits
 def test_output_sigmoid_has_the_same_bits_for_any_thread_count():
     # Above 32768 elements ATen gives each thread a chunk whose scalar tail computes exp unlike
     # the vectorised body, so torch.sigmoid's bits depend on the thread count (on this project's

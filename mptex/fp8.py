@@ -16,6 +16,8 @@ Scale, as Transformer Engine computes it: ``scale = fp8_max / amax / 2**margin``
 scale (1 at the start). The recipe says which ``amax``:
 
 * ``current``: this tensor's own ``amax`` (Transformer Engine's ``Float8CurrentScaling``);
+* ``rowwise``: one scale per row of each GEMM operand, from that row's own ``amax``
+  (:func:`quantize_fp8_rowwise`, :func:`scaled_mm_rowwise`; section *Row-wise scaling* below);
 * ``delayed``: the largest (``amax_compute_algo="max"``) or the most recent
   (``"most_recent"``) entry of the last ``amax_history_len`` amaxes seen before this call:
   Transformer Engine's ``DelayedScaling``, whose defaults (margin 0, ``fp8_format=HYBRID``,
@@ -42,6 +44,33 @@ applies ``scale_inv_a * scale_inv_b`` to the f32 result. Products of two FP8 val
 in f32 (at most 8 significant bits), so the two backends differ only in the order of the f32
 accumulation (tested against a float64 reference in ``tests/test_fp8.py``; the GPU kit compares
 them on a GPU).
+
+Row-wise scaling (recipe ``rowwise``): one scale per row of the activations and of the output
+gradients and one per output channel of the weights, each the current scale of that row
+(``fp8_max / amax_row / 2**margin``; a zero row keeps 1, and stays zero). It is the fine-grained
+recipe of the DeepSeek-V3 report (section 3.3: 1x128 activation tiles, 128x128 weight blocks)
+and of the OCP MX formats (one scale per 32 values) for a layer whose reduction is no longer than
+a tile (mptex's hidden width is 32): a few large activations no longer set the scale of every
+other row. The scales must sit on the indices a GEMM does not reduce over, so each operand is
+quantised along the axis it is reduced over: in ``Y = X W^T`` rows of ``X`` and of ``W`` (output
+channels); in ``dX = dY W`` rows of ``dY`` and columns of ``W`` (input channels); in
+``dW = dY^T X`` columns of ``dY`` and of ``X`` (the batch is reduced). ``X``, ``W`` and ``dY``
+are therefore each quantised twice, as Transformer Engine's MXFP8 recipe keeps a row-wise and a
+column-wise copy.
+
+:func:`scaled_mm_rowwise` is ``torch._scaled_mm`` with ``scale_a [M, 1]`` and ``scale_b
+[1, N]`` float32 (CUDA, compute capability 8.9 and later; ``b`` must be E4M3, ``a`` E4M3 or
+E5M2). torch's CUTLASS kernel for it (``aten/src/ATen/native/cuda/RowwiseScaledMM.cu``) applies
+the scales to the float32 accumulator in its epilogue as ``scale_b[j] * (scale_a[i] * acc)``:
+two float32 roundings, the row scale first, then casts to the output dtype (float32 here, which
+it allows without a bias). For some shapes it runs the transposed product, where the order of the
+two multiplications swaps; the two orders differ by at most one float32 rounding of the result.
+The emulation sums the FP8 products in float64, where the sum is exact while every partial sum
+fits 53 bits (always for E4M3 x E4M3 up to K = 2^16: the products are multiples of 2^-18 below
+2^17.62; E5M2 x E4M3 products span 2^-25 to 2^24.62, so long sums of very different magnitudes can
+round, at 2^-53 relative), rounds it once to float32 and then multiplies by ``scale_a[i]`` and by
+``scale_b[j]`` in float32, in that order. The tensor core's own accumulation is not an exact sum,
+so the two backends differ in the accumulator; the GPU kit measures by how much.
 """
 
 from __future__ import annotations
@@ -65,6 +94,9 @@ __all__ = [
     "has_fp8_tensor_cores",
     "resolve_gemm_backend",
     "scaled_mm",
+    "rowwise_amax",
+    "quantize_fp8_rowwise",
+    "scaled_mm_rowwise",
     "fp8_linear",
     "quantization_error",
     "statistics",
@@ -73,7 +105,7 @@ __all__ = [
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
-RECIPES = ("delayed", "current")
+RECIPES = ("delayed", "current", "rowwise")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 GEMM_BACKENDS = ("auto", "scaled_mm", "emulated")
 # torch._scaled_mm's cuBLASLt kernels want every matrix dimension a multiple of 16.
@@ -123,7 +155,10 @@ def fp8_scale(
     amax = amax.float()
     # Two f32 roundings, as Transformer Engine's kernel (the division by 2**margin is exact
     # unless it reaches f32's subnormals; by 2**0 it is the identity, so it is left out).
-    scale = FP8_MAX[dtype] / amax
+    # torch.div of two tensors: one correctly rounded f32 division. (``448.0 / amax`` is
+    # ``amax.reciprocal() * 448`` in torch, two roundings: one ulp off for about a quarter of
+    # amaxes.)
+    scale = torch.div(torch.full_like(amax, FP8_MAX[dtype]), amax)
     if margin:
         scale = scale / float(2**margin)
     keep = torch.ones_like(amax) if previous is None else previous.float().expand_as(amax)
@@ -155,7 +190,8 @@ def quantize_fp8(
     x = x.float()
     if amax is None:
         amax = _amax(x)
-    used = torch.where(amax * scale > fp8_max, fp8_max / amax, scale.float())
+    current = torch.div(torch.full_like(amax, fp8_max), amax)  # one rounding (fp8_scale)
+    used = torch.where(amax * scale > fp8_max, current, scale.float())
     q = (x * used).to(dtype)
     return q, torch.reciprocal(used), amax, used
 
@@ -179,6 +215,44 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
     if not x.numel():
         return x.new_zeros((), dtype=torch.float32)
     return torch.linalg.vector_norm(x.detach(), _INF).float()
+
+
+def rowwise_amax(x: torch.Tensor) -> torch.Tensor:
+    """``[M, 1]`` f32: each row's largest ``|x|`` (NaN where the row holds a NaN; 0 for an
+    empty row).
+
+    Args:
+        x: ``[M, K]`` any float dtype.
+    """
+    if x.ndim != 2:
+        raise ValueError(f"x: expected a [M, K] matrix, got shape {list(x.shape)}")
+    if not x.shape[1]:
+        return x.new_zeros((x.shape[0], 1), dtype=torch.float32)
+    return torch.linalg.vector_norm(x.detach().float(), _INF, dim=1, keepdim=True)
+
+
+def quantize_fp8_rowwise(
+    x: torch.Tensor, dtype: torch.dtype, margin: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` in ``dtype`` with one current scale per row (module docstring, *Row-wise scaling*).
+
+    Row ``i`` has ``scale_i = fp8_scale(amax_i)`` (``fp8_max / amax_i / 2**margin``, 1 where the
+    row is zero or ``amax_i`` is not finite) and is quantised as :func:`quantize_fp8` quantises
+    a tensor: ``q[i, k] = fp8(x[i, k] * used_i)``, one f32 multiply and one cast. A row holding an
+    inf gets ``used_i = 0`` and turns into NaN (``inf * 0``), a row holding a NaN keeps it: the
+    per-tensor arms' rule, per row.
+
+    Args:
+        x: ``[M, K]`` any float dtype (converted to f32 first).
+        dtype: :data:`E4M3` or :data:`E5M2`.
+        margin: integer >= 0.
+
+    Returns:
+        ``(q, scale_inv, amax, used)``: ``q`` ``[M, K]`` in ``dtype``; ``scale_inv = 1 / used``,
+        ``amax`` and ``used``, each ``[M, 1]`` f32.
+    """
+    amax = rowwise_amax(x)
+    return quantize_fp8(x, fp8_scale(amax, dtype, margin), dtype, amax)
 
 
 def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -266,7 +340,19 @@ class ScalingState:
         self, x: torch.Tensor, record: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(q, scale_inv, used)`` of ``x`` under the recipe; with ``record`` the history, the
-        next scale and the statistics are updated."""
+        next scale and the statistics are updated. For the ``rowwise`` recipe ``x`` is
+        ``[M, K]`` and ``scale_inv``, ``used`` are ``[M, 1]`` (:func:`quantize_fp8_rowwise`)."""
+        if self.recipe.recipe == "rowwise":
+            q, scale_inv, amax, used = quantize_fp8_rowwise(x.detach(), self.dtype,
+                                                            self.recipe.margin)  # fmt: skip
+            if record:
+                # The statistics are per tensor: the largest row amax and the smallest row
+                # scale (a row's scale differs from its recipe's only where its amax is inf).
+                self._record(amax.amax(), fp8_scale(amax, self.dtype, self.recipe.margin).amin(),
+                             used.amin())  # fmt: skip
+                if self.collect:
+                    self.last_error = quantization_error(x, dequantize_fp8(q, scale_inv))
+            return q, scale_inv, used
         amax = _amax(x)
         if self.recipe.recipe == "current":
             scale = fp8_scale(amax, self.dtype, self.recipe.margin)
@@ -286,7 +372,7 @@ class ScalingState:
         if len(self._pending) >= _PENDING_CALLS:
             self._count_pending()
         self.last_amax, self.last_scale = amax, used
-        if self.recipe.recipe == "current":
+        if self.recipe.recipe != "delayed":
             return
         # The history keeps finite amaxes only: a skipped step's inf must not pin the scale
         # for amax_history_len calls. Most recent first: [amax, older...] where finite.
@@ -403,6 +489,108 @@ def _scaled_mm_padded(a, b, scale_inv_a, scale_inv_b) -> torch.Tensor:
     return out[:m, :n]
 
 
+def scaled_mm_rowwise(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``out[i, j] = (acc[i, j] * scale_a[i]) * scale_b[j]`` with ``acc = a @ b`` of FP8
+    matrices: row-wise scaled, f32 result (module docstring, *Row-wise scaling*).
+
+    Args:
+        a: ``[M, K]`` E4M3 or E5M2.
+        b: ``[K, N]`` E4M3 (torch's row-wise kernel takes no E5M2 ``b``).
+        scale_a: ``[M, 1]`` f32, what row ``i`` of ``a`` is multiplied by.
+        scale_b: ``[1, N]`` f32, what column ``j`` of ``b`` is multiplied by.
+        backend: ``"auto"``, ``"scaled_mm"`` (``torch._scaled_mm``'s row-wise path, operands
+            padded with zeros and scales with ones to multiples of 16, ``b`` column-major) or
+            ``"emulated"`` (the products summed in float64, rounded once to f32, then
+            ``* scale_a[i]`` and ``* scale_b[j]`` in f32, in that order: the CUTLASS epilogue's).
+
+    Returns:
+        ``[M, N]`` float32.
+    """
+    if a.dtype not in FP8_MAX or b.dtype != E4M3:
+        raise ValueError(
+            f"a, b: expected an E4M3/E5M2 a and an E4M3 b, got {a.dtype} and {b.dtype}"
+        )
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(
+            f"a, b: expected [M, K] and [K, N], got {list(a.shape)} and {list(b.shape)}"
+        )
+    (m, _), n = a.shape, b.shape[1]
+    if scale_a.shape != (m, 1) or scale_b.shape != (1, n):
+        raise ValueError(
+            f"scale_a, scale_b: expected [{m}, 1] and [1, {n}], got {list(scale_a.shape)} and "
+            f"{list(scale_b.shape)}"
+        )
+    scale_a, scale_b = scale_a.float(), scale_b.float()
+    if resolve_gemm_backend(backend, a.device) == "emulated":
+        # float64 holds every FP8 product exactly and, for the sums here, every partial sum.
+        acc = torch.mm(a.double(), b.double()).float()
+        return acc * scale_a * scale_b  # left to right: the row scale first
+    return _scaled_mm_rowwise_padded(a, b, scale_a, scale_b)
+
+
+def _scaled_mm_rowwise_padded(a, b, scale_a, scale_b) -> torch.Tensor:
+    """``torch._scaled_mm``'s row-wise path on any shapes (as :func:`_scaled_mm_padded`; the
+    padded rows and columns get the scale 1 and are cut from the f32 result)."""
+    (m, k), n = a.shape, b.shape[1]
+    mp, kp, np_ = _round_up(m), _round_up(k), _round_up(n)
+    a_pad = _pad_to(a, mp, kp).contiguous()
+    b_pad = _pad_to(b, kp, np_).t().contiguous().t()  # column-major
+    sa = torch.ones(mp, 1, dtype=torch.float32, device=a.device)
+    sb = torch.ones(1, np_, dtype=torch.float32, device=a.device)
+    sa[:m] = scale_a
+    sb[:, :n] = scale_b
+    out = torch._scaled_mm(a_pad, b_pad, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    return out[:m, :n]
+
+
+class _FP8RowwiseLinear(torch.autograd.Function):
+    """The three GEMMs of a linear layer with row-wise scales, each operand quantised along
+    the axis its GEMM reduces over (module docstring, *Row-wise scaling*)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, states, backend, record):
+        x_state, w_state, grad_state = states
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        x_q, x_inv, _ = x_state.quantize(x2, record)  # per sample
+        w_q, w_inv, _ = w_state.quantize(weight, record)  # per output channel
+        out = scaled_mm_rowwise(x_q, w_q.t(), x_inv, w_inv.t(), backend)
+        if bias is not None:
+            out = out + bias.float()
+        ctx.save_for_backward(x2.detach(), weight.detach())
+        ctx.grad_state, ctx.backend, ctx.shape = grad_state, backend, shape
+        ctx.margin = x_state.recipe.margin
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2, weight = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        grad2 = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            # dX = dY W reduces over the output channels: dY per sample, W per input channel.
+            g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True)
+            w_q, w_inv, _, _ = quantize_fp8_rowwise(weight.t(), E4M3, ctx.margin)
+            grad_x = scaled_mm_rowwise(g_q, w_q.t(), g_inv, w_inv.t(), ctx.backend)
+            grad_x = grad_x.to(x_dtype).reshape(ctx.shape)
+        if ctx.needs_input_grad[1]:
+            # dW = dY^T X reduces over the batch: dY per output channel, X per input channel.
+            g_q, g_inv, _, _ = quantize_fp8_rowwise(grad2.t(), E5M2, ctx.margin)
+            x_q, x_inv, _, _ = quantize_fp8_rowwise(x2.t(), E4M3, ctx.margin)
+            grad_w = scaled_mm_rowwise(g_q, x_q.t(), g_inv, x_inv.t(), ctx.backend).to(w_dtype)
+        if ctx.needs_input_grad[2]:
+            grad_b = grad2.float().sum(0).to(b_dtype)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, states, backend, record):
@@ -453,6 +641,10 @@ def fp8_linear(
     and ``weight``'s dtypes (the f32 master weight gets an f32 gradient); ``dL/dbias`` in f32
     from the unquantised ``dL/dy``.
 
+    With the ``rowwise`` recipe (the states' recipe) every GEMM is a :func:`scaled_mm_rowwise`
+    with scales per non-reduced index (module docstring, *Row-wise scaling*); the gradient
+    state sees ``dL/dy`` per sample, as it enters ``dL/dx``.
+
     Args:
         x: ``[..., in]`` any float dtype.
         weight: ``[out, in]`` (the f32 master).
@@ -465,6 +657,8 @@ def fp8_linear(
     """
     # Only training forwards (autograd recording) move the delayed recipe's history.
     record = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if states[0].recipe.recipe == "rowwise":
+        return _FP8RowwiseLinear.apply(x, weight, bias, states, backend, record)
     return _FP8Linear.apply(x, weight, bias, states, backend, record)
 
 

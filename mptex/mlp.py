@@ -13,7 +13,7 @@ from torch import nn
 from mptex.fp8 import E4M3, E5M2, ScalingRecipe, ScalingState, fp8_linear, statistics
 from mptex.network import FullyFusedMLP
 from mptex.precision import PrecisionPolicy, scale_grad
-from mptex.quantize import fake_quantize, quantization_error
+from mptex.quantize import fake_quantize, fake_quantize_input, quantization_error
 
 __all__ = ["PrecisionMLP", "CastLinear", "FP8Linear", "QuantizedLinear", "reduced_linear"]
 
@@ -91,7 +91,9 @@ class QuantizedLinear(CastLinear):
     with a straight-through gradient to the f32 master weight: quantisation-aware training.
 
     Args:
-        weight_quant: ``"int8"`` or ``"fp8"``; the other arguments are :class:`CastLinear`'s.
+        weight_quant: ``"int8"``, ``"fp8"`` or ``"fp8_rowwise"`` (E4M3 per output channel,
+            and the layer input E4M3 per row: :func:`mptex.quantize.fake_quantize_input`); the
+            other arguments are :class:`CastLinear`'s.
 
     Attributes:
         collect_stats: when set, each forward records the weight's quantisation error
@@ -105,6 +107,7 @@ class QuantizedLinear(CastLinear):
         self._weight_error: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = fake_quantize_input(x, self.weight_quant)
         weight = fake_quantize(self.weight, self.weight_quant)
         if self.collect_stats:
             self._weight_error = quantization_error(self.weight, weight)

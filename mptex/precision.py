@@ -39,21 +39,28 @@ nvdiffrec_scale1        (from ``nvdiffrec``) its x128 / /128 hooks with scale 1:
 
 Arms below f16 (:mod:`mptex.fp8`, :mod:`mptex.quantize`; f32 master weights throughout):
 
-============  =========  ========================================  ============  ==============
-arm           encoder    MLP GEMMs                                 loss scaling  weights seen
-============  =========  ========================================  ============  ==============
-fp8           f16        FP8: E4M3 inputs/weights, E5M2 gradients  nvdiffrec     E4M3
-                         per-tensor, delayed scaling (TE defaults)
-fp8_current   f16        FP8 as ``fp8``, current scaling           nvdiffrec     E4M3
-int8_qat      f32        f32                                       none          int8 (fake)
-fp8_qat       f32        f32                                       none          E4M3 (fake)
-============  =========  ========================================  ============  ==============
+================  =========  ========================================  ============  ==============
+arm               encoder    MLP GEMMs                                 loss scaling  weights seen
+================  =========  ========================================  ============  ==============
+fp8               f16        FP8: E4M3 inputs/weights, E5M2 gradients  nvdiffrec     E4M3
+                             per-tensor, delayed scaling (TE defaults)
+fp8_current       f16        FP8 as ``fp8``, current scaling           nvdiffrec     E4M3
+fp8_rowwise       f16        FP8 as ``fp8``, one current scale per     nvdiffrec     E4M3
+                             row/channel of each GEMM operand
+int8_qat          f32        f32                                       none          int8 (fake)
+fp8_qat           f32        f32                                       none          E4M3 (fake)
+fp8_rowwise_qat   f32        f32, layer inputs E4M3 per row (fake)     none          E4M3 per
+                                                                                     channel (fake)
+================  =========  ========================================  ============  ==============
 
 ``fp8`` and ``fp8_current`` are ``nvdiffrec`` with the MLP's GEMMs in FP8 (``fp8_gemm``):
 ``torch._scaled_mm`` on CUDA devices with FP8 tensor cores, an emulation with the same casts
 elsewhere. The QAT arms train for an int8 or FP8 decoder: the forward sees the weights
 fake-quantised (``weight_quant``: int8 per output channel, FP8 per tensor), the gradient
-passes straight through to the f32 master weights.
+passes straight through to the f32 master weights. ``fp8_rowwise`` scales every GEMM operand
+per row or channel (:mod:`mptex.fp8`, *Row-wise scaling*) instead of per tensor, and
+``fp8_rowwise_qat`` trains for a decoder that runs so: its forward sees the weights E4M3 per
+output channel and each layer's inputs E4M3 per row (sample), both straight through.
 """
 
 from __future__ import annotations
@@ -208,14 +215,16 @@ class PrecisionPolicy:
         fp8_gemm: the linear layers' GEMMs in FP8 (:func:`mptex.fp8.fp8_linear`: inputs and
             weights E4M3, output gradients E5M2, per-tensor scales, f32 accumulation, f32
             output); needs ``mlp_dtypes [f32]`` (the values between the GEMMs) and f32 masters.
-        fp8_recipe: ``"delayed"`` (an amax history: Transformer Engine's ``DelayedScaling``) or
-            ``"current"`` (each tensor's own amax).
+        fp8_recipe: ``"delayed"`` (an amax history: Transformer Engine's ``DelayedScaling``),
+            ``"current"`` (each tensor's own amax) or ``"rowwise"`` (each row's or channel's own
+            amax, :func:`mptex.fp8.scaled_mm_rowwise`).
         fp8_margin: ``scale = fp8_max / amax / 2**fp8_margin`` (Transformer Engine: 0).
         fp8_amax_history_len: the delayed recipe's history length (Transformer Engine: 1024).
         fp8_amax_compute_algo: ``"max"`` of the history (Transformer Engine) or
             ``"most_recent"``.
         weight_quant: ``"none"``, or quantisation-aware training for an ``"int8"`` (per output
-            channel, symmetric) or ``"fp8"`` (E4M3, per tensor) decoder: the forward uses the
+            channel, symmetric), ``"fp8"`` (E4M3, per tensor) or ``"fp8_rowwise"`` (E4M3 per
+            output channel, and the layer inputs E4M3 per row) decoder: the forward uses the
             fake-quantised weights (:func:`mptex.quantize.fake_quantize`), the gradient reaches
             the f32 masters straight through.
 
@@ -452,8 +461,12 @@ for _arm in (
     dataclasses.replace(
         _ARMS["nvdiffrec"], name="fp8_current", fp8_gemm=True, fp8_recipe="current"
     ),  # fmt: skip
+    dataclasses.replace(
+        _ARMS["nvdiffrec"], name="fp8_rowwise", fp8_gemm=True, fp8_recipe="rowwise"
+    ),  # fmt: skip
     PrecisionPolicy("int8_qat", _f32, (_f32,), weight_quant="int8"),
     PrecisionPolicy("fp8_qat", _f32, (_f32,), weight_quant="fp8"),
+    PrecisionPolicy("fp8_rowwise_qat", _f32, (_f32,), weight_quant="fp8_rowwise"),
     PrecisionPolicy("bf16_grid", _bf16, (_bf16,)),
 ):
     _ARMS[_arm.name] = _arm

@@ -9,6 +9,9 @@ gradients.
   used, so the range is symmetric.
 * **fp8**, per tensor, E4M3 with the current amax (:func:`mptex.fp8.quantize_fp8`,
   ``scale = 448 / amax``): the weight stands for ``fp8(W * scale) / scale``.
+* **fp8_rowwise**, E4M3 per output channel (row ``c`` with ``scale_c = 448 / amax_c``,
+  :func:`mptex.fp8.quantize_fp8_rowwise`), for a decoder whose layer inputs are E4M3 per row
+  (sample) as well: :func:`fake_quantize_input` rounds them so in training.
 
 Fake quantisation returns the f32 value the quantised weight stands for; the backward passes
 the gradient through unchanged (the straight-through estimator: ``d fake_quantize(W) / dW`` is
@@ -20,7 +23,14 @@ from __future__ import annotations
 
 import torch
 
-from mptex.fp8 import E4M3, dequantize_fp8, fp8_scale, quantization_error, quantize_fp8
+from mptex.fp8 import (
+    E4M3,
+    dequantize_fp8,
+    fp8_scale,
+    quantization_error,
+    quantize_fp8,
+    quantize_fp8_rowwise,
+)
 
 __all__ = [
     "WEIGHT_QUANT",
@@ -28,10 +38,11 @@ __all__ = [
     "int8_channel_scales",
     "quantize_int8",
     "fake_quantize",
+    "fake_quantize_input",
     "quantization_error",
 ]
 
-WEIGHT_QUANT = ("none", "int8", "fp8")
+WEIGHT_QUANT = ("none", "int8", "fp8", "fp8_rowwise")
 INT8_MAX = 127
 
 
@@ -58,6 +69,9 @@ def _quantized_value(weight: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "int8":
         q, scales = quantize_int8(weight)
         return q.float() * scales[:, None]
+    if kind == "fp8_rowwise":
+        q, scale_inv, _, _ = quantize_fp8_rowwise(weight.detach(), E4M3)
+        return dequantize_fp8(q, scale_inv)
     amax = weight.detach().float().abs().amax()
     q, scale_inv, _, _ = quantize_fp8(weight.detach(), fp8_scale(amax, E4M3), E4M3, amax)
     return dequantize_fp8(q, scale_inv)
@@ -78,8 +92,8 @@ def fake_quantize(weight: torch.Tensor, kind: str) -> torch.Tensor:
 
     Args:
         weight: ``[out, in]`` float (the f32 master).
-        kind: ``"int8"`` (per output channel) or ``"fp8"`` (per tensor, E4M3); ``"none"``
-            returns ``weight`` itself.
+        kind: ``"int8"`` (per output channel), ``"fp8"`` (per tensor, E4M3) or
+            ``"fp8_rowwise"`` (per output channel, E4M3); ``"none"`` returns ``weight`` itself.
 
     Returns:
         ``[out, in]`` in ``weight``'s dtype; its gradient reaches ``weight`` unchanged.
@@ -89,3 +103,35 @@ def fake_quantize(weight: torch.Tensor, kind: str) -> torch.Tensor:
     if kind not in WEIGHT_QUANT:
         raise ValueError(f"kind: expected one of {WEIGHT_QUANT}, got {kind!r}")
     return _StraightThrough.apply(weight, kind)
+
+
+def fake_quantize_input(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """A layer's input as the decoder of ``kind`` sees it, with a straight-through gradient:
+    for ``"fp8_rowwise"`` each row (sample) E4M3 with its own current scale
+    (:func:`mptex.fp8.quantize_fp8_rowwise`); ``x`` itself for the other kinds, whose decoders
+    take the inputs unrounded.
+
+    Args:
+        x: ``[..., in]`` float.
+        kind: one of :data:`WEIGHT_QUANT`.
+
+    Returns:
+        ``x``'s shape and dtype; its gradient reaches ``x`` unchanged.
+    """
+    if kind not in WEIGHT_QUANT:
+        raise ValueError(f"kind: expected one of {WEIGHT_QUANT}, got {kind!r}")
+    if kind != "fp8_rowwise":
+        return x
+    return _StraightThroughRows.apply(x)
+
+
+class _StraightThroughRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        rows = x.detach().reshape(-1, x.shape[-1])
+        q, scale_inv, _, _ = quantize_fp8_rowwise(rows, E4M3)
+        return dequantize_fp8(q, scale_inv).reshape(x.shape).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad

@@ -57,8 +57,9 @@ def fp8_value(code: int, dtype: torch.dtype) -> float:
 
 
 def fake_quantize_reference(weight: torch.Tensor, kind: str) -> torch.Tensor:
-    """float64 values of an int8 (per output channel, symmetric) or FP8 (E4M3, per tensor)
-    fake-quantised weight: each step one float32 rounding, as mptex.quantize documents."""
+    """float64 values of an int8 (per output channel, symmetric), FP8 (E4M3, per tensor) or
+    ``fp8_rowwise`` (E4M3, per output channel) fake-quantised weight: each step one float32
+    rounding, as mptex.quantize documents."""
     w = weight.detach().numpy().astype(np.float32)
     out = np.zeros(w.shape, dtype=np.float64)
     if kind == "int8":
@@ -70,13 +71,73 @@ def fake_quantize_reference(weight: torch.Tensor, kind: str) -> torch.Tensor:
                 q = max(-127.0, min(127.0, float(np.round(np.float64(ratio)))))
                 out[c, j] = float(np.float32(np.float32(q) * scale))
         return torch.from_numpy(out)
-    amax = np.float32(np.abs(w).max())
-    scale = np.float32(np.float32(448.0) / amax)
-    inverse = np.float32(np.float32(1.0) / scale)
-    for index, v in np.ndenumerate(w):
-        code = fp8_code(float(np.float32(v * scale)), torch.float8_e4m3fn)
-        out[index] = float(np.float32(np.float32(fp8_value(code, torch.float8_e4m3fn)) * inverse))
-    return torch.from_numpy(out)
+    if kind == "fp8_rowwise":  # E4M3, one scale per output channel
+        return torch.from_numpy(np.stack([_e4m3_fake(row) for row in w]))
+    return torch.from_numpy(_e4m3_fake(w))
+
+
+def _e4m3_fake(w: np.ndarray) -> np.ndarray:
+    """float64 values of float32 ``w`` fake-quantised to E4M3 with one current scale for all of
+    it (448 / amax in float32; 1 for an all-zero ``w``)."""
+    out = np.zeros(w.shape, dtype=np.float64)
+    codes, inverse = rowwise_codes(w.reshape(1, -1), E4M3)
+    for index, code in np.ndenumerate(codes.reshape(w.shape)):
+        out[index] = float(np.float32(np.float32(fp8_value(int(code), E4M3)) * inverse[0]))
+    return out
+
+
+def rowwise_codes(x: np.ndarray, dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """FP8 codes of float32 ``x`` ``[M, K]`` with one current scale per row, and the float32
+    inverse scales ``[M]``, one element at a time: ``scale_i = fp8_max / amax_i`` (one float32
+    division; 1 for a zero row), ``code = fp8(float32(x * scale_i))``."""
+    fp8_max = np.float32(448.0 if dtype == E4M3 else 57344.0)
+    codes = np.zeros(x.shape, dtype=np.int64)
+    inverse = np.zeros(x.shape[0], dtype=np.float32)
+    for i in range(x.shape[0]):
+        amax = np.float32(0.0)
+        for v in x[i]:
+            amax = max(amax, np.float32(abs(v)))
+        scale = np.float32(fp8_max / amax) if amax > 0 else np.float32(1.0)
+        inverse[i] = np.float32(1.0) / scale
+        for k in range(x.shape[1]):
+            codes[i, k] = fp8_code(float(np.float32(x[i, k]) * scale), dtype)
+    return codes, inverse
+
+
+def rowwise_gemm_reference(codes_a, dtype_a, codes_b, dtype_b, scale_a, scale_b) -> np.ndarray:
+    """float32 ``[M, N]``: per element the exact sum of the FP8 products (rationals), rounded
+    once to float32, then multiplied in float32 by ``scale_a[i]`` and then by ``scale_b[j]``.
+
+    Args:
+        codes_a: ``[M, K]`` FP8 codes of ``a``; codes_b: ``[K, N]`` of ``b``.
+        scale_a: ``[M]`` float32; scale_b: ``[N]`` float32.
+    """
+    m, k = codes_a.shape
+    n = codes_b.shape[1]
+    va = [[Fraction(fp8_value(int(c), dtype_a)) for c in row] for row in codes_a]
+    vb = [[Fraction(fp8_value(int(codes_b[t, j]), dtype_b)) for t in range(k)] for j in range(n)]
+    out = np.zeros((m, n), dtype=np.float32)
+    for i in range(m):
+        for j in range(n):
+            exact = sum((x * y for x, y in zip(va[i], vb[j], strict=True)), Fraction(0))
+            # float() of a Fraction rounds once to float64; it is exact here, so the float32
+            # rounding that follows is the only one.
+            assert Fraction(float(exact)) == exact, "sum not exact in float64"
+            acc = np.float32(float(exact))
+            out[i, j] = np.float32(
+                np.float32(acc * np.float32(scale_a[i])) * np.float32(scale_b[j])
+            )
+    return out
+
+
+def seen_input(h: torch.Tensor, policy) -> torch.Tensor:
+    """float64 layer input the decoder of a QAT arm sees: for ``fp8_rowwise`` each row of the
+    float32 ``h`` fake-quantised to E4M3 with its own scale (per-element reference); ``h``
+    otherwise."""
+    if policy.weight_quant != "fp8_rowwise":
+        return h
+    x = h.detach().float().numpy()
+    return torch.from_numpy(np.stack([_e4m3_fake(row) for row in x]))
 
 
 def seen_weight(layer, policy):

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from fp8_reference import FORMATS, fp8_code
+from fp8_reference import FORMATS, fp8_code, rowwise_codes, rowwise_gemm_reference
 
 from mptex.fp8 import (
     E4M3,
@@ -18,8 +18,10 @@ from mptex.fp8 import (
     fp8_linear,
     fp8_scale,
     quantize_fp8,
+    quantize_fp8_rowwise,
     resolve_gemm_backend,
     scaled_mm,
+    scaled_mm_rowwise,
 )
 from mptex.mlp import FP8Linear, PrecisionMLP
 from mptex.precision import PrecisionPolicy, PrecisionStepper
@@ -49,7 +51,8 @@ def test_cast_matches_the_per_element_reference(dtype):
 
 
 def test_scale_is_transformer_engines_formula_in_float32():
-    amax = torch.tensor([3.0e-5, 0.7, 1.0, 413.25, 9.9e4], dtype=torch.float32)
+    # 0.14917877 and 0.3: torch's 448.0 / amax (reciprocal, then multiply) is one ulp off there.
+    amax = torch.tensor([3.0e-5, 0.7, 1.0, 413.25, 9.9e4, 0.14917877, 0.3], dtype=torch.float32)
     for dtype in (E4M3, E5M2):
         for margin in (0, 1, 3):
             got = fp8_scale(amax, dtype, margin)
@@ -262,7 +265,7 @@ def test_no_grad_forwards_leave_the_history_alone():
         assert all(torch.equal(before[role][k], after[role][k]) for k in before[role])
 
 
-@pytest.mark.parametrize("arm", ["fp8", "fp8_current"])
+@pytest.mark.parametrize("arm", ["fp8", "fp8_current", "fp8_rowwise"])
 def test_an_overflowing_step_never_puts_nan_into_weights_or_adam(arm):
     torch.manual_seed(0)
     policy = PrecisionPolicy.from_config({"name": arm, "encoder_dtype": "f32",
@@ -306,3 +309,159 @@ def test_fp8_policy_checks_name_the_key():
         with pytest.raises(ValueError, match=rf"^{key}: ") as info:
             PrecisionPolicy.from_config(cfg)
         assert "\n" not in str(info.value)
+
+
+# ----------------------------------------------------------------------------- row-wise scaling
+
+
+def _rows(m: int, k: int, seed: int) -> torch.Tensor:
+    """Rows of very different magnitudes (1e-5 .. 1e3), one all-zero row."""
+    x = _values(m * k, seed).reshape(m, k) * 10.0 ** torch.linspace(-3, 1, m)[:, None]
+    x[m // 2] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_rowwise_quantizer_matches_the_per_element_reference(dtype):
+    x = _rows(23, 32, 5)
+    q, scale_inv, amax, used = quantize_fp8_rowwise(x, dtype)
+    codes, inverse = rowwise_codes(x.numpy(), dtype)
+    assert q.view(torch.uint8).tolist() == codes.tolist()
+    assert scale_inv.shape == (23, 1) and scale_inv[:, 0].tolist() == inverse.tolist()
+    assert amax[:, 0].tolist() == x.abs().amax(dim=1).tolist()
+    # The zero row: scale 1, all codes +0, and nothing but finite numbers anywhere.
+    assert used[11].item() == 1.0 and not q[11].view(torch.uint8).any()
+    assert torch.isfinite(scale_inv).all() and torch.isfinite(q.float()).all()
+
+
+def _operands(m, k, n, dtype_a, seed):
+    a = _rows(m, k, seed)
+    b = _rows(n, k, seed + 1)  # b's columns are the rows of b^T
+    qa, sa, _, _ = quantize_fp8_rowwise(a, dtype_a)
+    qb, sb, _, _ = quantize_fp8_rowwise(b, E4M3)
+    return qa, qb.t(), sa, sb.t()
+
+
+@pytest.mark.parametrize("shape", [(7, 32, 5), (37, 32, 24), (5, 3, 2)])
+@pytest.mark.parametrize("dtype_a", [E4M3, E5M2])
+def test_rowwise_gemm_emulation_is_bit_exact(shape, dtype_a):
+    m, k, n = shape
+    qa, qb, sa, sb = _operands(m, k, n, dtype_a, m + k)
+    out = scaled_mm_rowwise(qa, qb, sa, sb, backend="emulated")
+    ref = rowwise_gemm_reference(qa.view(torch.uint8).numpy(), dtype_a,
+                                 qb.view(torch.uint8).numpy(), E4M3,
+                                 sa[:, 0].numpy(), sb[0].numpy())  # fmt: skip
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    assert out.tolist() == ref.tolist()  # every element, every bit (and -0.0 == 0.0)
+    assert not out[m // 2].any() and not out[:, n // 2].any()  # the zero row and column
+
+
+def test_rowwise_gemm_checks_its_arguments():
+    qa, qb, sa, sb = _operands(4, 8, 3, E4M3, 0)
+    with pytest.raises(ValueError, match=r"^scale_a, scale_b: expected \[4, 1\] and \[1, 3\]"):
+        scaled_mm_rowwise(qa, qb, sb.t(), sa.t(), backend="emulated")
+    with pytest.raises(ValueError, match="^a, b: expected an E4M3/E5M2 a and an E4M3 b"):
+        scaled_mm_rowwise(qa, qb.to(E5M2), sa, sb, backend="emulated")
+    with pytest.raises(ValueError, match=r"^a, b: expected \[M, K\] and \[K, N\]"):
+        scaled_mm_rowwise(qa, qb.t(), sa, sb, backend="emulated")
+
+
+def test_one_huge_row_flushes_the_others_per_tensor_but_not_row_wise():
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(16, 32, generator=gen) * 1e-3
+    x[0] *= 1e6  # one sample with activations ~1e3
+    per_tensor, inv, _, _ = quantize_fp8(x, fp8_scale(x.abs().max(), E4M3), E4M3)
+    # 448 / amax ~ 0.1 puts the small rows at ~1e-4, below E4M3's smallest subnormal 2^-9 / 2.
+    assert not per_tensor[1:].float().any()
+    rowwise, inv_rows, _, _ = quantize_fp8_rowwise(x, E4M3)
+    rows = (rowwise.float() * inv_rows).double()
+    error = (rows - x.double()).norm(dim=1) / x.double().norm(dim=1)
+    # E4M3 keeps 3 fraction bits: a relative error of at most 2^-4 per normal element.
+    assert (rowwise.float() != 0).all() and (error <= 2.0**-4).all(), error.max()
+
+
+def test_rowwise_non_finite_rows_become_nan_and_stay_in_their_rows():
+    x = _rows(6, 32, 7)
+    clean_q, clean_inv, _, _ = quantize_fp8_rowwise(x, E4M3)
+    bad = x.clone()
+    bad[1, 4], bad[4, 9] = math.inf, math.nan
+    q, scale_inv, amax, _ = quantize_fp8_rowwise(bad, E4M3)
+    assert torch.isnan(q.float()[1, 4]) and torch.isnan(q.float()[4, 9])
+    assert not torch.isfinite(amax[[1, 4]]).any()
+    keep = [0, 2, 3, 5]  # the zero row (3) included
+    assert torch.equal(q[keep].view(torch.uint8), clean_q[keep].view(torch.uint8))
+    w, w_inv, _, _ = quantize_fp8_rowwise(_rows(5, 32, 8), E4M3)
+    out = scaled_mm_rowwise(q, w.t(), scale_inv, w_inv.t(), backend="emulated")
+    assert torch.isnan(out[[1, 4]]).all() and torch.isfinite(out[keep]).all()
+    assert not torch.isinf(out).any()
+
+
+def test_rowwise_fp8_linear_quantises_each_gemm_along_its_reduced_axis():
+    """Forward, input and weight gradients bit for bit against the per-element reference, each
+    operand scaled per index its GEMM does not reduce over (module docstring)."""
+    x = _rows(19, 32, 9).requires_grad_()
+    w = (_rows(8, 32, 10) * 0.3).requires_grad_()
+    g = _rows(19, 8, 11) * 1e-5  # training-sized cotangent
+    r = ScalingRecipe("rowwise")
+    states = (ScalingState(E4M3, r, None), ScalingState(E4M3, r, None), ScalingState(E5M2, r, None))
+    y = fp8_linear(x, w, None, states, backend="emulated")
+    grad_x, grad_w = torch.autograd.grad((y * g).sum(), (x, w))
+    xn, wn, gn = x.detach().numpy(), w.detach().numpy(), g.numpy()
+
+    def product(a, dtype_a, b_t):  # a [M, K] per row, b_t [N, K] per row (columns of b)
+        ca, sa = rowwise_codes(a, dtype_a)
+        cb, sb = rowwise_codes(b_t, E4M3)
+        return rowwise_gemm_reference(ca, dtype_a, cb.T, E4M3, sa, sb)
+
+    assert y.tolist() == product(xn, E4M3, wn).tolist()  # X per sample, W per output channel
+    assert grad_x.tolist() == product(gn, E5M2, wn.T).tolist()  # dY per sample, W per input
+    assert grad_w.tolist() == product(gn.T, E5M2, xn.T).tolist()  # both per channel
+    # The statistics are per tensor: the largest row amax.
+    assert states[0].last_amax.item() == x.abs().max().item()
+
+
+@pytest.mark.parametrize("arm", ["fp8_rowwise", "fp8_rowwise_qat"])
+def test_rowwise_arms_train_on_the_cpu(arm):
+    from mptex import MLPTexture3D
+
+    torch.manual_seed(0)
+    texture = MLPTexture3D(torch.tensor([[0.0] * 3, [1.0] * 3]), precision=arm, backend="torch",
+                           encoder={"otype": "HashGrid", "n_levels": 4, "n_features_per_level": 2,
+                                    "log2_hashmap_size": 12, "base_resolution": 4,
+                                    "per_level_scale": 2.0})  # fmt: skip
+    optimizer = torch.optim.Adam(texture.parameters(), lr=1e-2)
+    stepper = PrecisionStepper(texture.policy, optimizer)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(30):
+        p = torch.rand(1024, 3, generator=gen)
+        target = torch.stack([p[:, 0], p[:, 1] * p[:, 2], 0.5 + 0.0 * p[:, 0]], dim=1)
+        optimizer.zero_grad()
+        loss = (texture.sample(p) - target).square().mean()
+        result = stepper(loss)
+        assert not result.skipped
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses)
+    assert sum(losses[-5:]) < 0.5 * sum(losses[:5]), losses
+    assert all(torch.isfinite(p).all() for p in texture.parameters())
+
+
+def test_the_gpu_kits_rowwise_comparison_runs_here():
+    """benchmarks/gpu/fp8_rowwise.py as a script on the CPU: the emulation within its bound,
+    no hardware entries."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = root / "benchmarks" / "gpu" / "fp8_rowwise.py"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--n", "64",
+                           "--repeats", "1"], cwd=root, capture_output=True, text=True,
+                          check=True)  # fmt: skip
+    rows = json.loads(done.stdout)
+    assert [r["case"] for r in rows] == [
+        "forward, hidden layer", "forward, output layer", "input gradient", "weight gradient",
+    ]  # fmt: skip
+    assert all(r["ok"] and r["emulated_err"] <= r["emulated_bound"] for r in rows), rows
+    assert all(r["scaled_mm_err"] is None and r["bit_equal_frac"] is None for r in rows)

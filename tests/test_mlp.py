@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import TOL
-from fp8_reference import seen_weight
+from fp8_reference import seen_input, seen_weight
 
 from mptex.mlp import CastLinear, PrecisionMLP
 from mptex.precision import PrecisionPolicy
@@ -32,7 +32,7 @@ def _reference(mlp, x):
     out, bound = x.double(), x.double().abs()
     for i, layer in enumerate(mlp.layers):
         weight = seen_weight(layer, mlp.policy)
-        out = out @ weight.T
+        out = seen_input(out, mlp.policy) @ weight.T
         bound = bound @ weight.abs().T
         if i < len(mlp.layers) - 1:
             out = out.relu()

@@ -15,7 +15,7 @@ ARMS = [
     "nvdiffrec", "f32", "f16_naive", "f16_static", "f16_dynamic", "amp", "bf16", "per_layer",
     "tcnn_fused", "tcnn_fused_swap154", "tcnn_fused_dynamic", "tcnn_fused_f32acc",
     "tcnn_fused_nosplitk", "tcnn_fused_scale1024", "nvdiffrec_scale1", "fp8", "fp8_current",
-    "int8_qat", "fp8_qat", "bf16_grid",
+    "fp8_rowwise", "int8_qat", "fp8_qat", "fp8_rowwise_qat", "bf16_grid",
 ]  # fmt: skip
 
 

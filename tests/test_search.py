@@ -38,18 +38,19 @@ def test_space_counts_follow_the_pruning_rules():
     kept, pruned = enumerate_space(3, 32)
     # Raw space: 2 encoders x 3^3 layer dtypes x 2 master settings x 3 loss-scaling modes = 324
     # linear candidates, + fused: 2 encoders x (tcnn, none, static, dynamic) = 8, + below f16:
-    # 2 encoders x 4 kinds (fp8, fp8_current, int8_qat, fp8_qat) x 3 loss-scaling modes = 24.
-    assert len(kept) + len(pruned) == 324 + 8 + 24
+    # 2 encoders x 6 kinds (fp8, fp8_current, fp8_rowwise, int8_qat, fp8_qat, fp8_rowwise_qat)
+    # x 3 loss-scaling modes = 36.
+    assert len(kept) + len(pruned) == 324 + 8 + 36
     names = {c.name for c in kept}
     by_name = {p["candidate"]: p for p in pruned}
     # f32 masters: encoder f16 keeps all 27 x 3 = 81; encoder f32 loses the 8 layer assignments
     # without f16 ({f32, bf16}^3) x {static, dynamic} = 16 (redundant scaling): 65.
     # No masters: only a single dtype for all layers (3) x 2 encoders x loss "none" (GradScaler
     # refuses f16 grads) = 6, minus the 2 all-f32 ones (redundant): 4. Fused: 2 x 3 = 6.
-    # Below f16: an f16 encoder keeps all 4 x 3 = 12; an f32 encoder only loss "none" (4), its
-    # 8 scaled ones are redundant (FP8's per-tensor scales absorb a loss scale; QAT is f32).
-    assert len(kept) == 81 + 65 + 4 + 6 + 12 + 4
-    assert sum(p["rule"] == "redundant" for p in pruned) == 16 + 2 + 8
+    # Below f16: an f16 encoder keeps all 6 x 3 = 18; an f32 encoder only loss "none" (6), its
+    # 12 scaled ones are redundant (FP8's scales absorb a loss scale; QAT is f32).
+    assert len(kept) == 81 + 65 + 4 + 6 + 18 + 6
+    assert sum(p["rule"] == "redundant" for p in pruned) == 16 + 2 + 12
     assert {"e16-fp8-dyn", "e16-fp8cur-none", "e32-qat8-none", "e32-qatfp8-none"} <= names
     assert by_name["e32-fp8-dyn"]["rule"] == "redundant"
     assert enumerate_space(3, 32, {"quantized": []})[0] == [c for c in kept if c.quant == "none"]
@@ -187,12 +188,23 @@ def test_cost_of_fp8_gemms_and_qat_by_hand():
     assert parts["layer 1 amax histories"]["kernels"] == 6
     current = _parts(Candidate("f16", ("f32", "f32"), True, "none", quant="fp8_current"))
     assert not any("histories" in n for n in current)
+    # row-wise: one f32 scale per row of the input and the gradient (1000 each) and of the
+    # weight (16 output channels), written and read; input (4000), weight (64) and gradient
+    # (16000) quantised again along their other axis, with 4 + 4 + 16 more scales.
+    rowwise = _parts(Candidate("f16", ("f32", "f32"), True, "none", quant="fp8_rowwise"))
+    assert rowwise["layer 0 row scales"]["bytes"] == (2 * 1000 + 16) * 4 * 2
+    assert rowwise["layer 0 column-wise quantise"]["bytes"] == 20064 * 9 + 24 * 8
+    assert rowwise["layer 0 forward"] == current["layer 0 forward"]
+    assert not any("histories" in n for n in rowwise)
     # the f16 grid's features cast to f32 for the first layer (forward and backward).
     assert parts["layer 0 input cast"]["bytes"] == 2 * 1000 * 4 * (2 + 4)
     qat = _parts(Candidate("f32", ("f32", "f32"), quant="int8_qat"))
     assert qat["layer 1 fake quantisation"]["kernels"] == 5
     assert qat["layer 1 fake quantisation"]["bytes"] == 48 * 4 * 2 * 5
     assert qat["layer 1 forward"] == _parts(Candidate("f32", ("f32", "f32")))["layer 1 forward"]
+    row_qat = _parts(Candidate("f32", ("f32", "f32"), quant="fp8_rowwise_qat"))
+    assert row_qat["layer 0 input fake quantisation"]["bytes"] == 1000 * 4 * 4 * 2 * 5
+    assert not any("input fake" in n for n in qat)
 
 
 # ----------------------------------------------------------------------------- certification

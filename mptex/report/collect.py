@@ -52,7 +52,8 @@ REFERENCE_ARM = "f32"
 # Table order: the reference first, then the registered arms in a fixed order; unknown arms
 # follow by name.
 ARM_ORDER = ("f32", "nvdiffrec", "f16_naive", "f16_static", "f16_dynamic", "amp", "bf16",
-             "per_layer", "tcnn_fused", "fp8", "fp8_current", "int8_qat", "fp8_qat")  # fmt: skip
+             "per_layer", "tcnn_fused", "fp8", "fp8_current", "fp8_rowwise", "int8_qat", "fp8_qat",
+             "fp8_rowwise_qat")  # fmt: skip
 # Config keys that never separate rows. train.seed: seeds are what the statistics pair over.
 # train.resume / progress / tensorboard: how a run was driven, not what it computed (a resumed
 # job would otherwise become a row of its own).

@@ -27,7 +27,7 @@ ARM_COLORS = {
     "f32": "#000000", "nvdiffrec": "#1f77b4", "f16_naive": "#d62728", "f16_static": "#ff7f0e",
     "f16_dynamic": "#2ca02c", "amp": "#9467bd", "bf16": "#8c564b", "per_layer": "#e377c2",
     "tcnn_fused": "#17becf", "fp8": "#bcbd22", "fp8_current": "#7f7f7f", "int8_qat": "#aec7e8",
-    "fp8_qat": "#98df8a",
+    "fp8_qat": "#98df8a", "fp8_rowwise": "#dbdb8d", "fp8_rowwise_qat": "#c5b0d5",
 }  # fmt: skip
 _LINESTYLES = ("-", "--", "-.", ":")
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<")

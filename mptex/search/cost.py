@@ -31,15 +31,20 @@ device-to-host synchronisation. The iteration's cost is the sum over parts. Assu
   accumulation; input padded to a multiple of 16 and output to 16 columns; the hidden
   activations are written in the forward and read in the backward (tcnn keeps them for the
   backward pass); its loss scale is folded into its kernels.
-- FP8 GEMMs (candidates ``fp8``, ``fp8_current``; :mod:`mptex.fp8`): per layer the input and
-  the weight are quantised (an amax reduction over f32, then a scale-and-cast kernel writing one
-  byte per value) and the output gradient likewise in the backward; the three GEMMs (forward,
-  input and weight gradients) run at the FP8 tensor-core rate with f32 accumulation, reading
-  one-byte operands and writing f32; the delayed recipe updates each of the three amax
-  histories and scales (2 kernels each). A GPU without FP8 tensor cores runs mptex's
-  emulation: the operands converted to f32 and an f32 GEMM.
-- QAT (``int8_qat``, ``fp8_qat``): the f32 MLP plus each weight's fake quantisation forward
-  (``QAT_KERNELS`` small kernels over the weight: its amax, scale, divide, round, multiply).
+- FP8 GEMMs (candidates ``fp8``, ``fp8_current``, ``fp8_rowwise``; :mod:`mptex.fp8`): per
+  layer the input and the weight are quantised (an amax reduction over f32, then a
+  scale-and-cast kernel writing one byte per value) and the output gradient likewise in the
+  backward; the three GEMMs (forward, input and weight gradients) run at the FP8 tensor-core
+  rate with f32 accumulation, reading one-byte operands and writing f32; the delayed recipe
+  updates each of the three amax histories and scales (2 kernels each). Row-wise scaling
+  (``fp8_rowwise``) writes and reads one f32 amax/scale per row of each quantised operand, and
+  quantises the input, the weight and the output gradient a second time along the other axis
+  for the backward GEMMs (the scales sit on the indices a GEMM does not reduce over). A GPU
+  without FP8 tensor cores runs mptex's emulation: the operands converted to f32 and an f32
+  GEMM.
+- QAT (``int8_qat``, ``fp8_qat``, ``fp8_rowwise_qat``): the f32 MLP plus each weight's fake
+  quantisation forward (``QAT_KERNELS`` small kernels over the weight: its amax, scale, divide,
+  round, multiply); ``fp8_rowwise_qat`` fake-quantises each layer's input the same way.
 - Adam (PyTorch's multi-tensor ``foreach``): per parameter read p, g, m, v and write p, m, v in
   the parameter dtype (28 B for f32), ``ADAM_KERNELS`` kernels per parameter group (grid, MLP).
 - Loss scaling: ``static``/``dynamic`` scale the loss (1 kernel), unscale and check every gradient
@@ -264,7 +269,7 @@ def _linear_mlp(c: Candidate, s: TextureShape, gpu: GPU) -> list[Part]:
 def _fp8_mlp(c: Candidate, s: TextureShape, gpu: GPU) -> list[Part]:
     """The MLP with FP8 GEMMs (module docstring); values between the layers f32."""
     parts, n, current = [], s.points, c.encoder
-    rate, delayed = gpu.rate("fp8"), c.quant == "fp8"
+    rate, delayed, rowwise = gpu.rate("fp8"), c.quant == "fp8", c.quant == "fp8_rowwise"
     dims = s.layer_dims()
     if current != "f32":  # the grid's features become the f32 input of the first layer
         parts.append(_cast("layer 0 input cast", 2 * n * dims[0][0], current, "f32"))
@@ -280,18 +285,37 @@ def _fp8_mlp(c: Candidate, s: TextureShape, gpu: GPU) -> list[Part]:
                           kernels=2))  # fmt: skip
         if delayed:
             parts.append(Part(f"layer {i} amax histories", kernels=3 * FP8_HISTORY_KERNELS))
+        if rowwise:
+            # One f32 scale per row written and read, for the row-wise operands (input and
+            # gradient per sample, weight per output channel) ...
+            rows = 2 * n + fan_out
+            parts.append(Part(f"layer {i} row scales", bytes=rows * 4 * 2))
+            # ... and input, weight and gradient again along their other axis for the
+            # backward GEMMs: amax + scale-and-cast as above, plus their scales.
+            again = n * fan_in + w + n * fan_out
+            scales = (2 * fan_in + fan_out) * 8
+            parts.append(Part(f"layer {i} column-wise quantise", bytes=again * 9 + scales,
+                              kernels=6))  # fmt: skip
         if i < len(dims) - 1:
             parts.append(Part(f"layer {i} activation", bytes=5 * n * fan_out * 4, kernels=2))
     return parts
 
 
 def _qat(c: Candidate, s: TextureShape) -> list[Part]:
-    """Each weight's fake quantisation in the forward (read and write the weight a few times)."""
-    return [
+    """Each weight's fake quantisation in the forward (read and write the weight a few times),
+    and for ``fp8_rowwise_qat`` each layer input's."""
+    parts = [
         Part(f"layer {i} fake quantisation", bytes=4 * fan_in * fan_out * 2 * QAT_KERNELS,
              kernels=QAT_KERNELS)
         for i, (fan_in, fan_out) in enumerate(s.layer_dims())
     ]  # fmt: skip
+    if c.quant == "fp8_rowwise_qat":
+        parts += [
+            Part(f"layer {i} input fake quantisation",
+                 bytes=4 * s.points * fan_in * 2 * QAT_KERNELS, kernels=QAT_KERNELS)
+            for i, (fan_in, _) in enumerate(s.layer_dims())
+        ]  # fmt: skip
+    return parts
 
 
 def _pad16(k: int) -> int:
@@ -358,11 +382,11 @@ def iteration_cost(
     gpu = GPUS[gpu] if isinstance(gpu, str) else gpu
     if candidate.mlp == "fused":
         mlp = _fused_mlp(candidate, shape, gpu)
-    elif candidate.quant in ("fp8", "fp8_current"):
+    elif candidate.quant in ("fp8", "fp8_current", "fp8_rowwise"):
         mlp = _fp8_mlp(candidate, shape, gpu)
     else:
         mlp = _linear_mlp(candidate, shape, gpu)
-        if candidate.quant in ("int8_qat", "fp8_qat"):
+        if candidate.quant in ("int8_qat", "fp8_qat", "fp8_rowwise_qat"):
             mlp += _qat(candidate, shape)
     parts = _grid(candidate, shape) + mlp
     parts += _optimizer(candidate, shape) + _loss_scaling(candidate, shape)

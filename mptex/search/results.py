@@ -183,8 +183,10 @@ def _kind(candidate: Candidate) -> str | None:
         return {
             "fp8": "FP8 GEMMs, delayed scaling",
             "fp8_current": "FP8 GEMMs, current scaling",
+            "fp8_rowwise": "FP8 GEMMs, row-wise scaling",
             "int8_qat": "trained for an int8 decoder",
             "fp8_qat": "trained for an FP8 decoder",
+            "fp8_rowwise_qat": "trained for a row-wise FP8 decoder",
         }[candidate.quant]
     if candidate.encoder == "bf16":
         return "bfloat16 hash grid"

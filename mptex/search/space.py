@@ -5,8 +5,9 @@ A :class:`Candidate` names one assignment: the hash grid's dtype, each linear la
 dtype (input layer first), whether the MLP keeps f32 master weights, the loss-scaling mode (and
 its static factor), the network kind (``"linear"``: :class:`~mptex.PrecisionMLP`,
 ``"fused"``: tcnn's FullyFusedMLP) and its quantisation below f16 (``"fp8"``,
-``"fp8_current"``: FP8 GEMMs with delayed or current scaling; ``"int8_qat"``, ``"fp8_qat"``:
-trained for an int8 / FP8 decoder; f32 values between the layers in each).
+``"fp8_current"``, ``"fp8_rowwise"``: FP8 GEMMs with delayed, current or row-wise scaling;
+``"int8_qat"``, ``"fp8_qat"``, ``"fp8_rowwise_qat"``: trained for an int8 / FP8 / row-wise FP8
+decoder; f32 values between the layers in each).
 :meth:`Candidate.policy` turns it into the :class:`~mptex.PrecisionPolicy` that ``mptex-train``
 runs.
 
@@ -44,15 +45,18 @@ __all__ = [
 
 
 # The quantisation of a candidate's MLP: the PrecisionPolicy fields each one sets.
-QUANT_KINDS = ("fp8", "fp8_current", "int8_qat", "fp8_qat")
+QUANT_KINDS = ("fp8", "fp8_current", "fp8_rowwise", "int8_qat", "fp8_qat", "fp8_rowwise_qat")
 _QUANT_FIELDS = {
     "none": {},
     "fp8": {"fp8_gemm": True, "fp8_recipe": "delayed"},
     "fp8_current": {"fp8_gemm": True, "fp8_recipe": "current"},
+    "fp8_rowwise": {"fp8_gemm": True, "fp8_recipe": "rowwise"},
     "int8_qat": {"weight_quant": "int8"},
     "fp8_qat": {"weight_quant": "fp8"},
+    "fp8_rowwise_qat": {"weight_quant": "fp8_rowwise"},
 }
-_QUANT_TAGS = {"fp8": "fp8", "fp8_current": "fp8cur", "int8_qat": "qat8", "fp8_qat": "qatfp8"}
+_QUANT_TAGS = {"fp8": "fp8", "fp8_current": "fp8cur", "fp8_rowwise": "fp8row", "int8_qat": "qat8",
+               "fp8_qat": "qatfp8", "fp8_rowwise_qat": "qatfp8row"}  # fmt: skip
 
 
 def _values(allowed: list[str]) -> ListOf:
@@ -79,8 +83,8 @@ class SpaceConfig:
     """Also try tcnn's fully fused f16 network where the width allows."""
     quantized: list[str] = setting(list(QUANT_KINDS), ListOf(OneOf(QUANT_KINDS), unique=True))
     """Also try the MLP below f16, with each encoder dtype and loss-scaling mode: FP8 GEMMs
-    (``fp8``: delayed scaling, ``fp8_current``) and QAT (``int8_qat``, ``fp8_qat``); ``[]``:
-    none."""
+    (``fp8``: delayed scaling, ``fp8_current``, ``fp8_rowwise``) and QAT (``int8_qat``,
+    ``fp8_qat``, ``fp8_rowwise_qat``); ``[]``: none."""
 
 
 SPACE_DEFAULTS = defaults_of(SpaceConfig)

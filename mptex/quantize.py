@@ -108,8 +108,8 @@ def fake_quantize(weight: torch.Tensor, kind: str) -> torch.Tensor:
 def fake_quantize_input(x: torch.Tensor, kind: str) -> torch.Tensor:
     """A layer's input as the decoder of ``kind`` sees it, with a straight-through gradient:
     for ``"fp8_rowwise"`` each row (sample) E4M3 with its own current scale
-    (:func:`mptex.fp8.quantize_fp8_rowwise`); ``x`` itself for the other kinds, whose decoders
-    take the inputs unrounded.
+    (:func:`mptex.fp8.quantize_fp8_rowwise`); ``x`` itself for the other kinds, which train
+    with rounded weights only.
 
     Args:
         x: ``[..., in]`` float.

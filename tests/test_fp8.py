@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from fp8_reference import FORMATS, fp8_code, rowwise_codes, rowwise_gemm_reference
+from fp8_reference import FORMATS, fp8_code, fp8_value, rowwise_codes, rowwise_gemm_reference
 
 from mptex.fp8 import (
     E4M3,
@@ -418,6 +418,24 @@ def test_rowwise_fp8_linear_quantises_each_gemm_along_its_reduced_axis():
     assert grad_w.tolist() == product(gn.T, E5M2, xn.T).tolist()  # both per channel
     # The statistics are per tensor: the largest row amax.
     assert states[0].last_amax.item() == x.abs().max().item()
+
+
+def test_rowwise_qat_rounds_inputs_per_row_with_a_straight_through_gradient():
+    from mptex.quantize import fake_quantize, fake_quantize_input
+
+    x = _rows(12, 32, 12).reshape(3, 4, 32).requires_grad_()
+    y = fake_quantize_input(x, "fp8_rowwise")
+    codes, inverse = rowwise_codes(x.detach().reshape(12, 32).numpy(), E4M3)
+    expected = [[float(np.float32(np.float32(fp8_value(int(c), E4M3)) * inverse[i]))
+                 for c in row] for i, row in enumerate(codes)]  # fmt: skip
+    assert y.reshape(12, 32).tolist() == expected
+    g = torch.randn(3, 4, 32)
+    y.backward(g)
+    assert torch.equal(x.grad, g)
+    assert fake_quantize_input(x, "fp8") is x and fake_quantize_input(x, "int8") is x
+    w = _rows(8, 32, 13)
+    assert torch.equal(fake_quantize(w, "fp8_rowwise"),
+                       fake_quantize_input(w, "fp8_rowwise"))  # per output channel  # fmt: skip
 
 
 @pytest.mark.parametrize("arm", ["fp8_rowwise", "fp8_rowwise_qat"])

@@ -49,194 +49,20 @@ everything, including the op counts by name.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import os
 import sys
 import tempfile
-import traceback
-import weakref
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, print_table  # noqa: E402
 
+from mptex.diagnostics.overhead import OverheadCounter  # noqa: E402
+from mptex.diagnostics.overhead import patch_host_reads as _patch_host_reads  # noqa: E402
+
 ARMS = ("f32", "nvdiffrec", "f16_dynamic", "fp8", "fp8_current", "bf16_grid", "f16_naive")
-_REPO = Path(__file__).resolve().parent.parent
-
-_READS = {"_local_scalar_dense", "is_nonzero", "equal"}
-_DATA_SIZED = {"nonzero", "nonzero_static", "masked_select", "unique_dim", "_unique",
-               "_unique2", "unique_consecutive", "unique_dim_consecutive",
-               "argwhere"}  # fmt: skip
-
-
-def _name(func) -> str:
-    return func._schema.name.split("::", 1)[-1]
-
-
-def _sites(limit: int = 3) -> str:
-    """The innermost ``limit`` frames of mptex's own code (package and benchmarks) on the
-    stack, innermost first."""
-    frames = []
-    for frame in reversed(traceback.extract_stack()[:-3]):
-        path = Path(frame.filename)
-        try:
-            rel = path.resolve().relative_to(_REPO)
-        except ValueError:
-            continue
-        if rel.parts[0] != "mptex":
-            continue
-        frames.append(f"{rel.as_posix()}:{frame.lineno} {frame.name}")
-        if len(frames) == limit:
-            break
-    return " < ".join(frames) or "(outside mptex)"
-
-
-def _in_optimizer() -> bool:
-    return any(f"{os.sep}torch{os.sep}optim{os.sep}" in frame.filename
-               for frame in traceback.extract_stack()[:-2])  # fmt: skip
-
-
-class OverheadCounter(TorchDispatchMode):
-    """Counts ops and host synchronisations (module docstring) while active.
-
-    Args:
-        device: the run's device (``cpu`` counts cross-device copies as none).
-        host_generators: generators whose draws live on the host by design.
-    """
-
-    def __init__(self, device: torch.device, host_generators=()):
-        super().__init__()
-        self.device = torch.device(device)
-        # Dispatch hands a generator over as a new Python wrapper: known by seed and device.
-        self.host_generators = {(g.device, g.initial_seed()) for g in host_generators}
-        self._host: dict[int, weakref.ref] = {}
-        self.phase = "step"  # or "validate", "checkpoint": set by count_arm's wrappers
-        self.host_ops: collections.Counter = collections.Counter()
-        self.ops: collections.Counter = collections.Counter()
-        self.op_files: collections.Counter = collections.Counter()  # innermost mptex file
-        self.op_sites: collections.Counter = collections.Counter()  # (op, innermost frame)
-        self.syncs: collections.Counter = collections.Counter()  # kind -> count
-        self.sites: collections.Counter = collections.Counter()  # (kind, site) -> count
-
-    # host-resident tensors, by identity
-    def mark_host(self, tensor: torch.Tensor) -> None:
-        key = id(tensor)
-        self._host[key] = weakref.ref(tensor, lambda _ref, key=key: self._host.pop(key, None))
-
-    def is_host(self, tensor) -> bool:
-        ref = self._host.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
-        return ref is not None and ref() is tensor
-
-    def record_sync(self, kind: str) -> None:
-        self.syncs[(self.phase, kind)] += 1
-        self.sites[(self.phase, kind, _sites())] += 1
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = _name(func)
-        tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                   if isinstance(a, torch.Tensor)]  # fmt: skip
-        generator = kwargs.get("generator")
-        host_out = (
-            generator is not None
-            and (generator.device, generator.initial_seed()) in self.host_generators
-        ) or (bool(tensors) and all(self.is_host(t) for t in tensors))
-        if host_out:
-            for t in torch.utils._pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self.mark_host(t)
-        if name == "lift_fresh":  # torch.tensor(...): _patch_host_reads decides
-            return out
-        if func.is_view or name.startswith("_record_function") or func.namespace == "profiler":
-            return out
-        if host_out:  # host data only: no kernel on the device, nothing to wait for
-            self.host_ops[(self.phase, name)] += 1
-            return out
-        self.ops[(self.phase, name)] += 1
-        site = _sites(1)
-        self.op_files[(self.phase, site.split(":")[0])] += 1
-        self.op_sites[(self.phase, name, site)] += 1
-        if name in _READS:
-            self.record_sync("read (.item/bool/float)")
-        elif name in _DATA_SIZED or (name == "repeat_interleave" and "output_size" not in kwargs):
-            self.record_sync(f"data-sized ({name})")
-        elif name in ("index", "index_put", "index_put_") and any(
-            t.dtype == torch.bool for t in tensors[1:]
-        ):
-            self.record_sync(f"data-sized ({name} by a boolean mask)")
-        elif name in ("_to_copy", "copy_") and self.device.type != "cpu":
-            devices = {t.device.type for t in tensors}
-            if isinstance(out, torch.Tensor):
-                devices.add(out.device.type)
-            if "cpu" in devices and len(devices) > 1:
-                self.record_sync("copy host<->device")
-        return out
-
-
-def _patch_host_reads(counter_ref: list):
-    """Count ``Tensor.tolist``/``Tensor.numpy`` of run data (on the CPU they bypass the
-    dispatcher; on a device they are a device-to-host copy), and sort tensors made from Python
-    data: ``torch.tensor``/``torch.as_tensor`` without ``device`` and ``new_tensor`` of host
-    data make host tensors; with a ``device`` (or ``new_tensor`` of run data) they are a
-    host-to-device copy. Returns an undo function."""
-    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
-    factories = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
-    new_tensor = torch.Tensor.new_tensor
-
-    def sort(out, to_device: bool):
-        counter = counter_ref[0]
-        if counter is not None and isinstance(out, torch.Tensor):
-            if to_device and not _in_optimizer():
-                counter.record_sync("host-to-device (torch.tensor)")
-            else:
-                # torch's optimizers make host scalars for their host step counters.
-                counter.mark_host(out)
-        return out
-
-    def factory(original):
-        def make(data, *args, **kwargs):
-            out = original(data, *args, **kwargs)
-            return sort(out, kwargs.get("device") is not None and not (
-                isinstance(data, torch.Tensor) and data is out))
-
-        return make
-
-    def make_new(self, data, *args, **kwargs):
-        counter = counter_ref[0]
-        out = new_tensor(self, data, *args, **kwargs)
-        on_device = kwargs.get("device") is not None or (
-            counter is not None and not counter.is_host(self))
-        return sort(out, on_device)
-
-    for name, original in factories.items():
-        setattr(torch, name, factory(original))
-    torch.Tensor.new_tensor = make_new
-
-    def wrap(name, original):
-        def method(self, *args, **kwargs):
-            counter = counter_ref[0]
-            if counter is not None and not counter.is_host(self):
-                counter.record_sync(f"copy to host ({name})")
-            return original(self, *args, **kwargs)
-
-        return method
-
-    for name, original in originals.items():
-        setattr(torch.Tensor, name, wrap(name, original))
-
-    def undo():
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-        for name, original in factories.items():
-            setattr(torch, name, original)
-        torch.Tensor.new_tensor = new_tensor
-
-    return undo
 
 
 def run_config(arm: str, resolution: int, iterations: int, overrides: list[str],
@@ -349,9 +175,11 @@ def count_arm(arm: str, start: int, stop: int, resolution: int, overrides: list[
         ],
         "ops_by_name": per(counter.ops, "step", n),
         "ops_by_file": per(counter.op_files, "step", n),
-        "ops_by_site": [{"op": op, "site": site, "per_iter": v / n}
-                        for (phase, op, site), v in counter.op_sites.most_common()
-                        if phase == "step"],  # fmt: skip
+        "ops_by_site": [
+            {"op": op, "site": site, "per_iter": v / n}
+            for (phase, op, site), v in counter.op_sites.most_common()
+            if phase == "step"
+        ],  # fmt: skip
     }
 
 
@@ -379,6 +207,7 @@ def print_results(results: list[dict], top_sites: int) -> None:
 def compare(before_path: Path, after_path: Path) -> None:
     before = {r["arm"]: r for r in json.loads(before_path.read_text())["results"]}
     after = {r["arm"]: r for r in json.loads(after_path.read_text())["results"]}
+
     def cell(result, key, digits):
         value = None if result is None else result.get(key)
         return "–" if value is None else f"{value:.{digits}f}"
@@ -417,8 +246,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.json is not None:  # after each arm: a long run keeps what it counted
             args.json.write_text(json.dumps({"machine": machine("cpu"), "results": results},
                                             indent=1) + "\n")  # fmt: skip
-    print(f"builtin scene {args.resolution}x{args.resolution}, batch 4, texture={args.texture}, "
-          f"iterations [{args.start}, {args.stop}); {machine('cpu')}\n")
+    print(
+        f"builtin scene {args.resolution}x{args.resolution}, batch 4, texture={args.texture}, "
+        f"iterations [{args.start}, {args.stop}); {machine('cpu')}\n"
+    )
     print_results(results, args.top_sites)
     if args.json is not None:
         payload = {"machine": machine("cpu"), "resolution": args.resolution,

@@ -4,7 +4,7 @@ that refuses a machine without CUDA."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -13,21 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from mptex.diagnostics.overhead import OverheadCounter, patch_host_reads
 from mptex.precision import PendingStep, PrecisionStepper, StepResult
 from mptex.scenes import build_scene
 from mptex.train.device_check import device_problem
 from mptex.train.shading import render_batch
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _benchmark():
-    spec = importlib.util.spec_from_file_location(
-        "loop_overhead", ROOT / "benchmarks" / "loop_overhead.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -164,22 +156,28 @@ def test_a_non_finite_loss_alone_skips_without_loss_scaling():
     assert all(torch.equal(a, b) for a, b in zip(before, _state(params, optimizer), strict=True))
 
 
-def test_the_loop_reads_the_host_once_per_iteration():
+def test_the_loop_reads_the_host_once_per_iteration(tmp_path):
     # benchmarks/loop_overhead.py's count on a small run: one host read per f32 iteration (the
     # loss, the step's flags and, every stats_interval, the statistics, in one copy). Reading
     # the loss apart again (float(loss)) makes it 2.
-    bench = _benchmark()
-    small = ["scene.n_train_views=4", "scene.n_val_views=1", "train.stats_interval=3"]
-    result = bench.count_arm("f32", 2, 8, 24, small, texture="tiny")
+    out = tmp_path / "overhead.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "loop_overhead.py"), "--arms", "f32",
+         "--start", "2", "--stop", "8", "--resolution", "24", "--texture", "tiny",
+         "--json", str(out), "--", "scene.n_train_views=4", "scene.n_val_views=1",
+         "train.stats_interval=3"],
+        capture_output=True, text=True, env={**os.environ, "OMP_WAIT_POLICY": "passive"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    (result,) = json.loads(out.read_text())["results"]
     assert result["status"] == "completed"
     assert result["syncs_per_iter"] == 1.0, result["sync_sites"]
     assert result["syncs_by_kind"] == {"copy to host (tolist)": 1.0}
 
 
 def test_the_counter_sees_reads_and_data_sized_ops():
-    bench = _benchmark()
-    counter = bench.OverheadCounter(torch.device("cpu"))
-    undo = bench._patch_host_reads([counter])
+    counter = OverheadCounter(torch.device("cpu"))
+    undo = patch_host_reads([counter])
     try:
         x = torch.arange(6.0)
         with counter:

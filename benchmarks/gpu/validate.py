@@ -703,6 +703,29 @@ def stage_fp8(ctx: StageContext) -> None:
     if not all(r["ok"] for r in rows):
         ctx.result["failed_checks"] = [r["case"] for r in rows if not r["ok"]]
 
+    import fp8_rowwise  # benchmarks/gpu/fp8_rowwise.py
+
+    rowwise = fp8_rowwise.compare_fp8_rowwise(ctx.device, n)
+    ctx.result["data"]["rowwise"] = rowwise
+    ctx.table(
+        f"Row-wise scales (one per row of a, one per column of b): mptex's emulation vs "
+        f"torch._scaled_mm's row-wise path, {n} points",
+        ["GEMM", "M x K x N", "emulated err", "bound", "_scaled_mm err", "bound",
+         "bit-equal", "emulated µs", "_scaled_mm µs", "ok"],
+        [[r["case"], r["shape"], f"{r['emulated_err']:.3g}", f"{r['emulated_bound']:.3g}",
+          "–" if r["scaled_mm_err"] is None else f"{r['scaled_mm_err']:.3g}",
+          "–" if r["scaled_mm_bound"] is None else f"{r['scaled_mm_bound']:.3g}",
+          "–" if r["bit_equal_frac"] is None else f"{100 * r['bit_equal_frac']:.2f} %",
+          f"{r['emulated_us']:.1f}",
+          "–" if r["scaled_mm_us"] is None else f"{r['scaled_mm_us']:.1f}", r["ok"]]
+         for r in rowwise],
+        "benchmarks/gpu/fp8_rowwise.py: the emulation sums exactly and rounds three times in "
+        "float32 (3 x 2^-24); bit-equal: share of outputs the two backends agree on",
+    )  # fmt: skip
+    failed = [r["case"] + " (row-wise)" for r in rowwise if not r["ok"]]
+    if failed:
+        ctx.result["failed_checks"] = ctx.result.get("failed_checks", []) + failed
+
 
 def stage_arms(ctx: StageContext) -> None:
     from mptex import PrecisionPolicy

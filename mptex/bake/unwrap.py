@@ -104,6 +104,9 @@ def unwrap_mesh(
             f"mesh: {because}new UVs need xatlas, which is not installed (pip install xatlas)"
         )
     chart = _options(xatlas.ChartOptions, chart_options, {}, "chart_options")
+    # Checked before an Atlas exists: an Atlas dropped while an exception unwinds has hung in
+    # its task scheduler's thread join.
+    _options(xatlas.PackOptions, pack_options, PACK_DEFAULTS, "pack_options")
     positions = mesh.v_pos.detach().cpu().numpy().astype(np.float32)
     indices = mesh.t_pos_idx.detach().cpu().numpy().astype(np.uint32)
     atlas = xatlas.Atlas()

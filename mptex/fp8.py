@@ -99,6 +99,7 @@ __all__ = [
     "scaled_mm_rowwise",
     "fp8_linear",
     "quantization_error",
+    "rowwise_spread",
     "statistics",
 ]
 
@@ -209,6 +210,34 @@ def quantization_error(original: torch.Tensor, quantized: torch.Tensor) -> torch
     return torch.stack([relative, flushed])
 
 
+@torch.no_grad()
+def rowwise_spread(
+    x: torch.Tensor, used: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[2]`` f32: what one scale per row bought over one scale per tensor for ``x``.
+
+    ``[0]``: the spread of the row scales, ``log2(max / min)`` of ``used`` over the rows with a
+    finite, non-zero ``amax`` (0 with fewer than two such rows): how many binades apart the rows
+    sit. ``[1]``: the fraction of ``x``'s non-zero elements that would have become exactly 0 had
+    the whole tensor been quantised with one current scale (``fp8_scale`` of the largest finite
+    row ``amax``), the underflow the row scales avoided (compare ``underflow_frac``, the row-wise
+    quantisation's own).
+
+    Args:
+        x: ``[M, K]`` the tensor that was quantised row-wise.
+        used, amax: ``[M, 1]`` f32, :func:`quantize_fp8_rowwise`'s.
+        dtype: :data:`E4M3` or :data:`E5M2`.
+    """
+    live = (amax > 0) & (amax < _INF)
+    big = torch.where(live, used, torch.zeros_like(used)).amax()
+    small = torch.where(live, used, torch.full_like(used, _INF)).amin()
+    spread = torch.where(live.sum() > 1, torch.log2(big / small), torch.zeros_like(big))
+    tensor_amax = torch.where(live, amax, torch.zeros_like(amax)).amax()
+    q, scale_inv, _, _ = quantize_fp8(x, fp8_scale(tensor_amax, dtype), dtype, tensor_amax)
+    flushed = quantization_error(x, dequantize_fp8(q, scale_inv))[1]
+    return torch.stack([spread.float(), flushed])
+
+
 def _amax(x: torch.Tensor) -> torch.Tensor:
     # The infinity norm is max |x| in one reduction (the same value: the max is exact; NaN
     # propagates), where abs().amax() is two.
@@ -295,6 +324,8 @@ class ScalingState:
         calls: recorded calls.
         last_error: with ``collect`` set, the last recorded call's
             :func:`~mptex.quantize.quantization_error` (relative error, underflow fraction).
+        last_rowwise: ``rowwise`` recipe with ``collect`` set: the last recorded call's
+            :func:`rowwise_spread` (row scales' spread in binades, underflow with one scale).
         collect: compute ``last_error`` on recorded calls (a few extra reductions; the
             precision monitor sets it on its sampled iterations).
     """
@@ -312,11 +343,14 @@ class ScalingState:
         self._nonfinite = torch.zeros((), **zeros)
         self._calls = torch.zeros((), **zeros)
         self.last_error = torch.zeros(2, **zeros)
+        self.last_rowwise = torch.zeros(2, **zeros)
         self.collect = False
 
+    # (A state dict without last_rowwise, saved before it existed, loads: missing names keep
+    # their initial values.)
     _TENSORS = (
         "scale", "history", "last_amax", "last_scale", "overflows", "nonfinite", "calls",
-        "last_error",
+        "last_error", "last_rowwise",
     )  # fmt: skip
 
     def _count_pending(self) -> None:
@@ -352,6 +386,7 @@ class ScalingState:
                              used.amin())  # fmt: skip
                 if self.collect:
                     self.last_error = quantization_error(x, dequantize_fp8(q, scale_inv))
+                    self.last_rowwise = rowwise_spread(x.detach(), used, amax, self.dtype)
             return q, scale_inv, used
         amax = _amax(x)
         if self.recipe.recipe == "current":
@@ -665,7 +700,8 @@ def fp8_linear(
 def statistics(state: ScalingState) -> dict[str, torch.Tensor]:
     """The state's statistics as device scalars: ``amax``, ``scale`` (the last call's),
     ``overflows``, ``nonfinite`` (counts so far) and, where collected, ``rel_error`` and
-    ``underflow_frac`` (the last collected call's)."""
+    ``underflow_frac`` (the last collected call's), for the ``rowwise`` recipe also
+    ``scale_spread`` and ``tensor_underflow_frac`` (:func:`rowwise_spread`)."""
     stats = {
         "amax": state.last_amax,
         "scale": state.last_scale,
@@ -674,4 +710,7 @@ def statistics(state: ScalingState) -> dict[str, torch.Tensor]:
     }
     if state.collect:
         stats.update(rel_error=state.last_error[0], underflow_frac=state.last_error[1])
+        if state.recipe.recipe == "rowwise":
+            stats.update(scale_spread=state.last_rowwise[0],
+                         tensor_underflow_frac=state.last_rowwise[1])  # fmt: skip
     return stats

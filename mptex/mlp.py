@@ -10,7 +10,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mptex.fp8 import E4M3, E5M2, ScalingRecipe, ScalingState, fp8_linear, statistics
+from mptex.fp8 import (
+    E4M3,
+    E5M2,
+    ScalingRecipe,
+    ScalingState,
+    fp8_linear,
+    quantize_fp8_rowwise,
+    rowwise_spread,
+    statistics,
+)
 from mptex.network import FullyFusedMLP
 from mptex.precision import PrecisionPolicy, scale_grad
 from mptex.quantize import fake_quantize, fake_quantize_input, quantization_error
@@ -96,31 +105,48 @@ class QuantizedLinear(CastLinear):
             other arguments are :class:`CastLinear`'s.
 
     Attributes:
-        collect_stats: when set, each forward records the weight's quantisation error
-            (:meth:`quant_statistics`); the precision monitor sets it on sampled iterations.
+        collect_stats: when set, each forward records the weight's quantisation error (and
+            for ``"fp8_rowwise"`` the input's; :meth:`quant_statistics`); the precision monitor
+            sets it on sampled iterations.
     """
 
     def __init__(self, in_features, out_features, bias=True, *, weight_quant="int8", **kw):
         super().__init__(in_features, out_features, bias=bias, **kw)
         self.weight_quant = weight_quant
         self.collect_stats = False
-        self._weight_error: torch.Tensor | None = None
+        self._stats: dict[str, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = fake_quantize_input(x, self.weight_quant)
+        quantized = fake_quantize_input(x, self.weight_quant)
         weight = fake_quantize(self.weight, self.weight_quant)
         if self.collect_stats:
-            self._weight_error = quantization_error(self.weight, weight)
+            self._stats = self._collect(x, quantized, weight)
         dtype = self.compute_dtype or torch.float32
-        return reduced_linear(x, weight, self.bias, dtype)
+        return reduced_linear(quantized, weight, self.bias, dtype)
+
+    @torch.no_grad()
+    def _collect(self, x, quantized, weight) -> dict[str, torch.Tensor]:
+        error = quantization_error(self.weight, weight)
+        stats = {"w_rel_error": error[0], "w_underflow_frac": error[1]}
+        if self.weight_quant == "fp8_rowwise":
+            # The row scales are recomputed here (sampled iterations only) for their spread.
+            for prefix, value in (("w", self.weight), ("x", x.reshape(-1, x.shape[-1]))):
+                _, _, amax, used = quantize_fp8_rowwise(value.detach(), E4M3)
+                spread = rowwise_spread(value.detach(), used, amax, E4M3)
+                stats.update({f"{prefix}_scale_spread": spread[0],
+                              f"{prefix}_tensor_underflow_frac": spread[1]})  # fmt: skip
+            error = quantization_error(x, quantized)
+            stats.update(x_rel_error=error[0], x_underflow_frac=error[1])
+        return stats
 
     def quant_statistics(self) -> dict[str, torch.Tensor]:
         """Device scalars of the last collected forward: ``w_rel_error`` (``||q(W) - W|| /
-        ||W||``) and ``w_underflow_frac`` (non-zero weights quantised to 0); empty before."""
-        if self._weight_error is None:
-            return {}
-        error, self._weight_error = self._weight_error, None
-        return {"w_rel_error": error[0], "w_underflow_frac": error[1]}
+        ||W||``) and ``w_underflow_frac`` (non-zero weights quantised to 0); for
+        ``"fp8_rowwise"`` also ``x_rel_error``, ``x_underflow_frac`` (the layer input's) and
+        ``<w|x>_scale_spread``, ``<w|x>_tensor_underflow_frac``
+        (:func:`mptex.fp8.rowwise_spread`); empty before."""
+        stats, self._stats = self._stats or {}, None
+        return stats
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, weight_quant={self.weight_quant!r}"

@@ -135,16 +135,23 @@ def test_monitor_records_the_fused_twins_half_statistics_on_sampled_iterations_o
     assert not monitor.start(1) and not texture.net.net.collect_stats
 
 
-@pytest.mark.parametrize("arm", ["fp8", "fp8_current", "int8_qat", "fp8_qat"])
+@pytest.mark.parametrize(
+    "arm", ["fp8", "fp8_current", "fp8_rowwise", "int8_qat", "fp8_qat", "fp8_rowwise_qat"]
+)
 def test_monitor_records_quantisation_statistics_per_layer(arm):
     history = _train(arm)
     assert [h["iteration"] for h in history] == [0, 2, 4]
     fp8 = PrecisionPolicy.named(arm).fp8_gemm
+    rowwise = arm.startswith("fp8_rowwise")
+    per_role = ["amax", "scale", "overflows", "nonfinite", "rel_error", "underflow_frac"]
+    per_role += ["scale_spread", "tensor_underflow_frac"] if rowwise else []
     names = (
-        [f"{role}_{name}" for role in ("input", "weight", "grad")
-         for name in ("amax", "scale", "overflows", "nonfinite", "rel_error", "underflow_frac")]
+        [f"{role}_{name}" for role in ("input", "weight", "grad") for name in per_role]
         if fp8 else ["w_rel_error", "w_underflow_frac"]
     )  # fmt: skip
+    if rowwise and not fp8:
+        names += ["x_rel_error", "x_underflow_frac", "x_scale_spread", "w_scale_spread",
+                  "x_tensor_underflow_frac", "w_tensor_underflow_frac"]  # fmt: skip
     for stats in history:
         json.dumps(stats)
         for layer in range(3):
@@ -160,6 +167,15 @@ def test_monitor_records_quantisation_statistics_per_layer(arm):
     if fp8:
         assert last["net.0.q_weight_amax"] > 0 and last["net.0.q_input_scale"] > 0
         assert last["net.0.q_grad_nonfinite"] == 0.0
+    if rowwise:
+        # Row scales of a trained layer differ, and one scale per tensor flushes at least as
+        # many values as one per row (the row's amax is never above the tensor's).
+        spread = "weight_scale_spread" if fp8 else "w_scale_spread"
+        assert all(last[f"net.{layer}.q_{spread}"] > 0 for layer in range(3))
+        own, one = (("input_underflow_frac", "input_tensor_underflow_frac") if fp8
+                    else ("x_underflow_frac", "x_tensor_underflow_frac"))  # fmt: skip
+        for layer in range(3):
+            assert last[f"net.{layer}.q_{one}"] >= last[f"net.{layer}.q_{own}"]
     # Between samples the layers do not pay for the error statistics.
     texture = _texture(arm)
     monitor = PrecisionMonitor(texture, every=2)

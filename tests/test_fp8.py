@@ -20,6 +20,7 @@ from mptex.fp8 import (
     quantize_fp8,
     quantize_fp8_rowwise,
     resolve_gemm_backend,
+    rowwise_spread,
     scaled_mm,
     scaled_mm_rowwise,
 )
@@ -378,6 +379,28 @@ def test_one_huge_row_flushes_the_others_per_tensor_but_not_row_wise():
     error = (rows - x.double()).norm(dim=1) / x.double().norm(dim=1)
     # E4M3 keeps 3 fraction bits: a relative error of at most 2^-4 per normal element.
     assert (rowwise.float() != 0).all() and (error <= 2.0**-4).all(), error.max()
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_rowwise_spread_against_per_element_counts(dtype):
+    x = _rows(23, 32, 9) * 1e-2  # rows 1e-7 .. 1e1: the small ones flush under one scale
+    x[3, 5] = math.inf  # a non-finite row is left out of the spread and of the tensor scale
+    _, _, amax, used = quantize_fp8_rowwise(x, dtype)
+    spread, flushed = rowwise_spread(x, used, amax, dtype).tolist()
+    fp8_max = 448.0 if dtype == E4M3 else 57344.0
+    live = [i for i in range(23) if i not in (3, 11)]  # 11: the zero row
+    scales = [np.float32(fp8_max) / np.float32(max(abs(v) for v in x[i].tolist())) for i in live]
+    assert spread == pytest.approx(math.log2(max(scales) / min(scales)), rel=1e-6)
+    top = max(max(abs(v) for v in x[i].tolist()) for i in live)
+    scale = np.float32(np.float32(fp8_max) / np.float32(top))
+    values = [v for row in x.tolist() for v in row if v != 0]
+    zeros = sum(fp8_code(float(np.float32(v) * scale), dtype) & 0x7F == 0
+                for v in values if math.isfinite(v))  # fmt: skip
+    assert zeros > 0 and flushed == pytest.approx(zeros / len(values), abs=1e-7)
+    # One row: no spread.
+    one = x[:1]
+    _, _, amax1, used1 = quantize_fp8_rowwise(one, dtype)
+    assert rowwise_spread(one, used1, amax1, dtype)[0].item() == 0.0
 
 
 def test_rowwise_non_finite_rows_become_nan_and_stay_in_their_rows():

@@ -293,8 +293,18 @@ _QUANT_COLUMNS = (
      "g"),
     ("non-finite", ("input_nonfinite", "weight_nonfinite", "grad_nonfinite"), "g"),
     ("amax input / weight / grad", ("input_amax", "weight_amax", "grad_amax"), ".3g"),
+    ("row-scale spread input / weight / grad (binades)",
+     ("input_scale_spread", "weight_scale_spread", "grad_scale_spread"), ".3g"),
+    ("underflow with one scale input / weight / grad",
+     ("input_tensor_underflow_frac", "weight_tensor_underflow_frac",
+      "grad_tensor_underflow_frac"), ".2g"),
     ("weight rel. error (QAT)", ("w_rel_error",), ".3g"),
     ("weight underflow (QAT)", ("w_underflow_frac",), ".2g"),
+    ("input rel. error / underflow (QAT)", ("x_rel_error", "x_underflow_frac"), ".3g"),
+    ("row-scale spread input / weight (QAT, binades)", ("x_scale_spread", "w_scale_spread"),
+     ".3g"),
+    ("underflow with one scale input / weight (QAT)",
+     ("x_tensor_underflow_frac", "w_tensor_underflow_frac"), ".2g"),
 )  # fmt: skip
 
 
@@ -319,7 +329,10 @@ def _quantization_table(section: Sequence[Mapping[str, Any]]) -> list[str]:
         "Quantisation (per layer of the arms below f16: relative error ‖q − x‖ / ‖x‖ and the "
         "fraction of non-zero values quantised to 0, means over the sampled iterations; "
         "overflows: calls whose recipe scale would have overflowed and used the tensor's own "
-        "(counts per run); non-finite: calls with an inf or NaN; amax: the largest seen; each "
+        "(counts per run); non-finite: calls with an inf or NaN; amax: the largest seen; "
+        "row-wise arms: the row scales' spread, log2 of the largest over the smallest, and the "
+        "fraction of non-zero values one scale for the whole tensor would have quantised to 0; "
+        "each "
         "the mean over the row's completed and diverged runs):",
         "",
         *_table(["arm", "layer", *(c[0] for c in columns)], table),

@@ -34,7 +34,7 @@ __all__ = [
 
 FORMATS = ("obj", "glb")
 # The precisions a trained texture is decoded in (mptex.bake.decode).
-DECODE_PRECISIONS = ("f32", "f16", "bf16", "fp8", "int8")
+DECODE_PRECISIONS = ("f32", "f16", "bf16", "fp8", "fp8_rowwise", "int8")
 # The albedo's file formats and the suffix of their files.
 KD_FORMATS = {"png8": ".png", "png16": ".png", "exr": ".exr"}
 _XATLAS_OPTIONS = Table(what="a mapping of xatlas option names to values")
@@ -72,7 +72,7 @@ class ExportConfig:
         list(DECODE_PRECISIONS), ListOf(OneOf(DECODE_PRECISIONS), unique=True, comma_text=True)
     )
     """With ``measure``: decode the texture in each (``f32``, ``f16``, ``bf16``, ``fp8``,
-    ``int8``; :mod:`mptex.bake.decode`) on the measured views; export.json's
+    ``fp8_rowwise``, ``int8``; :mod:`mptex.bake.decode`) on the measured views; export.json's
     ``decode_precision`` holds each one's PSNR against the f32 decode. ``[]``: none."""
     neural_precision: str | None = setting(
         None, OrNull(OneOf(DECODE_PRECISIONS), "no neural export")

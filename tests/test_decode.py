@@ -37,7 +37,11 @@ AABB = [[-1.0, -2.0, 0.0], [3.0, 2.0, 1.0]]
 # (|z| < 16 here) by one unit in the last place of the precision, and the sigmoid passes at most
 # a quarter of it: f16 2**-7 * 16 / 4 = 3e-2 at the most, far less in practice; the bound is a
 # few flips. Everything else agrees to float32's sum-order error (1e-6 after the sigmoid).
-FLIP = {"f32": 1e-6, "f16": 2e-2, "bf16": 1.5e-1, "fp8": 2.5e-1, "int8": 2e-2}
+FLIP = {"f32": 1e-6, "f16": 2e-2, "bf16": 1.5e-1, "fp8": 2.5e-1, "int8": 2e-2,
+        # Row-wise FP8's sums are exact in both (float64) and every scale a float32 division
+        # or product rounded once in both: bit for bit, up to the grid's f16 sum-order flips
+        # (none expected: the grid's arithmetic is the same per element), so f16's bound.
+        "fp8_rowwise": 2e-2}
 AGREE = 1e-6  # float32 sum-order error after the sigmoid
 MOST = 0.999  # at least this fraction of the values agree to AGREE
 
@@ -56,7 +60,7 @@ def _points(n: int = 20000, seed: int = 1) -> torch.Tensor:
     return lo + (hi - lo) * torch.rand(n, 3, generator=gen)
 
 
-@pytest.mark.parametrize("arm", ["f32", "tcnn_fused", "int8_qat"])
+@pytest.mark.parametrize("arm", ["f32", "tcnn_fused", "int8_qat", "fp8_rowwise_qat"])
 @pytest.mark.parametrize("precision", DECODE_PRECISIONS)
 def test_numpy_decoder_reproduces_mptex_decode(arm, precision, tmp_path):
     texture, points = _texture(arm), _points()
@@ -102,17 +106,43 @@ def test_decode_table_orders_the_precisions_by_their_bits():
     mask = torch.rand(2, 24, 24, generator=gen) > 0.3
     table = decode_precision_table(texture, positions, mask, "white")
     psnr = table["psnr_vs_f32"]
-    assert set(psnr) == {"f16", "bf16", "fp8", "int8"} and table["reference"] == "f32"
+    assert set(psnr) == {"f16", "bf16", "fp8", "fp8_rowwise", "int8"}
+    assert table["reference"] == "f32"
     # 11, 8 and 4 significant bits: each precision further from f32 than the one before; int8
     # weights (~7 bits of the row's largest) with f16 activations sit between bf16 and fp8 here.
     assert psnr["f16"] > psnr["bf16"] > psnr["fp8"]
     assert psnr["int8"] > psnr["fp8"]
+    # The same E4M3 values with a scale per point and channel: never flushed by a larger row.
+    assert psnr["fp8_rowwise"] > psnr["fp8"]
     assert all(0 < table["max_abs_error"][p] < 0.5 for p in psnr)
     assert table["weights"] == "post-training quantisation"
     qat = decode_precision_table(_texture("int8_qat"), positions, mask, "white", ["f32", "int8"])
     assert qat["weights"].startswith("trained fake-quantised (int8)")
     with pytest.raises(ValueError, match="precisions: expected"):
         decode_precision_table(texture, positions, mask, "white", ["int4"])
+
+
+def test_rowwise_fp8_decode_runs_the_network_its_qat_arm_trained():
+    """fp8_rowwise_qat trains with each layer's input E4M3 per row and its weights E4M3 per
+    output channel (fake-quantised, f32 GEMM); the fp8_rowwise decoder multiplies the same E4M3
+    values and applies the same scales after an exact sum. Layer by layer they differ only by
+    the f32 GEMM's rounding: K terms, at most K u sum |x_q w_q| (u = 2^-24) and two roundings
+    of the scales."""
+    from mptex.bake.decode import _layer
+    from mptex.quantize import fake_quantize, fake_quantize_input
+
+    texture = _texture("fp8_rowwise_qat")
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(500, 8, generator=gen) * 10.0 ** torch.linspace(-4, 2, 500)[:, None]
+    for layer in texture.net.layers:
+        w = layer.weight.detach()
+        decoded = _layer(h, w, "fp8_rowwise", None).double()
+        x_q, w_q = fake_quantize_input(h, "fp8_rowwise"), fake_quantize(w, "fp8_rowwise")
+        trained = (x_q.double() @ w_q.double().t())  # exact in float64
+        bound = (h.shape[1] + 3) * 2.0**-24 * (x_q.double().abs() @ w_q.double().abs().t())
+        assert torch.all((decoded - trained).abs() <= bound)
+        assert torch.allclose(layer(h).double(), trained, rtol=0, atol=float(bound.max()))
+        h = torch.relu(decoded.float())
 
 
 def test_the_numpy_decoder_imports_no_torch():
@@ -158,7 +188,7 @@ def test_export_mesh_writes_the_decode_table_and_the_neural_export(tmp_path):
                           neural_precision="fp8")  # fmt: skip
     written = json.loads((out / "export.json").read_text())
     table = written["decode_precision"]
-    assert set(table["psnr_vs_f32"]) == {"f16", "bf16", "fp8", "int8"}
+    assert set(table["psnr_vs_f32"]) == {"f16", "bf16", "fp8", "fp8_rowwise", "int8"}
     assert table["views"].startswith("8 orbit views")
     neural = written["neural"]
     assert neural["precision"] == "fp8" and (out / neural["file"]).is_file()

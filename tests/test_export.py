@@ -238,7 +238,7 @@ def test_mptex_export_writes_obj_mtl_png_glb_and_measures(run, request, tmp_path
     table = summary["decode_precision"]
     assert table["views"] == "the scene's 2 validation views"
     assert table["psnr_vs_reference"]["f32"] == pytest.approx(summary["psnr_neural_vs_reference"])
-    assert set(table["psnr_vs_reference"]) == {"f32", "f16", "bf16", "fp8", "int8"}
+    assert set(table["psnr_vs_reference"]) == {"f32", "f16", "bf16", "fp8", "fp8_rowwise", "int8"}
     assert table["psnr_vs_f32"]["f16"] > table["psnr_vs_f32"]["fp8"]
     loaded = load_obj(out / "mesh.obj")
     assert loaded.kd_texture.shape == (128, 128, 3)
@@ -383,8 +383,9 @@ def test_mptex_train_exports_at_the_end_of_a_run(tmp_path):
 
 
 def test_fp8_decode_parts_script_checks_itself_against_the_fp8_decode(builtin_run, tmp_path):
-    """benchmarks/fp8_decode_parts.py, run as a user runs it. Its 'both' variant must equal
-    decode_texture's fp8 decode to the bit (the script exits non-zero otherwise); the same run
+    """benchmarks/fp8_decode_parts.py, run as a user runs it. Its 'both' and 'row both'
+    variants must equal decode_texture's fp8 and fp8_rowwise decodes to the bit (the script
+    exits non-zero otherwise); the same run
     given twice pairs into intervals of zero width around the difference of its own columns; a
     folder without a checkpoint is one line."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_decode_parts.py"
@@ -393,10 +394,14 @@ def test_fp8_decode_parts_script_checks_itself_against_the_fp8_decode(builtin_ru
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     run_row = next(line for line in lines if line.startswith(f"| {builtin_run} "))
-    none, weights, inputs, both = (float(v) for v in run_row.split("|")[2:6])
-    for pair, expected in (("weights − none", weights - none), ("inputs − none", inputs - none),
-                           ("both − none", both - none), ("both − weights", both - weights)):
-        row = next(line for line in lines if line.startswith(f"| {pair} "))
+    names = ["none", "weights", "inputs", "both", "row weights", "row inputs", "row both"]
+    value = dict(zip(names, (float(v) for v in run_row.split("|")[2:9]), strict=True))
+    pairs = [("weights", "none"), ("inputs", "none"), ("both", "none"), ("both", "weights"),
+             ("row weights", "none"), ("row inputs", "none"), ("row both", "none"),
+             ("row both", "row weights"), ("row both", "both")]  # fmt: skip
+    for a, b in pairs:
+        expected = value[a] - value[b]
+        row = next(line for line in lines if line.startswith(f"| {a} − {b} "))
         mean, low, high = (float(v) for v in re.findall(r"[+-]\d+\.\d+", row.split("|")[3]))
         assert mean == low == high  # one run twice: no spread
         assert abs(mean - expected) <= 0.011  # the columns are rounded to 0.01 dB

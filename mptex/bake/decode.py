@@ -17,6 +17,12 @@ precision   hash grid                             MLP
                                                   each layer's input E4M3 per tensor with a
                                                   scale calibrated on the decoded points (or
                                                   given), f32 accumulation and output
+``fp8_``    as ``f16``                            weights E4M3 per output channel (``448 /
+``rowwise``                                       amax`` of the row), each layer's input E4M3
+                                                  per point with its own ``448 / amax``
+                                                  (nothing to calibrate), the f32 sum times
+                                                  the point's and the channel's inverse scales
+                                                  (:func:`mptex.fp8.scaled_mm_rowwise`)
 ``int8``    as ``f16``                            weights int8 per output channel (symmetric,
                                                   :func:`mptex.quantize.quantize_int8`),
                                                   activations f16: ``s_c * sum_j q_cj x_j``
@@ -24,7 +30,7 @@ precision   hash grid                             MLP
 ==========  ====================================  ===============================================
 
 The weights come from the texture's f32 masters by post-training quantisation. A texture trained
-for its decoder (``int8_qat``, ``fp8_qat``) holds masters whose quantisation with the same
+for its decoder (``int8_qat``, ``fp8_qat``, ``fp8_rowwise_qat``) holds masters whose quantisation with the same
 quantiser *is* its trained fake-quantised weights: :func:`decode_precision_table` says which.
 tcnn's fused network decodes with its padded matrices and its input padded with ones, as tcnn
 evaluates it.
@@ -43,7 +49,14 @@ import torch
 
 from mptex._grid_torch import hash_grid_encode
 from mptex.export_config import DECODE_PRECISIONS
-from mptex.fp8 import E4M3, FP8_MAX, fp8_scale, quantize_fp8
+from mptex.fp8 import (
+    E4M3,
+    FP8_MAX,
+    fp8_scale,
+    quantize_fp8,
+    quantize_fp8_rowwise,
+    scaled_mm_rowwise,
+)
 from mptex.quantize import quantize_int8
 from mptex.render.image import psnr
 from mptex.texture import MLPTexture3D, _sigmoid
@@ -73,7 +86,7 @@ class DecoderWeights:
         input_padding: constant-1 inputs appended to the grid's features (tcnn pads its input
             with ones to a multiple of 16; 0 for the linear MLP).
         n_outputs: the texture's channels (rows of the last matrix beyond it are cut).
-        trained_for: ``"int8"``/``"fp8"`` for a QAT texture, else None.
+        trained_for: ``"int8"``/``"fp8"``/``"fp8_rowwise"`` for a QAT texture, else None.
     """
 
     matrices: list[torch.Tensor]
@@ -184,6 +197,11 @@ def _layer(h: torch.Tensor, weight: torch.Tensor, precision: str, input_scale) -
     if precision == "int8":
         q, scales = quantize_int8(weight)
         return _round((_round(h, torch.float16) @ q.float().t()) * scales[None], torch.float16)
+    if precision == "fp8_rowwise":
+        w_q, w_inv, _, _ = quantize_fp8_rowwise(weight, E4M3)
+        x_q, x_inv, _, _ = quantize_fp8_rowwise(h, E4M3)
+        # The emulation on every device: its exact sums make the decode device-independent.
+        return scaled_mm_rowwise(x_q, w_q.t(), x_inv, w_inv.t(), backend="emulated")
     w_q, w_inv = _fp8_weight(weight)
     if input_scale is None:
         input_scale = fp8_scale(h.abs().amax(), E4M3)
@@ -296,7 +314,9 @@ def export_neural(
 
     Tensors: ``grid.table`` (F32 for ``f32``, BF16 for ``bf16``, F16 otherwise: tcnn's half
     mode), ``mlp.<i>.weight`` (F32 / F16 / BF16 / F8_E4M3 / I8), for ``fp8``
-    ``mlp.<i>.weight_scale_inv`` and ``mlp.<i>.input_scale`` (f32 scalars), for ``int8``
+    ``mlp.<i>.weight_scale_inv`` and ``mlp.<i>.input_scale`` (f32 scalars), for
+    ``fp8_rowwise`` ``mlp.<i>.weight_scale_inv`` (``[out]`` f32; the input scales are each
+    point's own, computed by the decoder), for ``int8``
     ``mlp.<i>.weight_scale`` (``[out]`` f32). Metadata (strings): ``format``
     (:data:`NEURAL_FORMAT`), ``precision``, ``aabb``, ``min_max``, ``grid`` (tcnn's geometry:
     per-level scales, resolutions, table sizes, offsets, hashed), ``input_padding``,
@@ -347,6 +367,10 @@ def export_neural(
         elif precision == "int8":
             q, scales = quantize_int8(weight)
             tensors[f"{key}.weight"], tensors[f"{key}.weight_scale"] = q, scales
+        elif precision == "fp8_rowwise":
+            q, scale_inv, _, _ = quantize_fp8_rowwise(weight, E4M3)
+            tensors[f"{key}.weight"] = q.contiguous()
+            tensors[f"{key}.weight_scale_inv"] = scale_inv.reshape(-1).float().contiguous()
         else:
             q, scale_inv = _fp8_weight(weight)
             tensors[f"{key}.weight"] = q.contiguous()

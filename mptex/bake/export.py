@@ -8,7 +8,7 @@ options (:func:`check_export_config`) and that every writer is usable, bake
 (``mptex-export``, ``mptex-train`` with ``export.enabled=true``).
 
 With ``measure``, the texture is also decoded in each of ``decode_precisions`` (f32, f16, bf16,
-fp8, int8: :mod:`mptex.bake.decode`) on the measured views, and ``export.json``'s
+fp8, fp8_rowwise, int8: :mod:`mptex.bake.decode`) on the measured views, and ``export.json``'s
 ``decode_precision`` holds each one's PSNR against the f32 decode. With ``neural_precision`` the
 grid and MLP weights are written in that precision (``texture_neural.safetensors``) with
 ``neural_decoder.py``, a NumPy decoder for the file (:mod:`mptex.bake.neural_decoder`).

@@ -11,11 +11,15 @@ texture's AABB and clamped to [0, 1]; each level of tcnn's hash grid places a po
 XOR-of-primes hash) with weights multiplied in tcnn's order; the features are summed with one
 fused multiply-add per corner as tcnn 2.0 does, in f32 (``f32``, ``bf16``: then rounded to bf16)
 or as tcnn's half mode (the weight rounded to f16, each fma rounded to f16: ``f16``, ``fp8``,
-``int8``). The MLP: inputs padded with ones where the file
+``fp8_rowwise``, ``int8``). The MLP: inputs padded with ones where the file
 says, each bias-free layer in the file's precision (f32; f16/bf16 operands, f32 accumulation,
 output rounded; fp8: E4M3 input with the stored input scale, saturating, times the E4M3
-weight, both scales applied to the f32 sum; int8: ``s_c * sum_j q_cj x_j`` on f16 inputs,
-output rounded to f16), ReLU between layers, then ``lo + sigmoid(z) * (hi - lo)`` in f32.
+weight, both scales applied to the f32 sum; fp8_rowwise: each point's input E4M3 with its own
+scale ``448 / amax`` (float32 division; 1 for an all-zero input), times the E4M3 weight with
+its channel's stored inverse scale, the exact sum of the products rounded once to float32, then
+multiplied by the point's inverse scale and by the channel's, in that order; int8:
+``s_c * sum_j q_cj x_j`` on f16 inputs, output rounded to f16), ReLU between layers, then
+``lo + sigmoid(z) * (hi - lo)`` in f32.
 
 It reproduces :func:`mptex.bake.decode.decode_texture` up to the order of float32 sums (NumPy's
 matrix product sums in another order than torch's), whose effect each precision's tolerance in
@@ -167,7 +171,7 @@ class NeuralTexture:
         g = self.grid
         n_points, dims = unit.shape
         n_features = g["n_features_per_level"]
-        half = self.precision in ("f16", "fp8", "int8")
+        half = self.precision in ("f16", "fp8", "fp8_rowwise", "int8")
         table = self.table.reshape(-1, n_features)
         out = []
         for level, scale in enumerate(g["scales"]):
@@ -208,6 +212,17 @@ class NeuralTexture:
             x = h.astype(np.float16).astype(np.float32)
             out = (x @ weight.astype(np.float32).T) * layer["weight_scale"][None, :]
             return out.astype(np.float32).astype(np.float16).astype(np.float32)
+        if self.precision == "fp8_rowwise":
+            amax = np.abs(h).max(axis=1, keepdims=True).astype(np.float32)
+            with np.errstate(divide="ignore"):
+                scale = np.where(amax > 0, np.float32(_E4M3_MAX) / amax, np.float32(1))
+            scale = scale.astype(np.float32)
+            x_q = round_to_e4m3((h * scale).astype(np.float32))
+            # float64 holds each E4M3 x E4M3 product and these sums exactly: one rounding.
+            acc = (x_q.astype(np.float64) @ weight.astype(np.float64).T).astype(np.float32)
+            inv = (np.float32(1) / scale).astype(np.float32)
+            row = (acc * inv).astype(np.float32)
+            return (row * layer["weight_scale_inv"][None, :]).astype(np.float32)
         scale = np.float32(layer["input_scale"][0])
         x_q = round_to_e4m3((h * scale).astype(np.float32))
         alpha = np.float32(np.float32(1) / scale) * np.float32(layer["weight_scale_inv"][0])

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from mptex.export_config import DECODE_PRECISIONS
+
 __all__ = ["export_main"]
 
 _PROG = "mptex-export"
@@ -43,10 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-measure", action="store_true", help="skip the PSNR measurement")
     parser.add_argument(
         "--decode", dest="decode_precisions",
-        help="comma-separated decode precisions to measure (f32, f16, bf16, fp8, int8; '' none)",
+        help=f"comma-separated decode precisions to measure ({', '.join(DECODE_PRECISIONS)}; "
+        "'' none)",
     )  # fmt: skip
     parser.add_argument(
-        "--neural", dest="neural_precision", choices=("f32", "f16", "bf16", "fp8", "int8"),
+        "--neural", dest="neural_precision", choices=DECODE_PRECISIONS,
         help="also write the grid and MLP in this precision (safetensors + a NumPy decoder)",
     )  # fmt: skip
     parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda")

@@ -60,6 +60,7 @@ from torch.profiler import record_function
 from mptex._native_cpu import (
     grid_backward_native,
     grid_forward_native,
+    grid_points,
     grid_supported,
     native_kernels,
 )
@@ -602,8 +603,9 @@ class _HashGridFunction(torch.autograd.Function):
         ctx.native = _native(x, params, geometry, out_dtype)
         if ctx.native is not None:
             ctx.geometry, ctx.out_dtype = geometry, out_dtype
-            ctx.save_for_backward(x, params)
-            return grid_forward_native(ctx.native, geometry, x, params, half)
+            xs = grid_points(x)
+            ctx.save_for_backward(x, params, xs)
+            return grid_forward_native(ctx.native, geometry, x, params, half, xs)
         scales = torch.tensor(geometry.scales, dtype=x.dtype, device=x.device)
         in_unit_cube = n_points == 0 or bool(((x >= 0) & (x <= 1)).all())
         keep = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
@@ -626,7 +628,7 @@ class _HashGridFunction(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_out):
         geometry, half = ctx.geometry, ctx.out_dtype == torch.float16
-        x, params = ctx.saved_tensors
+        x, params, *xs = ctx.saved_tensors  # xs: the C kernel's layout of x (native only)
         n_points, n_levels = x.shape[0], geometry.n_levels
         n_features = geometry.n_features_per_level
         if half:
@@ -635,8 +637,9 @@ class _HashGridFunction(torch.autograd.Function):
         grad_out = grad_out.to(x.dtype).view(n_points, n_levels, n_features)
         want_x, want_params = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if ctx.native is not None:
+            chunk = _chunk_size(x.device)
             grad_params, grad_x = grid_backward_native(
-                ctx.native, geometry, x, params, half, grad_out, _chunk_size(x.device), want_x
+                ctx.native, geometry, x, params, half, grad_out, chunk, want_x, xs[0]
             )  # the half table comes back unscaled
             grad_params = grad_params if want_params else None
         else:

@@ -45,6 +45,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -1032,9 +1033,19 @@ def grid_supported(geometry) -> bool:
 GRID_BLOCK = 2048
 
 
+# The kernels' scratch memory, one buffer per thread (the C calls release the GIL), kept
+# between calls and grown when a call needs more: no allocation per call.
+_SCRATCH = threading.local()
+
+
 def _scratch(lib: ctypes.CDLL, grid: _Grid, points: int) -> torch.Tensor:
+    """Uninitialised bytes, at least what the grid kernels need for ``points`` points (they
+    lay out no more than that and read nothing they did not write)."""
     size = lib.mptex_grid_scratch_bytes(ctypes.byref(grid), max(points, 1))
-    return torch.empty(size, dtype=torch.uint8)
+    buffer = getattr(_SCRATCH, "buffer", None)
+    if buffer is None or buffer.numel() < size:
+        buffer = _SCRATCH.buffer = torch.empty(size, dtype=torch.uint8)
+    return buffer
 
 
 def _check(status: int, geometry) -> None:
@@ -1042,13 +1053,20 @@ def _check(status: int, geometry) -> None:
         raise RuntimeError(f"the C kernel refused the grid geometry {geometry}")
 
 
+def grid_points(x: torch.Tensor) -> torch.Tensor:
+    """``x [N, D]`` as the kernels read it: ``[D, N]`` contiguous, one axis after the other
+    (the caller keeps it for the backward: one copy per forward and backward instead of two)."""
+    return x.t().contiguous()
+
+
 def grid_forward_native(
-    lib: ctypes.CDLL, geometry, x: torch.Tensor, params: torch.Tensor, half: bool
-) -> torch.Tensor:
+    lib: ctypes.CDLL, geometry, x: torch.Tensor, params: torch.Tensor, half: bool,
+    xs: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """``hash_grid_encode``'s forward: x [N, D] and params float32 (CPU) -> [N, L * F] in
-    float32, or float16 in tcnn's half mode."""
+    float32, or float16 in tcnn's half mode. ``xs``: :func:`grid_points` of ``x``, when made."""
     grid, _ = _grid_struct(geometry)
-    xs, params = x.t().contiguous(), params.contiguous()
+    xs, params = grid_points(x) if xs is None else xs, params.contiguous()
     n_points = x.shape[0]
     out = torch.empty(n_points, geometry.n_output_dims,
                       dtype=torch.float16 if half else torch.float32)  # fmt: skip
@@ -1068,13 +1086,15 @@ def grid_backward_native(
     grad: torch.Tensor,
     chunk: int,
     want_x: bool,
+    xs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dL/dparams float32 accumulated in the eager op's scatter order, dL/dx or None) from
     ``grad`` [N, L * F] float32 (half mode: already rounded to half and scaled; dL/dparams is
-    returned unscaled as tcnn's half table is, dL/dx still scaled)."""
+    returned unscaled as tcnn's half table is, dL/dx still scaled). ``xs``: the forward's
+    :func:`grid_points` of ``x``."""
     grid, _ = _grid_struct(geometry)
     n_points = x.shape[0]
-    xs, params = x.t().contiguous(), params.contiguous()
+    xs, params = grid_points(x) if xs is None else xs, params.contiguous()
     grad = grad.reshape(n_points, geometry.n_levels, geometry.n_features_per_level)
     grad = grad.transpose(0, 1).contiguous()
     grad_params = torch.zeros_like(params)

@@ -75,6 +75,7 @@ so the two backends differ in the accumulator; the GPU kit measures by how much.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +118,13 @@ _INF = float("inf")
 _PENDING_CALLS = 256
 
 
+@functools.lru_cache(maxsize=64)
+def _constant(value: float, device: torch.device) -> torch.Tensor:
+    """A float32 scalar tensor on ``device``, made once: an operand broadcast in an op costs no
+    op of its own, as ``full_like``/``ones_like`` would (never written to)."""
+    return torch.tensor(value, dtype=torch.float32, device=device)
+
+
 @dataclass(frozen=True)
 class ScalingRecipe:
     """How the per-tensor scales are chosen (module docstring).
@@ -154,19 +162,26 @@ def fp8_scale(
         f32 tensor of ``amax``'s shape.
     """
     amax = amax.float()
-    # Two f32 roundings, as Transformer Engine's kernel (the division by 2**margin is exact
-    # unless it reaches f32's subnormals; by 2**0 it is the identity, so it is left out).
-    # torch.div of two tensors: one correctly rounded f32 division. (``448.0 / amax`` is
-    # ``amax.reciprocal() * 448`` in torch, two roundings: one ulp off for about a quarter of
-    # amaxes.)
-    scale = torch.div(torch.full_like(amax, FP8_MAX[dtype]), amax)
-    if margin:
-        scale = scale / float(2**margin)
-    keep = torch.ones_like(amax) if previous is None else previous.float().expand_as(amax)
-    # isfinite as comparisons (2 ops instead of isfinite's 4): amax is >= 0 or NaN, and so is
-    # the scale where amax > 0; NaN < inf is False.
-    usable = (amax > 0) & (amax < _INF) & (scale < _INF)
-    return torch.where(usable, scale, keep)
+    unscaled = _fp8_max_over(amax, dtype)
+    # amax > 0, amax < inf and a finite scale, as comparisons of the unscaled quotient (3 ops
+    # instead of 5): 448 / amax is > 0 and finite exactly where amax is positive and finite
+    # and the quotient does not overflow (0 for an inf amax, inf for 0 or a tiny one, NaN for
+    # NaN, negative for a negative amax or -0); the division by 2**margin keeps it finite.
+    usable = (unscaled > 0) & (unscaled < _INF)
+    scale = unscaled / float(2**margin) if margin else unscaled
+    keep = _constant(1.0, amax.device) if previous is None else previous.float()
+    return torch.where(usable, scale, keep.expand_as(amax))
+
+
+def _fp8_max_over(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``fp8_max(dtype) / amax``, f32, one correctly rounded division (one op).
+
+    Two f32 roundings in all, as Transformer Engine's kernel (the division by 2**margin is exact
+    unless it reaches f32's subnormals; by 2**0 it is the identity, so it is left out).
+    torch.div of two tensors: one correctly rounded f32 division. (``448.0 / amax`` is
+    ``amax.reciprocal() * 448`` in torch, two roundings: one ulp off for about a quarter of
+    amaxes.) The numerator is a cached scalar tensor, broadcast."""
+    return torch.div(_constant(FP8_MAX[dtype], amax.device), amax)
 
 
 def quantize_fp8(
@@ -187,12 +202,18 @@ def quantize_fp8(
         overflow avoided; 0 when ``amax`` is inf, which turns the infs into NaN). All scalars
         stay on ``x``'s device: no host synchronisation.
     """
-    fp8_max = FP8_MAX[dtype]
     x = x.float()
     if amax is None:
         amax = _amax(x)
-    current = torch.div(torch.full_like(amax, fp8_max), amax)  # one rounding (fp8_scale)
-    used = torch.where(amax * scale > fp8_max, current, scale.float())
+    current = _fp8_max_over(amax, dtype)  # fp8_scale's quotient, one rounding
+    used = torch.where(amax * scale > FP8_MAX[dtype], current, scale.float())
+    return _cast(x, used, dtype, amax)
+
+
+def _cast(
+    x: torch.Tensor, used: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_fp8`'s result for the scale ``used`` (``x`` f32)."""
     q = (x * used).to(dtype)
     return q, torch.reciprocal(used), amax, used
 
@@ -280,8 +301,14 @@ def quantize_fp8_rowwise(
         ``(q, scale_inv, amax, used)``: ``q`` ``[M, K]`` in ``dtype``; ``scale_inv = 1 / used``,
         ``amax`` and ``used``, each ``[M, 1]`` f32.
     """
+    return _quantize_rowwise(x, dtype, margin)[0]
+
+
+def _quantize_rowwise(x: torch.Tensor, dtype: torch.dtype, margin: int):
+    """``(quantize_fp8_rowwise's result, the rows' recipe scales [M, 1])``."""
     amax = rowwise_amax(x)
-    return quantize_fp8(x, fp8_scale(amax, dtype, margin), dtype, amax)
+    scale = fp8_scale(amax, dtype, margin)
+    return quantize_fp8(x, scale, dtype, amax), scale
 
 
 def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -377,28 +404,48 @@ class ScalingState:
         next scale and the statistics are updated. For the ``rowwise`` recipe ``x`` is
         ``[M, K]`` and ``scale_inv``, ``used`` are ``[M, 1]`` (:func:`quantize_fp8_rowwise`)."""
         if self.recipe.recipe == "rowwise":
-            q, scale_inv, amax, used = quantize_fp8_rowwise(x.detach(), self.dtype,
-                                                            self.recipe.margin)  # fmt: skip
+            (q, scale_inv, amax, used), scale = _quantize_rowwise(x.detach(), self.dtype,
+                                                                  self.recipe.margin)  # fmt: skip
             if record:
                 # The statistics are per tensor: the largest row amax and the smallest row
                 # scale (a row's scale differs from its recipe's only where its amax is inf).
-                self._record(amax.amax(), fp8_scale(amax, self.dtype, self.recipe.margin).amin(),
-                             used.amin())  # fmt: skip
+                self._record(amax.amax(), scale.amin(), used.amin())
                 if self.collect:
                     self.last_error = quantization_error(x, dequantize_fp8(q, scale_inv))
                     self.last_rowwise = rowwise_spread(x.detach(), used, amax, self.dtype)
             return q, scale_inv, used
         amax = _amax(x)
         if self.recipe.recipe == "current":
-            scale = fp8_scale(amax, self.dtype, self.recipe.margin)
+            used = self._current_scale(amax)
+            q, scale_inv, amax, used = _cast(x.detach().float(), used, self.dtype, amax)
+            scale = used
         else:
             scale = self.scale
-        q, scale_inv, amax, used = quantize_fp8(x.detach(), scale, self.dtype, amax)
+            q, scale_inv, amax, used = quantize_fp8(x.detach(), scale, self.dtype, amax)
         if record:
             self._record(amax, scale, used)
             if self.collect:
                 self.last_error = quantization_error(x, dequantize_fp8(q, scale_inv))
         return q, scale_inv, used
+
+    def _current_scale(self, amax: torch.Tensor) -> torch.Tensor:
+        """The scale :func:`quantize_fp8` uses with the current recipe's scale,
+        ``fp8_scale(amax)``, for an ``amax`` >= 0 or NaN (:func:`_amax`'s), in 3 ops.
+
+        ``s = fp8_max / amax``, used where ``s < inf`` (divided by ``2**margin``), else 1.
+        ``fp8_scale`` gives the same where ``amax`` is finite and ``s`` is, and keeps 1 where
+        ``amax`` is 0, tiny (``s`` inf) or NaN, as here; there ``amax * 1 > fp8_max`` is
+        false, so ``quantize_fp8`` keeps 1 too. With a finite ``s`` it never overflows:
+        ``amax * s`` is ``fp8_max`` within a rounding (``fp8_max / 2**margin`` with a margin),
+        and where it rounds above ``fp8_max`` the fallback ``fp8_max / amax`` is ``s`` itself.
+        An inf ``amax`` gives ``s = 0``, used as such: ``fp8_scale`` keeps 1 there and
+        ``quantize_fp8`` falls back to ``fp8_max / inf = 0``. So the recipe's scale differs from
+        the one used only where ``amax`` is inf, which the overflow count leaves out
+        (:meth:`_count_pending`): ``used`` stands for both."""
+        unscaled = _fp8_max_over(amax, self.dtype)
+        margin = self.recipe.margin
+        scale = unscaled / float(2**margin) if margin else unscaled
+        return torch.where(unscaled < _INF, scale, _constant(1.0, amax.device))
 
     @torch.no_grad()
     def _record(self, amax: torch.Tensor, scale: torch.Tensor, used: torch.Tensor) -> None:
@@ -415,7 +462,13 @@ class ScalingState:
         shifted = torch.cat([amax.reshape(1), self.history[:-1]])
         self.history = torch.where(finite, shifted, self.history)
         reduced = self.history.amax() if self.recipe.amax_compute_algo == "max" else self.history[0]
-        self.scale = fp8_scale(reduced, self.dtype, self.recipe.margin, previous=self.scale)
+        # fp8_scale(reduced, previous=self.scale) in 3 ops: the history holds finite amaxes
+        # >= 0 only, where fp8_scale's test is that of a finite quotient (it is 0 only for an
+        # inf amax; 0 and tiny amaxes give inf).
+        unscaled = _fp8_max_over(reduced, self.dtype)
+        margin = self.recipe.margin
+        scale = unscaled / float(2**margin) if margin else unscaled
+        self.scale = torch.where(unscaled < _INF, scale, self.scale)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name).clone() for name in self._TENSORS}
@@ -506,8 +559,13 @@ def scaled_mm(
             f"a, b: expected [M, K] and [K, N], got {list(a.shape)} and {list(b.shape)}"
         )
     if resolve_gemm_backend(backend, a.device) == "emulated":
-        return torch.mm(a.float(), b.float()) * (scale_inv_a * scale_inv_b)
+        return _emulated_mm(a.float(), b.float(), scale_inv_a, scale_inv_b)
     return _scaled_mm_padded(a, b, scale_inv_a, scale_inv_b)
+
+
+def _emulated_mm(a, b, scale_inv_a, scale_inv_b) -> torch.Tensor:
+    """:func:`scaled_mm`'s emulation on the FP8 operands already converted to f32."""
+    return torch.mm(a, b) * (scale_inv_a * scale_inv_b)
 
 
 def _scaled_mm_padded(a, b, scale_inv_a, scale_inv_b) -> torch.Tensor:
@@ -632,13 +690,22 @@ class _FP8Linear(torch.autograd.Function):
         x_state, w_state, grad_state = states
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        x_q, x_inv, _ = x_state.quantize(x2, record)
-        w_q, w_inv, _ = w_state.quantize(weight, record)
-        out = scaled_mm(x_q, w_q.t(), x_inv, w_inv, backend)
+        x_q, w_q = x_state.quantize(x2, record), w_state.quantize(weight, record)
+        (x_q, x_inv, _), (w_q, w_inv, _) = x_q, w_q
+        # The emulation converts each FP8 operand to f32 (exact) for its GEMMs: the forward's
+        # conversions are kept for the backward's (one conversion per tensor instead of two;
+        # the same f32 values and layouts reach torch.mm).
+        emulated = resolve_gemm_backend(backend, x.device) == "emulated"
+        if emulated:
+            x_q, w_q = x_q.float(), w_q.float()
+            out = _emulated_mm(x_q, w_q.t(), x_inv, w_inv)
+        else:
+            out = scaled_mm(x_q, w_q.t(), x_inv, w_inv, backend)
         if bias is not None:
             out = out + bias.float()
         ctx.save_for_backward(x_q, w_q, x_inv, w_inv)
         ctx.grad_state, ctx.backend, ctx.shape = grad_state, backend, shape
+        ctx.emulated = emulated
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out.reshape(*shape[:-1], out.shape[-1])
 
@@ -648,13 +715,16 @@ class _FP8Linear(torch.autograd.Function):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         grad2 = grad_out.reshape(-1, grad_out.shape[-1])
         g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True)
+        gemm = _emulated_mm if ctx.emulated else functools.partial(scaled_mm, backend=ctx.backend)
+        if ctx.emulated:
+            g_q = g_q.float()  # x_q, w_q are f32 already (forward)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = scaled_mm(g_q, w_q, g_inv, w_inv, ctx.backend).to(x_dtype).reshape(ctx.shape)
+            grad_x = gemm(g_q, w_q, g_inv, w_inv).to(x_dtype).reshape(ctx.shape)
         if ctx.needs_input_grad[1]:
             # The weight gradient's reduction runs over the batch: a [out, N] x [N, in] GEMM.
             g_t = g_q.t().contiguous()
-            grad_w = scaled_mm(g_t, x_q, g_inv, x_inv, ctx.backend).to(w_dtype)
+            grad_w = gemm(g_t, x_q, g_inv, x_inv).to(w_dtype)
         if ctx.needs_input_grad[2]:
             grad_b = grad2.float().sum(0).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None, None

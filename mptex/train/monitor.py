@@ -5,6 +5,7 @@ saturates."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -32,30 +33,89 @@ def _counts(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     A gradient that reached an f32 master through a cast from ``dtype`` holds exactly the values
     ``dtype`` had, so counting ``0 < |g| < tiny(dtype)`` on it counts ``dtype``'s subnormals.
     Counted as the host subtracts them (subnormals = below tiny - zeros, non-finite = numel -
-    finite: exact integers in float64) and with comparisons instead of ``isfinite`` (``|x|`` is
-    >= 0 or NaN: finite is ``|x| < inf``): 11 ops per tensor instead of 20.
+    finite: exact integers in float64).
     """
-    acc = torch.float32 if tensor.device.type == "mps" else torch.float64
+    acc = _accumulator(tensor.device)
     if tensor.numel() == 0:
         return torch.zeros(5, dtype=acc, device=tensor.device)
+    below, largest = _partial_counts(tensor, dtype)
+    numel = torch.full((1,), float(tensor.numel()), dtype=acc, device=tensor.device)
+    return torch.cat([below, numel, largest.reshape(1).to(acc)])
+
+
+def _accumulator(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+@functools.lru_cache(maxsize=32)
+def _thresholds(tensor_dtype: torch.dtype, dtype: torch.dtype, device: torch.device):
+    """``[3, 1]`` float64 bounds ``b`` with ``|x| < b`` meaning: ``|x| == 0``, ``|x| < tiny(dtype)``
+    and ``|x|`` finite, for ``|x|`` in ``tensor_dtype`` (f16, bf16 or f32) compared in float64.
+
+    ``2**-1000`` lies below the smallest positive value of those dtypes and is normal in
+    float64; ``tiny(dtype)`` is rounded to ``tensor_dtype`` first, as ``|x| < tiny`` with a
+    Python float compares in ``tensor_dtype`` (the bound is 0 where it underflows there)."""
+    tiny = torch.tensor(subnormal_threshold(dtype), dtype=tensor_dtype).item()
+    bounds = [2.0**-1000, tiny, float("inf")]
+    return torch.tensor(bounds, dtype=torch.float64).reshape(3, 1).to(device)
+
+
+def _partial_counts(
+    tensor: torch.Tensor, dtype: torch.dtype, largest: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``([3] counts of zeros, of values below tiny(dtype), of finite values; the largest
+    finite |x|)`` of a non-empty ``tensor``, on its device: the counts in float64 (float32 on
+    MPS), the largest in ``tensor``'s dtype (None unless ``largest``).
+
+    The three counts are one comparison of ``|x|`` against three bounds (:func:`_thresholds`)
+    and one sum: 5 ops per tensor, where a comparison and a sum per count are 8. The
+    comparisons are those of ``|x| == 0``, ``|x| < tiny`` and ``|x| < inf`` (``|x|`` is >= 0 or
+    NaN, and NaN compares false), so the counts are the same integers."""
+    acc = _accumulator(tensor.device)
     magnitude = tensor.detach().abs()
-    finite = magnitude < float("inf")
-    return torch.stack(
-        [
+    if acc == torch.float64 and tensor.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        bounds = _thresholds(tensor.dtype, dtype, tensor.device)
+        below = (magnitude.reshape(1, -1) < bounds).sum(dim=1, dtype=acc)
+    else:  # float64 values (no normal bound below their subnormals) or no float64 (MPS)
+        below = torch.stack([
             (magnitude == 0).sum(dtype=acc),
             (magnitude < subnormal_threshold(dtype)).sum(dtype=acc),
-            finite.sum(dtype=acc),
-            magnitude.new_full((), float(magnitude.numel()), dtype=acc),  # no host copy
-            # inf and NaN as 0 in one op (magnitude >= 0): the largest finite value.
-            torch.nan_to_num(magnitude, nan=0.0, posinf=0.0).amax().to(acc),
-        ]
-    )
+            (magnitude < float("inf")).sum(dtype=acc),
+        ])  # fmt: skip
+    if not largest:
+        return below, None
+    # inf and NaN as 0 in one op (magnitude >= 0): the largest finite value.
+    return below, torch.nan_to_num(magnitude, nan=0.0, posinf=0.0).amax()
 
 
-def _merge(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-    if old is None:
-        return new
-    return torch.cat([old[:4] + new[:4], torch.maximum(old[4:], new[4:])])
+class _Tally:
+    """A site's statistics merged over the sampled iteration's calls: the counts and (unless
+    ``largest`` is False: output gradients report none) the largest value on the device, the
+    element count on the host (1 or 2 ops per merge)."""
+
+    __slots__ = ("below", "largest", "numel")
+
+    def __init__(self, tensor: torch.Tensor, dtype: torch.dtype, largest: bool = True):
+        acc = _accumulator(tensor.device)
+        if tensor.numel():
+            self.below, self.largest = _partial_counts(tensor, dtype, largest)
+        else:
+            self.below = torch.zeros(3, dtype=acc, device=tensor.device)
+            self.largest = torch.zeros((), dtype=tensor.dtype, device=tensor.device)
+        self.largest = self.largest if largest else None
+        self.numel = tensor.numel()
+
+    def merge(self, other: _Tally) -> _Tally:
+        self.below = self.below + other.below.to(self.below.device)
+        if self.largest is not None:
+            self.largest = torch.maximum(self.largest, other.largest.to(self.largest.device))
+        self.numel += other.numel
+        return self
+
+    def parts(self, device: torch.device) -> list[torch.Tensor]:
+        """The device values :meth:`PrecisionMonitor.pending` reads: the 3 counts, the largest."""
+        parts = [self.below.to(device)]
+        return parts if self.largest is None else parts + [self.largest.reshape(1).to(device)]
 
 
 def _fractions(counts: list[float]) -> dict[str, float]:
@@ -232,7 +292,9 @@ class PrecisionMonitor:
     def _record(self, key: str, dtype: torch.dtype) -> Callable[[torch.Tensor], None]:
         def hook(tensor: torch.Tensor) -> None:
             if self._armed:
-                self._acc[key] = _merge(self._acc.get(key), _counts(tensor, dtype))
+                tally = _Tally(tensor, dtype, largest=not key.endswith(".out_grad"))
+                old = self._acc.get(key)
+                self._acc[key] = tally if old is None else old.merge(tally)
 
         return hook
 
@@ -303,21 +365,26 @@ class PrecisionMonitor:
             layer.collect_stats = False
         flat = None
         if keys or saturation is not None or quantized:
-            first = self._acc[keys[0]] if keys else saturation
+            first = self._acc[keys[0]].below if keys else saturation
             first = first if first is not None else next(iter(quantized.values()))
             # float64 counts where the device has float64 (_counts' accumulator).
             device = first.device
             acc = torch.float32 if device.type == "mps" else torch.float64
-            parts = [self._acc[k].to(device) for k in keys]  # [5] each, see _counts
+            # Per site the counts and the largest (its element count stays on the host).
+            parts = [part for k in keys for part in self._acc[k].parts(device)]
             if saturation is not None:
                 parts.append(saturation.to(device))
             # Quantisation statistics go last, one value each.
             parts += [value.reshape(1).to(device) for value in quantized.values()]
-            flat = torch.cat([f.to(acc) for f in parts])
+            # One op: cat converts to the widest dtype (float64, exact from the float32 and
+            # float16 values; float32 on MPS), the dtype of every count.
+            flat = torch.cat(parts).to(acc)
         acc_fused = None
         if self._fused is not None:
             acc_fused = {layer: dict(values) for layer, values in self._fused.last_stats.items()}
             self._fused.collect_stats = False
+        numels = [self._acc[k].numel for k in keys]
+        widths = [3 if self._acc[k].largest is None else 4 for k in keys]
         self._acc.clear()
         self._saturation = None
         iteration = self._iteration
@@ -331,15 +398,19 @@ class PrecisionMonitor:
                     for key, value in zip(quantized, host[-n_quantized:], strict=True):
                         stats[key] = value
                     host = host[:-n_quantized]
+                start = 0
                 for index, key in enumerate(keys):
-                    fractions = _fractions(host[index * 5 : index * 5 + 5])
+                    zero, below_tiny, finite, *maxabs = host[start : start + widths[index]]
+                    start += widths[index]
+                    fractions = _fractions([zero, below_tiny, finite, float(numels[index]),
+                                            maxabs[0] if maxabs else 0.0])  # fmt: skip
                     wanted = ("maxabs", "nonfinite_frac") if key.endswith(".act") else fractions
                     if key.endswith(".out_grad"):
                         wanted = ("zero_frac", "subnormal_frac", "nonfinite_frac")
                     for name in wanted:
                         stats[f"{key}_{name}"] = fractions[name]
                 if saturation is not None:
-                    *per_channel, rows = host[len(keys) * 5 :]
+                    *per_channel, rows = host[start:]
                     for channel, count in enumerate(per_channel):
                         stats[f"output.saturated_frac.{channel}"] = count / max(rows, 1.0)
             if acc_fused is not None:

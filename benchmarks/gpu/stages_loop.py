@@ -36,8 +36,9 @@ PROFILE_ARMS = ("f32", "nvdiffrec", "f16_dynamic", "bf16_grid", "fp8", "fp8_curr
 MAINJOB_TARGET_S = 600.0
 
 
-def _scale(ctx, iterations: int) -> list[str]:
-    """nvdiffrec's scale on a GPU; tiny on the CPU dry run."""
+def scale_overrides(ctx, iterations: int) -> list[str]:
+    """nvdiffrec's scale on a GPU (512², batch 4, its texture); tiny on the CPU dry run. Shared
+    with validate.py's training stages."""
     if ctx.small:
         sizes = ["texture=tiny", "scene.resolution=32", "train.batch_size=1",
                  "scene.n_train_views=4", "scene.n_val_views=2"]  # fmt: skip
@@ -48,14 +49,15 @@ def _scale(ctx, iterations: int) -> list[str]:
                     "train.progress=false", "train.n_val_images=0"]  # fmt: skip
 
 
-def _compose(overrides: list[str]):
+def compose_config(overrides: list[str]):
+    """mptex-train's config with ``overrides`` (validate.py's stages name their experiment)."""
     from hydra import compose, initialize_config_dir
 
     from mptex.cli import CONFIG_DIR, register_experiments
 
     register_experiments()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=["+experiment=quick", *overrides])
+        return compose(config_name="config", overrides=overrides)
 
 
 def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
@@ -67,7 +69,8 @@ def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
 
     from mptex.train import train
 
-    cfg = _compose([f"precision={arm}", *_scale(ctx, iterations)])
+    overrides = ["+experiment=quick", f"precision={arm}", *scale_overrides(ctx, iterations)]
+    cfg = compose_config(overrides)
     activities = [ProfilerActivity.CPU]
     if ctx.device.startswith("cuda"):
         activities.append(ProfilerActivity.CUDA)

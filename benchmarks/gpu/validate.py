@@ -645,36 +645,8 @@ def stage_raster(ctx: StageContext) -> None:
         ctx.result["failed_checks"] = [r["mesh"] for r in rows if not r["ok"]]
 
 
-def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    from mptex.cli import CONFIG_DIR, register_experiments
-
-    register_experiments()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
-
-
-def _scale_overrides(ctx: StageContext, iterations: int) -> list[str]:
-    """nvdiffrec's scale on a GPU (512², batch 4, its texture); tiny on the CPU dry run."""
-    if ctx.small:
-        sizes = [
-            "texture=tiny",
-            "scene.resolution=32",
-            "train.batch_size=1",
-            "scene.n_train_views=4",
-            "scene.n_val_views=2",
-        ]
-    else:
-        sizes = ["texture=default", "scene.resolution=512", "train.batch_size=4"]
-    return sizes + [
-        f"train.iterations={iterations}",
-        f"train.val_interval={iterations}",
-        f"train.device={ctx.device}",
-        "train.checkpoint_interval=0",
-        "train.progress=false",
-        "train.n_val_images=0",
-    ]
+_compose = stages_loop.compose_config
+_scale_overrides = stages_loop.scale_overrides
 
 
 def _train_run(cfg) -> dict:

@@ -168,7 +168,7 @@ def fp8_scale(
     # and the quotient does not overflow (0 for an inf amax, inf for 0 or a tiny one, NaN for
     # NaN, negative for a negative amax or -0); the division by 2**margin keeps it finite.
     usable = (unscaled > 0) & (unscaled < _INF)
-    scale = unscaled / float(2**margin) if margin else unscaled
+    scale = _with_margin(unscaled, margin)
     keep = _constant(1.0, amax.device) if previous is None else previous.float()
     return torch.where(usable, scale, keep.expand_as(amax))
 
@@ -182,6 +182,11 @@ def _fp8_max_over(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     ``amax.reciprocal() * 448`` in torch, two roundings: one ulp off for about a quarter of
     amaxes.) The numerator is a cached scalar tensor, broadcast."""
     return torch.div(_constant(FP8_MAX[dtype], amax.device), amax)
+
+
+def _with_margin(unscaled: torch.Tensor, margin: int) -> torch.Tensor:
+    """``unscaled / 2**margin`` (no op for margin 0, where it is the identity)."""
+    return unscaled / float(2**margin) if margin else unscaled
 
 
 def quantize_fp8(
@@ -443,8 +448,7 @@ class ScalingState:
         the one used only where ``amax`` is inf, which the overflow count leaves out
         (:meth:`_count_pending`): ``used`` stands for both."""
         unscaled = _fp8_max_over(amax, self.dtype)
-        margin = self.recipe.margin
-        scale = unscaled / float(2**margin) if margin else unscaled
+        scale = _with_margin(unscaled, self.recipe.margin)
         return torch.where(unscaled < _INF, scale, _constant(1.0, amax.device))
 
     @torch.no_grad()
@@ -466,9 +470,8 @@ class ScalingState:
         # >= 0 only, where fp8_scale's test is that of a finite quotient (it is 0 only for an
         # inf amax; 0 and tiny amaxes give inf).
         unscaled = _fp8_max_over(reduced, self.dtype)
-        margin = self.recipe.margin
-        scale = unscaled / float(2**margin) if margin else unscaled
-        self.scale = torch.where(unscaled < _INF, scale, self.scale)
+        self.scale = torch.where(unscaled < _INF, _with_margin(unscaled, self.recipe.margin),
+                                 self.scale)  # fmt: skip
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name).clone() for name in self._TENSORS}

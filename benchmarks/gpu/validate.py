@@ -645,10 +645,6 @@ def stage_raster(ctx: StageContext) -> None:
         ctx.result["failed_checks"] = [r["mesh"] for r in rows if not r["ok"]]
 
 
-_compose = stages_loop.compose_config
-_scale_overrides = stages_loop.scale_overrides
-
-
 def _train_run(cfg) -> dict:
     from mptex.train import train
 
@@ -711,7 +707,8 @@ def stage_arms(ctx: StageContext) -> None:
             continue
         start = time.time()
         try:
-            metrics = _train_run(_compose([f"precision={arm}"] + _scale_overrides(ctx, iterations)))
+            overrides = [f"precision={arm}", *stages_loop.scale_overrides(ctx, iterations)]
+            metrics = _train_run(stages_loop.compose_config(overrides))
         except Exception as exc:  # one arm's failure is a row, not the stage's end
             rows.append([arm, f"failed: {type(exc).__name__}: {exc}".splitlines()[0], *[""] * 5])
             continue
@@ -803,7 +800,8 @@ def stage_nvdiffrec154(ctx: StageContext) -> None:
         start, runs = time.time(), {}
         for arm in arms:
             overrides = ["+experiment=nvdiffrec154", f"precision={arm}", f"train.seed={seed}"]
-            metrics = _train_run(_compose(overrides + grid + _scale_overrides(ctx, iterations)))
+            scale = stages_loop.scale_overrides(ctx, iterations)
+            metrics = _train_run(stages_loop.compose_config(overrides + grid + scale))
             runs[arm] = metrics
             backends[arm] = metrics.get("backends")
         seed_wall = time.time() - start

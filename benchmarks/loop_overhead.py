@@ -24,7 +24,10 @@ What counts:
   metadata
   (``OpOverload.is_view``: ``view``, ``reshape`` as a view, ``t``, ``select``, ``slice``,
   ``expand``, ``detach``, ``alias``, ``lift_fresh``...) and the profiler's scope markers
-  (``record_function``: no kernel). In-place ops and copies count.
+  (``record_function``: no kernel). In-place ops and copies count. A custom op counts as
+  one (``mptex::fp8_quantize``, the FP8 arms' quantisation: one C call on the CPU, two
+  Triton launches on CUDA); work done by calls outside the dispatcher (the CPU grid's and
+  the fused network's C kernels, tcnn, Triton kernels called directly) is not seen.
 * **host synchronisation** (a *sync*): an op that would make the host wait for a CUDA device:
   a read of a device value to the host (``aten::_local_scalar_dense``: ``.item()``,
   ``bool()``, ``float()``, ``int()``; ``aten::is_nonzero``; ``aten::equal``), an op whose

@@ -845,6 +845,185 @@ int mptex_half_unscale(float *g, int64_t n, float scale) {
     for (; e < n; ++e) g[e] = half_round(half_round(g[e]) / scale);
     return 0;
 }
+
+/* ------------------------------------------------------------------ FP8 quantisation */
+/* mptex._fp8_fused's op: amax, scale and cast of one tensor (or of each row) in two passes.
+   Float32 arithmetic as the eager ops (-ffp-contract=off), the cast rounding to nearest even as
+   torch's: E4M3 (float8_e4m3fn) saturates at 448 (infinity included), E5M2 overflows to
+   infinity, a NaN becomes sign | 0x7f. Written without branches in the element loops, so that
+   they vectorise. */
+#define FP8_INF_BITS 0x7f800000u
+
+static inline uint32_t f32_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
+
+static inline uint8_t fp8_from_f32(float f, int e5m2) {
+    const uint32_t b = f32_bits(f), sign = (b >> 24) & 0x80u, a = b & 0x7fffffffu;
+    const uint32_t mbits = e5m2 ? 2u : 3u, bias = e5m2 ? 15u : 7u;
+    /* At or above the format's smallest normal: the float32 significand rounded to mbits bits
+       (to nearest, ties to even) in integer arithmetic, the exponent rebiased. */
+    const uint32_t shift = 23u - mbits, odd = (a >> shift) & 1u;
+    const uint32_t normal = ((a + (1u << (shift - 1u)) - 1u + odd) >> shift)
+        - ((127u - bias) << mbits);
+    /* Below it: adding 2^23 subnormal steps (2^-9 for E4M3, 2^-16 for E5M2) rounds |f| to a
+       whole number of steps, to nearest even, in one float32 addition (the sum's ulp is the
+       step); that number is the code, up to the smallest normal's. */
+    const float magic = e5m2 ? 128.0f : 16384.0f;
+    const uint32_t sub = f32_bits(fabsf(f) + magic) - f32_bits(magic);
+    uint32_t r = (a >> 23) >= 128u - bias ? normal : sub;
+    const uint32_t top = e5m2 ? 0x7cu : 0x7eu;  /* E5M2: infinity; E4M3: 448 */
+    r = r > top ? top : r;
+    r = a > FP8_INF_BITS ? 0x7fu : r;
+    return (uint8_t)(sign | r);
+}
+
+/* A NaN code's float32 as torch converts it: quiet, its sign and mantissa bits kept on top. */
+static inline float fp8_nan_f32(uint8_t c, int mbits) {
+    const uint32_t b = ((uint32_t)(c & 0x80u) << 24) | 0x7fc00000u
+        | ((uint32_t)(c & ((1u << mbits) - 1u)) << (23 - mbits));
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+static inline float fp8_to_f32(uint8_t c, int e5m2) {
+    const float sign = (c & 0x80u) ? -1.0f : 1.0f;
+    if (e5m2) {
+        const int e = (c >> 2) & 31, m = c & 3;
+        if (e == 31) return m ? fp8_nan_f32(c, 2) : sign * INFINITY;
+        return sign * (e ? ldexpf((float)(4 + m), e - 17) : ldexpf((float)m, -16));
+    }
+    const int e = (c >> 3) & 15, m = c & 7;
+    if (e == 15 && m == 7) return fp8_nan_f32(c, 3);
+    return sign * (e ? ldexpf((float)(8 + m), e - 10) : ldexpf((float)m, -9));
+}
+
+/* The largest of m and |v|, NaN once either is (torch's max-norm propagates NaN). */
+static inline float fp8_max_abs(float m, float v) {
+    v = fabsf(v);
+    return (v > m || v != v) ? v : m;
+}
+
+/* Largest |x| over n strided values; NaN if one is NaN, 0 if n is 0. */
+static float fp8_amax(const float *x, int64_t n, int64_t stride) {
+    float m = 0.0f;
+    if (stride == 1) {
+        for (int64_t i = 0; i < n; ++i) m = fp8_max_abs(m, x[i]);
+    } else {
+        for (int64_t i = 0; i < n; ++i) m = fp8_max_abs(m, x[i * stride]);
+    }
+    return m != m ? NAN : m;  /* torch's NaN, whatever the input's payload */
+}
+
+/* q_kind: 0 the FP8 codes (uint8), 1 their values in float32, 2 in float64 (from lut, the
+   256 codes' values). */
+static void fp8_cast_row(const float *x, int64_t n, int64_t stride, float used, int e5m2,
+                         const float *lut, void *q, int q_kind, int64_t q_stride) {
+    if (q_kind == 0) {
+        uint8_t *o = (uint8_t *)q;
+        for (int64_t i = 0; i < n; ++i) o[i * q_stride] = fp8_from_f32(x[i * stride] * used, e5m2);
+    } else if (q_kind == 1) {
+        float *o = (float *)q;
+        for (int64_t i = 0; i < n; ++i) o[i * q_stride] = lut[fp8_from_f32(x[i * stride] * used, e5m2)];
+    } else {
+        double *o = (double *)q;
+        for (int64_t i = 0; i < n; ++i)
+            o[i * q_stride] = (double)lut[fp8_from_f32(x[i * stride] * used, e5m2)];
+    }
+}
+
+static inline float fp8_with_margin(float unscaled, int margin) {
+    return margin ? unscaled / ldexpf(1.0f, margin) : unscaled;
+}
+
+/* A row's recipe scale and the scale its cast uses (the row-wise recipe). */
+static inline void fp8_row_scale(float amax, float fmax, int margin, float *rscale, float *used) {
+    const float unscaled = fmax / amax;
+    *rscale = (unscaled > 0.0f && unscaled < INFINITY) ? fp8_with_margin(unscaled, margin) : 1.0f;
+    *used = amax * *rscale > fmax ? unscaled : *rscale;
+}
+
+/* recipe 0 delayed, 1 current, 2 rowwise (one scale per row). x is [rows, cols] with strides
+   (per-tensor recipes: the whole tensor as one row). Outputs per row (rowwise) or one each:
+   scale_inv, amax, used, next_scale (delayed: the next call's scale when recording, else the
+   given one; current: used; rowwise: each row's recipe scale), and next_history (delayed and
+   recording: the amax history after this call, most recent first). */
+int mptex_fp8_quantize(const float *x, int64_t rows, int64_t cols, int64_t stride_r,
+                       int64_t stride_c, int e5m2, int recipe, int margin, int most_recent,
+                       int record, const float *scale, const float *history, int64_t hlen,
+                       void *q, int q_kind, int64_t q_stride_r, int64_t q_stride_c,
+                       float *scale_inv, float *amax_out, float *used_out, float *next_scale,
+                       float *next_history) {
+    const float fmax = e5m2 ? 57344.0f : 448.0f;
+    const int64_t q_size = q_kind == 0 ? 1 : (q_kind == 1 ? 4 : 8);
+    float lut[256];
+    if (q_kind) for (int c = 0; c < 256; ++c) lut[c] = fp8_to_f32((uint8_t)c, e5m2);
+    if (recipe == 2 && stride_r == 1 && stride_c != 1 && q_stride_r == 1 && rows > 1) {
+        /* Column-major (a transposed operand): the same values, visited column by column so
+           that the inner loops read memory in order. */
+        for (int64_t r = 0; r < rows; ++r) amax_out[r] = 0.0f;
+        for (int64_t c = 0; c < cols; ++c) {
+            const float *xc = x + c * stride_c;
+            for (int64_t r = 0; r < rows; ++r) amax_out[r] = fp8_max_abs(amax_out[r], xc[r]);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+            if (amax_out[r] != amax_out[r]) amax_out[r] = NAN;
+            fp8_row_scale(amax_out[r], fmax, margin, next_scale + r, used_out + r);
+            scale_inv[r] = 1.0f / used_out[r];
+        }
+        for (int64_t c = 0; c < cols; ++c) {
+            const float *xc = x + c * stride_c;
+            char *qc = (char *)q + c * q_stride_c * q_size;
+            if (q_kind == 0)
+                for (int64_t r = 0; r < rows; ++r)
+                    ((uint8_t *)qc)[r] = fp8_from_f32(xc[r] * used_out[r], e5m2);
+            else if (q_kind == 1)
+                for (int64_t r = 0; r < rows; ++r)
+                    ((float *)qc)[r] = lut[fp8_from_f32(xc[r] * used_out[r], e5m2)];
+            else
+                for (int64_t r = 0; r < rows; ++r)
+                    ((double *)qc)[r] = (double)lut[fp8_from_f32(xc[r] * used_out[r], e5m2)];
+        }
+        return 0;
+    }
+    if (recipe == 2) {
+        for (int64_t r = 0; r < rows; ++r) {
+            const float amax = fp8_amax(x + r * stride_r, cols, stride_c);
+            float rscale, used;
+            fp8_row_scale(amax, fmax, margin, &rscale, &used);
+            fp8_cast_row(x + r * stride_r, cols, stride_c, used, e5m2, lut,
+                         (char *)q + r * q_stride_r * q_size, q_kind, q_stride_c);
+            amax_out[r] = amax; used_out[r] = used; next_scale[r] = rscale;
+            scale_inv[r] = 1.0f / used;
+        }
+        return 0;
+    }
+    if (rows != 1) return 1;
+    const float amax = fp8_amax(x, cols, stride_c);
+    const float unscaled = fmax / amax;
+    float used;
+    if (recipe == 1) {
+        used = unscaled < INFINITY ? fp8_with_margin(unscaled, margin) : 1.0f;
+        *next_scale = used;
+    } else {
+        used = amax * scale[0] > fmax ? unscaled : scale[0];
+        *next_scale = scale[0];
+        if (record) {
+            /* Finite amaxes only enter the history (a NaN or inf keeps it as it was). */
+            if (amax < INFINITY) {
+                if (hlen > 0) next_history[0] = amax;
+                for (int64_t i = 1; i < hlen; ++i) next_history[i] = history[i - 1];
+            } else {
+                for (int64_t i = 0; i < hlen; ++i) next_history[i] = history[i];
+            }
+            const float reduced = most_recent ? next_history[0] : fp8_amax(next_history, hlen, 1);
+            const float u = fmax / reduced;
+            if (u < INFINITY) *next_scale = fp8_with_margin(u, margin);
+        }
+    }
+    fp8_cast_row(x, cols, stride_c, used, e5m2, lut, q, q_kind, q_stride_c);
+    *amax_out = amax; *used_out = used; *scale_inv = 1.0f / used;
+    return 0;
+}
 """
 
 # -ffp-contract=off: the grid's float32 expressions round as the eager ops' (no fused
@@ -911,6 +1090,8 @@ def build_kernels(flags: tuple[str, ...] = _CFLAGS) -> ctypes.CDLL:
     lib.mptex_grid_forward.argtypes = [ptr, ptr, i64, ptr, c_int, ptr, ptr]
     lib.mptex_grid_backward.argtypes = [ptr, ptr, i64, ptr, c_int, ptr, i64, ptr, ptr, ptr]
     lib.mptex_half_unscale.argtypes = [ptr, i64, ctypes.c_float]
+    lib.mptex_fp8_quantize.argtypes = ([ptr] + [i64] * 4 + [c_int] * 5 + [ptr, ptr, i64, ptr,
+                                       c_int, i64, i64] + [ptr] * 5)  # fmt: skip
     return lib
 
 

@@ -80,6 +80,16 @@ from dataclasses import dataclass
 
 import torch
 
+from mptex._fp8_scaling import (
+    _INF,
+    E4M3,
+    E5M2,
+    FP8_MAX,
+    fp8_scale,
+    quantize_fp8,
+    rowwise_amax,
+)
+
 __all__ = [
     "E4M3",
     "E5M2",
@@ -104,25 +114,14 @@ __all__ = [
     "statistics",
 ]
 
-E4M3 = torch.float8_e4m3fn
-E5M2 = torch.float8_e5m2
-FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
 RECIPES = ("delayed", "current", "rowwise")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 GEMM_BACKENDS = ("auto", "scaled_mm", "emulated")
 # torch._scaled_mm's cuBLASLt kernels want every matrix dimension a multiple of 16.
 _SCALED_MM_ALIGN = 16
-_INF = float("inf")
 # Recorded calls whose statistics (overflows, non-finite amaxes) wait to be counted: counted
 # together when read or when this many are waiting (one reduction instead of a few ops each).
 _PENDING_CALLS = 256
-
-
-@functools.lru_cache(maxsize=64)
-def _constant(value: float, device: torch.device) -> torch.Tensor:
-    """A float32 scalar tensor on ``device``, made once: an operand broadcast in an op costs no
-    op of its own, as ``full_like``/``ones_like`` would (never written to)."""
-    return torch.tensor(value, dtype=torch.float32, device=device)
 
 
 @dataclass(frozen=True)
@@ -142,85 +141,6 @@ class ScalingRecipe:
     margin: int = 0
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
-
-
-def fp8_scale(
-    amax: torch.Tensor, dtype: torch.dtype, margin: int = 0, previous: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Transformer Engine's scale: ``fp8_max(dtype) / amax / 2**margin`` in f32.
-
-    Where ``amax`` is 0 or the scale is not finite (an ``amax`` of inf or NaN, or so small
-    that the quotient overflows), ``previous`` is kept (default 1.0).
-
-    Args:
-        amax: f32 tensor (any shape) of largest magnitudes.
-        dtype: :data:`E4M3` or :data:`E5M2`.
-        margin: integer >= 0.
-        previous: the scale to keep, broadcastable to ``amax`` (default 1.0).
-
-    Returns:
-        f32 tensor of ``amax``'s shape.
-    """
-    amax = amax.float()
-    unscaled = _fp8_max_over(amax, dtype)
-    # amax > 0, amax < inf and a finite scale, as comparisons of the unscaled quotient (3 ops
-    # instead of 5): 448 / amax is > 0 and finite exactly where amax is positive and finite
-    # and the quotient does not overflow (0 for an inf amax, inf for 0 or a tiny one, NaN for
-    # NaN, negative for a negative amax or -0); the division by 2**margin keeps it finite.
-    usable = (unscaled > 0) & (unscaled < _INF)
-    scale = _with_margin(unscaled, margin)
-    keep = _constant(1.0, amax.device) if previous is None else previous.float()
-    return torch.where(usable, scale, keep.expand_as(amax))
-
-
-def _fp8_max_over(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``fp8_max(dtype) / amax``, f32, one correctly rounded division (one op).
-
-    Two f32 roundings in all, as Transformer Engine's kernel (the division by 2**margin is exact
-    unless it reaches f32's subnormals; by 2**0 it is the identity, so it is left out).
-    torch.div of two tensors: one correctly rounded f32 division. (``448.0 / amax`` is
-    ``amax.reciprocal() * 448`` in torch, two roundings: one ulp off for about a quarter of
-    amaxes.) The numerator is a cached scalar tensor, broadcast."""
-    return torch.div(_constant(FP8_MAX[dtype], amax.device), amax)
-
-
-def _with_margin(unscaled: torch.Tensor, margin: int) -> torch.Tensor:
-    """``unscaled / 2**margin`` (no op for margin 0, where it is the identity)."""
-    return unscaled / float(2**margin) if margin else unscaled
-
-
-def quantize_fp8(
-    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` in ``dtype`` with a per-tensor scale, never overflowing.
-
-    Args:
-        x: any shape, any float dtype (converted to f32 first: exact from f16/bf16).
-        scale: f32 scalar tensor, the recipe's scale (> 0).
-        dtype: :data:`E4M3` or :data:`E5M2`.
-        amax: ``x``'s largest magnitude when already computed (f32 scalar).
-
-    Returns:
-        ``(q, scale_inv, amax, used)``: ``q`` in ``dtype`` (``fp8(x * used)``), the f32
-        ``scale_inv = 1 / used`` that ``q`` is multiplied by, ``x``'s f32 ``amax`` and the scale
-        ``used``: ``scale`` unless ``amax * scale > fp8_max``, then ``fp8_max / amax`` (an
-        overflow avoided; 0 when ``amax`` is inf, which turns the infs into NaN). All scalars
-        stay on ``x``'s device: no host synchronisation.
-    """
-    x = x.float()
-    if amax is None:
-        amax = _amax(x)
-    current = _fp8_max_over(amax, dtype)  # fp8_scale's quotient, one rounding
-    used = torch.where(amax * scale > FP8_MAX[dtype], current, scale.float())
-    return _cast(x, used, dtype, amax)
-
-
-def _cast(
-    x: torch.Tensor, used: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`quantize_fp8`'s result for the scale ``used`` (``x`` f32)."""
-    q = (x * used).to(dtype)
-    return q, torch.reciprocal(used), amax, used
 
 
 @torch.no_grad()
@@ -264,28 +184,6 @@ def rowwise_spread(
     return torch.stack([spread.float(), flushed])
 
 
-def _amax(x: torch.Tensor) -> torch.Tensor:
-    # The infinity norm is max |x| in one reduction (the same value: the max is exact; NaN
-    # propagates), where abs().amax() is two.
-    if not x.numel():
-        return x.new_zeros((), dtype=torch.float32)
-    return torch.linalg.vector_norm(x.detach(), _INF).float()
-
-
-def rowwise_amax(x: torch.Tensor) -> torch.Tensor:
-    """``[M, 1]`` f32: each row's largest ``|x|`` (NaN where the row holds a NaN; 0 for an
-    empty row).
-
-    Args:
-        x: ``[M, K]`` any float dtype.
-    """
-    if x.ndim != 2:
-        raise ValueError(f"x: expected a [M, K] matrix, got shape {list(x.shape)}")
-    if not x.shape[1]:
-        return x.new_zeros((x.shape[0], 1), dtype=torch.float32)
-    return torch.linalg.vector_norm(x.detach().float(), _INF, dim=1, keepdim=True)
-
-
 def quantize_fp8_rowwise(
     x: torch.Tensor, dtype: torch.dtype, margin: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -306,14 +204,20 @@ def quantize_fp8_rowwise(
         ``(q, scale_inv, amax, used)``: ``q`` ``[M, K]`` in ``dtype``; ``scale_inv = 1 / used``,
         ``amax`` and ``used``, each ``[M, 1]`` f32.
     """
-    return _quantize_rowwise(x, dtype, margin)[0]
-
-
-def _quantize_rowwise(x: torch.Tensor, dtype: torch.dtype, margin: int):
-    """``(quantize_fp8_rowwise's result, the rows' recipe scales [M, 1])``."""
     amax = rowwise_amax(x)
-    scale = fp8_scale(amax, dtype, margin)
-    return quantize_fp8(x, scale, dtype, amax), scale
+    return quantize_fp8(x, fp8_scale(amax, dtype, margin), dtype, amax)
+
+
+def _rowwise_operand(x: torch.Tensor, dtype: torch.dtype, margin: int, q_dtype: torch.dtype):
+    """``(q, scale_inv)`` of :func:`quantize_fp8_rowwise`, ``q`` in ``q_dtype`` (the FP8 dtype,
+    or float32/float64 holding its values), as one ``mptex::fp8_quantize`` where it has a
+    kernel."""
+    from mptex._fp8_fused import RECIPE_CODES, fp8_quantize
+
+    empty = x.new_empty(0, dtype=torch.float32)
+    q, scale_inv, *_ = fp8_quantize(x, empty, empty, int(dtype == E5M2), RECIPE_CODES["rowwise"],
+                                    margin, False, False, q_dtype)  # fmt: skip
+    return q, scale_inv
 
 
 def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -403,53 +307,40 @@ class ScalingState:
     calls = _Count("recorded calls")
 
     def quantize(
-        self, x: torch.Tensor, record: bool
+        self, x: torch.Tensor, record: bool, q_dtype: torch.dtype | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(q, scale_inv, used)`` of ``x`` under the recipe; with ``record`` the history, the
         next scale and the statistics are updated. For the ``rowwise`` recipe ``x`` is
-        ``[M, K]`` and ``scale_inv``, ``used`` are ``[M, 1]`` (:func:`quantize_fp8_rowwise`)."""
-        if self.recipe.recipe == "rowwise":
-            (q, scale_inv, amax, used), scale = _quantize_rowwise(x.detach(), self.dtype,
-                                                                  self.recipe.margin)  # fmt: skip
-            if record:
-                # The statistics are per tensor: the largest row amax and the smallest row
-                # scale (a row's scale differs from its recipe's only where its amax is inf).
-                self._record(amax.amax(), scale.amin(), used.amin())
-                if self.collect:
-                    self.last_error = quantization_error(x, dequantize_fp8(q, scale_inv))
-                    self.last_rowwise = rowwise_spread(x.detach(), used, amax, self.dtype)
+        ``[M, K]`` and ``scale_inv``, ``used`` are ``[M, 1]`` (:func:`quantize_fp8_rowwise`).
+        ``q`` is in ``q_dtype``: the state's FP8 dtype (default), or float32 / float64 holding
+        its values. One ``mptex::fp8_quantize`` op where it has a kernel
+        (:mod:`mptex._fp8_fused`), else the same arithmetic in eager ops."""
+        from mptex._fp8_fused import RECIPE_CODES, fp8_quantize
+
+        recipe = self.recipe
+        code = RECIPE_CODES[recipe.recipe]
+        delayed_record = record and code == 0
+        q, scale_inv, amax, used, scale, history = fp8_quantize(
+            x, self.scale, self.history, int(self.dtype == E5M2), code, recipe.margin,
+            recipe.amax_compute_algo == "most_recent", delayed_record, q_dtype or self.dtype,
+        )  # fmt: skip
+        if not record:
             return q, scale_inv, used
-        amax = _amax(x)
-        if self.recipe.recipe == "current":
-            used = self._current_scale(amax)
-            q, scale_inv, amax, used = _cast(x.detach().float(), used, self.dtype, amax)
-            scale = used
-        else:
-            scale = self.scale
-            q, scale_inv, amax, used = quantize_fp8(x.detach(), scale, self.dtype, amax)
-        if record:
-            self._record(amax, scale, used)
+        if code == 2:
+            # The statistics are per tensor: the largest row amax and the smallest row scale
+            # (a row's scale differs from its recipe's only where its amax is inf).
+            self._record(amax.amax(), scale.amin(), used.amin())
             if self.collect:
+                x = x.detach()
                 self.last_error = quantization_error(x, dequantize_fp8(q, scale_inv))
+                self.last_rowwise = rowwise_spread(x, used, amax, self.dtype)
+            return q, scale_inv, used
+        self._record(amax, self.scale if code == 0 else used, used)
+        if delayed_record:
+            self.scale, self.history = scale, history
+        if self.collect:
+            self.last_error = quantization_error(x, dequantize_fp8(q, scale_inv))
         return q, scale_inv, used
-
-    def _current_scale(self, amax: torch.Tensor) -> torch.Tensor:
-        """The scale :func:`quantize_fp8` uses with the current recipe's scale,
-        ``fp8_scale(amax)``, for an ``amax`` >= 0 or NaN (:func:`_amax`'s), in 3 ops.
-
-        ``s = fp8_max / amax``, used where ``s < inf`` (divided by ``2**margin``), else 1.
-        ``fp8_scale`` gives the same where ``amax`` is finite and ``s`` is, and keeps 1 where
-        ``amax`` is 0, tiny (``s`` inf) or NaN, as here; there ``amax * 1 > fp8_max`` is
-        false, so ``quantize_fp8`` keeps 1 too. With a finite ``s`` it never overflows:
-        ``amax * s`` is ``fp8_max`` within a rounding (``fp8_max / 2**margin`` with a margin),
-        and where it rounds above ``fp8_max`` the fallback ``fp8_max / amax`` is ``s`` itself.
-        An inf ``amax`` gives ``s = 0``, used as such: ``fp8_scale`` keeps 1 there and
-        ``quantize_fp8`` falls back to ``fp8_max / inf = 0``. So the recipe's scale differs from
-        the one used only where ``amax`` is inf, which the overflow count leaves out
-        (:meth:`_count_pending`): ``used`` stands for both."""
-        unscaled = _fp8_max_over(amax, self.dtype)
-        scale = _with_margin(unscaled, self.recipe.margin)
-        return torch.where(unscaled < _INF, scale, _constant(1.0, amax.device))
 
     @torch.no_grad()
     def _record(self, amax: torch.Tensor, scale: torch.Tensor, used: torch.Tensor) -> None:
@@ -458,20 +349,6 @@ class ScalingState:
         if len(self._pending) >= _PENDING_CALLS:
             self._count_pending()
         self.last_amax, self.last_scale = amax, used
-        if self.recipe.recipe != "delayed":
-            return
-        # The history keeps finite amaxes only: a skipped step's inf must not pin the scale
-        # for amax_history_len calls. Most recent first: [amax, older...] where finite.
-        finite = amax < _INF  # amax >= 0 or NaN
-        shifted = torch.cat([amax.reshape(1), self.history[:-1]])
-        self.history = torch.where(finite, shifted, self.history)
-        reduced = self.history.amax() if self.recipe.amax_compute_algo == "max" else self.history[0]
-        # fp8_scale(reduced, previous=self.scale) in 3 ops: the history holds finite amaxes
-        # >= 0 only, where fp8_scale's test is that of a finite quotient (it is 0 only for an
-        # inf amax; 0 and tiny amaxes give inf).
-        unscaled = _fp8_max_over(reduced, self.dtype)
-        self.scale = torch.where(unscaled < _INF, _with_margin(unscaled, self.recipe.margin),
-                                 self.scale)  # fmt: skip
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name).clone() for name in self._TENSORS}
@@ -624,10 +501,15 @@ def scaled_mm_rowwise(
         )
     scale_a, scale_b = scale_a.float(), scale_b.float()
     if resolve_gemm_backend(backend, a.device) == "emulated":
-        # float64 holds every FP8 product exactly and, for the sums here, every partial sum.
-        acc = torch.mm(a.double(), b.double()).float()
-        return acc * scale_a * scale_b  # left to right: the row scale first
+        return _rowwise_emulated(a.double(), b.double(), scale_a, scale_b)
     return _scaled_mm_rowwise_padded(a, b, scale_a, scale_b)
+
+
+def _rowwise_emulated(a, b, scale_a, scale_b) -> torch.Tensor:
+    """:func:`scaled_mm_rowwise`'s emulation on the FP8 operands' values in float64: float64
+    holds every FP8 product exactly and, for the sums here, every partial sum."""
+    acc = torch.mm(a, b).float()
+    return acc * scale_a * scale_b  # left to right: the row scale first
 
 
 def _scaled_mm_rowwise_padded(a, b, scale_a, scale_b) -> torch.Tensor:
@@ -647,21 +529,24 @@ def _scaled_mm_rowwise_padded(a, b, scale_a, scale_b) -> torch.Tensor:
 
 class _FP8RowwiseLinear(torch.autograd.Function):
     """The three GEMMs of a linear layer with row-wise scales, each operand quantised along
-    the axis its GEMM reduces over (module docstring, *Row-wise scaling*)."""
+    the axis its GEMM reduces over (module docstring, *Row-wise scaling*). The emulation gets
+    the operands' values in float64 from the quantisation itself (no conversion op)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, states, backend, record):
         x_state, w_state, grad_state = states
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        x_q, x_inv, _ = x_state.quantize(x2, record)  # per sample
-        w_q, w_inv, _ = w_state.quantize(weight, record)  # per output channel
-        out = scaled_mm_rowwise(x_q, w_q.t(), x_inv, w_inv.t(), backend)
+        emulated = resolve_gemm_backend(backend, x.device) == "emulated"
+        q_dtype = torch.float64 if emulated else None
+        x_q, x_inv, _ = x_state.quantize(x2, record, q_dtype)  # per sample
+        w_q, w_inv, _ = w_state.quantize(weight, record, q_dtype)  # per output channel
+        out = _rowwise_gemm(x_q, w_q.t(), x_inv, w_inv.t(), backend, emulated)
         if bias is not None:
             out = out + bias.float()
         ctx.save_for_backward(x2.detach(), weight.detach())
         ctx.grad_state, ctx.backend, ctx.shape = grad_state, backend, shape
-        ctx.margin = x_state.recipe.margin
+        ctx.margin, ctx.emulated = x_state.recipe.margin, emulated
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out.reshape(*shape[:-1], out.shape[-1])
 
@@ -671,20 +556,30 @@ class _FP8RowwiseLinear(torch.autograd.Function):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         grad2 = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
+        emulated, margin = ctx.emulated, ctx.margin
+        wide = torch.float64 if emulated else None
         if ctx.needs_input_grad[0]:
             # dX = dY W reduces over the output channels: dY per sample, W per input channel.
-            g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True)
-            w_q, w_inv, _, _ = quantize_fp8_rowwise(weight.t(), E4M3, ctx.margin)
-            grad_x = scaled_mm_rowwise(g_q, w_q.t(), g_inv, w_inv.t(), ctx.backend)
+            g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True, wide)
+            w_q, w_inv = _rowwise_operand(weight.t(), E4M3, margin, wide or E4M3)
+            grad_x = _rowwise_gemm(g_q, w_q.t(), g_inv, w_inv.t(), ctx.backend, emulated)
             grad_x = grad_x.to(x_dtype).reshape(ctx.shape)
         if ctx.needs_input_grad[1]:
             # dW = dY^T X reduces over the batch: dY per output channel, X per input channel.
-            g_q, g_inv, _, _ = quantize_fp8_rowwise(grad2.t(), E5M2, ctx.margin)
-            x_q, x_inv, _, _ = quantize_fp8_rowwise(x2.t(), E4M3, ctx.margin)
-            grad_w = scaled_mm_rowwise(g_q, x_q.t(), g_inv, x_inv.t(), ctx.backend).to(w_dtype)
+            g_q, g_inv = _rowwise_operand(grad2.t(), E5M2, margin, wide or E5M2)
+            x_q, x_inv = _rowwise_operand(x2.t(), E4M3, margin, wide or E4M3)
+            grad_w = _rowwise_gemm(g_q, x_q.t(), g_inv, x_inv.t(), ctx.backend, emulated)
+            grad_w = grad_w.to(w_dtype)
         if ctx.needs_input_grad[2]:
             grad_b = grad2.float().sum(0).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None, None
+
+
+def _rowwise_gemm(a, b, scale_a, scale_b, backend, emulated) -> torch.Tensor:
+    """:func:`scaled_mm_rowwise` on FP8 operands, or its emulation on their float64 values."""
+    if emulated:
+        return _rowwise_emulated(a, b, scale_a.float(), scale_b.float())
+    return scaled_mm_rowwise(a, b, scale_a, scale_b, backend)
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -693,14 +588,13 @@ class _FP8Linear(torch.autograd.Function):
         x_state, w_state, grad_state = states
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        x_q, w_q = x_state.quantize(x2, record), w_state.quantize(weight, record)
-        (x_q, x_inv, _), (w_q, w_inv, _) = x_q, w_q
-        # The emulation converts each FP8 operand to f32 (exact) for its GEMMs: the forward's
-        # conversions are kept for the backward's (one conversion per tensor instead of two;
-        # the same f32 values and layouts reach torch.mm).
+        # The emulation takes each FP8 operand's values in f32 (exact), made by the
+        # quantisation itself, and keeps the forward's for the backward's GEMMs.
         emulated = resolve_gemm_backend(backend, x.device) == "emulated"
+        q_dtype = torch.float32 if emulated else None
+        x_q, x_inv, _ = x_state.quantize(x2, record, q_dtype)
+        w_q, w_inv, _ = w_state.quantize(weight, record, q_dtype)
         if emulated:
-            x_q, w_q = x_q.float(), w_q.float()
             out = _emulated_mm(x_q, w_q.t(), x_inv, w_inv)
         else:
             out = scaled_mm(x_q, w_q.t(), x_inv, w_inv, backend)
@@ -717,10 +611,9 @@ class _FP8Linear(torch.autograd.Function):
         x_q, w_q, x_inv, w_inv = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         grad2 = grad_out.reshape(-1, grad_out.shape[-1])
-        g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True)
+        q_dtype = torch.float32 if ctx.emulated else None
+        g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True, q_dtype)
         gemm = _emulated_mm if ctx.emulated else functools.partial(scaled_mm, backend=ctx.backend)
-        if ctx.emulated:
-            g_q = g_q.float()  # x_q, w_q are f32 already (forward)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = gemm(g_q, w_q, g_inv, w_inv).to(x_dtype).reshape(ctx.shape)

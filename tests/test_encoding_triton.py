@@ -16,15 +16,13 @@ What is claimed (mptex/_grid_triton.py states why):
   bfloat16 mode's backward is the float32 one on the cast dL/dy: the same bound).
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from grid_reference import param_gradient
 from test_encoding import NVDIFFREC_CONFIG, _reference
+from triton_subprocess import run_script
 
 import mptex
 from mptex import HashGridEncoding, MLPTexture3D
@@ -156,15 +154,9 @@ def _bf16_ties_case():
 CASE_NAMES = [c["name"] for c in _cases()]
 
 
-def _run_helper(*args: str, interpret: bool) -> subprocess.CompletedProcess:
+def _run_helper(*args: str, interpret: bool):
     """tests/triton_interpreted.py in a fresh process (TRITON_INTERPRET decided there)."""
-    root = str(Path(mptex.__file__).resolve().parents[1])
-    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    script = str(HERE / "triton_interpreted.py")
-    return subprocess.run(
-        [sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=300
-    )
+    return run_script("triton_interpreted.py", *args, interpret=interpret, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -39,15 +39,9 @@ def compile_check() -> None:
     that the level-scale kernel is one ex2.approx.ftz.f32."""
     import triton
     from triton.compiler import ASTSource
+    from triton_subprocess import cuda_target
 
-    try:
-        from triton.backends.compiler import GPUTarget
-
-        target = GPUTarget("cuda", 80, 32)
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError as exc:
-        print(f"no CUDA backend in this triton: {exc}")
-        sys.exit(3)
+    target = cuda_target(80)
     import mptex._ex2_cuda as _ex2_cuda
     import mptex._grid_triton as grid_triton
 

@@ -1,0 +1,237 @@
+"""One op for an FP8 quantisation: amax, scale, cast and the delayed recipe's history update.
+
+:class:`mptex.fp8.ScalingState` quantises a tensor with the scale its recipe chooses (module
+docstring of :mod:`mptex.fp8`). Written with eager PyTorch ops that is ~15 ops per tensor for
+the delayed recipe (the amax, the scale's test and fallback, the multiply, the cast, the
+reciprocal, the history's shift, its reduction and the next scale), each a kernel launch on a
+GPU and a pass or a dispatch on a CPU; an FP8 iteration of the texture quantises 18 tensors. The
+op ``mptex::fp8_quantize`` does it in one call:
+
+* CPU: a C loop (:mod:`mptex._native_cpu`): one pass for the amax, one for the cast;
+* CUDA: two Triton kernels (:mod:`mptex._fp8_triton`): block amaxes, then the scale (every
+  block computes it from them) and the cast, the first block also writing the scalars and the
+  history.
+
+:func:`fp8_quantize_reference` is its twin in eager PyTorch (the functions of
+:mod:`mptex._fp8_scaling`, the arithmetic the op must reproduce bit for bit;
+``tests/test_fp8_fused.py`` compares them), and it runs where neither kernel can (no C
+compiler, ``MPTEX_NATIVE=0``, another device or dtype).
+
+Arguments (the op's and the twin's):
+
+* ``x``: float32, the tensor to quantise; ``[M, K]`` (any strides) for the row-wise recipe.
+* ``scale``: f32 scalar, the delayed recipe's scale (ignored by the others).
+* ``history``: ``[H]`` f32, the delayed recipe's amax history, most recent first.
+* ``fp8_format``: 0 E4M3, 1 E5M2.
+* ``recipe``: 0 delayed, 1 current, 2 row-wise (:data:`RECIPE_CODES`).
+* ``margin``: ``scale = fp8_max / amax / 2**margin``.
+* ``most_recent``: the delayed recipe reduces its history to its first entry instead of its max.
+* ``record``: the delayed recipe updates its history and computes the next scale.
+* ``q_dtype``: the quantised tensor's dtype: the FP8 format's own, or float32 / float64 holding
+  the same values (what an emulated GEMM converts the FP8 operand to, without a conversion op).
+
+Returns ``(q, scale_inv, amax, used, next_scale, next_history)``:
+
+* ``q``: ``fp8(x * used)`` in ``q_dtype``, laid out as ``x`` (``torch.empty_like``);
+* ``scale_inv = 1 / used``, ``amax`` (largest ``|x|``, NaN if ``x`` holds one), ``used`` (the
+  scale the cast used): f32 scalars, ``[M, 1]`` for the row-wise recipe;
+* ``next_scale``: delayed: the next call's scale when recording, else ``scale``; current:
+  ``used``; row-wise: ``[M, 1]`` each row's recipe scale (``fp8_scale`` of its amax);
+* ``next_history``: delayed and recording: ``[H]``, the history after this call; else ``[0]``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from mptex import _fp8_scaling as _fp8
+
+__all__ = ["RECIPE_CODES", "fp8_quantize_reference", "fp8_quantize", "op_available"]
+
+RECIPE_CODES = {"delayed": 0, "current": 1, "rowwise": 2}
+_FORMATS = (_fp8.E4M3, _fp8.E5M2)
+_Q_KINDS = {torch.float32: 1, torch.float64: 2}  # 0: the FP8 codes themselves
+
+
+def _check(x, fp8_format, recipe, q_dtype) -> torch.dtype:
+    if fp8_format not in (0, 1):
+        raise ValueError(f"fp8_format: expected 0 (E4M3) or 1 (E5M2), got {fp8_format}")
+    if recipe not in (0, 1, 2):
+        raise ValueError(f"recipe: expected 0 (delayed), 1 (current) or 2 (rowwise), got {recipe}")
+    dtype = _FORMATS[fp8_format]
+    if q_dtype != dtype and q_dtype not in _Q_KINDS:
+        raise ValueError(
+            f"q_dtype: expected {dtype}, torch.float32 or torch.float64, got {q_dtype}"
+        )
+    if recipe == 2 and x.ndim != 2:
+        raise ValueError(f"x: the rowwise recipe takes a [M, K] matrix, got shape {list(x.shape)}")
+    return dtype
+
+
+def fp8_quantize_reference(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    history: torch.Tensor,
+    fp8_format: int,
+    recipe: int,
+    margin: int,
+    most_recent: bool,
+    record: bool,
+    q_dtype: torch.dtype,
+) -> tuple[torch.Tensor, ...]:
+    """The op in eager PyTorch (module docstring): the arithmetic of :mod:`mptex.fp8`. Its
+    outputs may be its inputs (``next_scale`` is ``scale`` where the delayed recipe does not
+    record)."""
+    dtype = _check(x, fp8_format, recipe, q_dtype)
+    x = x.detach().float()
+    empty = x.new_empty(0)
+    if recipe == 2:
+        amax = _fp8.rowwise_amax(x)
+        row_scale = _fp8.fp8_scale(amax, dtype, margin)
+        q, scale_inv, amax, used = _fp8.quantize_fp8(x, row_scale, dtype, amax)
+        return q.to(q_dtype), scale_inv, amax, used, row_scale, empty
+    amax = _fp8._amax(x)
+    if recipe == 1:
+        used = _fp8.current_scale(amax, dtype, margin)
+        q, scale_inv, amax, used = _fp8._cast(x, used, dtype, amax)
+        return q.to(q_dtype), scale_inv, amax, used, used, empty
+    q, scale_inv, amax, used = _fp8.quantize_fp8(x, scale, dtype, amax)
+    if not record:
+        return q.to(q_dtype), scale_inv, amax, used, scale, empty
+    next_scale, next_history = _fp8.delayed_update(amax, scale, history, dtype, margin,
+                                                   most_recent)  # fmt: skip
+    return q.to(q_dtype), scale_inv, amax, used, next_scale, next_history
+
+
+@torch.library.custom_op("mptex::fp8_quantize", mutates_args=())
+def _op(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    history: torch.Tensor,
+    fp8_format: int,
+    recipe: int,
+    margin: int,
+    most_recent: bool,
+    record: bool,
+    q_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _twin(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype)
+
+
+def _twin(*args) -> tuple[torch.Tensor, ...]:
+    """The op's value on a device without a kernel: the twin's outputs, copied (an op returns
+    none of its inputs)."""
+    return tuple(t.clone() for t in fp8_quantize_reference(*args))
+
+
+def _outputs(x, history, recipe, record, q_dtype):
+    """The op's outputs, allocated: q laid out as x, the scalars (or [M, 1] row values)."""
+    q = torch.empty_like(x, dtype=torch.uint8 if q_dtype not in _Q_KINDS else q_dtype)
+    shape = (x.shape[0], 1) if recipe == 2 else ()
+    scalars = [torch.empty(shape, dtype=torch.float32, device=x.device) for _ in range(4)]
+    keep = recipe == 0 and record
+    next_history = torch.empty(history.shape[0] if keep else 0, dtype=torch.float32,
+                               device=x.device)  # fmt: skip
+    return q, scalars, next_history
+
+
+@_op.register_kernel("cpu")
+def _cpu(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype):
+    from mptex._native_cpu import native_kernels
+
+    lib = native_kernels()
+    dtype = _check(x, fp8_format, recipe, q_dtype)
+    if lib is None or x.dtype != torch.float32 or (recipe != 2 and not x.is_contiguous()):
+        return _twin(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype)
+    q, (scale_inv, amax, used, next_scale), next_history = _outputs(x, history, recipe, record,
+                                                                    q_dtype)  # fmt: skip
+    if recipe == 2:
+        rows, cols = x.shape
+        stride_r, stride_c = x.stride()
+        q_stride_r, q_stride_c = q.stride()
+    else:
+        rows, cols, stride_r, stride_c = 1, x.numel(), 0, 1
+        q_stride_r, q_stride_c = 0, 1
+    scale = scale.detach().float().contiguous()
+    history = history.detach().float().contiguous()
+    ptr = _ptr
+    status = lib.mptex_fp8_quantize(
+        ptr(x), rows, cols, stride_r, stride_c, fp8_format, recipe, margin, int(most_recent),
+        int(record), ptr(scale), ptr(history), history.numel() if recipe == 0 and record else 0,
+        ptr(q), _Q_KINDS.get(q_dtype, 0), q_stride_r, q_stride_c,
+        ptr(scale_inv), ptr(amax), ptr(used), ptr(next_scale), ptr(next_history),
+    )  # fmt: skip
+    if status:
+        raise ValueError(f"x: the C kernel takes one row for a per-tensor recipe, got {rows}")
+    if q_dtype not in _Q_KINDS:
+        q = q.view(dtype)
+    return q, scale_inv, amax, used, next_scale, next_history
+
+
+def _ptr(tensor: torch.Tensor):
+    import ctypes
+
+    return ctypes.c_void_p(tensor.data_ptr())
+
+
+@_op.register_kernel("cuda")
+def _cuda(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype):
+    _check(x, fp8_format, recipe, q_dtype)
+    if not _triton_available() or x.dtype != torch.float32:
+        return _twin(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype)
+    from mptex._fp8_triton import fp8_quantize_triton
+
+    return fp8_quantize_triton(x, scale, history, fp8_format, recipe, margin, most_recent,
+                               record, q_dtype)  # fmt: skip
+
+
+@_op.register_fake
+def _fake(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype):
+    q, scalars, next_history = _outputs(x, history, recipe, record, q_dtype)
+    if q_dtype not in _Q_KINDS:
+        q = torch.empty_like(x, dtype=q_dtype)
+    return (q, *scalars, next_history)
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def op_available(x: torch.Tensor) -> bool:
+    """Whether ``mptex::fp8_quantize`` has a kernel for ``x`` (float32 on the CPU with the C
+    kernel built, or on CUDA with Triton); else :func:`fp8_quantize` runs the twin."""
+    if x.dtype != torch.float32:
+        return False
+    if x.device.type == "cpu":
+        from mptex._native_cpu import native_kernels
+
+        return native_kernels() is not None
+    return x.device.type == "cuda" and _triton_available()
+
+
+def fp8_quantize(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    history: torch.Tensor,
+    fp8_format: int,
+    recipe: int,
+    margin: int,
+    most_recent: bool,
+    record: bool,
+    q_dtype: torch.dtype,
+) -> tuple[torch.Tensor, ...]:
+    """The quantisation (module docstring): the op where it has a kernel for ``x``, else
+    :func:`fp8_quantize_reference`; the same values either way."""
+    x = x.detach()
+    if op_available(x) and (recipe == 2 or x.is_contiguous()):
+        return torch.ops.mptex.fp8_quantize(x, scale, history, fp8_format, recipe, margin,
+                                            most_recent, record, q_dtype)  # fmt: skip
+    return fp8_quantize_reference(x, scale, history, fp8_format, recipe, margin, most_recent,
+                                  record, q_dtype)  # fmt: skip

@@ -1,0 +1,196 @@
+"""The arithmetic of an FP8 quantisation: the formats, the scale each recipe computes and the
+cast (:mod:`mptex.fp8`'s module docstring states the rules; :mod:`mptex.fp8` re-exports the
+public names).
+
+Every function is eager PyTorch on device tensors (no host synchronisation) and is the reference
+the fused op :mod:`mptex._fp8_fused` reproduces bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = [
+    "E4M3",
+    "E5M2",
+    "FP8_MAX",
+    "fp8_scale",
+    "current_scale",
+    "delayed_update",
+    "quantize_fp8",
+    "rowwise_amax",
+]
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+_INF = float("inf")
+
+
+@functools.lru_cache(maxsize=64)
+def _constant(value: float, device: torch.device) -> torch.Tensor:
+    """A float32 scalar tensor on ``device``, made once: an operand broadcast in an op costs no
+    op of its own, as ``full_like``/``ones_like`` would (never written to)."""
+    return torch.tensor(value, dtype=torch.float32, device=device)
+
+
+def fp8_scale(
+    amax: torch.Tensor, dtype: torch.dtype, margin: int = 0, previous: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Transformer Engine's scale: ``fp8_max(dtype) / amax / 2**margin`` in f32.
+
+    Where ``amax`` is 0 or the scale is not finite (an ``amax`` of inf or NaN, or so small
+    that the quotient overflows), ``previous`` is kept (default 1.0).
+
+    Args:
+        amax: f32 tensor (any shape) of largest magnitudes.
+        dtype: :data:`E4M3` or :data:`E5M2`.
+        margin: integer >= 0.
+        previous: the scale to keep, broadcastable to ``amax`` (default 1.0).
+
+    Returns:
+        f32 tensor of ``amax``'s shape.
+    """
+    amax = amax.float()
+    unscaled = _fp8_max_over(amax, dtype)
+    # amax > 0, amax < inf and a finite scale, as comparisons of the unscaled quotient (3 ops
+    # instead of 5): 448 / amax is > 0 and finite exactly where amax is positive and finite
+    # and the quotient does not overflow (0 for an inf amax, inf for 0 or a tiny one, NaN for
+    # NaN, negative for a negative amax or -0); the division by 2**margin keeps it finite.
+    usable = (unscaled > 0) & (unscaled < _INF)
+    scale = _with_margin(unscaled, margin)
+    keep = _constant(1.0, amax.device) if previous is None else previous.float()
+    return torch.where(usable, scale, keep.expand_as(amax))
+
+
+def _fp8_max_over(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``fp8_max(dtype) / amax``, f32, one correctly rounded division (one op).
+
+    Two f32 roundings in all, as Transformer Engine's kernel (the division by 2**margin is exact
+    unless it reaches f32's subnormals; by 2**0 it is the identity, so it is left out).
+    torch.div of two tensors: one correctly rounded f32 division. (``448.0 / amax`` is
+    ``amax.reciprocal() * 448`` in torch, two roundings: one ulp off for about a quarter of
+    amaxes.) The numerator is a cached scalar tensor, broadcast."""
+    return torch.div(_constant(FP8_MAX[dtype], amax.device), amax)
+
+
+def _with_margin(unscaled: torch.Tensor, margin: int) -> torch.Tensor:
+    """``unscaled / 2**margin`` (no op for margin 0, where it is the identity)."""
+    return unscaled / float(2**margin) if margin else unscaled
+
+
+def current_scale(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
+    """The scale :func:`quantize_fp8` uses with the current recipe's scale, ``fp8_scale(amax)``,
+    for an ``amax`` >= 0 or NaN (a max-norm), in 3 ops.
+
+    ``s = fp8_max / amax``, used where ``s < inf`` (divided by ``2**margin``), else 1.
+    ``fp8_scale`` gives the same where ``amax`` is finite and ``s`` is, and keeps 1 where
+    ``amax`` is 0, tiny (``s`` inf) or NaN, as here; there ``amax * 1 > fp8_max`` is false, so
+    ``quantize_fp8`` keeps 1 too. With a finite ``s`` it never overflows: ``amax * s`` is
+    ``fp8_max`` within a rounding (``fp8_max / 2**margin`` with a margin), and where it rounds
+    above ``fp8_max`` the fallback ``fp8_max / amax`` is ``s`` itself. An inf ``amax`` gives
+    ``s = 0``, used as such: ``fp8_scale`` keeps 1 there and ``quantize_fp8`` falls back to
+    ``fp8_max / inf = 0``. So the recipe's scale differs from the one used only where ``amax``
+    is inf, which the overflow count leaves out (:meth:`ScalingState._count_pending`): ``used``
+    stands for both.
+
+    Args:
+        amax: f32 scalar, >= 0 or NaN.
+        dtype: :data:`E4M3` or :data:`E5M2`.
+        margin: integer >= 0.
+    """
+    unscaled = _fp8_max_over(amax, dtype)
+    scale = _with_margin(unscaled, margin)
+    return torch.where(unscaled < _INF, scale, _constant(1.0, amax.device))
+
+
+@torch.no_grad()
+def delayed_update(
+    amax: torch.Tensor,
+    scale: torch.Tensor,
+    history: torch.Tensor,
+    dtype: torch.dtype,
+    margin: int = 0,
+    most_recent: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delayed recipe after a call whose tensor had ``amax``: ``(next scale, history)``.
+
+    The history keeps finite amaxes only (a skipped step's inf must not pin the scale for
+    ``amax_history_len`` calls): ``[amax, history[:-1]]`` where ``amax`` is finite, else
+    ``history``. The next scale is ``fp8_scale`` of the history's max (its first entry with
+    ``most_recent``), keeping ``scale`` where that is not finite, in 3 ops: the history holds
+    finite amaxes >= 0 only, where ``fp8_scale``'s test is that of a finite quotient (it is 0
+    only for an inf amax; 0 and tiny amaxes give inf).
+
+    Args:
+        amax: f32 scalar, >= 0 or NaN or inf.
+        scale: f32 scalar, the scale this call's recipe chose.
+        history: ``[H]`` f32, most recent first.
+        dtype: :data:`E4M3` or :data:`E5M2`.
+        margin: integer >= 0.
+        most_recent: reduce the history to its first entry instead of its max.
+    """
+    finite = amax < _INF  # amax >= 0 or NaN
+    shifted = torch.cat([amax.reshape(1), history[:-1]])
+    history = torch.where(finite, shifted, history)
+    reduced = history[0] if most_recent else history.amax()
+    unscaled = _fp8_max_over(reduced, dtype)
+    return torch.where(unscaled < _INF, _with_margin(unscaled, margin), scale), history
+
+
+def quantize_fp8(
+    x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` in ``dtype`` with a per-tensor scale, never overflowing.
+
+    Args:
+        x: any shape, any float dtype (converted to f32 first: exact from f16/bf16).
+        scale: f32 scalar tensor, the recipe's scale (> 0).
+        dtype: :data:`E4M3` or :data:`E5M2`.
+        amax: ``x``'s largest magnitude when already computed (f32 scalar).
+
+    Returns:
+        ``(q, scale_inv, amax, used)``: ``q`` in ``dtype`` (``fp8(x * used)``), the f32
+        ``scale_inv = 1 / used`` that ``q`` is multiplied by, ``x``'s f32 ``amax`` and the scale
+        ``used``: ``scale`` unless ``amax * scale > fp8_max``, then ``fp8_max / amax`` (an
+        overflow avoided; 0 when ``amax`` is inf, which turns the infs into NaN). All scalars
+        stay on ``x``'s device: no host synchronisation.
+    """
+    x = x.float()
+    if amax is None:
+        amax = _amax(x)
+    current = _fp8_max_over(amax, dtype)  # fp8_scale's quotient, one rounding
+    used = torch.where(amax * scale > FP8_MAX[dtype], current, scale.float())
+    return _cast(x, used, dtype, amax)
+
+
+def _cast(
+    x: torch.Tensor, used: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`quantize_fp8`'s result for the scale ``used`` (``x`` f32)."""
+    q = (x * used).to(dtype)
+    return q, torch.reciprocal(used), amax, used
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    # The infinity norm is max |x| in one reduction (the same value: the max is exact; NaN
+    # propagates), where abs().amax() is two.
+    if not x.numel():
+        return x.new_zeros((), dtype=torch.float32)
+    return torch.linalg.vector_norm(x.detach(), _INF).float()
+
+
+def rowwise_amax(x: torch.Tensor) -> torch.Tensor:
+    """``[M, 1]`` f32: each row's largest ``|x|`` (NaN where the row holds a NaN; 0 for an
+    empty row).
+
+    Args:
+        x: ``[M, K]`` any float dtype.
+    """
+    if x.ndim != 2:
+        raise ValueError(f"x: expected a [M, K] matrix, got shape {list(x.shape)}")
+    if not x.shape[1]:
+        return x.new_zeros((x.shape[0], 1), dtype=torch.float32)
+    return torch.linalg.vector_norm(x.detach().float(), _INF, dim=1, keepdim=True)

@@ -1,0 +1,462 @@
+"""Triton kernels of ``mptex::fp8_quantize`` on CUDA: the C kernel's arithmetic, bit for bit.
+
+The contract is :mod:`mptex._fp8_fused`'s module docstring; the arithmetic is that of the C
+kernel ``mptex_fp8_quantize`` (:mod:`mptex._native_cpu`, "FP8 quantisation") and of its eager
+twin :func:`mptex._fp8_fused.fp8_quantize_reference`. Nothing here synchronises with the host:
+the grids depend on shapes only, every scalar stays on the device.
+
+Launches:
+
+* per-tensor recipes (0 delayed, 1 current): two kernels over ``P = min(blocks, 512)``
+  programs, each looping over the blocks ``pid, pid + P, ...`` of ``_BLOCK`` elements:
+
+  1. ``_amax_partials_kernel``: each program writes the largest ``|x|`` bit pattern of its
+     blocks (one int32 partial);
+  2. ``_scale_cast_kernel``: every program reduces the ``P`` partials (cheap) to the amax,
+     computes the scale as the C code does and casts its blocks; program 0 also writes
+     ``scale_inv``, ``amax``, ``used``, ``next_scale`` and (delayed, recording) the history;
+
+* row-wise recipe (2): ``_rowwise_kernel``, one program per block of rows, each looping over
+  the columns twice (amax, then cast), any strides of ``x`` and ``q`` (a transposed ``x``).
+
+Arithmetic, and why it matches the C kernel on any GPU:
+
+* the amax is a max over ``bits(x) & 0x7fffffff`` in int32: for non-negative floats the integer
+  order is the float order, and a NaN's bits exceed every other value's, so the max is exact,
+  order-free and NaN-propagating without float max semantics; a NaN amax is written as the C
+  kernel's ``NAN`` (``0x7fc00000``);
+* the float32 divisions (``fp8_max / amax``, ``1 / used``, ``/ 2**margin``) are
+  ``tl.math.div_rn``, IEEE round to nearest (``/`` on float32 lowers to an approximate division
+  on CUDA); the products (``amax * scale``, ``x * used``) are single multiplies feeding a
+  comparison or a bitcast, so no multiply-add can be contracted (and ``enable_fp_fusion=False``
+  is passed anyway);
+* the cast to FP8 is ``fp8_from_f32`` in uint32 operations on the bits (round to nearest even;
+  E4M3 saturates at 448, infinity included; E5M2 overflows to infinity; NaN becomes
+  ``sign | 0x7f``), not ``tl.cast``, whose rounding and saturation depend on the hardware and
+  Triton's version; float32 / float64 values of the codes are built from the bits too
+  (``fp8_to_f32``: a NaN code gives torch's NaN, its sign and significand bits kept);
+* the history's shift keeps finite amaxes only and its max is the same integer max of
+  ``|h|`` as the C kernel's ``fp8_amax``;
+* NaNs are those of an x86-64 CPU (the C kernel's and the twin's there): a GPU's arithmetic
+  returns a canonical NaN whatever its inputs, so where ``x * used`` or ``1 / used`` is NaN the
+  result is selected explicitly: ``used``'s NaN (quieted), else ``x``'s, else the default NaN
+  ``0xffc00000`` of ``inf * 0`` (an FP8 NaN code takes its sign: ``inf * 0`` gives ``0xff``).
+
+CPU tensors run only under Triton's interpreter (``TRITON_INTERPRET=1`` before this module is
+first imported), which is how ``tests/test_fp8_triton.py`` runs these kernels without a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mptex._fp8_fused import _Q_KINDS, _check, _outputs
+
+__all__ = ["fp8_quantize_triton", "INTERPRETED"]
+
+# Elements per block of the per-tensor kernels, and their program cap: a few programs per SM of
+# an H100 (132 SMs), each looping over its blocks, so that the second kernel's reduction of the
+# partials stays a single masked load of at most _MAX_PROGRAMS values.
+_BLOCK = 1024
+_MAX_PROGRAMS = 512
+_HISTORY_BLOCK = 1024
+# Row-wise tile: up to _ROW_TILE elements, _MAX_COLS columns at a time (rows are short, K = 32
+# to 128 typically; longer rows loop).
+_ROW_TILE = 4096
+_MAX_COLS = 128
+
+_F32_INF_BITS = tl.constexpr(0x7F800000)
+_F32_NAN_BITS = tl.constexpr(0x7FC00000)  # the C kernel's NAN (quiet, no payload)
+_F32_DEFAULT_NAN_BITS = tl.constexpr(-0x400000)  # 0xffc00000: x86's NaN of an invalid operation
+_F64_NAN_BITS = tl.constexpr(0x7FF8000000000000)  # (double)NAN
+
+
+@triton.jit
+def _f32(bits):
+    """The float32 whose bits are the int32 constant ``bits`` (a scalar)."""
+    return tl.full((), bits, tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _abs_bits(x):
+    """``bits(|x|)`` as int32: ordered as ``|x|``, NaNs above infinity."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _amax_of(max_bits):
+    """The float32 amax from the max of :func:`_abs_bits`: NaN (``0x7fc00000``) if any was."""
+    bits = tl.where(max_bits > _F32_INF_BITS, _F32_NAN_BITS, max_bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _with_margin(unscaled, HAS_MARGIN: tl.constexpr, DIVISOR_BITS: tl.constexpr):
+    """``unscaled / 2**margin`` correctly rounded (the C kernel leaves it out for margin 0)."""
+    if HAS_MARGIN:
+        return tl.math.div_rn(unscaled, _f32(DIVISOR_BITS))
+    else:
+        return unscaled
+
+
+@triton.jit
+def _fp8_code(y, E5M2: tl.constexpr):
+    """The C kernel's ``fp8_from_f32`` on uint32 bits: the FP8 code (``sign | r``, uint32)."""
+    MBITS: tl.constexpr = 2 if E5M2 else 3
+    BIAS: tl.constexpr = 15 if E5M2 else 7
+    RMAX: tl.constexpr = 0x7C if E5M2 else 0x7E  # E5M2: infinity; E4M3: 448
+    SHIFT: tl.constexpr = 23 - MBITS
+    SUB: tl.constexpr = 151 - BIAS - MBITS
+    b = y.to(tl.uint32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    a = b & 0x7FFFFFFF
+    e = a >> 23
+    # Normal in the format (or above its range): round the significand to MBITS bits, ties to
+    # even (add half - 1 plus the kept bit's parity), and rebias. No lane overflows uint32 (a
+    # is at most 0x7fffffff); the lanes below the range wrap and are not selected.
+    odd = (a >> SHIFT) & 1
+    r_normal = ((a + ((1 << (SHIFT - 1)) - 1) + odd) >> SHIFT) - ((127 - BIAS) << MBITS)
+    # The format's subnormals: the significand in units of the smallest subnormal, shifted by
+    # s = SUB - max(e, 1) in [24 - MBITS, 31] there; s is kept in [1, 31] in the other lanes
+    # too, so that no shift reaches 32 bits (undefined in LLVM) in any lane.
+    m = (a & 0x7FFFFF) | tl.where(e != 0, 0x800000, 0).to(tl.uint32)
+    e1 = tl.maximum(e, 1)
+    s = tl.minimum(tl.where(e1 < SUB, SUB - e1, 31), 31)
+    one = tl.full(s.shape, 1, tl.uint32)
+    rem = m & ((one << s) - 1)
+    half = one << (s - 1)
+    r_sub = m >> s
+    r_sub += ((rem > half) | ((rem == half) & ((r_sub & 1) != 0))).to(tl.uint32)
+    r = tl.where(e >= 128 - BIAS, r_normal, r_sub)
+    r = tl.minimum(r, RMAX)
+    r = tl.where(a > _F32_INF_BITS, 0x7F, r)
+    return sign | r
+
+
+@triton.jit
+def _code_value(code, E5M2: tl.constexpr, Q_KIND: tl.constexpr):
+    """The C kernel's ``fp8_to_f32`` of a code, built on the bits: float32 (Q_KIND 1) or its
+    float64 conversion (Q_KIND 2).
+
+    An FP8 normal is a float32 normal (rebias the exponent, shift the significand); an FP8
+    subnormal ``m * 2^-(BIAS - 1 + MBITS)`` is ``float(m)`` (an exact integer conversion) with
+    its exponent lowered, never a float32 subnormal, so no flush to zero can touch it. A NaN
+    code is torch's quiet NaN: its sign, the quiet bit and its significand bits on top (as a
+    float64, the float32 NaN's payload widened, as a CPU's conversion keeps it); the float64
+    of any other value is its exact conversion."""
+    MBITS: tl.constexpr = 2 if E5M2 else 3
+    BIAS: tl.constexpr = 15 if E5M2 else 7
+    c = (code & 0x7F).to(tl.int32)
+    e = c >> MBITS
+    m = c & ((1 << MBITS) - 1)
+    normal = ((e + (127 - BIAS)) << 23) | (m << (23 - MBITS))
+    sub_bits = m.to(tl.float32).to(tl.int32, bitcast=True) - ((BIAS - 1 + MBITS) << 23)
+    bits = tl.where(e != 0, normal, tl.where(m != 0, sub_bits, 0))
+    if E5M2:
+        is_nan = (e == 31) & (m != 0)
+        bits = tl.where(e == 31, _F32_INF_BITS, bits)
+    else:
+        is_nan = c == 0x7F
+    sign = code & 0x80  # the sign goes on as a bit: a float negation of 0 or NaN may not flip it
+    if Q_KIND == 1:
+        bits = tl.where(is_nan, _F32_NAN_BITS | (m << (23 - MBITS)), bits)
+        return (bits | (sign.to(tl.int32) << 24)).to(tl.float32, bitcast=True)
+    else:
+        wide = bits.to(tl.float32, bitcast=True).to(tl.float64).to(tl.int64, bitcast=True)
+        wide = tl.where(is_nan, _F64_NAN_BITS | (m.to(tl.int64) << (52 - MBITS)), wide)
+        return (wide | (sign.to(tl.int64) << 56)).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _x86_product(x, used):
+    """``x * used`` with the NaN an x86-64 CPU gives (the C kernel's and the twin's): ``used``'s
+    NaN if it is one, else ``x``'s, else (``inf * 0``) the default NaN ``0xffc00000``. A GPU
+    returns a canonical NaN of its own, whose sign would become the FP8 NaN code's sign."""
+    y = x * used
+    nan = tl.where(used != used, used, tl.where(x != x, x, _f32(_F32_DEFAULT_NAN_BITS)))
+    return tl.where(y != y, nan, y)
+
+
+@triton.jit
+def _x86_reciprocal(used):
+    """``1 / used`` correctly rounded; a NaN ``used`` gives its own NaN, quieted (x86)."""
+    quiet = (used.to(tl.int32, bitcast=True) | 0x400000).to(tl.float32, bitcast=True)
+    return tl.where(used != used, quiet, tl.math.div_rn(tl.full(used.shape, 1.0, tl.float32), used))
+
+
+@triton.jit
+def _store_q(q_ptrs, x, used, mask, E5M2: tl.constexpr, Q_KIND: tl.constexpr):
+    """Store ``fp8(x * used)``: the code (Q_KIND 0), its value in float32 (1) or float64 (2)."""
+    code = _fp8_code(_x86_product(x, used), E5M2)
+    if Q_KIND == 0:
+        tl.store(q_ptrs, code.to(tl.uint8), mask=mask)
+    else:
+        tl.store(q_ptrs, _code_value(code, E5M2, Q_KIND), mask=mask)
+
+
+@triton.jit
+def _amax_partials_kernel(x_ptr, partial_ptr, n, n_blocks, BLOCK: tl.constexpr):
+    """partial[pid] = max of ``bits(|x|)`` over the blocks pid, pid + P, ... (0 if none)."""
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    lanes = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    # An int64 block index: offsets past 2**31 elements do not wrap.
+    for blk in range(pid.to(tl.int64), n_blocks, step):
+        offs = blk * BLOCK + lanes
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+        acc = tl.maximum(acc, _abs_bits(x))
+    tl.store(partial_ptr + pid, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _scale_cast_kernel(
+    x_ptr,
+    q_ptr,
+    partial_ptr,
+    scale_ptr,
+    history_ptr,
+    scale_inv_ptr,
+    amax_ptr,
+    used_ptr,
+    next_scale_ptr,
+    next_history_ptr,
+    n,
+    n_blocks,
+    hlen,
+    E5M2: tl.constexpr,
+    FMAX: tl.constexpr,
+    HAS_MARGIN: tl.constexpr,
+    DIVISOR_BITS: tl.constexpr,
+    CURRENT: tl.constexpr,
+    RECORD: tl.constexpr,
+    MOST_RECENT: tl.constexpr,
+    Q_KIND: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PARTIALS: tl.constexpr,
+    HISTORY_BLOCK: tl.constexpr,
+):
+    """The scale (every program, from the partials), the cast of this program's blocks, and
+    program 0's scalars and history: the C kernel's per-tensor arm."""
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    idx = tl.arange(0, PARTIALS)
+    partials = tl.load(partial_ptr + idx, mask=idx < step, other=0)
+    amax = _amax_of(tl.max(partials, axis=0))
+    fmax = tl.full((), FMAX, tl.float32)
+    inf = _f32(_F32_INF_BITS)
+    unscaled = tl.math.div_rn(fmax, amax)
+    if CURRENT:
+        used = tl.where(unscaled < inf, _with_margin(unscaled, HAS_MARGIN, DIVISOR_BITS), 1.0)
+        next_scale = used
+    else:
+        scale = tl.load(scale_ptr)
+        used = tl.where(amax * scale > fmax, unscaled, scale)
+        next_scale = scale
+    if pid == 0:
+        if RECORD:
+            # Finite amaxes only enter the history (a NaN or inf leaves it as it was); its max
+            # is the C kernel's fp8_amax, of |h|, NaN-propagating.
+            finite = amax < inf
+            top = tl.load(history_ptr, mask=hlen > 0, other=0.0)
+            first = tl.where(finite, amax, top)
+            running = tl.zeros([HISTORY_BLOCK], dtype=tl.int32)
+            for start in range(0, hlen, HISTORY_BLOCK):
+                i = start + tl.arange(0, HISTORY_BLOCK)
+                inside = i < hlen
+                current = tl.load(history_ptr + i, mask=inside, other=0.0)
+                previous = tl.load(history_ptr + i - 1, mask=inside & (i > 0), other=0.0)
+                shifted = tl.where(i == 0, amax, previous)
+                entry = tl.where(finite, shifted, current)
+                tl.store(next_history_ptr + i, entry, mask=inside)
+                running = tl.maximum(running, tl.where(inside, _abs_bits(entry), 0))
+            if MOST_RECENT:
+                reduced = first
+            else:
+                reduced = _amax_of(tl.max(running, axis=0))
+            u = tl.math.div_rn(fmax, reduced)
+            next_scale = tl.where(u < inf, _with_margin(u, HAS_MARGIN, DIVISOR_BITS), next_scale)
+        tl.store(scale_inv_ptr, _x86_reciprocal(used))
+        tl.store(amax_ptr, amax)
+        tl.store(used_ptr, used)
+        tl.store(next_scale_ptr, next_scale)
+    lanes = tl.arange(0, BLOCK)
+    for blk in range(pid.to(tl.int64), n_blocks, step):
+        offs = blk * BLOCK + lanes
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        _store_q(q_ptr + offs, x, used, mask, E5M2, Q_KIND)
+
+
+@triton.jit
+def _rowwise_kernel(
+    x_ptr,
+    q_ptr,
+    scale_inv_ptr,
+    amax_ptr,
+    used_ptr,
+    next_scale_ptr,
+    rows,
+    cols,
+    stride_xr,
+    stride_xc,
+    stride_qr,
+    stride_qc,
+    E5M2: tl.constexpr,
+    FMAX: tl.constexpr,
+    HAS_MARGIN: tl.constexpr,
+    DIVISOR_BITS: tl.constexpr,
+    Q_KIND: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
+    """ROWS rows: each row's amax, scale (the C kernel's row-wise arm) and cast."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_in = r < rows
+    r64 = r.to(tl.int64)
+    x_rows = x_ptr + r64[:, None] * stride_xr
+    q_rows = q_ptr + r64[:, None] * stride_qr
+    k_lanes = tl.arange(0, COLS)
+    acc = tl.zeros([ROWS, COLS], dtype=tl.int32)
+    for k0 in range(0, cols, COLS):
+        k = k0 + k_lanes
+        mask = row_in[:, None] & (k < cols)[None, :]
+        x = tl.load(x_rows + k.to(tl.int64)[None, :] * stride_xc, mask=mask, other=0.0)
+        acc = tl.maximum(acc, _abs_bits(x))
+    amax = _amax_of(tl.max(acc, axis=1))
+    fmax = tl.full((ROWS,), FMAX, tl.float32)
+    inf = _f32(_F32_INF_BITS)
+    unscaled = tl.math.div_rn(fmax, amax)
+    usable = (unscaled > 0.0) & (unscaled < inf)
+    row_scale = tl.where(usable, _with_margin(unscaled, HAS_MARGIN, DIVISOR_BITS), 1.0)
+    used = tl.where(amax * row_scale > fmax, unscaled, row_scale)
+    tl.store(amax_ptr + r, amax, mask=row_in)
+    tl.store(used_ptr + r, used, mask=row_in)
+    tl.store(next_scale_ptr + r, row_scale, mask=row_in)
+    tl.store(scale_inv_ptr + r, _x86_reciprocal(used), mask=row_in)
+    for k0 in range(0, cols, COLS):
+        k = (k0 + k_lanes).to(tl.int64)
+        mask = row_in[:, None] & (k < cols)[None, :]
+        x = tl.load(x_rows + k[None, :] * stride_xc, mask=mask, other=0.0)
+        _store_q(q_rows + k[None, :] * stride_qc, x, used[:, None], mask, E5M2, Q_KIND)
+
+
+def _interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_rowwise_kernel, InterpretedFunction)
+
+
+INTERPRETED = _interpreted()
+
+
+def _divisor_bits(margin: int) -> int:
+    """The bits of the C kernel's ``ldexpf(1.0f, margin)``: 2**margin in float32 (inf above
+    2**127, subnormal below 2**-126, 0 below 2**-149)."""
+    if margin > 127:
+        return 0x7F800000
+    if margin >= -126:
+        return (margin + 127) << 23
+    return 1 << (margin + 149) if margin >= -149 else 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def fp8_quantize_triton(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    history: torch.Tensor,
+    fp8_format: int,
+    recipe: int,
+    margin: int,
+    most_recent: bool,
+    record: bool,
+    q_dtype: torch.dtype,
+) -> tuple[torch.Tensor, ...]:
+    """``mptex::fp8_quantize`` (:mod:`mptex._fp8_fused`'s module docstring) with the Triton
+    kernels: ``(q, scale_inv, amax, used, next_scale, next_history)``, the C kernel's bits.
+
+    ``x`` is float32 on a device Triton compiles for (or on the CPU under the interpreter).
+    No host synchronisation: launch sizes depend on shapes only."""
+    dtype = _check(x, fp8_format, recipe, q_dtype)
+    x = x.detach()
+    q_kind = _Q_KINDS.get(q_dtype, 0)
+    consts = dict(
+        E5M2=bool(fp8_format),
+        FMAX=57344.0 if fp8_format else 448.0,
+        HAS_MARGIN=margin != 0,
+        DIVISOR_BITS=_divisor_bits(margin),
+        Q_KIND=q_kind,
+    )
+    if recipe == 2:
+        outputs = _outputs(x, history, recipe, record, q_dtype)
+        q, (scale_inv, amax, used, next_scale), next_history = outputs
+        rows, cols = x.shape
+        block_cols = min(max(_next_pow2(cols), 16), _MAX_COLS)
+        block_rows = _ROW_TILE // block_cols
+        if rows:
+            _rowwise_kernel[(triton.cdiv(rows, block_rows),)](
+                x,
+                q,
+                scale_inv,
+                amax,
+                used,
+                next_scale,
+                rows,
+                cols,
+                *x.stride(),
+                *q.stride(),
+                ROWS=block_rows,
+                COLS=block_cols,
+                enable_fp_fusion=False,
+                **consts,
+            )
+    else:
+        # The per-tensor kernels walk memory linearly; q is laid out as x (empty_like), so a
+        # non-contiguous x is quantised as its contiguous copy and q copied into x's layout.
+        flat = x.contiguous()
+        outputs = _outputs(flat, history, recipe, record, q_dtype)
+        q, (scale_inv, amax, used, next_scale), next_history = outputs
+        n = flat.numel()
+        n_blocks = triton.cdiv(n, _BLOCK)
+        programs = max(min(n_blocks, _MAX_PROGRAMS), 1)
+        partials = torch.empty(programs, dtype=torch.int32, device=x.device)
+        _amax_partials_kernel[(programs,)](
+            flat, partials, n, n_blocks, BLOCK=_BLOCK, enable_fp_fusion=False
+        )
+        delayed = recipe == 0
+        scale = scale.detach().float().contiguous() if delayed else amax  # amax: unread
+        history = history.detach().float().contiguous() if delayed and record else amax
+        history = history if history.numel() else amax  # an unread (masked) pointer
+        _scale_cast_kernel[(programs,)](
+            flat,
+            q,
+            partials,
+            scale,
+            history,
+            scale_inv,
+            amax,
+            used,
+            next_scale,
+            next_history if next_history.numel() else amax,
+            n,
+            n_blocks,
+            next_history.numel(),
+            CURRENT=recipe == 1,
+            RECORD=delayed and record,
+            MOST_RECENT=bool(most_recent),
+            BLOCK=_BLOCK,
+            PARTIALS=_next_pow2(_MAX_PROGRAMS),
+            HISTORY_BLOCK=_HISTORY_BLOCK,
+            enable_fp_fusion=False,
+            **consts,
+        )
+        if flat is not x:
+            q = torch.empty_like(x, dtype=q.dtype).copy_(q)
+    if q_kind == 0:
+        q = q.view(dtype)
+    return q, scale_inv, amax, used, next_scale, next_history

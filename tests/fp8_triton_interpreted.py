@@ -1,0 +1,201 @@
+"""Run mptex._fp8_triton's kernels on saved cases under Triton's CPU interpreter.
+
+Usage: python tests/fp8_triton_interpreted.py CASES.pt RESULTS.pt
+   or: python tests/fp8_triton_interpreted.py --compile-check (compile for sm_90, no GPU needed)
+
+Run in a subprocess by tests/test_fp8_triton.py: the interpreter is chosen when ``triton.jit``
+decorates the kernels, so ``TRITON_INTERPRET=1`` must be in the environment before
+``mptex._fp8_triton`` is first imported, which a fresh process guarantees whatever the test
+process imported before.
+
+Cases (a list of dicts): ``kind`` "op" runs ``fp8_quantize_triton(*case["args"])`` with
+``_MAX_PROGRAMS`` set to ``case["max_programs"]`` (None: the module's); ``kind`` "probe" runs
+the cast alone (``_store_q``, the op's own jitted function) on ``case["x"]`` for
+``case["fp8_format"]`` and ``case["q_kind"]``, covering inputs the op never casts (values above
+the format's range: the op's scale keeps ``x * used`` within it). Results: ``{name: tuple of
+outputs}`` ("op") or ``{name: q}`` ("probe").
+"""
+
+import os
+import re
+import sys
+
+import triton.language as tl  # annotations only: no kernel is decorated at import
+
+
+def compile_check() -> None:
+    """Compile the three kernels for sm_90 in the constexpr variants that matter (formats, q
+    kinds, recipes, margin, row-wise layouts); exit 3 (skip) if this triton has no CUDA
+    backend. Asserts that every float32 division is ``div.rn.f32`` (no ``div.full`` or
+    ``div.approx``), that nothing is flushed to zero (no ``.ftz``), that no multiply-add was
+    contracted (no ``fma`` on floats), that no FP8 conversion instruction is used (the cast is
+    done on the bits), and the number of divisions of the per-tensor kernel (fp8_max / amax,
+    / 2**margin, 1 / used, and the history's fp8_max / reduced and / 2**margin)."""
+    import triton
+    from triton.compiler import ASTSource
+    from triton_subprocess import cuda_target
+
+    target = cuda_target(90)
+    import mptex._fp8_triton as fp8_triton
+
+    assert not fp8_triton.INTERPRETED
+    q_types = {0: "*u8", 1: "*fp32", 2: "*fp64"}
+    types = dict(
+        x_ptr="*fp32",
+        partial_ptr="*i32",
+        scale_ptr="*fp32",
+        history_ptr="*fp32",
+        scale_inv_ptr="*fp32",
+        amax_ptr="*fp32",
+        used_ptr="*fp32",
+        next_scale_ptr="*fp32",
+        next_history_ptr="*fp32",
+        **dict.fromkeys(["n", "n_blocks", "hlen", "rows", "cols"], "i32"),
+        **dict.fromkeys(["stride_xr", "stride_xc", "stride_qr", "stride_qc"], "i32"),
+    )
+
+    def build(kernel, constexprs, q_kind=0, aligned=()):
+        signature = {
+            name: "constexpr" if name in constexprs else dict(types, q_ptr=q_types[q_kind])[name]
+            for name in kernel.arg_names
+        }
+        # what the launcher's specialisation tells the compiler about 16-aligned arguments
+        attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+        compiled = triton.compile(
+            ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+            target=target,
+            options={"enable_fp_fusion": False},
+        )
+        return compiled.asm["ptx"]
+
+    def check(ptx, what, divisions=None):
+        f32_divs = re.findall(r"\bdiv\.[a-z.]*f32\b", ptx)
+        assert all(d == "div.rn.f32" for d in f32_divs), (what, sorted(set(f32_divs)))
+        assert "div.full" not in ptx and "div.approx" not in ptx, what
+        assert "rcp.approx" not in ptx, what
+        assert ".ftz" not in ptx, what
+        assert not re.search(r"\bfma\.rn\.f(32|64)\b", ptx), what
+        assert not re.search(r"\bcvt\.[a-z0-9.]*(e4m3|e5m2)", ptx), what
+        if divisions is not None:
+            assert len(f32_divs) == divisions, (what, len(f32_divs), divisions)
+        return len(f32_divs)
+
+    ptx = build(fp8_triton._amax_partials_kernel, dict(BLOCK=fp8_triton._BLOCK))
+    check(ptx, "partials", divisions=0)
+    variants = 0
+    for e5m2, q_kind, margin, current, record, most_recent in (
+        *((e5m2, q_kind, 2, False, True, False) for e5m2 in (False, True) for q_kind in (0, 1, 2)),
+        (False, 0, 2, False, True, True),
+        (False, 0, 0, False, True, False),
+        (False, 0, 2, False, False, False),
+        (True, 1, 2, True, False, False),
+        (False, 2, 0, True, False, False),
+    ):
+        formats = _formats(fp8_triton, e5m2, q_kind, margin)
+        constexprs = dict(
+            formats,
+            CURRENT=current,
+            RECORD=record,
+            MOST_RECENT=most_recent,
+            BLOCK=fp8_triton._BLOCK,
+            PARTIALS=fp8_triton._MAX_PROGRAMS,
+            HISTORY_BLOCK=fp8_triton._HISTORY_BLOCK,
+        )
+        # fp8_max / amax and 1 / used; / 2**margin (current); with a record, fp8_max / reduced
+        # and its / 2**margin
+        want = 2 + (margin != 0) * current + record * (1 + (margin != 0))
+        what = ("scale_cast", e5m2, q_kind, margin, current, record, most_recent)
+        check(build(fp8_triton._scale_cast_kernel, constexprs, q_kind), what, want)
+        variants += 1
+    # Row-wise: as the launcher specialises them, a row-major x (unit column strides, the rest
+    # divisible by 16), a transposed one, and no specialisation at all. The divisions are per
+    # row, repeated where the layout spreads a row over several threads.
+    n_div = {}
+    for e5m2, q_kind, layout in (
+        *((e5m2, q_kind, "rows") for e5m2 in (False, True) for q_kind in (0, 1, 2)),
+        (False, 0, "columns"),
+        (True, 2, "generic"),
+    ):
+        cols = 32
+        constexprs = dict(
+            _formats(fp8_triton, e5m2, q_kind, 2), ROWS=fp8_triton._ROW_TILE // cols, COLS=cols
+        )
+        aligned = ["x_ptr", "q_ptr", "scale_inv_ptr", "amax_ptr", "used_ptr", "next_scale_ptr"]
+        if layout == "rows":
+            constexprs.update(stride_xc=1, stride_qc=1)
+            aligned += ["rows", "cols", "stride_xr", "stride_qr"]
+        elif layout == "columns":
+            constexprs.update(stride_xr=1, stride_qr=1)
+            aligned += ["rows", "cols", "stride_xc", "stride_qc"]
+        what = ("rowwise", e5m2, q_kind, layout)
+        n_div[what] = check(build(fp8_triton._rowwise_kernel, constexprs, q_kind, aligned), what)
+        variants += 1
+    assert all(n >= 3 for n in n_div.values()), n_div
+    print(f"compiled {variants} variants and the partials kernel for sm_90; row-wise f32")
+    print(f"divisions (all div.rn.f32): {sorted(set(n_div.values()))}")
+
+
+def _formats(fp8_triton, e5m2, q_kind, margin):
+    return dict(
+        E5M2=e5m2,
+        FMAX=57344.0 if e5m2 else 448.0,
+        HAS_MARGIN=margin != 0,
+        DIVISOR_BITS=fp8_triton._divisor_bits(margin),
+        Q_KIND=q_kind,
+    )
+
+
+_store_q = None  # mptex._fp8_triton's, set by run_cases once TRITON_INTERPRET is set
+
+
+def _probe(x_ptr, q_ptr, n, E5M2: tl.constexpr, Q_KIND: tl.constexpr):
+    """q = the op's cast of x * 1 (``_store_q``), jitted by run_cases under the interpreter."""
+    offs = tl.program_id(0) * 1024 + tl.arange(0, 1024)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    _store_q(q_ptr + offs, x, tl.full((), 1.0, tl.float32), mask, E5M2, Q_KIND)
+
+
+def run_cases(cases_path: str, results_path: str) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    import warnings
+
+    import torch
+    import triton
+
+    import mptex._fp8_triton as fp8_triton
+
+    assert fp8_triton.INTERPRETED, "TRITON_INTERPRET=1 did not select the interpreter"
+
+    global _store_q
+    _store_q = fp8_triton._store_q
+    probe_kernel = triton.jit(_probe)
+
+    # numpy warns of the divisions by zero and the inf * 0 the C kernel's arithmetic does
+    warnings.filterwarnings("ignore", category=RuntimeWarning)
+    cases = torch.load(cases_path)
+    default_cap = fp8_triton._MAX_PROGRAMS
+    results = {}
+    for case in cases:
+        if case["kind"] == "probe":
+            x = case["x"]
+            q_dtype = {0: torch.uint8, 1: torch.float32, 2: torch.float64}[case["q_kind"]]
+            q = torch.empty_like(x, dtype=q_dtype)
+            probe_kernel[(triton.cdiv(x.numel(), 1024),)](
+                x, q, x.numel(), E5M2=bool(case["fp8_format"]), Q_KIND=case["q_kind"]
+            )
+            results[case["name"]] = q
+            continue
+        fp8_triton._MAX_PROGRAMS = case.get("max_programs") or default_cap
+        try:
+            results[case["name"]] = fp8_triton.fp8_quantize_triton(*case["args"])
+        finally:
+            fp8_triton._MAX_PROGRAMS = default_cap
+    torch.save(results, results_path)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--compile-check":
+        compile_check()
+    else:
+        run_cases(sys.argv[1], sys.argv[2])

@@ -1,0 +1,48 @@
+"""Running Triton kernels in a fresh process, for the tests of the Triton modules.
+
+Triton's CPU interpreter is chosen when ``triton.jit`` decorates the kernels, so
+``TRITON_INTERPRET=1`` must be in the environment before the kernels' module is first imported:
+a fresh process guarantees it whatever the test process imported before. The scripts run there
+(``triton_interpreted.py``, ``fp8_triton_interpreted.py``) also compile kernels for a CUDA
+target without a GPU (:func:`cuda_target`).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mptex
+
+HERE = Path(__file__).resolve().parent
+
+
+def run_script(
+    script: str, *args: str, interpret: bool, timeout: int
+) -> subprocess.CompletedProcess:
+    """``tests/<script> ARGS`` in a fresh process with ``TRITON_INTERPRET`` set as asked, this
+    checkout's mptex first on the path, one OpenMP thread."""
+    root = str(Path(mptex.__file__).resolve().parents[1])
+    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, str(HERE / script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def cuda_target(arch: int):
+    """Triton's ``GPUTarget`` for compute capability ``arch`` (e.g. 90); exits the process with
+    status 3 (the caller's skip) if this triton has no CUDA backend."""
+    try:
+        from triton.backends.compiler import GPUTarget
+
+        target = GPUTarget("cuda", arch, 32)
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError as exc:
+        print(f"no CUDA backend in this triton: {exc}")
+        sys.exit(3)
+    return target

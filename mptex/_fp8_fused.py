@@ -47,27 +47,11 @@ import functools
 import torch
 
 from mptex import _fp8_scaling as _fp8
+from mptex._fp8_scaling import _Q_KINDS, _check, _outputs
 
 __all__ = ["RECIPE_CODES", "fp8_quantize_reference", "fp8_quantize", "op_available"]
 
 RECIPE_CODES = {"delayed": 0, "current": 1, "rowwise": 2}
-_FORMATS = (_fp8.E4M3, _fp8.E5M2)
-_Q_KINDS = {torch.float32: 1, torch.float64: 2}  # 0: the FP8 codes themselves
-
-
-def _check(x, fp8_format, recipe, q_dtype) -> torch.dtype:
-    if fp8_format not in (0, 1):
-        raise ValueError(f"fp8_format: expected 0 (E4M3) or 1 (E5M2), got {fp8_format}")
-    if recipe not in (0, 1, 2):
-        raise ValueError(f"recipe: expected 0 (delayed), 1 (current) or 2 (rowwise), got {recipe}")
-    dtype = _FORMATS[fp8_format]
-    if q_dtype != dtype and q_dtype not in _Q_KINDS:
-        raise ValueError(
-            f"q_dtype: expected {dtype}, torch.float32 or torch.float64, got {q_dtype}"
-        )
-    if recipe == 2 and x.ndim != 2:
-        raise ValueError(f"x: the rowwise recipe takes a [M, K] matrix, got shape {list(x.shape)}")
-    return dtype
 
 
 def fp8_quantize_reference(
@@ -124,17 +108,6 @@ def _twin(*args) -> tuple[torch.Tensor, ...]:
     """The op's value on a device without a kernel: the twin's outputs, copied (an op returns
     none of its inputs)."""
     return tuple(t.clone() for t in fp8_quantize_reference(*args))
-
-
-def _outputs(x, history, recipe, record, q_dtype):
-    """The op's outputs, allocated: q laid out as x, the scalars (or [M, 1] row values)."""
-    q = torch.empty_like(x, dtype=torch.uint8 if q_dtype not in _Q_KINDS else q_dtype)
-    shape = (x.shape[0], 1) if recipe == 2 else ()
-    scalars = [torch.empty(shape, dtype=torch.float32, device=x.device) for _ in range(4)]
-    keep = recipe == 0 and record
-    next_history = torch.empty(history.shape[0] if keep else 0, dtype=torch.float32,
-                               device=x.device)  # fmt: skip
-    return q, scalars, next_history
 
 
 @_op.register_kernel("cpu")

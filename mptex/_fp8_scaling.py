@@ -194,3 +194,35 @@ def rowwise_amax(x: torch.Tensor) -> torch.Tensor:
     if not x.shape[1]:
         return x.new_zeros((x.shape[0], 1), dtype=torch.float32)
     return torch.linalg.vector_norm(x.detach().float(), _INF, dim=1, keepdim=True)
+
+
+# The arguments and outputs of the fused op mptex::fp8_quantize (mptex._fp8_fused's contract),
+# shared by its kernels (mptex._fp8_fused's C, mptex._fp8_triton's Triton).
+_FORMATS = (E4M3, E5M2)
+_Q_KINDS = {torch.float32: 1, torch.float64: 2}  # 0: the FP8 codes themselves
+
+
+def _check(x, fp8_format, recipe, q_dtype) -> torch.dtype:
+    if fp8_format not in (0, 1):
+        raise ValueError(f"fp8_format: expected 0 (E4M3) or 1 (E5M2), got {fp8_format}")
+    if recipe not in (0, 1, 2):
+        raise ValueError(f"recipe: expected 0 (delayed), 1 (current) or 2 (rowwise), got {recipe}")
+    dtype = _FORMATS[fp8_format]
+    if q_dtype != dtype and q_dtype not in _Q_KINDS:
+        raise ValueError(
+            f"q_dtype: expected {dtype}, torch.float32 or torch.float64, got {q_dtype}"
+        )
+    if recipe == 2 and x.ndim != 2:
+        raise ValueError(f"x: the rowwise recipe takes a [M, K] matrix, got shape {list(x.shape)}")
+    return dtype
+
+
+def _outputs(x, history, recipe, record, q_dtype):
+    """The op's outputs, allocated: q laid out as x, the scalars (or [M, 1] row values)."""
+    q = torch.empty_like(x, dtype=torch.uint8 if q_dtype not in _Q_KINDS else q_dtype)
+    shape = (x.shape[0], 1) if recipe == 2 else ()
+    scalars = [torch.empty(shape, dtype=torch.float32, device=x.device) for _ in range(4)]
+    keep = recipe == 0 and record
+    next_history = torch.empty(history.shape[0] if keep else 0, dtype=torch.float32,
+                               device=x.device)  # fmt: skip
+    return q, scalars, next_history

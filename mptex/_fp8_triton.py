@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mptex._fp8_fused import _Q_KINDS, _check, _outputs
+from mptex._fp8_scaling import _Q_KINDS, _check, _outputs
 
 __all__ = ["fp8_quantize_triton", "INTERPRETED"]
 

@@ -42,12 +42,12 @@ Returns ``(q, scale_inv, amax, used, next_scale, next_history)``:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from mptex import _fp8_scaling as _fp8
+from mptex._backends import has_triton
 from mptex._fp8_scaling import _Q_KINDS, _check, _outputs
+from mptex._native_cpu import _ptr, native_kernels
 
 __all__ = ["RECIPE_CODES", "fp8_quantize_reference", "fp8_quantize", "op_available"]
 
@@ -112,8 +112,6 @@ def _twin(*args) -> tuple[torch.Tensor, ...]:
 
 @_op.register_kernel("cpu")
 def _cpu(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype):
-    from mptex._native_cpu import native_kernels
-
     lib = native_kernels()
     dtype = _check(x, fp8_format, recipe, q_dtype)
     if lib is None or x.dtype != torch.float32 or (recipe != 2 and not x.is_contiguous()):
@@ -129,12 +127,11 @@ def _cpu(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_d
         q_stride_r, q_stride_c = 0, 1
     scale = scale.detach().float().contiguous()
     history = history.detach().float().contiguous()
-    ptr = _ptr
     status = lib.mptex_fp8_quantize(
-        ptr(x), rows, cols, stride_r, stride_c, fp8_format, recipe, margin, int(most_recent),
-        int(record), ptr(scale), ptr(history), history.numel() if recipe == 0 and record else 0,
-        ptr(q), _Q_KINDS.get(q_dtype, 0), q_stride_r, q_stride_c,
-        ptr(scale_inv), ptr(amax), ptr(used), ptr(next_scale), ptr(next_history),
+        _ptr(x), rows, cols, stride_r, stride_c, fp8_format, recipe, margin, int(most_recent),
+        int(record), _ptr(scale), _ptr(history), history.numel() if recipe == 0 and record else 0,
+        _ptr(q), _Q_KINDS.get(q_dtype, 0), q_stride_r, q_stride_c,
+        _ptr(scale_inv), _ptr(amax), _ptr(used), _ptr(next_scale), _ptr(next_history),
     )  # fmt: skip
     if status:
         raise ValueError(f"x: the C kernel takes one row for a per-tensor recipe, got {rows}")
@@ -143,16 +140,10 @@ def _cpu(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_d
     return q, scale_inv, amax, used, next_scale, next_history
 
 
-def _ptr(tensor: torch.Tensor):
-    import ctypes
-
-    return ctypes.c_void_p(tensor.data_ptr())
-
-
 @_op.register_kernel("cuda")
 def _cuda(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype):
     _check(x, fp8_format, recipe, q_dtype)
-    if not _triton_available() or x.dtype != torch.float32:
+    if not has_triton() or x.dtype != torch.float32:
         return _twin(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype)
     from mptex._fp8_triton import fp8_quantize_triton
 
@@ -168,25 +159,14 @@ def _fake(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_
     return (q, *scalars, next_history)
 
 
-@functools.cache
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def op_available(x: torch.Tensor) -> bool:
     """Whether ``mptex::fp8_quantize`` has a kernel for ``x`` (float32 on the CPU with the C
     kernel built, or on CUDA with Triton); else :func:`fp8_quantize` runs the twin."""
     if x.dtype != torch.float32:
         return False
     if x.device.type == "cpu":
-        from mptex._native_cpu import native_kernels
-
         return native_kernels() is not None
-    return x.device.type == "cuda" and _triton_available()
+    return x.device.type == "cuda" and has_triton()
 
 
 def fp8_quantize(

@@ -923,7 +923,8 @@ static void fp8_cast_row(const float *x, int64_t n, int64_t stride, float used, 
         for (int64_t i = 0; i < n; ++i) o[i * q_stride] = fp8_from_f32(x[i * stride] * used, e5m2);
     } else if (q_kind == 1) {
         float *o = (float *)q;
-        for (int64_t i = 0; i < n; ++i) o[i * q_stride] = lut[fp8_from_f32(x[i * stride] * used, e5m2)];
+        for (int64_t i = 0; i < n; ++i)
+            o[i * q_stride] = lut[fp8_from_f32(x[i * stride] * used, e5m2)];
     } else {
         double *o = (double *)q;
         for (int64_t i = 0; i < n; ++i)

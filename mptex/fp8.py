@@ -80,6 +80,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mptex._fp8_fused import RECIPE_CODES, fp8_quantize
 from mptex._fp8_scaling import (
     _INF,
     E4M3,
@@ -212,8 +213,6 @@ def _rowwise_operand(x: torch.Tensor, dtype: torch.dtype, margin: int, q_dtype: 
     """``(q, scale_inv)`` of :func:`quantize_fp8_rowwise`, ``q`` in ``q_dtype`` (the FP8 dtype,
     or float32/float64 holding its values), as one ``mptex::fp8_quantize`` where it has a
     kernel."""
-    from mptex._fp8_fused import RECIPE_CODES, fp8_quantize
-
     empty = x.new_empty(0, dtype=torch.float32)
     q, scale_inv, *_ = fp8_quantize(x, empty, empty, int(dtype == E5M2), RECIPE_CODES["rowwise"],
                                     margin, False, False, q_dtype)  # fmt: skip
@@ -315,8 +314,6 @@ class ScalingState:
         ``q`` is in ``q_dtype``: the state's FP8 dtype (default), or float32 / float64 holding
         its values. One ``mptex::fp8_quantize`` op where it has a kernel
         (:mod:`mptex._fp8_fused`), else the same arithmetic in eager ops."""
-        from mptex._fp8_fused import RECIPE_CODES, fp8_quantize
-
         recipe = self.recipe
         code = RECIPE_CODES[recipe.recipe]
         delayed_record = record and code == 0

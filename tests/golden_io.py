@@ -25,9 +25,10 @@ def load(name: str) -> dict:
     return torch.load(GOLDEN_DIR / name, weights_only=True)
 
 
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    # bit patterns, so that inf, NaN and -0.0 compare too
-    view = {2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bit patterns as integers of its width, so that inf, NaN payloads and -0.0
+    compare too (FP8 codes as uint8)."""
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
     return tensor.detach().contiguous().view(view)
 
 
@@ -37,12 +38,12 @@ def assert_same_bits(name: str, actual: torch.Tensor, stored: dict) -> None:
     if "full" in stored:
         expected = stored["full"]
         assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
-        differ = int((_bits(actual) != _bits(expected)).sum())
+        differ = int((bits(actual) != bits(expected)).sum())
         assert differ == 0, f"{name}: {differ} of {expected.numel()} elements differ"
         return
     assert actual.dtype == stored["dtype"] and tuple(actual.shape) == stored["shape"], name
     head = stored["head"]
-    differ = int((_bits(actual[: head.shape[0]]) != _bits(head)).sum())
+    differ = int((bits(actual[: head.shape[0]]) != bits(head)).sum())
     assert differ == 0, f"{name}: {differ} of the first {head.numel()} elements differ"
     assert module.digest(actual) == stored["sha256"], f"{name}: digest differs (later rows)"
 

@@ -16,8 +16,6 @@ What is claimed (mptex/_grid_triton.py states why):
   bfloat16 mode's backward is the float32 one on the cast dL/dy: the same bound).
 """
 
-from pathlib import Path
-
 import pytest
 import torch
 from grid_reference import param_gradient
@@ -30,7 +28,6 @@ from mptex._grid_torch import hash_grid_encode
 
 pytestmark = pytest.mark.requires_triton
 
-HERE = Path(__file__).resolve().parent
 N_POINTS = 48  # the interpreter runs each kernel op in Python: few points, few levels
 
 # (name, n_dims, constructor kwargs). Small geometries that still have dense levels followed

@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 import torch
+from golden_io import bits
 
 from mptex import _fp8_fused
 from mptex._fp8_fused import RECIPE_CODES, fp8_quantize, fp8_quantize_reference, op_available
@@ -18,21 +19,15 @@ needs_kernel = pytest.mark.skipif(
     native_kernels() is None, reason="no C compiler: the op runs its eager twin (no kernel to test)"
 )
 FORMATS = ((0, E4M3), (1, E5M2))
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's bits as integers (NaN payloads and signed zeros compared too)."""
-    views = {1: torch.uint8, 4: torch.int32, 8: torch.int64}
-    return t.contiguous().view(views[t.element_size()])
+OUTPUTS = ("q", "scale_inv", "amax", "used", "next_scale", "next_history")
 
 
 def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> str | None:
     """None if the op's outputs equal bit for bit (dtype, shape, bits), else which one differs."""
-    names = ("q", "scale_inv", "amax", "used", "next_scale", "next_history")
-    for name, u, v in zip(names, a, b, strict=True):
+    for name, u, v in zip(OUTPUTS, a, b, strict=True):
         if u.dtype != v.dtype or u.shape != v.shape:
             return f"{name}: {u.dtype} {list(u.shape)} vs {v.dtype} {list(v.shape)}"
-        if not torch.equal(_bits(u), _bits(v)):
+        if not torch.equal(bits(u), bits(v)):
             return f"{name}: values differ"
     return None
 
@@ -149,7 +144,7 @@ def test_the_kernels_cast_rounds_as_torchs_over_every_exponent(fmt, dtype):
         v = torch.ops.mptex.fp8_quantize(
             x, torch.tensor(1.0), torch.zeros(1), fmt, 0, 0, False, False, q_dtype
         )[0]
-        assert torch.equal(_bits(v), _bits(x.to(dtype).to(q_dtype)))
+        assert torch.equal(bits(v), bits(x.to(dtype).to(q_dtype)))
 
 
 def test_the_op_is_registered_with_a_fake_kernel():

@@ -17,10 +17,11 @@ compiled kernels where a CUDA device exists.
 """
 
 import itertools
-from pathlib import Path
 
 import pytest
 import torch
+from golden_io import bits
+from test_fp8_fused import OUTPUTS
 from triton_subprocess import run_script
 
 import mptex
@@ -28,11 +29,9 @@ from mptex._fp8_fused import fp8_quantize_reference
 
 pytestmark = [pytest.mark.requires_triton, pytest.mark.slow]
 
-HERE = Path(__file__).resolve().parent
 FORMATS = {0: torch.float8_e4m3fn, 1: torch.float8_e5m2}
 FMAX = {0: 448.0, 1: 57344.0}
 RECIPES = {0: "delayed", 1: "current", 2: "rowwise"}
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 NAN, INF = float("nan"), float("inf")
 # 512 programs of 1024 elements: this many elements make a program loop over two blocks.
 ABOVE_CAP = 512 * 1024 + 3001
@@ -266,17 +265,10 @@ def interpreted(tmp_path_factory):
     return {case["name"]: (case, results[case["name"]]) for case in CASES}
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1).view(_INT[t.element_size()])
-
-
 def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what):
     """Equal dtype, shape and bits (NaNs included)."""
     assert got.dtype == want.dtype and got.shape == want.shape, (what, got, want)
-    assert torch.equal(_bits(got), _bits(want)), what
-
-
-OUTPUTS = ("q", "scale_inv", "amax", "used", "next_scale", "next_history")
+    assert torch.equal(bits(got), bits(want)), what
 
 
 @pytest.mark.parametrize("name", OP_NAMES)
@@ -322,9 +314,9 @@ def test_nan_codes_keep_sign_and_significand():
     # what the probe expects of a NaN code (the C kernel's fp8_nan_f32): torch's quiet NaN,
     # the sign and the code's significand bits on top of the float's
     codes = torch.tensor([0x7F, 0xFF], dtype=torch.uint8)
-    assert _bits(_values(codes, 0, 1)).tolist() == [0x7FF00000, 0xFFF00000 - 2**32]
+    assert bits(_values(codes, 0, 1)).tolist() == [0x7FF00000, 0xFFF00000 - 2**32]
     codes = torch.tensor([0x7D, 0xFE], dtype=torch.uint8)
-    assert _bits(_values(codes, 1, 2)).tolist() == [0x7FFC << 48, (0xFFF8 << 48) - 2**64]
+    assert bits(_values(codes, 1, 2)).tolist() == [0x7FFC << 48, (0xFFF8 << 48) - 2**64]
 
 
 def test_cases_cover_the_program_cap_and_ties():

@@ -20,6 +20,12 @@ import torch
 from mptex._backends import has_nvdiffrast, has_tcnn, has_triton
 from mptex.bake import has_xatlas
 from mptex.scenes import suite_available
+from mptex.train.runinfo import reproducible_blas
+
+# MKL reads MKL_CBWR once, at its first call (the imports above make none): the mode
+# mptex-train runs in, and the golden tensors were made in, is set here, before any test module
+# computes, so that no test's bits depend on which other modules were collected or ran first.
+reproducible_blas()
 
 _REQUIREMENTS = {
     "requires_cuda": (torch.cuda.is_available, "needs a CUDA device"),

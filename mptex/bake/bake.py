@@ -456,6 +456,27 @@ def dilate(
 # ---------------------------------------------------------------------------------------------
 
 
+# Points per texture.sample call in a bake are padded to a multiple of this (see _sample_aligned).
+_ALIGN = 64
+
+
+def _sample_aligned(texture: MLPTexture3D, points: torch.Tensor) -> torch.Tensor:
+    """``texture.sample(points)`` with ``points`` padded to a multiple of :data:`_ALIGN` points.
+
+    ATen's elementwise CPU loops compute a tensor's last ``numel mod (2 x vector width)``
+    elements in a scalar loop whose ``exp`` rounds unlike the vectorised body, so the output
+    sigmoid's bits for a point would depend on where its chunk ends. With a whole number of
+    ``_ALIGN`` points per call (``_ALIGN x channels`` elements: whole vectors at every width up
+    to 32 floats) every point takes the vectorised path. The padding repeats the first point and
+    its values are dropped. Shapes: ``points [M, 3]`` float32 -> ``[M, C]`` float32.
+    """
+    n = points.shape[0]
+    pad = -n % _ALIGN
+    if pad:
+        points = torch.cat([points, points[:1].expand(pad, 3)])
+    return texture.sample(points).float()[:n]
+
+
 @torch.no_grad()
 def sample_in_chunks(texture: MLPTexture3D, points: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """``texture.sample(points)`` in pieces of ``chunk_size`` points, in eval mode, no autograd.
@@ -463,7 +484,14 @@ def sample_in_chunks(texture: MLPTexture3D, points: torch.Tensor, chunk_size: in
     Args:
         texture: the neural texture.
         points: [M, 3] float32 world positions.
-        chunk_size: points per call (bounds the encoder's and the MLP's working memory).
+        chunk_size: points per call (bounds the encoder's and the MLP's working memory; each
+            call is padded to a multiple of 64 points).
+
+    The values do not depend on ``chunk_size``, bit for bit, where the MLP's GEMMs give a row
+    the same bits whatever the number of rows, as MKL's float32 GEMMs do under its strict
+    reproducibility mode (``MKL_CBWR=AUTO,STRICT``, which ``mptex-train`` sets). Without that
+    mode, and with cuBLAS, the GEMM kernel can depend on the row count, and so can a value's
+    last bit.
 
     Returns:
         [M, C] float32 texture values.
@@ -471,7 +499,7 @@ def sample_in_chunks(texture: MLPTexture3D, points: torch.Tensor, chunk_size: in
     was_training = texture.training
     texture.eval()
     try:
-        pieces = [texture.sample(points[lo : lo + chunk_size]).float()
+        pieces = [_sample_aligned(texture, points[lo : lo + chunk_size])
                   for lo in range(0, points.shape[0], chunk_size)]  # fmt: skip
     finally:
         texture.train(was_training)

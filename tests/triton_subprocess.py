@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import mptex
 
 HERE = Path(__file__).resolve().parent
@@ -46,3 +48,12 @@ def cuda_target(arch: int):
         print(f"no CUDA backend in this triton: {exc}")
         sys.exit(3)
     return target
+
+
+def check_compiles(script: str, timeout: int) -> None:
+    """Run ``tests/<script> --compile-check`` (not interpreted): skip the calling test if the
+    script exits with :func:`cuda_target`'s status 3, fail it on any other non-zero status."""
+    proc = run_script(script, "--compile-check", interpret=False, timeout=timeout)
+    if proc.returncode == 3:
+        pytest.skip(proc.stdout.strip())
+    assert proc.returncode == 0, proc.stderr[-4000:]

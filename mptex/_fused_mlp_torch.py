@@ -125,7 +125,8 @@ class FusedMLPSpec:
         accumulate: ``"half"`` (tcnn) or ``"float"`` (float32 accumulators, the ablation switch).
         split_k: slice the weight-gradient reduction every 4096 samples (tcnn) or not.
         collect_stats: fill ``stats`` during backward (see :func:`split_k_weight_grad`).
-        stats: per-layer precision statistics of the last backward (layer 0 = input layer).
+        stats: per-layer precision statistics of the last backward (layer 0 = input layer), 0-d
+            tensors on the device.
     """
 
     n_input_dims: int
@@ -138,7 +139,7 @@ class FusedMLPSpec:
     accumulate: str = "half"
     split_k: bool = True
     collect_stats: bool = False
-    stats: dict[int, dict[str, float]] = field(default_factory=dict)
+    stats: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def input_pad(self) -> int:
@@ -318,7 +319,7 @@ def split_k_weight_grad(
     act_in: torch.Tensor,
     accumulate: str = "half",
     split_k: bool = True,
-    stats: dict[str, float] | None = None,
+    stats: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Weight gradient ``grad_out^T @ act_in`` as tcnn's split-K CUTLASS GEMM computes it.
 
@@ -333,7 +334,8 @@ def split_k_weight_grad(
         accumulate: ``"half"`` or ``"float"``.
         split_k: slice the batch as tcnn does or use one slice (the ablation switch).
         stats: if a dict, receives ``absorbed_frac``: the fraction of non-zero 8-sample block
-            contributions that left the accumulator unchanged (flushed by the accumulation).
+            contributions that left the accumulator unchanged (flushed by the accumulation), a
+            0-d tensor on the device (counted there: no host read).
 
     Returns:
         ``[out, in]`` float16 (float accumulation is rounded to half at the end, where tcnn
@@ -351,7 +353,7 @@ def split_k_weight_grads(
     layers: list[tuple[torch.Tensor, torch.Tensor]],
     accumulate: str = "half",
     split_k: bool = True,
-    stats: list[dict[str, float]] | None = None,
+    stats: list[dict[str, torch.Tensor]] | None = None,
 ) -> list[torch.Tensor]:
     """:func:`split_k_weight_grad` of several layers that share one batch.
 
@@ -380,7 +382,7 @@ def split_k_weight_grads(
             total = _round_acc(total + acc[s], accumulate).to(torch.float64)
         if stats is not None:
             seen, done = counts[index]
-            stats[index]["absorbed_frac"] = done / max(seen, 1)
+            stats[index]["absorbed_frac"] = _fraction(done, seen, total.device)
         out.append(total.to(torch.float16))
     return out
 
@@ -389,7 +391,7 @@ def _split_k_weight_grads_eager(
     layers: list[tuple[torch.Tensor, torch.Tensor]],
     accumulate: str = "half",
     split_k: bool = True,
-    stats: list[dict[str, float]] | None = None,
+    stats: list[dict[str, torch.Tensor]] | None = None,
 ) -> list[torch.Tensor]:
     """:func:`split_k_weight_grads` in eager PyTorch ops (any device).
 
@@ -442,12 +444,12 @@ def _split_k_weight_grads_eager(
         for j in range(count):
             torch.add(acc64, parts[j], out=history[j + 1])
             acc64.copy_(history[j + 1])
-        if stats is not None:
+        if stats is not None:  # counted on the device: no host read inside the backward
             nonzero = parts[:count] != 0
             unchanged = nonzero & (history[1 : count + 1] == history[:count])
             for index, (lo, hi, _, _) in enumerate(segments):
-                contributions[index] += int(nonzero[..., lo:hi].sum())
-                absorbed[index] += int(unchanged[..., lo:hi].sum())
+                contributions[index] = contributions[index] + nonzero[..., lo:hi].sum()
+                absorbed[index] = absorbed[index] + unchanged[..., lo:hi].sum()
         history[0].copy_(history[count])
     acc = history[0]
     total = acc[0]
@@ -455,7 +457,7 @@ def _split_k_weight_grads_eager(
         total = _round_acc(total.to(torch.float64) + acc[s].to(torch.float64), accumulate)
     if stats is not None:
         for layer_stats, done, seen in zip(stats, absorbed, contributions):
-            layer_stats["absorbed_frac"] = done / max(seen, 1)
+            layer_stats["absorbed_frac"] = _fraction(done, seen, device)
     return [total[lo:hi].view(n_out, n_in).to(torch.float16) for lo, hi, n_out, n_in in segments]
 
 
@@ -466,7 +468,7 @@ _STEP_ELEMENTS = 1 << 22
 def _split_k_weight_grads_tensor_core(
     layers: list[tuple[torch.Tensor, torch.Tensor]],
     split_k: bool = True,
-    stats: list[dict[str, float]] | None = None,
+    stats: list[dict[str, torch.Tensor]] | None = None,
 ) -> list[torch.Tensor]:
     """:func:`split_k_weight_grads` with half accumulators in eager ops: every slice takes a
     :func:`_tensor_core_step` per block of 8 rows (zero rows pad the shorter slices), then the
@@ -508,19 +510,19 @@ def _split_k_weight_grads_tensor_core(
         )
         for j in range(count):
             new = _tensor_core_step(acc, products[:, j], exponents[:, j], 1)
-            if stats is not None:
+            if stats is not None:  # counted on the device: no host read inside the backward
                 nonzero = (products[:, j] != 0).any(1)
                 unchanged = nonzero & (new == acc)
                 for index, (lo, hi, _, _) in enumerate(segments):
-                    seen[index] += int(nonzero[:, lo:hi].sum())
-                    absorbed[index] += int(unchanged[:, lo:hi].sum())
+                    seen[index] = seen[index] + nonzero[:, lo:hi].sum()
+                    absorbed[index] = absorbed[index] + unchanged[:, lo:hi].sum()
             acc = new
     total = acc[0]
     for s in range(1, n_slices):
         total = _round_acc(total + acc[s], "half").to(torch.float64)
     if stats is not None:
         for layer_stats, done, count in zip(stats, absorbed, seen):
-            layer_stats["absorbed_frac"] = done / max(count, 1)
+            layer_stats["absorbed_frac"] = _fraction(done, count, acc.device)
     return [total[lo:hi].view(n_out, n_in).to(torch.float16) for lo, hi, n_out, n_in in segments]
 
 
@@ -652,7 +654,7 @@ class _FusedMLPFunction(torch.autograd.Function):
                 k_block = 8 if index == len(weights) - 1 and spec.output_pad > 16 else 16
                 down = half_matmul(grad, weights[index], k_block, spec.accumulate)
                 grad = _activate_backward(spec.activation, down, acts[index])
-        stats: dict[int, dict[str, float]] = {}
+        stats: dict[int, dict[str, torch.Tensor]] = {}
         if ctx.needs_input_grad[1]:
             layer_stats = [{} for _ in weights] if spec.collect_stats else None
             grads_w = split_k_weight_grads(
@@ -676,14 +678,30 @@ class _FusedMLPFunction(torch.autograd.Function):
         return grad_x, grad_params, None
 
 
-def _grad_stats(grad_half: torch.Tensor, scale: float) -> dict[str, float]:
-    """Zero / subnormal fractions of a scaled half weight gradient, before and after / scale."""
+def _fraction(part, whole, device: torch.device) -> torch.Tensor:
+    """``part / max(whole, 1)`` of two counts as a 0-d tensor, without a host read: float64,
+    exact for counts below 2**53 (float32 on MPS, which has no float64). Counts the host holds
+    (Python ints: the C kernel's) give a host tensor; a count on ``device`` keeps it there, and
+    ``whole`` may then be a Python int (an element count, passed to the kernel as a scalar)."""
+    dtype = torch.float32 if device.type == "mps" else torch.float64
+    if not isinstance(part, torch.Tensor):
+        if isinstance(whole, torch.Tensor):
+            raise TypeError("part: expected a tensor when whole is one")
+        return torch.tensor(part / max(whole, 1), dtype=dtype)
+    if isinstance(whole, torch.Tensor):
+        return part.to(dtype) / whole.to(dtype).clamp(min=1)
+    return part.to(dtype) / max(whole, 1)
+
+
+def _grad_stats(grad_half: torch.Tensor, scale: float) -> dict[str, torch.Tensor]:
+    """Zero / subnormal fractions of a scaled half weight gradient, before and after / scale,
+    as 0-d tensors on its device (:func:`_fraction`: no host read)."""
     tiny = torch.finfo(torch.float16).tiny
     unscaled = (grad_half.float() / scale).half()
-    n = max(grad_half.numel(), 1)
+    n = grad_half.numel()
 
-    def frac(mask: torch.Tensor) -> float:
-        return float(mask.sum()) / n
+    def frac(mask: torch.Tensor) -> torch.Tensor:
+        return _fraction(mask.sum(), n, mask.device)
 
     return {
         "scaled_zero_frac": frac(grad_half == 0),

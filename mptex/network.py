@@ -101,7 +101,8 @@ class FullyFusedMLP(nn.Module):
             ``n_output_dims``, ``n_params``, ``width`` and ``n_hidden_layers`` as named.
         collect_stats: set True to record per-layer precision statistics in ``last_stats``
             during each twin backward (costs a few reductions per layer).
-        last_stats: ``{layer: {...}}`` of the last twin backward with ``collect_stats``:
+        last_stats: ``{layer: {...}}`` of the last twin backward with ``collect_stats``, as
+            floats (a host read; ``last_stats_on_device``: the same as 0-d device tensors):
             ``absorbed_frac`` (non-zero 8-sample contributions to the weight gradient that the
             accumulator flushed), ``scaled_zero_frac`` / ``scaled_subnormal_frac`` (the scaled
             half gradient), ``zero_frac`` / ``subnormal_frac`` (after the half ``/ loss_scale``),
@@ -214,7 +215,14 @@ class FullyFusedMLP(nn.Module):
 
     @property
     def last_stats(self) -> dict[int, dict[str, float]]:
-        return dict(self.spec.stats)
+        return {layer: {name: float(value) for name, value in values.items()}
+                for layer, values in self.spec.stats.items()}  # fmt: skip
+
+    @property
+    def last_stats_on_device(self) -> dict[int, dict[str, torch.Tensor]]:
+        """``last_stats`` as 0-d tensors on the network's device, read by nobody yet: a caller
+        that copies them to the host with other values pays one synchronisation for all."""
+        return {layer: dict(values) for layer, values in self.spec.stats.items()}
 
     def layer_shapes(self) -> list[tuple[int, int]]:
         """``[out, in]`` of each weight matrix, padding included, input layer first."""

@@ -1,5 +1,6 @@
 """The GPU kit (benchmarks/gpu/): its CPU dry run, its comparisons, and the ULP measures."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,6 +19,10 @@ VALIDATE = ROOT / "benchmarks" / "gpu" / "validate.py"
 STAGES = ["env", "golden", "tests", "profile", "arms", "nvdiffrec154", "grid", "network",
           "raster", "fp8", "throughput"]  # fmt: skip
 FIXTURES = ROOT / "tests" / "gpu_golden"
+_spec = importlib.util.spec_from_file_location("gpu_kit_validate", VALIDATE)
+kit = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = kit  # its dataclasses look their module up there
+_spec.loader.exec_module(kit)
 
 
 def _validate(tmp_path, *args, check=True):
@@ -108,7 +113,10 @@ def test_dry_run_runs_every_stage_and_records_why_native_ones_cannot(tmp_path):
     arms = stages["arms"]
     assert arms["status"] == "ok", arms
     ran = {run["precision"]: run for run in arms["data"]["runs"]}
-    assert list(ran) == PrecisionPolicy.names()
+    # f32 first (the reference of the ratios), the arms not judged by speed last, every arm once.
+    assert list(ran) == kit.arm_order() and sorted(ran) == sorted(PrecisionPolicy.names())
+    assert list(ran)[0] == "f32" and list(ran)[-3:] == list(kit.ARMS_NOT_JUDGED)
+    assert all(set(run["time_split_s"]) >= {"start", "iterations"} for run in ran.values())
     assert {r["status"] for r in ran.values()} <= {"completed", "diverged"}
     assert ran["f32"]["status"] == "completed" and ran["f32"]["time_per_iter_s"] > 0
     assert all(run["backends"]["encoder"] == "torch" for run in ran.values())
@@ -188,6 +196,37 @@ def test_a_stage_that_fails_is_recorded_and_the_next_one_runs(tmp_path):
     grid, network = results["stages"]["grid"], results["stages"]["network"]
     assert grid["status"] == "failed" and grid["reason"] == "KeyError: 'nonsense'"
     assert network["status"] == "ok"
+
+
+def test_the_speed_checks_by_hand():
+    order = kit.arm_order()
+    assert order[0] == "f32" and order[-3:] == list(kit.ARMS_NOT_JUDGED)
+    judged = [a for a in order if a != "f32" and a not in kit.ARMS_NOT_JUDGED]
+
+    def runs(times_ms):
+        return [
+            {"precision": a, "status": "completed" if t else "diverged",
+             "time_per_iter_s": t / 1e3 if t else None}
+            for a, t in times_ms.items()
+        ]  # fmt: skip
+
+    # f32 at the target, every judged arm at 1.5x exactly: no check fails; the arms not judged
+    # may be as slow as they are.
+    at_limit = {"f32": 4.0, **dict.fromkeys(judged, 6.0), "f16_naive": None,
+                "tcnn_fused_f32acc": 94.0, "tcnn_fused_nosplitk": 300.0}  # fmt: skip
+    assert kit.speed_checks(runs(at_limit), order) == []
+    # Over the f32 target, one arm over 1.5x (1.51x), one arm that did not complete, one missing.
+    slow = {**at_limit, "f32": 4.1, judged[0]: 6.2, judged[1]: None}
+    del slow[judged[2]]
+    assert kit.speed_checks(runs(slow), order) == [
+        "f32: 4.10 ms / iteration, over 4.0 ms",
+        f"{judged[0]}: 1.51x f32, over 1.5x",
+        f"{judged[1]}: not timed (no completed run)",
+        f"{judged[2]}: not timed (no completed run)",
+    ]
+    assert kit.speed_checks(runs({"nvdiffrec": 3.0}), order) == [
+        "f32: no completed run to compare with"
+    ]
 
 
 def test_a_spent_budget_leaves_stages_not_run(tmp_path):

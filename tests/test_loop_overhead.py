@@ -156,13 +156,15 @@ def test_a_non_finite_loss_alone_skips_without_loss_scaling():
     assert all(torch.equal(a, b) for a, b in zip(before, _state(params, optimizer), strict=True))
 
 
-def test_the_loop_reads_the_host_once_per_iteration(tmp_path):
-    # benchmarks/loop_overhead.py's count on a small run: one host read per f32 iteration (the
-    # loss, the step's flags and, every stats_interval, the statistics, in one copy). Reading
-    # the loss apart again (float(loss)) makes it 2.
+@pytest.mark.parametrize("arm", ["f32", "tcnn_fused"])
+def test_the_loop_reads_the_host_once_per_iteration(tmp_path, arm):
+    # benchmarks/loop_overhead.py's count on a small run: one host read per iteration (the
+    # loss, the step's flags and, every stats_interval, the statistics, in one copy; with the
+    # fused network's twin its own statistics too). Reading the loss apart again (float(loss))
+    # makes it 2.
     out = tmp_path / "overhead.json"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "loop_overhead.py"), "--arms", "f32",
+        [sys.executable, str(ROOT / "benchmarks" / "loop_overhead.py"), "--arms", arm,
          "--start", "2", "--stop", "8", "--resolution", "24", "--texture", "tiny",
          "--json", str(out), "--", "scene.n_train_views=4", "scene.n_val_views=1",
          "train.stats_interval=3"],

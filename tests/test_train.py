@@ -64,7 +64,7 @@ _TYPES = {
     "saturation": dict,
     "precision": str, "scene": str, "seed": int, "iterations": int,
     "iterations_planned": int, "final_loss": float, "time_per_iter_s": float,
-    "wall_time_s": float, "train_time_s": float, "peak_memory_bytes": int,
+    "wall_time_s": float, "train_time_s": float, "time_split_s": dict, "peak_memory_bytes": int,
     "peak_memory_kind": str, "skipped_steps": int, "final_loss_scale": float,
     "n_params": int, "device": str, "device_name": str, "torch_threads": int,
     "versions": dict, "run_dir": str, "history": list, "config": dict,
@@ -193,12 +193,31 @@ def test_a_run_forced_to_saturate_is_reported_collapsed(tmp_path, monkeypatch):
 
 
 def test_two_runs_give_identical_metrics_except_timings(tmp_path):
-    timing = {"time_per_iter_s", "wall_time_s", "train_time_s", "peak_memory_bytes", "run_dir"}
+    timing = {"time_per_iter_s", "wall_time_s", "train_time_s", "time_split_s",
+              "peak_memory_bytes", "run_dir"}  # fmt: skip
     runs = []
     for name in ("a", "b"):
         train(tiny_cfg("precision=f16_dynamic", "train.iterations=8"), tmp_path / name)
         runs.append({k: v for k, v in read_metrics(tmp_path / name).items() if k not in timing})
     assert runs[0] == runs[1]
+
+
+def test_time_split_adds_up_to_the_wall_time(tmp_path):
+    train(tiny_cfg("train.iterations=6", "train.val_interval=3", "train.stats_interval=2",
+                   "train.checkpoint_interval=2"), tmp_path)  # fmt: skip
+    m = read_metrics(tmp_path)
+    split = m["time_split_s"]
+    assert set(split) == {"start", "iterations", "sampled_iterations", "validation",
+                          "checkpoints", "rest"}  # fmt: skip
+    assert all(v >= 0 for v in split.values()), split
+    # Disjoint parts of one interval (sampled_iterations is a part of iterations).
+    parts = sum(v for k, v in split.items() if k != "sampled_iterations")
+    assert parts == pytest.approx(m["wall_time_s"], rel=1e-9), split
+    # Iterations 0, 2 and 4 collected statistics; 6 iterations were timed one by one.
+    assert 0 < split["sampled_iterations"] < split["iterations"] <= m["train_time_s"]
+    assert split["iterations"] >= 6 * m["time_per_iter_s"] / 2  # the median of 6 positive times
+    # Two validations in the loop (3, 6), checkpoints at 2 and 4 and the final one.
+    assert split["validation"] > 0 and split["checkpoints"] > 0 and split["start"] > 0
 
 
 def test_init_seed_sets_the_initial_weights_and_train_seed_the_rest(tmp_path, monkeypatch):
@@ -221,8 +240,12 @@ def test_init_seed_sets_the_initial_weights_and_train_seed_the_rest(tmp_path, mo
 
     monkeypatch.setattr(loop, "build_texture", recording_build)
     monkeypatch.setattr(Scene, "training_batch", recording_sample)
-    runs = {"seed3": ["train.seed=3"], "init3_seed3": ["train.seed=3", "train.init_seed=3"],
-            "init3_seed5": ["train.seed=5", "train.init_seed=3"], "seed5": ["train.seed=5"]}
+    runs = {
+        "seed3": ["train.seed=3"],
+        "init3_seed3": ["train.seed=3", "train.init_seed=3"],
+        "init3_seed5": ["train.seed=5", "train.init_seed=3"],
+        "seed5": ["train.seed=5"],
+    }
     for name, overrides in runs.items():
         current = drawn[name] = {"views": []}
         train(tiny_cfg("precision=f32", "train.iterations=3", *overrides), tmp_path / name)

@@ -94,7 +94,8 @@ __all__ = [
 METRICS_KEYS = (
     "status", "psnr", "baseline_psnr", "psnr_per_image", "saturation", "precision", "scene", "seed",
     "iterations", "iterations_planned", "final_loss", "time_per_iter_s", "wall_time_s",
-    "train_time_s", "peak_memory_bytes", "peak_memory_kind", "skipped_steps", "final_loss_scale",
+    "train_time_s", "time_split_s", "peak_memory_bytes", "peak_memory_kind", "skipped_steps",
+    "final_loss_scale",
     "diverged_at", "error", "failed_at", "failed_writing", "interrupted_at", "signal",
     "resumed_from",
     "resume_count", "interruptions", "n_params", "backends", "device",
@@ -476,6 +477,11 @@ class RunState:
         self.loss_value: float | None = None
         self.status, self.diverged_at = "completed", None
         self.train_time = 0.0
+        # Where this process's wall time went (metrics.json's time_split_s): seconds per part,
+        # filled by step, validate, checkpoint and _iterate; finish adds start and rest.
+        self.time_split = {"iterations": 0.0, "sampled_iterations": 0.0, "validation": 0.0,
+                           "checkpoints": 0.0}  # fmt: skip
+        self.loop_start: float | None = None
 
     def jitter(self, points: torch.Tensor) -> torch.Tensor:
         """``points`` moved by ``N(0, kd_jitter_std)`` noise: the kd smoothness term's samples."""
@@ -643,7 +649,11 @@ def step(run: RunState, it: int) -> StepOutcome:
         # A non-finite gradient without loss scaling: the step was not taken, the weights
         # and Adam state are those after iteration it - 1; the run ends here.
         return StepOutcome(loss_value, lr, result, stats, diverged=True)
-    run.iter_times.append(time.perf_counter() - tick)
+    elapsed = time.perf_counter() - tick
+    run.iter_times.append(elapsed)
+    run.time_split["iterations"] += elapsed
+    if stats is not None:
+        run.time_split["sampled_iterations"] += elapsed
     run.skipped_steps += int(result.skipped)
     run.consecutive_skips = run.consecutive_skips + 1 if result.skipped else 0
     run.metrics["iterations"] = it + 1
@@ -656,8 +666,11 @@ def step(run: RunState, it: int) -> StepOutcome:
 def validate(run: RunState, completed: int) -> dict[str, Any]:
     """:func:`~mptex.train.validation.evaluate` on the validation views after ``completed``
     iterations, logged to TensorBoard when it is on; returns the evaluation."""
+    tick = time.perf_counter()
     with record_function("mptex.validation"):
         evaluated = evaluate(run.texture, run.scene, run.settings, run.light_dir)
+    # evaluate ends with host reads of the PSNR: the device has finished
+    run.time_split["validation"] += time.perf_counter() - tick
     if run.writer is not None:
         run.writer.add_scalar("val/psnr", evaluated["psnr"], completed)
         run.writer.add_images("val/prediction", rgb_to_srgb(evaluated["pred"]).clamp(0, 1).cpu(),
@@ -668,7 +681,9 @@ def validate(run: RunState, completed: int) -> dict[str, Any]:
 def checkpoint(run: RunState, completed: int) -> bool:
     """Write ``checkpoint.pt`` (atomically) after ``completed`` iterations; False, and nothing
     written, when a weight is not finite (a checkpoint never holds one)."""
+    tick = time.perf_counter()
     if not all_finite(list(run.texture.parameters())):
+        run.time_split["checkpoints"] += time.perf_counter() - tick
         return False
     with record_function("mptex.checkpoint"):
         save_checkpoint(run.run_dir / CHECKPOINT_FILE, {
@@ -688,6 +703,8 @@ def checkpoint(run: RunState, completed: int) -> bool:
             "resume_count": run.resume_count,
             "interruptions": run.interruptions,
         })  # fmt: skip
+    # the state dicts were copied to the host before the write: the device has finished
+    run.time_split["checkpoints"] += time.perf_counter() - tick
     return True
 
 
@@ -724,7 +741,7 @@ def _iterate(run: RunState, stop: StopSignals) -> dict[str, Any] | None:
     settings = run.settings
     progress = Progress(run.n_iter, run.start_iter, settings["progress"])
     evaluated, last_psnr = None, None
-    train_start = time.perf_counter()
+    train_start = run.loop_start = time.perf_counter()
     for it in range(run.start_iter, run.n_iter):
         out = step(run, it)
         if out.diverged:
@@ -787,8 +804,10 @@ def finish(
         # background is white or black), so the final evaluation is that one.
         evaluation = evaluated
     else:
+        tick = time.perf_counter()
         with record_function("mptex.validation"):
             evaluation = evaluate(run.texture, run.scene, settings, run.light_dir)
+        run.time_split["validation"] += time.perf_counter() - tick
     if status == "completed" and not math.isfinite(evaluation["psnr"]):
         # Finite weights can still render a non-finite image (an f16 overflow in the forward):
         # never a completed run.
@@ -803,6 +822,14 @@ def finish(
               if status == "completed" else None)  # fmt: skip
     rss.stop()
     peak, peak_kind = peak_memory(device, rss)
+    wall = time.perf_counter() - start_wall
+    split = dict(run.time_split)
+    # start: the config, the scene (the training views' G-buffers), the texture (a library's
+    # kernel compilation) and setup, up to the first iteration
+    start = (run.loop_start if run.loop_start is not None else time.perf_counter()) - start_wall
+    parts = start + split["iterations"] + split["validation"] + split["checkpoints"]
+    # rest: the history, progress, images, export and the metrics' own bookkeeping
+    time_split = {"start": start, **split, "rest": max(0.0, wall - parts)}
     metrics.update(
         status=status,
         psnr=evaluation["psnr"],
@@ -812,7 +839,8 @@ def finish(
         final_loss=run.loss_value if run.loss_value is not None else run.resumed_loss,
         time_per_iter_s=run.time_per_iter(),
         train_time_s=run.train_time,
-        wall_time_s=time.perf_counter() - start_wall,
+        wall_time_s=wall,
+        time_split_s=time_split,
         peak_memory_bytes=peak,
         peak_memory_kind=peak_kind,
         skipped_steps=run.skipped_steps,

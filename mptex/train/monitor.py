@@ -363,10 +363,20 @@ class PrecisionMonitor:
         }
         for _, layer in self._quantized:
             layer.collect_stats = False
+        # The fused twin's statistics: 0-d tensors its backward left on the device.
+        fused_stats = {}
+        if self._fused is not None:
+            fused_stats = {
+                f"net.{layer}.fused_{name}": value
+                for layer, values in sorted(self._fused.last_stats_on_device.items())
+                for name, value in sorted(values.items())
+            }
+            self._fused.collect_stats = False
         flat = None
-        if keys or saturation is not None or quantized:
+        if keys or saturation is not None or quantized or fused_stats:
             first = self._acc[keys[0]].below if keys else saturation
-            first = first if first is not None else next(iter(quantized.values()))
+            first = first if first is not None else next(iter([*quantized.values(),
+                                                               *fused_stats.values()]))  # fmt: skip
             # float64 counts where the device has float64 (_counts' accumulator).
             device = first.device
             acc = torch.float32 if device.type == "mps" else torch.float64
@@ -374,15 +384,12 @@ class PrecisionMonitor:
             parts = [part for k in keys for part in self._acc[k].parts(device)]
             if saturation is not None:
                 parts.append(saturation.to(device))
-            # Quantisation statistics go last, one value each.
+            # Quantisation statistics, then the fused twin's, go last, one value each.
             parts += [value.reshape(1).to(device) for value in quantized.values()]
+            parts += [value.reshape(1).to(device) for value in fused_stats.values()]
             # One op: cat converts to the widest dtype (float64, exact from the float32 and
             # float16 values; float32 on MPS), the dtype of every count.
             flat = torch.cat(parts).to(acc)
-        acc_fused = None
-        if self._fused is not None:
-            acc_fused = {layer: dict(values) for layer, values in self._fused.last_stats.items()}
-            self._fused.collect_stats = False
         numels = [self._acc[k].numel for k in keys]
         widths = [3 if self._acc[k].largest is None else 4 for k in keys]
         self._acc.clear()
@@ -391,8 +398,11 @@ class PrecisionMonitor:
 
         def decode(host, result: StepResult | None = None) -> dict[str, float]:
             stats: dict[str, float] = {"iteration": iteration}
+            fused_values: list[float] = []
             if host is not None:
                 host = list(host)
+                if fused_stats:
+                    fused_values, host = host[-len(fused_stats) :], host[: -len(fused_stats)]
                 n_quantized = len(quantized)
                 if n_quantized:
                     for key, value in zip(quantized, host[-n_quantized:], strict=True):
@@ -413,10 +423,7 @@ class PrecisionMonitor:
                     *per_channel, rows = host[start:]
                     for channel, count in enumerate(per_channel):
                         stats[f"output.saturated_frac.{channel}"] = count / max(rows, 1.0)
-            if acc_fused is not None:
-                for layer, values in sorted(acc_fused.items()):
-                    for name, value in sorted(values.items()):
-                        stats[f"net.{layer}.fused_{name}"] = float(value)
+            stats.update(zip(fused_stats, fused_values, strict=True))
             if result is not None:
                 stats["loss_scale"] = float(result.loss_scale)
                 stats["skipped"] = bool(result.skipped)

@@ -71,6 +71,49 @@ def test_statistics_reproduce_constructed_counts():
     assert tensor_statistics(values.float())["subnormal_frac"] == 0.0
 
 
+@pytest.mark.parametrize("tensor_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("int32_below", [2**30, 4])
+def test_statistics_match_a_per_element_count(monkeypatch, tensor_dtype, int32_below):
+    # Every class of value at its edges: 0 and -0, the dtype's smallest positive subnormal (not
+    # a zero), its largest subnormal and smallest normal, tiny(f16) (below which an f32 master
+    # holds f16 subnormals), +-inf, NaN, normal values; with the counts summed in int32 and,
+    # below 4 elements, in int64.
+    import mptex.train.monitor as monitor
+
+    monitor._thresholds.cache_clear()
+    monkeypatch.setattr(monitor, "_INT32_COUNTS", int32_below)
+    smallest = torch.nextafter(torch.zeros((), dtype=tensor_dtype),
+                               torch.ones((), dtype=tensor_dtype)).item()  # fmt: skip
+    tiny = torch.finfo(tensor_dtype).tiny
+    edges = [0.0, -0.0, smallest, -smallest, tiny - smallest, tiny, 2.0**-14, 2.0**-14 * 0.75,
+             float("inf"), float("-inf"), float("nan"), 1.0, -3.5, 1e-3]  # fmt: skip
+    values = torch.tensor(edges * 3, dtype=tensor_dtype)
+    for dtype in (tensor_dtype, torch.float16, torch.float32):
+        bound = torch.tensor(torch.finfo(dtype).tiny, dtype=tensor_dtype).item()
+        mags = [abs(v) for v in values.tolist()]
+        zero = sum(m == 0 for m in mags)
+        below = sum(m < bound for m in mags)
+        finite = [m for m in mags if math.isfinite(m)]
+        n = len(mags)
+        assert tensor_statistics(values, dtype) == {
+            "zero_frac": zero / n,
+            "subnormal_frac": (below - zero) / n,
+            "nonfinite_frac": (n - len(finite)) / n,
+            "maxabs": max(finite),
+        }, dtype
+    monitor._thresholds.cache_clear()
+
+
+def test_merged_counts_leave_int32_before_they_could_pass_its_range():
+    from mptex.train.monitor import _Tally
+
+    a, b = _Tally(torch.zeros(4), torch.float32), _Tally(torch.ones(4), torch.float32)
+    assert a.below.dtype == torch.int32
+    a.numel = b.numel = 2**30  # as if each had counted 2**30 elements
+    merged = a.merge(b)
+    assert merged.below.dtype == torch.int64 and merged.below.tolist() == [4, 4, 8]
+
+
 def test_statistics_bf16_threshold_and_bad_input():
     values = torch.tensor([0.0, 1e-39, 1.0, 1e-30], dtype=torch.float32)  # 1e-39 < 2^-126
     assert tensor_statistics(values, torch.bfloat16)["subnormal_frac"] == 0.25

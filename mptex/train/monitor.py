@@ -40,7 +40,7 @@ def _counts(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(5, dtype=acc, device=tensor.device)
     below, largest = _partial_counts(tensor, dtype)
     numel = torch.full((1,), float(tensor.numel()), dtype=acc, device=tensor.device)
-    return torch.cat([below, numel, largest.reshape(1).to(acc)])
+    return torch.cat([below, numel, largest.reshape(1).to(acc)])  # float64 numel: all float64
 
 
 def _accumulator(device: torch.device) -> torch.dtype:
@@ -49,33 +49,46 @@ def _accumulator(device: torch.device) -> torch.dtype:
 
 @functools.lru_cache(maxsize=32)
 def _thresholds(tensor_dtype: torch.dtype, dtype: torch.dtype, device: torch.device):
-    """``[3, 1]`` float64 bounds ``b`` with ``|x| < b`` meaning: ``|x| == 0``, ``|x| < tiny(dtype)``
-    and ``|x|`` finite, for ``|x|`` in ``tensor_dtype`` (f16, bf16 or f32) compared in float64.
+    """``[3, 1]`` bounds ``b`` in ``tensor_dtype`` (f16, bf16 or f32) with ``|x| < b`` meaning:
+    ``|x| == 0``, ``|x| < tiny(dtype)`` and ``|x|`` finite, for ``|x|`` in ``tensor_dtype``.
 
-    ``2**-1000`` lies below the smallest positive value of those dtypes and is normal in
-    float64; ``tiny(dtype)`` is rounded to ``tensor_dtype`` first, as ``|x| < tiny`` with a
-    Python float compares in ``tensor_dtype`` (the bound is 0 where it underflows there)."""
+    The first is ``tensor_dtype``'s smallest positive (subnormal) value, below which only 0
+    lies; ``tiny(dtype)`` is rounded to ``tensor_dtype``, as ``|x| < tiny`` with a Python float
+    compares in ``tensor_dtype`` (the bound is 0 where it underflows there). Comparing in the
+    tensor's own dtype converts nothing."""
+    zero = torch.zeros((), dtype=tensor_dtype)
+    smallest = torch.nextafter(zero, torch.ones((), dtype=tensor_dtype)).item()
     tiny = torch.tensor(subnormal_threshold(dtype), dtype=tensor_dtype).item()
-    bounds = [2.0**-1000, tiny, float("inf")]
-    return torch.tensor(bounds, dtype=torch.float64).reshape(3, 1).to(device)
+    bounds = [smallest, tiny, float("inf")]
+    return torch.tensor(bounds, dtype=tensor_dtype).reshape(3, 1).to(device)
+
+
+# Counts of tensors below this many elements are summed in int32 (exact; a merge of two stays
+# below 2**31): on a CPU a sum of booleans converts them to its dtype first, and int32 costs
+# half of int64's or float64's. Larger tensors are summed in int64.
+_INT32_COUNTS = 2**30
 
 
 def _partial_counts(
     tensor: torch.Tensor, dtype: torch.dtype, largest: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``([3] counts of zeros, of values below tiny(dtype), of finite values; the largest
-    finite |x|)`` of a non-empty ``tensor``, on its device: the counts in float64 (float32 on
-    MPS), the largest in ``tensor``'s dtype (None unless ``largest``).
+    finite |x|)`` of a non-empty ``tensor``, on its device: the counts as integers (f16, bf16
+    and f32 tensors; float64 for float64 tensors, float32 on MPS), the largest in ``tensor``'s
+    dtype (None unless ``largest``).
 
     The three counts are one comparison of ``|x|`` against three bounds (:func:`_thresholds`)
     and one sum: 5 ops per tensor, where a comparison and a sum per count are 8. The
     comparisons are those of ``|x| == 0``, ``|x| < tiny`` and ``|x| < inf`` (``|x|`` is >= 0 or
-    NaN, and NaN compares false), so the counts are the same integers."""
+    NaN, and NaN compares false), so the counts are the same integers. They are summed as
+    integers (int32 below :data:`_INT32_COUNTS` elements, else int64); whoever concatenates
+    them with float64 values gets them exactly as float64."""
     acc = _accumulator(tensor.device)
     magnitude = tensor.detach().abs()
     if acc == torch.float64 and tensor.dtype in (torch.float16, torch.bfloat16, torch.float32):
         bounds = _thresholds(tensor.dtype, dtype, tensor.device)
-        below = (magnitude.reshape(1, -1) < bounds).sum(dim=1, dtype=acc)
+        counts = torch.int32 if tensor.numel() < _INT32_COUNTS else torch.int64
+        below = (magnitude.reshape(1, -1) < bounds).sum(dim=1, dtype=counts)
     else:  # float64 values (no normal bound below their subnormals) or no float64 (MPS)
         below = torch.stack([
             (magnitude == 0).sum(dtype=acc),
@@ -106,6 +119,8 @@ class _Tally:
         self.numel = tensor.numel()
 
     def merge(self, other: _Tally) -> _Tally:
+        if self.numel + other.numel >= 2**31 and self.below.dtype == torch.int32:
+            self.below = self.below.to(torch.int64)  # the sum could pass int32's range
         self.below = self.below + other.below.to(self.below.device)
         if self.largest is not None:
             self.largest = torch.maximum(self.largest, other.largest.to(self.largest.device))
@@ -387,9 +402,11 @@ class PrecisionMonitor:
             # Quantisation statistics, then the fused twin's, go last, one value each.
             parts += [value.reshape(1).to(device) for value in quantized.values()]
             parts += [value.reshape(1).to(device) for value in fused_stats.values()]
-            # One op: cat converts to the widest dtype (float64, exact from the float32 and
-            # float16 values; float32 on MPS), the dtype of every count.
-            flat = torch.cat(parts).to(acc)
+            # cat converts to the widest dtype: with its first part in float64 (float32 on
+            # MPS), every part, the integer counts and the float32 and float16 values, is
+            # converted exactly.
+            parts[0] = parts[0].to(acc)
+            flat = torch.cat(parts)
         numels = [self._acc[k].numel for k in keys]
         widths = [3 if self._acc[k].largest is None else 4 for k in keys]
         self._acc.clear()

@@ -15,6 +15,10 @@ What it computes, each under its PyTorch spelling's arithmetic, bit for bit:
   order, float32 or tcnn's half mode, and the parameter gradient scattered in the eager op's
   order (chunk, level, corner, point), so that its float32 sums round alike.
 
+With AVX-512 (``-march=native`` on a CPU that has it) the tensor core's step runs for 8 outputs
+at once, with the same operations per lane, so the same bits as the one-at-a-time loop that the
+other builds run (``tests/test_fused_mlp_torch.py`` compares them).
+
 Why C: the half accumulation is sequential along the batch, one rounding per block of 8
 samples, ~530 steps per weight gradient at any batch size, and eager PyTorch pays ~3 µs of
 dispatch per op and step; the grid's eager ops make ~20 passes over ``[level, corner, point]``
@@ -127,22 +131,22 @@ static inline double round_acc(double value, int half) {
    the sum is rounded once to half. */
 #define MPTEX_NO_TERM (-100000)
 #define MPTEX_TC_BITS 25
-static inline int half_value_exponent(double v) {
+static inline int64_t half_value_exponent(double v) {
     if (v == 0.0) return MPTEX_NO_TERM;
     uint64_t bits;
     memcpy(&bits, &v, sizeof bits);
-    int e = (int)((bits >> 52) & 0x7ff) - 1023;
+    int64_t e = (int64_t)((bits >> 52) & 0x7ff) - 1023;
     return e < -14 ? -14 : e;
 }
-static inline double power_of_two(int e) { /* 2^e, |e| < 1000 */
+static inline double power_of_two(int64_t e) { /* 2^e, |e| < 1000 */
     uint64_t bits = (uint64_t)(e + 1023) << 52;
     double v;
     memcpy(&v, &bits, sizeof v);
     return v;
 }
 /* products p[0..n) with exponents pe[0..n), accumulator acc (a half value) -> new half value */
-static inline double tc_step_half(double acc, const double *p, const int *pe, int64_t n) {
-    int top = half_value_exponent(acc);
+static inline double tc_step_half(double acc, const double *p, const int64_t *pe, int64_t n) {
+    int64_t top = half_value_exponent(acc);
     for (int64_t q = 0; q < n; ++q)
         if (p[q] != 0.0 && pe[q] > top) top = pe[q];
     if (top == MPTEX_NO_TERM) return 0.0;
@@ -151,99 +155,12 @@ static inline double tc_step_half(double acc, const double *p, const int *pe, in
     return round_acc(sum * power_of_two(top - MPTEX_TC_BITS), 1);
 }
 
-/* half_matmul with half accumulators: tc_step_half per k-block. b is converted once, transposed
-   (bt [m, k]: each output's column contiguous), with its exponents. */
-static int tc_half_matmul(const half_bits *a, const half_bits *b, half_bits *out, int64_t n,
-                          int64_t k, int64_t m, int64_t k_block) {
-    double *bt = malloc((size_t)(k * m + k) * sizeof(double));
-    int *bt_e = malloc((size_t)(k * m + k) * sizeof(int));
-    if (!bt || !bt_e) {
-        free(bt);
-        free(bt_e);
-        return 1;
+/* Half values as float64 (exact) with their half_value_exponent, n of them. */
+static void halves_with_exponents(const half_bits *src, double *dst, int64_t *dst_e, int64_t n) {
+    for (int64_t e = 0; e < n; ++e) {
+        dst[e] = half_to_double(src[e]);
+        dst_e[e] = half_value_exponent(dst[e]);
     }
-    double *a_row = bt + k * m, p[64];
-    int *a_e = bt_e + k * m, pe[64];
-    for (int64_t kk = 0; kk < k; ++kk)
-        for (int64_t col = 0; col < m; ++col) {
-            bt[col * k + kk] = half_to_double(b[kk * m + col]);
-            bt_e[col * k + kk] = half_value_exponent(bt[col * k + kk]);
-        }
-    for (int64_t row = 0; row < n; ++row) {
-        for (int64_t kk = 0; kk < k; ++kk) {
-            a_row[kk] = half_to_double(a[row * k + kk]);
-            a_e[kk] = half_value_exponent(a_row[kk]);
-        }
-        for (int64_t col = 0; col < m; ++col) {
-            const double *b_col = bt + col * k;
-            const int *b_col_e = bt_e + col * k;
-            double acc = 0.0;
-            for (int64_t k0 = 0; k0 < k; k0 += k_block) {
-                int64_t count = (k0 + k_block < k ? k0 + k_block : k) - k0;
-                for (int64_t q = 0; q < count; ++q) {
-                    p[q] = a_row[k0 + q] * b_col[k0 + q];
-                    pe[q] = a_e[k0 + q] + b_col_e[k0 + q];
-                }
-                acc = tc_step_half(acc, p, pe, count);
-            }
-            out[row * m + col] = double_to_half(acc);
-        }
-    }
-    free(bt);
-    free(bt_e);
-    return 0;
-}
-
-/* One slice of the weight gradient with half accumulators: tc_step_half per block of rows. Each
-   block's rows are converted once, transposed (row index fastest), with their exponents. */
-static int tc_weight_grad_slice(const half_bits *g, const half_bits *a, double *acc, int64_t lo,
-                                int64_t hi, int64_t o, int64_t i, int64_t k_block,
-                                int64_t *counts) {
-    double *gt = malloc((size_t)(k_block * (o + i)) * sizeof(double));
-    int *gt_e = malloc((size_t)(k_block * (o + i)) * sizeof(int));
-    if (!gt || !gt_e) {
-        free(gt);
-        free(gt_e);
-        return 1;
-    }
-    double *at = gt + k_block * o, p[64];
-    int *at_e = gt_e + k_block * o, pe[64];
-    for (int64_t r0 = lo; r0 < hi; r0 += k_block) {
-        int64_t rows = (r0 + k_block < hi ? r0 + k_block : hi) - r0;
-        for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t c = 0; c < o; ++c) {
-                gt[c * k_block + r] = half_to_double(g[(r0 + r) * o + c]);
-                gt_e[c * k_block + r] = half_value_exponent(gt[c * k_block + r]);
-            }
-            for (int64_t c = 0; c < i; ++c) {
-                at[c * k_block + r] = half_to_double(a[(r0 + r) * i + c]);
-                at_e[c * k_block + r] = half_value_exponent(at[c * k_block + r]);
-            }
-        }
-        for (int64_t out = 0; out < o; ++out) {
-            const double *gc = gt + out * k_block;
-            const int *gc_e = gt_e + out * k_block;
-            for (int64_t in = 0; in < i; ++in) {
-                const double *ac = at + in * k_block;
-                const int *ac_e = at_e + in * k_block;
-                int any = 0;
-                for (int64_t r = 0; r < rows; ++r) {
-                    p[r] = gc[r] * ac[r];
-                    pe[r] = gc_e[r] + ac_e[r];
-                    any |= p[r] != 0.0;
-                }
-                double old = acc[out * i + in], new_ = tc_step_half(old, p, pe, rows);
-                if (counts && any) {
-                    counts[0] += 1;
-                    counts[1] += new_ == old;
-                }
-                acc[out * i + in] = new_;
-            }
-        }
-    }
-    free(gt);
-    free(gt_e);
-    return 0;
 }
 
 static void halves_to_doubles(const half_bits *src, double *dst, int64_t n) {
@@ -268,6 +185,167 @@ static inline __m512d round_acc8(__m512d value, int half) {
     return _mm512_cvtps_pd(single);
 }
 #endif
+
+#ifdef MPTEX_AVX512
+/* tc_step_half on 8 lanes at once (the lanes: 8 outputs), with the same operations in the same
+   order per lane, so the same bits: every step (products of two half values, multiplications by
+   powers of two, truncations, sums of integers below 2^53) is exact in float64 but the last
+   rounding, which round_acc8 does as round_acc. The same holds where a value is not finite (an
+   accumulator that overflowed to inf, an inf or NaN input): the exponents come from the same
+   bits, the powers of two are built by the same 64-bit shift, and the vector instructions treat
+   inf and NaN as their scalar forms do. */
+static inline __m512i half_value_exponent8(__m512d v) {
+    __m512i e = _mm512_sub_epi64(
+        _mm512_and_si512(_mm512_srli_epi64(_mm512_castpd_si512(v), 52), _mm512_set1_epi64(0x7ff)),
+        _mm512_set1_epi64(1023));
+    e = _mm512_max_epi64(e, _mm512_set1_epi64(-14));
+    __mmask8 zero = _mm512_cmp_pd_mask(v, _mm512_setzero_pd(), _CMP_EQ_OQ);
+    return _mm512_mask_mov_epi64(e, zero, _mm512_set1_epi64(MPTEX_NO_TERM));
+}
+static inline __m512d power_of_two8(__m512i e) {
+    return _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_add_epi64(e, _mm512_set1_epi64(1023)), 52));
+}
+static inline __m512d tc_step_half8(__m512d acc, const __m512d *p, const __m512i *pe, int64_t n) {
+    __m512i top = half_value_exponent8(acc);
+    for (int64_t q = 0; q < n; ++q) {
+        __mmask8 nonzero = _mm512_cmp_pd_mask(p[q], _mm512_setzero_pd(), _CMP_NEQ_UQ);
+        top = _mm512_mask_max_epi64(top, nonzero, top, pe[q]);
+    }
+    __mmask8 none = _mm512_cmpeq_epi64_mask(top, _mm512_set1_epi64(MPTEX_NO_TERM));
+    top = _mm512_mask_mov_epi64(top, none, _mm512_setzero_si512()); /* any exponent: unused */
+    __m512d scale = power_of_two8(_mm512_sub_epi64(_mm512_set1_epi64(MPTEX_TC_BITS), top));
+    __m512d sum = _mm512_roundscale_pd(_mm512_mul_pd(acc, scale),
+                                       _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    for (int64_t q = 0; q < n; ++q)
+        sum = _mm512_add_pd(sum, _mm512_roundscale_pd(_mm512_mul_pd(p[q], scale),
+                                                      _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC));
+    __m512i back = _mm512_sub_epi64(top, _mm512_set1_epi64(MPTEX_TC_BITS));
+    __m512d out = round_acc8(_mm512_mul_pd(sum, power_of_two8(back)), 1);
+    out = _mm512_mask_mov_pd(out, none, _mm512_setzero_pd());
+    return out;
+}
+#endif
+
+/* half_matmul with half accumulators: tc_step_half per k-block. a's rows and b are converted
+   once to float64 with their exponents; with AVX-512, 8 output columns take each step together
+   (tc_step_half8), the rest one by one. */
+static int tc_half_matmul(const half_bits *a, const half_bits *b, half_bits *out, int64_t n,
+                          int64_t k, int64_t m, int64_t k_block) {
+    double *b64 = malloc((size_t)(k * m + k) * sizeof(double));
+    int64_t *b_e = malloc((size_t)(k * m + k) * sizeof(int64_t));
+    if (!b64 || !b_e) {
+        free(b64);
+        free(b_e);
+        return 1;
+    }
+    double *a_row = b64 + k * m, p[64];
+    int64_t *a_e = b_e + k * m, pe[64];
+    halves_with_exponents(b, b64, b_e, k * m); /* [k, m]: a column's entries m apart */
+    for (int64_t row = 0; row < n; ++row) {
+        halves_with_exponents(a + row * k, a_row, a_e, k);
+        int64_t col = 0;
+#ifdef MPTEX_AVX512
+        for (; col + 8 <= m; col += 8) {
+            __m512d acc = _mm512_setzero_pd(), pv[64];
+            __m512i pev[64];
+            for (int64_t k0 = 0; k0 < k; k0 += k_block) {
+                int64_t count = (k0 + k_block < k ? k0 + k_block : k) - k0;
+                for (int64_t q = 0; q < count; ++q) {
+                    int64_t kk = k0 + q;
+                    pv[q] = _mm512_mul_pd(_mm512_set1_pd(a_row[kk]),
+                                          _mm512_loadu_pd(b64 + kk * m + col));
+                    __m512i b_exp = _mm512_loadu_si512((const void *)(b_e + kk * m + col));
+                    pev[q] = _mm512_add_epi64(_mm512_set1_epi64(a_e[kk]), b_exp);
+                }
+                acc = tc_step_half8(acc, pv, pev, count);
+            }
+            /* the accumulator holds half values: converting them is exact */
+            _mm_storeu_si128((__m128i *)(out + row * m + col),
+                             _mm256_cvtps_ph(_mm512_cvtpd_ps(acc),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+#endif
+        for (; col < m; ++col) {
+            double acc = 0.0;
+            for (int64_t k0 = 0; k0 < k; k0 += k_block) {
+                int64_t count = (k0 + k_block < k ? k0 + k_block : k) - k0;
+                for (int64_t q = 0; q < count; ++q) {
+                    p[q] = a_row[k0 + q] * b64[(k0 + q) * m + col];
+                    pe[q] = a_e[k0 + q] + b_e[(k0 + q) * m + col];
+                }
+                acc = tc_step_half(acc, p, pe, count);
+            }
+            out[row * m + col] = double_to_half(acc);
+        }
+    }
+    free(b64);
+    free(b_e);
+    return 0;
+}
+
+/* One slice of the weight gradient with half accumulators: tc_step_half per block of rows. Each
+   block's rows are converted once to float64 with their exponents; with AVX-512, 8 inputs of an
+   output take each step together (tc_step_half8), the rest one by one. */
+static int tc_weight_grad_slice(const half_bits *g, const half_bits *a, double *acc, int64_t lo,
+                                int64_t hi, int64_t o, int64_t i, int64_t k_block,
+                                int64_t *counts) {
+    double *g64 = malloc((size_t)(k_block * (o + i)) * sizeof(double));
+    int64_t *g_e = malloc((size_t)(k_block * (o + i)) * sizeof(int64_t));
+    if (!g64 || !g_e) {
+        free(g64);
+        free(g_e);
+        return 1;
+    }
+    double *a64 = g64 + k_block * o, p[64];
+    int64_t *a_e = g_e + k_block * o, pe[64];
+    for (int64_t r0 = lo; r0 < hi; r0 += k_block) {
+        int64_t rows = (r0 + k_block < hi ? r0 + k_block : hi) - r0;
+        halves_with_exponents(g + r0 * o, g64, g_e, rows * o); /* [rows, o] */
+        halves_with_exponents(a + r0 * i, a64, a_e, rows * i); /* [rows, i] */
+        for (int64_t out = 0; out < o; ++out) {
+            int64_t in = 0;
+#ifdef MPTEX_AVX512
+            for (; in + 8 <= i; in += 8) {
+                __m512d pv[64];
+                __m512i pev[64];
+                __mmask8 any = 0;
+                for (int64_t r = 0; r < rows; ++r) {
+                    pv[r] = _mm512_mul_pd(_mm512_set1_pd(g64[r * o + out]),
+                                          _mm512_loadu_pd(a64 + r * i + in));
+                    __m512i a_exp = _mm512_loadu_si512((const void *)(a_e + r * i + in));
+                    pev[r] = _mm512_add_epi64(_mm512_set1_epi64(g_e[r * o + out]), a_exp);
+                    any |= _mm512_cmp_pd_mask(pv[r], _mm512_setzero_pd(), _CMP_NEQ_UQ);
+                }
+                __m512d old = _mm512_loadu_pd(acc + out * i + in);
+                __m512d new_ = tc_step_half8(old, pv, pev, rows);
+                if (counts) {
+                    __mmask8 same = _mm512_cmp_pd_mask(new_, old, _CMP_EQ_OQ);
+                    counts[0] += __builtin_popcount((unsigned)any);
+                    counts[1] += __builtin_popcount((unsigned)(any & same));
+                }
+                _mm512_storeu_pd(acc + out * i + in, new_);
+            }
+#endif
+            for (; in < i; ++in) {
+                int any = 0;
+                for (int64_t r = 0; r < rows; ++r) {
+                    p[r] = g64[r * o + out] * a64[r * i + in];
+                    pe[r] = g_e[r * o + out] + a_e[r * i + in];
+                    any |= p[r] != 0.0;
+                }
+                double old = acc[out * i + in], new_ = tc_step_half(old, p, pe, rows);
+                if (counts && any) {
+                    counts[0] += 1;
+                    counts[1] += new_ == old;
+                }
+                acc[out * i + in] = new_;
+            }
+        }
+    }
+    free(g64);
+    free(g_e);
+    return 0;
+}
 
 /* out [n, m] (half) = a [n, k] @ b [k, m] (half) in k-blocks of k_block: each block's
    products summed in k order from +0.0, added to the accumulator, rounded (round_acc); the

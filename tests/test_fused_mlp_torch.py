@@ -9,6 +9,8 @@ PyTorch loops.
 
 from __future__ import annotations
 
+import itertools
+
 import golden_io
 import pytest
 import torch
@@ -64,6 +66,54 @@ def test_twin_bits_do_not_depend_on_the_thread_count(name, loops):
         pytest.skip("one thread in any build of the C kernel")
     with golden_io.torch_threads(2):
         _check(name, GOLDEN[name])
+
+
+def _edge_halves(shape, gen, wild):
+    """Half values over a range of binades (2^-24 to 2^4), subnormals and signed zeros; ``wild``
+    adds the largest finite values (whose sums overflow the half accumulator to inf), inf and
+    NaN."""
+    magnitude = torch.exp2(torch.randint(-24, 5, shape, generator=gen).double())
+    values = (magnitude * (torch.rand(shape, generator=gen, dtype=torch.float64) + 0.5)).half()
+    values = torch.where(torch.rand(shape, generator=gen) < 0.5, values, -values)
+    pick = torch.rand(shape, generator=gen)
+    values[pick < 0.08] = 0.0
+    values[(pick >= 0.08) & (pick < 0.1)] = -0.0
+    if wild:
+        values[(pick >= 0.1) & (pick < 0.11)] = 65504.0
+        values[(pick >= 0.11) & (pick < 0.111)] = float("inf")
+        values[(pick >= 0.111) & (pick < 0.112)] = float("nan")
+    return values
+
+
+@pytest.mark.parametrize("build", ["portable", "avx2"])
+def test_the_kernels_vector_steps_equal_the_scalar_steps(build, monkeypatch):
+    # The default build steps 8 outputs at a time where the CPU has AVX-512; the portable and
+    # AVX2 builds step one at a time (the arithmetic model as written). Their bits agree on
+    # every class of value, overflowing and non-finite accumulators included, at sizes with
+    # vector parts and scalar tails (widths not a multiple of 8, a last k-block shorter).
+    from mptex import _native_cpu
+
+    default = _native_cpu.native_kernels()
+    if default is None:
+        pytest.skip("the C kernel does not build here (no C compiler)")
+    golden_io.native_or_eager(build, twin, monkeypatch, pytest)
+    scalar = twin.native_kernels()
+    gen = torch.Generator().manual_seed(0)
+    cases = [(37, 32, 32, 16), (53, 27, 19, 16), (29, 21, 16, 8), (8, 64, 9, 64)]
+    for (n, k, m, k_block), wild in itertools.product(cases, (False, True)):
+        a, b = _edge_halves((n, k), gen, wild), _edge_halves((k, m), gen, wild)
+        want = _native_cpu.half_matmul_native(scalar, a, b, k_block, True)
+        got = _native_cpu.half_matmul_native(default, a, b, k_block, True)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (n, k, m, wild)
+        layers = [(_edge_halves((n, o), gen, wild), _edge_halves((n, i), gen, wild))
+                  for o, i in [(16, 32), (3, 19), (32, 8)]]  # fmt: skip
+        bounds = [(0, n // 3), (n // 3, n)]
+        counts_want, counts_got = [None] * 3, [None] * 3
+        want = _native_cpu.weight_grads_native(scalar, layers, bounds, 8, True, counts_want)
+        got = _native_cpu.weight_grads_native(default, layers, bounds, 8, True, counts_got)
+        for w, g in zip(want, got, strict=True):
+            assert torch.equal(g.view(torch.int64), w.view(torch.int64)), (n, k, m, wild)
+        assert counts_got == counts_want
 
 
 def test_golden_covers_every_activation_and_switch():

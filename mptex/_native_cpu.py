@@ -16,8 +16,10 @@ What it computes, each under its PyTorch spelling's arithmetic, bit for bit:
   order (chunk, level, corner, point), so that its float32 sums round alike.
 
 With AVX-512 (``-march=native`` on a CPU that has it) the tensor core's step runs for 8 outputs
-at once, with the same operations per lane, so the same bits as the one-at-a-time loop that the
-other builds run (``tests/test_fused_mlp_torch.py`` compares them).
+at once, and the grid's half-mode sums (one fused multiply-add per corner, rounded to odd, then
+to half) for 8 points at once, with the same operations per lane, so the same bits as the
+one-at-a-time loops that the other builds run (``tests/test_fused_mlp_torch.py`` and
+``tests/test_grid_torch.py`` compare them).
 
 Why C: the half accumulation is sequential along the batch, one rounding per block of 8
 samples, ~530 steps per weight gradient at any batch size, and eager PyTorch pays ~3 µs of
@@ -735,13 +737,63 @@ static inline float half_fma(float w, float v, float acc) {
    from a zero result: acc = fmaf(w, value, acc) (float32), or half mode's __hfma2 with the
    weight rounded to half and table values already rounded to half (half_fma, then one
    rounding to half). */
+#ifdef MPTEX_AVX512
+/* half_fma on 16 lanes: the same TwoSum, and the step to odd as nextafterf takes it for a
+   finite non-zero sum (one ulp away from zero when the error has the sum's sign, else towards
+   it); a lane whose sum is 0 or not finite, or whose error is NaN, is recomputed by half_fma. */
+static inline __m512 half_fma16(__m512 w, __m512 v, __m512 acc) {
+    __m512 p = _mm512_mul_ps(w, v), s = _mm512_add_ps(p, acc), b = _mm512_sub_ps(s, p);
+    __m512 err = _mm512_add_ps(_mm512_sub_ps(p, _mm512_sub_ps(s, b)), _mm512_sub_ps(acc, b));
+    __m512i bits = _mm512_castps_si512(s);
+    __mmask16 even = _mm512_testn_epi32_mask(bits, _mm512_set1_epi32(1));
+    __mmask16 need = _mm512_cmp_ps_mask(err, _mm512_setzero_ps(), _CMP_NEQ_UQ) & even;
+    if (!need) return s;
+    __m512 magnitude = _mm512_castsi512_ps(
+        _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)));
+    __mmask16 odd_case = _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ) |
+                         _mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_EQ_OQ) |
+                         _mm512_cmp_ps_mask(err, err, _CMP_UNORD_Q);
+    __mmask16 up = _mm512_cmp_ps_mask(err, _mm512_setzero_ps(), _CMP_GT_OQ);
+    __mmask16 negative = _mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_LT_OQ);
+    __mmask16 away = (__mmask16)(up ^ negative); /* the magnitude grows */
+    __m512i step = _mm512_mask_blend_epi32(away, _mm512_set1_epi32(-1), _mm512_set1_epi32(1));
+    bits = _mm512_mask_add_epi32(bits, need, bits, step);
+    __m512 out = _mm512_castsi512_ps(bits);
+    __mmask16 redo = need & odd_case;
+    if (redo) {
+        float ws[16], vs[16], as[16], os[16];
+        _mm512_storeu_ps(ws, w);
+        _mm512_storeu_ps(vs, v);
+        _mm512_storeu_ps(as, acc);
+        _mm512_storeu_ps(os, out);
+        for (int lane = 0; lane < 16; ++lane)
+            if ((redo >> lane) & 1) os[lane] = half_fma(ws[lane], vs[lane], as[lane]);
+        out = _mm512_loadu_ps(os);
+    }
+    return out;
+}
+#endif
+
 static void accumulate_pairs(float *restrict values, const float *restrict weights, int64_t n,
                              int first, int half, float *restrict acc) {
     if (first)
         for (int64_t e = 0; e < 2 * n; ++e) acc[e] = 0.0f;
     if (half) {
         round_half_array(values, NULL, 2 * n);
-        for (int64_t q = 0; q < n; ++q) {
+        int64_t q = 0;
+#ifdef MPTEX_AVX512
+        /* 8 points (16 features) at a time: each weight, rounded to half, for its two features */
+        const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+        for (; q + 8 <= n; q += 8) {
+            __m256 w8 = _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(weights + q),
+                                                        _MM_FROUND_TO_NEAREST_INT |
+                                                            _MM_FROUND_NO_EXC));
+            __m512 w = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(w8));
+            __m512 v = _mm512_loadu_ps(values + 2 * q);
+            _mm512_storeu_ps(values + 2 * q, half_fma16(w, v, _mm512_loadu_ps(acc + 2 * q)));
+        }
+#endif
+        for (; q < n; ++q) {
             float w = half_round(weights[q]);
             values[2 * q] = half_fma(w, values[2 * q], acc[2 * q]);
             values[2 * q + 1] = half_fma(w, values[2 * q + 1], acc[2 * q + 1]);

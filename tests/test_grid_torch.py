@@ -65,6 +65,37 @@ def test_grid_bits_do_not_depend_on_the_thread_count(name, ops):
         _check(name, GOLDEN[name])
 
 
+@pytest.mark.parametrize("build", ["portable", "avx2"])
+def test_the_kernels_vector_half_sums_equal_the_scalar_ones(build, monkeypatch):
+    # The default build sums tcnn's half-mode corners for 8 points at a time where the CPU has
+    # AVX-512; the portable and AVX2 builds one at a time. Same bits on tables of every class
+    # of value: small and large, subnormal in half, signed zeros, values whose sums overflow
+    # half, inf and NaN; point counts that leave scalar tails.
+    from mptex import _native_cpu
+
+    default = _native_cpu.native_kernels()
+    if default is None:
+        pytest.skip("the C kernel does not build here (no C compiler)")
+    golden_io.native_or_eager(build, grid, monkeypatch, pytest)
+    scalar = grid.native_kernels()
+    geometry = grid_geometry(3, 6, 2, 12, 4, 1.6)
+    gen = torch.Generator().manual_seed(0)
+    for n_points, wild in [(1003, False), (517, True), (7, False)]:
+        magnitude = torch.exp2(torch.randint(-30, 10, (geometry.n_params,), generator=gen).float())
+        params = magnitude * (torch.rand(geometry.n_params, generator=gen) - 0.5)
+        pick = torch.rand(geometry.n_params, generator=gen)
+        params[pick < 0.05] = 0.0
+        params[(pick >= 0.05) & (pick < 0.07)] = -0.0
+        if wild:
+            params[(pick >= 0.07) & (pick < 0.1)] = 60000.0
+            params[(pick >= 0.1) & (pick < 0.105)] = float("inf")
+            params[(pick >= 0.105) & (pick < 0.11)] = float("nan")
+        x = torch.rand(n_points, 3, generator=gen)
+        want = _native_cpu.grid_forward_native(scalar, geometry, x, params, True)
+        got = _native_cpu.grid_forward_native(default, geometry, x, params, True)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (n_points, wild)
+
+
 def test_the_c_kernel_runs_on_float32_cpu_tensors_only():
     geometry = grid_geometry(3, 4, 2, 10, 4, 1.5)
     x = torch.rand(10, 3)

@@ -101,3 +101,16 @@ def native_or_eager(path: str, module, monkeypatch, pytest) -> str:
             pytest.skip(f"the {path} build of the C kernel failed here: {exc}")
         monkeypatch.setattr(module, "native_kernels", lambda: lib)
     return path
+
+
+def default_and_scalar_kernels(build: str, module, monkeypatch, pytest):
+    """The C kernel's default build (vector loops where the CPU has AVX-512) and ``build``, a
+    name of ``_BUILDS`` (one-at-a-time loops), the second put in ``module``'s place; skipped
+    where either does not build or run here."""
+    from mptex import _native_cpu
+
+    default = _native_cpu.native_kernels()
+    if default is None:
+        pytest.skip("the C kernel does not build here (no C compiler)")
+    native_or_eager(build, module, monkeypatch, pytest)
+    return default, module.native_kernels()

@@ -73,11 +73,7 @@ def test_the_kernels_vector_half_sums_equal_the_scalar_ones(build, monkeypatch):
     # half, inf and NaN; point counts that leave scalar tails.
     from mptex import _native_cpu
 
-    default = _native_cpu.native_kernels()
-    if default is None:
-        pytest.skip("the C kernel does not build here (no C compiler)")
-    golden_io.native_or_eager(build, grid, monkeypatch, pytest)
-    scalar = grid.native_kernels()
+    default, scalar = golden_io.default_and_scalar_kernels(build, grid, monkeypatch, pytest)
     geometry = grid_geometry(3, 6, 2, 12, 4, 1.6)
     gen = torch.Generator().manual_seed(0)
     for n_points, wild in [(1003, False), (517, True), (7, False)]:

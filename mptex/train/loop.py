@@ -828,7 +828,8 @@ def finish(
     # kernel compilation) and setup, up to the first iteration
     start = (run.loop_start if run.loop_start is not None else time.perf_counter()) - start_wall
     parts = start + split["iterations"] + split["validation"] + split["checkpoints"]
-    # rest: the history, progress, images, export and the metrics' own bookkeeping
+    # rest: the history, progress, images, export and the metrics' own bookkeeping (the parts
+    # are disjoint intervals of the wall time; max() only absorbs the rounding of their sum)
     time_split = {"start": start, **split, "rest": max(0.0, wall - parts)}
     metrics.update(
         status=status,

@@ -256,7 +256,8 @@ def stage_mainjob(ctx) -> None:
     )
     failed = []
     if timed_out:
-        # Stopped by the box: under the target only if the box was shorter than the target.
+        # Stopped by the box: the job takes longer than the box (over the target only if the
+        # box was at least the target).
         failed.append(f"stopped after {wall:.0f} s (the stage's box), before the sweep ended")
     elif returncode != 0:
         failed.append(f"mptex-train exited {returncode}")

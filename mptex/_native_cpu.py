@@ -157,14 +157,6 @@ static inline double tc_step_half(double acc, const double *p, const int64_t *pe
     return round_acc(sum * power_of_two(top - MPTEX_TC_BITS), 1);
 }
 
-/* Half values as float64 (exact) with their half_value_exponent, n of them. */
-static void halves_with_exponents(const half_bits *src, double *dst, int64_t *dst_e, int64_t n) {
-    for (int64_t e = 0; e < n; ++e) {
-        dst[e] = half_to_double(src[e]);
-        dst_e[e] = half_value_exponent(dst[e]);
-    }
-}
-
 static void halves_to_doubles(const half_bits *src, double *dst, int64_t n) {
     int64_t e = 0;
 #ifdef MPTEX_AVX512
@@ -173,6 +165,12 @@ static void halves_to_doubles(const half_bits *src, double *dst, int64_t n) {
                                       _mm_loadu_si128((const __m128i *)(src + e)))));
 #endif
     for (; e < n; ++e) dst[e] = half_to_double(src[e]);
+}
+
+/* halves_to_doubles, and each value's half_value_exponent. */
+static void halves_with_exponents(const half_bits *src, double *dst, int64_t *dst_e, int64_t n) {
+    halves_to_doubles(src, dst, n);
+    for (int64_t e = 0; e < n; ++e) dst_e[e] = half_value_exponent(dst[e]);
 }
 
 #ifdef MPTEX_AVX512

@@ -114,3 +114,18 @@ def default_and_scalar_kernels(build: str, module, monkeypatch, pytest):
         pytest.skip("the C kernel does not build here (no C compiler)")
     native_or_eager(build, module, monkeypatch, pytest)
     return default, module.native_kernels()
+
+
+def edge_values(shape, gen, binades, dtype, specials):
+    """Values of ``dtype`` for a kernel's every class of input: magnitudes in [0.5, 1.5) x 2^e
+    for e in ``range(*binades)`` (subnormals below the dtype's normal range), random signs,
+    then ``specials``, ``(value, fraction)`` pairs such as signed zeros, values whose sums
+    overflow, inf and NaN, each put at that fraction of the positions (disjoint)."""
+    magnitude = torch.exp2(torch.randint(*binades, shape, generator=gen).double())
+    values = (magnitude * (torch.rand(shape, generator=gen, dtype=torch.float64) + 0.5)).to(dtype)
+    values = torch.where(torch.rand(shape, generator=gen) < 0.5, values, -values)
+    pick, start = torch.rand(shape, generator=gen), 0.0
+    for value, fraction in specials:
+        values[(pick >= start) & (pick < start + fraction)] = value
+        start += fraction
+    return values

@@ -69,20 +69,13 @@ def test_twin_bits_do_not_depend_on_the_thread_count(name, loops):
 
 
 def _edge_halves(shape, gen, wild):
-    """Half values over a range of binades (2^-24 to 2^4), subnormals and signed zeros; ``wild``
-    adds the largest finite values (whose sums overflow the half accumulator to inf), inf and
-    NaN."""
-    magnitude = torch.exp2(torch.randint(-24, 5, shape, generator=gen).double())
-    values = (magnitude * (torch.rand(shape, generator=gen, dtype=torch.float64) + 0.5)).half()
-    values = torch.where(torch.rand(shape, generator=gen) < 0.5, values, -values)
-    pick = torch.rand(shape, generator=gen)
-    values[pick < 0.08] = 0.0
-    values[(pick >= 0.08) & (pick < 0.1)] = -0.0
+    """Half values over the binades 2^-24 to 2^4 (subnormals included) and signed zeros;
+    ``wild`` adds the largest finite values (whose sums overflow the half accumulator to inf),
+    inf and NaN."""
+    specials = [(0.0, 0.08), (-0.0, 0.02)]
     if wild:
-        values[(pick >= 0.1) & (pick < 0.11)] = 65504.0
-        values[(pick >= 0.11) & (pick < 0.111)] = float("inf")
-        values[(pick >= 0.111) & (pick < 0.112)] = float("nan")
-    return values
+        specials += [(65504.0, 0.01), (float("inf"), 0.001), (float("nan"), 0.001)]
+    return golden_io.edge_values(shape, gen, (-24, 5), torch.float16, specials)
 
 
 @pytest.mark.parametrize("build", ["portable", "avx2"])

@@ -77,15 +77,11 @@ def test_the_kernels_vector_half_sums_equal_the_scalar_ones(build, monkeypatch):
     geometry = grid_geometry(3, 6, 2, 12, 4, 1.6)
     gen = torch.Generator().manual_seed(0)
     for n_points, wild in [(1003, False), (517, True), (7, False)]:
-        magnitude = torch.exp2(torch.randint(-30, 10, (geometry.n_params,), generator=gen).float())
-        params = magnitude * (torch.rand(geometry.n_params, generator=gen) - 0.5)
-        pick = torch.rand(geometry.n_params, generator=gen)
-        params[pick < 0.05] = 0.0
-        params[(pick >= 0.05) & (pick < 0.07)] = -0.0
+        specials = [(0.0, 0.05), (-0.0, 0.02)]
         if wild:
-            params[(pick >= 0.07) & (pick < 0.1)] = 60000.0
-            params[(pick >= 0.1) & (pick < 0.105)] = float("inf")
-            params[(pick >= 0.105) & (pick < 0.11)] = float("nan")
+            specials += [(60000.0, 0.03), (float("inf"), 0.005), (float("nan"), 0.005)]
+        params = golden_io.edge_values((geometry.n_params,), gen, (-30, 10), torch.float32,
+                                       specials)  # fmt: skip
         x = torch.rand(n_points, 3, generator=gen)
         want = _native_cpu.grid_forward_native(scalar, geometry, x, params, True)
         got = _native_cpu.grid_forward_native(default, geometry, x, params, True)

@@ -3,6 +3,7 @@
     python benchmarks/loop_overhead.py                      # the main arms, table + JSON
     python benchmarks/loop_overhead.py --arms f32 fp8 --json out.json
     python benchmarks/loop_overhead.py --compare before.json after.json
+    python benchmarks/loop_overhead.py --host-ms --arms f32 fp8 fp8_rowwise
 
 A GPU iteration of a small texture is bound by kernel launches and by the host waiting for the
 device, not by arithmetic (an H100 profile of nvdiffrec's texture at 512^2: 266 kernel launches
@@ -43,6 +44,14 @@ What counts:
   (torch keeps them on the host unless ``fused``/``capturable``), found by identity, and the
   host scalars torch's optimizers make for them.
 
+``--host-ms`` measures what the counts stand for: the host's time per iteration when the
+kernels cost next to nothing (the built-in scene at 8 x 8 pixels, batch 4, ``texture=tiny``,
+one thread, 200 iterations per run, ``--host-runs`` runs per arm taken in turn), i.e. Python,
+the dispatcher, autograd and the kernels' launch overhead. A GPU iteration takes at least that
+long on a host of the same speed, whatever its kernels cost. Per arm: the median of the runs'
+median iteration times, their range and the ratio to ``f32``'s (same machine, same process,
+runs interleaved).
+
 The table: per arm, ops/iter and syncs/iter, the split of syncs by kind, ops and syncs per
 validation, and the three Python frames (innermost first, mptex's own code) of the most
 frequent sync sites. ``--json`` writes
@@ -53,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -186,6 +196,34 @@ def count_arm(arm: str, start: int, stop: int, resolution: int, overrides: list[
     }
 
 
+def host_ms(arms: list[str], runs: int, iterations: int = 200) -> list[dict]:
+    """Per arm, each run's median iteration time in ms at a negligible size (module docstring),
+    the runs taken in turn over the arms."""
+    from mptex.train import loop
+
+    overrides = [f"train.val_interval={iterations}", "train.checkpoint_interval=0",
+                 "train.n_val_images=0"]  # fmt: skip
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
+    for _ in range(runs):
+        for arm in arms:
+            cfg = run_config(arm, 8, iterations, overrides, texture="tiny")
+            with tempfile.TemporaryDirectory() as tmp:
+                times[arm].append(loop.train(cfg, tmp)["time_per_iter_s"] * 1e3)
+    return [{"arm": arm, "host_ms_runs": ms} for arm, ms in times.items()]
+
+
+def print_host_ms(results: list[dict]) -> None:
+    f32 = next((statistics.median(r["host_ms_runs"]) for r in results if r["arm"] == "f32"), None)
+    rows = []
+    for r in results:
+        ms = r["host_ms_runs"]
+        median = statistics.median(ms)
+        rows.append([r["arm"], f"{median:.2f}", f"{min(ms):.2f}-{max(ms):.2f}", str(len(ms)),
+                     f"{median / f32:.2f}" if f32 else "–"])  # fmt: skip
+    print_table(["arm", "host ms / iter (median of runs)", "range over runs", "runs", "x f32"],
+                rows)  # fmt: skip
+
+
 def print_results(results: list[dict], top_sites: int) -> None:
     rows = []
     for r in results:
@@ -236,12 +274,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top-sites", type=int, default=6)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     parser.add_argument("--compare", type=Path, nargs=2, metavar=("BEFORE", "AFTER"))
+    parser.add_argument(
+        "--host-ms",
+        action="store_true",
+        help="time the host's work per iteration at a negligible size instead",
+    )
+    parser.add_argument("--host-runs", type=int, default=3)
     parser.add_argument("overrides", nargs="*", help="more Hydra overrides, after --")
     args = parser.parse_args(argv)
     if args.compare:
         compare(*args.compare)
         return
     torch.set_num_threads(1)
+    if args.host_ms:
+        if args.host_runs < 1:
+            parser.error(f"--host-runs: expected at least 1, got {args.host_runs}")
+        results = host_ms(args.arms, args.host_runs)
+        print(f"builtin scene 8x8, batch 4, texture=tiny, 200 iterations per run; "
+              f"{machine('cpu')}\n")  # fmt: skip
+        print_host_ms(results)
+        if args.json is not None:
+            args.json.write_text(json.dumps({"machine": machine("cpu"), "results": results},
+                                            indent=1) + "\n")  # fmt: skip
+        return
     results = []
     for arm in args.arms:
         results.append(count_arm(arm, args.start, args.stop, args.resolution, args.overrides,

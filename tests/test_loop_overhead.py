@@ -156,6 +156,13 @@ def test_a_non_finite_loss_alone_skips_without_loss_scaling():
     assert all(torch.equal(a, b) for a, b in zip(before, _state(params, optimizer), strict=True))
 
 
+def _loop_overhead(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "loop_overhead.py"), *args],
+        capture_output=True, text=True, env={**os.environ, "OMP_WAIT_POLICY": "passive"},
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("arm", ["f32", "tcnn_fused"])
 def test_the_loop_reads_the_host_once_per_iteration(tmp_path, arm):
     # benchmarks/loop_overhead.py's count on a small run: one host read per iteration (the
@@ -163,18 +170,34 @@ def test_the_loop_reads_the_host_once_per_iteration(tmp_path, arm):
     # fused network's twin its own statistics too). Reading the loss apart again (float(loss))
     # makes it 2.
     out = tmp_path / "overhead.json"
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "loop_overhead.py"), "--arms", arm,
-         "--start", "2", "--stop", "8", "--resolution", "24", "--texture", "tiny",
-         "--json", str(out), "--", "scene.n_train_views=4", "scene.n_val_views=1",
-         "train.stats_interval=3"],
-        capture_output=True, text=True, env={**os.environ, "OMP_WAIT_POLICY": "passive"},
-    )  # fmt: skip
+    run = _loop_overhead("--arms", arm, "--start", "2", "--stop", "8", "--resolution", "24",
+                         "--texture", "tiny", "--json", str(out), "--", "scene.n_train_views=4",
+                         "scene.n_val_views=1", "train.stats_interval=3")  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     (result,) = json.loads(out.read_text())["results"]
     assert result["status"] == "completed"
     assert result["syncs_per_iter"] == 1.0, result["sync_sites"]
     assert result["syncs_by_kind"] == {"copy to host (tolist)": 1.0}
+
+
+def test_host_time_is_each_runs_median_per_arm(tmp_path):
+    # --host-ms: per arm, one median iteration time per run, the runs taken in turn; the table
+    # gives each arm's ratio to f32.
+    out = tmp_path / "host.json"
+    run = _loop_overhead("--host-ms", "--arms", "f32", "fp8", "--host-runs", "2",
+                         "--json", str(out))  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert [r["arm"] for r in results] == ["f32", "fp8"]
+    for r in results:
+        assert len(r["host_ms_runs"]) == 2 and all(0 < t < 1000 for t in r["host_ms_runs"]), r
+    assert "x f32" in run.stdout and "| fp8 " in run.stdout
+
+
+def test_host_time_refuses_no_runs():
+    run = _loop_overhead("--host-ms", "--arms", "f32", "--host-runs", "0")
+    assert run.returncode == 2
+    assert "--host-runs: expected at least 1, got 0" in run.stderr
 
 
 def test_the_counter_sees_reads_and_data_sized_ops():

@@ -224,6 +224,24 @@ def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     return q.float() * scale_inv
 
 
+def _keep(x: torch.Tensor, q_dtype, outputs, derived: dict) -> tuple:
+    """What :func:`_same_tensor` compares, with a call's outputs."""
+    return (x, x._version, x.data_ptr(), q_dtype, outputs, derived)
+
+
+def _same_tensor(kept: tuple | None, x: torch.Tensor, q_dtype) -> dict | None:
+    """The kept call's ``{"outputs", "derived"}`` if it was on ``x`` itself (the same object,
+    storage and version counter: not modified in place or given new data since) with the same
+    ``q_dtype``, else None."""
+    if kept is None:
+        return None
+    tensor, version, pointer, kept_q_dtype, outputs, derived = kept
+    if (tensor is not x or version != x._version or pointer != x.data_ptr()
+            or kept_q_dtype != q_dtype):  # fmt: skip
+        return None
+    return {"outputs": outputs, "derived": derived}
+
+
 class _Count:
     """A float32 count of :class:`ScalingState` that includes the calls still waiting to be
     counted (``_pending``): reading or setting it counts them first."""
@@ -263,6 +281,14 @@ class ScalingState:
             :func:`rowwise_spread` (row scales' spread in binades, underflow with one scale).
         collect: compute ``last_error`` on recorded calls (a few extra reductions; the
             precision monitor sets it on its sampled iterations).
+        reuse: for a weight's state (:class:`~mptex.mlp.FP8Linear` sets it): under the
+            ``current`` and ``rowwise`` recipes, whose quantisation is a function of the tensor
+            alone, a recorded call on the very tensor of the previous recorded call, unchanged
+            since (same object, same version counter), returns that call's outputs and records
+            them again instead of quantising again: the texture's two training forwards per
+            iteration quantise each weight once. Counts and statistics are those of two calls.
+            :meth:`end_reuse` (each backward through the layer) ends it; the ``delayed`` recipe,
+            whose scale moves with every call, never reuses.
     """
 
     def __init__(self, dtype: torch.dtype, recipe: ScalingRecipe, device: torch.device | None):
@@ -280,6 +306,11 @@ class ScalingState:
         self.last_error = torch.zeros(2, **zeros)
         self.last_rowwise = torch.zeros(2, **zeros)
         self.collect = False
+        self.reuse = False
+        # (tensor, its version, q_dtype, the op's outputs, what recording derived from them)
+        self._reused: tuple | None = None
+        # The same for the column-wise copy of a row-wise weight (the backward's dX GEMM).
+        self._reused_columns: tuple | None = None
 
     # (A state dict without last_rowwise, saved before it existed, loads: missing names keep
     # their initial values.)
@@ -317,27 +348,65 @@ class ScalingState:
         recipe = self.recipe
         code = RECIPE_CODES[recipe.recipe]
         delayed_record = record and code == 0
-        q, scale_inv, amax, used, scale, history = fp8_quantize(
-            x, self.scale, self.history, int(self.dtype == E5M2), code, recipe.margin,
-            recipe.amax_compute_algo == "most_recent", delayed_record, q_dtype or self.dtype,
-        )  # fmt: skip
+        reusable = self.reuse and record and code != 0
+        memo = _same_tensor(self._reused, x, q_dtype) if reusable else None
+        if memo is None:
+            outputs = fp8_quantize(
+                x, self.scale, self.history, int(self.dtype == E5M2), code, recipe.margin,
+                recipe.amax_compute_algo == "most_recent", delayed_record, q_dtype or self.dtype,
+            )  # fmt: skip
+            memo = {}
+            if reusable:
+                self._reused = _keep(x, q_dtype, outputs, memo)
+                self._reused_columns = None  # a new training forward: the weight may have moved
+        else:
+            outputs = memo["outputs"]
+            memo = memo["derived"]
+        q, scale_inv, amax, used, scale, history = outputs
         if not record:
             return q, scale_inv, used
         if code == 2:
             # The statistics are per tensor: the largest row amax and the smallest row scale
             # (a row's scale differs from its recipe's only where its amax is inf).
-            self._record(amax.amax(), scale.amin(), used.amin())
+            if "reduced" not in memo:
+                memo["reduced"] = (amax.amax(), scale.amin(), used.amin())
+            self._record(*memo["reduced"])
             if self.collect:
-                x = x.detach()
-                self.last_error = quantization_error(x, dequantize_fp8(q, scale_inv))
-                self.last_rowwise = rowwise_spread(x, used, amax, self.dtype)
+                if "collected" not in memo:
+                    x = x.detach()
+                    memo["collected"] = (quantization_error(x, dequantize_fp8(q, scale_inv)),
+                                         rowwise_spread(x, used, amax, self.dtype))  # fmt: skip
+                self.last_error, self.last_rowwise = memo["collected"]
             return q, scale_inv, used
         self._record(amax, self.scale if code == 0 else used, used)
         if delayed_record:
             self.scale, self.history = scale, history
         if self.collect:
-            self.last_error = quantization_error(x, dequantize_fp8(q, scale_inv))
+            if "collected" not in memo:
+                memo["collected"] = quantization_error(x, dequantize_fp8(q, scale_inv))
+            self.last_error = memo["collected"]
         return q, scale_inv, used
+
+    def quantize_columns(
+        self, weight: torch.Tensor, q_dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q, scale_inv)`` of ``weight.t()`` quantised row-wise in E4M3 (one scale per input
+        channel: the ``dX = dY W`` GEMM's ``b``), nothing recorded; with :attr:`reuse`, the
+        previous call's outputs for the same unchanged tensor until :meth:`end_reuse`."""
+        memo = _same_tensor(self._reused_columns, weight, q_dtype) if self.reuse else None
+        if memo is not None:
+            return memo["outputs"]
+        outputs = _rowwise_operand(weight.t(), E4M3, self.recipe.margin, q_dtype or E4M3)
+        if self.reuse:
+            self._reused_columns = _keep(weight, q_dtype, outputs, {})
+        return outputs
+
+    def end_reuse(self) -> None:
+        """Forget the forward's outputs kept for :attr:`reuse`; each backward through the layer
+        calls it, as the next training forward comes after an optimizer step. (The column-wise
+        copy stays for the other backward calls of the same pass, until a training forward
+        quantises again.)"""
+        self._reused = None
 
     @torch.no_grad()
     def _record(self, amax: torch.Tensor, scale: torch.Tensor, used: torch.Tensor) -> None:
@@ -352,6 +421,7 @@ class ScalingState:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self._count_pending()
+        self._reused = self._reused_columns = None
         for name in self._TENSORS:
             if name in state:
                 old = getattr(self, name)
@@ -365,6 +435,7 @@ class ScalingState:
 
     def to(self, device: torch.device) -> ScalingState:
         self._count_pending()
+        self._reused = self._reused_columns = None
         for name in self._TENSORS:
             setattr(self, name, getattr(self, name).to(device))
         return self
@@ -542,7 +613,8 @@ class _FP8RowwiseLinear(torch.autograd.Function):
         if bias is not None:
             out = out + bias.float()
         ctx.save_for_backward(x2.detach(), weight.detach())
-        ctx.grad_state, ctx.backend, ctx.shape = grad_state, backend, shape
+        ctx.grad_state, ctx.w_state, ctx.backend, ctx.shape = grad_state, w_state, backend, shape
+        ctx.w_weight = weight  # the parameter itself: quantize_columns knows it by identity
         ctx.margin, ctx.emulated = x_state.recipe.margin, emulated
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out.reshape(*shape[:-1], out.shape[-1])
@@ -554,11 +626,12 @@ class _FP8RowwiseLinear(torch.autograd.Function):
         grad2 = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
         emulated, margin = ctx.emulated, ctx.margin
+        ctx.w_state.end_reuse()
         wide = torch.float64 if emulated else None
         if ctx.needs_input_grad[0]:
             # dX = dY W reduces over the output channels: dY per sample, W per input channel.
             g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True, wide)
-            w_q, w_inv = _rowwise_operand(weight.t(), E4M3, margin, wide or E4M3)
+            w_q, w_inv = ctx.w_state.quantize_columns(ctx.w_weight, wide)
             grad_x = _rowwise_gemm(g_q, w_q.t(), g_inv, w_inv.t(), ctx.backend, emulated)
             grad_x = grad_x.to(x_dtype).reshape(ctx.shape)
         if ctx.needs_input_grad[1]:
@@ -598,7 +671,7 @@ class _FP8Linear(torch.autograd.Function):
         if bias is not None:
             out = out + bias.float()
         ctx.save_for_backward(x_q, w_q, x_inv, w_inv)
-        ctx.grad_state, ctx.backend, ctx.shape = grad_state, backend, shape
+        ctx.grad_state, ctx.w_state, ctx.backend, ctx.shape = grad_state, w_state, backend, shape
         ctx.emulated = emulated
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out.reshape(*shape[:-1], out.shape[-1])
@@ -607,6 +680,7 @@ class _FP8Linear(torch.autograd.Function):
     def backward(ctx, grad_out):
         x_q, w_q, x_inv, w_inv = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
+        ctx.w_state.end_reuse()
         grad2 = grad_out.reshape(-1, grad_out.shape[-1])
         q_dtype = torch.float32 if ctx.emulated else None
         g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True, q_dtype)

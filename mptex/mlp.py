@@ -180,6 +180,8 @@ class FP8Linear(CastLinear):
             role: ScalingState(E5M2 if role == "grad" else E4M3, self.recipe, device)
             for role in self.ROLES
         }
+        # The weight does not change between the training forwards of one iteration.
+        self.scaling["weight"].reuse = True
 
     @property
     def collect_stats(self) -> bool:

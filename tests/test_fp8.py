@@ -506,3 +506,86 @@ def test_the_gpu_kits_rowwise_comparison_runs_here():
     ]  # fmt: skip
     assert all(r["ok"] and r["emulated_err"] <= r["emulated_bound"] for r in rows), rows
     assert all(r["scaled_mm_err"] is None and r["bit_equal_frac"] is None for r in rows)
+
+
+def _quantize_calls(monkeypatch) -> list:
+    """Counts the quantisation op's calls made through mptex.fp8."""
+    import mptex.fp8 as fp8_module
+
+    calls, original = [], fp8_module.fp8_quantize
+
+    def counted(*args):
+        calls.append(args[4])  # the recipe code
+        return original(*args)
+
+    monkeypatch.setattr(fp8_module, "fp8_quantize", counted)
+    return calls
+
+
+@pytest.mark.parametrize("recipe", ["current", "rowwise"])
+def test_a_weights_state_reuses_its_quantisation_until_the_weight_changes(monkeypatch, recipe):
+    calls = _quantize_calls(monkeypatch)
+    w = torch.nn.Parameter(_rows(8, 32, 3))
+    state = ScalingState(E4M3, ScalingRecipe(recipe), None)
+    state.reuse = True
+    first = state.quantize(w, True)
+    again = state.quantize(w, True)
+    assert len(calls) == 1 and all(a is b for a, b in zip(first, again, strict=True))
+    assert state.calls.item() == 2  # counted as two calls, as without reuse
+    state.quantize(w, False)  # a forward without autograd neither uses nor keeps it
+    assert len(calls) == 2
+    for change in (
+        lambda: w.data.mul_(1.0),  # no version bump, but end_reuse (each backward) ends it
+        lambda: None,
+    ):
+        state.end_reuse()
+        change()
+        state.quantize(w, True)
+    assert len(calls) == 4
+    with torch.no_grad():
+        w.add_(1.0)  # in place: a new version
+    moved = state.quantize(w, True)
+    assert len(calls) == 5 and not torch.equal(moved[0].float(), first[0].float())
+    w.data = w.data.clone()  # new storage, same object and version
+    state.quantize(w, True)
+    state.quantize(w.detach(), True)  # another object
+    assert len(calls) == 7
+
+
+def test_the_delayed_recipe_never_reuses(monkeypatch):
+    calls = _quantize_calls(monkeypatch)
+    w = _rows(8, 32, 4)
+    state = ScalingState(E4M3, ScalingRecipe("delayed"), None)
+    state.reuse = True
+    state.quantize(w, True)
+    state.quantize(w, True)  # its scale moved with the first call's amax
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("recipe", ["current", "rowwise"])
+def test_fp8_layers_two_forwards_one_backward_same_bits_with_and_without_reuse(recipe):
+    # The training loop's pattern: two forwards (render, smoothness term), one backward.
+    torch.manual_seed(0)
+    layers = [FP8Linear(32, 8, recipe=ScalingRecipe(recipe), gemm_backend="emulated")
+              for _ in range(2)]  # fmt: skip
+    layers[1].load_state_dict(layers[0].state_dict())
+    layers[1].scaling["weight"].reuse = False
+    for layer in layers:
+        for state in layer.scaling.values():
+            state.collect = True
+    x1, x2 = _rows(19, 32, 5), _rows(23, 32, 6)
+    results = []
+    for layer in layers:
+        loss = (layer(x1) * _rows(19, 8, 7) * 1e-3).sum() + (layer(x2) ** 2).sum()
+        loss.backward()
+        stats = {role: {k: v.clone() for k, v in layer.scaling[role].state_dict().items()}
+                 for role in layer.ROLES}  # fmt: skip
+        results.append((layer.weight.grad.clone(), layer.bias.grad.clone(), stats))
+    (gw0, gb0, s0), (gw1, gb1, s1) = results
+    assert torch.equal(gw0, gw1) and torch.equal(gb0, gb1)
+    for role in FP8Linear.ROLES:
+        for name, value in s0[role].items():
+            assert torch.equal(value, s1[role][name]) or (
+                value.isnan().all() and s1[role][name].isnan().all()
+            ), (role, name)
+    assert s0["weight"]["calls"].item() == 2

@@ -73,9 +73,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
 from mptex._native_cpu import half_matmul_native, native_kernels, weight_grads_native
+from mptex._profiler_scope import profiler_scope
 
 __all__ = [
     "FusedMLPSpec",
@@ -615,13 +615,13 @@ class _FusedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x32, params_half, spec):
-        with record_function("mptex.mlp.forward"):
+        with profiler_scope("mptex.mlp.forward"):
             return _FusedMLPFunction._forward(ctx, x32, params_half, spec)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
-        with record_function("mptex.mlp.backward"):
+        with profiler_scope("mptex.mlp.backward"):
             return _FusedMLPFunction._backward(ctx, grad_output)
 
     @staticmethod

@@ -55,7 +55,6 @@ from fractions import Fraction
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
 from mptex._native_cpu import (
     grid_backward_native,
@@ -64,6 +63,7 @@ from mptex._native_cpu import (
     grid_supported,
     native_kernels,
 )
+from mptex._profiler_scope import profiler_scope
 
 __all__ = ["EXP2_MODES", "H100_EX2_TABLE", "GridGeometry", "grid_geometry", "hash_grid_encode"]
 
@@ -587,12 +587,12 @@ class _HashGridFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, params, geometry: GridGeometry, out_dtype: torch.dtype):
-        with record_function("mptex.grid.forward"):
+        with profiler_scope("mptex.grid.forward"):
             return _HashGridFunction._forward(ctx, x, params, geometry, out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        with record_function("mptex.grid.backward"):
+        with profiler_scope("mptex.grid.backward"):
             return _HashGridFunction._backward(ctx, grad_out)
 
     @staticmethod

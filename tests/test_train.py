@@ -415,3 +415,19 @@ def test_run_peak_rss_sees_memory_held_during_the_run():
     rss.stop()
     block.close()
     assert rss.peak - before >= 60 * 2**20
+
+
+def test_profiler_scopes_are_entered_only_while_a_profiler_records(monkeypatch, tmp_path):
+    import mptex._profiler_scope as scopes
+
+    entered, real = [], scopes.record_function
+    monkeypatch.setattr(scopes, "record_function", lambda name: entered.append(name) or real(name))
+    cfg = tiny_cfg("train.iterations=3", "train.val_interval=3")
+    mtrain.train(cfg, tmp_path / "plain")
+    assert entered == []  # ~6.5 us each: not entered without a profiler
+    with torch.profiler.profile() as prof:
+        mtrain.train(cfg, tmp_path / "profiled")
+    names = {e.name for e in prof.events()}
+    for scope in ("mptex.views", "mptex.render", "mptex.loss", "mptex.backward", "mptex.optimizer",
+                  "mptex.validation"):  # fmt: skip
+        assert scope in names and scope in entered, scope

@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
+from mptex._profiler_scope import profiler_scope
 from mptex.config_schema import plain as plain_config
 from mptex.host import to_host
 from mptex.precision import PrecisionStepper, all_finite
@@ -592,8 +592,8 @@ def step(run: RunState, it: int) -> StepOutcome:
         run.monitor.start(it)  # arms the hooks on sampled iterations, before the forward
 
     # Scopes named mptex.* split a torch profile of the run by part
-    # (benchmarks/cpu_speed.py profile); outside a profiler they cost microseconds.
-    with record_function("mptex.views"):
+    # (benchmarks/cpu_speed.py profile); outside a profiler they are not entered.
+    with profiler_scope("mptex.views"):
         views = run.scene.training_batch(settings["batch_size"], run.generators["views"],
                                          normals=settings["shading"] != "kd")  # fmt: skip
         shape = views.coverage.shape[:-1] + (3,)
@@ -601,10 +601,10 @@ def step(run: RunState, it: int) -> StepOutcome:
         ref_alpha = views.rgba[..., 3:4]
         ref = composite(views.rgba[..., 0:3], ref_alpha, background)
     use_reg = settings["kd_smooth"] and settings["kd_smooth_weight"] > 0
-    with record_function("mptex.render"):
+    with profiler_scope("mptex.render"):
         pred, kd_grad = render_batch(texture, views, settings, background, run.light_dir,
                                      run.jitter if use_reg else None)  # fmt: skip
-    with record_function("mptex.loss"):
+    with profiler_scope("mptex.loss"):
         # nvdiffrec: alpha MSE + color loss on RGB masked by the reference alpha. The
         # predicted alpha is the fixed mesh's coverage: the alpha term has no texture gradient.
         pred_alpha = views.coverage.to(pred.dtype)
@@ -619,13 +619,13 @@ def step(run: RunState, it: int) -> StepOutcome:
     if settings["inject_signal_at"] == it:  # test hook: a stop signal mid-iteration
         send_signal(settings["inject_signal"])
 
-    with record_function("mptex.backward"):
+    with profiler_scope("mptex.backward"):
         run.stepper.backward(loss)
-    with record_function("mptex.optimizer"):
+    with profiler_scope("mptex.optimizer"):
         # The finite check, the scale update and (on CUDA, fused Adam) the skip run on the
         # device; a non-finite loss in an arm without loss scaling skips the step there too.
         pending = run.stepper.step_async(loss)
-    with record_function("mptex.stats"):
+    with profiler_scope("mptex.stats"):
         monitored = run.monitor.pending() if run.monitor is not None else None
         # The iteration's one host read: loss, the step's flags and, on sampled iterations,
         # the statistics, in one copy (docs/training.md, "Host synchronisation").
@@ -641,7 +641,7 @@ def step(run: RunState, it: int) -> StepOutcome:
     if not math.isfinite(loss_value) and run.stepper.scaler is None:
         # Skipped: the weights and Adam's state are those after iteration it - 1.
         return StepOutcome(loss_value, lr, diverged=True)
-    with record_function("mptex.optimizer"):
+    with profiler_scope("mptex.optimizer"):
         result = run.stepper.finish(pending, flags)
     stats = None if monitored is None else monitored[1](rest if monitored[0] is not None
                                                          else None, result)  # fmt: skip
@@ -667,7 +667,7 @@ def validate(run: RunState, completed: int) -> dict[str, Any]:
     """:func:`~mptex.train.validation.evaluate` on the validation views after ``completed``
     iterations, logged to TensorBoard when it is on; returns the evaluation."""
     tick = time.perf_counter()
-    with record_function("mptex.validation"):
+    with profiler_scope("mptex.validation"):
         evaluated = evaluate(run.texture, run.scene, run.settings, run.light_dir)
     # evaluate ends with host reads of the PSNR: the device has finished
     run.time_split["validation"] += time.perf_counter() - tick
@@ -685,7 +685,7 @@ def checkpoint(run: RunState, completed: int) -> bool:
     if not all_finite(list(run.texture.parameters())):
         run.time_split["checkpoints"] += time.perf_counter() - tick
         return False
-    with record_function("mptex.checkpoint"):
+    with profiler_scope("mptex.checkpoint"):
         save_checkpoint(run.run_dir / CHECKPOINT_FILE, {
             "texture": run.texture.state_dict(),
             "optimizer": run.optimizer.state_dict(),
@@ -805,7 +805,7 @@ def finish(
         evaluation = evaluated
     else:
         tick = time.perf_counter()
-        with record_function("mptex.validation"):
+        with profiler_scope("mptex.validation"):
             evaluation = evaluate(run.texture, run.scene, settings, run.light_dir)
         run.time_split["validation"] += time.perf_counter() - tick
     if status == "completed" and not math.isfinite(evaluation["psnr"]):
@@ -813,7 +813,7 @@ def finish(
         # never a completed run.
         status, run.diverged_at = "diverged", completed
     if status == "completed" or (status != "interrupted" and math.isfinite(evaluation["psnr"])):
-        with record_function("mptex.images"):
+        with profiler_scope("mptex.images"):
             save_val_images(run.run_dir / "images", evaluation, settings["n_val_images"])
     if run.writer is not None:
         run.writer.close()

@@ -196,13 +196,13 @@ def count_arm(arm: str, start: int, stop: int, resolution: int, overrides: list[
     }
 
 
-def host_ms(arms: list[str], runs: int, iterations: int = 200) -> list[dict]:
+def host_ms(arms: list[str], runs: int, iterations: int = 200, overrides=()) -> list[dict]:
     """Per arm, each run's median iteration time in ms at a negligible size (module docstring),
-    the runs taken in turn over the arms."""
+    the runs taken in turn over the arms; ``overrides`` (e.g. ``train.device=cuda``) last."""
     from mptex.train import loop
 
     overrides = [f"train.val_interval={iterations}", "train.checkpoint_interval=0",
-                 "train.n_val_images=0"]  # fmt: skip
+                 "train.n_val_images=0", *overrides]  # fmt: skip
     times: dict[str, list[float]] = {arm: [] for arm in arms}
     for _ in range(runs):
         for arm in arms:

@@ -5,7 +5,8 @@
   kernel launches, stream synchronisations and device-to-host copies per iteration, the time
   of the loop's parts (the ``mptex.*`` scopes) and the top ops by device time; then the same
   arms under ``benchmarks/loop_overhead.py``'s counter on the device (ops and host
-  synchronisations per iteration, the sites of the syncs).
+  synchronisations per iteration, the sites of the syncs), and their host floor (its
+  ``--host-ms`` on the device: the iteration time where the kernels cost next to nothing).
 * ``mainjob`` (:func:`stage_mainjob`): ``mptex-train -m +experiment=gpu_main`` (the main arms
   x 5 seeds at nvdiffrec's scale, four runs sharing the GPU) as a user runs it, its wall time
   against the 10-minute target, each arm's median ms per iteration and PSNR from the sweep's
@@ -33,6 +34,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 PROFILE_ARMS = ("f32", "nvdiffrec", "f16_dynamic", "bf16_grid", "fp8", "fp8_current")
+# The host floor also times the row-wise FP8 arm, the most host-heavy one.
+HOST_FLOOR_EXTRA_ARMS = ("fp8_rowwise",)
 MAINJOB_TARGET_S = 600.0
 
 
@@ -104,6 +107,35 @@ def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
     }
 
 
+def _host_floor(ctx, loop_overhead) -> None:
+    """``loop_overhead.py --host-ms`` on the device: each arm's iteration time at 8 x 8 pixels
+    with a tiny texture, where the kernels cost next to nothing, i.e. the host's work per
+    iteration (launches included): the floor under the arms stage's times at nvdiffrec's
+    scale. An arm whose time there is near its floor here is bound by the host."""
+    if ctx.remaining() < 45:
+        ctx.result["data"]["host_floor"] = "not run: time box"
+        return
+    arms = [*PROFILE_ARMS, *(a for a in HOST_FLOOR_EXTRA_ARMS if a not in PROFILE_ARMS)]
+    iterations = 20 if ctx.small else 200
+    try:
+        results = loop_overhead.host_ms(arms, 1, iterations, [f"train.device={ctx.device}"])
+    except Exception as exc:  # a diagnostic: its failure is a note, not the stage's end
+        ctx.result["data"]["host_floor"] = f"failed: {type(exc).__name__}: {exc}".splitlines()[0]
+        return
+    ctx.result["data"]["host_floor"] = results
+    f32 = next((r["host_ms_runs"][0] for r in results if r["arm"] == "f32"), None)
+    ctx.table(
+        f"Host floor on {ctx.device}: ms per iteration at 8x8, batch 4, texture=tiny, "
+        f"{iterations} iterations",
+        ["arm", "ms / iter", "x f32"],
+        [[r["arm"], f"{r['host_ms_runs'][0]:.2f}",
+          f"{r['host_ms_runs'][0] / f32:.2f}" if f32 else "–"] for r in results],
+        "the loop's median iteration time where the kernels cost next to nothing: the host's "
+        "work per iteration (Python, dispatch, autograd, launches); compare with the arms "
+        "stage's times at nvdiffrec's scale",
+    )  # fmt: skip
+
+
 def stage_profile(ctx) -> None:
     """The loop's cost per arm on the device (module docstring)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
@@ -165,6 +197,7 @@ def stage_profile(ctx) -> None:
     ctx.result["data"]["loop_overhead"] = counted
     ctx.table(f"benchmarks/loop_overhead.py on {ctx.device}, iterations [{start}, {stop})",
               ["arm", "ops / iter", "host syncs / iter", "sync sites"], count_rows)  # fmt: skip
+    _host_floor(ctx, loop_overhead)
     f32 = next((r for r in counted if r["arm"] == "f32"), None)
     if f32 is not None and (f32["syncs_per_iter"] or 0.0) > 1.0:
         ctx.result.update(failed_what="loop target missed",

@@ -46,9 +46,9 @@ What counts:
 
 ``--host-ms`` measures what the counts stand for: the host's time per iteration when the
 kernels cost next to nothing (the built-in scene at 8 x 8 pixels, batch 4, ``texture=tiny``,
-one thread, 200 iterations per run, ``--host-runs`` runs per arm taken in turn), i.e. Python,
-the dispatcher, autograd and the kernels' launch overhead. A GPU iteration takes at least that
-long on a host of the same speed, whatever its kernels cost. Per arm: the median of the runs'
+one thread, 200 iterations per run, ``--host-runs`` runs per arm taken in turn; overrides
+after ``--`` apply), i.e. Python, the dispatcher, autograd and the kernels' launch overhead. A
+GPU iteration takes at least that long on a host of the same speed, whatever its kernels cost. Per arm: the median of the runs'
 median iteration times, their range and the ratio to ``f32``'s (same machine, same process,
 runs interleaved).
 
@@ -289,7 +289,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.host_ms:
         if args.host_runs < 1:
             parser.error(f"--host-runs: expected at least 1, got {args.host_runs}")
-        results = host_ms(args.arms, args.host_runs)
+        fixed = [f"--{name}" for name in ("start", "stop", "resolution", "texture")
+                 if getattr(args, name) != parser.get_default(name)]  # fmt: skip
+        if fixed:
+            parser.error(f"{', '.join(fixed)}: --host-ms times every iteration at 8 x 8 with "
+                         "texture=tiny; those options are the counts'")  # fmt: skip
+        results = host_ms(args.arms, args.host_runs, overrides=args.overrides)
         print(f"builtin scene 8x8, batch 4, texture=tiny, 200 iterations per run; "
               f"{machine('cpu')}\n")  # fmt: skip
         print_host_ms(results)

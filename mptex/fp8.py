@@ -224,22 +224,20 @@ def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     return q.float() * scale_inv
 
 
-def _keep(x: torch.Tensor, q_dtype, outputs, derived: dict) -> tuple:
-    """What :func:`_same_tensor` compares, with a call's outputs."""
-    return (x, x._version, x.data_ptr(), q_dtype, outputs, derived)
+class _Kept:
+    """A quantisation kept for :attr:`ScalingState.reuse`: the op's ``outputs`` for ``tensor``
+    and what recording derived from them (``derived``: the row-wise reductions, the collected
+    statistics), with what identifies the tensor's contents."""
 
+    def __init__(self, tensor: torch.Tensor, q_dtype, outputs: tuple, derived: dict) -> None:
+        self.tensor, self.q_dtype, self.outputs, self.derived = tensor, q_dtype, outputs, derived
+        self.version, self.pointer = tensor._version, tensor.data_ptr()
 
-def _same_tensor(kept: tuple | None, x: torch.Tensor, q_dtype) -> dict | None:
-    """The kept call's ``{"outputs", "derived"}`` if it was on ``x`` itself (the same object,
-    storage and version counter: not modified in place or given new data since) with the same
-    ``q_dtype``, else None."""
-    if kept is None:
-        return None
-    tensor, version, pointer, kept_q_dtype, outputs, derived = kept
-    if (tensor is not x or version != x._version or pointer != x.data_ptr()
-            or kept_q_dtype != q_dtype):  # fmt: skip
-        return None
-    return {"outputs": outputs, "derived": derived}
+    def serves(self, x: torch.Tensor, q_dtype) -> bool:
+        """Whether ``x`` is the kept tensor itself, unchanged (same object, storage and version
+        counter: not modified in place nor given new data since), quantised to ``q_dtype``."""
+        return (self.tensor is x and self.version == x._version
+                and self.pointer == x.data_ptr() and self.q_dtype == q_dtype)  # fmt: skip
 
 
 class _Count:
@@ -284,8 +282,8 @@ class ScalingState:
         reuse: for a weight's state (:class:`~mptex.mlp.FP8Linear` sets it): under the
             ``current`` and ``rowwise`` recipes, whose quantisation is a function of the tensor
             alone, a recorded call on the very tensor of the previous recorded call, unchanged
-            since (same object, same version counter), returns that call's outputs and records
-            them again instead of quantising again: the texture's two training forwards per
+            since (same object, storage and version counter), returns that call's outputs and
+            records them again instead of quantising again: the texture's two training forwards per
             iteration quantise each weight once. Counts and statistics are those of two calls.
             :meth:`end_reuse` (each backward through the layer) ends it; the ``delayed`` recipe,
             whose scale moves with every call, never reuses.
@@ -307,10 +305,9 @@ class ScalingState:
         self.last_rowwise = torch.zeros(2, **zeros)
         self.collect = False
         self.reuse = False
-        # (tensor, its version, q_dtype, the op's outputs, what recording derived from them)
-        self._reused: tuple | None = None
+        self._reused: _Kept | None = None
         # The same for the column-wise copy of a row-wise weight (the backward's dX GEMM).
-        self._reused_columns: tuple | None = None
+        self._reused_columns: _Kept | None = None
 
     # (A state dict without last_rowwise, saved before it existed, loads: missing names keep
     # their initial values.)
@@ -349,19 +346,18 @@ class ScalingState:
         code = RECIPE_CODES[recipe.recipe]
         delayed_record = record and code == 0
         reusable = self.reuse and record and code != 0
-        memo = _same_tensor(self._reused, x, q_dtype) if reusable else None
-        if memo is None:
+        kept = self._reused if reusable else None
+        if kept is not None and kept.serves(x, q_dtype):
+            outputs, memo = kept.outputs, kept.derived
+        else:
             outputs = fp8_quantize(
                 x, self.scale, self.history, int(self.dtype == E5M2), code, recipe.margin,
                 recipe.amax_compute_algo == "most_recent", delayed_record, q_dtype or self.dtype,
             )  # fmt: skip
-            memo = {}
+            memo = {}  # what recording derives from the outputs, kept with them when reusable
             if reusable:
-                self._reused = _keep(x, q_dtype, outputs, memo)
+                self._reused = _Kept(x, q_dtype, outputs, memo)
                 self._reused_columns = None  # a new training forward: the weight may have moved
-        else:
-            outputs = memo["outputs"]
-            memo = memo["derived"]
         q, scale_inv, amax, used, scale, history = outputs
         if not record:
             return q, scale_inv, used
@@ -393,12 +389,12 @@ class ScalingState:
         """``(q, scale_inv)`` of ``weight.t()`` quantised row-wise in E4M3 (one scale per input
         channel: the ``dX = dY W`` GEMM's ``b``), nothing recorded; with :attr:`reuse`, the
         previous call's outputs for the same unchanged tensor until :meth:`end_reuse`."""
-        memo = _same_tensor(self._reused_columns, weight, q_dtype) if self.reuse else None
-        if memo is not None:
-            return memo["outputs"]
+        kept = self._reused_columns
+        if self.reuse and kept is not None and kept.serves(weight, q_dtype):
+            return kept.outputs
         outputs = _rowwise_operand(weight.t(), E4M3, self.recipe.margin, q_dtype or E4M3)
         if self.reuse:
-            self._reused_columns = _keep(weight, q_dtype, outputs, {})
+            self._reused_columns = _Kept(weight, q_dtype, outputs, {})
         return outputs
 
     def end_reuse(self) -> None:

@@ -194,10 +194,17 @@ def test_host_time_is_each_runs_median_per_arm(tmp_path):
     assert "x f32" in run.stdout and "| fp8 " in run.stdout
 
 
-def test_host_time_refuses_no_runs():
-    run = _loop_overhead("--host-ms", "--arms", "f32", "--host-runs", "0")
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--host-runs", "0"], "--host-runs: expected at least 1, got 0"),
+        (["--resolution", "32"], "--resolution: --host-ms times every iteration at 8 x 8"),
+    ],
+)
+def test_host_time_refuses_what_it_cannot_honour(args, message):
+    run = _loop_overhead("--host-ms", "--arms", "f32", *args)
     assert run.returncode == 2
-    assert "--host-runs: expected at least 1, got 0" in run.stderr
+    assert message in run.stderr
 
 
 def test_the_counter_sees_reads_and_data_sized_ops():

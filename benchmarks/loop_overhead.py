@@ -4,6 +4,7 @@
     python benchmarks/loop_overhead.py --arms f32 fp8 --json out.json
     python benchmarks/loop_overhead.py --compare before.json after.json
     python benchmarks/loop_overhead.py --host-ms --arms f32 fp8 fp8_rowwise
+    python benchmarks/loop_overhead.py --arms fp8 fp8_rowwise --fp8-gemm scaled_mm
 
 A GPU iteration of a small texture is bound by kernel launches and by the host waiting for the
 device, not by arithmetic (an H100 profile of nvdiffrec's texture at 512^2: 266 kernel launches
@@ -48,9 +49,14 @@ What counts:
 kernels cost next to nothing (the built-in scene at 8 x 8 pixels, batch 4, ``texture=tiny``,
 one thread, 200 iterations per run, ``--host-runs`` runs per arm taken in turn; overrides
 after ``--`` apply), i.e. Python, the dispatcher, autograd and the kernels' launch overhead. A
-GPU iteration takes at least that long on a host of the same speed, whatever its kernels cost. Per arm: the median of the runs'
-median iteration times, their range and the ratio to ``f32``'s (same machine, same process,
-runs interleaved).
+GPU iteration takes at least that long on a host of the same speed, whatever its kernels cost.
+Per arm: the median of the runs' median iteration times, their range and the ratio to
+``f32``'s (same machine, same process, runs interleaved).
+
+``--fp8-gemm scaled_mm`` sends the FP8 arms' GEMMs through ``torch._scaled_mm`` (torch has a CPU
+kernel for it) as on a GPU with FP8 tensor cores, so that the counts include that path's
+padding and layout copies; this CPU kernel's own host time makes ``--host-ms`` under it no
+measure of a GPU's.
 
 The table: per arm, ops/iter and syncs/iter, the split of syncs by kind, ops and syncs per
 validation, and the three Python frames (innermost first, mptex's own code) of the most
@@ -262,6 +268,18 @@ def compare(before_path: Path, after_path: Path) -> None:
                  "syncs/iter after"], rows)  # fmt: skip
 
 
+def _route_fp8_gemms_through_scaled_mm() -> None:
+    """Make ``"auto"`` pick the ``scaled_mm`` GEMM backend on any device, for this process:
+    the ops the FP8 arms make on a GPU with FP8 tensor cores (its padding and layout copies),
+    counted here. The CPU's ``torch._scaled_mm`` kernel costs more host time than a GPU's
+    launch may, so ``--host-ms`` under this option is not a GPU's host time."""
+    import mptex.fp8
+
+    if not hasattr(torch, "_scaled_mm"):
+        raise SystemExit("--fp8-gemm scaled_mm: this torch has no torch._scaled_mm")
+    mptex.fp8.has_fp8_tensor_cores = lambda device, rowwise=False: True
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -280,12 +298,21 @@ def main(argv: list[str] | None = None) -> None:
         help="time the host's work per iteration at a negligible size instead",
     )
     parser.add_argument("--host-runs", type=int, default=3)
+    parser.add_argument(
+        "--fp8-gemm",
+        choices=("auto", "scaled_mm"),
+        default="auto",
+        help="scaled_mm: the FP8 arms' GEMMs through torch._scaled_mm, as on a GPU with FP8 "
+        "tensor cores (torch has a CPU kernel for it)",
+    )
     parser.add_argument("overrides", nargs="*", help="more Hydra overrides, after --")
     args = parser.parse_args(argv)
     if args.compare:
         compare(*args.compare)
         return
     torch.set_num_threads(1)
+    if args.fp8_gemm == "scaled_mm":
+        _route_fp8_gemms_through_scaled_mm()
     if args.host_ms:
         if args.host_runs < 1:
             parser.error(f"--host-runs: expected at least 1, got {args.host_runs}")
@@ -299,24 +326,25 @@ def main(argv: list[str] | None = None) -> None:
               f"{machine('cpu')}\n")  # fmt: skip
         print_host_ms(results)
         if args.json is not None:
-            args.json.write_text(json.dumps({"machine": machine("cpu"), "results": results},
-                                            indent=1) + "\n")  # fmt: skip
+            args.json.write_text(json.dumps({"machine": machine("cpu"), "fp8_gemm": args.fp8_gemm,
+                                             "results": results}, indent=1) + "\n")  # fmt: skip
         return
     results = []
     for arm in args.arms:
         results.append(count_arm(arm, args.start, args.stop, args.resolution, args.overrides,
                                  args.texture))  # fmt: skip
         if args.json is not None:  # after each arm: a long run keeps what it counted
-            args.json.write_text(json.dumps({"machine": machine("cpu"), "results": results},
-                                            indent=1) + "\n")  # fmt: skip
+            args.json.write_text(json.dumps({"machine": machine("cpu"), "fp8_gemm": args.fp8_gemm,
+                                             "results": results}, indent=1) + "\n")  # fmt: skip
     print(
         f"builtin scene {args.resolution}x{args.resolution}, batch 4, texture={args.texture}, "
-        f"iterations [{args.start}, {args.stop}); {machine('cpu')}\n"
+        f"iterations [{args.start}, {args.stop}), FP8 GEMMs {args.fp8_gemm}; {machine('cpu')}\n"
     )
     print_results(results, args.top_sites)
     if args.json is not None:
         payload = {"machine": machine("cpu"), "resolution": args.resolution,
-                   "overrides": args.overrides, "results": results}  # fmt: skip
+                   "fp8_gemm": args.fp8_gemm, "overrides": args.overrides,
+                   "results": results}  # fmt: skip
         args.json.write_text(json.dumps(payload, indent=1) + "\n")
 
 

@@ -16,6 +16,11 @@ Launches:
      computes the scale as the C code does and casts its blocks; program 0 also writes
      ``scale_inv``, ``amax``, ``used``, ``next_scale`` and (delayed, recording) the history;
 
+  a tensor of at most ``_ONE_PROGRAM_BLOCKS`` blocks (a layer's weight) is one launch of
+  ``_scale_cast_kernel`` with one program that takes the amax of its blocks itself
+  (``OWN_AMAX``) before the cast: on a GPU a launch costs the host more than reading a few
+  thousand values twice costs the device;
+
 * row-wise recipe (2): ``_rowwise_kernel``, one program per block of rows, each looping over
   the columns twice (amax, then cast), any strides of ``x`` and ``q`` (a transposed ``x``).
 
@@ -61,6 +66,7 @@ __all__ = ["fp8_quantize_triton", "INTERPRETED"]
 # partials stays a single masked load of at most _MAX_PROGRAMS values.
 _BLOCK = 1024
 _MAX_PROGRAMS = 512
+_ONE_PROGRAM_BLOCKS = 16
 _HISTORY_BLOCK = 1024
 # Row-wise tile: up to _ROW_TILE elements, _MAX_COLS columns at a time (rows are short, K = 32
 # to 128 typically; longer rows loop).
@@ -237,14 +243,25 @@ def _scale_cast_kernel(
     BLOCK: tl.constexpr,
     PARTIALS: tl.constexpr,
     HISTORY_BLOCK: tl.constexpr,
+    OWN_AMAX: tl.constexpr,
 ):
-    """The scale (every program, from the partials), the cast of this program's blocks, and
-    program 0's scalars and history: the C kernel's per-tensor arm."""
+    """The scale (every program, from the partials; with ``OWN_AMAX`` the one program's own
+    pass over all blocks), the cast of this program's blocks, and program 0's scalars and
+    history: the C kernel's per-tensor arm."""
     pid = tl.program_id(0)
     step = tl.num_programs(0)
-    idx = tl.arange(0, PARTIALS)
-    partials = tl.load(partial_ptr + idx, mask=idx < step, other=0)
-    amax = _amax_of(tl.max(partials, axis=0))
+    lanes = tl.arange(0, BLOCK)
+    if OWN_AMAX:
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for blk in range(0, n_blocks):
+            offs = blk * BLOCK + lanes
+            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+            acc = tl.maximum(acc, _abs_bits(x))
+        amax = _amax_of(tl.max(acc, axis=0))
+    else:
+        idx = tl.arange(0, PARTIALS)
+        partials = tl.load(partial_ptr + idx, mask=idx < step, other=0)
+        amax = _amax_of(tl.max(partials, axis=0))
     fmax = tl.full((), FMAX, tl.float32)
     inf = _f32(_F32_INF_BITS)
     unscaled = tl.math.div_rn(fmax, amax)
@@ -282,7 +299,6 @@ def _scale_cast_kernel(
         tl.store(amax_ptr, amax)
         tl.store(used_ptr, used)
         tl.store(next_scale_ptr, next_scale)
-    lanes = tl.arange(0, BLOCK)
     for blk in range(pid.to(tl.int64), n_blocks, step):
         offs = blk * BLOCK + lanes
         mask = offs < n
@@ -423,11 +439,14 @@ def fp8_quantize_triton(
         q, (scale_inv, amax, used, next_scale), next_history = outputs
         n = flat.numel()
         n_blocks = triton.cdiv(n, _BLOCK)
-        programs = max(min(n_blocks, _MAX_PROGRAMS), 1)
-        partials = torch.empty(programs, dtype=torch.int32, device=x.device)
-        _amax_partials_kernel[(programs,)](
-            flat, partials, n, n_blocks, BLOCK=_BLOCK, enable_fp_fusion=False
-        )
+        own_amax = n_blocks <= _ONE_PROGRAM_BLOCKS
+        programs = 1 if own_amax else min(n_blocks, _MAX_PROGRAMS)
+        partials = amax  # unread with own_amax
+        if not own_amax:
+            partials = torch.empty(programs, dtype=torch.int32, device=x.device)
+            _amax_partials_kernel[(programs,)](
+                flat, partials, n, n_blocks, BLOCK=_BLOCK, enable_fp_fusion=False
+            )
         delayed = recipe == 0
         scale = scale.detach().float().contiguous() if delayed else amax  # amax: unread
         history = history.detach().float().contiguous() if delayed and record else amax
@@ -452,6 +471,7 @@ def fp8_quantize_triton(
             BLOCK=_BLOCK,
             PARTIALS=_next_pow2(_MAX_PROGRAMS),
             HISTORY_BLOCK=_HISTORY_BLOCK,
+            OWN_AMAX=own_amax,
             enable_fp_fusion=False,
             **consts,
         )

@@ -118,7 +118,10 @@ __all__ = [
 RECIPES = ("delayed", "current", "rowwise")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 GEMM_BACKENDS = ("auto", "scaled_mm", "emulated")
-# torch._scaled_mm's cuBLASLt kernels want every matrix dimension a multiple of 16.
+# torch._scaled_mm's CUDA kernels take a row-major a [M, K] and a column-major b [K, N] with K
+# and N multiples of 16 (torch's _scaled_mm_out_cuda checks mat1.size(1) and both sizes of
+# mat2); a's rows need no padding: with K % 16 == 0 every row starts 16-byte aligned, and the
+# row-wise CUTLASS kernel pads its row scales itself.
 _SCALED_MM_ALIGN = 16
 # Recorded calls whose statistics (overflows, non-finite amaxes) wait to be counted: counted
 # together when read or when this many are waiting (one reduction instead of a few ops each).
@@ -437,35 +440,51 @@ class ScalingState:
         return self
 
 
-def has_fp8_tensor_cores(device: torch.device | str) -> bool:
+def has_fp8_tensor_cores(device: torch.device | str, rowwise: bool = False) -> bool:
     """Whether ``torch._scaled_mm`` runs FP8 on ``device``'s tensor cores: a CUDA device of
-    compute capability 8.9 or later (Ada, Hopper, Blackwell) and a torch that has it."""
+    compute capability 8.9 or later (Ada, Hopper, Blackwell) and a torch that has it.
+
+    With ``rowwise``, whether its row-wise path returns float32 there (what
+    :func:`scaled_mm_rowwise` asks for): torch sends row-wise scales to cuBLAS, which has a
+    float32 result, on compute capability 9.x with CUDA 12.9 or later, and elsewhere to a
+    CUTLASS kernel that returns bfloat16 only."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    capability = torch.cuda.get_device_capability(device)
+    if not rowwise:
+        return capability >= (8, 9)
+    cuda = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
+    return capability[0] == 9 and cuda >= (12, 9)
 
 
-def resolve_gemm_backend(backend: str, device: torch.device | str) -> str:
+def resolve_gemm_backend(backend: str, device: torch.device | str, rowwise: bool = False) -> str:
     """``"scaled_mm"`` or ``"emulated"`` for ``backend`` (``"auto"``: ``scaled_mm`` where
-    :func:`has_fp8_tensor_cores`). ``ValueError`` for an unknown name or ``scaled_mm``
-    where it cannot run."""
+    :func:`has_fp8_tensor_cores` for the GEMM's scaling, per tensor or ``rowwise``).
+    ``ValueError`` for an unknown name or ``scaled_mm`` where it cannot run."""
     if backend not in GEMM_BACKENDS:
         raise ValueError(f"backend: expected one of {GEMM_BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "scaled_mm" if has_fp8_tensor_cores(device) else "emulated"
-    if backend == "scaled_mm" and not has_fp8_tensor_cores(device):
+        return "scaled_mm" if has_fp8_tensor_cores(device, rowwise) else "emulated"
+    if backend == "scaled_mm" and not has_fp8_tensor_cores(device, rowwise):
+        needs = ("compute capability 9.x and CUDA 12.9 or later for the row-wise path's "
+                 "float32 result" if rowwise else "compute capability 8.9 or later")  # fmt: skip
         raise ValueError(
-            f"backend: 'scaled_mm' needs a CUDA device with FP8 tensor cores (compute "
-            f"capability 8.9 or later), got {device}"
+            f"backend: 'scaled_mm' needs a CUDA device with FP8 tensor cores ({needs}), "
+            f"got {device}"
         )
     return backend
 
 
-def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+def _gemm_operand(x: torch.Tensor, rows: int, cols: int, column_major: bool) -> torch.Tensor:
+    """``x`` zero-padded to ``[rows, cols]`` in the layout asked for: ``x`` itself where it is
+    that already, else one copy (into zeros where it is padded)."""
     if x.shape == (rows, cols):
-        return x
-    out = torch.zeros(rows, cols, dtype=x.dtype, device=x.device)
+        if column_major:
+            return x if x.t().is_contiguous() else x.t().contiguous().t()
+        return x.contiguous()
+    out = x.new_zeros((cols, rows) if column_major else (rows, cols))
+    out = out.t() if column_major else out
     out[: x.shape[0], : x.shape[1]] = x
     return out
 
@@ -487,8 +506,9 @@ def scaled_mm(
         a: ``[M, K]`` E4M3 or E5M2.
         b: ``[K, N]`` E4M3 or E5M2 (not both E5M2: the tensor cores have no E5M2 x E5M2).
         scale_inv_a, scale_inv_b: f32 scalars, what ``a`` and ``b`` are multiplied by.
-        backend: ``"auto"``, ``"scaled_mm"`` (``torch._scaled_mm``; operands padded with zeros
-            to multiples of 16 and laid out as cuBLASLt wants, ``b`` column-major) or
+        backend: ``"auto"``, ``"scaled_mm"`` (``torch._scaled_mm``; K and N padded with zeros
+            to multiples of 16 and the operands laid out as cuBLASLt wants, ``b`` column-major)
+            or
             ``"emulated"`` (the operands in f32, ``torch.mm``, the scales applied after).
 
     Returns:
@@ -513,17 +533,18 @@ def _emulated_mm(a, b, scale_inv_a, scale_inv_b) -> torch.Tensor:
 
 
 def _scaled_mm_padded(a, b, scale_inv_a, scale_inv_b) -> torch.Tensor:
-    """``torch._scaled_mm`` on any shapes: zero-padded to multiples of 16, ``b`` column-major,
-    the padding cut from the f32 result (zero rows and columns add nothing to the sums)."""
+    """``torch._scaled_mm`` on any shapes: ``a`` row-major and ``b`` column-major, K and N
+    zero-padded to multiples of 16 (zero products add nothing to the sums; the padded columns
+    are cut from the f32 result), each operand copied at most once."""
     (m, k), n = a.shape, b.shape[1]
-    mp, kp, np_ = _round_up(m), _round_up(k), _round_up(n)
-    a_pad = _pad_to(a, mp, kp).contiguous()
-    b_pad = _pad_to(b, kp, np_).t().contiguous().t()  # column-major
+    if m == 0:
+        return a.new_zeros(0, n, dtype=torch.float32)
+    kp, np_ = _round_up(k), _round_up(n)
     out = torch._scaled_mm(
-        a_pad, b_pad, scale_a=scale_inv_a.float(), scale_b=scale_inv_b.float(),
-        out_dtype=torch.float32,
+        _gemm_operand(a, m, kp, column_major=False), _gemm_operand(b, kp, np_, column_major=True),
+        scale_a=scale_inv_a.float(), scale_b=scale_inv_b.float(), out_dtype=torch.float32,
     )  # fmt: skip
-    return out[:m, :n]
+    return out if np_ == n else out[:, :n]
 
 
 def scaled_mm_rowwise(
@@ -542,7 +563,8 @@ def scaled_mm_rowwise(
         scale_a: ``[M, 1]`` f32, what row ``i`` of ``a`` is multiplied by.
         scale_b: ``[1, N]`` f32, what column ``j`` of ``b`` is multiplied by.
         backend: ``"auto"``, ``"scaled_mm"`` (``torch._scaled_mm``'s row-wise path, operands
-            padded with zeros and scales with ones to multiples of 16, ``b`` column-major) or
+            K and N padded with zeros and ``scale_b`` with ones to multiples of 16, ``b``
+            column-major) or
             ``"emulated"`` (the products summed in float64, rounded once to f32, then
             ``* scale_a[i]`` and ``* scale_b[j]`` in f32, in that order: the CUTLASS epilogue's).
 
@@ -564,7 +586,7 @@ def scaled_mm_rowwise(
             f"{list(scale_b.shape)}"
         )
     scale_a, scale_b = scale_a.float(), scale_b.float()
-    if resolve_gemm_backend(backend, a.device) == "emulated":
+    if resolve_gemm_backend(backend, a.device, rowwise=True) == "emulated":
         return _rowwise_emulated(a.double(), b.double(), scale_a, scale_b)
     return _scaled_mm_rowwise_padded(a, b, scale_a, scale_b)
 
@@ -578,17 +600,20 @@ def _rowwise_emulated(a, b, scale_a, scale_b) -> torch.Tensor:
 
 def _scaled_mm_rowwise_padded(a, b, scale_a, scale_b) -> torch.Tensor:
     """``torch._scaled_mm``'s row-wise path on any shapes (as :func:`_scaled_mm_padded`; the
-    padded rows and columns get the scale 1 and are cut from the f32 result)."""
+    padded columns get the scale 1 and are cut from the f32 result)."""
     (m, k), n = a.shape, b.shape[1]
-    mp, kp, np_ = _round_up(m), _round_up(k), _round_up(n)
-    a_pad = _pad_to(a, mp, kp).contiguous()
-    b_pad = _pad_to(b, kp, np_).t().contiguous().t()  # column-major
-    sa = torch.ones(mp, 1, dtype=torch.float32, device=a.device)
-    sb = torch.ones(1, np_, dtype=torch.float32, device=a.device)
-    sa[:m] = scale_a
-    sb[:, :n] = scale_b
-    out = torch._scaled_mm(a_pad, b_pad, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
-    return out[:m, :n]
+    if m == 0:
+        return a.new_zeros(0, n, dtype=torch.float32)
+    kp, np_ = _round_up(k), _round_up(n)
+    if np_ != n:
+        padded = torch.ones(1, np_, dtype=torch.float32, device=a.device)
+        padded[:, :n] = scale_b
+        scale_b = padded
+    out = torch._scaled_mm(
+        _gemm_operand(a, m, kp, column_major=False), _gemm_operand(b, kp, np_, column_major=True),
+        scale_a=scale_a.contiguous(), scale_b=scale_b.contiguous(), out_dtype=torch.float32,
+    )  # fmt: skip
+    return out if np_ == n else out[:, :n]
 
 
 class _FP8RowwiseLinear(torch.autograd.Function):
@@ -601,7 +626,7 @@ class _FP8RowwiseLinear(torch.autograd.Function):
         x_state, w_state, grad_state = states
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        emulated = resolve_gemm_backend(backend, x.device) == "emulated"
+        emulated = resolve_gemm_backend(backend, x.device, rowwise=True) == "emulated"
         q_dtype = torch.float64 if emulated else None
         x_q, x_inv, _ = x_state.quantize(x2, record, q_dtype)  # per sample
         w_q, w_inv, _ = w_state.quantize(weight, record, q_dtype)  # per output channel
@@ -686,7 +711,9 @@ class _FP8Linear(torch.autograd.Function):
             grad_x = gemm(g_q, w_q, g_inv, w_inv).to(x_dtype).reshape(ctx.shape)
         if ctx.needs_input_grad[1]:
             # The weight gradient's reduction runs over the batch: a [out, N] x [N, in] GEMM.
-            g_t = g_q.t().contiguous()
+            # scaled_mm lays out (and pads) the transposed operand in its one copy; the
+            # emulation's mm takes it contiguous.
+            g_t = g_q.t().contiguous() if ctx.emulated else g_q.t()
             grad_w = gemm(g_t, x_q, g_inv, x_inv).to(w_dtype)
         if ctx.needs_input_grad[2]:
             grad_b = grad2.float().sum(0).to(b_dtype)

@@ -9,7 +9,9 @@ decorates the kernels, so ``TRITON_INTERPRET=1`` must be in the environment befo
 process imported before.
 
 Cases (a list of dicts): ``kind`` "op" runs ``fp8_quantize_triton(*case["args"])`` with
-``_MAX_PROGRAMS`` set to ``case["max_programs"]`` (None: the module's); ``kind`` "probe" runs
+``_MAX_PROGRAMS`` set to ``case["max_programs"]`` and ``_ONE_PROGRAM_BLOCKS`` to
+``case["one_program_blocks"]`` (None: the module's; 0 takes the two launches whatever the
+size); ``kind`` "probe" runs
 the cast alone (``_store_q``, the op's own jitted function) on ``case["x"]`` for
 ``case["fp8_format"]`` and ``case["q_kind"]``, covering inputs the op never casts (values above
 the format's range: the op's scale keeps ``x * used`` within it). Results: ``{name: tuple of
@@ -104,9 +106,12 @@ def compile_check() -> None:
         # fp8_max / amax and 1 / used; / 2**margin (current); with a record, fp8_max / reduced
         # and its / 2**margin
         want = 2 + (margin != 0) * current + record * (1 + (margin != 0))
-        what = ("scale_cast", e5m2, q_kind, margin, current, record, most_recent)
-        check(build(fp8_triton._scale_cast_kernel, constexprs, q_kind), what, want)
-        variants += 1
+        # both ways to the amax: the partials, and the one program's own pass
+        for own_amax in (False, True):
+            what = ("scale_cast", e5m2, q_kind, margin, current, record, most_recent, own_amax)
+            variant = dict(constexprs, OWN_AMAX=own_amax)
+            check(build(fp8_triton._scale_cast_kernel, variant, q_kind), what, want)
+            variants += 1
     # Row-wise: as the launcher specialises them, a row-major x (unit column strides, the rest
     # divisible by 16), a transposed one, and no specialisation at all. The divisions are per
     # row, repeated where the layout spreads a row over several threads.
@@ -174,7 +179,8 @@ def run_cases(cases_path: str, results_path: str) -> None:
     # numpy warns of the divisions by zero and the inf * 0 the C kernel's arithmetic does
     warnings.filterwarnings("ignore", category=RuntimeWarning)
     cases = torch.load(cases_path)
-    default_cap = fp8_triton._MAX_PROGRAMS
+    defaults = {"_MAX_PROGRAMS": fp8_triton._MAX_PROGRAMS,
+                "_ONE_PROGRAM_BLOCKS": fp8_triton._ONE_PROGRAM_BLOCKS}  # fmt: skip
     results = {}
     for case in cases:
         if case["kind"] == "probe":
@@ -186,11 +192,15 @@ def run_cases(cases_path: str, results_path: str) -> None:
             )
             results[case["name"]] = q
             continue
-        fp8_triton._MAX_PROGRAMS = case.get("max_programs") or default_cap
+        for attr, key in (("_MAX_PROGRAMS", "max_programs"),
+                          ("_ONE_PROGRAM_BLOCKS", "one_program_blocks")):  # fmt: skip
+            value = case.get(key)
+            setattr(fp8_triton, attr, defaults[attr] if value is None else value)
         try:
             results[case["name"]] = fp8_triton.fp8_quantize_triton(*case["args"])
         finally:
-            fp8_triton._MAX_PROGRAMS = default_cap
+            for attr, value in defaults.items():
+                setattr(fp8_triton, attr, value)
     torch.save(results, results_path)
 
 

@@ -193,6 +193,145 @@ def test_the_scaled_mm_path_on_this_cpus_kernel_agrees_within_the_same_bound(sha
     assert torch.all((hardware.double() - ref).abs() <= (k + 2) * U32 * magnitude)
 
 
+def _strict_scaled_mm(calls):
+    """``torch._scaled_mm`` that first asserts what its CUDA kernels check and this CPU's kernel
+    does not (torch's ``_scaled_mm_out_cuda``): a row-major ``a`` with K a multiple of 16, a
+    column-major ``b`` with K and N multiples of 16, 16-byte aligned operands, not both E5M2;
+    row-wise scales ``[M, 1]`` and ``N`` values with unit stride, an E4M3 ``b``. Records each
+    call's ``(M, K, N)``."""
+    real = torch._scaled_mm
+
+    def checked(a, b, scale_a, scale_b, **kwargs):
+        (m, k), n = a.shape, b.shape[1]
+        assert k % 16 == 0 and b.shape[0] % 16 == 0 and n % 16 == 0, (a.shape, b.shape)
+        assert a.stride(1) == 1 and a.stride(0) >= k, ("a row-major", a.stride())
+        assert b.stride(0) == 1 and b.stride(1) >= k, ("b column-major", b.stride())
+        assert a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0
+        assert not a.dtype == b.dtype == E5M2
+        if scale_a.numel() > 1:  # row-wise
+            assert scale_a.shape == (m, 1) and scale_a.stride(1) == 1, scale_a.shape
+            assert scale_b.numel() == n and scale_b.stride(-1) == 1, scale_b.shape
+            assert b.dtype == E4M3
+        calls.append((m, k, n))
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, **kwargs)
+
+    return checked
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current", "rowwise"])
+@pytest.mark.parametrize("m, k_in, n_out", [(1, 32, 9), (17, 32, 3), (40, 24, 32), (64, 32, 9)])
+def test_the_scaled_mm_path_meets_the_cuda_kernels_checks_and_agrees_with_the_emulation(
+    monkeypatch, recipe, m, k_in, n_out
+):
+    """A layer's three GEMMs through torch._scaled_mm (this CPU's kernel, with the CUDA
+    kernel's checks asserted), with rows M not a multiple of 16, against the emulation on the
+    same quantised operands. Both sum the same FP8 products; each rounds at most (K + 2) times
+    in float32 (the row-wise emulation fewer), so they differ by at most 2 (K + 2) u sum|a b|,
+    taken here from the unquantised operands times 1.27 (an E4M3 value is within 2^-4 of its
+    input, an E5M2 one within 2^-3: (1 + 2^-3)^2 < 1.27)."""
+    import mptex.fp8 as fp8
+
+    gen = torch.Generator().manual_seed(m * 100 + n_out)
+    x0 = torch.rand(m, k_in, generator=gen) * 2 - 1
+    w0 = torch.randn(n_out, k_in, generator=gen) * 0.3
+    g = torch.randn(m, n_out, generator=gen) * 1e-4
+    results = {}
+    for backend in ("emulated", "scaled_mm"):
+        calls = []
+        if backend == "scaled_mm":
+            monkeypatch.setattr(fp8, "has_fp8_tensor_cores", lambda device, rowwise=False: True)
+            monkeypatch.setattr(torch, "_scaled_mm", _strict_scaled_mm(calls))
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = fp8_linear(x, w, None, _states(recipe), backend=backend)
+        grads = torch.autograd.grad((y * g).sum(), (x, w))
+        results[backend] = (y, *grads)
+    # K of the forward, the input gradient and the weight gradient; M passes unpadded.
+    assert sorted(calls) == sorted([(m, 32, 32 if n_out > 16 else 16), (m, 32 if n_out > 16
+                                    else 16, 32), (n_out, 16 * -(-m // 16), 32)])  # fmt: skip
+    magnitudes = (x0.abs() @ w0.abs().t(), g.abs() @ w0.abs(), g.abs().t() @ x0.abs())
+    for k, emu, hw, mag in zip((k_in, n_out, m), results["emulated"], results["scaled_mm"],
+                               magnitudes):  # fmt: skip
+        assert hw.shape == emu.shape and hw.dtype == emu.dtype == torch.float32
+        bound = 2 * (k + 2) * U32 * 1.27 * mag
+        assert torch.all((hw - emu).abs() <= bound), ((hw - emu).abs() / mag).max()
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("recipe", ["delayed", "current", "rowwise"])
+@pytest.mark.parametrize("m, n_out", [(17, 9), (4097, 3), (65536 + 5, 32)])
+def test_the_scaled_mm_path_on_cuda_agrees_with_the_emulation_without_host_syncs(recipe, m, n_out):
+    """The layer's GEMMs on the FP8 tensor cores, rows M not a multiple of 16, against the
+    emulation on the same quantised operands, with the host never waiting for the device
+    (after a warm-up call: Triton compiles then). The tensor cores keep about 14 bits over a
+    block of K (up to 128) before promoting to float32 (benchmarks/gpu/validate.py's bound),
+    plus float32's roundings in both; the magnitude as in the CPU test above."""
+    from mptex.fp8 import has_fp8_tensor_cores
+
+    if not has_fp8_tensor_cores("cuda", rowwise=recipe == "rowwise"):
+        pytest.skip("needs FP8 tensor cores (compute capability 8.9 or later; row-wise with a "
+                    "float32 result: 9.x and CUDA 12.9 or later)")  # fmt: skip
+    gen = torch.Generator(device="cuda").manual_seed(m + n_out)
+    x0 = torch.rand(m, 32, generator=gen, device="cuda") * 2 - 1
+    w0 = torch.randn(n_out, 32, generator=gen, device="cuda") * 0.3
+    g = torch.randn(m, n_out, generator=gen, device="cuda") * 1e-4
+    results = {}
+    for backend in ("emulated", "scaled_mm"):
+        for attempt in ("warm-up", "measured"):
+            states = tuple(ScalingState(s.dtype, s.recipe, "cuda") for s in _states(recipe))
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if attempt == "measured" else "default")
+            try:
+                y = fp8_linear(x, w, None, states, backend=backend)
+                grads = torch.autograd.grad((y * g).sum(), (x, w))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        results[backend] = (y, *grads)
+    magnitudes = (x0.abs() @ w0.abs().t(), g.abs() @ w0.abs(), g.abs().t() @ x0.abs())
+    for k, emu, hw, mag in zip((32, n_out, m), results["emulated"], results["scaled_mm"],
+                               magnitudes):  # fmt: skip
+        assert hw.shape == emu.shape and hw.dtype == torch.float32
+        bound = (min(k, 128) * 2.0**-14 + 2 * (k + 2) * U32) * 1.27 * mag
+        assert torch.all((hw - emu).abs() <= bound), ((hw - emu).abs() / mag).max().item()
+
+
+def test_gemm_operands_are_copied_only_to_pad_or_lay_out():
+    from mptex.fp8 import _gemm_operand
+
+    row = torch.zeros(17, 32, dtype=E4M3)
+    assert _gemm_operand(row, 17, 32, column_major=False) is row
+    col = torch.zeros(32, 16, dtype=E4M3).t()
+    assert _gemm_operand(col, 16, 32, column_major=True) is col
+    padded = _gemm_operand(torch.ones(17, 9).to(E4M3).t(), 9, 32, column_major=False)
+    assert padded.shape == (9, 32) and padded.is_contiguous()
+    assert padded.float()[:, :17].eq(1).all() and padded.float()[:, 17:].eq(0).all()
+    laid = _gemm_operand(row, 17, 32, column_major=True)
+    assert laid.stride() == (1, 17) and torch.equal(laid.float(), row.float())
+
+
+@pytest.mark.parametrize(
+    "capability, cuda, tensorwise, rowwise",
+    [((9, 0), "12.9", True, True), ((9, 0), "13.0", True, True), ((9, 0), "12.8", True, False),
+     ((8, 9), "13.0", True, False), ((10, 0), "13.0", True, False), ((8, 6), "13.0", False, False)],
+)  # fmt: skip
+def test_where_the_scaled_mm_paths_run(monkeypatch, capability, cuda, tensorwise, rowwise):
+    # torch._scaled_mm's row-wise path returns float32 only through cuBLAS (compute capability
+    # 9.x, CUDA 12.9 or later); elsewhere its CUTLASS kernel returns bfloat16 only, so "auto"
+    # emulates the row-wise GEMMs there and "scaled_mm" is refused in one line.
+    from mptex.fp8 import has_fp8_tensor_cores
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    assert has_fp8_tensor_cores("cuda") is tensorwise
+    assert has_fp8_tensor_cores("cuda", rowwise=True) is rowwise
+    assert resolve_gemm_backend("auto", "cuda", rowwise=True) == ("scaled_mm" if rowwise
+                                                                  else "emulated")  # fmt: skip
+    if not rowwise:
+        with pytest.raises(ValueError, match=r"backend: 'scaled_mm' needs .*row-wise"):
+            resolve_gemm_backend("scaled_mm", "cuda", rowwise=True)
+
+
 def test_scaled_mm_backend_resolution():
     assert resolve_gemm_backend("auto", "cpu") == "emulated"
     with pytest.raises(ValueError, match="backend: 'scaled_mm' needs a CUDA device"):

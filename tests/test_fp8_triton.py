@@ -103,22 +103,24 @@ def _rows(values, k, lead=None):
 
 
 def _op(name, x, fmt, recipe, q_dtype, margin=0, most_recent=False, record=True, **kwargs):
-    """An op case: ``kwargs`` may give ``scale``, ``history`` and ``max_programs``."""
+    """An op case: ``kwargs`` may give ``scale``, ``history``, ``max_programs`` and
+    ``one_program_blocks`` (0: the per-tensor recipes' two launches at any size)."""
     scale, history = kwargs.get("scale"), kwargs.get("history")
-    max_programs = kwargs.get("max_programs")
     if scale is None:
         scale = torch.tensor(2.0**-12)
     if history is None:
         history = _wide(16, 99).abs()
     args = (x, scale, history, fmt, recipe, margin, most_recent, record, q_dtype)
-    return dict(kind="op", name=name, args=args, max_programs=max_programs)
+    return dict(kind="op", name=name, args=args, max_programs=kwargs.get("max_programs"),
+                one_program_blocks=kwargs.get("one_program_blocks"))  # fmt: skip
 
 
 def _cases():
     cases = []
     # The full matrix on wide data: formats, recipes, margins, most_recent, record, q dtypes.
-    # Per-tensor: 3001 elements (3 blocks, the last one partial). Row-wise: a transposed view
-    # with K = 67, or a row-major one with K = 200 (two column blocks).
+    # Per-tensor: 3001 elements (3 blocks, the last one partial), in one launch and in two
+    # (every other combination). Row-wise: a transposed view with K = 67, or a row-major one
+    # with K = 200 (two column blocks).
     scales = (2.0**-12, 1.0, 3e-4)  # 1.0 overflows: the fallback fp8_max / amax
     matrix = itertools.product((0, 1), (0, 1, 2), (0, 2), (False, True), (False, True))
     for i, (fmt, recipe, margin, most_recent, record) in enumerate(matrix):
@@ -128,7 +130,8 @@ def _cases():
             else:
                 x = _wide(3001, i)
             name = f"wide-{fmt}-{RECIPES[recipe]}-m{margin}-mr{int(most_recent)}-r{int(record)}"
-            flags = dict(margin=margin, most_recent=most_recent, record=record)
+            flags = dict(margin=margin, most_recent=most_recent, record=record,
+                         one_program_blocks=0 if i % 2 else None)  # fmt: skip
             scale = torch.tensor(scales[i % 3])
             cases.append(_op(f"{name}-{q_dtype}", x, fmt, recipe, q_dtype, scale=scale, **flags))
     # Value sets, for every format, recipe and q dtype, margins and flags in turn.
@@ -159,6 +162,9 @@ def _cases():
                 flags = dict(margin=margin, most_recent=most_recent, scale=scale)
                 name = f"{tag}-{fmt}-{RECIPES[recipe]}-{q_dtype}"
                 cases.append(_op(name, x, fmt, recipe, q_dtype, **flags))
+                if recipe != 2 and q_dtype == FORMATS[fmt]:  # the amax from the partials too
+                    cases.append(_op(f"{name}-two-launches", x, fmt, recipe, q_dtype,
+                                     one_program_blocks=0, **flags))  # fmt: skip
         # Rows that hold an inf, a NaN, zeros only, tiny values, or ordinary values.
         mixed = _wide((6, 40), 11)
         mixed[0, 3], mixed[1, 5], mixed[2] = INF, NAN, 0.0
@@ -192,7 +198,14 @@ def _cases():
     cases.append(_op("above-cap-current", big, 1, 1, torch.float32))
     small_cap = _wide(10_000, 18)
     for recipe in (0, 1):
-        cases.append(_op(f"cap4-{RECIPES[recipe]}", small_cap, 0, recipe, f8, max_programs=4))
+        cases.append(_op(f"cap4-{RECIPES[recipe]}", small_cap, 0, recipe, f8, max_programs=4,
+                         one_program_blocks=0))  # fmt: skip
+    # The largest tensor of one launch (a program loops over many blocks for its amax) and the
+    # smallest of two.
+    for extra, tag in ((0, "one-launch-largest"), (1, "two-launches-smallest")):
+        x = _wide(16 * 1024 + extra, 22)
+        x[-1] = 3e5  # the amax in the last block
+        cases.append(_op(tag, x, 0, 1, f8))
     # The delayed recipe's history and scale: lengths 1 and 1500 (beyond one history block),
     # NaN and inf entries, all zeros; a subnormal scale (1 / used overflows), zero, NaN.
     x = _wide(3001, 19)
@@ -323,6 +336,9 @@ def test_cases_cover_the_program_cap_and_ties():
     from mptex import _fp8_triton
 
     assert -(-ABOVE_CAP // _fp8_triton._BLOCK) > _fp8_triton._MAX_PROGRAMS
+    # the per-tensor launches: one (a small tensor) and two, either side of the threshold
+    assert _fp8_triton._ONE_PROGRAM_BLOCKS == 16
+    assert "one-launch-largest" in OP_NAMES and "two-launches-smallest" in OP_NAMES
     # the ties cases hold exact midpoints, some rounding down and some up (ties to even)
     for fmt in (0, 1):
         grid = _fp8_grid(fmt)
@@ -349,7 +365,8 @@ def test_matches_cpu_on_cuda(recipe, fmt):
     x = _with_specials(_wide((300, 67), 30 + recipe), [1e-40, -2e-39])
     x[7, :3] = torch.tensor([INF, NAN, -INF])  # one row (row-wise) or the whole tensor
     x[8, :4] = torch.cat([_nan_payloads(), torch.tensor([-NAN, 1.0])])
-    cases = [x, x[:6], x[10:], x.t()] if recipe == 2 else [x, x[10:], _wide(ABOVE_CAP, 31)]
+    # per-tensor: one launch (x[:6], 402 values) and two (the rest)
+    cases = [x, x[:6], x[10:], x.t()] if recipe == 2 else [x, x[:6], x[10:], _wide(ABOVE_CAP, 31)]
     scales = torch.cat([torch.tensor([2.0**-10]), _nan_payloads()])  # NaNs: x86's NaN rules
     for xc, q_dtype, margin, scale in itertools.product(cases, _q_dtypes(fmt), (0, 2), scales):
         history = _wide(20, 32).abs()

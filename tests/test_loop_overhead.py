@@ -180,6 +180,26 @@ def test_the_loop_reads_the_host_once_per_iteration(tmp_path, arm):
     assert result["syncs_by_kind"] == {"copy to host (tolist)": 1.0}
 
 
+def test_the_fp8_gemms_can_be_counted_as_on_a_gpu(tmp_path):
+    # --fp8-gemm scaled_mm: the FP8 arm's GEMMs go through torch._scaled_mm (its CPU kernel),
+    # the path a GPU with FP8 tensor cores takes, so its padding and layout copies are counted.
+    counts = {}
+    for gemm in ("auto", "scaled_mm"):
+        out = tmp_path / f"{gemm}.json"
+        run = _loop_overhead("--arms", "fp8", "--start", "2", "--stop", "4", "--resolution",
+                             "16", "--texture", "tiny", "--fp8-gemm", gemm, "--json", str(out),
+                             "--", "scene.n_train_views=4", "scene.n_val_views=1")  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        payload = json.loads(out.read_text())
+        assert payload["fp8_gemm"] == gemm
+        (result,) = payload["results"]
+        assert result["syncs_per_iter"] == 1.0, result["sync_sites"]
+        counts[gemm] = result["ops_by_name"]
+    assert counts["auto"].get("_scaled_mm", 0) == 0 and counts["auto"]["mm"] > 0
+    assert counts["scaled_mm"]["_scaled_mm"] == counts["auto"]["mm"]
+    assert counts["scaled_mm"].get("mm", 0) == 0
+
+
 def test_host_time_is_each_runs_median_per_arm(tmp_path):
     # --host-ms: per arm, one median iteration time per run, the runs taken in turn; the table
     # gives each arm's ratio to f32.

@@ -8,8 +8,10 @@ columns of magnitudes 1e-3 to 10 apart and one all-zero row, so that the scales 
 and reports each backend's largest error against float64 as a share of
 ``sum_k |a_ik b_kj| |scale_a[i] scale_b[j]|``, the share of elements on which the two backends
 agree bit for bit, and median times. Rows have ``compare_fp8``'s keys (validate.py) plus
-``bit_equal_frac``. Without FP8 tensor cores (``--device cpu``) the ``scaled_mm`` entries are
-None and only the emulation is checked.
+``bit_equal_frac``. Where ``torch._scaled_mm``'s row-wise path has no float32 result
+(:func:`mptex.fp8.has_fp8_tensor_cores` with ``rowwise``: ``--device cpu``, or a GPU other than
+compute capability 9.x with CUDA 12.9+) the ``scaled_mm`` entries are None and only the
+emulation is checked.
 
 Bounds: the emulation sums exactly (float64) and rounds three times in float32 (the sum, then the
 two scale multiplications), so its error is at most ``3 * 2^-24`` of the magnitude. The tensor
@@ -82,7 +84,7 @@ def compare_fp8_rowwise(device: str, n: int, repeats: int = 20) -> list[dict[str
     from mptex.fp8 import E4M3, E5M2, has_fp8_tensor_cores, quantize_fp8_rowwise
     from mptex.fp8 import scaled_mm_rowwise as gemm
 
-    hardware = has_fp8_tensor_cores(device)
+    hardware = has_fp8_tensor_cores(device, rowwise=True)
     gen = torch.Generator(device=device).manual_seed(0)
     rows = []
     for name, m, k, n_cols, dtype_a in rowwise_cases(n):

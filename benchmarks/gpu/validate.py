@@ -353,14 +353,19 @@ def compare_raster(device: str, native: str, meshes: dict, resolution: int, n_vi
 
 
 # FP8 GEMM shapes of the texture's MLP (nvdiffrec's: 32 inputs, width 32, 3 outputs) at a batch
-# of n points: the forward of a hidden layer, the output layer, and the two backward GEMMs.
+# of n + 5 points (the covered pixels are any number, here not a multiple of 16: the rows M
+# pass unpadded, the weight gradient's K is padded): the forward of a hidden layer and of the
+# output layer, and the backward GEMMs of both (the output layer's input gradient has K = 3).
 def fp8_gemm_cases(n: int) -> list[tuple[str, int, int, int, str, str]]:
     """(name, M, K, N, dtype of a, dtype of b)."""
+    rows = n + 5
     return [
-        ("forward, hidden layer", n, 32, 32, "e4m3", "e4m3"),
-        ("forward, output layer", n, 32, 3, "e4m3", "e4m3"),
-        ("input gradient", n, 32, 32, "e5m2", "e4m3"),
-        ("weight gradient", 32, n, 32, "e5m2", "e4m3"),
+        ("forward, hidden layer", rows, 32, 32, "e4m3", "e4m3"),
+        ("forward, output layer", rows, 32, 3, "e4m3", "e4m3"),
+        ("input gradient", rows, 32, 32, "e5m2", "e4m3"),
+        ("input gradient, output layer", rows, 3, 32, "e5m2", "e4m3"),
+        ("weight gradient", 32, rows, 32, "e5m2", "e4m3"),
+        ("weight gradient, output layer", 3, rows, 32, "e5m2", "e4m3"),
     ]
 
 
@@ -660,7 +665,8 @@ def stage_fp8(ctx: StageContext) -> None:
     rows = compare_fp8(ctx.device, n)
     ctx.result["data"]["rows"] = rows
     ctx.table(
-        f"mptex's emulation vs torch._scaled_mm, the same float8 operands and scales, {n} points",
+        f"mptex's emulation vs torch._scaled_mm, the same float8 operands and scales, {n + 5} "
+        "points",
         ["GEMM", "M x K x N", "emulated err", "bound", "_scaled_mm err", "bound",
          "emulated µs", "_scaled_mm µs", "ok"],
         [[r["case"], r["shape"], f"{r['emulated_err']:.3g}", f"{r['emulated_bound']:.3g}",
@@ -680,7 +686,7 @@ def stage_fp8(ctx: StageContext) -> None:
     ctx.result["data"]["rowwise"] = rowwise
     ctx.table(
         f"Row-wise scales (one per row of a, one per column of b): mptex's emulation vs "
-        f"torch._scaled_mm's row-wise path, {n} points",
+        f"torch._scaled_mm's row-wise path, {n + 5} points",
         ["GEMM", "M x K x N", "emulated err", "bound", "_scaled_mm err", "bound",
          "bit-equal", "emulated µs", "_scaled_mm µs", "ok"],
         [[r["case"], r["shape"], f"{r['emulated_err']:.3g}", f"{r['emulated_bound']:.3g}",

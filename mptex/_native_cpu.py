@@ -1043,7 +1043,8 @@ static float fp8_amax(const float *x, int64_t n, int64_t stride) {
 }
 
 /* q_kind: 0 the FP8 codes (uint8), 1 their values in float32, 2 in float64 (from lut, the
-   256 codes' values). */
+   256 codes' values). One loop per kind, here and in the column-major cast: each vectorises,
+   where one loop storing through a branch on q_kind did not (up to 3-4 times slower). */
 static void fp8_cast_row(const float *x, int64_t n, int64_t stride, float used, int e5m2,
                          const float *lut, void *q, int q_kind, int64_t q_stride) {
     if (q_kind == 0) {

@@ -17,6 +17,7 @@ from mptex.fp8 import (
     ScalingState,
     fp8_linear,
     quantize_fp8_rowwise,
+    resolve_gemm_backend,
     rowwise_spread,
     statistics,
 )
@@ -368,6 +369,16 @@ class PrecisionMLP(nn.Module):
         """What computes the MLP next: ``"torch"`` (linear layers or the fused twin) or
         ``"tcnn"`` (tinycudann's fused network)."""
         return self.net.resolved_backend() if self.policy.mlp == "fused" else "torch"
+
+    def fp8_gemm_backend(self) -> str | None:
+        """How the FP8 layers' GEMMs run next, resolved from the parameters' device and the
+        recipe (:func:`mptex.fp8.resolve_gemm_backend`): ``"scaled_mm"`` (FP8 tensor cores)
+        or ``"emulated"``; None without FP8 layers."""
+        layer = next((m for m in self.modules() if isinstance(m, FP8Linear)), None)
+        if layer is None:
+            return None
+        rowwise = layer.recipe.recipe == "rowwise"
+        return resolve_gemm_backend(layer.gemm_backend, layer.weight.device, rowwise=rowwise)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.ndim != 2 or x.shape[1] != self.n_input_dims:

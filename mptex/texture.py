@@ -324,13 +324,18 @@ class MLPTexture3D(nn.Module):
             import_tcnn().free_temporary_memory()
 
     def backends(self) -> dict[str, str]:
-        """What computes each part now: ``{"encoder": "torch"|"tcnn", "mlp": "torch"|"tcnn"}``
-        (``"auto"`` resolved from the parameters' device and tinycudann; the record for
-        metrics.json)."""
-        return {
+        """What computes each part now: ``{"encoder": "torch"|"tcnn"|"triton", "mlp":
+        "torch"|"tcnn"}``, and for the FP8 arms ``"fp8_gemm": "scaled_mm"|"emulated"`` (FP8
+        tensor cores or the emulation: a timing means little without it); ``"auto"`` resolved
+        from the parameters' device and what imports. The record for metrics.json."""
+        backends = {
             "encoder": self.encoder.resolved_backend(),
             "mlp": self.net.resolved_backend(),
         }
+        fp8_gemm = self.net.fp8_gemm_backend()
+        if fp8_gemm is not None:
+            backends["fp8_gemm"] = fp8_gemm
+        return backends
 
     def extra_repr(self) -> str:
         return (

@@ -257,11 +257,17 @@ def test_backends_line_names_the_rasterizer_and_a_dash_for_older_runs(tmp_path):
                                                        "raster": "nvdiffrast"}))
     # metrics.json written before the rasterizer was recorded
     _write(tmp_path, "1", _metrics("f16", 0, backends={"encoder": "torch", "mlp": "tcnn"}))
+    # an FP8 arm says whether its GEMMs ran on the tensor cores
+    _write(tmp_path, "2", _metrics("fp8", 0, backends={"encoder": "triton", "mlp": "torch",
+                                                       "raster": "nvdiffrast",
+                                                       "fp8_gemm": "emulated"}))  # fmt: skip
     write_report(tmp_path)
     text = (tmp_path / "report.md").read_text()
-    assert "`f32` tcnn / torch / nvdiffrast; `f16` torch / tcnn / –" in text
+    assert "`f32` tcnn / torch / nvdiffrast;" in text and "`f16` torch / tcnn / –" in text
+    assert "`fp8` triton / torch (FP8 GEMMs emulated) / nvdiffrast;" in text
     rows = {r["precision"]: r for r in json.loads((tmp_path / "results.json").read_text())["runs"]}
     assert rows["f32"]["raster_backend"] == "nvdiffrast" and rows["f16"]["raster_backend"] is None
+    assert rows["fp8"]["fp8_gemm_backend"] == "emulated" and rows["f32"]["fp8_gemm_backend"] is None
 
 
 # ----------------------------------------------------------------------------- grouping

@@ -152,6 +152,22 @@ def test_explicit_tcnn_mlp_fails_at_construction_without_tcnn():
         MLPTexture3D(AABB, precision=explicit, encoder=SMALL)
 
 
+@pytest.mark.parametrize("arm", ["fp8", "fp8_rowwise"])
+def test_fp8_arms_record_whether_their_gemms_ran_on_tensor_cores(monkeypatch, arm):
+    # On a CPU the emulation; where torch._scaled_mm can run the recipe's GEMMs (patched here:
+    # per tensor from compute capability 8.9, row-wise with a float32 result on 9.x and CUDA
+    # 12.9+), scaled_mm. Arms without FP8 layers record no such key.
+    import mptex.fp8
+
+    assert "fp8_gemm" not in MLPTexture3D(AABB, precision="f32", encoder=SMALL).backends()
+    texture = MLPTexture3D(AABB, precision=arm, encoder=SMALL)
+    assert texture.backends() == {"encoder": "torch", "mlp": "torch", "fp8_gemm": "emulated"}
+    monkeypatch.setattr(mptex.fp8, "has_fp8_tensor_cores",
+                        lambda device, rowwise=False: not rowwise)  # fmt: skip
+    expected = "emulated" if arm == "fp8_rowwise" else "scaled_mm"
+    assert texture.backends()["fp8_gemm"] == expected
+
+
 def test_tcnn_fused_runs_on_the_twin_and_records_its_backends():
     texture = MLPTexture3D(AABB, precision="tcnn_fused", encoder=SMALL, backend="torch")
     assert texture.backends() == {"encoder": "torch", "mlp": "torch"}

@@ -64,7 +64,8 @@ RUN_FIELDS = (
     "peak_memory_bytes", "peak_memory_kind", "skipped_steps", "final_loss_scale", "iterations",
     "iterations_planned", "val_views", "val_spp", "diverged_at", "failed_at", "error",
     "wall_time_s", "train_time_s", "n_params", "device", "device_name", "torch_threads",
-    "encoder_backend", "mlp_backend", "raster_backend", "bake_psnr", "run_dir",
+    "encoder_backend", "mlp_backend", "fp8_gemm_backend", "raster_backend", "bake_psnr",
+    "run_dir",
 )  # fmt: skip
 # Config groups that never separate rows: how a finished run was exported, not what it trained.
 NOT_SWEPT_GROUPS = ("export.",)
@@ -313,6 +314,7 @@ def _read_job(job_dir: Path) -> dict[str, Any]:
     if isinstance(backends, Mapping):  # which implementation ran (e.g. tcnn, or mptex's twin)
         run["encoder_backend"], run["mlp_backend"] = backends.get("encoder"), backends.get("mlp")
         run["raster_backend"] = backends.get("raster")  # absent from runs older than the key
+        run["fp8_gemm_backend"] = backends.get("fp8_gemm")  # FP8 arms only
     export = metrics.get("export")
     if isinstance(export, Mapping):  # exported runs (export.enabled=true): the bake's PSNR
         run["bake_psnr"] = export.get("psnr_baked_vs_neural")

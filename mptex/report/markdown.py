@@ -99,6 +99,8 @@ def _environment(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     backends: dict[str, set[str]] = {}
     for run in runs:
         parts = [run.get(f"{part}_backend") for part in ("encoder", "mlp", "raster")]
+        if run.get("fp8_gemm_backend"):  # FP8 tensor cores or the emulation
+            parts[1] = f"{parts[1] or '–'} (FP8 GEMMs {run['fp8_gemm_backend']})"
         if any(parts):
             backends.setdefault(str(run.get("precision")), set()).add(
                 " / ".join(part or "–" for part in parts))

@@ -23,6 +23,15 @@ Launches:
 
 * row-wise recipe (2): ``_rowwise_kernel``, one program per block of rows, each looping over
   the columns twice (amax, then cast), any strides of ``x`` and ``q`` (a transposed ``x``).
+  Few long rows (a weight gradient's operands: 3 to 32 rows of a million columns) would leave
+  all but one SM idle that way; there the columns are split into up to ``_MAX_PROGRAMS``
+  chunks over two kernels, as the per-tensor recipes split a tensor:
+
+  1. ``_row_partials_kernel``: each program writes, for each of its rows, the largest ``|x|``
+     bit pattern of its chunk of columns (``[rows, chunks]`` int32);
+  2. ``_row_chunks_cast_kernel``: each program reduces its rows' partials to their amaxes,
+     computes the rows' scales and casts its chunk; the programs of chunk 0 write the rows'
+     ``scale_inv``, ``amax``, ``used`` and ``next_scale``.
 
 Arithmetic, and why it matches the C kernel on any GPU:
 
@@ -72,6 +81,12 @@ _HISTORY_BLOCK = 1024
 # to 128 typically; longer rows loop).
 _ROW_TILE = 4096
 _MAX_COLS = 128
+# Long rows: tiles of up to _LONG_ROWS rows (the rest of _ROW_TILE in columns), at least
+# _TILES_PER_CHUNK column tiles per program, and a row's partials reduced _PARTIALS_BLOCK at a
+# time.
+_LONG_ROWS = 32
+_TILES_PER_CHUNK = 16
+_PARTIALS_BLOCK = 64
 
 _F32_INF_BITS = tl.constexpr(0x7F800000)
 _F32_NAN_BITS = tl.constexpr(0x7FC00000)  # the C kernel's NAN (quiet, no payload)
@@ -342,18 +357,122 @@ def _rowwise_kernel(
         x = tl.load(x_rows + k.to(tl.int64)[None, :] * stride_xc, mask=mask, other=0.0)
         acc = tl.maximum(acc, _abs_bits(x))
     amax = _amax_of(tl.max(acc, axis=1))
+    row_scale, used = _row_scales(amax, FMAX, HAS_MARGIN, DIVISOR_BITS, ROWS)
+    _store_row_scalars(r, row_in, amax, row_scale, used, scale_inv_ptr, amax_ptr, used_ptr,
+                       next_scale_ptr)  # fmt: skip
+    for k0 in range(0, cols, COLS):
+        k = (k0 + k_lanes).to(tl.int64)
+        mask = row_in[:, None] & (k < cols)[None, :]
+        x = tl.load(x_rows + k[None, :] * stride_xc, mask=mask, other=0.0)
+        _store_q(q_rows + k[None, :] * stride_qc, x, used[:, None], mask, E5M2, Q_KIND)
+
+
+@triton.jit
+def _row_scales(
+    amax, FMAX: tl.constexpr, HAS_MARGIN: tl.constexpr, DIVISOR_BITS: tl.constexpr,
+    ROWS: tl.constexpr,
+):  # fmt: skip
+    """The rows' recipe scales and the scales their casts use, from their amaxes: the C
+    kernel's ``fp8_row_scale``."""
     fmax = tl.full((ROWS,), FMAX, tl.float32)
     inf = _f32(_F32_INF_BITS)
     unscaled = tl.math.div_rn(fmax, amax)
     usable = (unscaled > 0.0) & (unscaled < inf)
     row_scale = tl.where(usable, _with_margin(unscaled, HAS_MARGIN, DIVISOR_BITS), 1.0)
     used = tl.where(amax * row_scale > fmax, unscaled, row_scale)
+    return row_scale, used
+
+
+@triton.jit
+def _store_row_scalars(
+    r, row_in, amax, row_scale, used, scale_inv_ptr, amax_ptr, used_ptr, next_scale_ptr
+):  # fmt: skip
     tl.store(amax_ptr + r, amax, mask=row_in)
     tl.store(used_ptr + r, used, mask=row_in)
     tl.store(next_scale_ptr + r, row_scale, mask=row_in)
     tl.store(scale_inv_ptr + r, _x86_reciprocal(used), mask=row_in)
-    for k0 in range(0, cols, COLS):
-        k = (k0 + k_lanes).to(tl.int64)
+
+
+@triton.jit
+def _row_partials_kernel(
+    x_ptr,
+    partial_ptr,
+    rows,
+    cols,
+    stride_xr,
+    stride_xc,
+    chunks,
+    tiles_per_chunk,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):
+    """partial[r, c] = max of ``bits(|x[r, k]|)`` over chunk c's columns (0 if none): the
+    column tiles ``c * tiles_per_chunk`` onwards, ``tiles_per_chunk`` of them."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    c = tl.program_id(1)
+    row_in = r < rows
+    r64 = r.to(tl.int64)
+    x_rows = x_ptr + r64[:, None] * stride_xr
+    k_lanes = tl.arange(0, COLS)
+    acc = tl.zeros([ROWS, COLS], dtype=tl.int32)
+    first = c.to(tl.int64) * tiles_per_chunk
+    for t in range(first, first + tiles_per_chunk):
+        k = t * COLS + k_lanes
+        mask = row_in[:, None] & (k < cols)[None, :]
+        x = tl.load(x_rows + k[None, :] * stride_xc, mask=mask, other=0.0)
+        acc = tl.maximum(acc, _abs_bits(x))
+    tl.store(partial_ptr + r64 * chunks + c, tl.max(acc, axis=1), mask=row_in)
+
+
+@triton.jit
+def _row_chunks_cast_kernel(
+    x_ptr,
+    q_ptr,
+    partial_ptr,
+    scale_inv_ptr,
+    amax_ptr,
+    used_ptr,
+    next_scale_ptr,
+    rows,
+    cols,
+    stride_xr,
+    stride_xc,
+    stride_qr,
+    stride_qc,
+    chunks,
+    tiles_per_chunk,
+    E5M2: tl.constexpr,
+    FMAX: tl.constexpr,
+    HAS_MARGIN: tl.constexpr,
+    DIVISOR_BITS: tl.constexpr,
+    Q_KIND: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    PARTIALS_BLOCK: tl.constexpr,
+):
+    """ROWS rows' amaxes from their partials, their scales (stored by chunk 0's programs) and
+    the cast of chunk ``program_id(1)``'s columns."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    c = tl.program_id(1)
+    row_in = r < rows
+    r64 = r.to(tl.int64)
+    bits = tl.zeros([ROWS, PARTIALS_BLOCK], dtype=tl.int32)
+    for c0 in range(0, chunks, PARTIALS_BLOCK):
+        idx = c0 + tl.arange(0, PARTIALS_BLOCK)
+        mask = row_in[:, None] & (idx < chunks)[None, :]
+        part = tl.load(partial_ptr + r64[:, None] * chunks + idx[None, :], mask=mask, other=0)
+        bits = tl.maximum(bits, part)
+    amax = _amax_of(tl.max(bits, axis=1))
+    row_scale, used = _row_scales(amax, FMAX, HAS_MARGIN, DIVISOR_BITS, ROWS)
+    if c == 0:
+        _store_row_scalars(r, row_in, amax, row_scale, used, scale_inv_ptr, amax_ptr, used_ptr,
+                           next_scale_ptr)  # fmt: skip
+    x_rows = x_ptr + r64[:, None] * stride_xr
+    q_rows = q_ptr + r64[:, None] * stride_qr
+    k_lanes = tl.arange(0, COLS)
+    first = c.to(tl.int64) * tiles_per_chunk
+    for t in range(first, first + tiles_per_chunk):
+        k = t * COLS + k_lanes
         mask = row_in[:, None] & (k < cols)[None, :]
         x = tl.load(x_rows + k[None, :] * stride_xc, mask=mask, other=0.0)
         _store_q(q_rows + k[None, :] * stride_qc, x, used[:, None], mask, E5M2, Q_KIND)
@@ -380,6 +499,36 @@ def _divisor_bits(margin: int) -> int:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+def _rowwise_long(x, q, scalars, block_rows: int, chunks: int, consts: dict) -> None:
+    """The row-wise recipe on few long rows (module docstring): the columns in ``chunks``
+    chunks of whole tiles of ``block_rows`` rows, two kernels."""
+    rows, cols = x.shape
+    block_cols = _ROW_TILE // block_rows
+    col_tiles = triton.cdiv(cols, block_cols)
+    tiles_per_chunk = triton.cdiv(col_tiles, chunks)
+    chunks = triton.cdiv(col_tiles, tiles_per_chunk)  # none left empty
+    partials = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
+    grid = (triton.cdiv(rows, block_rows), chunks)
+    geometry = (rows, cols, *x.stride())
+    _row_partials_kernel[grid](x, partials, *geometry, chunks, tiles_per_chunk, ROWS=block_rows,
+                               COLS=block_cols, enable_fp_fusion=False)  # fmt: skip
+    _row_chunks_cast_kernel[grid](
+        x,
+        q,
+        partials,
+        *scalars,
+        *geometry,
+        *q.stride(),
+        chunks,
+        tiles_per_chunk,
+        ROWS=block_rows,
+        COLS=block_cols,
+        PARTIALS_BLOCK=_PARTIALS_BLOCK,
+        enable_fp_fusion=False,
+        **consts,
+    )
 
 
 def fp8_quantize_triton(
@@ -414,8 +563,15 @@ def fp8_quantize_triton(
         rows, cols = x.shape
         block_cols = min(max(_next_pow2(cols), 16), _MAX_COLS)
         block_rows = _ROW_TILE // block_cols
-        if rows:
-            _rowwise_kernel[(triton.cdiv(rows, block_rows),)](
+        row_programs = triton.cdiv(rows, block_rows)
+        long_rows = min(max(_next_pow2(rows), 2), _LONG_ROWS)  # the long-row tile
+        col_tiles = triton.cdiv(cols, _ROW_TILE // long_rows)
+        chunks = min(triton.cdiv(col_tiles, _TILES_PER_CHUNK),
+                     _MAX_PROGRAMS // triton.cdiv(rows, long_rows) if rows else 0)  # fmt: skip
+        if chunks > 1:
+            _rowwise_long(x, q, (scale_inv, amax, used, next_scale), long_rows, chunks, consts)
+        elif rows:
+            _rowwise_kernel[(row_programs,)](
                 x,
                 q,
                 scale_inv,

@@ -9,9 +9,9 @@ decorates the kernels, so ``TRITON_INTERPRET=1`` must be in the environment befo
 process imported before.
 
 Cases (a list of dicts): ``kind`` "op" runs ``fp8_quantize_triton(*case["args"])`` with
-``_MAX_PROGRAMS`` set to ``case["max_programs"]`` and ``_ONE_PROGRAM_BLOCKS`` to
-``case["one_program_blocks"]`` (None: the module's; 0 takes the two launches whatever the
-size); ``kind`` "probe" runs
+``_MAX_PROGRAMS`` set to ``case["max_programs"]``, ``_ONE_PROGRAM_BLOCKS`` to
+``case["one_program_blocks"]`` (0 takes the two launches whatever the size) and
+``_TILES_PER_CHUNK`` to ``case["tiles_per_chunk"]`` (None: the module's); ``kind`` "probe" runs
 the cast alone (``_store_q``, the op's own jitted function) on ``case["x"]`` for
 ``case["fp8_format"]`` and ``case["q_kind"]``, covering inputs the op never casts (values above
 the format's range: the op's scale keeps ``x * used`` within it). Results: ``{name: tuple of
@@ -52,7 +52,9 @@ def compile_check() -> None:
         used_ptr="*fp32",
         next_scale_ptr="*fp32",
         next_history_ptr="*fp32",
-        **dict.fromkeys(["n", "n_blocks", "hlen", "rows", "cols"], "i32"),
+        **dict.fromkeys(
+            ["n", "n_blocks", "hlen", "rows", "cols", "chunks", "tiles_per_chunk"], "i32"
+        ),
         **dict.fromkeys(["stride_xr", "stride_xc", "stride_qr", "stride_qc"], "i32"),
     )
 
@@ -135,6 +137,21 @@ def compile_check() -> None:
         what = ("rowwise", e5m2, q_kind, layout)
         n_div[what] = check(build(fp8_triton._rowwise_kernel, constexprs, q_kind, aligned), what)
         variants += 1
+    # Long rows, in chunks: the partials kernel (no division) and the cast, a transposed x (unit
+    # row strides) and a row-major one.
+    for layout, rows_tile in (("columns", 8), ("rows", 4)):
+        cols = fp8_triton._ROW_TILE // rows_tile
+        tile = dict(ROWS=rows_tile, COLS=cols)
+        unit = dict(stride_xr=1) if layout == "columns" else dict(stride_xc=1)
+        check(build(fp8_triton._row_partials_kernel, dict(tile, **unit)), ("partials", layout), 0)
+        for e5m2, q_kind in ((False, 0), (True, 1), (False, 2)):
+            constexprs = dict(_formats(fp8_triton, e5m2, q_kind, 2), **tile, **unit,
+                              PARTIALS_BLOCK=fp8_triton._PARTIALS_BLOCK)  # fmt: skip
+            if layout == "columns":
+                constexprs.update(stride_qr=1)
+            what = ("row chunks", e5m2, q_kind, layout)
+            n_div[what] = check(build(fp8_triton._row_chunks_cast_kernel, constexprs, q_kind), what)
+            variants += 1
     assert all(n >= 3 for n in n_div.values()), n_div
     print(f"compiled {variants} variants and the partials kernel for sm_90; row-wise f32")
     print(f"divisions (all div.rn.f32): {sorted(set(n_div.values()))}")
@@ -179,8 +196,9 @@ def run_cases(cases_path: str, results_path: str) -> None:
     # numpy warns of the divisions by zero and the inf * 0 the C kernel's arithmetic does
     warnings.filterwarnings("ignore", category=RuntimeWarning)
     cases = torch.load(cases_path)
-    defaults = {"_MAX_PROGRAMS": fp8_triton._MAX_PROGRAMS,
-                "_ONE_PROGRAM_BLOCKS": fp8_triton._ONE_PROGRAM_BLOCKS}  # fmt: skip
+    overrides = (("_MAX_PROGRAMS", "max_programs"), ("_ONE_PROGRAM_BLOCKS", "one_program_blocks"),
+                 ("_TILES_PER_CHUNK", "tiles_per_chunk"))  # fmt: skip
+    defaults = {attr: getattr(fp8_triton, attr) for attr, _ in overrides}
     results = {}
     for case in cases:
         if case["kind"] == "probe":
@@ -192,8 +210,7 @@ def run_cases(cases_path: str, results_path: str) -> None:
             )
             results[case["name"]] = q
             continue
-        for attr, key in (("_MAX_PROGRAMS", "max_programs"),
-                          ("_ONE_PROGRAM_BLOCKS", "one_program_blocks")):  # fmt: skip
+        for attr, key in overrides:
             value = case.get(key)
             setattr(fp8_triton, attr, defaults[attr] if value is None else value)
         try:

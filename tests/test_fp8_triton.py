@@ -103,16 +103,18 @@ def _rows(values, k, lead=None):
 
 
 def _op(name, x, fmt, recipe, q_dtype, margin=0, most_recent=False, record=True, **kwargs):
-    """An op case: ``kwargs`` may give ``scale``, ``history``, ``max_programs`` and
-    ``one_program_blocks`` (0: the per-tensor recipes' two launches at any size)."""
+    """An op case: ``kwargs`` may give ``scale``, ``history``, ``max_programs``,
+    ``one_program_blocks`` (0: the per-tensor recipes' two launches at any size) and
+    ``tiles_per_chunk`` (long rows: fewer column tiles per chunk, more chunks)."""
     scale, history = kwargs.get("scale"), kwargs.get("history")
     if scale is None:
         scale = torch.tensor(2.0**-12)
     if history is None:
         history = _wide(16, 99).abs()
     args = (x, scale, history, fmt, recipe, margin, most_recent, record, q_dtype)
-    return dict(kind="op", name=name, args=args, max_programs=kwargs.get("max_programs"),
-                one_program_blocks=kwargs.get("one_program_blocks"))  # fmt: skip
+    overrides = {key: kwargs.get(key) for key in ("max_programs", "one_program_blocks",
+                                                  "tiles_per_chunk")}  # fmt: skip
+    return dict(kind="op", name=name, args=args, **overrides)
 
 
 def _cases():
@@ -193,6 +195,25 @@ def _cases():
         ("rows-2049", _wide((2049, 32), 16)),
     ):
         cases.append(_op(f"{tag}-rowwise", x, 0, 2, f8, margin=2))
+    # Few long rows (the weight gradient's operands), their columns split in chunks over two
+    # kernels: a transposed view (5 rows of 40000: 79 tiles of 8 x 512, 5 chunks) and a
+    # row-major one (3 rows of 70000: 69 tiles of 4 x 1024, 5 chunks; with one tile per chunk,
+    # 69 chunks, more than one block of partials; with 4 programs at most, 4 chunks). Row 0
+    # is tiny, row 1 holds an inf in a middle chunk, row 2 a NaN in the last chunk, row 3 its
+    # amax in the last column, row 4 (of the transposed view) only zeros.
+    tall = _wide((40000, 5), 23)
+    tall[:, 0] *= 1e-30
+    tall[20000, 1], tall[-1, 2], tall[-1, 3], tall[:, 4] = INF, NAN, 1e9, 0.0
+    wide = _wide((3, 70000), 24)
+    wide[0] *= 1e-30
+    wide[1, 35000], wide[2, -1] = INF, NAN
+    for fmt, q_dtype in itertools.product((0, 1), (FORMATS[0], torch.float32, torch.float64)):
+        q_dtype = FORMATS[fmt] if q_dtype == FORMATS[0] else q_dtype
+        cases.append(_op(f"long-rows-transposed-{fmt}-{q_dtype}", tall.t(), fmt, 2, q_dtype,
+                         margin=2 * fmt))  # fmt: skip
+    cases.append(_op("long-rows-row-major", wide, 0, 2, f8))
+    cases.append(_op("long-rows-69-chunks", wide, 1, 2, torch.float32, tiles_per_chunk=1))
+    cases.append(_op("long-rows-4-programs", wide, 0, 2, f8, margin=3, max_programs=4))
     big = _with_specials(_wide(ABOVE_CAP, 17), [1e7])  # amax at a spot past the first pass
     cases.append(_op("above-cap-delayed", big, 0, 0, f8, margin=2, scale=torch.tensor(1e-5)))
     cases.append(_op("above-cap-current", big, 1, 1, torch.float32))
@@ -339,6 +360,10 @@ def test_cases_cover_the_program_cap_and_ties():
     # the per-tensor launches: one (a small tensor) and two, either side of the threshold
     assert _fp8_triton._ONE_PROGRAM_BLOCKS == 16
     assert "one-launch-largest" in OP_NAMES and "two-launches-smallest" in OP_NAMES
+    # long rows: chunks in one block of partials and in two (the kernels' settings as the
+    # cases assume them)
+    assert (_fp8_triton._LONG_ROWS, _fp8_triton._TILES_PER_CHUNK) == (32, 16)
+    assert _fp8_triton._ROW_TILE == 4096 and 5 < _fp8_triton._PARTIALS_BLOCK < 69
     # the ties cases hold exact midpoints, some rounding down and some up (ties to even)
     for fmt in (0, 1):
         grid = _fp8_grid(fmt)
@@ -365,8 +390,12 @@ def test_matches_cpu_on_cuda(recipe, fmt):
     x = _with_specials(_wide((300, 67), 30 + recipe), [1e-40, -2e-39])
     x[7, :3] = torch.tensor([INF, NAN, -INF])  # one row (row-wise) or the whole tensor
     x[8, :4] = torch.cat([_nan_payloads(), torch.tensor([-NAN, 1.0])])
-    # per-tensor: one launch (x[:6], 402 values) and two (the rest)
-    cases = [x, x[:6], x[10:], x.t()] if recipe == 2 else [x, x[:6], x[10:], _wide(ABOVE_CAP, 31)]
+    # per-tensor: one launch (x[:6], 402 values) and two (the rest); row-wise: long rows too
+    # (9 and 32 rows of 2^17 + 5 columns, the weight gradient's operands, in chunks)
+    tall = _wide((2**17 + 5, 32), 33)
+    tall[-1, 3], tall[7, 5] = NAN, INF
+    cases = ([x, x[:6], x[10:], x.t(), tall.t(), tall[:, :9].t()] if recipe == 2
+             else [x, x[:6], x[10:], _wide(ABOVE_CAP, 31)])  # fmt: skip
     scales = torch.cat([torch.tensor([2.0**-10]), _nan_payloads()])  # NaNs: x86's NaN rules
     for xc, q_dtype, margin, scale in itertools.product(cases, _q_dtypes(fmt), (0, 2), scales):
         history = _wide(20, 32).abs()

@@ -17,6 +17,7 @@ compiled kernels where a CUDA device exists.
 """
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -370,6 +371,44 @@ def test_cases_cover_the_program_cap_and_ties():
         mid = (grid[1:] + grid[:-1]) / 2
         q = _ties(fmt)[len(grid) : len(grid) + len(mid)].to(FORMATS[fmt]).float()
         assert 0 < (q < mid).sum() < len(mid)
+
+
+def _flat(obj, path=""):
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _flat(value, f"{path}.{key}")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _flat(value, f"{path}[{i}]")
+    else:
+        yield path, obj
+
+
+def test_training_through_the_triton_kernels_has_the_c_kernels_bits(tmp_path):
+    # The FP8 arms trained as on a GPU with FP8 tensor cores (torch._scaled_mm, its CPU kernel
+    # here), every quantisation once through the C kernel and once through the Triton kernels
+    # under the interpreter (the long-row split taken by every row-wise operand longer than one
+    # tile): the same weights, Adam state, FP8 scaling state and losses, bit for bit.
+    arms = ["fp8", "fp8_current", "fp8_rowwise"]
+    for mode in ("c", "triton"):
+        proc = run_script("fp8_triton_training.py", str(tmp_path / mode), mode, *arms,
+                          interpret=mode == "triton", timeout=900)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    for arm in arms:
+        c, t = (json.loads((tmp_path / m / f"{arm}.json").read_text()) for m in ("c", "triton"))
+        assert c["status"] == t["status"] == "completed" and t["quantisations"] > 0, (c, t)
+        assert t["losses"] == c["losses"]
+        assert (t["long_rows"] > 0) == (arm == "fp8_rowwise"), t
+        states = [torch.load(tmp_path / mode / f"{arm}.pt", weights_only=False)
+                  for mode in ("c", "triton")]  # fmt: skip
+        for part in ("texture", "optimizer", "stepper"):
+            got, want = (dict(_flat(state[part])) for state in states)
+            assert got.keys() == want.keys()
+            for key, value in want.items():
+                if torch.is_tensor(value):
+                    assert_same_bits(got[key], value, (arm, part, key))
+                else:
+                    assert got[key] == value, (arm, part, key)
 
 
 def test_kernels_compile_for_sm90():

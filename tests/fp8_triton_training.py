@@ -1,0 +1,69 @@
+"""Train the FP8 arms a few iterations on the CPU as a GPU with FP8 tensor cores would:
+
+    python tests/fp8_triton_training.py OUT c|triton ARM...
+
+Every FP8 GEMM goes through ``torch._scaled_mm`` (its CPU kernel; ``has_fp8_tensor_cores``
+patched to true). Each quantisation runs the C kernel (``c``) or, with ``TRITON_INTERPRET=1`` in
+the environment, mptex's Triton kernels under Triton's interpreter (``triton``; the long-row
+split made to take any row of more than one column tile). Writes ``OUT/ARM.pt`` (the checkpoint)
+and ``OUT/ARM.json`` (the loss history, and in ``triton`` mode the number of quantisations and
+of long-row splits). Run by ``tests/test_fp8_triton.py``: both modes must train the same bits.
+"""
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+
+import mptex.fp8
+from mptex.cli import CONFIG_DIR
+from mptex.train import train
+
+TINY = [
+    "train=tiny", "texture=tiny", "scene.resolution=32", "scene.n_train_views=4",
+    "scene.n_val_views=2", "scene.tubular_segments=48", "scene.radial_segments=8",
+    "train.iterations=3", "train.val_interval=3", "train.checkpoint_interval=3",
+    "train.stats_interval=2",
+]  # fmt: skip
+
+
+def main(out: Path, mode: str, arms: list[str]) -> None:
+    mptex.fp8.has_fp8_tensor_cores = lambda device, rowwise=False: True
+    counts = {"quantisations": 0, "long_rows": 0}
+    if mode == "triton":
+        import mptex._fp8_triton as kernels
+
+        assert kernels.INTERPRETED, "TRITON_INTERPRET=1 did not select the interpreter"
+        kernels._TILES_PER_CHUNK = 1  # split any row longer than one tile
+        split = kernels._rowwise_long
+
+        def counted_split(*args, **kwargs):
+            counts["long_rows"] += 1
+            return split(*args, **kwargs)
+
+        def quantize(x, *args):
+            counts["quantisations"] += 1
+            return kernels.fp8_quantize_triton(x.detach(), *args)
+
+        kernels._rowwise_long = counted_split
+        mptex.fp8.fp8_quantize = quantize
+    out.mkdir(parents=True, exist_ok=True)
+    for arm in arms:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose("config", overrides=[*TINY, f"precision={arm}"])
+        with tempfile.TemporaryDirectory() as run_dir:
+            metrics = train(cfg, run_dir)
+            shutil.copy(Path(run_dir) / "checkpoint.pt", out / f"{arm}.pt")
+        losses = [entry["loss"] for entry in metrics["history"]]
+        (out / f"{arm}.json").write_text(json.dumps({"status": metrics["status"],
+                                                     "losses": losses, **counts}))  # fmt: skip
+        counts.update(quantisations=0, long_rows=0)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3:])

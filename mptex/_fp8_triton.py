@@ -387,6 +387,7 @@ def _row_scales(
 def _store_row_scalars(
     r, row_in, amax, row_scale, used, scale_inv_ptr, amax_ptr, used_ptr, next_scale_ptr
 ):  # fmt: skip
+    """The op's per-row outputs of rows ``r`` (where ``row_in``)."""
     tl.store(amax_ptr + r, amax, mask=row_in)
     tl.store(used_ptr + r, used, mask=row_in)
     tl.store(next_scale_ptr + r, row_scale, mask=row_in)

@@ -508,8 +508,7 @@ def scaled_mm(
         scale_inv_a, scale_inv_b: f32 scalars, what ``a`` and ``b`` are multiplied by.
         backend: ``"auto"``, ``"scaled_mm"`` (``torch._scaled_mm``; K and N padded with zeros
             to multiples of 16 and the operands laid out as cuBLASLt wants, ``b`` column-major)
-            or
-            ``"emulated"`` (the operands in f32, ``torch.mm``, the scales applied after).
+            or ``"emulated"`` (the operands in f32, ``torch.mm``, the scales applied after).
 
     Returns:
         ``[M, N]`` float32.
@@ -562,9 +561,9 @@ def scaled_mm_rowwise(
         b: ``[K, N]`` E4M3 (torch's row-wise kernel takes no E5M2 ``b``).
         scale_a: ``[M, 1]`` f32, what row ``i`` of ``a`` is multiplied by.
         scale_b: ``[1, N]`` f32, what column ``j`` of ``b`` is multiplied by.
-        backend: ``"auto"``, ``"scaled_mm"`` (``torch._scaled_mm``'s row-wise path, operands
-            K and N padded with zeros and ``scale_b`` with ones to multiples of 16, ``b``
-            column-major) or
+        backend: ``"auto"`` (``scaled_mm`` where :func:`has_fp8_tensor_cores` with
+            ``rowwise``), ``"scaled_mm"`` (``torch._scaled_mm``'s row-wise path, K and N padded
+            with zeros and ``scale_b`` with ones to multiples of 16, ``b`` column-major) or
             ``"emulated"`` (the products summed in float64, rounded once to f32, then
             ``* scale_a[i]`` and ``* scale_b[j]`` in f32, in that order: the CUTLASS epilogue's).
 

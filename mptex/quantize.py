@@ -23,20 +23,15 @@ from __future__ import annotations
 
 import torch
 
-from mptex.fp8 import (
-    E4M3,
-    dequantize_fp8,
-    fp8_scale,
-    quantization_error,
-    quantize_fp8,
-    quantize_fp8_rowwise,
-)
+from mptex._fp8_fused import RECIPE_CODES, fp8_quantize
+from mptex.fp8 import quantization_error
 
 __all__ = [
     "WEIGHT_QUANT",
     "INT8_MAX",
     "int8_channel_scales",
     "quantize_int8",
+    "e4m3_values",
     "fake_quantize",
     "fake_quantize_input",
     "quantization_error",
@@ -65,16 +60,33 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int8), scales
 
 
+def e4m3_values(x: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
+    """``x`` rounded to E4M3 with its current scale, as the float32 values an FP8 decoder
+    sees: one scale for the tensor (``448 / amax``, :func:`mptex.fp8.quantize_fp8` with
+    :func:`mptex.fp8.fp8_scale` of the amax) or, with ``rowwise``, one per row of a ``[M, K]``
+    ``x`` (:func:`mptex.fp8.quantize_fp8_rowwise`), then times the inverse scale
+    (:func:`mptex.fp8.dequantize_fp8`). The same bits as those eager ops, in one
+    ``mptex::fp8_quantize`` (the current or row-wise recipe, margin 0, returning the codes'
+    float32 values) and one multiply.
+
+    Args:
+        x: any shape (``[M, K]`` with ``rowwise``), any float dtype.
+
+    Returns:
+        float32, ``x``'s shape.
+    """
+    empty = x.new_empty(0, dtype=torch.float32)
+    recipe = RECIPE_CODES["rowwise" if rowwise else "current"]
+    q, scale_inv, *_ = fp8_quantize(x.detach().float(), empty, empty, 0, recipe, 0, False, False,
+                                    torch.float32)  # fmt: skip
+    return q * scale_inv
+
+
 def _quantized_value(weight: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "int8":
         q, scales = quantize_int8(weight)
         return q.float() * scales[:, None]
-    if kind == "fp8_rowwise":
-        q, scale_inv, _, _ = quantize_fp8_rowwise(weight.detach(), E4M3)
-        return dequantize_fp8(q, scale_inv)
-    amax = weight.detach().float().abs().amax()
-    q, scale_inv, _, _ = quantize_fp8(weight.detach(), fp8_scale(amax, E4M3), E4M3, amax)
-    return dequantize_fp8(q, scale_inv)
+    return e4m3_values(weight, rowwise=kind == "fp8_rowwise")
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -129,8 +141,7 @@ class _StraightThroughRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         rows = x.detach().reshape(-1, x.shape[-1])
-        q, scale_inv, _, _ = quantize_fp8_rowwise(rows, E4M3)
-        return dequantize_fp8(q, scale_inv).reshape(x.shape).to(x.dtype)
+        return e4m3_values(rows, rowwise=True).reshape(x.shape).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):

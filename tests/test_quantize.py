@@ -60,3 +60,41 @@ def test_qat_layer_computes_with_the_quantised_weight_and_trains_the_master():
     layer(x)
     stats = layer.quant_statistics()
     assert 0 < float(stats["w_rel_error"]) < 0.5 / 127 * 8**0.5
+
+
+def _eager_e4m3_values(x, rowwise):
+    """The eager ops the fused path replaces: quantize_fp8 with fp8_scale of the amax, or
+    quantize_fp8_rowwise, then dequantize_fp8."""
+    from mptex.fp8 import E4M3, dequantize_fp8, fp8_scale, quantize_fp8, quantize_fp8_rowwise
+
+    if rowwise:
+        q, scale_inv, _, _ = quantize_fp8_rowwise(x, E4M3)
+    else:
+        amax = x.float().abs().amax()
+        q, scale_inv, _, _ = quantize_fp8(x, fp8_scale(amax, E4M3), E4M3, amax)
+    return dequantize_fp8(q, scale_inv)
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+@pytest.mark.parametrize("case", ["wide", "zeros", "tiny", "inf", "nan", "transposed"])
+def test_e4m3_values_are_the_eager_ops_bits(rowwise, case):
+    # The QAT arms' rounding in one mptex::fp8_quantize (the C kernel here, the twin where it
+    # has none) against the eager ops it replaced, bit for bit: wide magnitudes, all zeros,
+    # float32 subnormals (the scale overflows: kept at 1), an inf, a NaN, a transposed input.
+    from golden_io import bits
+
+    from mptex.quantize import e4m3_values
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 24, generator=gen) * 10.0 ** (torch.rand(37, 1, generator=gen) * 8 - 4)
+    if case == "zeros":
+        x = torch.zeros(37, 24)
+    elif case == "tiny":
+        x = x * 1e-42
+    elif case in ("inf", "nan"):
+        x[3, 5] = float(case)
+    elif case == "transposed":
+        x = x.t().contiguous().t()
+    got = e4m3_values(x, rowwise=rowwise)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert torch.equal(bits(got), bits(_eager_e4m3_values(x, rowwise)))

@@ -3,7 +3,8 @@
     python tests/fp8_triton_training.py OUT c|triton ARM...
 
 Every FP8 GEMM goes through ``torch._scaled_mm`` (its CPU kernel; ``has_fp8_tensor_cores``
-patched to true). Each quantisation runs the C kernel (``c``) or, with ``TRITON_INTERPRET=1`` in
+patched to true). Each quantisation (the QAT arms' E4M3 rounding included) runs the C kernel
+(``c``) or, with ``TRITON_INTERPRET=1`` in
 the environment, mptex's Triton kernels under Triton's interpreter (``triton``; the long-row
 split made to take any row of more than one column tile). Writes ``OUT/ARM.pt`` (the checkpoint)
 and ``OUT/ARM.json`` (the loss history, and in ``triton`` mode the number of quantisations and
@@ -20,6 +21,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import mptex.fp8
+import mptex.quantize
 from mptex.cli import CONFIG_DIR
 from mptex.train import train
 
@@ -50,7 +52,7 @@ def main(out: Path, mode: str, arms: list[str]) -> None:
             return kernels.fp8_quantize_triton(x.detach(), *args)
 
         kernels._rowwise_long = counted_split
-        mptex.fp8.fp8_quantize = quantize
+        mptex.fp8.fp8_quantize = mptex.quantize.fp8_quantize = quantize
     out.mkdir(parents=True, exist_ok=True)
     for arm in arms:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):

@@ -388,8 +388,9 @@ def test_training_through_the_triton_kernels_has_the_c_kernels_bits(tmp_path):
     # The FP8 arms trained as on a GPU with FP8 tensor cores (torch._scaled_mm, its CPU kernel
     # here), every quantisation once through the C kernel and once through the Triton kernels
     # under the interpreter (the long-row split taken by every row-wise operand longer than one
-    # tile): the same weights, Adam state, FP8 scaling state and losses, bit for bit.
-    arms = ["fp8", "fp8_current", "fp8_rowwise"]
+    # tile): the same weights, Adam state, FP8 scaling state and losses, bit for bit. The FP8
+    # QAT arms' rounding goes through the same op.
+    arms = ["fp8", "fp8_current", "fp8_rowwise", "fp8_qat", "fp8_rowwise_qat"]
     for mode in ("c", "triton"):
         proc = run_script("fp8_triton_training.py", str(tmp_path / mode), mode, *arms,
                           interpret=mode == "triton", timeout=900)  # fmt: skip

@@ -22,16 +22,16 @@ Launches:
   thousand values twice costs the device;
 
 * row-wise recipe (2): ``_rowwise_kernel``, one program per block of rows, each looping over
-  the columns twice (amax, then cast), any strides of ``x`` and ``q`` (a transposed ``x``).
-  Few long rows (a weight gradient's operands: 3 to 32 rows of a million columns) would leave
-  all but one SM idle that way; there the columns are split into up to ``_MAX_PROGRAMS``
-  chunks over two kernels, as the per-tensor recipes split a tensor:
+  the columns twice (amax: ``OWN_AMAX``, then cast), any strides of ``x`` and ``q`` (a
+  transposed ``x``). Few long rows (a weight gradient's operands: 3 to 32 rows of a million
+  columns) would leave all but one SM idle that way; there the columns are split into up to
+  ``_MAX_PROGRAMS`` chunks over two kernels, as the per-tensor recipes split a tensor:
 
   1. ``_row_partials_kernel``: each program writes, for each of its rows, the largest ``|x|``
      bit pattern of its chunk of columns (``[rows, chunks]`` int32);
-  2. ``_row_chunks_cast_kernel``: each program reduces its rows' partials to their amaxes,
-     computes the rows' scales and casts its chunk; the programs of chunk 0 write the rows'
-     ``scale_inv``, ``amax``, ``used`` and ``next_scale``.
+  2. ``_rowwise_kernel`` over (blocks of rows, chunks): each program reduces its rows' partials
+     to their amaxes, computes the rows' scales and casts its chunk; the programs of chunk 0
+     write the rows' ``scale_inv``, ``amax``, ``used`` and ``next_scale``.
 
 Arithmetic, and why it matches the C kernel on any GPU:
 
@@ -322,49 +322,25 @@ def _scale_cast_kernel(
 
 
 @triton.jit
-def _rowwise_kernel(
-    x_ptr,
-    q_ptr,
-    scale_inv_ptr,
-    amax_ptr,
-    used_ptr,
-    next_scale_ptr,
-    rows,
-    cols,
-    stride_xr,
-    stride_xc,
-    stride_qr,
-    stride_qc,
-    E5M2: tl.constexpr,
-    FMAX: tl.constexpr,
-    HAS_MARGIN: tl.constexpr,
-    DIVISOR_BITS: tl.constexpr,
-    Q_KIND: tl.constexpr,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-):
-    """ROWS rows: each row's amax, scale (the C kernel's row-wise arm) and cast."""
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_in = r < rows
-    r64 = r.to(tl.int64)
-    x_rows = x_ptr + r64[:, None] * stride_xr
-    q_rows = q_ptr + r64[:, None] * stride_qr
+def _row_tile(x_rows, t, k_lanes, row_in, cols, stride_xc, COLS: tl.constexpr):
+    """Column tile ``t`` (int64) of the rows: ``(x, k, mask)``, 0 outside the matrix."""
+    k = t * COLS + k_lanes
+    mask = row_in[:, None] & (k < cols)[None, :]
+    x = tl.load(x_rows + k[None, :] * stride_xc, mask=mask, other=0.0)
+    return x, k, mask
+
+
+@triton.jit
+def _chunk_amax_bits(x_rows, first, tiles, row_in, cols, stride_xc, ROWS: tl.constexpr,
+                     COLS: tl.constexpr):  # fmt: skip
+    """Per row, the max of :func:`_abs_bits` over the column tiles ``first`` onwards, ``tiles``
+    of them (0 if none)."""
     k_lanes = tl.arange(0, COLS)
     acc = tl.zeros([ROWS, COLS], dtype=tl.int32)
-    for k0 in range(0, cols, COLS):
-        k = k0 + k_lanes
-        mask = row_in[:, None] & (k < cols)[None, :]
-        x = tl.load(x_rows + k.to(tl.int64)[None, :] * stride_xc, mask=mask, other=0.0)
+    for t in range(first, first + tiles):
+        x, _, _ = _row_tile(x_rows, t, k_lanes, row_in, cols, stride_xc, COLS)
         acc = tl.maximum(acc, _abs_bits(x))
-    amax = _amax_of(tl.max(acc, axis=1))
-    row_scale, used = _row_scales(amax, FMAX, HAS_MARGIN, DIVISOR_BITS, ROWS)
-    _store_row_scalars(r, row_in, amax, row_scale, used, scale_inv_ptr, amax_ptr, used_ptr,
-                       next_scale_ptr)  # fmt: skip
-    for k0 in range(0, cols, COLS):
-        k = (k0 + k_lanes).to(tl.int64)
-        mask = row_in[:, None] & (k < cols)[None, :]
-        x = tl.load(x_rows + k[None, :] * stride_xc, mask=mask, other=0.0)
-        _store_q(q_rows + k[None, :] * stride_qc, x, used[:, None], mask, E5M2, Q_KIND)
+    return tl.max(acc, axis=1)
 
 
 @triton.jit
@@ -381,17 +357,6 @@ def _row_scales(
     row_scale = tl.where(usable, _with_margin(unscaled, HAS_MARGIN, DIVISOR_BITS), 1.0)
     used = tl.where(amax * row_scale > fmax, unscaled, row_scale)
     return row_scale, used
-
-
-@triton.jit
-def _store_row_scalars(
-    r, row_in, amax, row_scale, used, scale_inv_ptr, amax_ptr, used_ptr, next_scale_ptr
-):  # fmt: skip
-    """The op's per-row outputs of rows ``r`` (where ``row_in``)."""
-    tl.store(amax_ptr + r, amax, mask=row_in)
-    tl.store(used_ptr + r, used, mask=row_in)
-    tl.store(next_scale_ptr + r, row_scale, mask=row_in)
-    tl.store(scale_inv_ptr + r, _x86_reciprocal(used), mask=row_in)
 
 
 @triton.jit
@@ -413,20 +378,14 @@ def _row_partials_kernel(
     c = tl.program_id(1)
     row_in = r < rows
     r64 = r.to(tl.int64)
-    x_rows = x_ptr + r64[:, None] * stride_xr
-    k_lanes = tl.arange(0, COLS)
-    acc = tl.zeros([ROWS, COLS], dtype=tl.int32)
     first = c.to(tl.int64) * tiles_per_chunk
-    for t in range(first, first + tiles_per_chunk):
-        k = t * COLS + k_lanes
-        mask = row_in[:, None] & (k < cols)[None, :]
-        x = tl.load(x_rows + k[None, :] * stride_xc, mask=mask, other=0.0)
-        acc = tl.maximum(acc, _abs_bits(x))
-    tl.store(partial_ptr + r64 * chunks + c, tl.max(acc, axis=1), mask=row_in)
+    bits = _chunk_amax_bits(x_ptr + r64[:, None] * stride_xr, first, tiles_per_chunk, row_in,
+                            cols, stride_xc, ROWS, COLS)  # fmt: skip
+    tl.store(partial_ptr + r64 * chunks + c, bits, mask=row_in)
 
 
 @triton.jit
-def _row_chunks_cast_kernel(
+def _rowwise_kernel(
     x_ptr,
     q_ptr,
     partial_ptr,
@@ -450,32 +409,40 @@ def _row_chunks_cast_kernel(
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
     PARTIALS_BLOCK: tl.constexpr,
+    OWN_AMAX: tl.constexpr,
 ):
-    """ROWS rows' amaxes from their partials, their scales (stored by chunk 0's programs) and
-    the cast of chunk ``program_id(1)``'s columns."""
+    """ROWS rows: their amaxes (with ``OWN_AMAX``, one chunk holding the whole rows: this
+    program's own pass over them; else from the partials), their scales (the C kernel's
+    row-wise arm; stored by chunk 0's programs) and the cast of chunk ``program_id(1)``'s
+    columns."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.program_id(1)
     row_in = r < rows
     r64 = r.to(tl.int64)
-    bits = tl.zeros([ROWS, PARTIALS_BLOCK], dtype=tl.int32)
-    for c0 in range(0, chunks, PARTIALS_BLOCK):
-        idx = c0 + tl.arange(0, PARTIALS_BLOCK)
-        mask = row_in[:, None] & (idx < chunks)[None, :]
-        part = tl.load(partial_ptr + r64[:, None] * chunks + idx[None, :], mask=mask, other=0)
-        bits = tl.maximum(bits, part)
-    amax = _amax_of(tl.max(bits, axis=1))
+    x_rows = x_ptr + r64[:, None] * stride_xr
+    first = c.to(tl.int64) * tiles_per_chunk
+    if OWN_AMAX:
+        bits = _chunk_amax_bits(x_rows, first, tiles_per_chunk, row_in, cols, stride_xc, ROWS,
+                                COLS)  # fmt: skip
+    else:
+        acc = tl.zeros([ROWS, PARTIALS_BLOCK], dtype=tl.int32)
+        for c0 in range(0, chunks, PARTIALS_BLOCK):
+            idx = c0 + tl.arange(0, PARTIALS_BLOCK)
+            mask = row_in[:, None] & (idx < chunks)[None, :]
+            part = tl.load(partial_ptr + r64[:, None] * chunks + idx[None, :], mask=mask, other=0)
+            acc = tl.maximum(acc, part)
+        bits = tl.max(acc, axis=1)
+    amax = _amax_of(bits)
     row_scale, used = _row_scales(amax, FMAX, HAS_MARGIN, DIVISOR_BITS, ROWS)
     if c == 0:
-        _store_row_scalars(r, row_in, amax, row_scale, used, scale_inv_ptr, amax_ptr, used_ptr,
-                           next_scale_ptr)  # fmt: skip
-    x_rows = x_ptr + r64[:, None] * stride_xr
+        tl.store(amax_ptr + r, amax, mask=row_in)
+        tl.store(used_ptr + r, used, mask=row_in)
+        tl.store(next_scale_ptr + r, row_scale, mask=row_in)
+        tl.store(scale_inv_ptr + r, _x86_reciprocal(used), mask=row_in)
     q_rows = q_ptr + r64[:, None] * stride_qr
     k_lanes = tl.arange(0, COLS)
-    first = c.to(tl.int64) * tiles_per_chunk
     for t in range(first, first + tiles_per_chunk):
-        k = t * COLS + k_lanes
-        mask = row_in[:, None] & (k < cols)[None, :]
-        x = tl.load(x_rows + k[None, :] * stride_xc, mask=mask, other=0.0)
+        x, k, mask = _row_tile(x_rows, t, k_lanes, row_in, cols, stride_xc, COLS)
         _store_q(q_rows + k[None, :] * stride_qc, x, used[:, None], mask, E5M2, Q_KIND)
 
 
@@ -502,31 +469,45 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _rowwise_long(x, q, scalars, block_rows: int, chunks: int, consts: dict) -> None:
-    """The row-wise recipe on few long rows (module docstring): the columns in ``chunks``
-    chunks of whole tiles of ``block_rows`` rows, two kernels."""
+def _rowwise(x, q, scalars, consts: dict) -> None:
+    """The row-wise recipe's launches (module docstring): one kernel over blocks of rows, or,
+    for few long rows, the columns in chunks of whole tiles over two."""
     rows, cols = x.shape
-    block_cols = _ROW_TILE // block_rows
-    col_tiles = triton.cdiv(cols, block_cols)
-    tiles_per_chunk = triton.cdiv(col_tiles, chunks)
-    chunks = triton.cdiv(col_tiles, tiles_per_chunk)  # none left empty
-    partials = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
-    grid = (triton.cdiv(rows, block_rows), chunks)
-    geometry = (rows, cols, *x.stride())
-    _row_partials_kernel[grid](x, partials, *geometry, chunks, tiles_per_chunk, ROWS=block_rows,
-                               COLS=block_cols, enable_fp_fusion=False)  # fmt: skip
-    _row_chunks_cast_kernel[grid](
+    if not rows:
+        return
+    block_cols = min(max(_next_pow2(cols), 16), _MAX_COLS)
+    block_rows = _ROW_TILE // block_cols
+    long_rows = min(max(_next_pow2(rows), 2), _LONG_ROWS)  # the long-row tile
+    col_tiles = triton.cdiv(cols, _ROW_TILE // long_rows)
+    chunks = min(triton.cdiv(col_tiles, _TILES_PER_CHUNK),
+                 _MAX_PROGRAMS // triton.cdiv(rows, long_rows))  # fmt: skip
+    partials = scalars[0]  # unread in one chunk
+    if chunks > 1:
+        block_rows, block_cols = long_rows, _ROW_TILE // long_rows
+        tiles_per_chunk = triton.cdiv(col_tiles, chunks)
+        chunks = triton.cdiv(col_tiles, tiles_per_chunk)  # none left empty
+        partials = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
+        grid = (triton.cdiv(rows, block_rows), chunks)
+        _row_partials_kernel[grid](x, partials, rows, cols, *x.stride(), chunks, tiles_per_chunk,
+                                   ROWS=block_rows, COLS=block_cols,
+                                   enable_fp_fusion=False)  # fmt: skip
+    else:
+        chunks, tiles_per_chunk = 1, triton.cdiv(cols, block_cols)
+    _rowwise_kernel[(triton.cdiv(rows, block_rows), chunks)](
         x,
         q,
         partials,
         *scalars,
-        *geometry,
+        rows,
+        cols,
+        *x.stride(),
         *q.stride(),
         chunks,
         tiles_per_chunk,
         ROWS=block_rows,
         COLS=block_cols,
         PARTIALS_BLOCK=_PARTIALS_BLOCK,
+        OWN_AMAX=chunks == 1,
         enable_fp_fusion=False,
         **consts,
     )
@@ -561,33 +542,7 @@ def fp8_quantize_triton(
     if recipe == 2:
         outputs = _outputs(x, history, recipe, record, q_dtype)
         q, (scale_inv, amax, used, next_scale), next_history = outputs
-        rows, cols = x.shape
-        block_cols = min(max(_next_pow2(cols), 16), _MAX_COLS)
-        block_rows = _ROW_TILE // block_cols
-        row_programs = triton.cdiv(rows, block_rows)
-        long_rows = min(max(_next_pow2(rows), 2), _LONG_ROWS)  # the long-row tile
-        col_tiles = triton.cdiv(cols, _ROW_TILE // long_rows)
-        chunks = min(triton.cdiv(col_tiles, _TILES_PER_CHUNK),
-                     _MAX_PROGRAMS // triton.cdiv(rows, long_rows) if rows else 0)  # fmt: skip
-        if chunks > 1:
-            _rowwise_long(x, q, (scale_inv, amax, used, next_scale), long_rows, chunks, consts)
-        elif rows:
-            _rowwise_kernel[(row_programs,)](
-                x,
-                q,
-                scale_inv,
-                amax,
-                used,
-                next_scale,
-                rows,
-                cols,
-                *x.stride(),
-                *q.stride(),
-                ROWS=block_rows,
-                COLS=block_cols,
-                enable_fp_fusion=False,
-                **consts,
-            )
+        _rowwise(x, q, (scale_inv, amax, used, next_scale), consts)
     else:
         # The per-tensor kernels walk memory linearly; q is laid out as x (empty_like), so a
         # non-contiguous x is quantised as its contiguous copy and q copied into x's layout.

@@ -125,8 +125,9 @@ def compile_check() -> None:
     ):
         cols = 32
         constexprs = dict(
-            _formats(fp8_triton, e5m2, q_kind, 2), ROWS=fp8_triton._ROW_TILE // cols, COLS=cols
-        )
+            _formats(fp8_triton, e5m2, q_kind, 2), ROWS=fp8_triton._ROW_TILE // cols, COLS=cols,
+            PARTIALS_BLOCK=fp8_triton._PARTIALS_BLOCK, OWN_AMAX=True, chunks=1,
+        )  # fmt: skip
         aligned = ["x_ptr", "q_ptr", "scale_inv_ptr", "amax_ptr", "used_ptr", "next_scale_ptr"]
         if layout == "rows":
             constexprs.update(stride_xc=1, stride_qc=1)
@@ -137,8 +138,8 @@ def compile_check() -> None:
         what = ("rowwise", e5m2, q_kind, layout)
         n_div[what] = check(build(fp8_triton._rowwise_kernel, constexprs, q_kind, aligned), what)
         variants += 1
-    # Long rows, in chunks: the partials kernel (no division) and the cast, a transposed x (unit
-    # row strides) and a row-major one.
+    # Long rows, in chunks: the partials kernel (no division) and the cast from the partials, a
+    # transposed x (unit row strides) and a row-major one.
     for layout, rows_tile in (("columns", 8), ("rows", 4)):
         cols = fp8_triton._ROW_TILE // rows_tile
         tile = dict(ROWS=rows_tile, COLS=cols)
@@ -146,11 +147,12 @@ def compile_check() -> None:
         check(build(fp8_triton._row_partials_kernel, dict(tile, **unit)), ("partials", layout), 0)
         for e5m2, q_kind in ((False, 0), (True, 1), (False, 2)):
             constexprs = dict(_formats(fp8_triton, e5m2, q_kind, 2), **tile, **unit,
-                              PARTIALS_BLOCK=fp8_triton._PARTIALS_BLOCK)  # fmt: skip
+                              PARTIALS_BLOCK=fp8_triton._PARTIALS_BLOCK,
+                              OWN_AMAX=False)  # fmt: skip
             if layout == "columns":
                 constexprs.update(stride_qr=1)
             what = ("row chunks", e5m2, q_kind, layout)
-            n_div[what] = check(build(fp8_triton._row_chunks_cast_kernel, constexprs, q_kind), what)
+            n_div[what] = check(build(fp8_triton._rowwise_kernel, constexprs, q_kind), what)
             variants += 1
     assert all(n >= 3 for n in n_div.values()), n_div
     print(f"compiled {variants} variants and the partials kernel for sm_90; row-wise f32")

@@ -280,6 +280,11 @@ def _route_fp8_gemms_through_scaled_mm() -> None:
     mptex.fp8.has_fp8_tensor_cores = lambda device, rowwise=False: True
 
 
+def _write_json(args: argparse.Namespace, results: list[dict], **extra) -> None:
+    payload = {"machine": machine("cpu"), "fp8_gemm": args.fp8_gemm, **extra, "results": results}
+    args.json.write_text(json.dumps(payload, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -326,26 +331,21 @@ def main(argv: list[str] | None = None) -> None:
               f"{machine('cpu')}\n")  # fmt: skip
         print_host_ms(results)
         if args.json is not None:
-            args.json.write_text(json.dumps({"machine": machine("cpu"), "fp8_gemm": args.fp8_gemm,
-                                             "results": results}, indent=1) + "\n")  # fmt: skip
+            _write_json(args, results)
         return
     results = []
     for arm in args.arms:
         results.append(count_arm(arm, args.start, args.stop, args.resolution, args.overrides,
                                  args.texture))  # fmt: skip
         if args.json is not None:  # after each arm: a long run keeps what it counted
-            args.json.write_text(json.dumps({"machine": machine("cpu"), "fp8_gemm": args.fp8_gemm,
-                                             "results": results}, indent=1) + "\n")  # fmt: skip
+            _write_json(args, results)
     print(
         f"builtin scene {args.resolution}x{args.resolution}, batch 4, texture={args.texture}, "
         f"iterations [{args.start}, {args.stop}), FP8 GEMMs {args.fp8_gemm}; {machine('cpu')}\n"
     )
     print_results(results, args.top_sites)
     if args.json is not None:
-        payload = {"machine": machine("cpu"), "resolution": args.resolution,
-                   "fp8_gemm": args.fp8_gemm, "overrides": args.overrides,
-                   "results": results}  # fmt: skip
-        args.json.write_text(json.dumps(payload, indent=1) + "\n")
+        _write_json(args, results, resolution=args.resolution, overrides=args.overrides)
 
 
 if __name__ == "__main__":

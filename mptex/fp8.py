@@ -212,13 +212,17 @@ def quantize_fp8_rowwise(
     return quantize_fp8(x, fp8_scale(amax, dtype, margin), dtype, amax)
 
 
-def _rowwise_operand(x: torch.Tensor, dtype: torch.dtype, margin: int, q_dtype: torch.dtype):
-    """``(q, scale_inv)`` of :func:`quantize_fp8_rowwise`, ``q`` in ``q_dtype`` (the FP8 dtype,
-    or float32/float64 holding its values), as one ``mptex::fp8_quantize`` where it has a
-    kernel."""
+def _rowwise_operand(
+    x: torch.Tensor, dtype: torch.dtype, margin: int, q_dtype: torch.dtype, rowwise: bool = True
+):  # fmt: skip
+    """``(q, scale_inv)`` of :func:`quantize_fp8_rowwise` (or, without ``rowwise``, of
+    :func:`quantize_fp8` with :func:`fp8_scale` of ``x``'s amax: one current scale for the
+    tensor), ``q`` in ``q_dtype`` (the FP8 dtype, or float32/float64 holding its values), as one
+    ``mptex::fp8_quantize`` where it has a kernel: the recipes that read no scale or history."""
     empty = x.new_empty(0, dtype=torch.float32)
-    q, scale_inv, *_ = fp8_quantize(x, empty, empty, int(dtype == E5M2), RECIPE_CODES["rowwise"],
-                                    margin, False, False, q_dtype)  # fmt: skip
+    recipe = RECIPE_CODES["rowwise" if rowwise else "current"]
+    q, scale_inv, *_ = fp8_quantize(x, empty, empty, int(dtype == E5M2), recipe, margin, False,
+                                    False, q_dtype)  # fmt: skip
     return q, scale_inv
 
 
@@ -531,17 +535,23 @@ def _emulated_mm(a, b, scale_inv_a, scale_inv_b) -> torch.Tensor:
     return torch.mm(a, b) * (scale_inv_a * scale_inv_b)
 
 
-def _scaled_mm_padded(a, b, scale_inv_a, scale_inv_b) -> torch.Tensor:
+def _scaled_mm_padded(a, b, scale_a, scale_b, rowwise: bool = False) -> torch.Tensor:
     """``torch._scaled_mm`` on any shapes: ``a`` row-major and ``b`` column-major, K and N
     zero-padded to multiples of 16 (zero products add nothing to the sums; the padded columns
-    are cut from the f32 result), each operand copied at most once."""
+    are cut from the f32 result), each operand copied at most once. Scales per tensor, or with
+    ``rowwise`` ``[M, 1]`` and ``[1, N]`` (the padded columns get the scale 1)."""
     (m, k), n = a.shape, b.shape[1]
     if m == 0:
         return a.new_zeros(0, n, dtype=torch.float32)
     kp, np_ = _round_up(k), _round_up(n)
+    if rowwise and np_ != n:
+        padded = torch.ones(1, np_, dtype=torch.float32, device=a.device)
+        padded[:, :n] = scale_b
+        scale_b = padded
     out = torch._scaled_mm(
         _gemm_operand(a, m, kp, column_major=False), _gemm_operand(b, kp, np_, column_major=True),
-        scale_a=scale_inv_a.float(), scale_b=scale_inv_b.float(), out_dtype=torch.float32,
+        scale_a=scale_a.float().contiguous(), scale_b=scale_b.float().contiguous(),
+        out_dtype=torch.float32,
     )  # fmt: skip
     return out if np_ == n else out[:, :n]
 
@@ -587,7 +597,7 @@ def scaled_mm_rowwise(
     scale_a, scale_b = scale_a.float(), scale_b.float()
     if resolve_gemm_backend(backend, a.device, rowwise=True) == "emulated":
         return _rowwise_emulated(a.double(), b.double(), scale_a, scale_b)
-    return _scaled_mm_rowwise_padded(a, b, scale_a, scale_b)
+    return _scaled_mm_padded(a, b, scale_a, scale_b, rowwise=True)
 
 
 def _rowwise_emulated(a, b, scale_a, scale_b) -> torch.Tensor:
@@ -595,24 +605,6 @@ def _rowwise_emulated(a, b, scale_a, scale_b) -> torch.Tensor:
     holds every FP8 product exactly and, for the sums here, every partial sum."""
     acc = torch.mm(a, b).float()
     return acc * scale_a * scale_b  # left to right: the row scale first
-
-
-def _scaled_mm_rowwise_padded(a, b, scale_a, scale_b) -> torch.Tensor:
-    """``torch._scaled_mm``'s row-wise path on any shapes (as :func:`_scaled_mm_padded`; the
-    padded columns get the scale 1 and are cut from the f32 result)."""
-    (m, k), n = a.shape, b.shape[1]
-    if m == 0:
-        return a.new_zeros(0, n, dtype=torch.float32)
-    kp, np_ = _round_up(k), _round_up(n)
-    if np_ != n:
-        padded = torch.ones(1, np_, dtype=torch.float32, device=a.device)
-        padded[:, :n] = scale_b
-        scale_b = padded
-    out = torch._scaled_mm(
-        _gemm_operand(a, m, kp, column_major=False), _gemm_operand(b, kp, np_, column_major=True),
-        scale_a=scale_a.contiguous(), scale_b=scale_b.contiguous(), out_dtype=torch.float32,
-    )  # fmt: skip
-    return out if np_ == n else out[:, :n]
 
 
 class _FP8RowwiseLinear(torch.autograd.Function):

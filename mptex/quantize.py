@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from mptex._fp8_fused import RECIPE_CODES, fp8_quantize
-from mptex.fp8 import quantization_error
+from mptex.fp8 import E4M3, _rowwise_operand, quantization_error
 
 __all__ = [
     "WEIGHT_QUANT",
@@ -75,10 +74,7 @@ def e4m3_values(x: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
     Returns:
         float32, ``x``'s shape.
     """
-    empty = x.new_empty(0, dtype=torch.float32)
-    recipe = RECIPE_CODES["rowwise" if rowwise else "current"]
-    q, scale_inv, *_ = fp8_quantize(x.detach().float(), empty, empty, 0, recipe, 0, False, False,
-                                    torch.float32)  # fmt: skip
+    q, scale_inv = _rowwise_operand(x.detach().float(), E4M3, 0, torch.float32, rowwise=rowwise)
     return q * scale_inv
 
 

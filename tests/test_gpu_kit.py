@@ -190,6 +190,34 @@ def test_the_main_job_stage_runs_only_when_named_and_keeps_its_report(tmp_path):
     assert arms == {"f32", "fp8"}
 
 
+def test_the_main_job_keeps_the_kits_packages_on_the_python_path():
+    # On a GPU machine Hydra and OmegaConf are importable only through the PYTHONPATH
+    # validate.py sets for its stages (the kit installed into a scratch folder).
+    env = kit.stages_loop.job_env({"PYTHONPATH": "/scratch/site", "HOME": "/root"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(ROOT), "/scratch/site"]
+    assert env["HOME"] == "/root" and env["OMP_WAIT_POLICY"] == "passive"
+    assert kit.stages_loop.job_env({})["PYTHONPATH"] == str(ROOT)
+
+
+def test_a_pytest_stage_stopped_by_its_box_keeps_the_finished_tests(tmp_path):
+    tests = tmp_path / "test_box.py"
+    tests.write_text(
+        "import time\n"
+        "def test_fast():\n    pass\n"
+        "def test_fails():\n    assert False\n"
+        "def test_hangs():\n    time.sleep(120)\n"
+    )
+    args = kit.argparse.Namespace(device="cpu")
+    ctx = kit.StageContext(args, tmp_path / "r.json", kit.time.time() + 15)  # pytest gets 10 s
+    returncode, rows, last = kit._pytest_rows(ctx, [str(tests)])
+    names = [(row[0].split("::")[-1], row[1]) for row in rows]
+    assert returncode is None, ctx.result["data"]["pytest"]["tail"]
+    assert names == [("test_fast", "passed"), ("test_fails", "failed"),
+                     ("test_hangs", "running when the box ran out")]  # fmt: skip
+    assert last == "stopped by the stage's box after 3 tests"
+    assert kit._failed_tests(returncode, rows) == [rows[1][0], "pytest: stopped by the stage's box"]
+
+
 def test_a_stage_that_fails_is_recorded_and_the_next_one_runs(tmp_path):
     # An unknown backend makes the grid stage raise; the network stage still runs after it.
     proc, results, _ = _validate(

@@ -251,6 +251,21 @@ def test_the_counter_sees_reads_and_data_sized_ops():
     assert sum(counter.ops.values()) == 6
 
 
+def test_in_a_device_run_a_host_tensors_read_is_not_a_second_sync():
+    # A run on a device reads its values as to_host(x).tolist(): the copy is the one sync
+    # (counted by the dispatch mode on the device); the read of its host result waits for
+    # nothing. No CUDA here: the counter is told the run's device, the tensor stays on the CPU.
+    counter = OverheadCounter(torch.device("cuda"))
+    undo = patch_host_reads([counter])
+    try:
+        with counter:
+            torch.arange(3.0).tolist()
+            torch.arange(3.0).numpy()
+    finally:
+        undo()
+    assert dict(counter.syncs) == {}
+
+
 def test_device_check_names_what_is_missing():
     assert device_problem("cpu") is None
     if not torch.cuda.is_available():

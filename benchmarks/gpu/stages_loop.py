@@ -233,6 +233,14 @@ def _sweep_summary(sweep_dir: Path) -> list[list[str]]:
     return rows  # fmt: skip
 
 
+def job_env(environ) -> dict[str, str]:
+    """The main job's environment: ``environ`` with the checkout first on ``PYTHONPATH``. The
+    entries already there stay: on a GPU machine the kit's packages (Hydra, OmegaConf) are
+    importable only through them."""
+    path = os.pathsep.join(p for p in (str(REPO), environ.get("PYTHONPATH", "")) if p)
+    return {**environ, "PYTHONPATH": path, "OMP_WAIT_POLICY": "passive"}
+
+
 def stage_mainjob(ctx) -> None:
     """``mptex-train -m +experiment=gpu_main`` as a user runs it (module docstring)."""
     sweep_dir = ctx.result_path.parent / "mainjob_sweep"
@@ -250,7 +258,7 @@ def stage_mainjob(ctx) -> None:
             "scene.n_train_views=2",
             "scene.n_val_views=1",
         ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_WAIT_POLICY": "passive"}  # fmt: skip
+    env = job_env(os.environ)
     command = [sys.executable, "-m", "mptex.cli", "-m", "+experiment=gpu_main", *overrides]
     start = time.time()
     try:

@@ -51,6 +51,7 @@ import glob
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import subprocess
@@ -903,47 +904,73 @@ def stage_nvdiffrec154(ctx: StageContext) -> None:
         ctx.save()
 
 
+_PYTEST_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+
+
 def _pytest_rows(ctx: StageContext, args: list[str], env: dict[str, str] | None = None):
     """Run pytest on ``args`` (marks, paths) in a subprocess; (returncode, rows, last line).
 
-    One row per test case: its name and outcome, from pytest's JUnit XML."""
+    One row per test case: its name, outcome and seconds, from pytest's JUnit XML. When the
+    stage's box runs out first, the rows come from pytest's verbose progress instead (the
+    tests that finished), and the test that was running is named; the return code is then
+    None."""
     import xml.etree.ElementTree as ET
 
     report = Path(tempfile.mkdtemp()) / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    # -u: the progress must reach the pipe as it is written, or a killed pytest leaves none.
+    cmd = [sys.executable, "-u", "-m", "pytest", "-v", "-p", "no:cacheprovider",
            f"--junitxml={report}", *args]  # fmt: skip
-    proc = subprocess.run(
-        cmd,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=max(ctx.remaining() - 5, 10),
-        env=None if env is None else dict(os.environ, **env),
-    )
-    cases = ET.parse(report).getroot().iter("testcase") if report.is_file() else []
+    try:
+        proc = subprocess.run(
+            cmd,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=max(ctx.remaining() - 5, 10),
+            env=None if env is None else dict(os.environ, **env),
+        )
+        returncode, stdout = proc.returncode, proc.stdout
+    except subprocess.TimeoutExpired as exc:
+        returncode, stdout = None, exc.stdout or ""
+        stdout = stdout.decode(errors="replace") if isinstance(stdout, bytes) else stdout
     rows = []
-    for case in cases:
-        outcome = "passed"
-        for tag in ("failure", "error", "skipped"):
-            node = case.find(tag)
-            if node is not None:
-                outcome = f"{tag}: {(node.get('message') or '').splitlines()[0][:160]}"
-        rows.append([f"{case.get('classname')}::{case.get('name')}", outcome])
-    ctx.result["data"]["pytest"] = {"returncode": proc.returncode, "tail": proc.stdout[-3000:]}
-    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    return proc.returncode, rows, last
+    if returncode is not None and report.is_file():
+        for case in ET.parse(report).getroot().iter("testcase"):
+            outcome = "passed"
+            for tag in ("failure", "error", "skipped"):
+                node = case.find(tag)
+                if node is not None:
+                    outcome = f"{tag}: {(node.get('message') or '').splitlines()[0][:160]}"
+            rows.append([f"{case.get('classname')}::{case.get('name')}", outcome,
+                         f"{float(case.get('time') or 0):.1f}"])  # fmt: skip
+        last = stdout.strip().splitlines()[-1] if stdout.strip() else ""
+    else:
+        lines = stdout.splitlines()
+        for line in lines:
+            match = _PYTEST_LINE.match(line)
+            if match:
+                rows.append([match[1], match[2].lower(), "–"])
+        # pytest -v writes a test's name when it starts and its outcome when it ends.
+        if lines and "::" in lines[-1] and not _PYTEST_LINE.match(lines[-1]):
+            rows.append([lines[-1].split()[0], "running when the box ran out", "–"])
+        last = f"stopped by the stage's box after {len(rows)} tests"
+    ctx.result["data"]["pytest"] = {"returncode": returncode, "tail": stdout[-3000:]}
+    return returncode, rows, last
 
 
-def _failed_tests(returncode: int, rows: list[list[str]]) -> list[str]:
+def _failed_tests(returncode: int | None, rows: list[list[str]]) -> list[str]:
     if returncode in (0, 5):  # 5: nothing collected
         return []
+    if returncode is None:
+        failed = [r[0] for r in rows if not r[1].startswith(("passed", "skipped", "running"))]
+        return [*failed, "pytest: stopped by the stage's box"]
     return [r[0] for r in rows if not r[1].startswith(("passed", "skipped"))] or ["pytest"]
 
 
 def stage_tests(ctx: StageContext) -> None:
     marks = "requires_cuda or requires_tcnn or requires_nvdiffrast"
     returncode, rows, last = _pytest_rows(ctx, ["-m", marks, str(REPO / "tests")])
-    ctx.table(f"pytest -m '{marks}'", ["test", "outcome"], rows, last)
+    ctx.table(f"pytest -m '{marks}'", ["test", "outcome", "s"], rows, last)
     failed = _failed_tests(returncode, rows)
     if failed:
         ctx.result["failed_checks"] = failed
@@ -999,7 +1026,8 @@ def stage_golden(ctx: StageContext) -> None:
     returncode, test_rows, last = _pytest_rows(
         ctx, tests, env={"MPTEX_GPU_GOLDEN_DIR": str(fixtures)}
     )
-    ctx.table("The twins' golden tests on the new capture", ["test", "outcome"], test_rows, last)
+    ctx.table("The twins' golden tests on the new capture", ["test", "outcome", "s"], test_rows,
+              last)  # fmt: skip
     failed = _failed_tests(returncode, test_rows)
     if failed:
         ctx.result["failed_checks"] = failed

@@ -109,7 +109,10 @@ def count_arm(arm: str, start: int, stop: int, resolution: int, overrides: list[
     cfg = run_config(arm, resolution, stop + 5, overrides, texture)
     state: dict = {}
     counter_ref: list = [None]
-    original_step, original_setup = loop.step, loop.setup
+    # Iterations are counted from their forward and backward (loop._forward_backward), which
+    # with train.overlap is queued before the previous iteration's read: a window then holds
+    # the read of the iteration before it instead of its own last one, the same per iteration.
+    original_step, original_setup = loop._forward_backward, loop.setup
     originals = {name: getattr(loop, name) for name in ("validate", "checkpoint")}
 
     def phased(name):
@@ -146,14 +149,14 @@ def count_arm(arm: str, start: int, stop: int, resolution: int, overrides: list[
         return original_step(run, it)
 
     undo = _patch_host_reads(counter_ref)
-    loop.step, loop.setup = step, setup
+    loop._forward_backward, loop.setup = step, setup
     for name in originals:
         setattr(loop, name, phased(name))
     try:
         with tempfile.TemporaryDirectory() as tmp:
             metrics = loop.train(cfg, tmp)
     finally:
-        loop.step, loop.setup = original_step, original_setup
+        loop._forward_backward, loop.setup = original_step, original_setup
         for name, original in originals.items():
             setattr(loop, name, original)
         undo()

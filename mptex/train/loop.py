@@ -179,6 +179,38 @@ def _adam_implementation(texture: MLPTexture3D, device: torch.device) -> dict[st
     return {"fused": False, "foreach": f32}
 
 
+def _forward_state(texture: MLPTexture3D) -> list[str]:
+    """The texture's modules that keep state outside its parameters and buffers (a module's
+    extra state: the FP8 layers' scales and amax histories, which their forwards update)."""
+    base = torch.nn.Module.get_extra_state
+    return [name or type(texture).__name__ for name, module in texture.named_modules()
+            if type(module).get_extra_state is not base]  # fmt: skip
+
+
+def _resolve_overlap(setting: Any, texture: MLPTexture3D, optimizer: torch.optim.Adam) -> bool:
+    """``train.overlap``: whether :func:`_iterate` queues an iteration's forward and backward
+    before the previous iteration's read. It needs the optimizer step decided on the device
+    (fused Adam, the loop's on CUDA: the step is queued before the read), and a texture whose
+    forward changes nothing but autograd's state (a dropped look-ahead then leaves no trace).
+    ``auto``: on wherever both hold; ``true`` where they do not is a config error."""
+    if setting is False:
+        return False
+    problem = None
+    if not optimizer.defaults.get("fused"):
+        problem = ("the optimizer step decided on the device (fused Adam, which the loop uses "
+                   "on CUDA)")  # fmt: skip
+    else:
+        stateful = _forward_state(texture)
+        if stateful:
+            problem = (f"a texture whose forward changes no state; {stateful[0]} keeps its "
+                       "scaling state outside the parameters (the FP8 arms)")  # fmt: skip
+    if problem is None:
+        return True
+    if setting is True:
+        raise ConfigError(f"train.overlap: true needs {problem}; use auto or false")
+    return False
+
+
 def _place_adam_steps(optimizer: torch.optim.Adam) -> None:
     """Put Adam's ``step`` counters where its implementation wants them after a checkpoint's
     state was loaded (written by another implementation): fused on the parameter's device,
@@ -482,6 +514,12 @@ class RunState:
         self.time_split = {"iterations": 0.0, "sampled_iterations": 0.0, "validation": 0.0,
                            "checkpoints": 0.0}  # fmt: skip
         self.loop_start: float | None = None
+        # The next iteration's forward and backward queued before this one's read
+        # (_resolve_overlap, _iterate); the read's side stream on CUDA; when the last
+        # overlapped iteration ended.
+        self.overlap = False
+        self.read_stream = None
+        self.overlap_clock: float | None = None
 
     def jitter(self, points: torch.Tensor) -> torch.Tensor:
         """``points`` moved by ``N(0, kd_jitter_std)`` noise: the kd smoothness term's samples."""
@@ -536,6 +574,9 @@ def setup(
     # Every training view's G-buffer and covered pixels, now (one rasterization per chunk).
     scene.prepare_training(normals=settings["shading"] != "kd")
     run.stepper = PrecisionStepper(texture.policy, run.optimizer)
+    run.overlap = _resolve_overlap(settings["overlap"], texture, run.optimizer)
+    if run.overlap and device.type == "cuda":
+        run.read_stream = torch.cuda.Stream(device)
     # Per-layer underflow/overflow statistics of the compute-dtype gradients, sampled.
     stats_every = settings["stats_interval"]
     run.monitor = PrecisionMonitor(texture, every=stats_every) if stats_every else None
@@ -566,27 +607,37 @@ def setup(
     return run
 
 
-def step(run: RunState, it: int) -> StepOutcome:
-    """Iteration ``it`` (0-based): the learning rates, a batch of views, the render, the loss,
-    backward and the optimizer step through the stepper (the module docstring's steps 1-7).
+@dataclass
+class _Enqueued:
+    """An iteration whose views, render, loss and backward are queued (:func:`_forward_backward`);
+    ``tick``: when its host work began."""
 
-    Counts the step (``iter_times``, skipped steps, ``metrics["iterations"]``) unless it ends
-    the run before the optimizer (a non-finite loss without loss scaling, a non-finite gradient
-    without loss scaling: the weights stay those after iteration ``it - 1``). A step that made a
-    weight non-finite is counted and recorded in the history, and ends the run.
-    """
+    it: int
+    tick: float
+    loss: torch.Tensor
+
+
+@dataclass
+class _Launched:
+    """An iteration whose optimizer step is queued too (:func:`_launch_step`): what its one host
+    read takes (``packed``: loss, the step's flags, the sampled statistics; ``ready``: on CUDA,
+    an event recorded after ``packed``) and how to decode it."""
+
+    enqueued: _Enqueued
+    lr: float
+    pending: Any
+    monitored: Any
+    packed: torch.Tensor
+    ready: Any
+
+
+def _forward_backward(run: RunState, it: int) -> _Enqueued:
+    """Iteration ``it``'s work up to its gradients (the module docstring's steps 1-5 and the
+    backward of 6): nothing is read on the host and the optimizer is not touched, so it can be
+    queued while the previous iteration's outcome is still on its way (:func:`_iterate`)."""
     settings, texture, device = run.settings, run.texture, run.device
     noise_gen = run.generators["noise"]
-    # The previous iteration ended with its one host read (below), which waited for the device:
-    # no synchronisation of our own is needed for the timing.
     tick = time.perf_counter()
-    factor = lr_schedule(it, settings["warmup_iter"], settings["lr_decay"],
-                         settings["lr_schedule"], run.n_iter)  # fmt: skip
-    lr = settings["lr"] * factor
-    mlp_factor = mlp_rate_factor(settings, it)
-    for i, group in enumerate(run.optimizer.param_groups):
-        # group 1 is the MLP (_param_groups); its lr_scale is the ramp's start
-        group["lr"] = lr * (mlp_factor if i == 1 else group["lr_scale"])
     run.optimizer.zero_grad(set_to_none=True)
     if run.monitor is not None:
         run.monitor.start(it)  # arms the hooks on sampled iterations, before the forward
@@ -621,9 +672,23 @@ def step(run: RunState, it: int) -> StepOutcome:
 
     with profiler_scope("mptex.backward"):
         run.stepper.backward(loss)
+    return _Enqueued(it, tick, loss)
+
+
+def _launch_step(run: RunState, enqueued: _Enqueued) -> _Launched:
+    """The iteration's learning rates and optimizer step (the module docstring's 6-7), queued:
+    the finite check, the scale update and (fused Adam) the step or skip run on the device;
+    and the one tensor its host read takes."""
+    settings, it, loss = run.settings, enqueued.it, enqueued.loss
+    factor = lr_schedule(it, settings["warmup_iter"], settings["lr_decay"],
+                         settings["lr_schedule"], run.n_iter)  # fmt: skip
+    lr = settings["lr"] * factor
+    mlp_factor = mlp_rate_factor(settings, it)
+    for i, group in enumerate(run.optimizer.param_groups):
+        # group 1 is the MLP (_param_groups); its lr_scale is the ramp's start
+        group["lr"] = lr * (mlp_factor if i == 1 else group["lr_scale"])
     with profiler_scope("mptex.optimizer"):
-        # The finite check, the scale update and (on CUDA, fused Adam) the skip run on the
-        # device; a non-finite loss in an arm without loss scaling skips the step there too.
+        # A non-finite loss in an arm without loss scaling skips the step there too.
         pending = run.stepper.step_async(loss)
     with profiler_scope("mptex.stats"):
         monitored = run.monitor.pending() if run.monitor is not None else None
@@ -634,13 +699,35 @@ def step(run: RunState, it: int) -> StepOutcome:
             # The statistics' counts need float64 (exact beyond 2**24); float32 values
             # (loss, flags) convert exactly.
             parts = [part.to(monitored[0].dtype) for part in parts] + [monitored[0]]
-        host = to_host(torch.cat(parts)).tolist()
+        packed = torch.cat(parts)
+    return _Launched(enqueued, lr, pending, monitored, packed, None)
+
+
+def _read(run: RunState, launched: _Launched) -> list[float]:
+    """The iteration's one host read, a synchronous copy. With ``launched.ready`` (the next
+    iteration already queued behind it) the copy runs on a side stream that waits for that
+    event only, so the host waits for this iteration's work and the device goes on with the
+    next one's; a copy on the main stream would wait for both."""
+    if launched.ready is None:
+        return to_host(launched.packed).tolist()
+    side = run.read_stream
+    side.wait_event(launched.ready)
+    with torch.cuda.stream(side):
+        host = to_host(launched.packed)
+    return host.tolist()
+
+
+def _finish_step(run: RunState, launched: _Launched, host: list[float]) -> StepOutcome:
+    """The iteration's outcome from its host read: the stepper's result, the statistics, the
+    counters; the run's divergence checks (:func:`step`'s docstring)."""
+    enqueued, pending, monitored = launched.enqueued, launched.pending, launched.monitored
+    with profiler_scope("mptex.stats"):
         n_flags = pending.flags.numel()
         run.loss_value = loss_value = host[0]
         flags, rest = host[1 : 1 + n_flags], host[1 + n_flags :]
     if not math.isfinite(loss_value) and run.stepper.scaler is None:
         # Skipped: the weights and Adam's state are those after iteration it - 1.
-        return StepOutcome(loss_value, lr, diverged=True)
+        return StepOutcome(loss_value, launched.lr, diverged=True)
     with profiler_scope("mptex.optimizer"):
         result = run.stepper.finish(pending, flags)
     stats = None if monitored is None else monitored[1](rest if monitored[0] is not None
@@ -648,19 +735,42 @@ def step(run: RunState, it: int) -> StepOutcome:
     if result.diverged and result.skipped:
         # A non-finite gradient without loss scaling: the step was not taken, the weights
         # and Adam state are those after iteration it - 1; the run ends here.
-        return StepOutcome(loss_value, lr, result, stats, diverged=True)
-    elapsed = time.perf_counter() - tick
+        return StepOutcome(loss_value, launched.lr, result, stats, diverged=True)
+    now = time.perf_counter()
+    # An iteration's time runs from the end of the previous one when that one's read came
+    # after this one's work was queued (overlapped), else from the start of its own work.
+    begun = run.overlap_clock if run.overlap_clock is not None else enqueued.tick
+    elapsed = now - begun
     run.iter_times.append(elapsed)
     run.time_split["iterations"] += elapsed
     if stats is not None:
         run.time_split["sampled_iterations"] += elapsed
     run.skipped_steps += int(result.skipped)
     run.consecutive_skips = run.consecutive_skips + 1 if result.skipped else 0
-    run.metrics["iterations"] = it + 1
+    run.metrics["iterations"] = enqueued.it + 1
     if result.diverged:  # the step itself made a weight non-finite (f16 Adam)
-        run.history.append(_history_entry(it + 1, loss_value, None, result, lr, stats))
-        return StepOutcome(loss_value, lr, result, stats, diverged=True)
-    return StepOutcome(loss_value, lr, result, stats)
+        run.history.append(_history_entry(enqueued.it + 1, loss_value, None, result,
+                                          launched.lr, stats))  # fmt: skip
+        return StepOutcome(loss_value, launched.lr, result, stats, diverged=True)
+    return StepOutcome(loss_value, launched.lr, result, stats)
+
+
+def step(run: RunState, it: int) -> StepOutcome:
+    """Iteration ``it`` (0-based): a batch of views, the render, the loss, backward, the
+    learning rates and the optimizer step through the stepper (the module docstring's steps
+    1-7), then its one host read.
+
+    Counts the step (``iter_times``, skipped steps, ``metrics["iterations"]``) unless it ends
+    the run before the optimizer (a non-finite loss without loss scaling, a non-finite gradient
+    without loss scaling: the weights stay those after iteration ``it - 1``). A step that made a
+    weight non-finite is counted and recorded in the history, and ends the run.
+
+    :func:`_iterate` runs the same three parts, and where ``run.overlap`` allows queues the
+    next iteration's forward and backward before this one's read.
+    """
+    run.overlap_clock = None
+    launched = _launch_step(run, _forward_backward(run, it))
+    return _finish_step(run, launched, _read(run, launched))
 
 
 def validate(run: RunState, completed: int) -> dict[str, Any]:
@@ -733,17 +843,56 @@ def _record(run: RunState, out: StepOutcome, completed: int, evaluated) -> None:
         run.writer.add_scalar("train/lr", out.lr, completed)
 
 
+def _looks_ahead(run: RunState, it: int) -> bool:
+    """Whether iteration ``it + 1``'s forward and backward may be queued before iteration
+    ``it``'s read: ``run.overlap`` is on, and nothing after iteration ``it`` needs its
+    weights before that read (a validation, a checkpoint, the end of the run)."""
+    if not run.overlap:
+        return False
+    completed = it + 1
+    settings = run.settings
+    val_interval, ck_interval = settings["val_interval"], settings["checkpoint_interval"]
+    return not (
+        completed >= run.n_iter
+        or (val_interval and completed % val_interval == 0)
+        or (ck_interval and completed % ck_interval == 0)
+    )
+
+
 def _iterate(run: RunState, stop: StopSignals) -> dict[str, Any] | None:
-    """The iterations left: :func:`step`, then :func:`validate` every ``val_interval`` and at
-    the end, the history, :func:`checkpoint` every ``checkpoint_interval``, and the stop
-    checks (divergence, skipped steps, a stop signal). Returns the last iteration's
-    evaluation when the last iteration validated (None otherwise)."""
+    """The iterations left: :func:`step`'s parts, then :func:`validate` every
+    ``val_interval`` and at the end, the history, :func:`checkpoint` every
+    ``checkpoint_interval``, and the stop checks (divergence, skipped steps, a stop signal).
+    Returns the last iteration's evaluation when the last iteration validated (None otherwise).
+
+    With ``run.overlap`` (:func:`_resolve_overlap`), iteration ``it + 1``'s forward and backward
+    are queued after iteration ``it``'s optimizer step and before its read, so the device
+    works through them while the host waits, and the host queues them while the device
+    finishes iteration ``it``. Nothing else moves: iteration ``it + 1``'s optimizer step is
+    queued only after iteration ``it``'s outcome is known, so a run that ends at ``it``
+    (diverged) ends with the weights and optimizer state it had without the overlap, and
+    the queued forward and backward are dropped; a stop signal that arrives during them is
+    taken after iteration ``it + 1``, as it would be without the overlap.
+    """
     settings = run.settings
     progress = Progress(run.n_iter, run.start_iter, settings["progress"])
     evaluated, last_psnr = None, None
     train_start = run.loop_start = time.perf_counter()
+    run.overlap_clock = None
+    ahead: _Enqueued | None = None
     for it in range(run.start_iter, run.n_iter):
-        out = step(run, it)
+        enqueued = ahead if ahead is not None else _forward_backward(run, it)
+        launched = _launch_step(run, enqueued)
+        ahead = None
+        # A stop signal already received stops the run after this iteration: nothing more is
+        # queued.
+        if not stop.received and _looks_ahead(run, it):
+            if launched.packed.device.type == "cuda":
+                launched.ready = torch.cuda.Event()
+                launched.ready.record()
+            ahead = _forward_backward(run, it + 1)
+        out = _finish_step(run, launched, _read(run, launched))
+        run.overlap_clock = time.perf_counter() if ahead is not None else None
         if out.diverged:
             run.status, run.diverged_at = "diverged", it
             break
@@ -765,7 +914,8 @@ def _iterate(run: RunState, stop: StopSignals) -> dict[str, Any] | None:
             if not checkpoint(run, completed):
                 run.status, run.diverged_at = "diverged", it
                 break
-        if stop.received and not last:
+        # A signal that came while the next iteration was queued belongs to that one.
+        if ahead is None and stop.received and not last:
             run.status = "interrupted"
             run.interruptions.append({"iteration": completed, "signal": stop.received[0]})
             break
@@ -853,7 +1003,8 @@ def finish(
         resume_count=run.resume_count,
         interruptions=run.interruptions,
         n_params=sum(p.numel() for p in run.texture.parameters()),
-        backends={**run.texture.backends(), "raster": run.scene.gbuffers.resolved_backend()},
+        backends={**run.texture.backends(), "raster": run.scene.gbuffers.resolved_backend(),
+                  **({"loop": "overlap"} if run.overlap else {})},  # fmt: skip
         device=str(device),
         device_name=device_name(device),
         torch_threads=torch.get_num_threads(),

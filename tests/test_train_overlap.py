@@ -1,0 +1,204 @@
+"""train.overlap: an iteration's forward and backward queued before the previous one's read.
+
+On CUDA the loop's Adam is fused, which decides a skipped step on the device, and the overlap
+is on by default. Here on the CPU the loop is given fused Adam as on CUDA (torch has a CPU
+kernel for it), so that the overlapped order runs; every comparison is between runs that
+differ only in ``train.overlap``, with the same optimizer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_train import tiny_cfg
+
+import mptex.train.loop as loop
+from mptex.train import ConfigError, load_checkpoint, train
+
+FUSED = {"fused": True, "foreach": False}
+# What differs between two runs of the same config besides the results: times and paths.
+_TIMES = {"time_per_iter_s", "wall_time_s", "train_time_s", "time_split_s", "peak_memory_bytes",
+          "peak_memory_kind", "run_dir", "config", "versions", "device_name"}  # fmt: skip
+
+
+@pytest.fixture
+def fused_adam(monkeypatch):
+    monkeypatch.setattr(loop, "_adam_implementation", lambda texture, device: dict(FUSED))
+
+
+@pytest.fixture
+def trace(monkeypatch):
+    """The order of the loop's forward-and-backward and read calls, by iteration."""
+    events: list[tuple[str, int]] = []
+    forward, read = loop._forward_backward, loop._read
+
+    def traced_forward(run, it):
+        events.append(("forward", it))
+        return forward(run, it)
+
+    def traced_read(run, launched):
+        events.append(("read", launched.enqueued.it))
+        return read(run, launched)
+
+    monkeypatch.setattr(loop, "_forward_backward", traced_forward)
+    monkeypatch.setattr(loop, "_read", traced_read)
+    return events
+
+
+_FINISH = loop.finish
+
+
+def _run(tmp_path, monkeypatch, name, *overrides):
+    """Train; returns metrics.json's dict and the texture's and the optimizer's state at the
+    end (a diverged run writes no checkpoint)."""
+    kept: dict = {}
+
+    def capture(run, *args, **kwargs):
+        kept["texture"] = {k: v.clone() for k, v in run.texture.state_dict().items()}
+        kept["exp_avg"] = [s["exp_avg"].clone() for s in run.optimizer.state.values()]
+        kept["step"] = [float(s["step"]) for s in run.optimizer.state.values()]
+        return _FINISH(run, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "finish", capture)
+    return train(tiny_cfg(*overrides), tmp_path / name), kept
+
+
+def _same(a, b):
+    (ma, ka), (mb, kb) = a, b
+    assert {k: v for k, v in ma.items() if k not in _TIMES} == {
+        k: v for k, v in mb.items() if k not in _TIMES
+    }
+    assert ka.keys() == kb.keys()
+    for key in ka["texture"]:
+        assert torch.equal(ka["texture"][key], kb["texture"][key]), key
+    assert all(torch.equal(x, y) for x, y in zip(ka["exp_avg"], kb["exp_avg"], strict=True))
+    assert ka["step"] == kb["step"]
+
+
+def _pairs(events):
+    """Iterations whose read came after the next iteration's forward."""
+    position = {event: i for i, event in enumerate(events)}
+    reads = [it for kind, it in events if kind == "read"]
+    end = len(events)
+    return sorted(it for it in reads
+                  if position.get(("forward", it + 1), end) < position[("read", it)])  # fmt: skip
+
+
+CASES = {
+    # validations, checkpoints and sampled statistics inside the run
+    "f32": [
+        "precision=f32",
+        "train.iterations=12",
+        "train.val_interval=5",
+        "train.checkpoint_interval=4",
+        "train.stats_interval=3",
+    ],  # fmt: skip
+    # a non-finite loss without loss scaling: the run ends there, diverged
+    "f32_diverges": ["precision=f32", "train.iterations=12", "train.inject_nonfinite_at=6"],
+    # a skipped step under dynamic loss scaling
+    "f16_dynamic_skips": [
+        "precision=f16_dynamic",
+        "train.iterations=12",
+        "train.inject_nonfinite_at=6",
+        "train.stats_interval=2",
+    ],  # fmt: skip
+    # the fused network's twin, nvdiffrec's fixed scale
+    "tcnn_fused": ["precision=tcnn_fused", "train.iterations=8"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_overlap_gives_the_runs_results_bit_for_bit(tmp_path, monkeypatch, fused_adam, trace,
+                                                    case):  # fmt: skip
+    overrides = CASES[case]
+    plain = _run(tmp_path, monkeypatch, "plain", *overrides, "train.overlap=false")
+    assert _pairs(trace) == []
+    trace.clear()
+    overlapped = _run(tmp_path, monkeypatch, "overlap", *overrides, "train.overlap=true")
+    assert overlapped[0]["backends"].pop("loop") == "overlap"
+    assert "loop" not in plain[0]["backends"]
+    _same(plain, overlapped)
+    ahead = _pairs(trace)
+    if case == "f32":
+        # every iteration but those before a validation (5, 10), a checkpoint (4, 8) and the
+        # last: 1-based completed counts, so 0-based iterations 3, 4, 7, 9, 11 read first
+        assert ahead == [0, 1, 2, 5, 6, 8, 10]
+    elif case == "f32_diverges":
+        # iteration 6 diverged with iteration 7 queued behind it: dropped, never stepped
+        assert plain[0]["status"] == "diverged" and plain[0]["diverged_at"] == 6
+        assert ahead == [0, 1, 2, 3, 4, 5, 6] and ("forward", 7) in trace
+        assert ("read", 7) not in trace
+    else:
+        assert ahead, trace
+
+
+def test_a_stop_signal_during_a_queued_iteration_stops_after_it(tmp_path, monkeypatch,
+                                                                  fused_adam):  # fmt: skip
+    # The signal comes during iteration 4's forward, which is queued before iteration 3's
+    # read: the run stops after iteration 4, as without the overlap, and its resumed run
+    # ends where the uninterrupted one does.
+    overrides = ["precision=f16_dynamic", "train.iterations=10", "train.inject_signal_at=4",
+                 "train.val_interval=10", "train.checkpoint_interval=0"]  # fmt: skip
+    runs = {}
+    for overlap in ("false", "true"):
+        first = train(tiny_cfg(*overrides, f"train.overlap={overlap}"), tmp_path / overlap)
+        assert first["status"] == "interrupted" and first["interrupted_at"] == 5
+        runs[overlap] = load_checkpoint(tmp_path / overlap / "checkpoint.pt")
+        resumed = train(tiny_cfg(*overrides[:2], f"train.overlap={overlap}",
+                                 "train.val_interval=10", "train.checkpoint_interval=0"),
+                        tmp_path / overlap)  # fmt: skip
+        assert resumed["status"] == "completed" and resumed["resumed_from"] == 5
+        runs[overlap + "_end"] = load_checkpoint(tmp_path / overlap / "checkpoint.pt")
+    for key in ("false", "false_end"):
+        other = runs[key.replace("false", "true")]
+        for name, value in runs[key]["texture"].items():
+            assert torch.equal(value, other["texture"][name]), (key, name)
+        for name, value in runs[key]["rng"].items():
+            same = (
+                torch.equal(value, other["rng"][name])
+                if isinstance(value, torch.Tensor)
+                else repr(value) == repr(other["rng"][name])
+            )
+            assert same, (key, name)
+        assert runs[key]["history"] == other["history"]
+
+
+def test_overlap_true_where_it_cannot_hold_fails_at_start(tmp_path, monkeypatch):
+    # On the CPU the loop's Adam is foreach: the step waits for the read.
+    with pytest.raises(ConfigError, match="train.overlap: true needs the optimizer step"):
+        train(tiny_cfg("precision=f32", "train.overlap=true"), tmp_path / "cpu")
+    monkeypatch.setattr(loop, "_adam_implementation", lambda texture, device: dict(FUSED))
+    with pytest.raises(ConfigError, match="train.overlap: true needs a texture whose forward"):
+        train(tiny_cfg("precision=fp8", "train.overlap=true"), tmp_path / "fp8")
+    # auto turns it off there, and on where it holds
+    seen = []
+    setup = loop.setup
+
+    def spy(*args, **kwargs):
+        run = setup(*args, **kwargs)
+        seen.append(run.overlap)
+        return run
+
+    monkeypatch.setattr(loop, "setup", spy)
+    for arm in ("fp8", "f32"):
+        train(tiny_cfg(f"precision={arm}", "train.iterations=2"), tmp_path / f"auto-{arm}")
+    assert seen == [False, True]
+
+
+@pytest.mark.requires_cuda
+def test_on_cuda_the_overlapped_read_returns_each_iterations_own_values(tmp_path, monkeypatch,
+                                                                         trace):  # fmt: skip
+    # The read runs on a side stream behind an event while the next iteration's kernels run on
+    # the main stream; a read that did not wait for its event would return another
+    # iteration's loss. The grid's backward sums with atomics on CUDA (no bit-equality between
+    # two runs), so the losses are compared within float32 noise over the first iterations.
+    overrides = ["precision=f32", "train.device=cuda", "train.iterations=12",
+                 "train.stats_interval=3"]  # fmt: skip
+    plain, _ = _run(tmp_path, monkeypatch, "plain", *overrides, "train.overlap=false")
+    trace.clear()
+    overlapped, _ = _run(tmp_path, monkeypatch, "overlap", *overrides)  # auto: on
+    assert overlapped["backends"]["loop"] == "overlap" and "loop" not in plain["backends"]
+    assert _pairs(trace) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 10]
+    losses = [[h["loss"] for h in m["history"][:6]] for m in (plain, overlapped)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+    assert [h["iteration"] for h in overlapped["history"]] == list(range(1, 13))

@@ -129,6 +129,7 @@ def test_dry_run_runs_every_stage_and_records_why_native_ones_cannot(tmp_path):
     assert all(len(p["differences"]) == 2 for p in study["data"]["pairs"].values())
     profile = stages["profile"]
     assert profile["status"] == "ok", profile
+    assert all(len(run["top_host_ops"]) == 12 for run in profile["data"]["profile"])
     counted = {r["arm"]: r for r in profile["data"]["loop_overhead"]}
     assert counted["f32"]["syncs_per_iter"] <= 1.0
     floor = {r["arm"]: r["host_ms_runs"] for r in profile["data"]["host_floor"]}

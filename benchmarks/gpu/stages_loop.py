@@ -91,6 +91,9 @@ def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
     parts = {e.key: device_ms(e) / iterations for e in events if e.key.startswith("mptex.")}
     top = sorted((e for e in events if not e.key.startswith("mptex.")), key=device_ms,
                  reverse=True)[:10]  # fmt: skip
+    # Where the host's time goes: an op's own CPU time (its launches, a library's set-up such
+    # as cuBLASLt's algorithm choice, Python called inside a custom op), children excluded.
+    host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
     return {
         "arm": arm,
         "status": metrics["status"],
@@ -102,6 +105,9 @@ def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
         ),
         "parts_device_ms_per_iter": parts,
         "top_ops": [[e.key, f"{device_ms(e) / iterations:.3f}", e.count] for e in top],
+        "top_host_ops": [
+            [e.key, f"{e.self_cpu_time_total / 1e3 / iterations:.3f}", e.count] for e in host
+        ],  # fmt: skip
         "backends": metrics.get("backends"),
         "torch": torch.__version__,
     }
@@ -174,6 +180,9 @@ def stage_profile(ctx) -> None:
                   [[k, f"{v:.3f}", ""]
                    for k, v in sorted(run["parts_device_ms_per_iter"].items())]
                   + run["top_ops"])  # fmt: skip
+        ctx.table(f"{run['arm']}: host ms per iteration by op (own time, children excluded)",
+                  ["op", "host ms / iter", "calls"], run["top_host_ops"],
+                  "under the profiler, whose own cost per op is included")  # fmt: skip
     # The host floors first: what a GPU iteration cannot go under, the numbers to compare with
     # the arms stage's; the counts below are measurable on a CPU too.
     _host_floor(ctx, loop_overhead)

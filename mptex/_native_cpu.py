@@ -181,7 +181,8 @@ static inline __m512d round_acc8(__m512d value, int half) {
     __mmask8 inexact = _mm512_cmp_pd_mask(_mm512_cvtps_pd(single), value, _CMP_NEQ_UQ);
     __m256i odd = _mm512_cvtepi64_epi32(_mm512_maskz_set1_epi64(inexact, 1));
     single = _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(single), odd));
-    single = _mm256_cvtph_ps(_mm256_cvtps_ph(single, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    single = _mm256_cvtph_ps(
+        _mm256_cvtps_ph(single, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     return _mm512_cvtps_pd(single);
 }
 #endif

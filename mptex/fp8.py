@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -418,6 +419,21 @@ class ScalingState:
         if len(self._pending) >= _PENDING_CALLS:
             self._count_pending()
         self.last_amax, self.last_scale = amax, used
+
+    def snapshot(self) -> dict[str, Any]:
+        """The state as it is now, for :meth:`restore`, without a copy on the device: every
+        update of a :class:`ScalingState` makes new tensors and never writes to the ones it
+        holds, so keeping the references keeps the values."""
+        kept = dict(self.__dict__)
+        kept["_pending"] = list(self._pending)
+        return kept
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """Back to a :meth:`snapshot`: what the calls since recorded is forgotten (a training
+        loop that drops a queued forward and backward undoes their recording)."""
+        self.__dict__.clear()
+        self.__dict__.update(snapshot)
+        self._pending = list(snapshot["_pending"])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name).clone() for name in self._TENSORS}

@@ -210,6 +210,15 @@ class FP8Linear(CastLinear):
     def get_extra_state(self) -> dict[str, Any]:
         return {role: state.state_dict() for role, state in self.scaling.items()}
 
+    def snapshot(self) -> dict[str, Any]:
+        """Every role's :meth:`ScalingState.snapshot` (no device work)."""
+        return {role: state.snapshot() for role, state in self.scaling.items()}
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """Back to a :meth:`snapshot`: forgets what forwards and backwards since recorded."""
+        for role, kept in snapshot.items():
+            self.scaling[role].restore(kept)
+
     def set_extra_state(self, state: Any) -> None:
         for role, values in (state or {}).items():
             if role in self.scaling:

@@ -30,10 +30,10 @@ precision   hash grid                             MLP
 ==========  ====================================  ===============================================
 
 The weights come from the texture's f32 masters by post-training quantisation. A texture trained
-for its decoder (``int8_qat``, ``fp8_qat``, ``fp8_rowwise_qat``) holds masters whose quantisation with the same
-quantiser *is* its trained fake-quantised weights: :func:`decode_precision_table` says which.
-tcnn's fused network decodes with its padded matrices and its input padded with ones, as tcnn
-evaluates it.
+for its decoder (``int8_qat``, ``fp8_qat``, ``fp8_rowwise_qat``) holds masters whose
+quantisation with the same quantiser *is* its trained fake-quantised weights:
+:func:`decode_precision_table` says which. tcnn's fused network decodes with its padded
+matrices and its input padded with ones, as tcnn evaluates it.
 """
 
 from __future__ import annotations

@@ -150,8 +150,7 @@ class TrainConfig:
     overlap: Any = setting("auto", AnyOf(OneOf(("auto",)), Flag(), what="auto, true or false"))
     """Queue each iteration's forward and backward before the previous iteration's host read,
     so host and device work at once; ``auto``: where the optimizer step is decided on the
-    device (CUDA) and the texture's forward keeps no state (all but the FP8 GEMM arms). The
-    results are those without it."""
+    device (CUDA). The results are those without it."""
     max_consecutive_skips: int = setting(200, Integer(min=1))
     """A loss-scaled arm that skips this many steps in a row has diverged."""
     inject_nonfinite_at: int | None = setting(None, OrNull(Integer(), what="null or an iteration"))

@@ -179,20 +179,22 @@ def _adam_implementation(texture: MLPTexture3D, device: torch.device) -> dict[st
     return {"fused": False, "foreach": f32}
 
 
-def _forward_state(texture: MLPTexture3D) -> list[str]:
+def _forward_state(texture: MLPTexture3D) -> list[tuple[str, torch.nn.Module]]:
     """The texture's modules that keep state outside its parameters and buffers (a module's
-    extra state: the FP8 layers' scales and amax histories, which their forwards update)."""
+    extra state: the FP8 layers' scales and amax histories, which their forwards and backwards
+    update), by name."""
     base = torch.nn.Module.get_extra_state
-    return [name or type(texture).__name__ for name, module in texture.named_modules()
+    return [(name or type(texture).__name__, module) for name, module in texture.named_modules()
             if type(module).get_extra_state is not base]  # fmt: skip
 
 
 def _resolve_overlap(setting: Any, texture: MLPTexture3D, optimizer: torch.optim.Adam) -> bool:
     """``train.overlap``: whether :func:`_iterate` queues an iteration's forward and backward
     before the previous iteration's read. It needs the optimizer step decided on the device
-    (fused Adam, the loop's on CUDA: the step is queued before the read), and a texture whose
-    forward changes nothing but autograd's state (a dropped look-ahead then leaves no trace).
-    ``auto``: on wherever both hold; ``true`` where they do not is a config error."""
+    (fused Adam, the loop's on CUDA: the step is queued before the read), and every module
+    with state of its own to be able to take a snapshot of it and restore it (the FP8 layers:
+    a dropped look-ahead is undone there). ``auto``: on wherever both hold; ``true`` where they
+    do not is a config error."""
     if setting is False:
         return False
     problem = None
@@ -200,10 +202,11 @@ def _resolve_overlap(setting: Any, texture: MLPTexture3D, optimizer: torch.optim
         problem = ("the optimizer step decided on the device (fused Adam, which the loop uses "
                    "on CUDA)")  # fmt: skip
     else:
-        stateful = _forward_state(texture)
-        if stateful:
-            problem = (f"a texture whose forward changes no state; {stateful[0]} keeps its "
-                       "scaling state outside the parameters (the FP8 arms)")  # fmt: skip
+        for name, module in _forward_state(texture):
+            if not (hasattr(module, "snapshot") and hasattr(module, "restore")):
+                problem = (f"every module with state of its own to snapshot and restore it; "
+                           f"{name} ({type(module).__name__}) cannot")  # fmt: skip
+                break
     if problem is None:
         return True
     if setting is True:
@@ -518,6 +521,7 @@ class RunState:
         # (_resolve_overlap, _iterate); the read's side stream on CUDA; when the last
         # overlapped iteration ended.
         self.overlap = False
+        self.stateful: list[torch.nn.Module] = []  # modules with state of their own
         self.read_stream = None
         self.overlap_clock: float | None = None
 
@@ -575,6 +579,7 @@ def setup(
     scene.prepare_training(normals=settings["shading"] != "kd")
     run.stepper = PrecisionStepper(texture.policy, run.optimizer)
     run.overlap = _resolve_overlap(settings["overlap"], texture, run.optimizer)
+    run.stateful = [module for _, module in _forward_state(texture)]
     if run.overlap and device.type == "cuda":
         run.read_stream = torch.cuda.Stream(device)
     # Per-layer underflow/overflow statistics of the compute-dtype gradients, sampled.
@@ -871,8 +876,9 @@ def _iterate(run: RunState, stop: StopSignals) -> dict[str, Any] | None:
     finishes iteration ``it``. Nothing else moves: iteration ``it + 1``'s optimizer step is
     queued only after iteration ``it``'s outcome is known, so a run that ends at ``it``
     (diverged) ends with the weights and optimizer state it had without the overlap, and
-    the queued forward and backward are dropped; a stop signal that arrives during them is
-    taken after iteration ``it + 1``, as it would be without the overlap.
+    the queued forward and backward are dropped (what they recorded in modules with state of
+    their own, the FP8 layers' scaling, restored from a snapshot); a stop signal that arrives
+    during them is taken after iteration ``it + 1``, as it would be without the overlap.
     """
     settings = run.settings
     progress = Progress(run.n_iter, run.start_iter, settings["progress"])
@@ -890,10 +896,16 @@ def _iterate(run: RunState, stop: StopSignals) -> dict[str, Any] | None:
             if launched.packed.device.type == "cuda":
                 launched.ready = torch.cuda.Event()
                 launched.ready.record()
+            # What the look-ahead's forward and backward record (the FP8 layers' scaling
+            # state), to undo if the run ends at this iteration; no device work.
+            kept = [(module, module.snapshot()) for module in run.stateful]
             ahead = _forward_backward(run, it + 1)
         out = _finish_step(run, launched, _read(run, launched))
         run.overlap_clock = time.perf_counter() if ahead is not None else None
         if out.diverged:
+            if ahead is not None:  # dropped: as if it had never been queued
+                for module, snapshot in kept:
+                    module.restore(snapshot)
             run.status, run.diverged_at = "diverged", it
             break
         completed = it + 1

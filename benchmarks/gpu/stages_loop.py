@@ -64,23 +64,41 @@ def compose_config(overrides: list[str]):
 
 
 def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
-    """One run under the profiler; counts per iteration over the whole run (the first
-    iterations' one-time work included: the number to compare is the difference between
-    runs, the profile's table says where the time went)."""
+    """One run under the profiler, recording a window of iterations in the middle of the run
+    (from a third of the way in, for about two thirds of it: after the first iterations'
+    one-time work, before the final validation and checkpoint), so that every count and time
+    is per iteration of the steady loop."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, schedule
 
-    from mptex.train import train
+    from mptex.train import loop, train
 
     overrides = ["+experiment=quick", f"precision={arm}", *scale_overrides(ctx, iterations)]
     cfg = compose_config(overrides)
     activities = [ProfilerActivity.CPU]
     if ctx.device.startswith("cuda"):
         activities.append(ProfilerActivity.CUDA)
-    with tempfile.TemporaryDirectory() as run_dir, profile(activities=activities) as prof:
-        metrics = train(cfg, run_dir)
+    skip = iterations // 3
+    active = max(1, iterations - skip - 2)
+    forward = loop._forward_backward
+
+    def stepped(run, it):  # one profiler step per iteration, at its start
+        prof.step()
+        return forward(run, it)
+
+    window = schedule(skip_first=skip, wait=0, warmup=1, active=active, repeat=1)
+    loop._forward_backward = stepped
+    try:
+        with (
+            tempfile.TemporaryDirectory() as run_dir,
+            profile(activities=activities, schedule=window) as prof,
+        ):
+            metrics = train(cfg, run_dir)
+    finally:
+        loop._forward_backward = forward
     events = prof.key_averages()
     by_name = {e.key: e for e in events}
+    iterations = active  # what the window recorded
 
     def calls(*names: str) -> float:
         return sum(by_name[n].count for n in names if n in by_name) / max(1, iterations)
@@ -171,8 +189,9 @@ def stage_profile(ctx) -> None:
         ["arm", "status", "ms / iter", "launches / iter", "stream syncs / iter", "DtoH / iter",
          "backends"],
         rows,
-        "ms / iter: the loop's median iteration time; the other columns: calls over the whole "
-        "run / iterations (setup's one-time work included)",
+        "ms / iter: the loop's median iteration time over the run; the other columns and the "
+        "tables below: per iteration of a window in the middle of the run (after the first "
+        "third, before the final validation)",
     )  # fmt: skip
     for run in runs:
         ctx.table(f"{run['arm']}: device ms per iteration by part and the top ops",

@@ -64,10 +64,10 @@ def compose_config(overrides: list[str]):
 
 
 def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
-    """One run under the profiler, recording a window of iterations in the middle of the run
-    (from a third of the way in, for about two thirds of it: after the first iterations'
-    one-time work, before the final validation and checkpoint), so that every count and time
-    is per iteration of the steady loop."""
+    """One run under the profiler, recording a window of iterations (from a third of the way
+    in to just before the last iteration: after the first iterations' one-time work, before
+    the final validation and checkpoint), so that every count and time is per iteration of
+    the steady loop."""
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 

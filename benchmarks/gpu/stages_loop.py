@@ -33,7 +33,12 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-PROFILE_ARMS = ("f32", "nvdiffrec", "f16_dynamic", "bf16_grid", "fp8", "fp8_current")
+PROFILE_ARMS = ("f32", "fp8", "fp8_current", "nvdiffrec", "f16_dynamic", "bf16_grid")
+# Profiled after fp8: the same arm with its GEMMs emulated instead of torch._scaled_mm, which
+# tells how much of the FP8 arms' time is the FP8 GEMM path's (the profile's first rows are
+# the ones a short time box keeps).
+EMULATED = "fp8, GEMMs emulated"
+PROFILED = ("f32", "fp8", EMULATED, "fp8_current", "nvdiffrec", "f16_dynamic", "bf16_grid")
 # The host floor also times the row-wise FP8 arm, the most host-heavy one.
 HOST_FLOOR_ARMS = (*PROFILE_ARMS, "fp8_rowwise")
 MAINJOB_TARGET_S = 600.0
@@ -71,8 +76,10 @@ def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
+    import mptex.fp8
     from mptex.train import loop, train
 
+    label, arm = arm, ("fp8" if arm == EMULATED else arm)
     overrides = ["+experiment=quick", f"precision={arm}", *scale_overrides(ctx, iterations)]
     cfg = compose_config(overrides)
     activities = [ProfilerActivity.CPU]
@@ -87,7 +94,10 @@ def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
         return forward(run, it)
 
     window = schedule(skip_first=skip, wait=0, warmup=1, active=active, repeat=1)
+    tensor_cores = mptex.fp8.has_fp8_tensor_cores
     loop._forward_backward = stepped
+    if label == EMULATED:  # "auto" then picks the emulation (mptex.fp8.resolve_gemm_backend)
+        mptex.fp8.has_fp8_tensor_cores = lambda device, rowwise=False: False
     try:
         with (
             tempfile.TemporaryDirectory() as run_dir,
@@ -96,6 +106,7 @@ def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
             metrics = train(cfg, run_dir)
     finally:
         loop._forward_backward = forward
+        mptex.fp8.has_fp8_tensor_cores = tensor_cores
     events = prof.key_averages()
     by_name = {e.key: e for e in events}
     iterations = active  # what the window recorded
@@ -113,7 +124,7 @@ def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
     # as cuBLASLt's algorithm choice, Python called inside a custom op), children excluded.
     host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
     return {
-        "arm": arm,
+        "arm": label,
         "status": metrics["status"],
         "ms_per_iter": (metrics["time_per_iter_s"] or 0.0) * 1e3,
         "launches_per_iter": calls("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"),
@@ -167,7 +178,7 @@ def stage_profile(ctx) -> None:
 
     iterations = 4 if ctx.small else int(getattr(ctx.args, "profile_iterations", 60))
     rows, runs = [], []
-    for arm in PROFILE_ARMS:
+    for arm in PROFILED:
         if runs and ctx.remaining() < 75:  # the host floors below need about a minute
             rows.append([arm, "not run: time box", *[""] * 6])
             continue

@@ -134,6 +134,14 @@ CASES = {
         "train.inject_nonfinite_at=6",
         "train.stats_interval=4",
     ],  # fmt: skip
+    # a loss-scaled FP8 run stopped by max_consecutive_skips with a look-ahead queued
+    "fp8_skips_out": [
+        "precision=fp8",
+        "precision.loss_scaling=dynamic",
+        "train.iterations=12",
+        "train.inject_nonfinite_at=6",
+        "train.max_consecutive_skips=1",
+    ],
 }
 
 
@@ -153,7 +161,7 @@ def test_overlap_gives_the_runs_results_bit_for_bit(tmp_path, monkeypatch, fused
         # every iteration but those before a validation (5, 10), a checkpoint (4, 8) and the
         # last: 1-based completed counts, so 0-based iterations 3, 4, 7, 9, 11 read first
         assert ahead == [0, 1, 2, 5, 6, 8, 10]
-    elif case in ("f32_diverges", "fp8_diverges"):
+    elif case in ("f32_diverges", "fp8_diverges", "fp8_skips_out"):
         # iteration 6 diverged with iteration 7 queued behind it: dropped, never stepped
         assert plain[0]["status"] == "diverged" and plain[0]["diverged_at"] == 6
         assert ahead == [0, 1, 2, 3, 4, 5, 6] and ("forward", 7) in trace

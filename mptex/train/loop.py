@@ -864,6 +864,15 @@ def _looks_ahead(run: RunState, it: int) -> bool:
     )
 
 
+def _drop(ahead: _Enqueued | None, kept: list) -> None:
+    """A run that ends with a look-ahead queued: its forward and backward are dropped, as if
+    never queued (their gradients are never stepped), and what they recorded in modules with
+    state of their own is restored from the snapshot taken before them."""
+    if ahead is not None:
+        for module, snapshot in kept:
+            module.restore(snapshot)
+
+
 def _iterate(run: RunState, stop: StopSignals) -> dict[str, Any] | None:
     """The iterations left: :func:`step`'s parts, then :func:`validate` every
     ``val_interval`` and at the end, the history, :func:`checkpoint` every
@@ -886,6 +895,7 @@ def _iterate(run: RunState, stop: StopSignals) -> dict[str, Any] | None:
     train_start = run.loop_start = time.perf_counter()
     run.overlap_clock = None
     ahead: _Enqueued | None = None
+    kept: list = []
     for it in range(run.start_iter, run.n_iter):
         enqueued = ahead if ahead is not None else _forward_backward(run, it)
         launched = _launch_step(run, enqueued)
@@ -903,9 +913,7 @@ def _iterate(run: RunState, stop: StopSignals) -> dict[str, Any] | None:
         out = _finish_step(run, launched, _read(run, launched))
         run.overlap_clock = time.perf_counter() if ahead is not None else None
         if out.diverged:
-            if ahead is not None:  # dropped: as if it had never been queued
-                for module, snapshot in kept:
-                    module.restore(snapshot)
+            _drop(ahead, kept)
             run.status, run.diverged_at = "diverged", it
             break
         completed = it + 1
@@ -919,6 +927,7 @@ def _iterate(run: RunState, stop: StopSignals) -> dict[str, Any] | None:
         progress.update(loss=f"{out.loss:.4f}", psnr=None if last_psnr is None
                         else f"{last_psnr:.2f}", scale=f"{out.result.loss_scale:g}")  # fmt: skip
         if run.consecutive_skips >= settings["max_consecutive_skips"]:
+            _drop(ahead, kept)
             run.status, run.diverged_at = "diverged", it
             break
         ck_interval = settings["checkpoint_interval"]
@@ -1015,8 +1024,11 @@ def finish(
         resume_count=run.resume_count,
         interruptions=run.interruptions,
         n_params=sum(p.numel() for p in run.texture.parameters()),
-        backends={**run.texture.backends(), "raster": run.scene.gbuffers.resolved_backend(),
-                  **({"loop": "overlap"} if run.overlap else {})},  # fmt: skip
+        backends={
+            **run.texture.backends(),
+            "raster": run.scene.gbuffers.resolved_backend(),
+            **({"loop": "overlap"} if run.overlap else {}),
+        },  # fmt: skip
         device=str(device),
         device_name=device_name(device),
         torch_threads=torch.get_num_threads(),

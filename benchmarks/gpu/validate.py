@@ -961,10 +961,11 @@ def _pytest_rows(ctx: StageContext, args: list[str], env: dict[str, str] | None 
 def _failed_tests(returncode: int | None, rows: list[list[str]]) -> list[str]:
     if returncode in (0, 5):  # 5: nothing collected
         return []
+    # ("running": the test a stage's box stopped, in a run that ended that way only)
+    failed = [r[0] for r in rows if not r[1].startswith(("passed", "skipped", "running"))]
     if returncode is None:
-        failed = [r[0] for r in rows if not r[1].startswith(("passed", "skipped", "running"))]
         return [*failed, "pytest: stopped by the stage's box"]
-    return [r[0] for r in rows if not r[1].startswith(("passed", "skipped"))] or ["pytest"]
+    return failed or ["pytest"]
 
 
 def stage_tests(ctx: StageContext) -> None:

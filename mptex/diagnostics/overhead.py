@@ -184,10 +184,11 @@ def patch_host_reads(counter_ref: list):
             # In a run on a device, a host tensor's read waits for nothing: the copy that
             # brought it to the host, if any, was counted. In a run on the CPU the read stands
             # for that copy.
-            on_host = (
-                self.device.type == "cpu" and counter is not None and (counter.device.type != "cpu")
-            )
-            if counter is not None and not counter.is_host(self) and not on_host:
+            if (
+                counter is not None
+                and not counter.is_host(self)
+                and not (self.device.type == "cpu" and counter.device.type != "cpu")
+            ):
                 counter.record_sync(f"copy to host ({name})")
             return original(self, *args, **kwargs)
 

@@ -188,13 +188,15 @@ def _forward_state(texture: MLPTexture3D) -> list[tuple[str, torch.nn.Module]]:
             if type(module).get_extra_state is not base]  # fmt: skip
 
 
-def _resolve_overlap(setting: Any, texture: MLPTexture3D, optimizer: torch.optim.Adam) -> bool:
+def _resolve_overlap(
+    setting: Any, stateful: list[tuple[str, torch.nn.Module]], optimizer: torch.optim.Adam
+) -> bool:
     """``train.overlap``: whether :func:`_iterate` queues an iteration's forward and backward
     before the previous iteration's read. It needs the optimizer step decided on the device
     (fused Adam, the loop's on CUDA: the step is queued before the read), and every module
     with state of its own to be able to take a snapshot of it and restore it (the FP8 layers:
-    a dropped look-ahead is undone there). ``auto``: on wherever both hold; ``true`` where they
-    do not is a config error."""
+    a dropped look-ahead is undone there; ``stateful``: :func:`_forward_state`'s list).
+    ``auto``: on wherever both hold; ``true`` where they do not is a config error."""
     if setting is False:
         return False
     problem = None
@@ -202,7 +204,7 @@ def _resolve_overlap(setting: Any, texture: MLPTexture3D, optimizer: torch.optim
         problem = ("the optimizer step decided on the device (fused Adam, which the loop uses "
                    "on CUDA)")  # fmt: skip
     else:
-        for name, module in _forward_state(texture):
+        for name, module in stateful:
             if not (hasattr(module, "snapshot") and hasattr(module, "restore")):
                 problem = (f"every module with state of its own to snapshot and restore it; "
                            f"{name} ({type(module).__name__}) cannot")  # fmt: skip
@@ -578,8 +580,9 @@ def setup(
     # Every training view's G-buffer and covered pixels, now (one rasterization per chunk).
     scene.prepare_training(normals=settings["shading"] != "kd")
     run.stepper = PrecisionStepper(texture.policy, run.optimizer)
-    run.overlap = _resolve_overlap(settings["overlap"], texture, run.optimizer)
-    run.stateful = [module for _, module in _forward_state(texture)]
+    stateful = _forward_state(texture)
+    run.overlap = _resolve_overlap(settings["overlap"], stateful, run.optimizer)
+    run.stateful = [module for _, module in stateful]
     if run.overlap and device.type == "cuda":
         run.read_stream = torch.cuda.Stream(device)
     # Per-layer underflow/overflow statistics of the compute-dtype gradients, sampled.

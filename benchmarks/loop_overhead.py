@@ -5,6 +5,7 @@
     python benchmarks/loop_overhead.py --compare before.json after.json
     python benchmarks/loop_overhead.py --host-ms --arms f32 fp8 fp8_rowwise
     python benchmarks/loop_overhead.py --arms fp8 fp8_rowwise --fp8-gemm scaled_mm
+    python benchmarks/loop_overhead.py --arms f32 fp8 --fused-loss
 
 A GPU iteration of a small texture is bound by kernel launches and by the host waiting for the
 device, not by arithmetic (an H100 profile of nvdiffrec's texture at 512^2: 266 kernel launches
@@ -57,6 +58,11 @@ Per arm: the median of the runs' median iteration times, their range and the rat
 kernel for it) as on a GPU with FP8 tensor cores, so that the counts include that path's
 padding and layout copies; this CPU kernel's own host time makes ``--host-ms`` under it no
 measure of a GPU's.
+
+``--fused-loss`` runs the image loss in its Triton kernels (``train.fused_loss``, CUDA's path)
+under Triton's CPU interpreter, so that the counts are those of a CUDA run's loss: its kernels
+are launches outside the dispatcher, not counted, as a GPU's Triton grid is not; the
+interpreter's own cost makes ``--host-ms`` under it no measure of a GPU's.
 
 The table: per arm, ops/iter and syncs/iter, the split of syncs by kind, ops and syncs per
 validation, and the three Python frames (innermost first, mptex's own code) of the most
@@ -283,8 +289,57 @@ def _route_fp8_gemms_through_scaled_mm() -> None:
     mptex.fp8.has_fp8_tensor_cores = lambda device, rowwise=False: True
 
 
+def _route_loss_through_triton() -> None:
+    """Run the image loss in its Triton kernels on the CPU, under Triton's interpreter, as
+    ``train.fused_loss`` runs them on CUDA: the ops of a CUDA run's loss, counted here."""
+    import os
+
+    if "triton" in sys.modules:
+        raise SystemExit("--fused-loss: triton was imported before TRITON_INTERPRET was set")
+    os.environ["TRITON_INTERPRET"] = "1"
+    import mptex.train._loss_triton as kernels
+    import mptex.train.fused_loss as fused_loss
+    import mptex.train.loop as loop
+
+    cuda_problem = fused_loss.fused_loss_problem
+
+    def problem(device, loss):  # the device's problem is lifted by the interpreter
+        return cuda_problem("cuda", loss)
+
+    fused_loss.fused_loss_problem = loop.fused_loss_problem = problem
+    for name in ("_partials_kernel", "_grad_kernel"):
+        setattr(kernels, name, _CountedLaunch(getattr(kernels, name), name.strip("_")))
+
+
+class _CountedLaunch:
+    """An interpreted Triton kernel whose launch counts as one op (``triton:<name>``), as on a
+    GPU, and whose interpreter's own tensor copies are kept from the counting mode."""
+
+    def __init__(self, kernel, name: str):
+        self.kernel, self.name = kernel, name
+
+    def __getitem__(self, grid):
+        from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
+
+        from mptex.diagnostics.overhead import OverheadCounter
+
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            mode = _get_current_dispatch_mode()
+            if not isinstance(mode, OverheadCounter):
+                return launch(*args, **kwargs)
+            with _disable_current_modes():
+                out = launch(*args, **kwargs)
+            mode.record_launch(f"triton:{self.name}")
+            return out
+
+        return run
+
+
 def _write_json(args: argparse.Namespace, results: list[dict], **extra) -> None:
-    payload = {"machine": machine("cpu"), "fp8_gemm": args.fp8_gemm, **extra, "results": results}
+    payload = {"machine": machine("cpu"), "fp8_gemm": args.fp8_gemm,
+               "fused_loss": args.fused_loss, **extra, "results": results}  # fmt: skip
     args.json.write_text(json.dumps(payload, indent=1) + "\n")
 
 
@@ -313,6 +368,11 @@ def main(argv: list[str] | None = None) -> None:
         help="scaled_mm: the FP8 arms' GEMMs through torch._scaled_mm, as on a GPU with FP8 "
         "tensor cores (torch has a CPU kernel for it)",
     )
+    parser.add_argument(
+        "--fused-loss",
+        action="store_true",
+        help="the image loss in its Triton kernels under Triton's interpreter, as on CUDA",
+    )
     parser.add_argument("overrides", nargs="*", help="more Hydra overrides, after --")
     args = parser.parse_args(argv)
     if args.compare:
@@ -321,6 +381,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     if args.fp8_gemm == "scaled_mm":
         _route_fp8_gemms_through_scaled_mm()
+    if args.fused_loss:
+        _route_loss_through_triton()
+        args.overrides = ["train.fused_loss=true", *args.overrides]
     if args.host_ms:
         if args.host_runs < 1:
             parser.error(f"--host-runs: expected at least 1, got {args.host_runs}")
@@ -344,7 +407,9 @@ def main(argv: list[str] | None = None) -> None:
             _write_json(args, results)
     print(
         f"builtin scene {args.resolution}x{args.resolution}, batch 4, texture={args.texture}, "
-        f"iterations [{args.start}, {args.stop}), FP8 GEMMs {args.fp8_gemm}; {machine('cpu')}\n"
+        f"iterations [{args.start}, {args.stop}), FP8 GEMMs {args.fp8_gemm}, "
+        f"loss {'fused (Triton, interpreted)' if args.fused_loss else 'eager'}; "
+        f"{machine('cpu')}\n"
     )
     print_results(results, args.top_sites)
     if args.json is not None:

@@ -224,7 +224,6 @@ def run_cases(cases_path: str, results_path: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--compile-check":
-        compile_check()
-    else:
-        run_cases(sys.argv[1], sys.argv[2])
+    from triton_subprocess import script_main
+
+    script_main(compile_check, run_cases)

@@ -200,6 +200,30 @@ def test_the_fp8_gemms_can_be_counted_as_on_a_gpu(tmp_path):
     assert counts["scaled_mm"].get("mm", 0) == 0
 
 
+@pytest.mark.requires_triton
+def test_the_fused_loss_can_be_counted_as_on_a_gpu(tmp_path):
+    # --fused-loss: the image loss runs in its Triton kernels under the interpreter, each
+    # launch one op (the interpreter's own copies kept out), the eager loss's ops gone.
+    counts = {}
+    for fused in (False, True):
+        out = tmp_path / f"{fused}.json"
+        run = _loop_overhead("--arms", "f32", "--start", "2", "--stop", "4", "--resolution",
+                             "16", "--texture", "tiny", *(["--fused-loss"] if fused else []),
+                             "--json", str(out), "--", "scene.n_train_views=4",
+                             "scene.n_val_views=1")  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        payload = json.loads(out.read_text())
+        assert payload["fused_loss"] is fused
+        (result,) = payload["results"]
+        assert result["syncs_per_iter"] == 1.0, result["sync_sites"]
+        counts[fused] = result
+    eager, fused = counts[False], counts[True]
+    assert fused["ops_by_name"]["triton:partials_kernel"] == 1.0
+    assert fused["ops_by_name"]["triton:grad_kernel"] == 1.0
+    assert "log" not in fused["ops_by_name"] and eager["ops_by_name"]["log"] == 2.0
+    assert fused["ops_per_iter"] <= eager["ops_per_iter"] - 40
+
+
 def test_host_time_is_each_runs_median_per_arm(tmp_path):
     # --host-ms: per arm, one median iteration time per run, the runs taken in turn; the table
     # gives each arm's ratio to f32.

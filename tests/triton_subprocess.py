@@ -57,3 +57,11 @@ def check_compiles(script: str, timeout: int) -> None:
     if proc.returncode == 3:
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def script_main(compile_check, run_cases) -> None:
+    """A kernels script's entry point: ``--compile-check``, or ``CASES.pt RESULTS.pt``."""
+    if sys.argv[1] == "--compile-check":
+        compile_check()
+    else:
+        run_cases(sys.argv[1], sys.argv[2])

@@ -92,6 +92,17 @@ class OverheadCounter(TorchDispatchMode):
         self.syncs[(self.phase, kind)] += 1
         self.sites[(self.phase, kind, _sites())] += 1
 
+    def _count_op(self, name: str) -> None:
+        self.ops[(self.phase, name)] += 1
+        site = _sites(1)
+        self.op_files[(self.phase, site.split(":")[0])] += 1
+        self.op_sites[(self.phase, name, site)] += 1
+
+    def record_launch(self, name: str) -> None:
+        """Count one op ``name`` for a kernel launched outside the dispatcher (a Triton kernel
+        whose ops, under Triton's interpreter, the caller kept from this mode)."""
+        self._count_op(name)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -114,10 +125,7 @@ class OverheadCounter(TorchDispatchMode):
         if host_out:  # host data only: no kernel on the device, nothing to wait for
             self.host_ops[(self.phase, name)] += 1
             return out
-        self.ops[(self.phase, name)] += 1
-        site = _sites(1)
-        self.op_files[(self.phase, site.split(":")[0])] += 1
-        self.op_sites[(self.phase, name, site)] += 1
+        self._count_op(name)
         if name in _READS:
             self.record_sync("read (.item/bool/float)")
         elif name in _DATA_SIZED or (name == "repeat_interleave" and "output_size" not in kwargs):

@@ -4,6 +4,8 @@ One concept per module:
 
 * :mod:`~mptex.train.config`: the ``train`` group's defaults and every check made at start;
 * :mod:`~mptex.train.losses`: the learning-rate schedule, nvdiffrec's image losses, PSNR;
+* :mod:`~mptex.train.fused_loss`: the training loss's image term masked by the reference alpha,
+  eager or in two Triton kernels (:mod:`~mptex.train._loss_triton`);
 * :mod:`~mptex.train.shading`: shading, compositing, rendering views of a texture;
 * :mod:`~mptex.train.validation`: validation PSNR, the constant-colour baseline, images;
 * :mod:`~mptex.train.checkpoint`: atomic writes, ``metrics.json``, ``checkpoint.pt``;

@@ -8,6 +8,8 @@ One iteration (nvdiffrec's ``optimize_mesh`` with a fixed mesh and only the text
 3. shade: ``kd`` (the first three channels, albedo) or ``diffuse`` (see :func:`shade`);
 4. composite prediction and reference over the background (per-pixel random, white or black);
 5. loss = color loss (``logl1`` by default) on RGB masked by the reference alpha + alpha MSE
+   (the color term in two Triton kernels on CUDA: ``train.fused_loss``,
+   :mod:`mptex.train.fused_loss`)
    + the kd smoothness regulariser (``0.03 * min(1, it / 500) * mean(|kd(p + N(0, 0.01)) -
    kd(p)| / 3)`` over covered pixels, as nvdiffrec's ``kd_grad``);
 6. :class:`~mptex.PrecisionStepper` does backward, unscale, overflow check, step or skip;
@@ -64,7 +66,8 @@ from mptex.train.checkpoint import (
 )
 from mptex.train.config import TRAIN_DEFAULTS, ConfigError, config_key, validate_config
 from mptex.train.exporter import Exporter
-from mptex.train.losses import image_loss, lr_schedule
+from mptex.train.fused_loss import fused_loss_problem, masked_image_loss
+from mptex.train.losses import lr_schedule
 from mptex.train.memory import RunPeakRss, peak_memory
 from mptex.train.monitor import PrecisionMonitor
 from mptex.train.rng import rng_state, seed_everything, set_rng_state
@@ -74,7 +77,7 @@ from mptex.train.runinfo import (
     package_versions,
     tensorboard_writer,
 )
-from mptex.train.shading import composite, draw_background, light_direction, render_batch
+from mptex.train.shading import draw_background, light_direction, render_batch
 from mptex.train.signals import StopSignals, auto_resume_path, send_signal
 from mptex.train.validation import evaluate, save_val_images
 
@@ -214,6 +217,18 @@ def _resolve_overlap(
     if setting is True:
         raise ConfigError(f"train.overlap: true needs {problem}; use auto or false")
     return False
+
+
+def _resolve_fused_loss(setting: Any, device: torch.device, loss: str) -> bool:
+    """``train.fused_loss``: whether the image loss runs in its Triton kernels
+    (:func:`mptex.train.fused_loss.masked_image_loss`). ``auto``: wherever they can run;
+    ``true`` where they cannot is a config error."""
+    if setting is False:
+        return False
+    problem = fused_loss_problem(device, loss)
+    if problem is not None and setting is True:
+        raise ConfigError(f"train.fused_loss: true needs {problem}; use auto or false")
+    return problem is None
 
 
 def _place_adam_steps(optimizer: torch.optim.Adam) -> None:
@@ -526,6 +541,7 @@ class RunState:
         self.stateful: list[torch.nn.Module] = []  # modules with state of their own
         self.read_stream = None
         self.overlap_clock: float | None = None
+        self.fused_loss = False  # the image loss's Triton kernels (_resolve_fused_loss)
 
     def jitter(self, points: torch.Tensor) -> torch.Tensor:
         """``points`` moved by ``N(0, kd_jitter_std)`` noise: the kd smoothness term's samples."""
@@ -583,6 +599,7 @@ def setup(
     stateful = _forward_state(texture)
     run.overlap = _resolve_overlap(settings["overlap"], stateful, run.optimizer)
     run.stateful = [module for _, module in stateful]
+    run.fused_loss = _resolve_fused_loss(settings["fused_loss"], device, settings["loss"])
     if run.overlap and device.type == "cuda":
         run.read_stream = torch.cuda.Stream(device)
     # Per-layer underflow/overflow statistics of the compute-dtype gradients, sampled.
@@ -658,7 +675,6 @@ def _forward_backward(run: RunState, it: int) -> _Enqueued:
         shape = views.coverage.shape[:-1] + (3,)
         background = draw_background(settings["background"], shape, device, noise_gen)
         ref_alpha = views.rgba[..., 3:4]
-        ref = composite(views.rgba[..., 0:3], ref_alpha, background)
     use_reg = settings["kd_smooth"] and settings["kd_smooth_weight"] > 0
     with profiler_scope("mptex.render"):
         pred, kd_grad = render_batch(texture, views, settings, background, run.light_dir,
@@ -668,7 +684,9 @@ def _forward_backward(run: RunState, it: int) -> _Enqueued:
         # predicted alpha is the fixed mesh's coverage: the alpha term has no texture gradient.
         pred_alpha = views.coverage.to(pred.dtype)
         loss = torch.nn.functional.mse_loss(pred_alpha, ref_alpha)
-        loss = loss + image_loss(pred * ref_alpha, ref * ref_alpha, settings["loss"])
+        # The reference composited over the same background, both masked by its alpha.
+        loss = loss + masked_image_loss(pred, views.rgba, background, settings["loss"],
+                                        fused=run.fused_loss)  # fmt: skip
         if kd_grad is not None:
             ramp = float(settings["kd_smooth_ramp"])
             weight = settings["kd_smooth_weight"] * (min(1.0, it / ramp) if ramp > 0 else 1.0)
@@ -1031,6 +1049,7 @@ def finish(
             **run.texture.backends(),
             "raster": run.scene.gbuffers.resolved_backend(),
             **({"loop": "overlap"} if run.overlap else {}),
+            **({"loss": "triton"} if run.fused_loss else {}),
         },  # fmt: skip
         device=str(device),
         device_name=device_name(device),

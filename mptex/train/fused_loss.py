@@ -1,0 +1,104 @@
+"""The training loss's image term, masked by the reference alpha, eager or fused.
+
+nvdiffrec's colour loss compares the prediction and the reference composited over the same
+background, both multiplied by the reference alpha (``train.py``'s ``color_ref`` masking)::
+
+    a = rgba[..., 3:4]
+    ref = composite(rgba[..., :3], a, background)     # background + (rgb - background) * a
+    loss = image_loss(pred * a, ref * a, loss)         # e.g. mean |T(pred a) - T(ref a)|
+
+:func:`masked_image_loss` computes it so, in eager torch ops (the twin, everywhere), or with
+``fused`` in two Triton kernels (:mod:`mptex.train._loss_triton`): one forward launch instead of
+about twenty element-wise ops, one backward launch instead of as many again. On a GPU the
+training iteration is bound by the host's launches (docs/gpu.md), so this is launches saved in
+every arm. The fused backward performs autograd's float32 operations in the same order and
+returns the same ``dL/dpred``, to the bit (the kernels' module docstring states how; the GPU kit
+compares the two on the device); the loss value is summed in another order and may differ from
+the eager one in its last bits.
+
+:func:`fused_loss_problem` says why the fused path cannot run for a device and loss (``None``
+when it can): it needs a CUDA device, Triton with the compile option that keeps libdevice's
+``log`` and ``pow`` from flushing subnormals, and one of :data:`FUSED_LOSSES` (``logl1``,
+nvdiffrec's default, and ``l1``; the other losses run eager).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mptex._backends import has_triton
+from mptex.train.losses import image_loss
+from mptex.train.shading import composite
+
+__all__ = ["FUSED_LOSSES", "fused_loss_problem", "masked_image_loss"]
+
+# loss name -> whether the kernels apply nvdiffrec's log-sRGB tone map first.
+_TONEMAP = {"logl1": True, "l1": False}
+FUSED_LOSSES = tuple(_TONEMAP)
+
+
+def fused_loss_problem(device: torch.device | str, loss: str) -> str | None:
+    """Why :func:`masked_image_loss` cannot run fused on ``device`` for ``loss``, in words that
+    complete "needs ..."; None when it can."""
+    if loss not in _TONEMAP:
+        return f"a loss in {list(FUSED_LOSSES)} (got {loss!r}, which runs eager)"
+    if torch.device(device).type != "cuda":
+        return f"a CUDA device (got {torch.device(device)})"
+    if not has_triton():
+        return "triton (not importable)"
+    from mptex.train._loss_triton import LAUNCH_OPTIONS
+
+    if LAUNCH_OPTIONS is None:
+        return "a Triton whose CUDA backend has the enable_reflect_ftz compile option"
+    return None
+
+
+class _FusedMaskedLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, pred, rgba, background, tonemap):
+        from mptex.train._loss_triton import loss_partials
+
+        ctx.save_for_backward(pred, rgba, background)
+        ctx.tonemap = tonemap
+        return loss_partials(pred, rgba, background, tonemap).sum() / pred.numel()
+
+    @staticmethod
+    def backward(ctx, grad):
+        from mptex.train._loss_triton import loss_grad
+
+        pred, rgba, background = ctx.saved_tensors
+        # torch divides by a host scalar (the mean's count) as a multiplication by its float32
+        # reciprocal on CUDA, by a true division on the CPU: the eager backward's arithmetic.
+        reciprocal = pred.device.type == "cuda"
+        return loss_grad(pred, rgba, background, grad, ctx.tonemap, reciprocal), None, None, None
+
+
+def masked_image_loss(
+    pred: torch.Tensor,
+    rgba: torch.Tensor,
+    background: torch.Tensor,
+    loss: str = "logl1",
+    fused: bool = False,
+) -> torch.Tensor:
+    """``image_loss(pred * a, composite(rgba[..., :3], a, background) * a, loss)`` with ``a =
+    rgba[..., 3:4]`` (module docstring).
+
+    Args:
+        pred: ``[..., 3]`` linear RGB prediction (any float dtype; the gradient flows to it).
+        rgba: ``[..., 4]`` float32 reference, linear RGB and alpha.
+        background: ``[..., 3]`` float32, the background both are composited over.
+        loss: a key of :data:`mptex.train.losses.LOSSES`.
+        fused: the Triton kernels; ``RuntimeError`` where :func:`fused_loss_problem` names a
+            problem.
+
+    Returns:
+        scalar float32.
+    """
+    if fused:
+        problem = fused_loss_problem(pred.device, loss)
+        if problem is not None:
+            raise RuntimeError(f"masked_image_loss: fused needs {problem}")
+        return _FusedMaskedLoss.apply(pred, rgba, background, _TONEMAP[loss])
+    alpha = rgba[..., 3:4]
+    ref = composite(rgba[..., 0:3], alpha, background)
+    return image_loss(pred * alpha, ref * alpha, loss)

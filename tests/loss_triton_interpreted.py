@@ -1,0 +1,101 @@
+"""Run mptex.train._loss_triton's kernels on saved cases under Triton's CPU interpreter.
+
+Usage: python tests/loss_triton_interpreted.py CASES.pt RESULTS.pt
+   or: python tests/loss_triton_interpreted.py --compile-check (compile for sm_90, no GPU needed)
+
+Run in a subprocess by tests/test_fused_loss.py: the interpreter is chosen when ``triton.jit``
+decorates the kernels, so ``TRITON_INTERPRET=1`` must be in the environment before the module is
+first imported, which a fresh process guarantees.
+
+Cases: dicts with ``name``, ``pred``, ``rgba``, ``background``, ``grad`` (a float32 scalar
+tensor) and ``tonemap``. Results: ``{name: {"partials": ..., "grad": ..., "grad_reciprocal":
+...}}``, the backward with the mean's division as CPU torch does it and as CUDA torch does it.
+"""
+
+import re
+import sys
+
+
+def compile_check() -> None:
+    """Compile both kernels for sm_90, with and without the tone map, with the options the
+    module launches them with; exit 3 (skip) if this triton has no CUDA backend. Asserts: every
+    float32 division is ``div.rn.f32``; without the tone map (no libdevice code) nothing is
+    flushed to zero, approximated or contracted into a multiply-add; with it, the only
+    flush-to-zero instructions are libdevice's own ``rcp.approx.ftz.f32`` (part of its
+    ``logf``/``powf``, as in torch's kernels), a small fraction of what the kernels hold when
+    libdevice is compiled in its flush-to-zero mode (Triton's default), and fewer multiply-adds
+    than when contraction is allowed (the kernels' own products and sums stay apart)."""
+    import triton
+    from triton.compiler import ASTSource
+    from triton_subprocess import cuda_target
+
+    target = cuda_target(90)
+    import mptex.train._loss_triton as lt
+
+    assert not lt.INTERPRETED
+    if lt.LAUNCH_OPTIONS is None:
+        print("this triton has no enable_reflect_ftz option: the fused loss is not used")
+        sys.exit(3)
+    flags = ("TONEMAP", "INTERP", "BLOCK", "MEAN_BY_RECIPROCAL")
+
+    def ptx(kernel, tonemap, **options):
+        signature = {name: "constexpr" if name in flags else ("i32" if name == "n" else "*fp32")
+                     for name in kernel.arg_names}  # fmt: skip
+        constexprs = dict(TONEMAP=tonemap, INTERP=False, BLOCK=lt._BLOCK)
+        if "MEAN_BY_RECIPROCAL" in kernel.arg_names:
+            constexprs["MEAN_BY_RECIPROCAL"] = True
+        compiled = triton.compile(
+            ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+            target=target,
+            options={**lt.LAUNCH_OPTIONS, **options},
+        )
+        return compiled.asm["ptx"]
+
+    def ftz(text):
+        return re.findall(r"\b[a-z0-9]+(?:\.[a-z0-9]+)*\.ftz(?:\.[a-z0-9]+)*\b", text)
+
+    def fmas(text):
+        return len(re.findall(r"\bfma\.rn\.f32\b", text))
+
+    for kernel in (lt._partials_kernel, lt._grad_kernel):
+        name = kernel.fn.__name__
+        plain = ptx(kernel, False)
+        divs = set(re.findall(r"\bdiv\.[a-z.]*f32\b", plain))
+        assert divs <= {"div.rn.f32"}, (name, divs)
+        assert not ftz(plain) and ".approx" not in plain and not fmas(plain), name
+        mapped = ptx(kernel, True)
+        divs = set(re.findall(r"\bdiv\.[a-z.]*f32\b", mapped))
+        assert divs <= {"div.rn.f32"}, (name, divs)
+        assert set(ftz(mapped)) == {"rcp.approx.ftz.f32"}, (name, sorted(set(ftz(mapped))))
+        flushed = ftz(ptx(kernel, True, enable_reflect_ftz=True))
+        assert len(ftz(mapped)) * 10 < len(flushed), (name, len(ftz(mapped)), len(flushed))
+        contracted = fmas(ptx(kernel, True, enable_fp_fusion=True))
+        assert fmas(mapped) < contracted, (name, fmas(mapped), contracted)
+        print(f"{name}: {len(ftz(mapped))} libdevice rcp.approx.ftz (flush-to-zero mode: "
+              f"{len(flushed)} .ftz), {fmas(mapped)} fma (contracted: {contracted})")  # fmt: skip
+
+
+def run_cases(cases_path: str, results_path: str) -> None:
+    import warnings
+
+    import torch
+
+    import mptex.train._loss_triton as lt
+
+    assert lt.INTERPRETED, "TRITON_INTERPRET=1 did not select the interpreter"
+    warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy on NaN and inf inputs
+    results = {}
+    for case in torch.load(cases_path):
+        args = case["pred"], case["rgba"], case["background"]
+        results[case["name"]] = {
+            "partials": lt.loss_partials(*args, case["tonemap"]),
+            "grad": lt.loss_grad(*args, case["grad"], case["tonemap"], False),
+            "grad_reciprocal": lt.loss_grad(*args, case["grad"], case["tonemap"], True),
+        }
+    torch.save(results, results_path)
+
+
+if __name__ == "__main__":
+    from triton_subprocess import script_main
+
+    script_main(compile_check, run_cases)

@@ -1,0 +1,252 @@
+"""mptex.train.fused_loss: the training loss's masked image term, eager and in Triton kernels.
+
+The eager path (the CPU's, and the twin) is checked against nvdiffrec's composition written out
+here. The kernels (mptex/train/_loss_triton.py states their arithmetic) run under Triton's
+interpreter in ONE subprocess (tests/loss_triton_interpreted.py) and are compared with
+autograd's gradient of the eager loss on the CPU: to the bit at every element where torch's
+``log`` and ``pow`` returned the correctly rounded value (the interpreter's kernels evaluate
+them so; where torch's differ by an ulp, so may the gradient, checked to a few ulps). On a GPU
+the kernels call the same libdevice functions as torch's kernels, and
+``test_matches_eager_autograd_on_cuda`` compares them to the bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_train import read_metrics, tiny_cfg
+from triton_subprocess import check_compiles, run_script
+
+from mptex.train import ConfigError, train
+from mptex.train.fused_loss import FUSED_LOSSES, fused_loss_problem, masked_image_loss
+from mptex.train.losses import LOSSES, image_loss
+
+_EXP = float(np.float32(1.0 / 2.4))
+_EXP_M1 = float(np.float32(1.0 / 2.4 - 1.0))
+
+
+def _inputs(shape, seed, dtype=torch.float32):
+    """pred over [-0.3, 1.6] (negative values meet the clamp), a reference whose alpha is 0 on
+    about a third of the pixels and fractional elsewhere, a uniform background."""
+    gen = torch.Generator().manual_seed(seed)
+    pred = (torch.rand(*shape, 3, generator=gen) * 1.9 - 0.3).to(dtype)
+    rgba = torch.rand(*shape, 4, generator=gen) * 1.2
+    covered = torch.rand(*shape, generator=gen) > 0.33
+    rgba[..., 3] = torch.where(covered, torch.rand(*shape, generator=gen), torch.zeros(shape))
+    rgba[..., 3][covered & (torch.rand(*shape, generator=gen) > 0.5)] = 1.0
+    return pred, rgba, torch.rand(*shape, 3, generator=gen)
+
+
+def _nvdiffrec(pred, rgba, background, loss):
+    alpha = rgba[..., 3:4]
+    ref = background + (rgba[..., 0:3] - background) * alpha
+    return image_loss(pred * alpha, ref * alpha, loss)
+
+
+def _autograd(pred, rgba, background, grad, loss, reciprocal=False):
+    """autograd's dL/dpred of ``grad * masked loss``; with ``reciprocal`` the mean written as
+    ``sum * float32(1 / n)``, the mean's backward as torch runs it on CUDA."""
+    pred = pred.detach().clone().requires_grad_()
+    if reciprocal:
+        alpha = rgba[..., 3:4]
+        ref = background + (rgba[..., 0:3] - background) * alpha
+        tonemap = LOSSES[loss][0] or (lambda t: t)
+        diff = tonemap(pred * alpha) - tonemap(ref * alpha)
+        value = diff.abs().sum() * float(np.float32(1.0) / np.float32(diff.numel()))
+    else:
+        value = _nvdiffrec(pred, rgba, background, loss)
+    value.backward(grad)
+    return value.detach(), pred.grad
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_eager_path_is_nvdiffrecs_masked_loss_bit_for_bit(loss):
+    pred, rgba, background = _inputs((2, 5, 7), seed=1)
+    grad = torch.tensor(128.0)
+    want, want_grad = _autograd(pred, rgba, background, grad, loss)
+    pred = pred.clone().requires_grad_()
+    got = masked_image_loss(pred, rgba, background, loss)
+    got.backward(grad)
+    assert torch.equal(got.detach(), want)
+    assert torch.equal(pred.grad, want_grad)
+
+
+def test_problems_name_what_the_fused_path_needs():
+    assert "a CUDA device (got cpu)" in fused_loss_problem("cpu", "logl1")
+    assert "'smape', which runs eager" in fused_loss_problem("cuda", "smape")
+    assert set(FUSED_LOSSES) == {"logl1", "l1"} <= set(LOSSES)
+    pred, rgba, background = _inputs((1, 2, 2), seed=0)
+    with pytest.raises(RuntimeError, match="fused needs a CUDA device"):
+        masked_image_loss(pred, rgba, background, "logl1", fused=True)
+
+
+def test_fused_loss_true_where_it_cannot_run_fails_at_start(tmp_path):
+    with pytest.raises(ConfigError, match="train.fused_loss: true needs a CUDA device"):
+        train(tiny_cfg("train.fused_loss=true", "train.iterations=2"), tmp_path / "cpu")
+    with pytest.raises(ConfigError, match="train.fused_loss"):
+        train(tiny_cfg("train.fused_loss=maybe", "train.iterations=2"), tmp_path / "bad")
+    train(tiny_cfg("train.iterations=2"), tmp_path / "auto")  # auto: eager on the CPU
+    assert "loss" not in read_metrics(tmp_path / "auto")["backends"]
+
+
+# ------------------------------------------------------------------ the kernels, interpreted
+# name -> (shape, seed, loss, what the case covers)
+CASES = {
+    "logl1": ((2, 23, 37), 2, "logl1", "several programs and a partial last block"),
+    "l1": ((2, 23, 37), 3, "l1", "no tone map"),
+    "one_pixel": ((1, 1, 1), 4, "logl1", "three elements"),
+    "dark": ((1, 16, 16), 5, "logl1", "values below the sRGB curve's knee (linear branch)"),
+    "special": ((1, 8, 8), 6, "logl1", "clamp bounds, NaN and inf predictions"),
+    "half": ((1, 9, 11), 7, "logl1", "a float16 prediction"),
+    "equal": ((1, 16, 16), 8, "logl1", "a prediction equal to the composited reference"),
+}
+
+
+# Around the clamp's bounds, the infinities, NaN, and either side of the sRGB curve's knee.
+SPECIAL = [-1.0, -0.0, 0.0, 65534.0, 65535.0, 65536.0, 1e30, float("inf"), float("-inf"),
+           float("nan"), 0.00313, 0.0032]  # fmt: skip
+
+
+def _distinguishing_grad(n: int) -> torch.Tensor:
+    """A float32 ``G`` near 100 for which ``G / n`` and ``G * float32(1 / n)`` round apart, so
+    that the two ways of dividing the mean's gradient give different bits."""
+    inverse = np.float32(1.0) / np.float32(n)
+    for k in range(1000):
+        g = np.float32(100.0 + k / 7.0)
+        if g / np.float32(n) != g * inverse:
+            return torch.tensor(float(g))
+    raise AssertionError(f"no distinguishing gradient for n = {n}")
+
+
+def _case(name):
+    shape, seed, loss, _ = CASES[name]
+    pred, rgba, background = _inputs(shape, seed, torch.float16 if name == "half" else None)
+    if name == "dark":
+        pred = pred * 0.004
+        rgba[..., 0:3] *= 0.004
+        background *= 0.004
+    if name == "special":
+        flat = pred.view(-1)
+        flat[: len(SPECIAL)] = torch.tensor(SPECIAL)
+        rgba[0, 0:4, :, 3] = 1.0  # the special values are not masked away
+    if name == "equal":
+        # The prediction is the composited reference on most pixels: a zero difference
+        # (whose sign, and gradient, are 0) wherever the kernels round the reference as torch.
+        alpha = rgba[..., 3:4]
+        ref = background + (rgba[..., 0:3] - background) * alpha
+        pred = torch.where(torch.rand(shape, generator=torch.Generator().manual_seed(seed))
+                           [..., None] > 0.2, ref, pred)  # fmt: skip
+    return dict(name=name, pred=pred, rgba=rgba, background=background,
+                grad=_distinguishing_grad(pred.numel()), tonemap=loss == "logl1")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("loss_triton")
+    torch.save([_case(name) for name in CASES], folder / "cases.pt")
+    proc = run_script("loss_triton_interpreted.py", str(folder / "cases.pt"),
+                      str(folder / "results.pt"), interpret=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(folder / "results.pt")
+
+
+def _correctly_rounded(x):
+    """Per element of ``x``: whether torch's log and pow along the tone map (and pow's
+    derivative) equal the correctly rounded values, which the interpreted kernels compute."""
+    c = torch.clamp(x, min=0, max=65535) + 1
+    u = torch.log(c)
+    k = torch.clamp(u, min=0.0031308)
+
+    def exact_pow(e):
+        return torch.exp2(torch.log2(k.double()) * e).float()
+
+    same = (u == torch.log(c.double()).float()) | torch.isnan(u)
+    for e, value in ((_EXP, torch.pow(k, 1.0 / 2.4)), (_EXP_M1, torch.pow(k, 1.0 / 2.4 - 1))):
+        same &= (value == exact_pow(e)) | torch.isnan(value)
+    return same
+
+
+@pytest.mark.requires_triton
+@pytest.mark.slow
+@pytest.mark.parametrize("reciprocal", [False, True], ids=["cpu_division", "cuda_reciprocal"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kernels_match_autograd(interpreted, name, reciprocal):
+    case = _case(name)
+    loss = CASES[name][2]
+    args = case["pred"], case["rgba"], case["background"]
+    value, want = _autograd(*args, case["grad"], loss, reciprocal)
+    got = interpreted[name]["grad_reciprocal" if reciprocal else "grad"]
+    assert got.dtype == case["pred"].dtype and got.shape == want.shape
+    alpha = case["rgba"][..., 3:4]
+    ref = case["background"] + (case["rgba"][..., 0:3] - case["background"]) * alpha
+    exact = torch.ones_like(want, dtype=torch.bool)
+    if case["tonemap"]:
+        exact = _correctly_rounded(case["pred"].float() * alpha) & _correctly_rounded(ref * alpha)
+    if want.numel() > 100:
+        assert exact.float().mean() > 0.8, "too few elements compared to the bit"
+    same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+    assert same[exact].all(), (got[exact & ~same], want[exact & ~same])
+    # Elsewhere torch's log or pow is an ulp off the correctly rounded value: a few ulps here.
+    close = torch.isclose(got.float(), want.float(), rtol=2e-6, atol=0, equal_nan=True)
+    assert close.all()
+    partial_sum = interpreted[name]["partials"].sum() / case["pred"].numel()
+    assert torch.isclose(partial_sum, value, rtol=1e-5, equal_nan=True)
+
+
+@pytest.mark.requires_triton
+@pytest.mark.slow
+def test_cases_cover_both_branches_and_the_clamps():
+    case = _case("special")
+    x = (case["pred"] * case["rgba"][..., 3:4]).view(-1)
+    assert (x < 0).any() and (x > 65535).any() and torch.isnan(x).any() and torch.isinf(x).any()
+    dark = _case("dark")
+    u = torch.log(torch.clamp(dark["pred"] * dark["rgba"][..., 3:4], 0, 65535) + 1)
+    assert (u <= 0.0031308).float().mean() > 0.2 and (u > 0.0031308).any()
+    assert _case("logl1")["pred"].numel() > 2 * 1024  # the kernels' block: several programs
+    equal = _case("equal")
+    alpha = equal["rgba"][..., 3:4]
+    ref = equal["background"] + (equal["rgba"][..., 0:3] - equal["background"]) * alpha
+    assert (equal["pred"] * alpha == ref * alpha).float().mean() > 0.5
+
+
+@pytest.mark.requires_triton
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(set(CASES) - {"half"}))  # half rounds the ulp away
+def test_cases_tell_the_two_divisions_apart(interpreted, name):
+    result = interpreted[name]
+    assert not torch.equal(result["grad"], result["grad_reciprocal"])
+
+
+@pytest.mark.requires_triton
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_without_flushing_or_contracting():
+    check_compiles("loss_triton_interpreted.py", timeout=600)
+
+
+# --------------------------------------------------------------------------------- on a GPU
+@pytest.mark.requires_cuda
+@pytest.mark.requires_triton
+@pytest.mark.parametrize("loss", FUSED_LOSSES)
+def test_matches_eager_autograd_on_cuda(loss):
+    pred, rgba, background = (t.cuda() for t in _inputs((4, 64, 96), seed=8))
+    grad = torch.tensor(128.0, device="cuda")
+    want_value, want = _autograd(pred, rgba, background, grad, loss)
+    pred = pred.clone().requires_grad_()
+    value = masked_image_loss(pred, rgba, background, loss, fused=True)
+    value.backward(grad)
+    assert torch.equal(pred.grad, want)
+    assert torch.isclose(value.detach(), want_value, rtol=1e-5)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.requires_triton
+def test_training_on_cuda_takes_the_fused_loss(tmp_path):
+    overrides = ["precision=f32", "train.device=cuda", "train.iterations=6"]
+    train(tiny_cfg(*overrides), tmp_path / "auto")
+    train(tiny_cfg(*overrides, "train.fused_loss=false"), tmp_path / "eager")
+    fused, eager = read_metrics(tmp_path / "auto"), read_metrics(tmp_path / "eager")
+    assert fused["backends"]["loss"] == "triton" and "loss" not in eager["backends"]
+    # The grid's backward sums with atomics on CUDA: the runs agree to float32 noise.
+    losses = [[h["loss"] for h in m["history"]] for m in (fused, eager)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4)

@@ -16,7 +16,7 @@ from mptex.diagnostics import half_ulps, outside_tolerance, ulp_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 VALIDATE = ROOT / "benchmarks" / "gpu" / "validate.py"
-STAGES = ["env", "golden", "tests", "profile", "arms", "nvdiffrec154", "grid", "network",
+STAGES = ["env", "loss", "golden", "tests", "profile", "arms", "nvdiffrec154", "grid", "network",
           "raster", "fp8", "throughput"]  # fmt: skip
 FIXTURES = ROOT / "tests" / "gpu_golden"
 _spec = importlib.util.spec_from_file_location("gpu_kit_validate", VALIDATE)
@@ -110,6 +110,9 @@ def test_dry_run_runs_every_stage_and_records_why_native_ones_cannot(tmp_path):
     assert stages["fp8"]["reason"] == (
         "torch._scaled_mm needs a CUDA device with FP8 tensor cores (--device cpu)"
     )
+    loss = stages["loss"]  # the kernels under Triton's interpreter: close, not bit-equal
+    assert loss["status"] == "ok", loss
+    assert [(r["loss"], r["ok"]) for r in loss["data"]["rows"]] == [("logl1", True), ("l1", True)]
     arms = stages["arms"]
     assert arms["status"] == "ok", arms
     ran = {run["precision"]: run for run in arms["data"]["runs"]}
@@ -120,6 +123,12 @@ def test_dry_run_runs_every_stage_and_records_why_native_ones_cannot(tmp_path):
     assert {r["status"] for r in ran.values()} <= {"completed", "diverged"}
     assert ran["f32"]["status"] == "completed" and ran["f32"]["time_per_iter_s"] > 0
     assert all(run["backends"]["encoder"] == "torch" for run in ran.values())
+    # f32 with each loop feature off, right after f32, kept apart from the judged runs
+    variants = arms["data"]["variants"]
+    assert [v["variant"] for v in variants] == list(kit.LOOP_VARIANTS)
+    assert all(v["precision"] == "f32" and v["status"] == "completed" for v in variants)
+    labels = [row[0] for row in arms["tables"][0]["rows"]]
+    assert labels[:3] == ["f32", *[f"f32, {v}" for v in kit.LOOP_VARIANTS]]
     assert stages["throughput"]["status"] == "ok"
     assert any(row[0].startswith("torch float32 forward+backward")
                for row in stages["throughput"]["tables"][0]["rows"])  # fmt: skip

@@ -15,6 +15,8 @@ runs out of time is recorded and the next one runs):
 
 =============  ==============================================================================
 env            device, driver, versions; whether tinycudann, nvdiffrast and triton import
+loss           the training loss's image term in its Triton kernels vs eager torch at 512²,
+               batch 4: dL/dpred bit-equal (the claim), loss values, forward+backward times
 golden         recapture the golden tensors of tinycudann and nvdiffrast on the test suite's
                cases and compare them with the committed fixtures (a new library version or GPU
                shows up as arrays no longer bit-equal), then run the twins' golden tests on them
@@ -77,7 +79,8 @@ class Stage:
     name: str
     title: str
     seconds: float  # time box on a GPU; --device cpu uses its own small sizes
-    needs: tuple[str, ...] = ()  # "tcnn", "nvdiffrast", "fp8": unavailable without them
+    # "tcnn", "nvdiffrast", "fp8", "triton": unavailable without them
+    needs: tuple[str, ...] = ()
 
 
 # In order of value: a short loan runs the first ones. ``mainjob`` (the main job's target is 10
@@ -85,6 +88,7 @@ class Stage:
 # machine's limit on one command: ``--stages mainjob --budget-s 560`` (docs/gpu.md).
 STAGES = [
     Stage("env", "Environment", 40),
+    Stage("loss", "The training loss fused (Triton) vs eager", 40, ("triton",)),
     Stage(
         "golden",
         "Golden tensors: the libraries vs the committed fixtures",
@@ -472,9 +476,20 @@ def _needs(stage: Stage, args: argparse.Namespace) -> str:
             major, minor = torch.cuda.get_device_capability(device)
             return (f"no FP8 tensor cores: compute capability {major}.{minor}, "
                     "torch._scaled_mm's FP8 needs 8.9 or later")  # fmt: skip
+    if "triton" in stage.needs:
+        import importlib.util
+
+        from mptex.train.fused_loss import fused_loss_problem
+
+        # Found, not imported: on a CPU the stage selects Triton's interpreter before the import.
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed (the fused loss's kernels; its interpreter on a CPU)"
+        problem = fused_loss_problem(device, "logl1") if device.startswith("cuda") else None
+        if problem is not None:
+            return f"the fused loss needs {problem}"
     natives = {args.native_grid, args.native_mlp, args.native_raster}
     for lib in stage.needs:
-        if lib == "fp8":
+        if lib in ("fp8", "triton"):
             continue
         if lib not in natives:  # pointed at the twin (the kit's own tests)
             continue
@@ -543,6 +558,27 @@ def stage_env(ctx: StageContext) -> None:
         ["what", "value"],
         [[k, json.dumps(v) if isinstance(v, dict) else v] for k, v in env.items()],
     )
+
+
+def stage_loss(ctx: StageContext) -> None:
+    import fused_loss  # benchmarks/gpu/fused_loss.py
+
+    shape = (1, 8, 8) if ctx.small else (4, 512, 512)
+    rows = fused_loss.compare_fused_loss(ctx.device, shape, repeats=3 if ctx.small else 20)
+    ctx.result["data"]["rows"] = rows
+    ctx.table(
+        f"train.fused_loss: the masked image loss in Triton vs eager torch, {shape} pixels",
+        ["loss", "elements", "dL/dpred bit-equal", "max abs diff", "loss eager", "loss fused",
+         "eager ms", "fused ms", "ok"],
+        [[r["loss"], r["elements"], f"{100 * r['bit_equal']:.4f} %", f"{r['max_abs_diff']:.3g}",
+          f"{r['eager_value']:.9g}", f"{r['fused_value']:.9g}", f"{r['eager_ms']:.3f}",
+          f"{r['fused_ms']:.3f}", r["ok"]] for r in rows],
+        "benchmarks/gpu/fused_loss.py: gradient of 128 x the loss; times: median of 20 forward "
+        "and backward calls, synchronised; the loss values are float32 sums in different orders",
+    )  # fmt: skip
+    failed = [r["loss"] for r in rows if not r["ok"]]
+    if failed:
+        ctx.result["failed_checks"] = [f"{loss}: dL/dpred not the eager one" for loss in failed]
 
 
 def stage_grid(ctx: StageContext) -> None:
@@ -744,33 +780,44 @@ def speed_checks(runs: list[dict], order: list[str]) -> list[str]:
     return failed
 
 
+# f32 again with one of the loop's device-side features off, right after f32: what each one
+# gives, measured in the same process (rows "f32, <override>"; not judged against the targets).
+LOOP_VARIANTS = ("train.overlap=false", "train.fused_loss=false")
+
+
 def stage_arms(ctx: StageContext) -> None:
     iterations = 3 if ctx.small else ctx.args.arm_iterations
-    rows, runs, last_wall = [], [], 0.0
+    rows, runs, variants, last_wall = [], [], [], 0.0
     order = arm_order()
-    for arm in order:
+    plan = [("f32", "f32", None), *[(f"f32, {v}", "f32", v) for v in LOOP_VARIANTS],
+            *[(arm, arm, None) for arm in order[1:]]]  # fmt: skip
+    for label, arm, variant in plan:
         if runs and ctx.remaining() < 1.3 * last_wall:
-            rows.append([arm, "not run: time box", *[""] * 7])
+            rows.append([label, "not run: time box", *[""] * 7])
             continue
         start = time.time()
         try:
             overrides = [f"precision={arm}", *stages_loop.scale_overrides(ctx, iterations)]
-            metrics = _train_run(stages_loop.compose_config(overrides))
+            metrics = _train_run(stages_loop.compose_config([*overrides, *filter(None, [variant])]))
         except Exception as exc:  # one arm's failure is a row, not the stage's end
-            rows.append([arm, f"failed: {type(exc).__name__}: {exc}".splitlines()[0], *[""] * 7])
+            rows.append([label, f"failed: {type(exc).__name__}: {exc}".splitlines()[0],
+                         *[""] * 7])  # fmt: skip
             continue
         last_wall = time.time() - start
         backends = metrics.get("backends") or {}
         keep = ("precision", "psnr", "time_per_iter_s", "peak_memory_bytes", "peak_memory_kind",
                 "status", "skipped_steps", "backends", "iterations", "wall_time_s",
                 "time_split_s")  # fmt: skip
-        runs.append({k: metrics.get(k) for k in keep})
+        if variant is None:
+            runs.append({k: metrics.get(k) for k in keep})
+        else:
+            variants.append({"variant": variant, **{k: metrics.get(k) for k in keep}})
         psnr, ms = metrics.get("psnr"), metrics["time_per_iter_s"] * 1e3
         f32 = next((r["time_per_iter_s"] for r in runs if r["precision"] == "f32"), None)
         split = metrics.get("time_split_s") or {}
         rows.append(
             [
-                arm,
+                label,
                 metrics["status"],
                 f"{psnr:.2f}" if psnr is not None else "–",
                 f"{ms:.2f}",
@@ -783,6 +830,7 @@ def stage_arms(ctx: StageContext) -> None:
             ]
         )
         ctx.result["data"]["runs"] = runs
+        ctx.result["data"]["variants"] = variants
         ctx.result["tables"] = []
         ctx.table(
             f"Built-in scene, {iterations} iterations per arm, seed 0",
@@ -792,7 +840,8 @@ def stage_arms(ctx: StageContext) -> None:
             "ms / iter: the loop's median of device-synchronised iteration times; run / start / "
             "iterations: the run's wall time, its start (scene, texture, set-up) and the sum of "
             "its iterations (metrics.json's time_split_s); one seed, so the PSNR column is not a "
-            "comparison between arms (see nvdiffrec154 for one); targets: f32 at most "
+            "comparison between arms (see nvdiffrec154 for one); rows 'f32, <override>': f32 "
+            "with one of the loop's features off, not judged; targets: f32 at most "
             f"{F32_TARGET_MS} ms, every arm but {', '.join(ARMS_NOT_JUDGED)} within "
             f"{ARM_RATIO_TARGET}x f32",
         )  # fmt: skip
@@ -1036,6 +1085,7 @@ def stage_golden(ctx: StageContext) -> None:
 
 STAGE_BODIES: dict[str, Callable[[StageContext], None]] = {
     "env": stage_env,
+    "loss": stage_loss,
     "golden": stage_golden,
     "grid": stage_grid,
     "network": stage_network,

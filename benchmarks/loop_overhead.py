@@ -307,7 +307,7 @@ def _route_loss_through_triton() -> None:
         return cuda_problem("cuda", loss)
 
     fused_loss.fused_loss_problem = loop.fused_loss_problem = problem
-    for name in ("_partials_kernel", "_grad_kernel"):
+    for name in ("_partials_kernel", "_grad_kernel", "_kd_partials_kernel", "_kd_grad_kernel"):
         setattr(kernels, name, _CountedLaunch(getattr(kernels, name), name.strip("_")))
 
 

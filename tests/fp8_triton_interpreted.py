@@ -20,7 +20,6 @@ outputs}`` ("op") or ``{name: q}`` ("probe").
 
 import os
 import re
-import sys
 
 import triton.language as tl  # annotations only: no kernel is decorated at import
 

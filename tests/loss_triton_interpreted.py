@@ -8,8 +8,10 @@ decorates the kernels, so ``TRITON_INTERPRET=1`` must be in the environment befo
 first imported, which a fresh process guarantees.
 
 Cases: dicts with ``name``, ``pred``, ``rgba``, ``background``, ``grad`` (a float32 scalar
-tensor) and ``tonemap``. Results: ``{name: {"partials": ..., "grad": ..., "grad_reciprocal":
-...}}``, the backward with the mean's division as CPU torch does it and as CUDA torch does it.
+tensor) and ``tonemap``; or, with ``kind`` "kd", ``tex``, ``tex_jitter``, ``grad`` and
+``pixels`` (the smoothness term). Results: ``{name: {"partials": ..., "grad": ...,
+"grad_reciprocal": ...}}``, the backward with the mean's division as CPU torch does it and as
+CUDA torch does it.
 """
 
 import re
@@ -17,14 +19,17 @@ import sys
 
 
 def compile_check() -> None:
-    """Compile both kernels for sm_90, with and without the tone map, with the options the
-    module launches them with; exit 3 (skip) if this triton has no CUDA backend. Asserts: every
+    """Compile the image loss's kernels for sm_90, with and without the tone map, and the
+    smoothness term's, with the options the module launches them with; exit 3 (skip) if this
+    triton has no CUDA backend. Asserts: every
     float32 division is ``div.rn.f32``; without the tone map (no libdevice code) nothing is
     flushed to zero, approximated or contracted into a multiply-add; with it, the only
-    flush-to-zero instructions are libdevice's own ``rcp.approx.ftz.f32`` (part of its
-    ``logf``/``powf``, as in torch's kernels), a small fraction of what the kernels hold when
-    libdevice is compiled in its flush-to-zero mode (Triton's default), and fewer multiply-adds
-    than when contraction is allowed (the kernels' own products and sums stay apart)."""
+    flush-to-zero instructions are libdevice's own approximate reciprocal or ``exp2`` (part of
+    its ``logf``/``powf``; which of them depends on the libdevice's release), a small fraction
+    of what the kernels hold when libdevice is compiled in its flush-to-zero mode (Triton's
+    default), and fewer multiply-adds
+    than when contraction is allowed (the kernels' own products and sums stay apart); the
+    smoothness kernels have no libdevice code: none of the three at all."""
     import triton
     from triton.compiler import ASTSource
     from triton_subprocess import cuda_target
@@ -66,13 +71,31 @@ def compile_check() -> None:
         mapped = ptx(kernel, True)
         divs = set(re.findall(r"\bdiv\.[a-z.]*f32\b", mapped))
         assert divs <= {"div.rn.f32"}, (name, divs)
-        assert set(ftz(mapped)) == {"rcp.approx.ftz.f32"}, (name, sorted(set(ftz(mapped))))
+        approximations = {"rcp.approx.ftz.f32", "ex2.approx.ftz.f32"}  # libdevice's, by design
+        assert set(ftz(mapped)) <= approximations, (name, sorted(set(ftz(mapped))))
         flushed = ftz(ptx(kernel, True, enable_reflect_ftz=True))
         assert len(ftz(mapped)) * 10 < len(flushed), (name, len(ftz(mapped)), len(flushed))
         contracted = fmas(ptx(kernel, True, enable_fp_fusion=True))
         assert fmas(mapped) < contracted, (name, fmas(mapped), contracted)
-        print(f"{name}: {len(ftz(mapped))} libdevice rcp.approx.ftz (flush-to-zero mode: "
+        print(f"{name}: {len(ftz(mapped))} libdevice approximations (flush-to-zero mode: "
               f"{len(flushed)} .ftz), {fmas(mapped)} fma (contracted: {contracted})")  # fmt: skip
+    for kernel in (lt._kd_partials_kernel, lt._kd_grad_kernel):
+        signature = {name: "constexpr" if name in ("C", "BLOCK", "MEAN_BY_RECIPROCAL")
+                     else ("i32" if name in ("n", "pixels") else "*fp32")
+                     for name in kernel.arg_names}  # fmt: skip
+        for reciprocal in (False, True):
+            constexprs = dict(C=3, BLOCK=lt._BLOCK)
+            if "MEAN_BY_RECIPROCAL" in kernel.arg_names:
+                constexprs["MEAN_BY_RECIPROCAL"] = reciprocal
+            text = triton.compile(
+                ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                target=target,
+                options=lt.LAUNCH_OPTIONS,
+            ).asm["ptx"]
+            divs = set(re.findall(r"\bdiv\.[a-z.]*f32\b", text))
+            assert divs <= {"div.rn.f32"}, (kernel.fn.__name__, divs)
+            assert not ftz(text) and ".approx" not in text and not fmas(text), kernel.fn.__name__
+    print("the smoothness kernels: no flush to zero, approximation or multiply-add")
 
 
 def run_cases(cases_path: str, results_path: str) -> None:
@@ -86,6 +109,14 @@ def run_cases(cases_path: str, results_path: str) -> None:
     warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy on NaN and inf inputs
     results = {}
     for case in torch.load(cases_path):
+        if case.get("kind") == "kd":
+            args = case["tex"], case["tex_jitter"]
+            results[case["name"]] = {
+                "partials": lt.kd_partials(*args),
+                "grad": lt.kd_grad(*args, case["grad"], case["pixels"], False),
+                "grad_reciprocal": lt.kd_grad(*args, case["grad"], case["pixels"], True),
+            }
+            continue
         args = case["pred"], case["rgba"], case["background"]
         results[case["name"]] = {
             "partials": lt.loss_partials(*args, case["tonemap"]),

@@ -12,6 +12,8 @@ the kernels call the same libdevice functions as torch's kernels, and
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -19,7 +21,12 @@ from test_train import read_metrics, tiny_cfg
 from triton_subprocess import check_compiles, run_script
 
 from mptex.train import ConfigError, train
-from mptex.train.fused_loss import FUSED_LOSSES, fused_loss_problem, masked_image_loss
+from mptex.train.fused_loss import (
+    FUSED_LOSSES,
+    fused_loss_problem,
+    kd_smoothness,
+    masked_image_loss,
+)
 from mptex.train.losses import LOSSES, image_loss
 
 _EXP = float(np.float32(1.0 / 2.4))
@@ -79,6 +86,51 @@ def test_problems_name_what_the_fused_path_needs():
     pred, rgba, background = _inputs((1, 2, 2), seed=0)
     with pytest.raises(RuntimeError, match="fused needs a CUDA device"):
         masked_image_loss(pred, rgba, background, "logl1", fused=True)
+
+
+def _toolkit(root, name, version=None):
+    """A fake CUDA toolkit folder with a libdevice (and a version.json when ``version``)."""
+    home = root / name
+    (home / "nvvm" / "libdevice").mkdir(parents=True)
+    (home / "nvvm" / "libdevice" / "libdevice.10.bc").write_bytes(b"BC")
+    if version:
+        (home / "version.json").write_text(json.dumps({"cuda": {"version": version}}))
+    return home
+
+
+@pytest.mark.requires_triton
+def test_libdevice_is_a_toolkit_of_torchs_cuda_version(tmp_path, monkeypatch):
+    lt = pytest.importorskip("mptex.train._loss_triton")
+    for name in ("MPTEX_LIBDEVICE", "CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvcc
+    monkeypatch.setattr(lt, "_SYSTEM_TOOLKITS", (str(tmp_path / "system" / "cuda-{version}"),))
+    other = _toolkit(tmp_path, "other", "12.8.93")
+    named = _toolkit(tmp_path, "cuda-13.0")  # the version from the folder's name
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+
+    def found():
+        lt.torch_libdevice.cache_clear()
+        return lt.torch_libdevice()
+
+    monkeypatch.setenv("CUDA_HOME", str(other))
+    path, why = found()
+    assert path is None and "CUDA 13.0 toolkit" in why and f"{other} (12.8)" in why
+    monkeypatch.setenv("CUDA_PATH", str(named))
+    assert found() == (str(named / "nvvm" / "libdevice" / "libdevice.10.bc"), "")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert found()[0] == str(other / "nvvm" / "libdevice" / "libdevice.10.bc")
+    monkeypatch.setenv("MPTEX_LIBDEVICE", str(tmp_path / "missing.bc"))
+    assert found() == (None, f"MPTEX_LIBDEVICE={tmp_path / 'missing.bc'}: no such file")
+    monkeypatch.delenv("MPTEX_LIBDEVICE")
+    for name in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(name)
+    (tmp_path / "system").mkdir()
+    system = _toolkit(tmp_path / "system", "cuda-12.8")  # /usr/local/cuda-<version>
+    assert found()[0] == str(system / "nvvm" / "libdevice" / "libdevice.10.bc")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert found()[1] == "a CUDA build of torch (its CUDA version's libdevice)"
+    lt.torch_libdevice.cache_clear()
 
 
 def test_fused_loss_true_where_it_cannot_run_fails_at_start(tmp_path):
@@ -141,10 +193,61 @@ def _case(name):
                 grad=_distinguishing_grad(pred.numel()), tonemap=loss == "logl1")  # fmt: skip
 
 
+# name -> (points, channels, seed, what the case covers)
+KD_CASES = {
+    "kd": (3000, 3, 10, "several programs, kd only"),
+    "kd_nine": (777, 9, 11, "nine channels: the last six get no gradient"),
+    "kd_special": (64, 3, 12, "equal values (zero difference), NaN and inf"),
+}
+
+
+def _kd_case(name):
+    points, channels, seed, _ = KD_CASES[name]
+    gen = torch.Generator().manual_seed(seed)
+    tex = torch.rand(points, channels, generator=gen)
+    tex_jitter = tex + torch.randn(points, channels, generator=gen) * 0.01
+    if name == "kd_special":
+        tex_jitter[:20] = tex[:20]
+        tex_jitter[20, 0], tex[21, 1], tex_jitter[22, 2] = float("nan"), float("inf"), -1e30
+    pixels = 4 * 17 * 19
+    return dict(kind="kd", name=name, tex=tex, tex_jitter=tex_jitter, pixels=pixels,
+                grad=_kd_distinguishing_grad(pixels))  # fmt: skip
+
+
+def _kd_distinguishing_grad(pixels: int) -> torch.Tensor:
+    """A float32 ``G`` for which dividing by ``pixels`` then by 3 rounds otherwise than
+    dividing by ``3 * pixels`` and than multiplying by the two float32 reciprocals, and those
+    two products otherwise than the product by one reciprocal of ``3 * pixels``."""
+    f = np.float32
+    for k in range(10000):
+        g = f(100.0 + k / 7.0)
+        two_steps = (g / f(pixels)) / f(3)
+        by_reciprocals = (g * (f(1) / f(pixels))) * (f(1) / f(3))
+        if (two_steps != g / f(3 * pixels) and by_reciprocals != g * (f(1) / f(3 * pixels))
+                and two_steps != by_reciprocals):  # fmt: skip
+            return torch.tensor(float(g))
+    raise AssertionError(f"no distinguishing gradient for {pixels} pixels")
+
+
+def _kd_autograd(tex, tex_jitter, grad, pixels, reciprocal=False):
+    """autograd's gradients of ``grad * kd_smoothness`` (eager); with ``reciprocal`` the two
+    divisions written as products by float32 reciprocals, as torch runs them on CUDA."""
+    tex, tex_jitter = tex.clone().requires_grad_(), tex_jitter.clone().requires_grad_()
+    if reciprocal:
+        inverse = [float(np.float32(1.0) / np.float32(v)) for v in (3, pixels)]
+        per_point = torch.sum(torch.abs(tex_jitter[..., 0:3] - tex[..., 0:3]), dim=-1)
+        value = (per_point * inverse[0]).sum() * inverse[1]
+    else:
+        value = kd_smoothness(tex, tex_jitter, pixels)
+    value.backward(grad)
+    return value.detach(), tex_jitter.grad, tex.grad
+
+
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     folder = tmp_path_factory.mktemp("loss_triton")
-    torch.save([_case(name) for name in CASES], folder / "cases.pt")
+    cases = [_case(name) for name in CASES] + [_kd_case(name) for name in KD_CASES]
+    torch.save(cases, folder / "cases.pt")
     proc = run_script("loss_triton_interpreted.py", str(folder / "cases.pt"),
                       str(folder / "results.pt"), interpret=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -167,10 +270,22 @@ def _correctly_rounded(x):
     return same
 
 
-@pytest.mark.requires_triton
-@pytest.mark.slow
-@pytest.mark.parametrize("reciprocal", [False, True], ids=["cpu_division", "cuda_reciprocal"])
-@pytest.mark.parametrize("name", sorted(CASES))
+def _over_cases(names):
+    """A test of the interpreted kernels, run for each case in ``names`` and both ways of
+    dividing the mean's gradient (torch's on the CPU, and on CUDA)."""
+
+    def wrap(test):
+        for mark in (pytest.mark.parametrize("reciprocal", [False, True],
+                                             ids=["cpu_division", "cuda_reciprocal"]),
+                     pytest.mark.parametrize("name", sorted(names)), pytest.mark.slow,
+                     pytest.mark.requires_triton):  # fmt: skip
+            test = mark(test)
+        return test
+
+    return wrap
+
+
+@_over_cases(CASES)
 def test_kernels_match_autograd(interpreted, name, reciprocal):
     case = _case(name)
     loss = CASES[name][2]
@@ -192,6 +307,31 @@ def test_kernels_match_autograd(interpreted, name, reciprocal):
     assert close.all()
     partial_sum = interpreted[name]["partials"].sum() / case["pred"].numel()
     assert torch.isclose(partial_sum, value, rtol=1e-5, equal_nan=True)
+
+
+@_over_cases(KD_CASES)
+def test_smoothness_kernels_match_autograd_bit_for_bit(interpreted, name, reciprocal):
+    case = _kd_case(name)
+    args = case["tex"], case["tex_jitter"], case["grad"], case["pixels"]
+    value, want_jitter, want_tex = _kd_autograd(*args, reciprocal)
+    got_jitter, got_tex = interpreted[name]["grad_reciprocal" if reciprocal else "grad"]
+    for got, want in ((got_jitter, want_jitter), (got_tex, want_tex)):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (got, want)
+    partial_sum = interpreted[name]["partials"].sum() / (3 * case["pixels"])
+    assert torch.isclose(partial_sum, value, rtol=1e-5, equal_nan=True)
+    if not reciprocal:
+        other = interpreted[name]["grad_reciprocal"]
+        assert not torch.equal(other[0], got_jitter)  # the cases tell the divisions apart
+
+
+def test_smoothness_eager_path_is_nvdiffrecs():
+    case = _kd_case("kd_nine")
+    tex = case["tex"].clone().requires_grad_()
+    per_point = torch.sum(torch.abs(case["tex_jitter"][..., 0:3] - tex[..., 0:3]), dim=-1) / 3
+    want = per_point.sum() / case["pixels"]
+    assert torch.equal(kd_smoothness(tex, case["tex_jitter"], case["pixels"]), want)
+    with pytest.raises(RuntimeError, match="kd_smoothness: fused needs a CUDA device"):
+        kd_smoothness(tex, case["tex_jitter"], case["pixels"], fused=True)
 
 
 @pytest.mark.requires_triton
@@ -237,6 +377,19 @@ def test_matches_eager_autograd_on_cuda(loss):
     value.backward(grad)
     assert torch.equal(pred.grad, want)
     assert torch.isclose(value.detach(), want_value, rtol=1e-5)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.requires_triton
+def test_smoothness_matches_eager_autograd_on_cuda():
+    case = _kd_case("kd_nine")
+    args = case["tex"].cuda(), case["tex_jitter"].cuda(), case["grad"].cuda(), case["pixels"]
+    value, want_jitter, want_tex = _kd_autograd(*args)
+    tex, tex_jitter = (t.clone().requires_grad_() for t in args[:2])
+    fused = kd_smoothness(tex, tex_jitter, case["pixels"], fused=True)
+    fused.backward(args[2])
+    assert torch.equal(tex.grad, want_tex) and torch.equal(tex_jitter.grad, want_jitter)
+    assert torch.isclose(fused.detach(), value, rtol=1e-5)
 
 
 @pytest.mark.requires_cuda

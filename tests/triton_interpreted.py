@@ -12,7 +12,6 @@ test process imported before. Each case: ``name``, ``n_dims``, ``kwargs`` (const
 """
 
 import os
-import sys
 
 # Pointer and scalar types of the kernels' arguments, by name.
 ARG_TYPES = {

@@ -1,10 +1,11 @@
-"""The GPU kit's ``loss`` stage: the training loss's image term fused (Triton) vs eager.
+"""The GPU kit's ``loss`` stage: the training loss's terms fused (Triton) vs eager.
 
 :func:`compare_fused_loss` runs :func:`mptex.train.fused_loss.masked_image_loss` both ways on
 the same inputs, nvdiffrec's batch at 512² (a prediction, a reference with alpha, a random
 background), with a loss scale of 128 as the gradient: the share of ``dL/dpred`` elements that
 are bit-equal (the claim: all of them on CUDA), the largest difference, both loss values and
-the median time of a forward and backward each way, the host's launches included.
+the median time of a forward and backward each way, the host's launches included; then the
+same for the kd smoothness term (:func:`mptex.train.fused_loss.kd_smoothness`).
 
 On the CPU dry run (``--device cpu``) the kernels run under Triton's interpreter, which
 evaluates ``log`` and ``pow`` in float64 rounded once, where torch's CPU functions may be an ulp
@@ -54,17 +55,7 @@ def compare_fused_loss(device: str, shape: tuple[int, ...], repeats: int = 20) -
             value.backward(scale)
             return value.detach(), x.grad
 
-        results, times = {}, {}
-        for fused in (False, True):
-            results[fused] = run(fused)
-            samples = []
-            for _ in range(repeats):
-                sync()
-                tick = time.perf_counter()
-                run(fused)
-                sync()
-                samples.append(time.perf_counter() - tick)
-            times[fused] = sorted(samples)[len(samples) // 2] * 1e3
+        results, times = _both_ways(run, repeats, sync)
         (eager_value, eager_grad), (fused_value, fused_grad) = results[False], results[True]
         equal = (fused_grad == eager_grad) | (fused_grad.isnan() & eager_grad.isnan())
         row = {
@@ -82,4 +73,60 @@ def compare_fused_loss(device: str, shape: tuple[int, ...], repeats: int = 20) -
         else:
             row["ok"] = row["bit_equal"] == 1.0
         rows.append(row)
+    rows.append(_smoothness_row(fused_loss, device, shape, scale, repeats, sync))
     return rows
+
+
+def _both_ways(run, repeats: int, sync) -> tuple[dict, dict]:
+    """``run(False)`` and ``run(True)``'s results, and each one's median time in ms over
+    ``repeats`` synchronised calls."""
+    results, times = {}, {}
+    for fused in (False, True):
+        results[fused] = run(fused)
+        samples = []
+        for _ in range(repeats):
+            sync()
+            tick = time.perf_counter()
+            run(fused)
+            sync()
+            samples.append(time.perf_counter() - tick)
+        times[fused] = sorted(samples)[len(samples) // 2] * 1e3
+    return results, times
+
+
+def _smoothness_row(fused_loss, device, shape, scale, repeats, sync) -> dict:
+    """The kd smoothness term both ways, on as many points as a third of the pixels (the
+    built-in scene's coverage), nine channels (its kd and the rest, which get no gradient)."""
+    import torch
+
+    pixels = 1
+    for size in shape:
+        pixels *= size
+    gen = torch.Generator().manual_seed(1)
+    tex = torch.rand(pixels // 3, 9, generator=gen)
+    tex_jitter = (tex + torch.randn(tex.shape, generator=gen) * 0.01).to(device)
+    tex = tex.to(device)
+
+    def run(fused: bool):
+        a, b = tex.clone().requires_grad_(), tex_jitter.clone().requires_grad_()
+        if fused and device == "cpu":  # the interpreter lifts the kernels' CUDA requirement
+            value = fused_loss._FusedSmoothness.apply(a, b, pixels)
+        else:
+            value = fused_loss.kd_smoothness(a, b, pixels, fused=fused)
+        value.backward(scale)
+        return value.detach(), torch.cat([a.grad, b.grad])
+
+    results, times = _both_ways(run, repeats, sync)
+    (eager_value, eager_grad), (fused_value, fused_grad) = results[False], results[True]
+    bit_equal = float((fused_grad.view(torch.int32) == eager_grad.view(torch.int32)).float().mean())
+    return {
+        "loss": "kd smoothness",
+        "elements": tex.numel(),
+        "bit_equal": bit_equal,
+        "max_abs_diff": float((fused_grad - eager_grad).abs().max()),
+        "eager_value": float(eager_value),
+        "fused_value": float(fused_value),
+        "eager_ms": times[False],
+        "fused_ms": times[True],
+        "ok": bit_equal == 1.0,  # no log or pow: bit-equal under the interpreter too
+    }

@@ -547,6 +547,12 @@ def stage_env(ctx: StageContext) -> None:
             version = None
         imported, why = _backends._try_import(module)
         env[dist] = version if imported is not None else f"not importable: {why}"
+    if env["triton"] and not str(env["triton"]).startswith("not importable"):
+        # The fused logl1 loss computes log and pow with torch's CUDA version's libdevice.
+        from mptex.train._loss_triton import torch_libdevice
+
+        path, why = torch_libdevice()
+        env["libdevice"] = path or f"not found: needs {why}"
     manifest = Path(ctx.args.kit or "", "manifest.json")
     if ctx.args.kit and manifest.is_file():
         kit = json.loads(manifest.read_text())
@@ -567,8 +573,8 @@ def stage_loss(ctx: StageContext) -> None:
     rows = fused_loss.compare_fused_loss(ctx.device, shape, repeats=3 if ctx.small else 20)
     ctx.result["data"]["rows"] = rows
     ctx.table(
-        f"train.fused_loss: the masked image loss in Triton vs eager torch, {shape} pixels",
-        ["loss", "elements", "dL/dpred bit-equal", "max abs diff", "loss eager", "loss fused",
+        f"train.fused_loss: the loss's terms in Triton vs eager torch, {shape} pixels",
+        ["term", "elements", "gradient bit-equal", "max abs diff", "loss eager", "loss fused",
          "eager ms", "fused ms", "ok"],
         [[r["loss"], r["elements"], f"{100 * r['bit_equal']:.4f} %", f"{r['max_abs_diff']:.3g}",
           f"{r['eager_value']:.9g}", f"{r['fused_value']:.9g}", f"{r['eager_ms']:.3f}",
@@ -578,7 +584,8 @@ def stage_loss(ctx: StageContext) -> None:
     )  # fmt: skip
     failed = [r["loss"] for r in rows if not r["ok"]]
     if failed:
-        ctx.result["failed_checks"] = [f"{loss}: dL/dpred not the eager one" for loss in failed]
+        ctx.result["failed_checks"] = [f"{loss}: the gradient is not the eager one"
+                                       for loss in failed]  # fmt: skip
 
 
 def stage_grid(ctx: StageContext) -> None:

@@ -30,17 +30,26 @@ subnormals, as in torch's kernels (built without flush to zero). Divisions are
 ``tl.math.div_rn`` (``/`` on float32 is an approximate division on CUDA).
 
 ``log`` and ``pow`` are libdevice's ``__nv_logf`` and ``__nv_powf`` when compiled: the CUDA math
-library's, which torch's ``log`` and ``pow`` kernels call. Triton's CPU interpreter runs no
-libdevice code; there (``INTERPRETED``) the two are evaluated in float64 and rounded once to
-float32 (correctly rounded but for near-ties), which is how ``tests/test_fused_loss.py`` checks
-the kernels' arithmetic against autograd on the CPU, element by element wherever torch's own
-``log`` and ``pow`` return the correctly rounded value. A forward loss value is a float32 sum in
-another order than torch's ``mean``: it may differ from the eager value in its last bits.
+library's, which torch's ``log`` and ``pow`` kernels call, taken from a CUDA toolkit of torch's
+CUDA version (:func:`torch_libdevice`; Triton's bundled libdevice may be another release's).
+Triton's CPU interpreter runs no libdevice code; there (``INTERPRETED``) the two are evaluated
+in float64 and rounded once to float32 (correctly rounded but for near-ties), which is how
+``tests/test_fused_loss.py`` checks the kernels' arithmetic against autograd on the CPU, element
+by element wherever torch's own ``log`` and ``pow`` return the correctly rounded value. A forward
+loss value is a float32 sum in another order than torch's ``mean``: it may differ from the eager
+value in its last bits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -48,7 +57,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-__all__ = ["INTERPRETED", "LAUNCH_OPTIONS", "loss_partials", "loss_grad"]
+__all__ = ["INTERPRETED", "LAUNCH_OPTIONS", "torch_libdevice", "loss_partials", "loss_grad",
+           "kd_partials", "kd_grad"]  # fmt: skip
 
 # Elements per program: the forward writes one partial sum per program.
 _BLOCK = 1024
@@ -146,7 +156,7 @@ def _grad_kernel(p_ptr, rgba_ptr, bg_ptr, g_ptr, out_ptr, n, TONEMAP: tl.constex
     g = tl.load(g_ptr).to(tl.float32)
     count = n.to(tl.float32)
     if MEAN_BY_RECIPROCAL:
-        g = g * tl.math.div_rn(count * 0.0 + 1.0, count)
+        g = g * tl.math.div_rn(count * 0.0 + 1.0, count)  # (finite count)
     else:
         g = tl.math.div_rn(g, count)
     sign = (d > 0.0).to(tl.float32) - (d < 0.0).to(tl.float32)
@@ -193,6 +203,78 @@ def _launch_options() -> dict[str, bool] | None:
 LAUNCH_OPTIONS = _launch_options()
 
 
+# Where CUDA toolkits are installed when no variable names one.
+_SYSTEM_TOOLKITS = ("/usr/local/cuda-{version}", "/usr/local/cuda")
+
+
+def _toolkit_version(home: Path) -> str | None:
+    """``major.minor`` of the CUDA toolkit at ``home``: its ``nvcc --version``, its
+    ``version.json``, or its folder's name (``cuda-13.0``); None if none says."""
+    nvcc = home / "bin" / "nvcc"
+    if nvcc.is_file():
+        try:
+            out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True,
+                                 timeout=60).stdout  # fmt: skip
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        found = re.search(r"release (\d+\.\d+)", out)
+        if found:
+            return found.group(1)
+    try:
+        version = json.loads((home / "version.json").read_text())["cuda"]["version"]
+        return ".".join(version.split(".")[:2])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    found = re.fullmatch(r"cuda-(\d+\.\d+)", home.resolve().name)
+    return found.group(1) if found else None
+
+
+@functools.cache
+def torch_libdevice() -> tuple[str | None, str]:
+    """``(path, "")`` of the libdevice of a CUDA toolkit of torch's CUDA version (major.minor),
+    whose ``logf`` and ``powf`` torch's kernels were compiled with, or ``(None, why not)``.
+
+    Triton's own libdevice can be another CUDA release's: Triton 3.6's computes ``powf``
+    otherwise than CUDA 13.0's (it uses the hardware's approximate ``exp2``), so the tone map's
+    bits would differ from torch's. ``MPTEX_LIBDEVICE`` names the file outright; otherwise the
+    toolkits at ``CUDA_HOME``, ``CUDA_PATH``, ``nvcc``'s on the ``PATH``,
+    ``/usr/local/cuda-<version>`` and ``/usr/local/cuda`` are tried, in that order."""
+    named = os.environ.get("MPTEX_LIBDEVICE")
+    if named:
+        if not Path(named).is_file():
+            return None, f"MPTEX_LIBDEVICE={named}: no such file"
+        return named, ""
+    wanted = torch.version.cuda
+    if not wanted:
+        return None, "a CUDA build of torch (its CUDA version's libdevice)"
+    wanted = ".".join(wanted.split(".")[:2])
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    homes += [str(Path(nvcc).resolve().parents[1]) if nvcc else None,
+              *(home.format(version=wanted) for home in _SYSTEM_TOOLKITS)]  # fmt: skip
+    seen = []
+    for home in dict.fromkeys(h for h in homes if h):
+        path = Path(home) / "nvvm" / "libdevice" / "libdevice.10.bc"
+        if path.is_file():
+            version = _toolkit_version(Path(home))
+            if version == wanted:
+                return str(path), ""
+            seen.append(f"{home} ({version or 'version unknown'})")
+    found = f"; found {', '.join(seen)}" if seen else ""
+    return None, (f"the libdevice of a CUDA {wanted} toolkit, torch's (set CUDA_HOME or "
+                  f"MPTEX_LIBDEVICE){found}")  # fmt: skip
+
+
+def _options(tonemap: bool) -> dict:
+    """The kernels' compile options; with ``tonemap`` (``log`` and ``pow``), torch's libdevice."""
+    if INTERPRETED or not tonemap:
+        return LAUNCH_OPTIONS
+    path, why = torch_libdevice()
+    if path is None:
+        raise RuntimeError(f"the fused logl1 loss needs {why}")
+    return {**LAUNCH_OPTIONS, "extern_libs": (("libdevice", path),)}
+
+
 def _check(pred: torch.Tensor, rgba: torch.Tensor, background: torch.Tensor) -> None:
     if LAUNCH_OPTIONS is None:
         raise RuntimeError(
@@ -225,7 +307,7 @@ def loss_partials(pred, rgba, background, tonemap: bool) -> torch.Tensor:
     out = torch.empty(programs, dtype=torch.float32, device=pred.device)
     _partials_kernel[(programs,)](pred, rgba, background, out, n, TONEMAP=tonemap,
                                   INTERP=INTERPRETED, BLOCK=_BLOCK,
-                                  **LAUNCH_OPTIONS)  # fmt: skip
+                                  **_options(tonemap))  # fmt: skip
     return out
 
 
@@ -241,6 +323,91 @@ def loss_grad(pred, rgba, background, grad, tonemap: bool, mean_by_reciprocal: b
         _grad_kernel[(triton.cdiv(n, _BLOCK),)](
             pred, rgba, background, grad.detach().float().contiguous(), out, n,
             TONEMAP=tonemap, MEAN_BY_RECIPROCAL=mean_by_reciprocal, INTERP=INTERPRETED,
-            BLOCK=_BLOCK, **LAUNCH_OPTIONS,
+            BLOCK=_BLOCK, **_options(tonemap),
         )  # fmt: skip
     return out
+
+
+# ------------------------------------------------------------------- the smoothness term
+@triton.jit
+def _kd_differences(tj_ptr, t_ptr, offs, n, C: tl.constexpr):
+    """``d = tex_jitter - tex`` of the elements ``offs`` of two ``[N, C]`` tensors, and whether
+    each is one of the first three channels (kd) within the ``n`` elements."""
+    kd = (offs < n) & (offs % C < 3)
+    tj = tl.load(tj_ptr + offs, mask=kd, other=0.0)
+    t = tl.load(t_ptr + offs, mask=kd, other=0.0)
+    return tj - t, kd
+
+
+@triton.jit
+def _kd_partials_kernel(tj_ptr, t_ptr, out_ptr, n, C: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    d, kd = _kd_differences(tj_ptr, t_ptr, offs, n, C)
+    tl.store(out_ptr + pid, tl.sum(tl.where(kd, tl.abs(d), 0.0), axis=0))
+
+
+@triton.jit
+def _kd_grad_kernel(tj_ptr, t_ptr, g_ptr, gtj_ptr, gt_ptr, n, pixels, C: tl.constexpr,
+                    MEAN_BY_RECIPROCAL: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    d, kd = _kd_differences(tj_ptr, t_ptr, offs, n, C)
+    g = tl.load(g_ptr).to(tl.float32)
+    count = pixels.to(tl.float32)
+    one = count * 0.0 + 1.0  # (finite count)
+    three = one * 3.0
+    if MEAN_BY_RECIPROCAL:  # kd = (sum(per point) / pixels), per point = sum(|d|) / 3
+        g = (g * tl.math.div_rn(one, count)) * tl.math.div_rn(one, three)
+    else:
+        g = tl.math.div_rn(tl.math.div_rn(g, count), three)
+    sign = (d > 0.0).to(tl.float32) - (d < 0.0).to(tl.float32)
+    gd = g * sign
+    inside = offs < n
+    tl.store(gtj_ptr + offs, tl.where(kd, gd, 0.0), mask=inside)
+    tl.store(gt_ptr + offs, tl.where(kd, -gd, 0.0), mask=inside)
+
+
+def _check_kd(tex: torch.Tensor, tex_jitter: torch.Tensor) -> None:
+    if LAUNCH_OPTIONS is None:
+        raise RuntimeError(
+            "the fused loss needs a Triton whose CUDA backend has the enable_reflect_ftz option"
+        )
+    if tex.device.type == "cpu" and not INTERPRETED:
+        raise RuntimeError("the fused loss's kernels need GPU tensors (or Triton's interpreter)")
+    if tex.ndim != 2 or tex.shape[1] < 3 or tex_jitter.shape != tex.shape:
+        raise ValueError(
+            f"tex, tex_jitter: expected two [N, C >= 3] of one shape, got {list(tex.shape)} and "
+            f"{list(tex_jitter.shape)}"
+        )
+    if tex.dtype != torch.float32 or tex_jitter.dtype != torch.float32:
+        raise ValueError(f"tex, tex_jitter: expected float32, got {tex.dtype}, {tex_jitter.dtype}")
+
+
+def kd_partials(tex: torch.Tensor, tex_jitter: torch.Tensor) -> torch.Tensor:
+    """``[programs]`` float32: each program's sum of ``|tex_jitter[:, :3] - tex[:, :3]|`` over its
+    ``_BLOCK`` elements of the two ``[N, C]`` float32 tensors."""
+    _check_kd(tex, tex_jitter)
+    tex, tex_jitter = tex.contiguous(), tex_jitter.contiguous()
+    n = tex.numel()
+    programs = max(triton.cdiv(n, _BLOCK), 1)
+    out = torch.empty(programs, dtype=torch.float32, device=tex.device)
+    _kd_partials_kernel[(programs,)](tex_jitter, tex, out, n, C=tex.shape[1], BLOCK=_BLOCK,
+                                     **LAUNCH_OPTIONS)  # fmt: skip
+    return out
+
+
+def kd_grad(tex, tex_jitter, grad, pixels: int, mean_by_reciprocal: bool):
+    """``(dL/dtex_jitter, dL/dtex)`` of ``L = grad * sum_i(sum_c<3 |tj - t| / 3) / pixels``, as
+    autograd composes it (module docstring of :mod:`mptex.train.fused_loss`)."""
+    _check_kd(tex, tex_jitter)
+    tex, tex_jitter = tex.contiguous(), tex_jitter.contiguous()
+    n = tex.numel()
+    grad_jitter, grad_tex = torch.empty_like(tex_jitter), torch.empty_like(tex)
+    if n:
+        _kd_grad_kernel[(triton.cdiv(n, _BLOCK),)](
+            tex_jitter, tex, grad.detach().float().contiguous(), grad_jitter, grad_tex, n, pixels,
+            C=tex.shape[1], MEAN_BY_RECIPROCAL=mean_by_reciprocal, BLOCK=_BLOCK,
+            **LAUNCH_OPTIONS,
+        )  # fmt: skip
+    return grad_jitter, grad_tex

@@ -152,9 +152,9 @@ class TrainConfig:
     so host and device work at once; ``auto``: where the optimizer step is decided on the
     device (CUDA). The results are those without it."""
     fused_loss: Any = setting("auto", AnyOf(OneOf(("auto",)), Flag(), what="auto, true or false"))
-    """The image loss in two Triton kernels instead of about forty eager ops
-    (:mod:`mptex.train.fused_loss`); ``auto``: where it can run (CUDA, Triton, ``loss`` logl1
-    or l1). The gradients are the eager loss's, bit for bit."""
+    """The loss's image and kd smoothness terms in Triton kernels instead of about sixty eager
+    ops (:mod:`mptex.train.fused_loss`); ``auto``: where they can run (CUDA, Triton, ``loss``
+    logl1 or l1). The gradients are the eager loss's, bit for bit."""
     max_consecutive_skips: int = setting(200, Integer(min=1))
     """A loss-scaled arm that skips this many steps in a row has diverged."""
     inject_nonfinite_at: int | None = setting(None, OrNull(Integer(), what="null or an iteration"))

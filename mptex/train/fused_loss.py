@@ -1,4 +1,4 @@
-"""The training loss's image term, masked by the reference alpha, eager or fused.
+"""The training loss's image and smoothness terms, eager or fused.
 
 nvdiffrec's colour loss compares the prediction and the reference composited over the same
 background, both multiplied by the reference alpha (``train.py``'s ``color_ref`` masking)::
@@ -16,10 +16,16 @@ returns the same ``dL/dpred``, to the bit (the kernels' module docstring states 
 compares the two on the device); the loss value is summed in another order and may differ from
 the eager one in its last bits.
 
+The kd smoothness term (nvdiffrec's ``kd_grad``: the mean over the batch's pixels of each covered
+point's ``sum(|kd(p + jitter) - kd(p)|) / 3``) is :func:`kd_smoothness`, fused the same way: one
+forward and one backward launch for about a dozen ops, the same gradients bit for bit.
+
 :func:`fused_loss_problem` says why the fused path cannot run for a device and loss (``None``
 when it can): it needs a CUDA device, Triton with the compile option that keeps libdevice's
-``log`` and ``pow`` from flushing subnormals, and one of :data:`FUSED_LOSSES` (``logl1``,
-nvdiffrec's default, and ``l1``; the other losses run eager).
+``log`` and ``pow`` from flushing subnormals, one of :data:`FUSED_LOSSES` (``logl1``,
+nvdiffrec's default, and ``l1``; the other losses run eager) and, for ``logl1``, the libdevice
+of a CUDA toolkit of torch's CUDA version
+(:func:`mptex.train._loss_triton.torch_libdevice`).
 """
 
 from __future__ import annotations
@@ -28,19 +34,18 @@ import torch
 
 from mptex._backends import has_triton
 from mptex.train.losses import image_loss
-from mptex.train.shading import composite
 
-__all__ = ["FUSED_LOSSES", "fused_loss_problem", "masked_image_loss"]
+__all__ = ["FUSED_LOSSES", "fused_loss_problem", "masked_image_loss", "kd_smoothness"]
 
 # loss name -> whether the kernels apply nvdiffrec's log-sRGB tone map first.
 _TONEMAP = {"logl1": True, "l1": False}
 FUSED_LOSSES = tuple(_TONEMAP)
 
 
-def fused_loss_problem(device: torch.device | str, loss: str) -> str | None:
-    """Why :func:`masked_image_loss` cannot run fused on ``device`` for ``loss``, in words that
-    complete "needs ..."; None when it can."""
-    if loss not in _TONEMAP:
+def fused_loss_problem(device: torch.device | str, loss: str | None) -> str | None:
+    """Why :func:`masked_image_loss` cannot run fused on ``device`` for ``loss`` (None: why
+    :func:`kd_smoothness` cannot), in words that complete "needs ..."; None when it can."""
+    if loss is not None and loss not in _TONEMAP:
         return f"a loss in {list(FUSED_LOSSES)} (got {loss!r}, which runs eager)"
     if torch.device(device).type != "cuda":
         return f"a CUDA device (got {torch.device(device)})"
@@ -50,6 +55,11 @@ def fused_loss_problem(device: torch.device | str, loss: str) -> str | None:
 
     if LAUNCH_OPTIONS is None:
         return "a Triton whose CUDA backend has the enable_reflect_ftz compile option"
+    if loss is not None and _TONEMAP[loss]:
+        from mptex.train._loss_triton import torch_libdevice
+
+        path, why = torch_libdevice()
+        return why if path is None else None
     return None
 
 
@@ -100,5 +110,50 @@ def masked_image_loss(
             raise RuntimeError(f"masked_image_loss: fused needs {problem}")
         return _FusedMaskedLoss.apply(pred, rgba, background, _TONEMAP[loss])
     alpha = rgba[..., 3:4]
-    ref = composite(rgba[..., 0:3], alpha, background)
+    ref = background + (rgba[..., 0:3] - background) * alpha  # mptex.train.shading.composite
     return image_loss(pred * alpha, ref * alpha, loss)
+
+
+class _FusedSmoothness(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tex, tex_jitter, pixels):
+        from mptex.train._loss_triton import kd_partials
+
+        ctx.save_for_backward(tex, tex_jitter)
+        ctx.pixels = pixels
+        return kd_partials(tex, tex_jitter).sum() / (3 * pixels)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from mptex.train._loss_triton import kd_grad
+
+        tex, tex_jitter = ctx.saved_tensors
+        reciprocal = tex.device.type == "cuda"  # as in _FusedMaskedLoss.backward
+        grad_jitter, grad_tex = kd_grad(tex, tex_jitter, grad, ctx.pixels, reciprocal)
+        return grad_tex, grad_jitter, None
+
+
+def kd_smoothness(
+    tex: torch.Tensor, tex_jitter: torch.Tensor, pixels: int, fused: bool = False
+) -> torch.Tensor:
+    """nvdiffrec's kd smoothness term: ``sum(|tex_jitter[:, :3] - tex[:, :3]|, -1) / 3``
+    summed over the points and divided by ``pixels`` (the batch's pixels: the mean over every
+    pixel of a term that is zero on the background).
+
+    Args:
+        tex, tex_jitter: ``[N, C]`` texture values at the covered points and at the jittered
+            points (C >= 3; the first three channels are kd); float32 for ``fused``.
+        pixels: the batch's pixel count, > 0.
+        fused: the Triton kernels (module docstring); ``RuntimeError`` where
+            :func:`fused_loss_problem` names a problem for ``tex``'s device.
+
+    Returns:
+        scalar, ``tex``'s dtype.
+    """
+    if fused:
+        problem = fused_loss_problem(tex.device, None)
+        if problem is not None:
+            raise RuntimeError(f"kd_smoothness: fused needs {problem}")
+        return _FusedSmoothness.apply(tex, tex_jitter, pixels)
+    per_point = torch.sum(torch.abs(tex_jitter[..., 0:3] - tex[..., 0:3]), dim=-1) / 3
+    return per_point.sum() / pixels

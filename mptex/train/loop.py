@@ -678,7 +678,8 @@ def _forward_backward(run: RunState, it: int) -> _Enqueued:
     use_reg = settings["kd_smooth"] and settings["kd_smooth_weight"] > 0
     with profiler_scope("mptex.render"):
         pred, kd_grad = render_batch(texture, views, settings, background, run.light_dir,
-                                     run.jitter if use_reg else None)  # fmt: skip
+                                     run.jitter if use_reg else None,
+                                     fused=run.fused_loss)  # fmt: skip
     with profiler_scope("mptex.loss"):
         # nvdiffrec: alpha MSE + color loss on RGB masked by the reference alpha. The
         # predicted alpha is the fixed mesh's coverage: the alpha term has no texture gradient.

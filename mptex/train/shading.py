@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from mptex.texture import MLPTexture3D
+from mptex.train.fused_loss import kd_smoothness
 
 __all__ = ["shade", "light_direction", "composite", "draw_background", "render_batch"]
 
@@ -89,13 +90,15 @@ def render_batch(
     background: torch.Tensor,
     light_dir: torch.Tensor,
     jitter: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Shaded prediction ``[B, H, W, 3]`` composited over ``background`` and the kd smoothness
     term (mean over all pixels of the covered points' kd gradient; None without ``jitter``).
 
     ``views``: a :class:`~mptex.scenes.ViewBatch`, or a :class:`~mptex.scenes.TrainingBatch`
     whose covered pixels (indices, points, normals) were gathered beforehand: the same values,
-    without the ``nonzero`` that would make the host wait for a device.
+    without the ``nonzero`` that would make the host wait for a device. ``fused``: the
+    smoothness term in its Triton kernels (:func:`mptex.train.fused_loss.kd_smoothness`).
     """
     if hasattr(views, "covered"):  # a TrainingBatch
         covered, points, coverage = views.covered, views.points, views.coverage
@@ -124,7 +127,6 @@ def render_batch(
     kd_grad = None
     if jitter is not None:
         tex_jitter = texture.sample(jitter(points), check=not hasattr(views, "covered"))
-        per_point = torch.sum(torch.abs(tex_jitter[..., 0:3] - tex[..., 0:3]), dim=-1) / 3
         # nvdiffrec: mean over every pixel of kd_grad * alpha (zero on background).
-        kd_grad = per_point.sum() / pixels
+        kd_grad = kd_smoothness(tex, tex_jitter, pixels, fused=fused)
     return pred, kd_grad

@@ -14,6 +14,8 @@
 #   - wheels of the pure-Python packages mptex needs that a bare GPU image may lack (Hydra,
 #     OmegaConf and its ANTLR runtime, the joblib and submitit launchers), at the versions
 #     installed here;
+#   - libdevice/cuda-13.0/: the libdevice of the GPU machines' CUDA release, from a CUDA 13.0
+#     toolkit here, for the fused logl1 loss where the GPU machine has no such toolkit;
 #   - assets/duck/: the real-asset suite's duck (OBJ, MTL, texture) from pybullet_data, for the
 #     rasterizer stage's mesh, when pybullet is installed here;
 #   - manifest.json: the commit, the date and each file's sha256.
@@ -50,6 +52,29 @@ done
 # pip wheel takes a published wheel where there is one and builds the pure-Python sdists
 # (antlr4-python3-runtime 4.9.3 has no wheel).
 python -m pip wheel -q --no-deps -w "$kit" "${pins[@]}"
+
+# The libdevice of the GPU machines' CUDA release (torch 2.11.0's wheel is CUDA 13.0's): the fused
+# logl1 loss links torch's CUDA libdevice, and a GPU image without a CUDA toolkit of that release
+# has none (validate.py then points MPTEX_LIBDEVICE at this copy).
+cuda_release=13.0
+libdevice=$(python - "$cuda_release" 2>/dev/null <<'PY' || true
+import os, sys
+from pathlib import Path
+from mptex.train._loss_triton import _toolkit_version
+homes = [os.environ.get("CUDA_HOME"), f"/usr/local/cuda-{sys.argv[1]}", "/usr/local/cuda"]
+for home in filter(None, homes):
+    path = Path(home) / "nvvm" / "libdevice" / "libdevice.10.bc"
+    if path.is_file() and _toolkit_version(Path(home)) == sys.argv[1]:
+        print(path)
+        break
+PY
+)
+if [ -n "$libdevice" ]; then
+  mkdir -p "$kit/libdevice/cuda-$cuda_release"
+  cp "$libdevice" "$kit/libdevice/cuda-$cuda_release/"
+else
+  echo "pack_kit.sh: no CUDA $cuda_release toolkit here (CUDA_HOME): the kit carries no libdevice" >&2
+fi
 
 assets=$(python -c "import pybullet_data; print(pybullet_data.getDataPath())" 2>/dev/null || true)
 if [ -n "$assets" ]; then

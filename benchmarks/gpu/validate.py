@@ -1107,10 +1107,31 @@ STAGE_BODIES: dict[str, Callable[[StageContext], None]] = {
 }
 
 
+def _kit_libdevice(kit: Path) -> None:
+    """Where this machine has no CUDA toolkit of torch's CUDA release, point the fused logl1
+    loss at the kit's libdevice of that release (``libdevice/cuda-X.Y/``, from pack_kit.sh) by
+    ``MPTEX_LIBDEVICE``, for this stage and the processes it starts."""
+    if os.environ.get("MPTEX_LIBDEVICE"):
+        return
+    import torch
+
+    release = ".".join((torch.version.cuda or "").split(".")[:2])
+    packed = kit / "libdevice" / f"cuda-{release}" / "libdevice.10.bc"
+    if not release or not packed.is_file():
+        return
+    from mptex.train._loss_triton import torch_libdevice
+
+    if torch_libdevice()[0] is None:
+        os.environ["MPTEX_LIBDEVICE"] = str(packed.resolve())
+        torch_libdevice.cache_clear()
+
+
 def run_stage(args: argparse.Namespace) -> int:
     """Body of a stage's own process: run it, write its result file, exit 0 (the result says
     whether the stage failed)."""
     stage = next(s for s in STAGES if s.name == args.stage)
+    if args.kit and args.device.startswith("cuda"):
+        _kit_libdevice(Path(args.kit))
     ctx = StageContext(args, Path(args.result_file), args.deadline)
     why = _needs(stage, args)
     if why:

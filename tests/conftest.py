@@ -79,3 +79,20 @@ TOL = {
     torch.float32: dict(rtol=1.3e-6, atol=1e-5),
     torch.float64: dict(rtol=1e-7, atol=1e-7),
 }
+
+
+@pytest.fixture
+def no_cuda_toolkit(tmp_path, monkeypatch):
+    """The fused loss's libdevice search (``mptex.train._loss_triton.torch_libdevice``) on a
+    machine without CUDA toolkits but those a test makes: no ``MPTEX_LIBDEVICE``,
+    ``CUDA_HOME``, ``CUDA_PATH`` or ``nvcc``, the system location ``tmp_path/system/cuda-<v>``,
+    torch built for CUDA 13.0. Returns the module; its cache is cleared before and after."""
+    lt = pytest.importorskip("mptex.train._loss_triton")
+    for name in ("MPTEX_LIBDEVICE", "CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(lt, "_SYSTEM_TOOLKITS", (str(tmp_path / "system" / "cuda-{version}"),))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    lt.torch_libdevice.cache_clear()
+    yield lt
+    lt.torch_libdevice.cache_clear()

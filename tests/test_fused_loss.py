@@ -99,15 +99,10 @@ def _toolkit(root, name, version=None):
 
 
 @pytest.mark.requires_triton
-def test_libdevice_is_a_toolkit_of_torchs_cuda_version(tmp_path, monkeypatch):
-    lt = pytest.importorskip("mptex.train._loss_triton")
-    for name in ("MPTEX_LIBDEVICE", "CUDA_HOME", "CUDA_PATH"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("PATH", str(tmp_path))  # no nvcc
-    monkeypatch.setattr(lt, "_SYSTEM_TOOLKITS", (str(tmp_path / "system" / "cuda-{version}"),))
+def test_libdevice_is_a_toolkit_of_torchs_cuda_version(tmp_path, monkeypatch, no_cuda_toolkit):
+    lt = no_cuda_toolkit
     other = _toolkit(tmp_path, "other", "12.8.93")
     named = _toolkit(tmp_path, "cuda-13.0")  # the version from the folder's name
-    monkeypatch.setattr(torch.version, "cuda", "13.0")
 
     def found():
         lt.torch_libdevice.cache_clear()

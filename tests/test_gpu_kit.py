@@ -300,17 +300,12 @@ def test_an_empty_kit_is_one_line(tmp_path):
 
 
 @pytest.mark.requires_triton
-def test_the_kits_libdevice_stands_in_only_where_the_machine_has_none(tmp_path, monkeypatch):
-    lt = pytest.importorskip("mptex.train._loss_triton")
-    for name in ("MPTEX_LIBDEVICE", "CUDA_HOME", "CUDA_PATH"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("PATH", str(tmp_path))  # no nvcc
-    monkeypatch.setattr(lt, "_SYSTEM_TOOLKITS", (str(tmp_path / "system" / "cuda-{version}"),))
-    monkeypatch.setattr(torch.version, "cuda", "13.0")
+def test_the_kits_libdevice_stands_in_only_where_the_machine_has_none(tmp_path, monkeypatch,
+                                                                      no_cuda_toolkit):  # fmt: skip
+    lt = no_cuda_toolkit
     packed = tmp_path / "kit" / "libdevice" / "cuda-13.0" / "libdevice.10.bc"
     packed.parent.mkdir(parents=True)
     packed.write_bytes(b"BC")
-    lt.torch_libdevice.cache_clear()
     kit._kit_libdevice(tmp_path / "kit")
     assert os.environ["MPTEX_LIBDEVICE"] == str(packed) and lt.torch_libdevice()[0] == str(packed)
     # A machine with a toolkit of torch's release keeps its own.

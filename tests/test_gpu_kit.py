@@ -322,3 +322,14 @@ def test_the_kits_libdevice_stands_in_only_where_the_machine_has_none(tmp_path, 
     kit._kit_libdevice(tmp_path / "kit")
     assert "MPTEX_LIBDEVICE" not in os.environ
     lt.torch_libdevice.cache_clear()
+
+
+def test_host_costs_run_every_block_on_the_cpu():
+    # benchmarks/gpu/host_costs.py (the fp8 stage's last table, which needs FP8 tensor cores):
+    # every block runs here too, so the probe cannot rot between GPU runs.
+    sys.path.insert(0, str(VALIDATE.parent))
+    import host_costs
+
+    costs = host_costs.host_costs("cpu", 64, calls=3)
+    assert len(costs) == 10 and all("error" not in c for c in costs), costs
+    assert all(c["host_us"] > 0 and c["device_us"] is None for c in costs)

@@ -747,6 +747,21 @@ def stage_fp8(ctx: StageContext) -> None:
     if failed:
         ctx.result["failed_checks"] = ctx.result.get("failed_checks", []) + failed
 
+    import host_costs  # benchmarks/gpu/host_costs.py
+
+    # The built-in scene's covered points in a batch of four 512² views (a third of the pixels).
+    rows = 2**10 if ctx.small else 350_000
+    costs = host_costs.host_costs(ctx.device, rows)
+    ctx.result["data"]["host_costs"] = costs
+    ctx.table(
+        f"What a call costs the host and the device, M = {rows} rows",
+        ["call", "host µs / call", "device µs / call"],
+        [[c["what"], c.get("error") or f"{c['host_us']:.1f}",
+          "–" if c.get("device_us") is None else f"{c['device_us']:.1f}"] for c in costs],
+        "benchmarks/gpu/host_costs.py: 200 calls issued back to back (host), then the same "
+        "queued behind a sleeping kernel and timed by CUDA events (device)",
+    )  # fmt: skip
+
 
 # The GPU loop's speed targets on an H100 or H200 at nvdiffrec's scale: f32's median iteration
 # and every arm's within a factor of it, except the arms that are not judged by speed: the

@@ -2,6 +2,7 @@
 
 Usage: python tests/loss_triton_interpreted.py CASES.pt RESULTS.pt
    or: python tests/loss_triton_interpreted.py --compile-check (compile for sm_90, no GPU needed)
+   or: python tests/loss_triton_interpreted.py --check (fused_loss_check on the CPU)
 
 Run in a subprocess by tests/test_fused_loss.py: the interpreter is chosen when ``triton.jit``
 decorates the kernels, so ``TRITON_INTERPRET=1`` must be in the environment before the module is
@@ -126,7 +127,20 @@ def run_cases(cases_path: str, results_path: str) -> None:
     torch.save(results, results_path)
 
 
+def run_check() -> None:
+    """``mptex.train.fused_loss.fused_loss_check`` on the CPU, interpreted: a JSON object of its
+    answer per fused loss."""
+    import json
+
+    from mptex.train.fused_loss import FUSED_LOSSES, fused_loss_check
+
+    print(json.dumps({loss: fused_loss_check("cpu", loss) for loss in FUSED_LOSSES}))
+
+
 if __name__ == "__main__":
     from triton_subprocess import script_main
 
-    script_main(compile_check, run_cases)
+    if sys.argv[1] == "--check":
+        run_check()
+    else:
+        script_main(compile_check, run_cases)

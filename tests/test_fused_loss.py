@@ -359,6 +359,37 @@ def test_kernels_compile_for_sm90_without_flushing_or_contracting():
     check_compiles("loss_triton_interpreted.py", timeout=600)
 
 
+@pytest.mark.requires_triton
+@pytest.mark.slow
+def test_the_check_passes_bit_equal_gradients_and_names_a_difference():
+    # Interpreted on the CPU: l1 and the smoothness term are bit-equal to autograd there; the
+    # logl1 kernels' log and pow (correctly rounded) differ from torch's CPU ones by an ulp on
+    # some elements, which the check must catch (on a GPU both call the same libdevice).
+    proc = run_script("loss_triton_interpreted.py", "--check", interpret=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    answers = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert answers["l1"] is None
+    assert answers["logl1"].startswith("the eager gradients bit for bit on cpu: dL/dpred differs")
+
+
+@pytest.mark.parametrize("setting", ["auto", "true"])
+def test_a_failed_check_keeps_the_loss_eager_or_stops_at_start(tmp_path, monkeypatch, setting):
+    import mptex.train.loop as loop
+
+    monkeypatch.setattr(loop, "fused_loss_problem", lambda device, loss: None)
+    monkeypatch.setattr(loop, "fused_loss_check", lambda device, loss: "what the check found")
+    cfg = tiny_cfg(f"train.fused_loss={setting}", "train.iterations=2")
+    if setting == "true":
+        with pytest.raises(ConfigError, match="train.fused_loss: true needs what the check found"):
+            train(cfg, tmp_path)
+        return
+    with pytest.warns(
+        UserWarning, match="the fused loss needs what the check found; it runs eager"
+    ):
+        train(cfg, tmp_path)
+    assert "loss" not in read_metrics(tmp_path)["backends"]
+
+
 # --------------------------------------------------------------------------------- on a GPU
 @pytest.mark.requires_cuda
 @pytest.mark.requires_triton

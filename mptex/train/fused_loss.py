@@ -20,6 +20,10 @@ The kd smoothness term (nvdiffrec's ``kd_grad``: the mean over the batch's pixel
 point's ``sum(|kd(p + jitter) - kd(p)|) / 3``) is :func:`kd_smoothness`, fused the same way: one
 forward and one backward launch for about a dozen ops, the same gradients bit for bit.
 
+:func:`fused_loss_check` runs both paths once on a small batch on the device and compares their
+gradients to the bit: the training loop uses the kernels only where that holds (the claim made
+true on each machine, whatever its Triton, libdevice or GPU), and says so where it does not.
+
 :func:`fused_loss_problem` says why the fused path cannot run for a device and loss (``None``
 when it can): it needs a CUDA device, Triton with the compile option that keeps libdevice's
 ``log`` and ``pow`` from flushing subnormals, one of :data:`FUSED_LOSSES` (``logl1``,
@@ -30,12 +34,20 @@ of a CUDA toolkit of torch's CUDA version
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mptex._backends import has_triton
 from mptex.train.losses import image_loss
 
-__all__ = ["FUSED_LOSSES", "fused_loss_problem", "masked_image_loss", "kd_smoothness"]
+__all__ = [
+    "FUSED_LOSSES",
+    "fused_loss_problem",
+    "fused_loss_check",
+    "masked_image_loss",
+    "kd_smoothness",
+]
 
 # loss name -> whether the kernels apply nvdiffrec's log-sRGB tone map first.
 _TONEMAP = {"logl1": True, "l1": False}
@@ -157,3 +169,47 @@ def kd_smoothness(
         return _FusedSmoothness.apply(tex, tex_jitter, pixels)
     per_point = torch.sum(torch.abs(tex_jitter[..., 0:3] - tex[..., 0:3]), dim=-1) / 3
     return per_point.sum() / pixels
+
+
+@functools.cache
+def fused_loss_check(device: str, loss: str) -> str | None:
+    """Both terms of the loss for ``loss`` eager and fused on ``device``, once, on a small batch
+    (two 16 x 16 views with a fractional alpha, a random background, 200 texture points of 9
+    channels; a gradient of 128): None when every gradient is the eager one bit for bit, else
+    what differs or what the kernels raised, in words that complete "needs ...". Cached per
+    device and loss. The kernels must be able to run there (:func:`fused_loss_problem`)."""
+    gen = torch.Generator().manual_seed(0)
+    shape = (2, 16, 16)
+    pred = torch.rand(*shape, 3, generator=gen) * 1.9 - 0.3
+    rgba = torch.rand(*shape, 4, generator=gen)
+    background = torch.rand(*shape, 3, generator=gen)
+    tex = torch.rand(200, 9, generator=gen)
+    tex_jitter = tex + torch.randn(200, 9, generator=gen) * 0.01
+    inputs = [t.to(device) for t in (pred, rgba, background, tex, tex_jitter)]
+    pred, rgba, background, tex, tex_jitter = inputs
+    scale = torch.tensor(128.0, device=device)
+    pixels = 2 * 16 * 16
+
+    def gradients(fused: bool) -> list[torch.Tensor]:
+        x, a, b = (t.clone().requires_grad_() for t in (pred, tex, tex_jitter))
+        if fused:
+            image = _FusedMaskedLoss.apply(x, rgba, background, _TONEMAP[loss])
+            smooth = _FusedSmoothness.apply(a, b, pixels)
+        else:
+            image = masked_image_loss(x, rgba, background, loss)
+            smooth = kd_smoothness(a, b, pixels)
+        (image + smooth).backward(scale)
+        return [x.grad, a.grad, b.grad]
+
+    try:
+        eager, fused = gradients(False), gradients(True)
+    except Exception as exc:  # the kernels' compile or launch on this machine
+        raised = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        return f"kernels that run on {device} (they raised {raised})"
+    for name, want, got in zip(("dL/dpred", "dL/dtex", "dL/dtex_jitter"), eager, fused,
+                               strict=True):  # fmt: skip
+        same = want.view(torch.int32) == got.view(torch.int32)
+        if not bool(same.all()):
+            return (f"the eager gradients bit for bit on {device}: {name} differs in "
+                    f"{int((~same).sum())} of {same.numel()} elements")  # fmt: skip
+    return None

@@ -40,6 +40,7 @@ import math
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,7 +67,7 @@ from mptex.train.checkpoint import (
 )
 from mptex.train.config import TRAIN_DEFAULTS, ConfigError, config_key, validate_config
 from mptex.train.exporter import Exporter
-from mptex.train.fused_loss import fused_loss_problem, masked_image_loss
+from mptex.train.fused_loss import fused_loss_check, fused_loss_problem, masked_image_loss
 from mptex.train.losses import lr_schedule
 from mptex.train.memory import RunPeakRss, peak_memory
 from mptex.train.monitor import PrecisionMonitor
@@ -220,14 +221,23 @@ def _resolve_overlap(
 
 
 def _resolve_fused_loss(setting: Any, device: torch.device, loss: str) -> bool:
-    """``train.fused_loss``: whether the image loss runs in its Triton kernels
-    (:func:`mptex.train.fused_loss.masked_image_loss`). ``auto``: wherever they can run;
-    ``true`` where they cannot is a config error."""
+    """``train.fused_loss``: whether the loss's image and smoothness terms run in their Triton
+    kernels (:mod:`mptex.train.fused_loss`). They must be able to run on the device
+    (:func:`~mptex.train.fused_loss.fused_loss_problem`) and give the eager gradients bit for
+    bit there (:func:`~mptex.train.fused_loss.fused_loss_check`, once per process). ``auto``:
+    wherever both hold, with a warning where only the second fails; ``true`` where either
+    fails is a config error."""
     if setting is False:
         return False
     problem = fused_loss_problem(device, loss)
+    checked = problem is None
+    if checked:
+        problem = fused_loss_check(str(device), loss)
     if problem is not None and setting is True:
         raise ConfigError(f"train.fused_loss: true needs {problem}; use auto or false")
+    if problem is not None and checked:
+        warnings.warn(f"train.fused_loss: the fused loss needs {problem}; it runs eager",
+                      stacklevel=2)  # fmt: skip
     return problem is None
 
 

@@ -8,10 +8,9 @@ One iteration (nvdiffrec's ``optimize_mesh`` with a fixed mesh and only the text
 3. shade: ``kd`` (the first three channels, albedo) or ``diffuse`` (see :func:`shade`);
 4. composite prediction and reference over the background (per-pixel random, white or black);
 5. loss = color loss (``logl1`` by default) on RGB masked by the reference alpha + alpha MSE
-   (the color term in two Triton kernels on CUDA: ``train.fused_loss``,
-   :mod:`mptex.train.fused_loss`)
    + the kd smoothness regulariser (``0.03 * min(1, it / 500) * mean(|kd(p + N(0, 0.01)) -
-   kd(p)| / 3)`` over covered pixels, as nvdiffrec's ``kd_grad``);
+   kd(p)| / 3)`` over covered pixels, as nvdiffrec's ``kd_grad``); on CUDA the colour and
+   smoothness terms run in Triton kernels (``train.fused_loss``, :mod:`mptex.train.fused_loss`);
 6. :class:`~mptex.PrecisionStepper` does backward, unscale, overflow check, step or skip;
 7. learning rate ``lr * lr_schedule(it)``: ``it / warmup_iter`` during warm-up, then
    ``10 ** (-lr_decay * (it - warmup_iter))`` (nvdiffrec: ``lr_decay = 0.0002``), or with
@@ -551,7 +550,7 @@ class RunState:
         self.stateful: list[torch.nn.Module] = []  # modules with state of their own
         self.read_stream = None
         self.overlap_clock: float | None = None
-        self.fused_loss = False  # the image loss's Triton kernels (_resolve_fused_loss)
+        self.fused_loss = False  # the loss terms' Triton kernels (_resolve_fused_loss)
 
     def jitter(self, points: torch.Tensor) -> torch.Tensor:
         """``points`` moved by ``N(0, kd_jitter_std)`` noise: the kd smoothness term's samples."""

@@ -84,12 +84,14 @@ TOL = {
 @pytest.fixture
 def no_cuda_toolkit(tmp_path, monkeypatch):
     """The fused loss's libdevice search (``mptex.train._loss_triton.torch_libdevice``) on a
-    machine without CUDA toolkits but those a test makes: no ``MPTEX_LIBDEVICE``,
-    ``CUDA_HOME``, ``CUDA_PATH`` or ``nvcc``, the system location ``tmp_path/system/cuda-<v>``,
+    machine without CUDA toolkits but those a test makes: empty ``MPTEX_LIBDEVICE``,
+    ``CUDA_HOME`` and ``CUDA_PATH``, no ``nvcc``, the system location ``tmp_path/system/cuda-<v>``,
     torch built for CUDA 13.0. Returns the module; its cache is cleared before and after."""
     lt = pytest.importorskip("mptex.train._loss_triton")
     for name in ("MPTEX_LIBDEVICE", "CUDA_HOME", "CUDA_PATH"):
-        monkeypatch.delenv(name, raising=False)
+        # Set (empty: unset for the search) rather than deleted: monkeypatch then restores the
+        # variable even where the code under test sets it itself.
+        monkeypatch.setenv(name, "")
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(lt, "_SYSTEM_TOOLKITS", (str(tmp_path / "system" / "cuda-{version}"),))
     monkeypatch.setattr(torch.version, "cuda", "13.0")

@@ -309,27 +309,27 @@ def test_the_kits_libdevice_stands_in_only_where_the_machine_has_none(tmp_path, 
     kit._kit_libdevice(tmp_path / "kit")
     assert os.environ["MPTEX_LIBDEVICE"] == str(packed) and lt.torch_libdevice()[0] == str(packed)
     # A machine with a toolkit of torch's release keeps its own.
-    monkeypatch.delenv("MPTEX_LIBDEVICE")
+    monkeypatch.setenv("MPTEX_LIBDEVICE", "")
     own = tmp_path / "system" / "cuda-13.0" / "nvvm" / "libdevice" / "libdevice.10.bc"
     own.parent.mkdir(parents=True)
     own.write_bytes(b"BC")
     lt.torch_libdevice.cache_clear()
     kit._kit_libdevice(tmp_path / "kit")
-    assert "MPTEX_LIBDEVICE" not in os.environ and lt.torch_libdevice()[0] == str(own)
+    assert not os.environ["MPTEX_LIBDEVICE"] and lt.torch_libdevice()[0] == str(own)
     # Another release's copy is not used.
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     lt.torch_libdevice.cache_clear()
     kit._kit_libdevice(tmp_path / "kit")
-    assert "MPTEX_LIBDEVICE" not in os.environ
-    lt.torch_libdevice.cache_clear()
+    assert not os.environ["MPTEX_LIBDEVICE"]
 
 
 def test_host_costs_run_every_block_on_the_cpu():
     # benchmarks/gpu/host_costs.py (the fp8 stage's last table, which needs FP8 tensor cores):
     # every block runs here too, so the probe cannot rot between GPU runs.
-    sys.path.insert(0, str(VALIDATE.parent))
-    import host_costs
-
+    spec = importlib.util.spec_from_file_location("gpu_kit_host_costs",
+                                                  VALIDATE.parent / "host_costs.py")  # fmt: skip
+    host_costs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_costs)
     costs = host_costs.host_costs("cpu", 64, calls=3)
     assert len(costs) == 10 and all("error" not in c for c in costs), costs
     assert all(c["host_us"] > 0 and c["device_us"] is None for c in costs)

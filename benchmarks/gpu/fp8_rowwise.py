@@ -54,7 +54,8 @@ def _operand(rows: int, cols: int, device: str, gen) -> Any:
     return x
 
 
-def _median_us(fn, device: str, repeats: int) -> float:
+def median_us(fn, device: str, repeats: int) -> float:
+    """``fn()``'s median time in µs over ``repeats`` calls, the device synchronised around each."""
     import torch
 
     times = []
@@ -108,7 +109,7 @@ def compare_fp8_rowwise(device: str, n: int, repeats: int = 20) -> list[dict[str
             outs[backend] = out = gemm(qa, qb, sa, sb, backend=backend)
             row[f"{backend}_err"] = float(((out.double() - reference).abs() / magnitude).max())
             call = functools.partial(gemm, qa, qb, sa, sb, backend=backend)
-            row[f"{backend}_us"] = _median_us(call, device, repeats)
+            row[f"{backend}_us"] = median_us(call, device, repeats)
         row["emulated_bound"] = 3 * 2.0**-24
         row["scaled_mm_bound"] = (
             min(k, _PROMOTION_BLOCK) * 2.0**-_ACCUMULATION_BITS + (k + 2) * 2.0**-24

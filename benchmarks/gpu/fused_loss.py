@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from typing import Any
 
 
 def compare_fused_loss(device: str, shape: tuple[int, ...], repeats: int = 20) -> list[dict]:
-    """One row per loss in :data:`mptex.train.fused_loss.FUSED_LOSSES` (docstring above)."""
+    """One row per loss in :data:`mptex.train.fused_loss.FUSED_LOSSES`, then one for the
+    smoothness term (docstring above)."""
     on_cpu = device == "cpu"
     if on_cpu:  # the kernels' module is first imported here, in this stage's own process
         if "triton" in sys.modules:
@@ -30,10 +30,6 @@ def compare_fused_loss(device: str, shape: tuple[int, ...], repeats: int = 20) -
     import torch
 
     from mptex.train import fused_loss
-
-    def sync():
-        if not on_cpu:
-            torch.cuda.synchronize(device)
 
     gen = torch.Generator().manual_seed(0)
     pred = (torch.rand(*shape, 3, generator=gen) * 1.9 - 0.3).to(device)
@@ -47,86 +43,57 @@ def compare_fused_loss(device: str, shape: tuple[int, ...], repeats: int = 20) -
 
         def run(fused: bool, loss: str = loss):
             x = pred.clone().requires_grad_()
-            tonemap = loss == "logl1"
             if fused and on_cpu:  # the interpreter lifts the kernels' CUDA requirement
-                value = fused_loss._FusedMaskedLoss.apply(x, rgba, background, tonemap)
+                value = fused_loss._FusedMaskedLoss.apply(x, rgba, background, loss == "logl1")
             else:
                 value = fused_loss.masked_image_loss(x, rgba, background, loss, fused=fused)
             value.backward(scale)
             return value.detach(), x.grad
 
-        results, times = _both_ways(run, repeats, sync)
-        (eager_value, eager_grad), (fused_value, fused_grad) = results[False], results[True]
-        equal = (fused_grad == eager_grad) | (fused_grad.isnan() & eager_grad.isnan())
-        row = {
-            "loss": loss,
-            "elements": pred.numel(),
-            "bit_equal": float(equal.float().mean()),
-            "max_abs_diff": float((fused_grad - eager_grad).abs().max()),
-            "eager_value": float(eager_value),
-            "fused_value": float(fused_value),
-            "eager_ms": times[False],
-            "fused_ms": times[True],
-        }
-        if on_cpu:
-            row["ok"] = bool(torch.allclose(fused_grad, eager_grad, rtol=2e-6, atol=0))
-        else:
-            row["ok"] = row["bit_equal"] == 1.0
-        rows.append(row)
-    rows.append(_smoothness_row(fused_loss, device, shape, scale, repeats, sync))
-    return rows
-
-
-def _both_ways(run, repeats: int, sync) -> tuple[dict, dict]:
-    """``run(False)`` and ``run(True)``'s results, and each one's median time in ms over
-    ``repeats`` synchronised calls."""
-    results, times = {}, {}
-    for fused in (False, True):
-        results[fused] = run(fused)
-        samples = []
-        for _ in range(repeats):
-            sync()
-            tick = time.perf_counter()
-            run(fused)
-            sync()
-            samples.append(time.perf_counter() - tick)
-        times[fused] = sorted(samples)[len(samples) // 2] * 1e3
-    return results, times
-
-
-def _smoothness_row(fused_loss, device, shape, scale, repeats, sync) -> dict:
-    """The kd smoothness term both ways, on as many points as a third of the pixels (the
-    built-in scene's coverage), nine channels (its kd and the rest, which get no gradient)."""
-    import torch
-
+        # Interpreted, log and pow are correctly rounded where the CPU's are an ulp off at
+        # times: closeness there, the bits on a GPU.
+        rows.append(_both_ways(loss, pred.numel(), run, device, repeats, exact=not on_cpu))
     pixels = 1
     for size in shape:
         pixels *= size
-    gen = torch.Generator().manual_seed(1)
+    # The smoothness term on as many points as a third of the pixels (the built-in scene's
+    # coverage), nine channels (its kd and the rest, which get no gradient).
     tex = torch.rand(pixels // 3, 9, generator=gen)
     tex_jitter = (tex + torch.randn(tex.shape, generator=gen) * 0.01).to(device)
     tex = tex.to(device)
 
-    def run(fused: bool):
+    def smoothness(fused: bool):
         a, b = tex.clone().requires_grad_(), tex_jitter.clone().requires_grad_()
-        if fused and device == "cpu":  # the interpreter lifts the kernels' CUDA requirement
+        if fused and on_cpu:
             value = fused_loss._FusedSmoothness.apply(a, b, pixels)
         else:
             value = fused_loss.kd_smoothness(a, b, pixels, fused=fused)
         value.backward(scale)
         return value.detach(), torch.cat([a.grad, b.grad])
 
-    results, times = _both_ways(run, repeats, sync)
-    (eager_value, eager_grad), (fused_value, fused_grad) = results[False], results[True]
-    bit_equal = float((fused_grad.view(torch.int32) == eager_grad.view(torch.int32)).float().mean())
+    # No log or pow: bit-equal under the interpreter too.
+    rows.append(_both_ways("kd smoothness", tex.numel(), smoothness, device, repeats, exact=True))
+    return rows
+
+
+def _both_ways(name: str, elements: int, run, device: str, repeats: int, exact: bool) -> dict:
+    """The row of one term: ``run(False)`` (eager) and ``run(True)`` (fused), each returning
+    ``(loss value, gradient)``, compared bit by bit, and each one's median time in ms; ``ok``:
+    every element bit-equal (``exact``) or within 2e-6."""
+    import torch
+    from fp8_rowwise import median_us  # benchmarks/gpu/fp8_rowwise.py
+
+    (eager_value, eager), (fused_value, fused) = run(False), run(True)
+    bit_equal = float((fused.view(torch.int32) == eager.view(torch.int32)).float().mean())
+    close = bool(torch.allclose(fused, eager, rtol=2e-6, atol=0, equal_nan=True))
     return {
-        "loss": "kd smoothness",
-        "elements": tex.numel(),
+        "loss": name,
+        "elements": elements,
         "bit_equal": bit_equal,
-        "max_abs_diff": float((fused_grad - eager_grad).abs().max()),
+        "max_abs_diff": float((fused - eager).abs().max()),
         "eager_value": float(eager_value),
         "fused_value": float(fused_value),
-        "eager_ms": times[False],
-        "fused_ms": times[True],
-        "ok": bit_equal == 1.0,  # no log or pow: bit-equal under the interpreter too
+        "eager_ms": median_us(lambda: run(False), device, repeats) / 1e3,
+        "fused_ms": median_us(lambda: run(True), device, repeats) / 1e3,
+        "ok": bit_equal == 1.0 if exact else close,
     }

@@ -57,18 +57,8 @@ python -m pip wheel -q --no-deps -w "$kit" "${pins[@]}"
 # logl1 loss links torch's CUDA libdevice, and a GPU image without a CUDA toolkit of that release
 # has none (validate.py then points MPTEX_LIBDEVICE at this copy).
 cuda_release=13.0
-libdevice=$(python - "$cuda_release" 2>/dev/null <<'PY' || true
-import os, sys
-from pathlib import Path
-from mptex.train._loss_triton import _toolkit_version
-homes = [os.environ.get("CUDA_HOME"), f"/usr/local/cuda-{sys.argv[1]}", "/usr/local/cuda"]
-for home in filter(None, homes):
-    path = Path(home) / "nvvm" / "libdevice" / "libdevice.10.bc"
-    if path.is_file() and _toolkit_version(Path(home)) == sys.argv[1]:
-        print(path)
-        break
-PY
-)
+libdevice=$(python -c "from mptex.train._loss_triton import toolkit_libdevice
+print(toolkit_libdevice('$cuda_release')[0] or '')" 2>/dev/null || true)
 if [ -n "$libdevice" ]; then
   mkdir -p "$kit/libdevice/cuda-$cuda_release"
   cp "$libdevice" "$kit/libdevice/cuda-$cuda_release/"

@@ -1135,10 +1135,12 @@ def _kit_libdevice(kit: Path) -> None:
     if not release or not packed.is_file():
         return
     from mptex.train._loss_triton import torch_libdevice
+    from mptex.train.fused_loss import fused_loss_problem
 
     if torch_libdevice()[0] is None:
         os.environ["MPTEX_LIBDEVICE"] = str(packed.resolve())
         torch_libdevice.cache_clear()
+        fused_loss_problem.cache_clear()  # an answer that may have read the search's
 
 
 def run_stage(args: argparse.Namespace) -> int:

@@ -57,8 +57,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-__all__ = ["INTERPRETED", "LAUNCH_OPTIONS", "torch_libdevice", "loss_partials", "loss_grad",
-           "kd_partials", "kd_grad"]  # fmt: skip
+__all__ = ["INTERPRETED", "LAUNCH_OPTIONS", "torch_libdevice", "toolkit_libdevice",
+           "loss_partials", "loss_grad", "kd_partials", "kd_grad"]  # fmt: skip
 
 # Elements per program: the forward writes one partial sum per program.
 _BLOCK = 1024
@@ -236,9 +236,8 @@ def torch_libdevice() -> tuple[str | None, str]:
 
     Triton's own libdevice can be another CUDA release's: Triton 3.6's computes ``powf``
     otherwise than CUDA 13.0's (it uses the hardware's approximate ``exp2``), so the tone map's
-    bits would differ from torch's. ``MPTEX_LIBDEVICE`` names the file outright; otherwise the
-    toolkits at ``CUDA_HOME``, ``CUDA_PATH``, ``nvcc``'s on the ``PATH``,
-    ``/usr/local/cuda-<version>`` and ``/usr/local/cuda`` are tried, in that order."""
+    bits would differ from torch's. ``MPTEX_LIBDEVICE`` names the file outright; otherwise
+    :func:`toolkit_libdevice` finds one."""
     named = os.environ.get("MPTEX_LIBDEVICE")
     if named:
         if not Path(named).is_file():
@@ -247,21 +246,29 @@ def torch_libdevice() -> tuple[str | None, str]:
     wanted = torch.version.cuda
     if not wanted:
         return None, "a CUDA build of torch (its CUDA version's libdevice)"
-    wanted = ".".join(wanted.split(".")[:2])
+    return toolkit_libdevice(".".join(wanted.split(".")[:2]))
+
+
+def toolkit_libdevice(release: str) -> tuple[str | None, str]:
+    """``(path, "")`` of the libdevice of a CUDA toolkit of ``release`` (``major.minor``) among
+    those at ``CUDA_HOME``, ``CUDA_PATH``, ``nvcc``'s on the ``PATH``,
+    ``/usr/local/cuda-<release>`` and ``/usr/local/cuda``, in that order, or ``(None, why
+    not)``. :func:`torch_libdevice` asks it for torch's release; the GPU kit's packer, for the
+    GPU machines'."""
     homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
     nvcc = shutil.which("nvcc")
     homes += [str(Path(nvcc).resolve().parents[1]) if nvcc else None,
-              *(home.format(version=wanted) for home in _SYSTEM_TOOLKITS)]  # fmt: skip
+              *(home.format(version=release) for home in _SYSTEM_TOOLKITS)]  # fmt: skip
     seen = []
     for home in dict.fromkeys(h for h in homes if h):
         path = Path(home) / "nvvm" / "libdevice" / "libdevice.10.bc"
         if path.is_file():
             version = _toolkit_version(Path(home))
-            if version == wanted:
+            if version == release:
                 return str(path), ""
             seen.append(f"{home} ({version or 'version unknown'})")
     found = f"; found {', '.join(seen)}" if seen else ""
-    return None, (f"the libdevice of a CUDA {wanted} toolkit, torch's (set CUDA_HOME or "
+    return None, (f"the libdevice of a CUDA {release} toolkit, torch's (set CUDA_HOME or "
                   f"MPTEX_LIBDEVICE){found}")  # fmt: skip
 
 
@@ -275,13 +282,18 @@ def _options(tonemap: bool) -> dict:
     return {**LAUNCH_OPTIONS, "extern_libs": (("libdevice", path),)}
 
 
-def _check(pred: torch.Tensor, rgba: torch.Tensor, background: torch.Tensor) -> None:
+def _check_runnable(device: torch.device) -> None:
+    """``RuntimeError`` where the kernels cannot run on ``device`` with this Triton."""
     if LAUNCH_OPTIONS is None:
         raise RuntimeError(
             "the fused loss needs a Triton whose CUDA backend has the enable_reflect_ftz option"
         )
-    if pred.device.type == "cpu" and not INTERPRETED:
+    if device.type == "cpu" and not INTERPRETED:
         raise RuntimeError("the fused loss's kernels need GPU tensors (or Triton's interpreter)")
+
+
+def _check(pred: torch.Tensor, rgba: torch.Tensor, background: torch.Tensor) -> None:
+    _check_runnable(pred.device)
     shape = tuple(pred.shape)
     if not shape or shape[-1] != 3:
         raise ValueError(f"pred: expected [..., 3], got {list(shape)}")
@@ -369,12 +381,7 @@ def _kd_grad_kernel(tj_ptr, t_ptr, g_ptr, gtj_ptr, gt_ptr, n, pixels, C: tl.cons
 
 
 def _check_kd(tex: torch.Tensor, tex_jitter: torch.Tensor) -> None:
-    if LAUNCH_OPTIONS is None:
-        raise RuntimeError(
-            "the fused loss needs a Triton whose CUDA backend has the enable_reflect_ftz option"
-        )
-    if tex.device.type == "cpu" and not INTERPRETED:
-        raise RuntimeError("the fused loss's kernels need GPU tensors (or Triton's interpreter)")
+    _check_runnable(tex.device)
     if tex.ndim != 2 or tex.shape[1] < 3 or tex_jitter.shape != tex.shape:
         raise ValueError(
             f"tex, tex_jitter: expected two [N, C >= 3] of one shape, got {list(tex.shape)} and "

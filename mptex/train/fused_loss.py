@@ -54,9 +54,11 @@ _TONEMAP = {"logl1": True, "l1": False}
 FUSED_LOSSES = tuple(_TONEMAP)
 
 
+@functools.cache
 def fused_loss_problem(device: torch.device | str, loss: str | None) -> str | None:
     """Why :func:`masked_image_loss` cannot run fused on ``device`` for ``loss`` (None: why
-    :func:`kd_smoothness` cannot), in words that complete "needs ..."; None when it can."""
+    :func:`kd_smoothness` cannot), in words that complete "needs ..."; None when it can.
+    Cached: the fused calls ask it every iteration, and its answer is the process's."""
     if loss is not None and loss not in _TONEMAP:
         return f"a loss in {list(FUSED_LOSSES)} (got {loss!r}, which runs eager)"
     if torch.device(device).type != "cuda":

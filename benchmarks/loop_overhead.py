@@ -5,6 +5,7 @@
     python benchmarks/loop_overhead.py --compare before.json after.json
     python benchmarks/loop_overhead.py --host-ms --arms f32 fp8 fp8_rowwise
     python benchmarks/loop_overhead.py --arms fp8 fp8_rowwise --fp8-gemm scaled_mm
+    python benchmarks/loop_overhead.py --arms fp8 fp8_rowwise --fp8-gemm triton --fused-loss
     python benchmarks/loop_overhead.py --arms f32 fp8 --fused-loss
 
 A GPU iteration of a small texture is bound by kernel launches and by the host waiting for the
@@ -57,7 +58,8 @@ Per arm: the median of the runs' median iteration times, their range and the rat
 ``--fp8-gemm scaled_mm`` sends the FP8 arms' GEMMs through ``torch._scaled_mm`` (torch has a CPU
 kernel for it) as on a GPU with FP8 tensor cores, so that the counts include that path's
 padding and layout copies; this CPU kernel's own host time makes ``--host-ms`` under it no
-measure of a GPU's.
+measure of a GPU's. ``--fp8-gemm triton`` runs them in their Triton kernels
+(``texture.fp8_gemm=triton``) under Triton's CPU interpreter, each launch counted as one op.
 
 ``--fused-loss`` runs the image loss in its Triton kernels (``train.fused_loss``, CUDA's path)
 under Triton's CPU interpreter, so that the counts are those of a CUDA run's loss: its kernels
@@ -289,14 +291,29 @@ def _route_fp8_gemms_through_scaled_mm() -> None:
     mptex.fp8.has_fp8_tensor_cores = lambda device, rowwise=False: True
 
 
+def _interpret_triton(option: str) -> None:
+    """Triton's CPU interpreter for the kernels decorated from now on."""
+    import os
+
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit(f"{option}: triton was imported before TRITON_INTERPRET was set")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _route_fp8_gemms_through_triton() -> None:
+    """The FP8 GEMMs' Triton kernels (``texture.fp8_gemm=triton``) under the interpreter, each
+    launch counted as one op, as on a GPU."""
+    _interpret_triton("--fp8-gemm triton")
+    import mptex._fp8_mm_triton as kernels
+
+    for name in ("_mm_kernel", "_split_sum_kernel"):
+        setattr(kernels, name, _CountedLaunch(getattr(kernels, name), name.strip("_")))
+
+
 def _route_loss_through_triton() -> None:
     """Run the image loss in its Triton kernels on the CPU, under Triton's interpreter, as
     ``train.fused_loss`` runs them on CUDA: the ops of a CUDA run's loss, counted here."""
-    import os
-
-    if "triton" in sys.modules:
-        raise SystemExit("--fused-loss: triton was imported before TRITON_INTERPRET was set")
-    os.environ["TRITON_INTERPRET"] = "1"
+    _interpret_triton("--fused-loss")
     import mptex.train._loss_triton as kernels
     import mptex.train.fused_loss as fused_loss
     import mptex.train.loop as loop
@@ -366,10 +383,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host-runs", type=int, default=3)
     parser.add_argument(
         "--fp8-gemm",
-        choices=("auto", "scaled_mm"),
+        choices=("auto", "scaled_mm", "triton"),
         default="auto",
         help="scaled_mm: the FP8 arms' GEMMs through torch._scaled_mm, as on a GPU with FP8 "
-        "tensor cores (torch has a CPU kernel for it)",
+        "tensor cores (torch has a CPU kernel for it); triton: in their Triton kernels, "
+        "interpreted, each launch one op",
     )
     parser.add_argument(
         "--fused-loss",
@@ -384,6 +402,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     if args.fp8_gemm == "scaled_mm":
         _route_fp8_gemms_through_scaled_mm()
+    if args.fp8_gemm == "triton":
+        _route_fp8_gemms_through_triton()
+        args.overrides = ["texture.fp8_gemm=triton", *args.overrides]
     if args.fused_loss:
         _route_loss_through_triton()
         args.overrides = ["train.fused_loss=true", *args.overrides]

@@ -43,7 +43,15 @@ takes the same float8 tensors and scales, converts them to f32 (exact), multipli
 applies ``scale_inv_a * scale_inv_b`` to the f32 result. Products of two FP8 values are exact
 in f32 (at most 8 significant bits), so the two backends differ only in the order of the f32
 accumulation (tested against a float64 reference in ``tests/test_fp8.py``; the GPU kit compares
-them on a GPU).
+them on a GPU). A third backend, ``triton`` (:mod:`mptex._fp8_mm_triton`), runs the same
+GEMMs in Triton kernels written for the MLP's tall, thin shapes: the FP8 codes are read where
+they lie through their strides and padded with masks, so no operand is copied or transposed
+first (``torch._scaled_mm`` wants a row-major ``a``, a column-major ``b`` and K, N multiples of
+16), the weight gradient's long reduction is split over the GPU in a deterministic order, and a
+bias is added in the epilogue. It accumulates on the FP8 tensor cores too (compute capability
+8.9 and later), and runs on a CPU under Triton's interpreter, where each code's float32 value is
+multiplied in IEEE float32; ``auto`` does not choose it (it is selected by name, as
+``texture.fp8_gemm``).
 
 Row-wise scaling (recipe ``rowwise``): one scale per row of the activations and of the output
 gradients and one per output channel of the weights, each the current scale of that row
@@ -106,6 +114,7 @@ __all__ = [
     "dequantize_fp8",
     "has_fp8_tensor_cores",
     "resolve_gemm_backend",
+    "triton_gemm_problem",
     "scaled_mm",
     "rowwise_amax",
     "quantize_fp8_rowwise",
@@ -118,7 +127,7 @@ __all__ = [
 
 RECIPES = ("delayed", "current", "rowwise")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
-GEMM_BACKENDS = ("auto", "scaled_mm", "emulated")
+GEMM_BACKENDS = ("auto", "scaled_mm", "emulated", "triton")
 # torch._scaled_mm's CUDA kernels take a row-major a [M, K] and a column-major b [K, N] with K
 # and N multiples of 16 (torch's _scaled_mm_out_cuda checks mat1.size(1) and both sizes of
 # mat2); a's rows need no padding: with K % 16 == 0 every row starts 16-byte aligned, and the
@@ -478,14 +487,54 @@ def has_fp8_tensor_cores(device: torch.device | str, rowwise: bool = False) -> b
     return capability[0] == 9 and cuda >= (12, 9)
 
 
+@functools.cache
+def _triton_gemm_problem(device_type: str, capability: tuple[int, int] | None) -> str | None:
+    """Why the ``triton`` GEMM backend cannot run on a device of this type and compute
+    capability, or None."""
+    from mptex._backends import backend_problem
+
+    problem = backend_problem("triton")
+    if problem is not None:
+        return problem
+    from mptex._fp8_mm_triton import INTERPRETED
+
+    if INTERPRETED:
+        return None if device_type == "cpu" else "Triton's interpreter runs CPU tensors only"
+    if device_type != "cuda":
+        return (f"{device_type} tensors need Triton's interpreter (TRITON_INTERPRET=1 before "
+                "triton is first imported)")  # fmt: skip
+    if capability < (8, 9):
+        return f"compute capability {capability} has no FP8 tensor cores (8.9 or later)"
+    return None
+
+
+def triton_gemm_problem(device: torch.device | str) -> str | None:
+    """Why :func:`scaled_mm`'s ``triton`` backend cannot run on ``device``, or None when it can:
+    a CUDA device with FP8 tensor cores (compute capability 8.9 or later), or CPU tensors under
+    Triton's interpreter."""
+    device = torch.device(device)
+    capability = None
+    if device.type == "cuda" and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability(device)
+    elif device.type == "cuda":
+        return "torch.cuda.is_available() is False"
+    return _triton_gemm_problem(device.type, capability)
+
+
 def resolve_gemm_backend(backend: str, device: torch.device | str, rowwise: bool = False) -> str:
-    """``"scaled_mm"`` or ``"emulated"`` for ``backend`` (``"auto"``: ``scaled_mm`` where
-    :func:`has_fp8_tensor_cores` for the GEMM's scaling, per tensor or ``rowwise``).
-    ``ValueError`` for an unknown name or ``scaled_mm`` where it cannot run."""
+    """``"scaled_mm"``, ``"emulated"`` or ``"triton"`` for ``backend`` (``"auto"``:
+    ``scaled_mm`` where :func:`has_fp8_tensor_cores` for the GEMM's scaling, per tensor or
+    ``rowwise``, else ``emulated``). ``ValueError`` for an unknown name, or ``scaled_mm`` or
+    ``triton`` where it cannot run."""
     if backend not in GEMM_BACKENDS:
         raise ValueError(f"backend: expected one of {GEMM_BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "scaled_mm" if has_fp8_tensor_cores(device, rowwise) else "emulated"
+    if backend == "triton":
+        problem = triton_gemm_problem(device)
+        if problem is not None:
+            raise ValueError(f"backend: 'triton' cannot run on {device}: {problem}")
+        return backend
     if backend == "scaled_mm" and not has_fp8_tensor_cores(device, rowwise):
         needs = ("compute capability 9.x and CUDA 12.9 or later for the row-wise path's "
                  "float32 result" if rowwise else "compute capability 8.9 or later")  # fmt: skip
@@ -527,8 +576,9 @@ def scaled_mm(
         b: ``[K, N]`` E4M3 or E5M2 (not both E5M2: the tensor cores have no E5M2 x E5M2).
         scale_inv_a, scale_inv_b: f32 scalars, what ``a`` and ``b`` are multiplied by.
         backend: ``"auto"``, ``"scaled_mm"`` (``torch._scaled_mm``; K and N padded with zeros
-            to multiples of 16 and the operands laid out as cuBLASLt wants, ``b`` column-major)
-            or ``"emulated"`` (the operands in f32, ``torch.mm``, the scales applied after).
+            to multiples of 16 and the operands laid out as cuBLASLt wants, ``b`` column-major),
+            ``"emulated"`` (the operands in f32, ``torch.mm``, the scales applied after) or
+            ``"triton"`` (:mod:`mptex._fp8_mm_triton`: any strides, no copies).
 
     Returns:
         ``[M, N]`` float32.
@@ -541,9 +591,18 @@ def scaled_mm(
         raise ValueError(
             f"a, b: expected [M, K] and [K, N], got {list(a.shape)} and {list(b.shape)}"
         )
-    if resolve_gemm_backend(backend, a.device) == "emulated":
+    resolved = resolve_gemm_backend(backend, a.device)
+    if resolved == "emulated":
         return _emulated_mm(a.float(), b.float(), scale_inv_a, scale_inv_b)
+    if resolved == "triton":
+        return _triton_mm(a, b, scale_inv_a, scale_inv_b)
     return _scaled_mm_padded(a, b, scale_inv_a, scale_inv_b)
+
+
+def _triton_mm(a, b, scale_a, scale_b, bias=None, rowwise=False) -> torch.Tensor:
+    from mptex._fp8_mm_triton import fp8_mm_triton
+
+    return fp8_mm_triton(a, b, scale_a, scale_b, bias, rowwise)
 
 
 def _emulated_mm(a, b, scale_inv_a, scale_inv_b) -> torch.Tensor:
@@ -589,9 +648,10 @@ def scaled_mm_rowwise(
         scale_b: ``[1, N]`` f32, what column ``j`` of ``b`` is multiplied by.
         backend: ``"auto"`` (``scaled_mm`` where :func:`has_fp8_tensor_cores` with
             ``rowwise``), ``"scaled_mm"`` (``torch._scaled_mm``'s row-wise path, K and N padded
-            with zeros and ``scale_b`` with ones to multiples of 16, ``b`` column-major) or
+            with zeros and ``scale_b`` with ones to multiples of 16, ``b`` column-major),
             ``"emulated"`` (the products summed in float64, rounded once to f32, then
-            ``* scale_a[i]`` and ``* scale_b[j]`` in f32, in that order: the CUTLASS epilogue's).
+            ``* scale_a[i]`` and ``* scale_b[j]`` in f32, in that order: the CUTLASS epilogue's)
+            or ``"triton"`` (:mod:`mptex._fp8_mm_triton`, the same epilogue).
 
     Returns:
         ``[M, N]`` float32.
@@ -611,8 +671,11 @@ def scaled_mm_rowwise(
             f"{list(scale_b.shape)}"
         )
     scale_a, scale_b = scale_a.float(), scale_b.float()
-    if resolve_gemm_backend(backend, a.device, rowwise=True) == "emulated":
+    resolved = resolve_gemm_backend(backend, a.device, rowwise=True)
+    if resolved == "emulated":
         return _rowwise_emulated(a.double(), b.double(), scale_a, scale_b)
+    if resolved == "triton":
+        return _triton_mm(a, b, scale_a, scale_b, rowwise=True)
     return _scaled_mm_padded(a, b, scale_a, scale_b, rowwise=True)
 
 
@@ -633,13 +696,17 @@ class _FP8RowwiseLinear(torch.autograd.Function):
         x_state, w_state, grad_state = states
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        emulated = resolve_gemm_backend(backend, x.device, rowwise=True) == "emulated"
+        resolved = resolve_gemm_backend(backend, x.device, rowwise=True)
+        emulated = resolved == "emulated"
         q_dtype = torch.float64 if emulated else None
         x_q, x_inv, _ = x_state.quantize(x2, record, q_dtype)  # per sample
         w_q, w_inv, _ = w_state.quantize(weight, record, q_dtype)  # per output channel
-        out = _rowwise_gemm(x_q, w_q.t(), x_inv, w_inv.t(), backend, emulated)
-        if bias is not None:
-            out = out + bias.float()
+        if resolved == "triton":  # the bias added in the GEMM's epilogue
+            out = _triton_mm(x_q, w_q.t(), x_inv, w_inv.t(), bias, rowwise=True)
+        else:
+            out = _rowwise_gemm(x_q, w_q.t(), x_inv, w_inv.t(), backend, emulated)
+            if bias is not None:
+                out = out + bias.float()
         ctx.save_for_backward(x2.detach(), weight.detach())
         ctx.grad_state, ctx.w_state, ctx.backend, ctx.shape = grad_state, w_state, backend, shape
         ctx.w_weight = weight  # the parameter itself: quantize_columns knows it by identity
@@ -675,6 +742,8 @@ class _FP8RowwiseLinear(torch.autograd.Function):
 
 def _rowwise_gemm(a, b, scale_a, scale_b, backend, emulated) -> torch.Tensor:
     """:func:`scaled_mm_rowwise` on FP8 operands, or its emulation on their float64 values."""
+    if backend == "triton":  # no checks on the hot path: the operands are the layer's own
+        return _triton_mm(a, b, scale_a, scale_b, rowwise=True)
     if emulated:
         return _rowwise_emulated(a, b, scale_a.float(), scale_b.float())
     return scaled_mm_rowwise(a, b, scale_a, scale_b, backend)
@@ -688,19 +757,23 @@ class _FP8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1])
         # The emulation takes each FP8 operand's values in f32 (exact), made by the
         # quantisation itself, and keeps the forward's for the backward's GEMMs.
-        emulated = resolve_gemm_backend(backend, x.device) == "emulated"
+        resolved = resolve_gemm_backend(backend, x.device)
+        emulated = resolved == "emulated"
         q_dtype = torch.float32 if emulated else None
         x_q, x_inv, _ = x_state.quantize(x2, record, q_dtype)
         w_q, w_inv, _ = w_state.quantize(weight, record, q_dtype)
-        if emulated:
-            out = _emulated_mm(x_q, w_q.t(), x_inv, w_inv)
+        if resolved == "triton":  # the bias added in the GEMM's epilogue
+            out = _triton_mm(x_q, w_q.t(), x_inv, w_inv, bias)
         else:
-            out = scaled_mm(x_q, w_q.t(), x_inv, w_inv, backend)
-        if bias is not None:
-            out = out + bias.float()
+            if emulated:
+                out = _emulated_mm(x_q, w_q.t(), x_inv, w_inv)
+            else:
+                out = scaled_mm(x_q, w_q.t(), x_inv, w_inv, backend)
+            if bias is not None:
+                out = out + bias.float()
         ctx.save_for_backward(x_q, w_q, x_inv, w_inv)
         ctx.grad_state, ctx.w_state, ctx.backend, ctx.shape = grad_state, w_state, backend, shape
-        ctx.emulated = emulated
+        ctx.emulated, ctx.resolved = emulated, resolved
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out.reshape(*shape[:-1], out.shape[-1])
 
@@ -712,14 +785,19 @@ class _FP8Linear(torch.autograd.Function):
         grad2 = grad_out.reshape(-1, grad_out.shape[-1])
         q_dtype = torch.float32 if ctx.emulated else None
         g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True, q_dtype)
-        gemm = _emulated_mm if ctx.emulated else functools.partial(scaled_mm, backend=ctx.backend)
+        if ctx.resolved == "triton":
+            gemm = _triton_mm
+        elif ctx.emulated:
+            gemm = _emulated_mm
+        else:
+            gemm = functools.partial(scaled_mm, backend=ctx.backend)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = gemm(g_q, w_q, g_inv, w_inv).to(x_dtype).reshape(ctx.shape)
         if ctx.needs_input_grad[1]:
             # The weight gradient's reduction runs over the batch: a [out, N] x [N, in] GEMM.
-            # scaled_mm lays out (and pads) the transposed operand in its one copy; the
-            # emulation's mm takes it contiguous.
+            # scaled_mm lays out (and pads) the transposed operand in its one copy, Triton reads
+            # it through its strides; the emulation's mm takes it contiguous.
             g_t = g_q.t().contiguous() if ctx.emulated else g_q.t()
             grad_w = gemm(g_t, x_q, g_inv, x_inv).to(w_dtype)
         if ctx.needs_input_grad[2]:

@@ -13,6 +13,7 @@ from torch import nn
 from mptex.fp8 import (
     E4M3,
     E5M2,
+    GEMM_BACKENDS,
     ScalingRecipe,
     ScalingState,
     fp8_linear,
@@ -239,7 +240,7 @@ class FP8Linear(CastLinear):
         )
 
 
-def _linear_class(policy: PrecisionPolicy):
+def _linear_class(policy: PrecisionPolicy, fp8_gemm: str):
     """The layer class and its extra arguments for ``policy``."""
     if policy.fp8_gemm:
         recipe = ScalingRecipe(
@@ -248,7 +249,7 @@ def _linear_class(policy: PrecisionPolicy):
             policy.fp8_amax_history_len,
             policy.fp8_amax_compute_algo,
         )
-        return FP8Linear, {"recipe": recipe}
+        return FP8Linear, {"recipe": recipe, "gemm_backend": fp8_gemm}
     if policy.weight_quant != "none":
         return QuantizedLinear, {"weight_quant": policy.weight_quant}
     return CastLinear, {}
@@ -281,7 +282,8 @@ class PrecisionMLP(nn.Module):
           ``self.net.params`` (``self.net.layer_weights()`` gives the matrices).
           ``mlp_backend="tcnn"`` without tcnn + CUDA raises ``RuntimeError``;
         * ``policy.fp8_gemm``: each layer is an :class:`FP8Linear` (FP8 GEMMs, per-tensor
-          scales under the policy's recipe, f32 between the layers);
+          scales under the policy's recipe, f32 between the layers; the GEMMs' backend is
+          ``fp8_gemm``);
         * ``policy.weight_quant``: each layer is a :class:`QuantizedLinear` (fake-quantised
           weights, straight-through gradients).
 
@@ -294,6 +296,9 @@ class PrecisionMLP(nn.Module):
         bias: add biases (nvdiffrec: no).
         activation: hidden activation, ``"ReLU"`` (default), ``"LeakyReLU"``, ``"Sigmoid"`` or
             ``"Tanh"``.
+        fp8_gemm: the FP8 layers' GEMM backend (:data:`mptex.fp8.GEMM_BACKENDS`: ``"auto"``,
+            ``"scaled_mm"``, ``"emulated"``, ``"triton"``), resolved on each call for the
+            parameters' device (:func:`mptex.fp8.resolve_gemm_backend`).
 
     Shapes: ``forward(x: [N, n_input_dims] float) -> [N, n_output_dims]`` in the last layer's
     compute dtype (the autocast dtype with autocast; f16 for tcnn). The caller casts to f32 where
@@ -309,6 +314,7 @@ class PrecisionMLP(nn.Module):
         policy: PrecisionPolicy | str | Mapping[str, Any] = "f32",
         bias: bool = False,
         activation: str = "ReLU",
+        fp8_gemm: str = "auto",
     ):
         super().__init__()
         for arg, value in (
@@ -323,6 +329,8 @@ class PrecisionMLP(nn.Module):
             raise ValueError(
                 f"activation: expected one of {sorted(_ACTIVATIONS)}, got {activation!r}"
             )
+        if fp8_gemm not in GEMM_BACKENDS:
+            raise ValueError(f"fp8_gemm: expected one of {GEMM_BACKENDS}, got {fp8_gemm!r}")
         self.policy = PrecisionPolicy.from_config(policy)
         self.n_input_dims, self.n_output_dims = n_input_dims, n_output_dims
         self.n_hidden_layers, self.n_neurons = n_hidden_layers, n_neurons
@@ -349,7 +357,7 @@ class PrecisionMLP(nn.Module):
 
         dims = [n_input_dims] + [n_neurons] * n_hidden_layers + [n_output_dims]
         dtypes = self.policy.layer_dtypes(len(dims) - 1)
-        layer_class, layer_kwargs = _linear_class(self.policy)
+        layer_class, layer_kwargs = _linear_class(self.policy, fp8_gemm)
         modules: list[nn.Module] = []
         for i, dtype in enumerate(dtypes):
             if i > 0:
@@ -381,8 +389,9 @@ class PrecisionMLP(nn.Module):
 
     def fp8_gemm_backend(self) -> str | None:
         """How the FP8 layers' GEMMs run next, resolved from the parameters' device and the
-        recipe (:func:`mptex.fp8.resolve_gemm_backend`): ``"scaled_mm"`` (FP8 tensor cores)
-        or ``"emulated"``; None without FP8 layers."""
+        recipe (:func:`mptex.fp8.resolve_gemm_backend`): ``"scaled_mm"`` (FP8 tensor cores),
+        ``"emulated"`` or ``"triton"``; None without FP8 layers. ``ValueError`` where the
+        backend asked for cannot run there."""
         layer = next((m for m in self.modules() if isinstance(m, FP8Linear)), None)
         if layer is None:
             return None

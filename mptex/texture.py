@@ -18,6 +18,7 @@ from torch import nn
 from mptex.config_schema import Group, Integer, OneOf, OrNull, check_group, is_int, plain, setting
 from mptex.encoding import BACKENDS as ENCODER_BACKENDS
 from mptex.encoding import HashGridEncoding
+from mptex.fp8 import GEMM_BACKENDS
 from mptex.mlp import PrecisionMLP
 from mptex.network import fused_params_from_linear, linear_weights_from_fused
 from mptex.precision import PrecisionPolicy, scale_grad
@@ -100,6 +101,9 @@ class TextureConfig:
     """``[[min per channel], [max per channel]]``; null: [0, 1]."""
     backend: str = setting("auto", OneOf(ENCODER_BACKENDS))
     """Hash-grid backend: auto (tcnn on CUDA when importable, else torch), torch, tcnn, triton."""
+    fp8_gemm: str = setting("auto", OneOf(GEMM_BACKENDS))
+    """The FP8 arms' GEMMs: auto (``torch._scaled_mm`` on FP8 tensor cores, else emulated),
+    scaled_mm, emulated, triton (:func:`mptex.fp8.scaled_mm`)."""
     encoder: GridConfig | None = setting(
         None, OrNull(Group(GridConfig, what="a mapping of grid keys"))
     )
@@ -202,6 +206,9 @@ class MLPTexture3D(nn.Module):
             :class:`~mptex.HashGridEncoding` with 3 input dims (used as given, dtype included).
         backend: encoder backend for ``None``/dict encoders: ``"auto"``, ``"torch"``, ``"tcnn"``
             or ``"triton"`` (opt-in; see :class:`~mptex.HashGridEncoding`).
+        fp8_gemm: the FP8 arms' GEMM backend (:func:`mptex.fp8.scaled_mm`: ``"auto"``,
+            ``"scaled_mm"``, ``"emulated"``, ``"triton"``), resolved for the device the texture
+            runs on at each call (:meth:`backends` resolves it now).
 
     Raises:
         ValueError: naming the argument, for a malformed AABB/min_max, channel count or encoder.
@@ -221,6 +228,7 @@ class MLPTexture3D(nn.Module):
         precision: PrecisionPolicy | str | Mapping[str, Any] = "nvdiffrec",
         encoder: HashGridEncoding | Mapping[str, Any] | None = None,
         backend: str = "auto",
+        fp8_gemm: str = "auto",
     ):
         super().__init__()
         if not is_int(channels) or channels < 1:
@@ -254,8 +262,9 @@ class MLPTexture3D(nn.Module):
             )
 
         self.net = PrecisionMLP(
-            self.encoder.n_output_dims, channels, hidden, internal_dims, self.policy
-        )
+            self.encoder.n_output_dims, channels, hidden, internal_dims, self.policy,
+            fp8_gemm=fp8_gemm,
+        )  # fmt: skip
         # The bounds live where the parameters were created (the default device), whatever
         # device the given tensors were on; .to() moves them with the module from then on.
         device = self.encoder.params.device

@@ -180,24 +180,38 @@ def test_the_loop_reads_the_host_once_per_iteration(tmp_path, arm):
     assert result["syncs_by_kind"] == {"copy to host (tolist)": 1.0}
 
 
+def _count_fp8(tmp_path, gemm: str) -> dict:
+    """fp8's counts over iterations [2, 4) at 16 x 16 with ``--fp8-gemm gemm``; one sync."""
+    out = tmp_path / f"{gemm}.json"
+    run = _loop_overhead("--arms", "fp8", "--start", "2", "--stop", "4", "--resolution", "16",
+                         "--texture", "tiny", "--fp8-gemm", gemm, "--json", str(out), "--",
+                         "scene.n_train_views=4", "scene.n_val_views=1")  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    assert payload["fp8_gemm"] == gemm
+    (result,) = payload["results"]
+    assert result["syncs_per_iter"] == 1.0, result["sync_sites"]
+    return result
+
+
 def test_the_fp8_gemms_can_be_counted_as_on_a_gpu(tmp_path):
     # --fp8-gemm scaled_mm: the FP8 arm's GEMMs go through torch._scaled_mm (its CPU kernel),
     # the path a GPU with FP8 tensor cores takes, so its padding and layout copies are counted.
-    counts = {}
-    for gemm in ("auto", "scaled_mm"):
-        out = tmp_path / f"{gemm}.json"
-        run = _loop_overhead("--arms", "fp8", "--start", "2", "--stop", "4", "--resolution",
-                             "16", "--texture", "tiny", "--fp8-gemm", gemm, "--json", str(out),
-                             "--", "scene.n_train_views=4", "scene.n_val_views=1")  # fmt: skip
-        assert run.returncode == 0, run.stderr[-3000:]
-        payload = json.loads(out.read_text())
-        assert payload["fp8_gemm"] == gemm
-        (result,) = payload["results"]
-        assert result["syncs_per_iter"] == 1.0, result["sync_sites"]
-        counts[gemm] = result["ops_by_name"]
+    counts = {gemm: _count_fp8(tmp_path, gemm)["ops_by_name"] for gemm in ("auto", "scaled_mm")}
     assert counts["auto"].get("_scaled_mm", 0) == 0 and counts["auto"]["mm"] > 0
     assert counts["scaled_mm"]["_scaled_mm"] == counts["auto"]["mm"]
     assert counts["scaled_mm"].get("mm", 0) == 0
+
+
+@pytest.mark.requires_triton
+def test_the_triton_fp8_gemms_are_counted_as_launches_without_copies(tmp_path):
+    # --fp8-gemm triton: each GEMM one interpreted launch (at this size no split of K), where
+    # the scaled_mm path pads and lays out its operands in copies first.
+    counts = {gemm: _count_fp8(tmp_path, gemm) for gemm in ("scaled_mm", "triton")}
+    scaled, triton = counts["scaled_mm"]["ops_by_name"], counts["triton"]["ops_by_name"]
+    assert triton["triton:mm_kernel"] == scaled["_scaled_mm"] > 0
+    assert "_scaled_mm" not in triton and "new_zeros" not in triton and scaled["new_zeros"] > 0
+    assert counts["triton"]["ops_per_iter"] < counts["scaled_mm"]["ops_per_iter"]
 
 
 @pytest.mark.requires_triton

@@ -9,7 +9,9 @@ call (the queue is drained before and after, untimed) and, from CUDA events arou
 calls, the device's. A block whose host time is well above ``torch.add``'s is expensive to issue;
 ``torch._scaled_mm`` is timed with the same ``M`` each call and with ``M`` one row more each call
 (the covered points change with every batch), which tells a cost that depends on new shapes
-(cuBLASLt chooses an algorithm per shape) from one that does not.
+(cuBLASLt chooses an algorithm per shape) from one that does not. The same GEMMs through the
+``triton`` backend (:mod:`mptex._fp8_mm_triton`: no operand copies, one launch; two for the
+weight gradient) come last.
 
 On the CPU dry run the same calls run on the CPU (``mptex::fp8_quantize``'s C kernel, the CPU's
 ``torch._scaled_mm``); the numbers say nothing about a GPU.
@@ -59,6 +61,12 @@ def host_costs(device: str, rows: int, calls: int = 200) -> list[dict[str, Any]]
          lambda i: scaled_mm(x_q[: rows + i], w_q.t(), one, one)),
         ("scaled_mm weight gradient [32, M] x [M, 32]",
          lambda i: scaled_mm(g_q[:rows].t(), x_q[:rows], one, one)),
+        ("Triton FP8 GEMM forward [M, 32] x [32, 32]",
+         lambda i: scaled_mm(x_q[:rows], w_q.t(), one, one, backend="triton")),
+        ("Triton FP8 GEMM forward, M one row more each call",
+         lambda i: scaled_mm(x_q[: rows + i], w_q.t(), one, one, backend="triton")),
+        ("Triton FP8 GEMM weight gradient [32, M] x [M, 32]",
+         lambda i: scaled_mm(g_q[:rows].t(), x_q[:rows], one, one, backend="triton")),
     ]  # fmt: skip
     cycles_per_ms = _sleep_rate(device) if on_cuda else None
     rows_out = []

@@ -390,15 +390,18 @@ FP8_PROMOTION_BLOCK = 128
 
 
 def compare_fp8(device: str, n: int, repeats: int = 20) -> list[dict[str, Any]]:
-    """Each case's emulated and torch._scaled_mm GEMM on the same quantised operands: errors
-    against float64 as a share of sum |a b| |alpha| (the accumulation bound's scale), and
-    median times over ``repeats`` calls."""
+    """Each case's emulated, torch._scaled_mm and (where it runs) Triton GEMM on the same
+    quantised operands: errors against float64 as a share of sum |a b| |alpha| (the
+    accumulation bound's scale), and median times over ``repeats`` calls."""
     import torch
 
-    from mptex.fp8 import E4M3, E5M2, fp8_scale, quantize_fp8, scaled_mm
+    from mptex.fp8 import E4M3, E5M2, fp8_scale, quantize_fp8, scaled_mm, triton_gemm_problem
 
     dtypes = {"e4m3": E4M3, "e5m2": E5M2}
     gen = torch.Generator(device=device).manual_seed(0)
+    backends = ["emulated", "scaled_mm"]
+    if triton_gemm_problem(device) is None:
+        backends.append("triton")
     rows = []
     for name, m, k, n_cols, da, db in fp8_gemm_cases(n):
         a = torch.randn(m, k, device=device, generator=gen) * (1e-4 if da == "e5m2" else 1.0)
@@ -409,7 +412,7 @@ def compare_fp8(device: str, n: int, repeats: int = 20) -> list[dict[str, Any]]:
         reference = (qa.double() @ qb.double()) * alpha
         magnitude = ((qa.double().abs() @ qb.double().abs()) * alpha.abs()).clamp_min(1e-300)
         row: dict[str, Any] = {"case": name, "shape": f"{m} x {k} x {n_cols}", "k": k}
-        for backend in ("emulated", "scaled_mm"):
+        for backend in backends:
             out = scaled_mm(qa, qb, sa, sb, backend=backend)
             row[f"{backend}_err"] = float(((out.double() - reference).abs() / magnitude).max())
             times = []
@@ -421,11 +424,13 @@ def compare_fp8(device: str, n: int, repeats: int = 20) -> list[dict[str, Any]]:
                 times.append(time.perf_counter() - tick)
             row[f"{backend}_us"] = sorted(times)[len(times) // 2] * 1e6
         row["emulated_bound"] = (k + 2) * 2.0**-24
-        row["scaled_mm_bound"] = (
+        # The Triton kernels accumulate on the same tensor cores: the same bound.
+        row["scaled_mm_bound"] = row["triton_bound"] = (
             min(k, FP8_PROMOTION_BLOCK) * 2.0**-FP8_ACCUMULATION_BITS + (k + 2) * 2.0**-24
         )
-        row["ok"] = (row["emulated_err"] <= row["emulated_bound"]
-                     and row["scaled_mm_err"] <= row["scaled_mm_bound"])  # fmt: skip
+        row["ok"] = all(row[f"{b}_err"] <= row[f"{b}_bound"] for b in backends)
+        for key in ("triton_err", "triton_us"):
+            row.setdefault(key, None)  # not run on this device
         rows.append(row)
     return rows
 
@@ -708,18 +713,26 @@ def stage_fp8(ctx: StageContext) -> None:
     n = 2**12 if ctx.small else 2**20
     rows = compare_fp8(ctx.device, n)
     ctx.result["data"]["rows"] = rows
+
+    def cell(value, spec):
+        return "–" if value is None else format(value, spec)
+
     ctx.table(
-        f"mptex's emulation vs torch._scaled_mm, the same float8 operands and scales, {n + 5} "
-        "points",
-        ["GEMM", "M x K x N", "emulated err", "bound", "_scaled_mm err", "bound",
-         "emulated µs", "_scaled_mm µs", "ok"],
+        f"mptex's emulation vs torch._scaled_mm and the Triton FP8 GEMMs, the same float8 "
+        f"operands and scales, {n + 5} points",
+        ["GEMM", "M x K x N", "emulated err", "bound", "_scaled_mm err", "Triton err", "bound",
+         "emulated µs", "_scaled_mm µs", "Triton µs", "ok"],
         [[r["case"], r["shape"], f"{r['emulated_err']:.3g}", f"{r['emulated_bound']:.3g}",
-          f"{r['scaled_mm_err']:.3g}", f"{r['scaled_mm_bound']:.3g}",
-          f"{r['emulated_us']:.1f}", f"{r['scaled_mm_us']:.1f}", r["ok"]] for r in rows],
+          f"{r['scaled_mm_err']:.3g}", cell(r["triton_err"], ".3g"),
+          f"{r['scaled_mm_bound']:.3g}", f"{r['emulated_us']:.1f}", f"{r['scaled_mm_us']:.1f}",
+          cell(r["triton_us"], ".1f"), r["ok"]] for r in rows],
         "err: max |result - float64| / (sum |a b| |scale_a scale_b|); bounds (K + 2) x 2^-24 "
-        f"(float32 accumulation) and min(K, {FP8_PROMOTION_BLOCK}) x 2^-{FP8_ACCUMULATION_BITS} "
-        "+ (K + 2) x 2^-24 (14-bit accumulation within blocks of 128, then float32: DeepSeek-V3 "
-        "technical report 3.3.2); times: median of 20 calls",
+        f"(float32 accumulation) and, for both tensor-core backends, min(K, "
+        f"{FP8_PROMOTION_BLOCK}) x 2^-{FP8_ACCUMULATION_BITS} + (K + 2) x 2^-24 (14-bit "
+        "accumulation within blocks of 128, then float32: DeepSeek-V3 technical report 3.3.2); "
+        "Triton: mptex's texture.fp8_gemm=triton kernels (– where they cannot run); times: "
+        "median of 20 calls, each the whole call (the _scaled_mm path's operand copies "
+        "included)",
     )  # fmt: skip
     if not all(r["ok"] for r in rows):
         ctx.result["failed_checks"] = [r["case"] for r in rows if not r["ok"]]
@@ -803,19 +816,28 @@ def speed_checks(runs: list[dict], order: list[str]) -> list[str]:
 
 
 # f32 again with one of the loop's device-side features off, right after f32: what each one
-# gives, measured in the same process (rows "f32, <override>"; not judged against the targets).
+# gives, measured in the same process (rows "f32, <override>"; not judged against the targets);
+# and the FP8 GEMM arms again with their GEMMs in the Triton kernels, right after each.
 LOOP_VARIANTS = ("train.overlap=false", "train.fused_loss=false")
+ARM_VARIANTS = {arm: ("texture.fp8_gemm=triton",) for arm in ("fp8", "fp8_current", "fp8_rowwise")}
 
 
 def stage_arms(ctx: StageContext) -> None:
     iterations = 3 if ctx.small else ctx.args.arm_iterations
     rows, runs, variants, last_wall = [], [], [], 0.0
     order = arm_order()
-    plan = [("f32", "f32", None), *[(f"f32, {v}", "f32", v) for v in LOOP_VARIANTS],
-            *[(arm, arm, None) for arm in order[1:]]]  # fmt: skip
+    plan = [("f32", "f32", None), *[(f"f32, {v}", "f32", v) for v in LOOP_VARIANTS]]
+    for arm in order[1:]:
+        plan += [(arm, arm, None), *[(f"{arm}, {v}", arm, v) for v in ARM_VARIANTS.get(arm, ())]]
+    from mptex.fp8 import triton_gemm_problem
+
+    cannot = {"texture.fp8_gemm=triton": triton_gemm_problem(ctx.device)}
     for label, arm, variant in plan:
         if runs and ctx.remaining() < 1.3 * last_wall:
             rows.append([label, "not run: time box", *[""] * 7])
+            continue
+        if cannot.get(variant):
+            rows.append([label, f"not run: {cannot[variant]}", *[""] * 7])
             continue
         start = time.time()
         try:
@@ -862,8 +884,9 @@ def stage_arms(ctx: StageContext) -> None:
             "ms / iter: the loop's median of device-synchronised iteration times; run / start / "
             "iterations: the run's wall time, its start (scene, texture, set-up) and the sum of "
             "its iterations (metrics.json's time_split_s); one seed, so the PSNR column is not a "
-            "comparison between arms (see nvdiffrec154 for one); rows 'f32, <override>': f32 "
-            "with one of the loop's features off, not judged; targets: f32 at most "
+            "comparison between arms (see nvdiffrec154 for one); rows '<arm>, <override>': the "
+            "arm again with one override (a loop feature off, the FP8 GEMMs in Triton), not "
+            "judged; targets: f32 at most "
             f"{F32_TARGET_MS} ms, every arm but {', '.join(ARMS_NOT_JUDGED)} within "
             f"{ARM_RATIO_TARGET}x f32",
         )  # fmt: skip

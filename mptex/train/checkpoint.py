@@ -239,6 +239,7 @@ def build_texture(aabb, texture_cfg: Mapping[str, Any], precision: Any) -> MLPTe
         precision=precision,
         encoder=cfg.get("encoder"),
         backend=cfg.get("backend", "auto"),
+        fp8_gemm=cfg.get("fp8_gemm", "auto"),
     )
 
 

@@ -35,6 +35,7 @@ from mptex.config_schema import (
     setting,
 )
 from mptex.export_config import check_export_config
+from mptex.fp8 import resolve_gemm_backend
 from mptex.precision import PrecisionPolicy
 from mptex.texture import GridConfig, check_texture_config
 from mptex.train.losses import LOSSES, LR_SCHEDULES
@@ -184,6 +185,7 @@ _ARGUMENT_KEYS = {
     "n_hidden_layers": "texture.hidden",
     "min_max": "texture.min_max",
     "backend": "texture.backend",
+    "fp8_gemm": "texture.fp8_gemm",
     "encoder": "texture.encoder",
     "AABB": "scene",
     "mlp_dtypes": "precision.mlp_dtypes",
@@ -277,6 +279,12 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
                 "texture.backend: 'triton' on train.device=cpu runs only under Triton's "
                 "interpreter: set TRITON_INTERPRET=1 (slow; for testing) or use a GPU"
             )
+    if policy.fp8_gemm and texture["fp8_gemm"] != "auto":
+        rowwise = policy.fp8_recipe == "rowwise"
+        try:
+            resolve_gemm_backend(texture["fp8_gemm"], dev, rowwise=rowwise)
+        except ValueError as exc:
+            raise ValueError(f"texture.fp8_gemm: {str(exc).removeprefix('backend: ')}") from None
     if policy.mlp_backend == "tcnn" and dev.type != "cuda":
         raise ValueError(
             f"precision.mlp_backend='tcnn' needs train.device=cuda, got {dev.type}; the arm "

@@ -387,6 +387,15 @@ class PrecisionMLP(nn.Module):
         ``"tcnn"`` (tinycudann's fused network)."""
         return self.net.resolved_backend() if self.policy.mlp == "fused" else "torch"
 
+    def set_fp8_gemm(self, backend: str) -> None:
+        """Run the FP8 layers' GEMMs on ``backend`` from now on (``fp8_gemm`` of the
+        constructor); nothing to do without FP8 layers."""
+        if backend not in GEMM_BACKENDS:
+            raise ValueError(f"fp8_gemm: expected one of {GEMM_BACKENDS}, got {backend!r}")
+        for layer in self.modules():
+            if isinstance(layer, FP8Linear):
+                layer.gemm_backend = backend
+
     def fp8_gemm_backend(self) -> str | None:
         """How the FP8 layers' GEMMs run next, resolved from the parameters' device and the
         recipe (:func:`mptex.fp8.resolve_gemm_backend`): ``"scaled_mm"`` (FP8 tensor cores),

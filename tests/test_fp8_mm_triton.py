@@ -354,6 +354,24 @@ def test_unusable_backend_fails_at_start_naming_the_key():
     assert config_key(str(info.value)).startswith("texture.fp8_gemm: expected one of")
 
 
+def test_a_checkpoint_trained_on_triton_gemms_evaluates_where_they_cannot_run():
+    # texture.fp8_gemm is how a run computed, not what it learned: an export or a rescore on a
+    # CPU of a GPU run evaluates the weights with the device's default, and says so.
+    from mptex.train.checkpoint import texture_from_checkpoint
+
+    texture = mptex.MLPTexture3D(**TEXTURE_KWARGS)
+    config = {"texture": {"encoder": TINY_ENCODER, "backend": "torch", "fp8_gemm": "triton"}}
+    ckpt = dict(aabb=TEXTURE_KWARGS["AABB"], config=config, texture=texture.state_dict(),
+                precision=TEXTURE_KWARGS["precision"])  # fmt: skip
+    with pytest.warns(UserWarning, match=r"texture\.fp8_gemm: the checkpoint's 'triton' cannot"):
+        loaded = texture_from_checkpoint(ckpt, "cpu")
+    assert loaded.backends()["fp8_gemm"] == "emulated"
+    points = TEXTURE["points"][:20]
+    assert torch.equal(loaded.sample(points), texture.sample(points))
+    with pytest.raises(ValueError, match=r"^fp8_gemm: expected one of"):
+        loaded.net.set_fp8_gemm("cublas")
+
+
 @pytest.mark.requires_cuda
 def test_compiled_kernels_within_the_tensor_cores_bound_on_cuda():
     # On FP8 tensor cores (compute capability 8.9+) against float64: the accumulation bound of

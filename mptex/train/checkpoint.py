@@ -7,6 +7,7 @@ import json
 import math
 import os
 import tempfile
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -264,4 +265,18 @@ def texture_from_checkpoint(
     checkpoint's config."""
     texture = build_texture(ckpt["aabb"], ckpt["config"]["texture"], ckpt["precision"])
     texture.load_state_dict(ckpt["texture"])
-    return texture.to(device)
+    texture = texture.to(device)
+    try:
+        texture.net.fp8_gemm_backend()  # resolved for this device
+    except ValueError as exc:
+        # The run's texture.fp8_gemm (scaled_mm, triton) is how it computed, not what it
+        # learned: where that backend cannot run (an export on a CPU of a GPU run), the
+        # weights are evaluated with the device's default, and the user is told.
+        warnings.warn(
+            f"texture.fp8_gemm: the checkpoint's {ckpt['config']['texture'].get('fp8_gemm')!r} "
+            f"cannot run here ({str(exc).removeprefix('backend: ')}); its FP8 GEMMs run on "
+            "'auto' instead",
+            stacklevel=2,
+        )
+        texture.net.set_fp8_gemm("auto")
+    return texture

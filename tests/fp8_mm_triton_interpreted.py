@@ -82,8 +82,8 @@ def compile_check() -> None:
         no_contraction(text, what)
         if not split:
             continue
-        text = ptx(mm._split_sum_kernel, dict(BLOCK=mm._SUM_BLOCK, ROWWISE=rowwise,
-                                              HAS_BIAS=bias))  # fmt: skip
+        text = ptx(mm._split_sum_kernel, dict(BLOCK=mm._SUM_BLOCK, SPLIT_TILE=mm._SPLIT_TILE,
+                                              ROWWISE=rowwise, HAS_BIAS=bias))  # fmt: skip
         no_contraction(text, ("sum",) + what)
     print("ok")
 

@@ -123,6 +123,10 @@ EXACT = [
         split=SPLIT,
         seed=5,
     ),
+    # 71 chunks: more partials than the summing kernel's tile of 64
+    _mm_case(
+        "split_many", _ints((9000, 16), E5M2, 29).t(), _ints((9000, 8), E4M3, 30), split=SPLIT
+    ),
     # one chunk of 128 and a last one of 8
     _mm_case(
         "split_ragged", _ints((136, 16), E5M2, 17).t(), _ints((136, 16), E4M3, 18), split=SPLIT

@@ -377,31 +377,30 @@ def test_a_checkpoint_trained_on_triton_gemms_evaluates_where_they_cannot_run():
 
 
 @pytest.mark.requires_cuda
-def test_compiled_kernels_within_the_tensor_cores_bound_on_cuda():
+def test_compiled_kernels_within_the_tensor_cores_bound_on_cuda(monkeypatch):
     # On FP8 tensor cores (compute capability 8.9+) against float64: the accumulation bound of
     # torch._scaled_mm's check in the GPU kit (14-bit accumulation within blocks of 128), and no
-    # host synchronisation.
+    # host synchronisation; split-K at the cases' thresholds, as interpreted.
     if triton_gemm_problem("cuda") is not None:
         pytest.skip(triton_gemm_problem("cuda"))
-    from mptex._fp8_mm_triton import fp8_mm_triton
+    import mptex._fp8_mm_triton as mm
 
+    defaults = (mm._SPLIT_MIN_K, mm._K_CHUNK)
     for case in EXACT + BOUNDED + NAN_CASES:
         if case["a"].shape[1] == 0:
             continue
-        on_gpu = {k: v.cuda() if torch.is_tensor(v) else v for k, v in case.items()}
+        split = (case["split_min_k"], case["k_chunk"]) if case["split_min_k"] else defaults
+        monkeypatch.setattr(mm, "_SPLIT_MIN_K", split[0])
+        monkeypatch.setattr(mm, "_K_CHUNK", split[1])
+        args = [case[k].cuda() for k in ("a", "b", "sa", "sb")]
+        bias = None if case["bias"] is None else case["bias"].cuda()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            got = fp8_mm_triton(
-                on_gpu["a"],
-                on_gpu["b"],
-                on_gpu["sa"],
-                on_gpu["sb"],
-                on_gpu["bias"],
-                case["rowwise"],
-            ).cpu()
+            out = mm.fp8_mm_triton(*args, bias, case["rowwise"])
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        got = out.cpu()
         want, k = _reference(case), case["a"].shape[1]
         magnitude, bias = _magnitude(case)
         bound = (min(k, 128) * 2.0**-14 + (k + 5) * 2.0**-24) * magnitude + 2.0**-24 * bias

@@ -1,9 +1,10 @@
 """FP8 GEMMs in Triton for the texture MLP's shapes: :func:`mptex.fp8.scaled_mm`'s ``triton``
 backend.
 
-The MLP's GEMMs are tall and thin: ``[M, K] @ [K, N]`` with M the covered pixels (about a
-million at 512 x 512, batch 4) and K, N the layer widths (3 to 64), and the weight gradient's
-``[N_out, M] @ [M, N_in]``, whose reduction runs over those million rows. ``torch._scaled_mm``
+The MLP's GEMMs are tall and thin: ``[M, K] @ [K, N]`` with M the covered pixels (up to a
+million in a batch of four 512 x 512 views; 350,000 on the built-in scene) and K, N the layer
+widths (3 to 64), and the weight gradient's ``[N_out, M] @ [M, N_in]``, whose reduction runs
+over those rows. ``torch._scaled_mm``
 takes a row-major ``a`` and a column-major ``b`` with K and N multiples of 16, so each of these
 GEMMs first copies (and zero-pads) one or both of its operands, and the weight gradient's
 ``a`` and ``b`` are both transposed copies. The kernels here read the FP8 codes where they lie,
@@ -24,7 +25,7 @@ Kernels:
   epilogue.
 
 The split-K form is taken when the output has few tiles and K is long (the weight gradient):
-one tile looping over a million rows would leave every SM but one idle.
+one tile looping over all the rows would leave every SM but one idle.
 
 Arithmetic. On a GPU with FP8 tensor cores (compute capability 8.9 or later) the operands go to
 ``tl.dot`` as FP8 (``FP8_DOT``); the tensor cores multiply exactly and accumulate with the

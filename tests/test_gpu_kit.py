@@ -145,6 +145,11 @@ def test_dry_run_runs_every_stage_and_records_why_native_ones_cannot(tmp_path):
     profile = stages["profile"]
     assert profile["status"] == "ok", profile
     assert all(len(run["top_host_ops"]) == 12 for run in profile["data"]["profile"])
+    profiled = {row[0]: row[1] for row in profile["tables"][0]["rows"]}
+    assert list(profiled) == list(kit.stages_loop.PROFILED)
+    assert profiled[kit.stages_loop.TRITON].startswith("not run: cpu tensors need Triton")
+    emulated = next(r for r in profile["data"]["profile"] if r["arm"] == kit.stages_loop.EMULATED)
+    assert emulated["backends"]["fp8_gemm"] == "emulated"
     counted = {r["arm"]: r for r in profile["data"]["loop_overhead"]}
     assert counted["f32"]["syncs_per_iter"] <= 1.0
     floor = {r["arm"]: r["host_ms_runs"] for r in profile["data"]["host_floor"]}

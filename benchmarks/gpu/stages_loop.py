@@ -34,11 +34,16 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 PROFILE_ARMS = ("f32", "fp8", "fp8_current", "nvdiffrec", "f16_dynamic", "bf16_grid")
-# Profiled after fp8: the same arm with its GEMMs emulated instead of torch._scaled_mm, which
-# tells how much of the FP8 arms' time is the FP8 GEMM path's (the profile's first rows are
-# the ones a short time box keeps).
+# Profiled after fp8: the same arm with its GEMMs in mptex's Triton kernels and emulated instead
+# of torch._scaled_mm, which tells how much of the FP8 arms' time is the FP8 GEMM path's (the
+# profile's first rows are the ones a short time box keeps).
+TRITON = "fp8, GEMMs in Triton"
 EMULATED = "fp8, GEMMs emulated"
-PROFILED = ("f32", "fp8", EMULATED, "fp8_current", "nvdiffrec", "f16_dynamic", "bf16_grid")
+VARIANTS = {
+    TRITON: ("fp8", "texture.fp8_gemm=triton"),
+    EMULATED: ("fp8", "texture.fp8_gemm=emulated"),
+}
+PROFILED = ("f32", "fp8", TRITON, EMULATED, "fp8_current", "nvdiffrec", "f16_dynamic", "bf16_grid")
 # The host floor also times the row-wise FP8 arm, the most host-heavy one.
 HOST_FLOOR_ARMS = (*PROFILE_ARMS, "fp8_rowwise")
 MAINJOB_TARGET_S = 600.0
@@ -76,12 +81,11 @@ def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    import mptex.fp8
     from mptex.train import loop, train
 
-    label, arm = arm, ("fp8" if arm == EMULATED else arm)
+    label, (arm, *variant) = arm, VARIANTS.get(arm, (arm,))
     overrides = ["+experiment=quick", f"precision={arm}", *scale_overrides(ctx, iterations)]
-    cfg = compose_config(overrides)
+    cfg = compose_config([*overrides, *variant])
     activities = [ProfilerActivity.CPU]
     if ctx.device.startswith("cuda"):
         activities.append(ProfilerActivity.CUDA)
@@ -94,10 +98,7 @@ def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
         return forward(run, it)
 
     window = schedule(skip_first=skip, wait=0, warmup=1, active=active, repeat=1)
-    tensor_cores = mptex.fp8.has_fp8_tensor_cores
     loop._forward_backward = stepped
-    if label == EMULATED:  # "auto" then picks the emulation (mptex.fp8.resolve_gemm_backend)
-        mptex.fp8.has_fp8_tensor_cores = lambda device, rowwise=False: False
     try:
         with (
             tempfile.TemporaryDirectory() as run_dir,
@@ -106,7 +107,6 @@ def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
             metrics = train(cfg, run_dir)
     finally:
         loop._forward_backward = forward
-        mptex.fp8.has_fp8_tensor_cores = tensor_cores
     events = prof.key_averages()
     by_name = {e.key: e for e in events}
     iterations = active  # what the window recorded
@@ -177,10 +177,16 @@ def stage_profile(ctx) -> None:
     import loop_overhead
 
     iterations = 4 if ctx.small else int(getattr(ctx.args, "profile_iterations", 60))
+    from mptex.fp8 import triton_gemm_problem
+
+    cannot = {TRITON: triton_gemm_problem(ctx.device)}
     rows, runs = [], []
     for arm in PROFILED:
         if runs and ctx.remaining() < 75:  # the host floors below need about a minute
             rows.append([arm, "not run: time box", *[""] * 6])
+            continue
+        if cannot.get(arm):
+            rows.append([arm, f"not run: {cannot[arm]}", *[""] * 6])
             continue
         try:
             run = _profile_arm(ctx, arm, iterations)

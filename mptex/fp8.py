@@ -706,11 +706,11 @@ class _FP8RowwiseLinear(torch.autograd.Function):
         if resolved == "triton":  # the bias added in the GEMM's epilogue
             out = _triton_mm(x_q, w_q.t(), x_inv, w_inv.t(), bias, rowwise=True)
         else:
-            out = _rowwise_gemm(x_q, w_q.t(), x_inv, w_inv.t(), backend, emulated)
+            out = _rowwise_gemm(x_q, w_q.t(), x_inv, w_inv.t(), resolved)
             if bias is not None:
                 out = out + bias.float()
         ctx.save_for_backward(x2.detach(), weight.detach())
-        ctx.grad_state, ctx.w_state, ctx.backend, ctx.shape = grad_state, w_state, backend, shape
+        ctx.grad_state, ctx.w_state, ctx.resolved, ctx.shape = grad_state, w_state, resolved, shape
         ctx.w_weight = weight  # the parameter itself: quantize_columns knows it by identity
         ctx.margin, ctx.emulated = x_state.recipe.margin, emulated
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -729,26 +729,27 @@ class _FP8RowwiseLinear(torch.autograd.Function):
             # dX = dY W reduces over the output channels: dY per sample, W per input channel.
             g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True, wide)
             w_q, w_inv = ctx.w_state.quantize_columns(ctx.w_weight, wide)
-            grad_x = _rowwise_gemm(g_q, w_q.t(), g_inv, w_inv.t(), ctx.backend, emulated)
+            grad_x = _rowwise_gemm(g_q, w_q.t(), g_inv, w_inv.t(), ctx.resolved)
             grad_x = grad_x.to(x_dtype).reshape(ctx.shape)
         if ctx.needs_input_grad[1]:
             # dW = dY^T X reduces over the batch: dY per output channel, X per input channel.
             g_q, g_inv = _rowwise_operand(grad2.t(), E5M2, margin, wide or E5M2)
             x_q, x_inv = _rowwise_operand(x2.t(), E4M3, margin, wide or E4M3)
-            grad_w = _rowwise_gemm(g_q, x_q.t(), g_inv, x_inv.t(), ctx.backend, emulated)
+            grad_w = _rowwise_gemm(g_q, x_q.t(), g_inv, x_inv.t(), ctx.resolved)
             grad_w = grad_w.to(w_dtype)
         if ctx.needs_input_grad[2]:
             grad_b = grad2.float().sum(0).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None, None
 
 
-def _rowwise_gemm(a, b, scale_a, scale_b, backend, emulated) -> torch.Tensor:
-    """:func:`scaled_mm_rowwise` on FP8 operands, or its emulation on their float64 values."""
-    if backend == "triton":  # no checks on the hot path: the operands are the layer's own
+def _rowwise_gemm(a, b, scale_a, scale_b, resolved: str) -> torch.Tensor:
+    """:func:`scaled_mm_rowwise` on a layer's own FP8 operands with the backend already
+    resolved (no checks on the hot path), or its emulation on their float64 values."""
+    if resolved == "triton":
         return _triton_mm(a, b, scale_a, scale_b, rowwise=True)
-    if emulated:
+    if resolved == "emulated":
         return _rowwise_emulated(a, b, scale_a.float(), scale_b.float())
-    return scaled_mm_rowwise(a, b, scale_a, scale_b, backend)
+    return _scaled_mm_padded(a, b, scale_a.float(), scale_b.float(), rowwise=True)
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -767,14 +768,14 @@ class _FP8Linear(torch.autograd.Function):
         if resolved == "triton":  # the bias added in the GEMM's epilogue
             out = _triton_mm(x_q, w_q.t(), x_inv, w_inv, bias)
         else:
-            if emulated:
-                out = _emulated_mm(x_q, w_q.t(), x_inv, w_inv)
-            else:
-                out = scaled_mm(x_q, w_q.t(), x_inv, w_inv, backend)
+            # The layer's own quantised operands: scaled_mm's checks and backend resolution are
+            # skipped (each costs the host a few µs per GEMM, six GEMMs per iteration here).
+            gemm = _emulated_mm if emulated else _scaled_mm_padded
+            out = gemm(x_q, w_q.t(), x_inv, w_inv)
             if bias is not None:
                 out = out + bias.float()
         ctx.save_for_backward(x_q, w_q, x_inv, w_inv)
-        ctx.grad_state, ctx.w_state, ctx.backend, ctx.shape = grad_state, w_state, backend, shape
+        ctx.grad_state, ctx.w_state, ctx.shape = grad_state, w_state, shape
         ctx.emulated, ctx.resolved = emulated, resolved
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out.reshape(*shape[:-1], out.shape[-1])
@@ -787,12 +788,7 @@ class _FP8Linear(torch.autograd.Function):
         grad2 = grad_out.reshape(-1, grad_out.shape[-1])
         q_dtype = torch.float32 if ctx.emulated else None
         g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True, q_dtype)
-        if ctx.resolved == "triton":
-            gemm = _triton_mm
-        elif ctx.emulated:
-            gemm = _emulated_mm
-        else:
-            gemm = functools.partial(scaled_mm, backend=ctx.backend)
+        gemm = {"triton": _triton_mm, "emulated": _emulated_mm}.get(ctx.resolved, _scaled_mm_padded)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = gemm(g_q, w_q, g_inv, w_inv).to(x_dtype).reshape(ctx.shape)

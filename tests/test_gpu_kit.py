@@ -279,6 +279,31 @@ def test_the_speed_checks_by_hand():
     assert kit.speed_checks(runs({"nvdiffrec": 3.0}), order) == [
         "f32: no completed run to compare with"
     ]
+    # The targets with the FP8 GEMM arms on a variant: its runs take their arms' places.
+    fp8_slow = {**at_limit, "fp8": 9.0, "fp8_current": 7.0}
+    variants = [{**run, "variant": "texture.fp8_gemm=triton"}
+                for run in runs({"fp8": 5.0, "fp8_current": 6.5})]  # fmt: skip
+    assert kit.speed_checks(runs(fp8_slow), order) == [
+        "fp8: 2.25x f32, over 1.5x", "fp8_current: 1.75x f32, over 1.5x"]  # fmt: skip
+    swapped = kit.with_variant(runs(fp8_slow), variants, "texture.fp8_gemm=triton")
+    assert kit.speed_checks(swapped, order) == ["fp8_current: 1.62x f32, over 1.5x"]
+    assert kit.with_variant(runs(fp8_slow), variants, "train.overlap=false") == runs(fp8_slow)
+
+    class Stage:  # what judge_arms uses of the stage's context
+        result, tables, saved = {"data": {}}, [], 0
+
+        def table(self, title, headers, rows, note=""):
+            self.tables.append((title, rows))
+
+        def save(self):
+            self.saved += 1
+
+    ctx = Stage()
+    kit.judge_arms(ctx, runs(fp8_slow), variants, order)
+    assert ctx.result["failed_checks"][0] == "fp8: 2.25x f32, over 1.5x" and ctx.saved == 1
+    assert ctx.result["data"]["targets_with"] == {
+        "texture.fp8_gemm=triton": ["fp8_current: 1.62x f32, over 1.5x"]}  # fmt: skip
+    assert ctx.tables[0][1] == [["texture.fp8_gemm=triton", "fp8_current: 1.62x f32, over 1.5x"]]
 
 
 def test_a_spent_budget_leaves_stages_not_run(tmp_path):

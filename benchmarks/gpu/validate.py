@@ -815,6 +815,14 @@ def speed_checks(runs: list[dict], order: list[str]) -> list[str]:
     return failed
 
 
+def with_variant(runs: list[dict], variants: list[dict], variant: str) -> list[dict]:
+    """``runs`` with each arm that also ran with ``variant`` (the arms stage's variant rows)
+    taking that run's place: the judged runs as they would be with the override, for
+    :func:`speed_checks` (e.g. every FP8 GEMM arm with ``texture.fp8_gemm=triton``)."""
+    swapped = {v["precision"]: v for v in variants if v["variant"] == variant}
+    return [swapped.get(r["precision"], r) for r in runs]
+
+
 # f32 again with one of the loop's device-side features off, right after f32: what each one
 # gives, measured in the same process (rows "f32, <override>"; not judged against the targets);
 # and the FP8 GEMM arms again with their GEMMs in the Triton kernels, right after each.
@@ -892,10 +900,26 @@ def stage_arms(ctx: StageContext) -> None:
         )  # fmt: skip
         ctx.save()
     if not ctx.small:  # the dry run's sizes and CPU say nothing about the targets
-        failed = speed_checks(runs, order)
-        if failed:
-            ctx.result.update(failed_checks=failed, failed_what="speed targets missed")
-            ctx.save()
+        judge_arms(ctx, runs, variants, order)
+
+
+def judge_arms(ctx, runs: list[dict], variants: list[dict], order: list[str]) -> None:
+    """The arms stage's verdict on the speed targets (:func:`speed_checks`), and what the same
+    targets say with the FP8 GEMM arms' variant runs in their places (not judged: the judged
+    arms are what ``auto`` runs; this tells whether switching it would pass)."""
+    failed = speed_checks(runs, order)
+    overrides = sorted({v for vs in ARM_VARIANTS.values() for v in vs})
+    targets_with = {o: speed_checks(with_variant(runs, variants, o), order) for o in overrides}
+    ctx.result["data"]["targets_with"] = targets_with
+    ctx.table(
+        "The speed targets with the FP8 GEMM arms' variant runs in their place (not judged)",
+        ["override", "targets missed"],
+        [[o, "; ".join(missed) or "none"] for o, missed in targets_with.items()],
+        "what the targets would say if 'auto' chose the override for those arms",
+    )
+    if failed:
+        ctx.result.update(failed_checks=failed, failed_what="speed targets missed")
+    ctx.save()
 
 
 def stage_throughput(ctx: StageContext) -> None:

@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mptex._fp8_scaling import E5M2
 from mptex._fp8_triton import _code_value
 
 __all__ = ["fp8_mm_triton", "INTERPRETED", "split_k_chunks"]
@@ -72,7 +73,6 @@ _K_CHUNK = 2048
 _MAX_SPLITS = 1024
 _SUM_BLOCK = 64
 _SPLIT_TILE = 64
-_E5M2_DTYPES = (torch.float8_e5m2,)
 
 
 @triton.jit
@@ -87,15 +87,16 @@ def _fp8(codes, E5M2: tl.constexpr):
 @triton.jit
 def _epilogue(acc, rm, rn, M, N, sa_ptr, sb_ptr, bias_ptr, ROWWISE: tl.constexpr,
               HAS_BIAS: tl.constexpr):  # fmt: skip
-    """``acc`` scaled (per tensor or row-wise) and biased, in the eager ops' order."""
+    """``acc`` scaled (per tensor or row-wise) and biased, in the eager ops' order; ``rm``,
+    ``rn``: the outputs' row and column indices, shaped to broadcast with ``acc``."""
     if ROWWISE:
         sa = tl.load(sa_ptr + rm, mask=rm < M, other=1.0)
         sb = tl.load(sb_ptr + rn, mask=rn < N, other=1.0)
-        out = (acc * sa[:, None]) * sb[None, :]
+        out = (acc * sa) * sb
     else:
         out = acc * (tl.load(sa_ptr) * tl.load(sb_ptr))
     if HAS_BIAS:
-        out = out + tl.load(bias_ptr + rn, mask=rn < N, other=0.0)[None, :]
+        out = out + tl.load(bias_ptr + rn, mask=rn < N, other=0.0)
     return out
 
 
@@ -137,7 +138,8 @@ def _mm_kernel(
     if SPLIT:
         tl.store(out_ptr + pid_s.to(tl.int64) * M * N + offsets, acc, mask=mask)
     else:
-        out = _epilogue(acc, rm, rn, M, N, sa_ptr, sb_ptr, bias_ptr, ROWWISE, HAS_BIAS)
+        out = _epilogue(acc, rm[:, None], rn[None, :], M, N, sa_ptr, sb_ptr, bias_ptr, ROWWISE,
+                        HAS_BIAS)  # fmt: skip
         tl.store(out_ptr + offsets, out, mask=mask)
 
 
@@ -159,16 +161,7 @@ def _split_sum_kernel(
         tile += tl.load(partial_ptr + rows[:, None] * (M * N) + offs[None, :],
                         mask=(rows[:, None] < splits) & mask[None, :], other=0.0)  # fmt: skip
     acc = tl.sum(tile, axis=0)
-    rm = offs // N
-    rn = offs % N
-    if ROWWISE:
-        sa = tl.load(sa_ptr + rm, mask=mask, other=1.0)
-        sb = tl.load(sb_ptr + rn, mask=mask, other=1.0)
-        out = (acc * sa) * sb
-    else:
-        out = acc * (tl.load(sa_ptr) * tl.load(sb_ptr))
-    if HAS_BIAS:
-        out = out + tl.load(bias_ptr + rn, mask=mask, other=0.0)
+    out = _epilogue(acc, offs // N, offs % N, M, N, sa_ptr, sb_ptr, bias_ptr, ROWWISE, HAS_BIAS)
     tl.store(out_ptr + offs, out, mask=mask)
 
 
@@ -220,8 +213,8 @@ def fp8_mm_triton(
     scale_a, scale_b = scale_a.float().contiguous(), scale_b.float().contiguous()
     bias_arg = scale_a if bias is None else bias.float().contiguous()  # unread without a bias
     flags = dict(
-        A_E5M2=a.dtype in _E5M2_DTYPES,
-        B_E5M2=b.dtype in _E5M2_DTYPES,
+        A_E5M2=a.dtype == E5M2,
+        B_E5M2=b.dtype == E5M2,
         FP8_DOT=not INTERPRETED,
         ROWWISE=rowwise,
         HAS_BIAS=bias is not None,

@@ -712,7 +712,7 @@ class _FP8RowwiseLinear(torch.autograd.Function):
         ctx.save_for_backward(x2.detach(), weight.detach())
         ctx.grad_state, ctx.w_state, ctx.resolved, ctx.shape = grad_state, w_state, resolved, shape
         ctx.w_weight = weight  # the parameter itself: quantize_columns knows it by identity
-        ctx.margin, ctx.emulated = x_state.recipe.margin, emulated
+        ctx.margin = x_state.recipe.margin
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out.reshape(*shape[:-1], out.shape[-1])
 
@@ -722,7 +722,7 @@ class _FP8RowwiseLinear(torch.autograd.Function):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         grad2 = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
-        emulated, margin = ctx.emulated, ctx.margin
+        emulated, margin = ctx.resolved == "emulated", ctx.margin
         ctx.w_state.end_reuse()
         wide = torch.float64 if emulated else None
         if ctx.needs_input_grad[0]:
@@ -752,6 +752,11 @@ def _rowwise_gemm(a, b, scale_a, scale_b, resolved: str) -> torch.Tensor:
     return _scaled_mm_padded(a, b, scale_a.float(), scale_b.float(), rowwise=True)
 
 
+# A per-tensor layer's GEMM on its own quantised operands, by resolved backend (the emulation's
+# operands are the codes' float32 values, which the quantisation made).
+_LAYER_GEMMS = {"emulated": _emulated_mm, "scaled_mm": _scaled_mm_padded, "triton": _triton_mm}
+
+
 class _FP8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, states, backend, record):
@@ -770,13 +775,12 @@ class _FP8Linear(torch.autograd.Function):
         else:
             # The layer's own quantised operands: scaled_mm's checks and backend resolution are
             # skipped (each costs the host a few µs per GEMM, six GEMMs per iteration here).
-            gemm = _emulated_mm if emulated else _scaled_mm_padded
-            out = gemm(x_q, w_q.t(), x_inv, w_inv)
+            out = _LAYER_GEMMS[resolved](x_q, w_q.t(), x_inv, w_inv)
             if bias is not None:
                 out = out + bias.float()
         ctx.save_for_backward(x_q, w_q, x_inv, w_inv)
         ctx.grad_state, ctx.w_state, ctx.shape = grad_state, w_state, shape
-        ctx.emulated, ctx.resolved = emulated, resolved
+        ctx.resolved = resolved
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out.reshape(*shape[:-1], out.shape[-1])
 
@@ -786,9 +790,10 @@ class _FP8Linear(torch.autograd.Function):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         ctx.w_state.end_reuse()
         grad2 = grad_out.reshape(-1, grad_out.shape[-1])
-        q_dtype = torch.float32 if ctx.emulated else None
+        emulated = ctx.resolved == "emulated"
+        q_dtype = torch.float32 if emulated else None
         g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True, q_dtype)
-        gemm = {"triton": _triton_mm, "emulated": _emulated_mm}.get(ctx.resolved, _scaled_mm_padded)
+        gemm = _LAYER_GEMMS[ctx.resolved]
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = gemm(g_q, w_q, g_inv, w_inv).to(x_dtype).reshape(ctx.shape)
@@ -796,7 +801,7 @@ class _FP8Linear(torch.autograd.Function):
             # The weight gradient's reduction runs over the batch: a [out, N] x [N, in] GEMM.
             # scaled_mm lays out (and pads) the transposed operand in its one copy, Triton reads
             # it through its strides; the emulation's mm takes it contiguous.
-            g_t = g_q.t().contiguous() if ctx.emulated else g_q.t()
+            g_t = g_q.t().contiguous() if emulated else g_q.t()
             grad_w = gemm(g_t, x_q, g_inv, x_inv).to(w_dtype)
         if ctx.needs_input_grad[2]:
             grad_b = grad2.float().sum(0).to(b_dtype)

@@ -240,6 +240,11 @@ class FP8Linear(CastLinear):
         )
 
 
+def _check_fp8_gemm(backend: str) -> None:
+    if backend not in GEMM_BACKENDS:
+        raise ValueError(f"fp8_gemm: expected one of {GEMM_BACKENDS}, got {backend!r}")
+
+
 def _linear_class(policy: PrecisionPolicy, fp8_gemm: str):
     """The layer class and its extra arguments for ``policy``."""
     if policy.fp8_gemm:
@@ -329,8 +334,7 @@ class PrecisionMLP(nn.Module):
             raise ValueError(
                 f"activation: expected one of {sorted(_ACTIVATIONS)}, got {activation!r}"
             )
-        if fp8_gemm not in GEMM_BACKENDS:
-            raise ValueError(f"fp8_gemm: expected one of {GEMM_BACKENDS}, got {fp8_gemm!r}")
+        _check_fp8_gemm(fp8_gemm)
         self.policy = PrecisionPolicy.from_config(policy)
         self.n_input_dims, self.n_output_dims = n_input_dims, n_output_dims
         self.n_hidden_layers, self.n_neurons = n_hidden_layers, n_neurons
@@ -390,8 +394,7 @@ class PrecisionMLP(nn.Module):
     def set_fp8_gemm(self, backend: str) -> None:
         """Run the FP8 layers' GEMMs on ``backend`` from now on (``fp8_gemm`` of the
         constructor); nothing to do without FP8 layers."""
-        if backend not in GEMM_BACKENDS:
-            raise ValueError(f"fp8_gemm: expected one of {GEMM_BACKENDS}, got {backend!r}")
+        _check_fp8_gemm(backend)
         for layer in self.modules():
             if isinstance(layer, FP8Linear):
                 layer.gemm_backend = backend

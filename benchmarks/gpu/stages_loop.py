@@ -39,14 +39,26 @@ PROFILE_ARMS = ("f32", "fp8", "fp8_current", "nvdiffrec", "f16_dynamic", "bf16_g
 # profile's first rows are the ones a short time box keeps).
 TRITON = "fp8, GEMMs in Triton"
 EMULATED = "fp8, GEMMs emulated"
+TRITON_GEMMS = "texture.fp8_gemm=triton"
 VARIANTS = {
-    TRITON: ("fp8", "texture.fp8_gemm=triton"),
+    TRITON: ("fp8", TRITON_GEMMS),
     EMULATED: ("fp8", "texture.fp8_gemm=emulated"),
 }
 PROFILED = ("f32", "fp8", TRITON, EMULATED, "fp8_current", "nvdiffrec", "f16_dynamic", "bf16_grid")
 # The host floor also times the row-wise FP8 arm, the most host-heavy one.
 HOST_FLOOR_ARMS = (*PROFILE_ARMS, "fp8_rowwise")
 MAINJOB_TARGET_S = 600.0
+
+
+def override_problem(override: str | None, device: str) -> str | None:
+    """Why a run with the Hydra ``override`` cannot run on ``device``, or None: the Triton FP8
+    GEMMs need a CUDA device with FP8 tensor cores, or Triton's interpreter (shared with
+    validate.py's arms stage, whose FP8 variants use the same override)."""
+    if override != TRITON_GEMMS:
+        return None
+    from mptex.fp8 import triton_gemm_problem
+
+    return triton_gemm_problem(device)
 
 
 def scale_overrides(ctx, iterations: int) -> list[str]:
@@ -177,16 +189,14 @@ def stage_profile(ctx) -> None:
     import loop_overhead
 
     iterations = 4 if ctx.small else int(getattr(ctx.args, "profile_iterations", 60))
-    from mptex.fp8 import triton_gemm_problem
-
-    cannot = {TRITON: triton_gemm_problem(ctx.device)}
     rows, runs = [], []
     for arm in PROFILED:
         if runs and ctx.remaining() < 75:  # the host floors below need about a minute
             rows.append([arm, "not run: time box", *[""] * 6])
             continue
-        if cannot.get(arm):
-            rows.append([arm, f"not run: {cannot[arm]}", *[""] * 6])
+        problem = override_problem(VARIANTS.get(arm, (arm, None))[1], ctx.device)
+        if problem:
+            rows.append([arm, f"not run: {problem}", *[""] * 6])
             continue
         try:
             run = _profile_arm(ctx, arm, iterations)

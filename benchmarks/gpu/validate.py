@@ -827,7 +827,7 @@ def with_variant(runs: list[dict], variants: list[dict], variant: str) -> list[d
 # gives, measured in the same process (rows "f32, <override>"; not judged against the targets);
 # and the FP8 GEMM arms again with their GEMMs in the Triton kernels, right after each.
 LOOP_VARIANTS = ("train.overlap=false", "train.fused_loss=false")
-ARM_VARIANTS = {arm: ("texture.fp8_gemm=triton",) for arm in ("fp8", "fp8_current", "fp8_rowwise")}
+ARM_VARIANTS = {arm: (stages_loop.TRITON_GEMMS,) for arm in ("fp8", "fp8_current", "fp8_rowwise")}
 
 
 def stage_arms(ctx: StageContext) -> None:
@@ -837,15 +837,13 @@ def stage_arms(ctx: StageContext) -> None:
     plan = [("f32", "f32", None), *[(f"f32, {v}", "f32", v) for v in LOOP_VARIANTS]]
     for arm in order[1:]:
         plan += [(arm, arm, None), *[(f"{arm}, {v}", arm, v) for v in ARM_VARIANTS.get(arm, ())]]
-    from mptex.fp8 import triton_gemm_problem
-
-    cannot = {"texture.fp8_gemm=triton": triton_gemm_problem(ctx.device)}
     for label, arm, variant in plan:
         if runs and ctx.remaining() < 1.3 * last_wall:
             rows.append([label, "not run: time box", *[""] * 7])
             continue
-        if cannot.get(variant):
-            rows.append([label, f"not run: {cannot[variant]}", *[""] * 7])
+        problem = stages_loop.override_problem(variant, ctx.device)
+        if problem:
+            rows.append([label, f"not run: {problem}", *[""] * 7])
             continue
         start = time.time()
         try:

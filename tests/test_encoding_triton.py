@@ -20,7 +20,7 @@ import pytest
 import torch
 from grid_reference import param_gradient
 from test_encoding import NVDIFFREC_CONFIG, _reference
-from triton_subprocess import check_compiles, run_script
+from triton_subprocess import check_compiles, run_cases
 
 import mptex
 from mptex import HashGridEncoding, MLPTexture3D
@@ -151,22 +151,13 @@ def _bf16_ties_case():
 CASE_NAMES = [c["name"] for c in _cases()]
 
 
-def _run_helper(*args: str, interpret: bool):
-    """tests/triton_interpreted.py in a fresh process (TRITON_INTERPRET decided there)."""
-    return run_script("triton_interpreted.py", *args, interpret=interpret, timeout=300)
-
-
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     """{case name: (case, triton results)} from one interpreter subprocess."""
     if not mptex.has_triton():
         pytest.skip("needs triton importable")
     cases = _cases()
-    folder = tmp_path_factory.mktemp("triton")
-    torch.save(cases, folder / "cases.pt")
-    proc = _run_helper(str(folder / "cases.pt"), str(folder / "results.pt"), interpret=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = torch.load(folder / "results.pt")
+    results = run_cases("triton_interpreted.py", cases, tmp_path_factory.mktemp("triton"), 300)
     return {case["name"]: (case, results[case["name"]]) for case in cases}
 
 

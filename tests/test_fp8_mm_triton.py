@@ -25,7 +25,7 @@ import pytest
 import torch
 from fp8_mm_triton_interpreted import run_linear
 from golden_io import bits
-from triton_subprocess import check_compiles, run_script
+from triton_subprocess import check_compiles, run_cases
 
 import mptex
 from mptex.fp8 import ScalingRecipe, triton_gemm_problem
@@ -212,16 +212,7 @@ def interpreted(tmp_path_factory):
     if not mptex.has_triton():
         pytest.skip("needs triton importable")
     folder = tmp_path_factory.mktemp("fp8_mm_triton")
-    torch.save(CASES, folder / "cases.pt")
-    proc = run_script(
-        "fp8_mm_triton_interpreted.py",
-        str(folder / "cases.pt"),
-        str(folder / "results.pt"),
-        interpret=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(folder / "results.pt", weights_only=False)  # written by the helper
+    return run_cases("fp8_mm_triton_interpreted.py", CASES, folder, 900, weights_only=False)
 
 
 def _epilogue(acc, case):

@@ -23,7 +23,7 @@ import pytest
 import torch
 from golden_io import bits
 from test_fp8_fused import OUTPUTS
-from triton_subprocess import check_compiles, run_script
+from triton_subprocess import check_compiles, run_cases, run_script
 
 import mptex
 from mptex._fp8_fused import fp8_quantize_reference
@@ -282,21 +282,13 @@ PROBE_NAMES = [c["name"] for c in CASES if c["kind"] == "probe"]
 assert len(set(OP_NAMES + PROBE_NAMES)) == len(CASES), "case names must be unique"
 
 
-def _run_helper(*args: str, interpret: bool):
-    """tests/fp8_triton_interpreted.py in a fresh process (TRITON_INTERPRET decided there)."""
-    return run_script("fp8_triton_interpreted.py", *args, interpret=interpret, timeout=600)
-
-
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     """{case name: (case, kernel outputs)} from one interpreter subprocess."""
     if not mptex.has_triton():
         pytest.skip("needs triton importable")
-    folder = tmp_path_factory.mktemp("fp8_triton")
-    torch.save(CASES, folder / "cases.pt")
-    proc = _run_helper(str(folder / "cases.pt"), str(folder / "results.pt"), interpret=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = torch.load(folder / "results.pt")
+    results = run_cases("fp8_triton_interpreted.py", CASES, tmp_path_factory.mktemp("fp8_triton"),
+                        600)  # fmt: skip
     return {case["name"]: (case, results[case["name"]]) for case in CASES}
 
 

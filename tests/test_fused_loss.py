@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from test_train import read_metrics, tiny_cfg
-from triton_subprocess import check_compiles, run_script
+from triton_subprocess import check_compiles, run_cases, run_script
 
 from mptex.train import ConfigError, train
 from mptex.train.fused_loss import (
@@ -240,13 +240,9 @@ def _kd_autograd(tex, tex_jitter, grad, pixels, reciprocal=False):
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("loss_triton")
     cases = [_case(name) for name in CASES] + [_kd_case(name) for name in KD_CASES]
-    torch.save(cases, folder / "cases.pt")
-    proc = run_script("loss_triton_interpreted.py", str(folder / "cases.pt"),
-                      str(folder / "results.pt"), interpret=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(folder / "results.pt")
+    return run_cases("loss_triton_interpreted.py", cases, tmp_path_factory.mktemp("loss_triton"),
+                     600)  # fmt: skip
 
 
 def _correctly_rounded(x):

@@ -36,6 +36,19 @@ def run_script(
     )
 
 
+def run_cases(script: str, cases: list, folder: Path, timeout: int, weights_only: bool = True):
+    """``tests/<script> CASES.pt RESULTS.pt`` under the interpreter in a fresh process, on
+    ``cases`` saved in ``folder``: the results it wrote (``weights_only=False`` where they hold
+    more than tensors and containers, e.g. a module's state dict with extra state)."""
+    import torch
+
+    torch.save(cases, folder / "cases.pt")
+    proc = run_script(script, str(folder / "cases.pt"), str(folder / "results.pt"),
+                      interpret=True, timeout=timeout)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(folder / "results.pt", weights_only=weights_only)
+
+
 def cuda_target(arch: int):
     """Triton's ``GPUTarget`` for compute capability ``arch`` (e.g. 90); exits the process with
     status 3 (the caller's skip) if this triton has no CUDA backend."""

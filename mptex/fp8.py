@@ -22,10 +22,11 @@ scale (1 at the start). The recipe says which ``amax``:
   (``"most_recent"``) entry of the last ``amax_history_len`` amaxes seen before this call:
   Transformer Engine's ``DelayedScaling``, whose defaults (margin 0, ``fp8_format=HYBRID``,
   ``amax_history_len=1024``, ``amax_compute_algo="max"``) are :class:`ScalingRecipe`'s. One
-  history entry per training forward of the layer (per backward for the gradient): nvdiffrec's
-  smoothness term evaluates the texture twice per iteration, so 1024 entries are 512
-  iterations there. Forwards without autograd (validation, export) use the scale and record
-  nothing.
+  history entry per training forward of the layer (per backward for the gradient): the
+  training loop evaluates the texture once per iteration, the points and the smoothness term's
+  jittered copies together (``train.kd_smooth_joint``), so 1024 entries are 1024 iterations;
+  with two evaluations per iteration, as nvdiffrec's, 512. Forwards without autograd
+  (validation, export) use the scale and record nothing.
 
 Overflow: a delayed scale can be too large for this call's tensor (``amax * scale > fp8_max``).
 torch's casts do not agree on what then happens (torch 2.13 on a CPU saturates
@@ -300,8 +301,9 @@ class ScalingState:
             ``current`` and ``rowwise`` recipes, whose quantisation is a function of the tensor
             alone, a recorded call on the very tensor of the previous recorded call, unchanged
             since (same object, storage and version counter), returns that call's outputs and
-            records them again instead of quantising again: the texture's two training forwards per
-            iteration quantise each weight once. Counts and statistics are those of two calls.
+            records them again instead of quantising again: two training forwards per iteration
+            (``train.kd_smooth_joint=false``) quantise each weight once. Counts and statistics
+            are those of two calls.
             :meth:`end_reuse` (each backward through the layer) ends it; the ``delayed`` recipe,
             whose scale moves with every call, never reuses.
     """

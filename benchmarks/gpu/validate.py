@@ -823,10 +823,11 @@ def with_variant(runs: list[dict], variants: list[dict], variant: str) -> list[d
     return [swapped.get(r["precision"], r) for r in runs]
 
 
-# f32 again with one of the loop's device-side features off, right after f32: what each one
-# gives, measured in the same process (rows "f32, <override>"; not judged against the targets);
-# and the FP8 GEMM arms again with their GEMMs in the Triton kernels, right after each.
-LOOP_VARIANTS = ("train.overlap=false", "train.fused_loss=false")
+# f32 again with one of the loop's device-side features off (or its texture evaluated twice per
+# iteration, as nvdiffrec does), right after f32: what each one gives, measured in the same
+# process (rows "f32, <override>"; not judged against the targets); and the FP8 GEMM arms again
+# with their GEMMs in the Triton kernels, right after each.
+LOOP_VARIANTS = ("train.overlap=false", "train.fused_loss=false", "train.kd_smooth_joint=false")
 ARM_VARIANTS = {arm: (stages_loop.TRITON_GEMMS,) for arm in ("fp8", "fp8_current", "fp8_rowwise")}
 
 

@@ -103,6 +103,12 @@ class TrainConfig:
     """Iterations of the weight's ramp."""
     kd_jitter_std: float = setting(0.01, _AT_LEAST_0)
     """Its positions are jittered by N(0, std)."""
+    kd_smooth_joint: bool = True
+    """The texture evaluated once per iteration, on the covered points and their jittered copies
+    together (one forward and one backward through the grid and the MLP, fewer kernel launches);
+    false: two evaluations, as nvdiffrec's two calls. The same objective; a per-tensor
+    quantisation (the FP8 and int8 arms) then scales both halves with one scale, and the delayed
+    FP8 recipe records one amax per iteration instead of two."""
     shading: str = setting("kd", OneOf(_SHADINGS))
     """``kd`` (albedo) or ``diffuse`` (needs ``texture.channels=9``)."""
     light_dir: list[float] = setting(

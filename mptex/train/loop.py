@@ -4,7 +4,8 @@ One iteration (nvdiffrec's ``optimize_mesh`` with a fixed mesh and only the text
 
 1. draw ``batch_size`` training views (their G-buffers come from the scene's cache);
 2. sample the :class:`~mptex.MLPTexture3D` at the covered surface points only
-   (``view.position[view.mask]``);
+   (``view.position[view.mask]``), together with the smoothness term's jittered copies of them
+   in one evaluation (``train.kd_smooth_joint``; false: two evaluations, as nvdiffrec);
 3. shade: ``kd`` (the first three channels, albedo) or ``diffuse`` (see :func:`shade`);
 4. composite prediction and reference over the background (per-pixel random, white or black);
 5. loss = color loss (``logl1`` by default) on RGB masked by the reference alpha + alpha MSE
@@ -688,7 +689,8 @@ def _forward_backward(run: RunState, it: int) -> _Enqueued:
     with profiler_scope("mptex.render"):
         pred, kd_grad = render_batch(texture, views, settings, background, run.light_dir,
                                      run.jitter if use_reg else None,
-                                     fused=run.fused_loss)  # fmt: skip
+                                     fused=run.fused_loss,
+                                     joint=settings["kd_smooth_joint"])  # fmt: skip
     with profiler_scope("mptex.loss"):
         # nvdiffrec: alpha MSE + color loss on RGB masked by the reference alpha. The
         # predicted alpha is the fixed mesh's coverage: the alpha term has no texture gradient.

@@ -91,6 +91,7 @@ def render_batch(
     light_dir: torch.Tensor,
     jitter: Callable[[torch.Tensor], torch.Tensor] | None = None,
     fused: bool = False,
+    joint: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Shaded prediction ``[B, H, W, 3]`` composited over ``background`` and the kd smoothness
     term (mean over all pixels of the covered points' kd gradient; None without ``jitter``).
@@ -99,6 +100,9 @@ def render_batch(
     whose covered pixels (indices, points, normals) were gathered beforehand: the same values,
     without the ``nonzero`` that would make the host wait for a device. ``fused``: the
     smoothness term in its Triton kernels (:func:`mptex.train.fused_loss.kd_smoothness`).
+    ``joint`` (with ``jitter``): one texture forward on the covered points and their jittered
+    copies together, ``[2N, 3]``, split after (``train.kd_smooth_joint``); else two forwards,
+    the points' then the jittered copies'.
     """
     if hasattr(views, "covered"):  # a TrainingBatch
         covered, points, coverage = views.covered, views.points, views.coverage
@@ -116,7 +120,17 @@ def render_batch(
         coverage, shape = None, mask.shape
     # Training positions come from the G-buffers (finite): the texture's NaN check, a read of
     # the device, is left out there.
-    tex = texture.sample(points, check=not hasattr(views, "covered"))
+    check = not hasattr(views, "covered")
+    joint = joint and jitter is not None
+    if joint:
+        # One pass through the grid and the MLP (forward and backward) instead of two: each
+        # costs the host a fixed number of kernel launches, whatever its number of points. The
+        # noise is drawn from the same generator at the same point of the iteration.
+        n = points.shape[0]
+        both = texture.sample(torch.cat([points, jitter(points)]), check=check)
+        tex, tex_jitter = both.split([n, n])
+    else:
+        tex = texture.sample(points, check=check)
     color = shade(tex, normal, settings["shading"], light_dir, settings["ambient"])
     pixels = math.prod(shape)
     image = torch.zeros(pixels, 3, device=points.device, dtype=color.dtype)
@@ -126,7 +140,8 @@ def render_batch(
     pred = composite(image, coverage, background)
     kd_grad = None
     if jitter is not None:
-        tex_jitter = texture.sample(jitter(points), check=not hasattr(views, "covered"))
+        if not joint:
+            tex_jitter = texture.sample(jitter(points), check=check)
         # nvdiffrec: mean over every pixel of kd_grad * alpha (zero on background).
         kd_grad = kd_smoothness(tex, tex_jitter, pixels, fused=fused)
     return pred, kd_grad

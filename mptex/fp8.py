@@ -382,10 +382,15 @@ class ScalingState:
         if not record:
             return q, scale_inv, used
         if code == 2:
-            # The statistics are per tensor: the largest row amax and the smallest row scale
-            # (a row's scale differs from its recipe's only where its amax is inf).
+            # The statistics are per tensor: the largest row amax and the smallest row scale.
+            # A row's scale differs from its recipe's only where its amax is inf (fp8_max /
+            # amax_i is the recipe's scale itself wherever it is finite), so with every row
+            # finite the smallest recipe scale is the smallest used one, and with a row that is
+            # not, the call counts as non-finite, not as an overflow: the used scale stands for
+            # both, one reduction fewer per call.
             if "reduced" not in memo:
-                memo["reduced"] = (amax.amax(), scale.amin(), used.amin())
+                smallest = used.amin()
+                memo["reduced"] = (amax.amax(), smallest, smallest)
             self._record(*memo["reduced"])
             if self.collect:
                 if "collected" not in memo:

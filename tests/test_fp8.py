@@ -558,6 +558,38 @@ def test_rowwise_non_finite_rows_become_nan_and_stay_in_their_rows():
     assert not torch.isinf(out).any()
 
 
+@pytest.mark.parametrize("margin", [0, 2])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_rowwise_statistics_count_a_nonfinite_row_and_never_an_overflow(dtype, margin):
+    """Where every row is finite, each row's used scale is its recipe scale bit for bit (so
+    the smallest of either stands for both in the statistics); a row holding an inf is counted
+    as non-finite, not as an overflow."""
+    from mptex._fp8_fused import fp8_quantize_reference
+
+    x = _rows(12, 32, 21) * 10.0 ** torch.linspace(-30, 30, 12)[:, None]  # 1e-33 .. 1e31
+    x[3] = 1e-42  # a subnormal row: fp8_max / amax overflows, the recipe keeps 1
+    x[5, 7] = 3.0e38  # the largest finite magnitudes
+    empty = torch.empty(0)
+    outputs = fp8_quantize_reference(x, empty, empty, int(dtype == E5M2), 2, margin, False,
+                                     False, dtype)  # fmt: skip
+    _, _, amax, used, recipe_scale, _ = outputs
+    assert torch.isfinite(amax).all() and torch.equal(used, recipe_scale)
+    assert (used == 1.0).sum() >= 2  # the zero and the subnormal rows kept 1
+    state = ScalingState(dtype, ScalingRecipe("rowwise", margin=margin), None)
+    state.quantize(x, True)
+    assert state.overflows.item() == 0.0 and state.nonfinite.item() == 0.0
+    assert state.last_scale.item() == used.min().item() and state.calls.item() == 1.0
+    x[8, 0] = float("inf")
+    _, _, amax, used, recipe_scale, _ = fp8_quantize_reference(
+        x, empty, empty, int(dtype == E5M2), 2, margin, False, False, dtype)  # fmt: skip
+    assert used[8].item() == 0.0 and recipe_scale[8].item() == 1.0  # only that row differs
+    keep = torch.arange(12) != 8
+    assert torch.equal(used[keep], recipe_scale[keep])
+    state.quantize(x, True)
+    assert state.overflows.item() == 0.0 and state.nonfinite.item() == 1.0
+    assert state.last_scale.item() == 0.0 and state.calls.item() == 2.0
+
+
 def test_rowwise_fp8_linear_quantises_each_gemm_along_its_reduced_axis():
     """Forward, input and weight gradients bit for bit against the per-element reference, each
     operand scaled per index its GEMM does not reduce over (module docstring)."""

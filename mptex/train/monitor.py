@@ -254,8 +254,9 @@ class PrecisionMonitor:
                 history.append({"iteration": it, "loss": ..., **stats})
 
     ``start`` goes right before the training forward: any forward/backward of the texture
-    between ``start`` and ``collect`` is included (several ``sample`` calls, e.g. nvdiffrec's
-    smoothness regulariser, are merged: counts summed, max-abs maxed). Validation forwards
+    between ``start`` and ``collect`` is included (several ``sample`` calls, e.g. the smoothness
+    regulariser's with ``train.kd_smooth_joint=false``, are merged: counts summed, max-abs
+    maxed). Validation forwards
     should not run in between. On other iterations the hooks return at once.
 
     Cost on a sampled iteration: a few elementwise reductions per site, all on the device, and

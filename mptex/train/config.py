@@ -106,9 +106,9 @@ class TrainConfig:
     kd_smooth_joint: bool = True
     """The texture evaluated once per iteration, on the covered points and their jittered copies
     together (one forward and one backward through the grid and the MLP, fewer kernel launches);
-    false: two evaluations, as nvdiffrec's two calls. The same objective; a per-tensor
-    quantisation (the FP8 and int8 arms) then scales both halves with one scale, and the delayed
-    FP8 recipe records one amax per iteration instead of two."""
+    false: two evaluations, as nvdiffrec's two calls. The same objective; the per-tensor FP8
+    GEMM arms (``fp8``, ``fp8_current``) then quantise both halves with one scale, and the
+    delayed recipe records one amax per iteration instead of two."""
     shading: str = setting("kd", OneOf(_SHADINGS))
     """``kd`` (albedo) or ``diffuse`` (needs ``texture.channels=9``)."""
     light_dir: list[float] = setting(

@@ -26,7 +26,8 @@ Arguments (the op's and the twin's):
 * ``recipe``: 0 delayed, 1 current, 2 row-wise (:data:`RECIPE_CODES`).
 * ``margin``: ``scale = fp8_max / amax / 2**margin``.
 * ``most_recent``: the delayed recipe reduces its history to its first entry instead of its max.
-* ``record``: the delayed recipe updates its history and computes the next scale.
+* ``record``: the delayed recipe updates its history and computes the next scale; the row-wise
+  recipe returns its per-tensor statistics.
 * ``q_dtype``: the quantised tensor's dtype: the FP8 format's own, or float32 / float64 holding
   the same values (what an emulated GEMM converts the FP8 operand to, without a conversion op).
 
@@ -37,7 +38,10 @@ Returns ``(q, scale_inv, amax, used, next_scale, next_history)``:
   scale the cast used): f32 scalars, ``[M, 1]`` for the row-wise recipe;
 * ``next_scale``: delayed: the next call's scale when recording, else ``scale``; current:
   ``used``; row-wise: ``[M, 1]`` each row's recipe scale (``fp8_scale`` of its amax);
-* ``next_history``: delayed and recording: ``[H]``, the history after this call; else ``[0]``.
+* ``next_history``: delayed and recording: ``[H]``, the history after this call; row-wise and
+  recording: ``[2]``, the call's per-tensor statistics, the largest row ``amax`` (NaN if a row's
+  is NaN) and the smallest ``used`` (``(0, 1)`` for a matrix without rows, as for a zero
+  tensor), so that recording a call takes no reduction of its own; else ``[0]``.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import torch
 
 from mptex import _fp8_scaling as _fp8
 from mptex._backends import has_triton
-from mptex._fp8_scaling import _Q_KINDS, _check, _outputs
+from mptex._fp8_scaling import _Q_KINDS, _check, _outputs, _rowwise_statistics
 from mptex._native_cpu import _ptr, native_kernels
 
 __all__ = ["RECIPE_CODES", "fp8_quantize_reference", "fp8_quantize", "op_available"]
@@ -75,7 +79,8 @@ def fp8_quantize_reference(
         amax = _fp8.rowwise_amax(x)
         row_scale = _fp8.fp8_scale(amax, dtype, margin)
         q, scale_inv, amax, used = _fp8.quantize_fp8(x, row_scale, dtype, amax)
-        return q.to(q_dtype), scale_inv, amax, used, row_scale, empty
+        statistics = _rowwise_statistics(amax, used) if record else empty
+        return q.to(q_dtype), scale_inv, amax, used, row_scale, statistics
     amax = _fp8._amax(x)
     if recipe == 1:
         used = _fp8.current_scale(amax, dtype, margin)

@@ -36,6 +36,14 @@ def _constant(value: float, device: torch.device) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32, device=device)
 
 
+@functools.lru_cache(maxsize=16)
+def _empty(device: torch.device) -> torch.Tensor:
+    """A float32 tensor of no elements on ``device``, made once: the scale and history of a
+    quantisation that reads neither, without an allocation op per call (nothing can be written
+    to it)."""
+    return torch.empty(0, dtype=torch.float32, device=device)
+
+
 def fp8_scale(
     amax: torch.Tensor, dtype: torch.dtype, margin: int = 0, previous: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -217,12 +225,29 @@ def _check(x, fp8_format, recipe, q_dtype) -> torch.dtype:
     return dtype
 
 
+def _rowwise_statistics(amax: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+    """``[2]`` f32, a row-wise quantisation's per-tensor statistics: the largest row ``amax``
+    (NaN if a row's is NaN) and the smallest scale a row used; ``(0, 1)`` for a matrix without
+    rows, what a zero tensor gets (its amax 0, the scale 1 kept).
+
+    Args:
+        amax, used: ``[M, 1]`` f32, :func:`quantize_fp8`'s for the rows.
+    """
+    if not amax.numel():
+        return torch.tensor([0.0, 1.0], device=amax.device)
+    return torch.stack([amax.amax(), used.amin()])
+
+
 def _outputs(x, history, recipe, record, q_dtype):
-    """The op's outputs, allocated: q laid out as x, the scalars (or [M, 1] row values)."""
+    """The op's outputs, allocated: q laid out as x, the scalars (or [M, 1] row values), the
+    history (delayed, recording) or the row-wise statistics (recording)."""
     q = torch.empty_like(x, dtype=torch.uint8 if q_dtype not in _Q_KINDS else q_dtype)
     shape = (x.shape[0], 1) if recipe == 2 else ()
     scalars = [torch.empty(shape, dtype=torch.float32, device=x.device) for _ in range(4)]
-    keep = recipe == 0 and record
-    next_history = torch.empty(history.shape[0] if keep else 0, dtype=torch.float32,
-                               device=x.device)  # fmt: skip
+    size = 0
+    if record and recipe == 0:
+        size = history.shape[0]
+    elif record and recipe == 2:
+        size = 2
+    next_history = torch.empty(size, dtype=torch.float32, device=x.device)
     return q, scalars, next_history

@@ -33,6 +33,12 @@ Launches:
      to their amaxes, computes the rows' scales and casts its chunk; the programs of chunk 0
      write the rows' ``scale_inv``, ``amax``, ``used`` and ``next_scale``.
 
+  A recording call's per-tensor statistics (the largest row amax, the smallest used scale)
+  come from the same launch where one block of rows holds the matrix (a layer's weight): its
+  program writes them. Otherwise each block of rows writes its pair and
+  ``_row_statistics_kernel`` (one program) reduces the pairs: one launch instead of the two
+  reductions a caller would otherwise make.
+
 Arithmetic, and why it matches the C kernel on any GPU:
 
 * the amax is a max over ``bits(x) & 0x7fffffff`` in int32: for non-negative floats the integer
@@ -87,6 +93,8 @@ _MAX_COLS = 128
 _LONG_ROWS = 32
 _TILES_PER_CHUNK = 16
 _PARTIALS_BLOCK = 64
+# The row-wise statistics' pairs reduced this many at a time (one per block of rows).
+_STATISTICS_BLOCK = 1024
 
 _F32_INF_BITS = tl.constexpr(0x7F800000)
 _F32_NAN_BITS = tl.constexpr(0x7FC00000)  # the C kernel's NAN (quiet, no payload)
@@ -393,6 +401,7 @@ def _rowwise_kernel(
     amax_ptr,
     used_ptr,
     next_scale_ptr,
+    stats_ptr,
     rows,
     cols,
     stride_xr,
@@ -410,11 +419,14 @@ def _rowwise_kernel(
     COLS: tl.constexpr,
     PARTIALS_BLOCK: tl.constexpr,
     OWN_AMAX: tl.constexpr,
+    STATS: tl.constexpr,
 ):
     """ROWS rows: their amaxes (with ``OWN_AMAX``, one chunk holding the whole rows: this
     program's own pass over them; else from the partials), their scales (the C kernel's
     row-wise arm; stored by chunk 0's programs) and the cast of chunk ``program_id(1)``'s
-    columns."""
+    columns. ``STATS`` (recording): 1, one block of rows, whose program stores the per-tensor
+    statistics as floats; 2, each chunk-0 program stores its rows' as an int32 pair
+    (:func:`_row_statistics_kernel` reduces them); 0, none."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.program_id(1)
     row_in = r < rows
@@ -439,11 +451,40 @@ def _rowwise_kernel(
         tl.store(used_ptr + r, used, mask=row_in)
         tl.store(next_scale_ptr + r, row_scale, mask=row_in)
         tl.store(scale_inv_ptr + r, _x86_reciprocal(used), mask=row_in)
+        if STATS != 0:
+            # The largest amax and the smallest used scale as int32 bits: both are >= 0 (the
+            # amax's NaN is 0x7fc00000, above infinity; used is never NaN), where the integer
+            # order is the float order, so the max and min are exact and order-free.
+            top = tl.max(tl.where(row_in, amax.to(tl.int32, bitcast=True), 0), axis=0)
+            low = tl.min(tl.where(row_in, used.to(tl.int32, bitcast=True), _F32_INF_BITS),
+                         axis=0)  # fmt: skip
+            if STATS == 1:
+                tl.store(stats_ptr, top.to(tl.float32, bitcast=True))
+                tl.store(stats_ptr + 1, low.to(tl.float32, bitcast=True))
+            else:
+                pair = stats_ptr.to(tl.pointer_type(tl.int32)) + 2 * tl.program_id(0)
+                tl.store(pair, top)
+                tl.store(pair + 1, low)
     q_rows = q_ptr + r64[:, None] * stride_qr
     k_lanes = tl.arange(0, COLS)
     for t in range(first, first + tiles_per_chunk):
         x, k, mask = _row_tile(x_rows, t, k_lanes, row_in, cols, stride_xc, COLS)
         _store_q(q_rows + k[None, :] * stride_qc, x, used[:, None], mask, E5M2, Q_KIND)
+
+
+@triton.jit
+def _row_statistics_kernel(pairs_ptr, stats_ptr, n, BLOCK: tl.constexpr):
+    """stats = (max of the pairs' first ints, min of their second) as float32: the per-tensor
+    statistics from :func:`_rowwise_kernel`'s ``n`` int32 pairs (one program)."""
+    top = tl.zeros([BLOCK], dtype=tl.int32)
+    low = tl.full([BLOCK], _F32_INF_BITS, tl.int32)
+    for start in range(0, n, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        inside = i < n
+        top = tl.maximum(top, tl.load(pairs_ptr + 2 * i, mask=inside, other=0))
+        low = tl.minimum(low, tl.load(pairs_ptr + 2 * i + 1, mask=inside, other=_F32_INF_BITS))
+    tl.store(stats_ptr, tl.max(top, axis=0).to(tl.float32, bitcast=True))
+    tl.store(stats_ptr + 1, tl.min(low, axis=0).to(tl.float32, bitcast=True))
 
 
 def _interpreted() -> bool:
@@ -469,11 +510,16 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _rowwise(x, q, scalars, consts: dict) -> None:
+def _rowwise(x, q, scalars, stats, consts: dict) -> None:
     """The row-wise recipe's launches (module docstring): one kernel over blocks of rows, or,
-    for few long rows, the columns in chunks of whole tiles over two."""
+    for few long rows, the columns in chunks of whole tiles over two; with ``stats`` (``[2]``,
+    recording) the per-tensor statistics too, stored by the one program of a single block of
+    rows, else reduced from each block's by one more launch."""
     rows, cols = x.shape
     if not rows:
+        if stats.numel():  # a zero tensor's statistics (no kernel runs)
+            stats.fill_(1.0)
+            stats[0].fill_(0.0)
         return
     block_cols = min(max(_next_pow2(cols), 16), _MAX_COLS)
     block_rows = _ROW_TILE // block_cols
@@ -493,11 +539,18 @@ def _rowwise(x, q, scalars, consts: dict) -> None:
                                    enable_fp_fusion=False)  # fmt: skip
     else:
         chunks, tiles_per_chunk = 1, triton.cdiv(cols, block_cols)
-    _rowwise_kernel[(triton.cdiv(rows, block_rows), chunks)](
+    row_blocks = triton.cdiv(rows, block_rows)
+    mode, pairs = 0, stats
+    if stats.numel():
+        mode = 1 if row_blocks == 1 else 2
+    if mode == 2:
+        pairs = torch.empty(row_blocks, 2, dtype=torch.int32, device=x.device)
+    _rowwise_kernel[(row_blocks, chunks)](
         x,
         q,
         partials,
         *scalars,
+        pairs if mode else scalars[0],  # unread without statistics
         rows,
         cols,
         *x.stride(),
@@ -508,9 +561,13 @@ def _rowwise(x, q, scalars, consts: dict) -> None:
         COLS=block_cols,
         PARTIALS_BLOCK=_PARTIALS_BLOCK,
         OWN_AMAX=chunks == 1,
+        STATS=mode,
         enable_fp_fusion=False,
         **consts,
     )
+    if mode == 2:
+        _row_statistics_kernel[(1,)](pairs, stats, row_blocks, BLOCK=_STATISTICS_BLOCK,
+                                     enable_fp_fusion=False)  # fmt: skip
 
 
 def fp8_quantize_triton(
@@ -542,7 +599,7 @@ def fp8_quantize_triton(
     if recipe == 2:
         outputs = _outputs(x, history, recipe, record, q_dtype)
         q, (scale_inv, amax, used, next_scale), next_history = outputs
-        _rowwise(x, q, (scale_inv, amax, used, next_scale), consts)
+        _rowwise(x, q, (scale_inv, amax, used, next_scale), next_history, consts)
     else:
         # The per-tensor kernels walk memory linearly; q is laid out as x (empty_like), so a
         # non-contiguous x is quantised as its contiguous copy and q copied into x's layout.

@@ -1073,11 +1073,24 @@ static inline void fp8_row_scale(float amax, float fmax, int margin, float *rsca
     *used = amax * *rscale > fmax ? unscaled : *rscale;
 }
 
+/* The row-wise recipe's per-tensor statistics: the largest row amax (NaN once a row's is; row
+   amaxes are >= 0, inf or NaN) and the smallest used scale (>= 0, never NaN); (0, 1) for no
+   rows, a zero tensor's. */
+static void fp8_row_statistics(const float *amax, const float *used, int64_t rows, float *out) {
+    float top = 0.0f, low = rows ? INFINITY : 1.0f;
+    for (int64_t r = 0; r < rows; ++r) {
+        if (amax[r] > top || amax[r] != amax[r]) top = amax[r];
+        if (used[r] < low) low = used[r];
+    }
+    out[0] = top; out[1] = low;
+}
+
 /* recipe 0 delayed, 1 current, 2 rowwise (one scale per row). x is [rows, cols] with strides
    (per-tensor recipes: the whole tensor as one row). Outputs per row (rowwise) or one each:
    scale_inv, amax, used, next_scale (delayed: the next call's scale when recording, else the
    given one; current: used; rowwise: each row's recipe scale), and next_history (delayed and
-   recording: the amax history after this call, most recent first). */
+   recording: the amax history after this call, most recent first; rowwise and recording: the
+   two statistics of fp8_row_statistics). */
 int mptex_fp8_quantize(const float *x, int64_t rows, int64_t cols, int64_t stride_r,
                        int64_t stride_c, int e5m2, int recipe, int margin, int most_recent,
                        int record, const float *scale, const float *history, int64_t hlen,
@@ -1114,6 +1127,7 @@ int mptex_fp8_quantize(const float *x, int64_t rows, int64_t cols, int64_t strid
                 for (int64_t r = 0; r < rows; ++r)
                     ((double *)qc)[r] = (double)lut[fp8_from_f32(xc[r] * used_out[r], e5m2)];
         }
+        if (record) fp8_row_statistics(amax_out, used_out, rows, next_history);
         return 0;
     }
     if (recipe == 2) {
@@ -1126,6 +1140,7 @@ int mptex_fp8_quantize(const float *x, int64_t rows, int64_t cols, int64_t strid
             amax_out[r] = amax; used_out[r] = used; next_scale[r] = rscale;
             scale_inv[r] = 1.0f / used;
         }
+        if (record) fp8_row_statistics(amax_out, used_out, rows, next_history);
         return 0;
     }
     if (rows != 1) return 1;

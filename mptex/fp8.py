@@ -96,6 +96,7 @@ from mptex._fp8_scaling import (
     E4M3,
     E5M2,
     FP8_MAX,
+    _empty,
     fp8_scale,
     quantize_fp8,
     rowwise_amax,
@@ -189,6 +190,8 @@ def rowwise_spread(
         used, amax: ``[M, 1]`` f32, :func:`quantize_fp8_rowwise`'s.
         dtype: :data:`E4M3` or :data:`E5M2`.
     """
+    if not x.shape[0]:  # no rows: no spread, nothing flushed
+        return torch.zeros(2, dtype=torch.float32, device=x.device)
     live = (amax > 0) & (amax < _INF)
     big = torch.where(live, used, torch.zeros_like(used)).amax()
     small = torch.where(live, used, torch.full_like(used, _INF)).amin()
@@ -230,7 +233,7 @@ def _rowwise_operand(
     :func:`quantize_fp8` with :func:`fp8_scale` of ``x``'s amax: one current scale for the
     tensor), ``q`` in ``q_dtype`` (the FP8 dtype, or float32/float64 holding its values), as one
     ``mptex::fp8_quantize`` where it has a kernel: the recipes that read no scale or history."""
-    empty = x.new_empty(0, dtype=torch.float32)
+    empty = _empty(x.device)
     recipe = RECIPE_CODES["rowwise" if rowwise else "current"]
     q, scale_inv, *_ = fp8_quantize(x, empty, empty, int(dtype == E5M2), recipe, margin, False,
                                     False, q_dtype)  # fmt: skip
@@ -244,8 +247,8 @@ def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
 
 class _Kept:
     """A quantisation kept for :attr:`ScalingState.reuse`: the op's ``outputs`` for ``tensor``
-    and what recording derived from them (``derived``: the row-wise reductions, the collected
-    statistics), with what identifies the tensor's contents."""
+    and what recording derived from them (``derived``: the collected statistics), with what
+    identifies the tensor's contents."""
 
     def __init__(self, tensor: torch.Tensor, q_dtype, outputs: tuple, derived: dict) -> None:
         self.tensor, self.q_dtype, self.outputs, self.derived = tensor, q_dtype, outputs, derived
@@ -372,7 +375,7 @@ class ScalingState:
         else:
             outputs = fp8_quantize(
                 x, self.scale, self.history, int(self.dtype == E5M2), code, recipe.margin,
-                recipe.amax_compute_algo == "most_recent", delayed_record, q_dtype or self.dtype,
+                recipe.amax_compute_algo == "most_recent", record, q_dtype or self.dtype,
             )  # fmt: skip
             memo = {}  # what recording derives from the outputs, kept with them when reusable
             if reusable:
@@ -382,16 +385,15 @@ class ScalingState:
         if not record:
             return q, scale_inv, used
         if code == 2:
-            # The statistics are per tensor: the largest row amax and the smallest row scale.
-            # A row's scale differs from its recipe's only where its amax is inf (fp8_max /
+            # The statistics are per tensor: the largest row amax and the smallest row scale,
+            # which the op returns in place of a history (no reduction of its own here). A
+            # row's scale differs from its recipe's only where its amax is inf (fp8_max /
             # amax_i is the recipe's scale itself wherever it is finite), so with every row
             # finite the smallest recipe scale is the smallest used one, and with a row that is
             # not, the call counts as non-finite, not as an overflow: the used scale stands for
-            # both, one reduction fewer per call.
-            if "reduced" not in memo:
-                smallest = used.amin()
-                memo["reduced"] = (amax.amax(), smallest, smallest)
-            self._record(*memo["reduced"])
+            # both.
+            smallest = history[1]
+            self._record(history[0], smallest, smallest)
             if self.collect:
                 if "collected" not in memo:
                     x = x.detach()

@@ -11,7 +11,8 @@ process imported before.
 Cases (a list of dicts): ``kind`` "op" runs ``fp8_quantize_triton(*case["args"])`` with
 ``_MAX_PROGRAMS`` set to ``case["max_programs"]``, ``_ONE_PROGRAM_BLOCKS`` to
 ``case["one_program_blocks"]`` (0 takes the two launches whatever the size) and
-``_TILES_PER_CHUNK`` to ``case["tiles_per_chunk"]`` (None: the module's); ``kind`` "probe" runs
+``_TILES_PER_CHUNK`` to ``case["tiles_per_chunk"]`` and ``_STATISTICS_BLOCK`` to
+``case["statistics_block"]`` (None: the module's); ``kind`` "probe" runs
 the cast alone (``_store_q``, the op's own jitted function) on ``case["x"]`` for
 ``case["fp8_format"]`` and ``case["q_kind"]``, covering inputs the op never casts (values above
 the format's range: the op's scale keeps ``x * used`` within it). Results: ``{name: tuple of
@@ -51,6 +52,8 @@ def compile_check() -> None:
         used_ptr="*fp32",
         next_scale_ptr="*fp32",
         next_history_ptr="*fp32",
+        stats_ptr="*fp32",
+        pairs_ptr="*i32",
         **dict.fromkeys(
             ["n", "n_blocks", "hlen", "rows", "cols", "chunks", "tiles_per_chunk"], "i32"
         ),
@@ -58,10 +61,13 @@ def compile_check() -> None:
     )
 
     def build(kernel, constexprs, q_kind=0, aligned=()):
+        # the row-wise statistics' pointer: floats from one block of rows, else int32 pairs
+        stats = "*i32" if constexprs.get("STATS") == 2 else "*fp32"
         signature = {
-            name: "constexpr" if name in constexprs else dict(types, q_ptr=q_types[q_kind])[name]
+            name: "constexpr" if name in constexprs
+            else dict(types, q_ptr=q_types[q_kind], stats_ptr=stats)[name]
             for name in kernel.arg_names
-        }
+        }  # fmt: skip
         # what the launcher's specialisation tells the compiler about 16-aligned arguments
         attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
         compiled = triton.compile(
@@ -117,15 +123,15 @@ def compile_check() -> None:
     # divisible by 16), a transposed one, and no specialisation at all. The divisions are per
     # row, repeated where the layout spreads a row over several threads.
     n_div = {}
-    for e5m2, q_kind, layout in (
+    for i, (e5m2, q_kind, layout) in enumerate((
         *((e5m2, q_kind, "rows") for e5m2 in (False, True) for q_kind in (0, 1, 2)),
         (False, 0, "columns"),
         (True, 2, "generic"),
-    ):
+    )):  # fmt: skip
         cols = 32
         constexprs = dict(
             _formats(fp8_triton, e5m2, q_kind, 2), ROWS=fp8_triton._ROW_TILE // cols, COLS=cols,
-            PARTIALS_BLOCK=fp8_triton._PARTIALS_BLOCK, OWN_AMAX=True, chunks=1,
+            PARTIALS_BLOCK=fp8_triton._PARTIALS_BLOCK, OWN_AMAX=True, chunks=1, STATS=i % 3,
         )  # fmt: skip
         aligned = ["x_ptr", "q_ptr", "scale_inv_ptr", "amax_ptr", "used_ptr", "next_scale_ptr"]
         if layout == "rows":
@@ -144,15 +150,18 @@ def compile_check() -> None:
         tile = dict(ROWS=rows_tile, COLS=cols)
         unit = dict(stride_xr=1) if layout == "columns" else dict(stride_xc=1)
         check(build(fp8_triton._row_partials_kernel, dict(tile, **unit)), ("partials", layout), 0)
-        for e5m2, q_kind in ((False, 0), (True, 1), (False, 2)):
+        for stats, (e5m2, q_kind) in enumerate(((False, 0), (True, 1), (False, 2))):
             constexprs = dict(_formats(fp8_triton, e5m2, q_kind, 2), **tile, **unit,
                               PARTIALS_BLOCK=fp8_triton._PARTIALS_BLOCK,
-                              OWN_AMAX=False)  # fmt: skip
+                              OWN_AMAX=False, STATS=stats)  # fmt: skip
             if layout == "columns":
                 constexprs.update(stride_qr=1)
             what = ("row chunks", e5m2, q_kind, layout)
             n_div[what] = check(build(fp8_triton._rowwise_kernel, constexprs, q_kind), what)
             variants += 1
+    # the statistics' reduction: integer max and min, no float arithmetic
+    statistics = dict(BLOCK=fp8_triton._STATISTICS_BLOCK)
+    check(build(fp8_triton._row_statistics_kernel, statistics), "row statistics", 0)
     assert all(n >= 3 for n in n_div.values()), n_div
     print(f"compiled {variants} variants and the partials kernel for sm_90; row-wise f32")
     print(f"divisions (all div.rn.f32): {sorted(set(n_div.values()))}")
@@ -198,7 +207,8 @@ def run_cases(cases_path: str, results_path: str) -> None:
     warnings.filterwarnings("ignore", category=RuntimeWarning)
     cases = torch.load(cases_path)
     overrides = (("_MAX_PROGRAMS", "max_programs"), ("_ONE_PROGRAM_BLOCKS", "one_program_blocks"),
-                 ("_TILES_PER_CHUNK", "tiles_per_chunk"))  # fmt: skip
+                 ("_TILES_PER_CHUNK", "tiles_per_chunk"),
+                 ("_STATISTICS_BLOCK", "statistics_block"))  # fmt: skip
     defaults = {attr: getattr(fp8_triton, attr) for attr, _ in overrides}
     results = {}
     for case in cases:

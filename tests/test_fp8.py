@@ -590,6 +590,53 @@ def test_rowwise_statistics_count_a_nonfinite_row_and_never_an_overflow(dtype, m
     assert state.last_scale.item() == 0.0 and state.calls.item() == 2.0
 
 
+@pytest.mark.parametrize("kernel", ["twin", "op"])
+def test_rowwise_statistics_come_from_the_quantisation(kernel):
+    """A recording row-wise call returns its per-tensor statistics, (largest row amax, smallest
+    used scale), hand-computed here: rows of amax 2, 8 and 0 use 448 / 2, 448 / 8 and 1 (a zero
+    row keeps 1); a NaN row makes the first NaN, an inf row makes it inf and the second 0 (its
+    used scale); no rows give a zero tensor's (0, 1); a call that does not record returns
+    none."""
+    from mptex._fp8_fused import fp8_quantize_reference
+
+    quantize = fp8_quantize_reference if kernel == "twin" else torch.ops.mptex.fp8_quantize
+    empty = torch.empty(0)
+
+    def statistics(x, record=True):
+        return quantize(x, empty, empty, 0, 2, 0, False, record, E4M3)[5]
+
+    x = torch.tensor([[1.0, -2.0], [-8.0, 0.5], [0.0, 0.0]])
+    assert statistics(x).tolist() == [8.0, 1.0]
+    assert statistics(x[:2]).tolist() == [8.0, 56.0]
+    assert statistics(x, record=False).shape == (0,)
+    nan, inf = x.clone(), x.clone()
+    nan[1, 1], inf[0, 0] = float("nan"), float("inf")
+    top, low = statistics(nan).tolist()
+    assert math.isnan(top) and low == 1.0
+    assert statistics(inf).tolist() == [float("inf"), 0.0]
+    assert statistics(torch.empty(0, 2)).tolist() == [0.0, 1.0]
+    assert statistics(torch.empty(3, 0)).tolist() == [0.0, 1.0]  # zero rows: amax 0, scale 1
+
+
+def test_rowwise_fp8_layer_records_an_empty_batch_as_a_zero_tensor():
+    """No rows (a batch that covers no pixel): the layer's output and gradients are empty or
+    zero, and each state records one call with a zero tensor's amax and scale."""
+    x = torch.empty(0, 32, requires_grad=True)
+    w = (_rows(8, 32, 10) * 0.3).requires_grad_()
+    r = ScalingRecipe("rowwise")
+    states = (ScalingState(E4M3, r, None), ScalingState(E4M3, r, None), ScalingState(E5M2, r, None))
+    for state in states:
+        state.collect = True
+    y = fp8_linear(x, w, None, states, backend="emulated")
+    assert y.shape == (0, 8)
+    grad_x, grad_w = torch.autograd.grad(y.sum(), (x, w))
+    assert grad_x.shape == (0, 32) and not torch.count_nonzero(grad_w)
+    x_state = states[0]
+    assert x_state.calls.item() == 1.0 and x_state.nonfinite.item() == 0.0
+    assert x_state.last_amax.item() == 0.0 and x_state.last_scale.item() == 1.0
+    assert x_state.last_rowwise.tolist() == [0.0, 0.0]
+
+
 def test_rowwise_fp8_linear_quantises_each_gemm_along_its_reduced_axis():
     """Forward, input and weight gradients bit for bit against the per-element reference, each
     operand scaled per index its GEMM does not reduce over (module docstring)."""

@@ -105,16 +105,17 @@ def _rows(values, k, lead=None):
 
 def _op(name, x, fmt, recipe, q_dtype, margin=0, most_recent=False, record=True, **kwargs):
     """An op case: ``kwargs`` may give ``scale``, ``history``, ``max_programs``,
-    ``one_program_blocks`` (0: the per-tensor recipes' two launches at any size) and
-    ``tiles_per_chunk`` (long rows: fewer column tiles per chunk, more chunks)."""
+    ``one_program_blocks`` (0: the per-tensor recipes' two launches at any size),
+    ``tiles_per_chunk`` (long rows: fewer column tiles per chunk, more chunks) and
+    ``statistics_block`` (the row-wise statistics' pairs reduced fewer at a time)."""
     scale, history = kwargs.get("scale"), kwargs.get("history")
     if scale is None:
         scale = torch.tensor(2.0**-12)
     if history is None:
         history = _wide(16, 99).abs()
     args = (x, scale, history, fmt, recipe, margin, most_recent, record, q_dtype)
-    overrides = {key: kwargs.get(key) for key in ("max_programs", "one_program_blocks",
-                                                  "tiles_per_chunk")}  # fmt: skip
+    keys = ("max_programs", "one_program_blocks", "tiles_per_chunk", "statistics_block")
+    overrides = {key: kwargs.get(key) for key in keys}
     return dict(kind="op", name=name, args=args, **overrides)
 
 
@@ -187,6 +188,20 @@ def _cases():
             ("transposed", _wide((40, 70), 13).t()),
         ):
             cases.append(_op(f"{tag}-{RECIPES[recipe]}-{fmt}-{q_dtype}", x, fmt, recipe, q_dtype))
+    # The row-wise statistics over several blocks of rows (128 rows of 32 each): a NaN row, an
+    # inf row (its used scale 0, the smallest), both, neither, zero rows only; recording or
+    # not; the blocks' pairs reduced 4 at a time (a loop with a partial last step).
+    many = _wide((1000, 32), 25)
+    nan_row, inf_row, both = many.clone(), many.clone(), many.clone()
+    nan_row[300, 7] = NAN
+    inf_row[700, 2] = -INF
+    both[130, 0], both[999, 31] = INF, NAN
+    for tag, x in (("plain", many), ("nan-row", nan_row), ("inf-row", inf_row),
+                   ("nan-and-inf", both), ("zeros", torch.zeros(600, 32))):  # fmt: skip
+        for record in (True, False):
+            cases.append(_op(f"statistics-{tag}-r{int(record)}", x, 0, 2, f8, record=record))
+        cases.append(_op(f"statistics-{tag}-by-4", x, 1, 2, torch.float32, margin=2,
+                         statistics_block=4))  # fmt: skip
     for tag, x in (
         ("empty-rows", torch.empty(0, 32)),
         ("empty-cols", torch.empty(5, 0)),

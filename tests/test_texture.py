@@ -261,6 +261,22 @@ def test_gradients_reach_every_parameter(arm):
     assert texc.grad is not None and torch.isfinite(texc.grad).all()
 
 
+@pytest.mark.parametrize("arm", CPU_ARMS)
+def test_an_empty_batch_trains_through_every_arm(arm):
+    # A batch whose views cover no pixel reaches the texture as [0, 3] points: an empty
+    # output, and a backward and a step with zero gradients (no reduction of an empty tensor
+    # may raise on the way, e.g. a row-wise FP8 layer's statistics).
+    texture = _texture(arm)
+    optimizer = torch.optim.Adam(texture.parameters(), lr=1e-2)
+    stepper = PrecisionStepper(texture.policy, optimizer)
+    out = texture.sample(torch.empty(0, 3, requires_grad=True))
+    assert out.shape == (0, 3)
+    stepper.backward(out.square().sum())
+    stepper.unscale_()
+    for name, param in texture.named_parameters():
+        assert param.grad is None or not torch.count_nonzero(param.grad), (arm, name)
+
+
 def test_positions_without_grad_do_not_crash():
     texture = _texture("nvdiffrec")
     texture.sample(_points(64)).sum().backward()  # nvdiffrec's hook would divide None by 128

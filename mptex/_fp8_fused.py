@@ -30,10 +30,14 @@ Arguments (the op's and the twin's):
   recipe returns its per-tensor statistics.
 * ``q_dtype``: the quantised tensor's dtype: the FP8 format's own, or float32 / float64 holding
   the same values (what an emulated GEMM converts the FP8 operand to, without a conversion op).
+* ``q_pad`` (default 0): the row-wise recipe only: q row-major with its rows padded with zeros
+  to a multiple of ``q_pad`` columns, the layout ``torch._scaled_mm`` takes an operand in (its
+  reduced dimension a multiple of 16, contiguous), so that a GEMM needs no copy of it.
 
 Returns ``(q, scale_inv, amax, used, next_scale, next_history)``:
 
-* ``q``: ``fp8(x * used)`` in ``q_dtype``, laid out as ``x`` (``torch.empty_like``);
+* ``q``: ``fp8(x * used)`` in ``q_dtype``, laid out as ``x`` (``torch.empty_like``), or with
+  ``q_pad`` ``[M, K rounded up to a multiple of q_pad]`` row-major, the added columns zero;
 * ``scale_inv = 1 / used``, ``amax`` (largest ``|x|``, NaN if ``x`` holds one), ``used`` (the
   scale the cast used): f32 scalars, ``[M, 1]`` for the row-wise recipe;
 * ``next_scale``: delayed: the next call's scale when recording, else ``scale``; current:
@@ -50,7 +54,7 @@ import torch
 
 from mptex import _fp8_scaling as _fp8
 from mptex._backends import has_triton
-from mptex._fp8_scaling import _Q_KINDS, _check, _outputs, _rowwise_statistics
+from mptex._fp8_scaling import _Q_KINDS, _check, _outputs, _q_cols, _rowwise_statistics
 from mptex._native_cpu import _ptr, native_kernels
 
 __all__ = ["RECIPE_CODES", "fp8_quantize_reference", "fp8_quantize", "op_available"]
@@ -68,11 +72,12 @@ def fp8_quantize_reference(
     most_recent: bool,
     record: bool,
     q_dtype: torch.dtype,
+    q_pad: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """The op in eager PyTorch (module docstring): the arithmetic of :mod:`mptex.fp8`. Its
     outputs may be its inputs (``next_scale`` is ``scale`` where the delayed recipe does not
     record)."""
-    dtype = _check(x, fp8_format, recipe, q_dtype)
+    dtype = _check(x, fp8_format, recipe, q_dtype, q_pad)
     x = x.detach().float()
     empty = x.new_empty(0)
     if recipe == 2:
@@ -80,7 +85,12 @@ def fp8_quantize_reference(
         row_scale = _fp8.fp8_scale(amax, dtype, margin)
         q, scale_inv, amax, used = _fp8.quantize_fp8(x, row_scale, dtype, amax)
         statistics = _rowwise_statistics(amax, used) if record else empty
-        return q.to(q_dtype), scale_inv, amax, used, row_scale, statistics
+        q = q.to(q_dtype)
+        if q_pad:  # row-major, zero columns up to the padded width
+            padded = q.new_zeros(q.shape[0], _q_cols(q.shape[1], q_pad))
+            padded[:, : q.shape[1]] = q
+            q = padded
+        return q, scale_inv, amax, used, row_scale, statistics
     amax = _fp8._amax(x)
     if recipe == 1:
         used = _fp8.current_scale(amax, dtype, margin)
@@ -102,7 +112,7 @@ def fp8_quantize_reference(
 _LIB = torch.library.Library("mptex", "DEF")
 _LIB.define(
     "fp8_quantize(Tensor x, Tensor scale, Tensor history, int fp8_format, int recipe, "
-    "int margin, bool most_recent, bool record, ScalarType q_dtype) "
+    "int margin, bool most_recent, bool record, ScalarType q_dtype, int q_pad=0) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
@@ -113,17 +123,20 @@ def _twin(*args) -> tuple[torch.Tensor, ...]:
     return tuple(t.clone() for t in fp8_quantize_reference(*args))
 
 
-def _cpu(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype):
+def _cpu(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype, q_pad=0):
     lib = native_kernels()
-    dtype = _check(x, fp8_format, recipe, q_dtype)
+    dtype = _check(x, fp8_format, recipe, q_dtype, q_pad)
+    args = (x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype, q_pad)
     if lib is None or x.dtype != torch.float32 or (recipe != 2 and not x.is_contiguous()):
-        return _twin(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype)
+        return _twin(*args)
     q, (scale_inv, amax, used, next_scale), next_history = _outputs(x, history, recipe, record,
-                                                                    q_dtype)  # fmt: skip
+                                                                    q_dtype, q_pad)  # fmt: skip
     if recipe == 2:
         rows, cols = x.shape
         stride_r, stride_c = x.stride()
         q_stride_r, q_stride_c = q.stride()
+        if q.shape[1] > cols:
+            q[:, cols:] = 0  # the padding (the C kernel writes the first cols)
     else:
         rows, cols, stride_r, stride_c = 1, x.numel(), 0, 1
         q_stride_r, q_stride_c = 0, 1
@@ -142,20 +155,20 @@ def _cpu(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_d
     return q, scale_inv, amax, used, next_scale, next_history
 
 
-def _cuda(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype):
-    _check(x, fp8_format, recipe, q_dtype)
+def _cuda(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype, q_pad=0):
+    _check(x, fp8_format, recipe, q_dtype, q_pad)
+    args = (x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype, q_pad)
     if not has_triton() or x.dtype != torch.float32:
-        return _twin(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype)
+        return _twin(*args)
     from mptex._fp8_triton import fp8_quantize_triton
 
-    return fp8_quantize_triton(x, scale, history, fp8_format, recipe, margin, most_recent,
-                               record, q_dtype)  # fmt: skip
+    return fp8_quantize_triton(*args)
 
 
-def _fake(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype):
-    q, scalars, next_history = _outputs(x, history, recipe, record, q_dtype)
+def _fake(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype, q_pad=0):
+    q, scalars, next_history = _outputs(x, history, recipe, record, q_dtype, q_pad)
     if q_dtype not in _Q_KINDS:
-        q = torch.empty_like(x, dtype=q_dtype)
+        q = q.view(q_dtype)
     return (q, *scalars, next_history)
 
 
@@ -186,12 +199,12 @@ def fp8_quantize(
     most_recent: bool,
     record: bool,
     q_dtype: torch.dtype,
+    q_pad: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """The quantisation (module docstring): the op where it has a kernel for ``x``, else
     :func:`fp8_quantize_reference`; the same values either way."""
     x = x.detach()
+    args = (x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype, q_pad)
     if op_available(x) and (recipe == 2 or x.is_contiguous()):
-        return torch.ops.mptex.fp8_quantize(x, scale, history, fp8_format, recipe, margin,
-                                            most_recent, record, q_dtype)  # fmt: skip
-    return fp8_quantize_reference(x, scale, history, fp8_format, recipe, margin, most_recent,
-                                  record, q_dtype)  # fmt: skip
+        return torch.ops.mptex.fp8_quantize(*args)
+    return fp8_quantize_reference(*args)

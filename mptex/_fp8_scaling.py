@@ -210,7 +210,7 @@ _FORMATS = (E4M3, E5M2)
 _Q_KINDS = {torch.float32: 1, torch.float64: 2}  # 0: the FP8 codes themselves
 
 
-def _check(x, fp8_format, recipe, q_dtype) -> torch.dtype:
+def _check(x, fp8_format, recipe, q_dtype, q_pad: int = 0) -> torch.dtype:
     if fp8_format not in (0, 1):
         raise ValueError(f"fp8_format: expected 0 (E4M3) or 1 (E5M2), got {fp8_format}")
     if recipe not in (0, 1, 2):
@@ -222,7 +222,15 @@ def _check(x, fp8_format, recipe, q_dtype) -> torch.dtype:
         )
     if recipe == 2 and x.ndim != 2:
         raise ValueError(f"x: the rowwise recipe takes a [M, K] matrix, got shape {list(x.shape)}")
+    if q_pad < 0 or (q_pad and recipe != 2):
+        raise ValueError(f"q_pad: expected 0, or > 0 with the rowwise recipe (2), got {q_pad} "
+                         f"with recipe {recipe}")  # fmt: skip
     return dtype
+
+
+def _q_cols(cols: int, q_pad: int) -> int:
+    """The width of q's rows: ``cols``, or with ``q_pad`` rounded up to a multiple of it."""
+    return -(-cols // q_pad) * q_pad if q_pad else cols
 
 
 def _rowwise_statistics(amax: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
@@ -238,10 +246,15 @@ def _rowwise_statistics(amax: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
     return torch.stack([amax.amax(), used.amin()])
 
 
-def _outputs(x, history, recipe, record, q_dtype):
-    """The op's outputs, allocated: q laid out as x, the scalars (or [M, 1] row values), the
+def _outputs(x, history, recipe, record, q_dtype, q_pad=0):
+    """The op's outputs, allocated: q laid out as x (with ``q_pad``: row-major, its rows
+    ``_q_cols`` wide, the padding left to the kernel), the scalars (or [M, 1] row values), the
     history (delayed, recording) or the row-wise statistics (recording)."""
-    q = torch.empty_like(x, dtype=torch.uint8 if q_dtype not in _Q_KINDS else q_dtype)
+    q_storage = torch.uint8 if q_dtype not in _Q_KINDS else q_dtype
+    if q_pad:
+        q = torch.empty(x.shape[0], _q_cols(x.shape[1], q_pad), dtype=q_storage, device=x.device)
+    else:
+        q = torch.empty_like(x, dtype=q_storage)
     shape = (x.shape[0], 1) if recipe == 2 else ()
     scalars = [torch.empty(shape, dtype=torch.float32, device=x.device) for _ in range(4)]
     size = 0

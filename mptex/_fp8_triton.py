@@ -23,7 +23,8 @@ Launches:
 
 * row-wise recipe (2): ``_rowwise_kernel``, one program per block of rows, each looping over
   the columns twice (amax: ``OWN_AMAX``, then cast), any strides of ``x`` and ``q`` (a
-  transposed ``x``). Few long rows (a weight gradient's operands: 3 to 32 rows of a million
+  transposed ``x``; ``q`` row-major with its rows padded, ``q_pad``, the padding written as
+  zeros by the same stores). Few long rows (a weight gradient's operands: 3 to 32 rows of a million
   columns) would leave all but one SM idle that way; there the columns are split into up to
   ``_MAX_PROGRAMS`` chunks over two kernels, as the per-tensor recipes split a tensor:
 
@@ -404,6 +405,7 @@ def _rowwise_kernel(
     stats_ptr,
     rows,
     cols,
+    q_cols,
     stride_xr,
     stride_xc,
     stride_qr,
@@ -424,8 +426,9 @@ def _rowwise_kernel(
     """ROWS rows: their amaxes (with ``OWN_AMAX``, one chunk holding the whole rows: this
     program's own pass over them; else from the partials), their scales (the C kernel's
     row-wise arm; stored by chunk 0's programs) and the cast of chunk ``program_id(1)``'s
-    columns. ``STATS`` (recording): 1, one block of rows, whose program stores the per-tensor
-    statistics as floats; 2, each chunk-0 program stores its rows' as an int32 pair
+    columns (q's rows are ``q_cols`` wide, the columns past ``cols`` written as zeros: ``x``
+    loads 0 there). ``STATS`` (recording): 1, one block of rows, whose program stores the
+    per-tensor statistics as floats; 2, each chunk-0 program stores its rows' as an int32 pair
     (:func:`_row_statistics_kernel` reduces them); 0, none."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.program_id(1)
@@ -468,8 +471,9 @@ def _rowwise_kernel(
     q_rows = q_ptr + r64[:, None] * stride_qr
     k_lanes = tl.arange(0, COLS)
     for t in range(first, first + tiles_per_chunk):
-        x, k, mask = _row_tile(x_rows, t, k_lanes, row_in, cols, stride_xc, COLS)
-        _store_q(q_rows + k[None, :] * stride_qc, x, used[:, None], mask, E5M2, Q_KIND)
+        x, k, _ = _row_tile(x_rows, t, k_lanes, row_in, cols, stride_xc, COLS)
+        inside = row_in[:, None] & (k < q_cols)[None, :]
+        _store_q(q_rows + k[None, :] * stride_qc, x, used[:, None], inside, E5M2, Q_KIND)
 
 
 @triton.jit
@@ -516,15 +520,16 @@ def _rowwise(x, q, scalars, stats, consts: dict) -> None:
     recording) the per-tensor statistics too, stored by the one program of a single block of
     rows, else reduced from each block's by one more launch."""
     rows, cols = x.shape
+    q_cols = q.shape[1]  # cols, or padded (the tiles cover q's columns; x is read to cols)
     if not rows:
         if stats.numel():  # a zero tensor's statistics (no kernel runs)
             stats.fill_(1.0)
             stats[0].fill_(0.0)
         return
-    block_cols = min(max(_next_pow2(cols), 16), _MAX_COLS)
+    block_cols = min(max(_next_pow2(q_cols), 16), _MAX_COLS)
     block_rows = _ROW_TILE // block_cols
     long_rows = min(max(_next_pow2(rows), 2), _LONG_ROWS)  # the long-row tile
-    col_tiles = triton.cdiv(cols, _ROW_TILE // long_rows)
+    col_tiles = triton.cdiv(q_cols, _ROW_TILE // long_rows)
     chunks = min(triton.cdiv(col_tiles, _TILES_PER_CHUNK),
                  _MAX_PROGRAMS // triton.cdiv(rows, long_rows))  # fmt: skip
     partials = scalars[0]  # unread in one chunk
@@ -538,7 +543,7 @@ def _rowwise(x, q, scalars, stats, consts: dict) -> None:
                                    ROWS=block_rows, COLS=block_cols,
                                    enable_fp_fusion=False)  # fmt: skip
     else:
-        chunks, tiles_per_chunk = 1, triton.cdiv(cols, block_cols)
+        chunks, tiles_per_chunk = 1, triton.cdiv(q_cols, block_cols)
     row_blocks = triton.cdiv(rows, block_rows)
     mode, pairs = 0, stats
     if stats.numel():
@@ -553,6 +558,7 @@ def _rowwise(x, q, scalars, stats, consts: dict) -> None:
         pairs if mode else scalars[0],  # unread without statistics
         rows,
         cols,
+        q_cols,
         *x.stride(),
         *q.stride(),
         chunks,
@@ -580,13 +586,14 @@ def fp8_quantize_triton(
     most_recent: bool,
     record: bool,
     q_dtype: torch.dtype,
+    q_pad: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """``mptex::fp8_quantize`` (:mod:`mptex._fp8_fused`'s module docstring) with the Triton
     kernels: ``(q, scale_inv, amax, used, next_scale, next_history)``, the C kernel's bits.
 
     ``x`` is float32 on a device Triton compiles for (or on the CPU under the interpreter).
     No host synchronisation: launch sizes depend on shapes only."""
-    dtype = _check(x, fp8_format, recipe, q_dtype)
+    dtype = _check(x, fp8_format, recipe, q_dtype, q_pad)
     x = x.detach()
     q_kind = _Q_KINDS.get(q_dtype, 0)
     consts = dict(
@@ -597,7 +604,7 @@ def fp8_quantize_triton(
         Q_KIND=q_kind,
     )
     if recipe == 2:
-        outputs = _outputs(x, history, recipe, record, q_dtype)
+        outputs = _outputs(x, history, recipe, record, q_dtype, q_pad)
         q, (scale_inv, amax, used, next_scale), next_history = outputs
         _rowwise(x, q, (scale_inv, amax, used, next_scale), next_history, consts)
     else:

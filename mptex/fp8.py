@@ -227,16 +227,18 @@ def quantize_fp8_rowwise(
 
 
 def _rowwise_operand(
-    x: torch.Tensor, dtype: torch.dtype, margin: int, q_dtype: torch.dtype, rowwise: bool = True
+    x: torch.Tensor, dtype: torch.dtype, margin: int, q_dtype: torch.dtype, rowwise: bool = True,
+    pad: int = 0,
 ):  # fmt: skip
     """``(q, scale_inv)`` of :func:`quantize_fp8_rowwise` (or, without ``rowwise``, of
     :func:`quantize_fp8` with :func:`fp8_scale` of ``x``'s amax: one current scale for the
     tensor), ``q`` in ``q_dtype`` (the FP8 dtype, or float32/float64 holding its values), as one
-    ``mptex::fp8_quantize`` where it has a kernel: the recipes that read no scale or history."""
+    ``mptex::fp8_quantize`` where it has a kernel: the recipes that read no scale or history.
+    With ``pad`` (row-wise): ``q`` row-major, its rows zero-padded to a multiple of ``pad``."""
     empty = _empty(x.device)
     recipe = RECIPE_CODES["rowwise" if rowwise else "current"]
     q, scale_inv, *_ = fp8_quantize(x, empty, empty, int(dtype == E5M2), recipe, margin, False,
-                                    False, q_dtype)  # fmt: skip
+                                    False, q_dtype, pad)  # fmt: skip
     return q, scale_inv
 
 
@@ -411,17 +413,19 @@ class ScalingState:
         return q, scale_inv, used
 
     def quantize_columns(
-        self, weight: torch.Tensor, q_dtype: torch.dtype | None = None
+        self, weight: torch.Tensor, q_dtype: torch.dtype | None = None, pad: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(q, scale_inv)`` of ``weight.t()`` quantised row-wise in E4M3 (one scale per input
-        channel: the ``dX = dY W`` GEMM's ``b``), nothing recorded; with :attr:`reuse`, the
-        previous call's outputs for the same unchanged tensor until :meth:`end_reuse`."""
+        channel: the ``dX = dY W`` GEMM's ``b``; with ``pad``, ``q`` row-major and its rows
+        zero-padded to a multiple of it), nothing recorded; with :attr:`reuse`, the previous
+        call's outputs for the same unchanged tensor until :meth:`end_reuse`."""
         kept = self._reused_columns
-        if self.reuse and kept is not None and kept.serves(weight, q_dtype):
+        if self.reuse and kept is not None and kept.serves(weight, (q_dtype, pad)):
             return kept.outputs
-        outputs = _rowwise_operand(weight.t(), E4M3, self.recipe.margin, q_dtype or E4M3)
+        outputs = _rowwise_operand(weight.t(), E4M3, self.recipe.margin, q_dtype or E4M3,
+                                   pad=pad)  # fmt: skip
         if self.reuse:
-            self._reused_columns = _Kept(weight, q_dtype, outputs, {})
+            self._reused_columns = _Kept(weight, (q_dtype, pad), outputs, {})
         return outputs
 
     def end_reuse(self) -> None:
@@ -734,16 +738,22 @@ class _FP8RowwiseLinear(torch.autograd.Function):
         emulated, margin = ctx.resolved == "emulated", ctx.margin
         ctx.w_state.end_reuse()
         wide = torch.float64 if emulated else None
+        # torch._scaled_mm takes both operands with the reduced dimension contiguous and a
+        # multiple of 16: the operands quantised here for it (not the recorded gradient, whose
+        # statistics compare it with its own shape) come from the op laid out so, no copy.
+        pad = _SCALED_MM_ALIGN if ctx.resolved == "scaled_mm" else 0
         if ctx.needs_input_grad[0]:
             # dX = dY W reduces over the output channels: dY per sample, W per input channel.
             g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True, wide)
-            w_q, w_inv = ctx.w_state.quantize_columns(ctx.w_weight, wide)
+            w_q, w_inv = ctx.w_state.quantize_columns(ctx.w_weight, wide, pad)
+            if pad:  # [in, out] -> [in, out padded]: the padded rows of W^T meet dY's padding
+                g_q = _gemm_operand(g_q, g_q.shape[0], w_q.shape[1], column_major=False)
             grad_x = _rowwise_gemm(g_q, w_q.t(), g_inv, w_inv.t(), ctx.resolved)
             grad_x = grad_x.to(x_dtype).reshape(ctx.shape)
         if ctx.needs_input_grad[1]:
             # dW = dY^T X reduces over the batch: dY per output channel, X per input channel.
-            g_q, g_inv = _rowwise_operand(grad2.t(), E5M2, margin, wide or E5M2)
-            x_q, x_inv = _rowwise_operand(x2.t(), E4M3, margin, wide or E4M3)
+            g_q, g_inv = _rowwise_operand(grad2.t(), E5M2, margin, wide or E5M2, pad=pad)
+            x_q, x_inv = _rowwise_operand(x2.t(), E4M3, margin, wide or E4M3, pad=pad)
             grad_w = _rowwise_gemm(g_q, x_q.t(), g_inv, x_inv.t(), ctx.resolved)
             grad_w = grad_w.to(w_dtype)
         if ctx.needs_input_grad[2]:

@@ -55,7 +55,8 @@ def compile_check() -> None:
         stats_ptr="*fp32",
         pairs_ptr="*i32",
         **dict.fromkeys(
-            ["n", "n_blocks", "hlen", "rows", "cols", "chunks", "tiles_per_chunk"], "i32"
+            ["n", "n_blocks", "hlen", "rows", "cols", "q_cols", "chunks", "tiles_per_chunk"],
+            "i32",
         ),
         **dict.fromkeys(["stride_xr", "stride_xc", "stride_qr", "stride_qc"], "i32"),
     )

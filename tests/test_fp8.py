@@ -256,6 +256,45 @@ def test_the_scaled_mm_path_meets_the_cuda_kernels_checks_and_agrees_with_the_em
         assert torch.all((hw - emu).abs() <= bound), ((hw - emu).abs() / mag).max()
 
 
+def test_the_rowwise_backward_hands_torch_scaled_mm_its_operands_without_copies(monkeypatch):
+    """Row-wise, on the scaled_mm path: the operands the backward quantises for its GEMMs (the
+    weight per input channel, the weight gradient's two per channel) come from the op in the
+    layout torch._scaled_mm takes (the reduced dimension contiguous, padded to a multiple of
+    16), so the backward copies nothing where K and N are multiples of 16, whatever M; the
+    results are those of the emulation within the bound of the test above."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import mptex.fp8 as fp8
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(fp8, "has_fp8_tensor_cores", lambda device, rowwise=False: True)
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_mm", _strict_scaled_mm(calls))
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.rand(40, 32, generator=gen) * 2 - 1).requires_grad_()
+    w = (torch.randn(32, 32, generator=gen) * 0.3).requires_grad_()
+    g = torch.randn(40, 32, generator=gen) * 1e-4
+    y = fp8_linear(x, w, None, _states("rowwise"), backend="scaled_mm")
+    with Ops() as ops:
+        grad_x, grad_w = torch.autograd.grad((y * g).sum(), (x, w))
+    copies = [n for n in ops.names if n in ("copy_", "clone", "new_zeros", "zeros", "contiguous")]
+    assert not copies, copies
+    assert calls[1:] == [(40, 32, 32), (32, 48, 32)]  # dX, then dW with M padded to 48
+    want = torch.autograd.grad((fp8_linear(x, w, None, _states("rowwise"), backend="emulated")
+                                * g).sum(), (x, w))  # fmt: skip
+    for got, emu, k, mag in ((grad_x, want[0], 32, g.abs() @ w.detach().abs()),
+                             (grad_w, want[1], 40, g.abs().t() @ x.detach().abs())):  # fmt: skip
+        assert torch.all((got - emu).abs() <= 2 * (k + 2) * U32 * 1.27 * mag)
+
+
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize("recipe", ["delayed", "current", "rowwise"])
 @pytest.mark.parametrize("m, n_out", [(17, 9), (4097, 3), (65536 + 5, 32)])

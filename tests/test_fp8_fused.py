@@ -148,14 +148,51 @@ def test_the_kernels_cast_rounds_as_torchs_over_every_exponent(fmt, dtype):
 
 
 def test_the_op_is_registered_with_a_fake_kernel():
-    x = torch.randn(12, 32)
-    for recipe, record in ((0, True), (0, False), (1, False), (2, True)):
+    x = torch.randn(12, 30)
+    for recipe, record, q_pad in ((0, True, 0), (0, False, 0), (1, False, 0), (2, True, 0),
+                                  (2, False, 16)):  # fmt: skip
         for q_dtype in (E4M3, torch.float32):
             torch.library.opcheck(
                 torch.ops.mptex.fp8_quantize.default,
-                (x, torch.tensor(2.0), torch.zeros(4), 0, recipe, 0, False, record, q_dtype),
+                (
+                    x,
+                    torch.tensor(2.0),
+                    torch.zeros(4),
+                    0,
+                    recipe,
+                    0,
+                    False,
+                    record,
+                    q_dtype,
+                    q_pad,
+                ),  # fmt: skip
                 test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
             )
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt,dtype", FORMATS)
+def test_padded_rows_are_the_unpadded_values_then_zeros(fmt, dtype):
+    """``q_pad``: q row-major, each row's values then zeros up to a multiple of q_pad columns,
+    the other outputs unchanged; the kernel bit for bit its twin, on row-major and transposed
+    inputs, infinities and NaNs included."""
+    for i, (x, scale, history) in enumerate(_cases(seed=50 + fmt, trials=24)):
+        for q_pad, record, q_dtype in itertools.product(
+            (16, 5, 1), (False, True), (dtype, torch.float32, torch.float64)
+        ):
+            args = (x, scale, history, fmt, 2, 2, False, record, q_dtype)
+            got = torch.ops.mptex.fp8_quantize(*args, q_pad)
+            problem = _same(got, fp8_quantize_reference(*args, q_pad))
+            assert problem is None, f"case {i} {list(x.shape)} pad {q_pad}: {problem}"
+            plain = torch.ops.mptex.fp8_quantize(*args)
+            rows, cols = x.shape
+            width = -(-cols // q_pad) * q_pad
+            q = got[0]
+            assert q.shape == (rows, width) and q.is_contiguous()
+            assert torch.equal(bits(q[:, :cols]), bits(plain[0]))
+            assert not torch.count_nonzero(bits(q[:, cols:]))  # +0 codes / values
+            for name, u, v in zip(OUTPUTS[1:], got[1:], plain[1:], strict=True):
+                assert torch.equal(bits(u), bits(v)), name
 
 
 def test_the_dispatcher_uses_the_twin_where_there_is_no_kernel():
@@ -172,12 +209,14 @@ def test_the_dispatcher_uses_the_twin_where_there_is_no_kernel():
         (dict(recipe=3), "recipe: expected 0 \\(delayed\\), 1 \\(current\\) or 2 \\(rowwise\\)"),
         (dict(q_dtype=torch.float16), "q_dtype: expected torch.float8_e4m3fn"),
         (dict(x=torch.zeros(2, 3, 4)), "x: the rowwise recipe takes a \\[M, K\\] matrix"),
+        (dict(q_pad=-1), "q_pad: expected 0, or > 0 with the rowwise recipe \\(2\\), got -1"),
+        (dict(recipe=1, q_pad=16), "q_pad: expected 0, or > 0 with the rowwise recipe"),
     ],
 )
 def test_bad_arguments_name_themselves(change, message):
     args = dict(
         x=torch.zeros(2, 3), scale=torch.tensor(1.0), history=torch.zeros(2), fp8_format=0,
-        recipe=2, margin=0, most_recent=False, record=False, q_dtype=E4M3,
+        recipe=2, margin=0, most_recent=False, record=False, q_dtype=E4M3, q_pad=0,
     )  # fmt: skip
     args.update(change)
     for quantize in (fp8_quantize, fp8_quantize_reference, torch.ops.mptex.fp8_quantize):

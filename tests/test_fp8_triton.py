@@ -106,14 +106,17 @@ def _rows(values, k, lead=None):
 def _op(name, x, fmt, recipe, q_dtype, margin=0, most_recent=False, record=True, **kwargs):
     """An op case: ``kwargs`` may give ``scale``, ``history``, ``max_programs``,
     ``one_program_blocks`` (0: the per-tensor recipes' two launches at any size),
-    ``tiles_per_chunk`` (long rows: fewer column tiles per chunk, more chunks) and
-    ``statistics_block`` (the row-wise statistics' pairs reduced fewer at a time)."""
+    ``tiles_per_chunk`` (long rows: fewer column tiles per chunk, more chunks),
+    ``statistics_block`` (the row-wise statistics' pairs reduced fewer at a time) and ``q_pad``
+    (row-wise: q row-major, its rows zero-padded to a multiple of it)."""
     scale, history = kwargs.get("scale"), kwargs.get("history")
     if scale is None:
         scale = torch.tensor(2.0**-12)
     if history is None:
         history = _wide(16, 99).abs()
     args = (x, scale, history, fmt, recipe, margin, most_recent, record, q_dtype)
+    if kwargs.get("q_pad"):
+        args += (kwargs["q_pad"],)
     keys = ("max_programs", "one_program_blocks", "tiles_per_chunk", "statistics_block")
     overrides = {key: kwargs.get(key) for key in keys}
     return dict(kind="op", name=name, args=args, **overrides)
@@ -230,6 +233,19 @@ def _cases():
     cases.append(_op("long-rows-row-major", wide, 0, 2, f8))
     cases.append(_op("long-rows-69-chunks", wide, 1, 2, torch.float32, tiles_per_chunk=1))
     cases.append(_op("long-rows-4-programs", wide, 0, 2, f8, margin=3, max_programs=4))
+    # q's rows padded (the layout torch._scaled_mm takes): short rows, transposed or not, in
+    # one block of rows and in several (the statistics' reduction too), long rows in chunks,
+    # no columns at all, a padding that is a whole tile.
+    padded = [
+        ("short", _wide((37, 200), 26), 16), ("short-t", _wide((67, 45), 27).t(), 16),
+        ("blocks", both, 16), ("long-t", tall.t(), 16), ("long", wide, 48),
+        ("no-cols", torch.empty(5, 0), 16), ("tile", _wide((9, 120), 28), 128),
+    ]  # fmt: skip
+    for tag, x, pad in padded:
+        for record in (True, False):
+            cases.append(_op(f"padded-{tag}-r{int(record)}", x, 0, 2, f8, margin=2,
+                             record=record, q_pad=pad))  # fmt: skip
+        cases.append(_op(f"padded-{tag}-f32", x, 1, 2, torch.float32, q_pad=pad))
     big = _with_specials(_wide(ABOVE_CAP, 17), [1e7])  # amax at a spot past the first pass
     cases.append(_op("above-cap-delayed", big, 0, 0, f8, margin=2, scale=torch.tensor(1e-5)))
     cases.append(_op("above-cap-current", big, 1, 1, torch.float32))
@@ -320,7 +336,10 @@ def test_matches_twin(interpreted, name):
     for output, g, w in zip(OUTPUTS, got, want):
         assert_same_bits(g, w, (name, output))
     x = case["args"][0]
-    assert got[0].stride() == torch.empty_like(x).stride(), "q is laid out as x"
+    if len(case["args"]) > 9:  # q_pad: row-major
+        assert got[0].is_contiguous(), "q is row-major"
+    else:
+        assert got[0].stride() == torch.empty_like(x).stride(), "q is laid out as x"
 
 
 @pytest.mark.parametrize("name", OP_NAMES)

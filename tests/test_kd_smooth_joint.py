@@ -92,6 +92,29 @@ def test_without_the_smoothness_term_nothing_changes(scene):
     assert torch.equal(joint[0], separate[0]) and joint[1] is separate[1] is None
 
 
+@pytest.mark.parametrize("precision", ["f32", "fp8_current", "fp8_rowwise"])
+@pytest.mark.parametrize("joint", [True, False])
+def test_a_batch_that_covers_no_pixel_renders_the_background(scene, precision, joint):
+    # Views that miss the mesh: no point reaches the texture but an empty batch, the image is
+    # the background, the smoothness term 0, and the backward runs (zero gradients).
+    import dataclasses
+
+    texture = _texture(scene, precision)
+    batch = scene.training_batch(2, torch.Generator().manual_seed(1))
+    empty = dataclasses.replace(
+        batch, coverage=torch.zeros_like(batch.coverage), covered=batch.covered[:0],
+        points=batch.points[:0],
+    )  # fmt: skip
+    background = torch.rand(batch.coverage.shape[:-1] + (3,),
+                            generator=torch.Generator().manual_seed(2))  # fmt: skip
+    pred, kd_grad = render_batch(texture, empty, {"shading": "kd", "ambient": 0.25}, background,
+                                 LIGHT, _jitter([]), joint=joint)  # fmt: skip
+    assert torch.equal(pred, background) and kd_grad.item() == 0.0
+    (pred.square().mean() + kd_grad).backward()
+    for name, param in texture.named_parameters():
+        assert param.grad is None or not torch.count_nonzero(param.grad), name
+
+
 def _fp8_layers(texture):
     layers = [m for m in texture.net.modules() if isinstance(m, FP8Linear)]
     assert layers

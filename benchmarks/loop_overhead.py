@@ -292,12 +292,17 @@ def _route_fp8_gemms_through_scaled_mm() -> None:
 
 
 def _interpret_triton(option: str) -> None:
-    """Triton's CPU interpreter for the kernels decorated from now on."""
+    """Triton's CPU interpreter for the kernels decorated from now on; the padded copy of
+    ``torch._scaled_mm``'s operands, which then runs in its kernel as on CUDA, counted one op
+    per launch."""
     import os
 
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit(f"{option}: triton was imported before TRITON_INTERPRET was set")
     os.environ["TRITON_INTERPRET"] = "1"
+    import mptex._fp8_layout_triton as layout
+
+    layout._padded_copy_kernel = _CountedLaunch(layout._padded_copy_kernel, "padded_copy_kernel")
 
 
 def _route_fp8_gemms_through_triton() -> None:

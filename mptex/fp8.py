@@ -85,11 +85,13 @@ so the two backends differ in the accumulator; the GPU kit measures by how much.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from mptex._backends import has_triton
 from mptex._fp8_fused import RECIPE_CODES, fp8_quantize
 from mptex._fp8_scaling import (
     _INF,
@@ -359,29 +361,30 @@ class ScalingState:
     calls = _Count("recorded calls")
 
     def quantize(
-        self, x: torch.Tensor, record: bool, q_dtype: torch.dtype | None = None
+        self, x: torch.Tensor, record: bool, q_dtype: torch.dtype | None = None, pad: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(q, scale_inv, used)`` of ``x`` under the recipe; with ``record`` the history, the
         next scale and the statistics are updated. For the ``rowwise`` recipe ``x`` is
-        ``[M, K]`` and ``scale_inv``, ``used`` are ``[M, 1]`` (:func:`quantize_fp8_rowwise`).
-        ``q`` is in ``q_dtype``: the state's FP8 dtype (default), or float32 / float64 holding
-        its values. One ``mptex::fp8_quantize`` op where it has a kernel
+        ``[M, K]`` and ``scale_inv``, ``used`` are ``[M, 1]`` (:func:`quantize_fp8_rowwise`);
+        with ``pad`` (row-wise only) ``q`` is row-major, its rows zero-padded to a multiple of
+        ``pad`` columns. ``q`` is in ``q_dtype``: the state's FP8 dtype (default), or float32 /
+        float64 holding its values. One ``mptex::fp8_quantize`` op where it has a kernel
         (:mod:`mptex._fp8_fused`), else the same arithmetic in eager ops."""
         recipe = self.recipe
         code = RECIPE_CODES[recipe.recipe]
         delayed_record = record and code == 0
         reusable = self.reuse and record and code != 0
         kept = self._reused if reusable else None
-        if kept is not None and kept.serves(x, q_dtype):
+        if kept is not None and kept.serves(x, (q_dtype, pad)):
             outputs, memo = kept.outputs, kept.derived
         else:
             outputs = fp8_quantize(
                 x, self.scale, self.history, int(self.dtype == E5M2), code, recipe.margin,
-                recipe.amax_compute_algo == "most_recent", record, q_dtype or self.dtype,
+                recipe.amax_compute_algo == "most_recent", record, q_dtype or self.dtype, pad,
             )  # fmt: skip
             memo = {}  # what recording derives from the outputs, kept with them when reusable
             if reusable:
-                self._reused = _Kept(x, q_dtype, outputs, memo)
+                self._reused = _Kept(x, (q_dtype, pad), outputs, memo)
                 self._reused_columns = None  # a new training forward: the weight may have moved
         q, scale_inv, amax, used, scale, history = outputs
         if not record:
@@ -399,7 +402,8 @@ class ScalingState:
             if self.collect:
                 if "collected" not in memo:
                     x = x.detach()
-                    memo["collected"] = (quantization_error(x, dequantize_fp8(q, scale_inv)),
+                    values = dequantize_fp8(q[:, : x.shape[1]], scale_inv)  # padding left out
+                    memo["collected"] = (quantization_error(x, values),
                                          rowwise_spread(x, used, amax, self.dtype))  # fmt: skip
                 self.last_error, self.last_rowwise = memo["collected"]
             return q, scale_inv, used
@@ -562,15 +566,31 @@ def resolve_gemm_backend(backend: str, device: torch.device | str, rowwise: bool
 
 def _gemm_operand(x: torch.Tensor, rows: int, cols: int, column_major: bool) -> torch.Tensor:
     """``x`` zero-padded to ``[rows, cols]`` in the layout asked for: ``x`` itself where it is
-    that already, else one copy (into zeros where it is padded)."""
+    that already, else one copy (into zeros where it is padded: one Triton launch where Triton
+    runs on ``x``'s device, :mod:`mptex._fp8_layout_triton`, else zeros and a copy)."""
     if x.shape == (rows, cols):
         if column_major:
             return x if x.t().is_contiguous() else x.t().contiguous().t()
         return x.contiguous()
+    if _padded_copy_runs(x):
+        from mptex._fp8_layout_triton import padded_copy
+
+        return padded_copy(x, rows, cols, column_major)
     out = x.new_zeros((cols, rows) if column_major else (rows, cols))
     out = out.t() if column_major else out
     out[: x.shape[0], : x.shape[1]] = x
     return out
+
+
+def _padded_copy_runs(x: torch.Tensor) -> bool:
+    """Whether the padded copy's Triton kernel runs on ``x``: a one-byte (FP8) operand on
+    CUDA with Triton, or on the CPU under Triton's interpreter (as the other Triton kernels'
+    CPU counts are taken)."""
+    if x.element_size() != 1 or not has_triton():
+        return False
+    if x.device.type == "cuda":
+        return True
+    return x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _round_up(n: int) -> int:
@@ -739,15 +759,12 @@ class _FP8RowwiseLinear(torch.autograd.Function):
         ctx.w_state.end_reuse()
         wide = torch.float64 if emulated else None
         # torch._scaled_mm takes both operands with the reduced dimension contiguous and a
-        # multiple of 16: the operands quantised here for it (not the recorded gradient, whose
-        # statistics compare it with its own shape) come from the op laid out so, no copy.
+        # multiple of 16: the operands quantised here come from the op laid out so, no copy.
         pad = _SCALED_MM_ALIGN if ctx.resolved == "scaled_mm" else 0
         if ctx.needs_input_grad[0]:
             # dX = dY W reduces over the output channels: dY per sample, W per input channel.
-            g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True, wide)
+            g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True, wide, pad)
             w_q, w_inv = ctx.w_state.quantize_columns(ctx.w_weight, wide, pad)
-            if pad:  # [in, out] -> [in, out padded]: the padded rows of W^T meet dY's padding
-                g_q = _gemm_operand(g_q, g_q.shape[0], w_q.shape[1], column_major=False)
             grad_x = _rowwise_gemm(g_q, w_q.t(), g_inv, w_inv.t(), ctx.resolved)
             grad_x = grad_x.to(x_dtype).reshape(ctx.shape)
         if ctx.needs_input_grad[1]:

@@ -18,7 +18,9 @@ Cases (a list of dicts), by ``kind``:
   output, the gradients and the state dict;
 * ``"texture"``: an :class:`mptex.MLPTexture3D` built with ``case["kwargs"]`` and
   ``fp8_gemm="triton"``, loaded from ``case["state"]``; one sample of ``case["points"]`` and a
-  backward of ``(kd * case["r"]).sum()``; result: the sample, the gradients and ``backends()``.
+  backward of ``(kd * case["r"]).sum()``; result: the sample, the gradients and ``backends()``;
+* ``"layout"``: :func:`mptex._fp8_layout_triton.padded_copy` of ``case["x"]`` to
+  ``case["rows"] x case["cols"]`` (``case["column_major"]``); result: the copy.
 """
 
 import re
@@ -85,6 +87,15 @@ def compile_check() -> None:
         text = ptx(mm._split_sum_kernel, dict(BLOCK=mm._SUM_BLOCK, SPLIT_TILE=mm._SPLIT_TILE,
                                               ROWWISE=rowwise, HAS_BIAS=bias))  # fmt: skip
         no_contraction(text, ("sum",) + what)
+    # the padded copy of torch._scaled_mm's operands: bytes only, row- and column-major output
+    import mptex._fp8_layout_triton as layout
+
+    types.update(src_ptr="*u8", dst_ptr="*u8", **dict.fromkeys(
+        ["src_rows", "src_cols", "rows", "cols", "stride_sr", "stride_sc", "stride_dr",
+         "stride_dc"], "i32"))  # fmt: skip
+    for unit in ("stride_dc", "stride_dr"):
+        text = ptx(layout._padded_copy_kernel, {"BLOCK": layout._BLOCK, unit: 1})
+        assert "ld.global" in text and "st.global" in text, unit
     print("ok")
 
 
@@ -127,6 +138,22 @@ def run_cases(cases_path: str, results_path: str) -> None:
                 mm._SPLIT_MIN_K, mm._K_CHUNK = defaults.values()
         elif kind == "linear":
             results[case["name"]] = run_linear(case, "triton")
+        elif kind == "layout":
+            from mptex._fp8_layout_triton import padded_copy
+
+            # The output allocated full of 0x5a bytes: every byte the copy leaves unwritten
+            # shows (fresh memory is often zero, like the padding).
+            real_empty = torch.empty
+
+            def poisoned(shape, dtype, device, empty=real_empty):
+                return empty(shape, dtype=torch.uint8, device=device).fill_(0x5A).view(dtype)
+
+            torch.empty = poisoned
+            try:
+                results[case["name"]] = padded_copy(case["x"], case["rows"], case["cols"],
+                                                    case["column_major"])  # fmt: skip
+            finally:
+                torch.empty = real_empty
         else:
             texture = mptex.MLPTexture3D(**case["kwargs"], fp8_gemm="triton")
             texture.load_state_dict(case["state"])

@@ -6,9 +6,11 @@ Every FP8 GEMM goes through ``torch._scaled_mm`` (its CPU kernel; ``has_fp8_tens
 patched to true). Each quantisation (the QAT arms' E4M3 rounding included) runs the C kernel
 (``c``) or, with ``TRITON_INTERPRET=1`` in
 the environment, mptex's Triton kernels under Triton's interpreter (``triton``; the long-row
-split made to take any row of more than one column tile). Writes ``OUT/ARM.pt`` (the checkpoint)
-and ``OUT/ARM.json`` (the loss history, and in ``triton`` mode the number of quantisations and
-of long-row splits). Run by ``tests/test_fp8_triton.py``: both modes must train the same bits.
+split made to take any row of more than one column tile; the ``torch._scaled_mm`` operands that
+need padding copied by :mod:`mptex._fp8_layout_triton`'s kernel instead of zeros and a copy).
+Writes ``OUT/ARM.pt`` (the checkpoint) and ``OUT/ARM.json`` (the loss history, and in ``triton``
+mode the number of quantisations, of long-row splits and of padded copies). Run by
+``tests/test_fp8_triton.py``: both modes must train the same bits.
 """
 
 import json
@@ -34,9 +36,18 @@ TINY = [
 
 def main(out: Path, mode: str, arms: list[str]) -> None:
     mptex.fp8.has_fp8_tensor_cores = lambda device, rowwise=False: True
-    counts = {"quantisations": 0, "long_rows": 0}
+    counts = {"quantisations": 0, "long_rows": 0, "padded_copies": 0}
     if mode == "triton":
+        import mptex._fp8_layout_triton as layout
         import mptex._fp8_triton as kernels
+
+        copy = layout.padded_copy
+
+        def padded_copy(*args):
+            counts["padded_copies"] += 1
+            return copy(*args)
+
+        layout.padded_copy = padded_copy
 
         assert kernels.INTERPRETED, "TRITON_INTERPRET=1 did not select the interpreter"
         kernels._TILES_PER_CHUNK = 1  # split any row longer than one tile
@@ -65,7 +76,7 @@ def main(out: Path, mode: str, arms: list[str]) -> None:
         losses = [entry["loss"] for entry in metrics["history"]]
         (out / f"{arm}.json").write_text(json.dumps({"status": metrics["status"],
                                                      "losses": losses, **counts}))  # fmt: skip
-        counts.update(quantisations=0, long_rows=0)
+        counts.update(quantisations=0, long_rows=0, padded_copies=0)
 
 
 if __name__ == "__main__":

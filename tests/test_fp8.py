@@ -256,12 +256,15 @@ def test_the_scaled_mm_path_meets_the_cuda_kernels_checks_and_agrees_with_the_em
         assert torch.all((hw - emu).abs() <= bound), ((hw - emu).abs() / mag).max()
 
 
-def test_the_rowwise_backward_hands_torch_scaled_mm_its_operands_without_copies(monkeypatch):
+@pytest.mark.parametrize("n_out", [32, 3])
+def test_the_rowwise_backward_gives_scaled_mm_its_operands_uncopied(monkeypatch, n_out):
     """Row-wise, on the scaled_mm path: the operands the backward quantises for its GEMMs (the
-    weight per input channel, the weight gradient's two per channel) come from the op in the
-    layout torch._scaled_mm takes (the reduced dimension contiguous, padded to a multiple of
-    16), so the backward copies nothing where K and N are multiples of 16, whatever M; the
-    results are those of the emulation within the bound of the test above."""
+    output gradient per sample, the weight per input channel, the weight gradient's two per
+    channel) come from the op in the layout torch._scaled_mm takes (the reduced dimension
+    contiguous, padded with zeros to a multiple of 16), so the backward copies nothing, whatever
+    M and the number of output channels; the results are those of the emulation within the
+    bound of the test above, and the gradient's collected statistics are the emulation's (the
+    padding left out)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import mptex.fp8 as fp8
@@ -280,19 +283,25 @@ def test_the_rowwise_backward_hands_torch_scaled_mm_its_operands_without_copies(
     monkeypatch.setattr(torch, "_scaled_mm", _strict_scaled_mm(calls))
     gen = torch.Generator().manual_seed(5)
     x = (torch.rand(40, 32, generator=gen) * 2 - 1).requires_grad_()
-    w = (torch.randn(32, 32, generator=gen) * 0.3).requires_grad_()
-    g = torch.randn(40, 32, generator=gen) * 1e-4
-    y = fp8_linear(x, w, None, _states("rowwise"), backend="scaled_mm")
+    w = (torch.randn(n_out, 32, generator=gen) * 0.3).requires_grad_()
+    g = torch.randn(40, n_out, generator=gen) * 1e-4
+    states = {backend: _states("rowwise") for backend in ("scaled_mm", "emulated")}
+    for backend in states:
+        states[backend][2].collect = True
+    y = fp8_linear(x, w, None, states["scaled_mm"], backend="scaled_mm")
     with Ops() as ops:
         grad_x, grad_w = torch.autograd.grad((y * g).sum(), (x, w))
     copies = [n for n in ops.names if n in ("copy_", "clone", "new_zeros", "zeros", "contiguous")]
     assert not copies, copies
-    assert calls[1:] == [(40, 32, 32), (32, 48, 32)]  # dX, then dW with M padded to 48
-    want = torch.autograd.grad((fp8_linear(x, w, None, _states("rowwise"), backend="emulated")
-                                * g).sum(), (x, w))  # fmt: skip
-    for got, emu, k, mag in ((grad_x, want[0], 32, g.abs() @ w.detach().abs()),
+    assert calls[1:] == [(40, 32 if n_out > 16 else 16, 32), (n_out, 48, 32)]  # dX, dW (M: 48)
+    y_emu = fp8_linear(x, w, None, states["emulated"], backend="emulated")
+    want = torch.autograd.grad((y_emu * g).sum(), (x, w))
+    for got, emu, k, mag in ((grad_x, want[0], n_out, g.abs() @ w.detach().abs()),
                              (grad_w, want[1], 40, g.abs().t() @ x.detach().abs())):  # fmt: skip
         assert torch.all((got - emu).abs() <= 2 * (k + 2) * U32 * 1.27 * mag)
+    got, emu = states["scaled_mm"][2], states["emulated"][2]
+    assert got.last_error.tolist() == emu.last_error.tolist() and got.last_error[0] > 0
+    assert got.last_rowwise.tolist() == emu.last_rowwise.tolist()
 
 
 @pytest.mark.requires_cuda

@@ -202,7 +202,30 @@ TEXTURE = dict(
     r=torch.randn(300, 3),
 )
 
-CASES = EXACT + BOUNDED + NAN_CASES + LINEAR + [TEXTURE]
+
+def _layout_cases():
+    """torch._scaled_mm's operand copies: every byte value (every FP8 code, NaNs included) in
+    operands row-major and transposed (a strided view), padded in rows, columns or both, to a
+    row-major or a column-major output; and no rows."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(40)
+    cases = []
+    for i, ((r, c), (rows, cols), transposed, column_major) in enumerate([
+        ((5, 3), (16, 16), False, False), ((5, 3), (16, 16), False, True),
+        ((40, 32), (48, 32), True, True), ((32, 40), (32, 48), True, False),
+        ((70, 9), (70, 16), False, False), ((9, 70), (16, 70), True, True),
+        ((130, 65), (144, 80), False, True), ((0, 32), (0, 32), False, False),
+        ((3, 200), (3, 208), True, False),
+    ]):  # fmt: skip
+        source = codes[i : i + r * c].reshape((c, r) if transposed else (r, c))
+        x = (source.t() if transposed else source).view(torch.float8_e4m3fn if i % 2
+                                                        else torch.float8_e5m2)  # fmt: skip
+        cases.append(dict(kind="layout", name=f"layout-{i}", x=x, rows=rows, cols=cols,
+                          column_major=column_major))  # fmt: skip
+    return cases
+
+
+LAYOUT = _layout_cases()
+CASES = EXACT + BOUNDED + NAN_CASES + LINEAR + [TEXTURE] + LAYOUT
 assert len({c["name"] for c in CASES}) == len(CASES), "case names must be unique"
 
 
@@ -321,6 +344,34 @@ def test_texture_runs_its_fp8_gemms_where_fp8_gemm_says(interpreted):
     for name, p in texture.named_parameters():
         scale = p.grad.abs().max().item()
         torch.testing.assert_close(grads[name], p.grad, rtol=0, atol=1e-4 * scale, msg=name)
+
+
+@pytest.mark.parametrize("case", LAYOUT, ids=lambda c: c["name"])
+def test_padded_copy_is_the_torch_copy_byte_for_byte(interpreted, case):
+    # One launch for what the scaled_mm path did with zeros and a copy: the same bytes and the
+    # same layout (row-major, or column-major: the transposed tensor contiguous).
+    from mptex.fp8 import _gemm_operand
+
+    got = interpreted[case["name"]]
+    x, rows, cols = case["x"], case["rows"], case["cols"]
+    want = torch.zeros((cols, rows) if case["column_major"] else (rows, cols), dtype=x.dtype)
+    want = want.t() if case["column_major"] else want
+    want[: x.shape[0], : x.shape[1]] = x
+    assert got.dtype == x.dtype and got.shape == (rows, cols)
+    assert got.stride() == want.stride()
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    if x.shape != (rows, cols):  # without the interpreter: the PyTorch copy, the same bytes
+        assert torch.equal(_gemm_operand(x, rows, cols, case["column_major"]).view(torch.uint8),
+                           want.view(torch.uint8))  # fmt: skip
+
+
+def test_padded_copy_takes_one_byte_elements_within_its_output():
+    from mptex._fp8_layout_triton import padded_copy
+
+    with pytest.raises(ValueError, match="x: expected a \\[r, c\\] matrix of one-byte"):
+        padded_copy(torch.zeros(3, 3), 16, 16, False)
+    with pytest.raises(ValueError, match="within \\[2, 16\\]"):
+        padded_copy(torch.zeros(3, 3, dtype=torch.uint8), 2, 16, False)
 
 
 def test_kernels_compile_to_fp8_tensor_core_instructions():

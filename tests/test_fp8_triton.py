@@ -414,8 +414,9 @@ def test_training_through_the_triton_kernels_has_the_c_kernels_bits(tmp_path):
     # The FP8 arms trained as on a GPU with FP8 tensor cores (torch._scaled_mm, its CPU kernel
     # here), every quantisation once through the C kernel and once through the Triton kernels
     # under the interpreter (the long-row split taken by every row-wise operand longer than one
-    # tile): the same weights, Adam state, FP8 scaling state and losses, bit for bit. The FP8
-    # QAT arms' rounding goes through the same op.
+    # tile; the padded GEMM operands copied by the layout kernel): the same weights, Adam state,
+    # FP8 scaling state and losses, bit for bit. The FP8 QAT arms' rounding goes through the
+    # same op.
     arms = ["fp8", "fp8_current", "fp8_rowwise", "fp8_qat", "fp8_rowwise_qat"]
     for mode in ("c", "triton"):
         proc = run_script("fp8_triton_training.py", str(tmp_path / mode), mode, *arms,
@@ -426,6 +427,8 @@ def test_training_through_the_triton_kernels_has_the_c_kernels_bits(tmp_path):
         assert c["status"] == t["status"] == "completed" and t["quantisations"] > 0, (c, t)
         assert t["losses"] == c["losses"]
         assert (t["long_rows"] > 0) == (arm == "fp8_rowwise"), t
+        # torch._scaled_mm's padded operands (the QAT arms have no FP8 GEMM)
+        assert (t["padded_copies"] > 0) == ("qat" not in arm) and c["padded_copies"] == 0, t
         states = [torch.load(tmp_path / mode / f"{arm}.pt", weights_only=False)
                   for mode in ("c", "triton")]  # fmt: skip
         for part in ("texture", "optimizer", "stepper"):

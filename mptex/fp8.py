@@ -254,15 +254,16 @@ class _Kept:
     and what recording derived from them (``derived``: the collected statistics), with what
     identifies the tensor's contents."""
 
-    def __init__(self, tensor: torch.Tensor, q_dtype, outputs: tuple, derived: dict) -> None:
-        self.tensor, self.q_dtype, self.outputs, self.derived = tensor, q_dtype, outputs, derived
+    def __init__(self, tensor: torch.Tensor, form: tuple, outputs: tuple, derived: dict) -> None:
+        self.tensor, self.form, self.outputs, self.derived = tensor, form, outputs, derived
         self.version, self.pointer = tensor._version, tensor.data_ptr()
 
-    def serves(self, x: torch.Tensor, q_dtype) -> bool:
+    def serves(self, x: torch.Tensor, form: tuple) -> bool:
         """Whether ``x`` is the kept tensor itself, unchanged (same object, storage and version
-        counter: not modified in place nor given new data since), quantised to ``q_dtype``."""
+        counter: not modified in place nor given new data since), quantised in the same
+        ``form`` (``(q_dtype, pad)``)."""
         return (self.tensor is x and self.version == x._version
-                and self.pointer == x.data_ptr() and self.q_dtype == q_dtype)  # fmt: skip
+                and self.pointer == x.data_ptr() and self.form == form)  # fmt: skip
 
 
 class _Count:

@@ -261,7 +261,7 @@ def test_gradients_reach_every_parameter(arm):
     assert texc.grad is not None and torch.isfinite(texc.grad).all()
 
 
-@pytest.mark.parametrize("arm", CPU_ARMS)
+@pytest.mark.parametrize("arm", PrecisionPolicy.names())
 def test_an_empty_batch_trains_through_every_arm(arm):
     # A batch whose views cover no pixel reaches the texture as [0, 3] points: an empty
     # output, and a backward and a step with zero gradients (no reduction of an empty tensor

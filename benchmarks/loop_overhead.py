@@ -302,7 +302,10 @@ def _interpret_triton(option: str) -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     import mptex._fp8_layout_triton as layout
 
-    layout._padded_copy_kernel = _CountedLaunch(layout._padded_copy_kernel, "padded_copy_kernel")
+    # Both routes come here (--fp8-gemm triton --fused-loss): the kernel is wrapped once.
+    if not isinstance(layout._padded_copy_kernel, _CountedLaunch):
+        layout._padded_copy_kernel = _CountedLaunch(layout._padded_copy_kernel,
+                                                    "padded_copy_kernel")  # fmt: skip
 
 
 def _route_fp8_gemms_through_triton() -> None:

@@ -10,7 +10,7 @@ op ``mptex::fp8_quantize`` does it in one call:
 * CPU: a C loop (:mod:`mptex._native_cpu`): one pass for the amax, one for the cast;
 * CUDA: two Triton kernels (:mod:`mptex._fp8_triton`): block amaxes, then the scale (every
   block computes it from them) and the cast, the first block also writing the scalars and the
-  history.
+  history; the padded and transposed layouts below come from the cast's own stores.
 
 :func:`fp8_quantize_reference` is its twin in eager PyTorch (the functions of
 :mod:`mptex._fp8_scaling`, the arithmetic the op must reproduce bit for bit;
@@ -30,11 +30,16 @@ Arguments (the op's and the twin's):
   recipe returns its per-tensor statistics.
 * ``q_dtype``: the quantised tensor's dtype: the FP8 format's own, or float32 / float64 holding
   the same values (what an emulated GEMM converts the FP8 operand to, without a conversion op).
-* ``q_pad`` (default 0): the row-wise recipe only: q row-major with its rows padded with zeros
+* ``q_pad`` (default 0): ``x`` a ``[M, K]`` matrix: q row-major with its rows padded with zeros
   to a multiple of ``q_pad`` columns, the layout ``torch._scaled_mm`` takes an operand in (its
   reduced dimension a multiple of 16, contiguous), so that a GEMM needs no copy of it.
+* ``t_pad`` (default 0): a per-tensor recipe and a ``[M, K]`` matrix ``x``: the op also returns
+  ``x``'s transpose quantised with the same scale, row-major, its rows padded with zeros to a
+  multiple of ``t_pad`` columns: the operand of a GEMM that reduces over ``x``'s rows (a
+  weight gradient's, which reduces over the batch), in ``torch._scaled_mm``'s layout. One
+  scale per tensor makes the transpose's codes those of ``q``, so one call serves both GEMMs.
 
-Returns ``(q, scale_inv, amax, used, next_scale, next_history)``:
+Returns ``(q, scale_inv, amax, used, next_scale, next_history, q_t)``:
 
 * ``q``: ``fp8(x * used)`` in ``q_dtype``, laid out as ``x`` (``torch.empty_like``), or with
   ``q_pad`` ``[M, K rounded up to a multiple of q_pad]`` row-major, the added columns zero;
@@ -45,7 +50,9 @@ Returns ``(q, scale_inv, amax, used, next_scale, next_history)``:
 * ``next_history``: delayed and recording: ``[H]``, the history after this call; row-wise and
   recording: ``[2]``, the call's per-tensor statistics, the largest row ``amax`` (NaN if a row's
   is NaN) and the smallest ``used`` (``(0, 1)`` for a matrix without rows, as for a zero
-  tensor), so that recording a call takes no reduction of its own; else ``[0]``.
+  tensor), so that recording a call takes no reduction of its own; else ``[0]``;
+* ``q_t``: with ``t_pad``, ``[K, M rounded up to a multiple of t_pad]`` row-major in
+  ``q_dtype``, ``q_t[k, m] = q[m, k]`` and the added columns zero; else empty (``[0]``).
 """
 
 from __future__ import annotations
@@ -73,11 +80,12 @@ def fp8_quantize_reference(
     record: bool,
     q_dtype: torch.dtype,
     q_pad: int = 0,
+    t_pad: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """The op in eager PyTorch (module docstring): the arithmetic of :mod:`mptex.fp8`. Its
     outputs may be its inputs (``next_scale`` is ``scale`` where the delayed recipe does not
     record)."""
-    dtype = _check(x, fp8_format, recipe, q_dtype, q_pad)
+    dtype = _check(x, fp8_format, recipe, q_dtype, q_pad, t_pad)
     x = x.detach().float()
     empty = x.new_empty(0)
     if recipe == 2:
@@ -85,23 +93,35 @@ def fp8_quantize_reference(
         row_scale = _fp8.fp8_scale(amax, dtype, margin)
         q, scale_inv, amax, used = _fp8.quantize_fp8(x, row_scale, dtype, amax)
         statistics = _rowwise_statistics(amax, used) if record else empty
-        q = q.to(q_dtype)
-        if q_pad:  # row-major, zero columns up to the padded width
-            padded = q.new_zeros(q.shape[0], _q_cols(q.shape[1], q_pad))
-            padded[:, : q.shape[1]] = q
-            q = padded
-        return q, scale_inv, amax, used, row_scale, statistics
+        q, q_t = _laid_out(q.to(q_dtype), q_pad, 0)
+        return q, scale_inv, amax, used, row_scale, statistics, q_t
     amax = _fp8._amax(x)
     if recipe == 1:
         used = _fp8.current_scale(amax, dtype, margin)
         q, scale_inv, amax, used = _fp8._cast(x, used, dtype, amax)
-        return q.to(q_dtype), scale_inv, amax, used, used, empty
-    q, scale_inv, amax, used = _fp8.quantize_fp8(x, scale, dtype, amax)
-    if not record:
-        return q.to(q_dtype), scale_inv, amax, used, scale, empty
-    next_scale, next_history = _fp8.delayed_update(amax, scale, history, dtype, margin,
-                                                   most_recent)  # fmt: skip
-    return q.to(q_dtype), scale_inv, amax, used, next_scale, next_history
+        next_scale, next_history = used, empty
+    else:
+        q, scale_inv, amax, used = _fp8.quantize_fp8(x, scale, dtype, amax)
+        next_scale, next_history = scale, empty
+        if record:
+            next_scale, next_history = _fp8.delayed_update(amax, scale, history, dtype, margin,
+                                                           most_recent)  # fmt: skip
+    q, q_t = _laid_out(q.to(q_dtype), q_pad, t_pad)
+    return q, scale_inv, amax, used, next_scale, next_history, q_t
+
+
+def _padded(q: torch.Tensor, pad: int) -> torch.Tensor:
+    """``q`` row-major, zero columns up to a multiple of ``pad`` (a copy)."""
+    padded = q.new_zeros(q.shape[0], _q_cols(q.shape[1], pad))
+    padded[:, : q.shape[1]] = q
+    return padded
+
+
+def _laid_out(q: torch.Tensor, q_pad: int, t_pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, q_t)`` from the quantised tensor: ``q`` padded with ``q_pad``, its transpose with
+    ``t_pad`` (empty without it)."""
+    padded = _padded(q, q_pad) if q_pad else q
+    return padded, (_padded(q.t(), t_pad) if t_pad else q.new_empty(0))
 
 
 # The op is defined with torch.library's low-level registration (a schema, then a kernel per
@@ -112,8 +132,8 @@ def fp8_quantize_reference(
 _LIB = torch.library.Library("mptex", "DEF")
 _LIB.define(
     "fp8_quantize(Tensor x, Tensor scale, Tensor history, int fp8_format, int recipe, "
-    "int margin, bool most_recent, bool record, ScalarType q_dtype, int q_pad=0) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "int margin, bool most_recent, bool record, ScalarType q_dtype, int q_pad=0, int t_pad=0) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
 
@@ -123,14 +143,19 @@ def _twin(*args) -> tuple[torch.Tensor, ...]:
     return tuple(t.clone() for t in fp8_quantize_reference(*args))
 
 
-def _cpu(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype, q_pad=0):
+def _cpu(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype, q_pad=0,
+         t_pad=0):  # fmt: skip
     lib = native_kernels()
-    dtype = _check(x, fp8_format, recipe, q_dtype, q_pad)
-    args = (x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype, q_pad)
+    dtype = _check(x, fp8_format, recipe, q_dtype, q_pad, t_pad)
+    args = (x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype, q_pad,
+            t_pad)  # fmt: skip
     if lib is None or x.dtype != torch.float32 or (recipe != 2 and not x.is_contiguous()):
         return _twin(*args)
-    q, (scale_inv, amax, used, next_scale), next_history = _outputs(x, history, recipe, record,
-                                                                    q_dtype, q_pad)  # fmt: skip
+    # The per-tensor arm writes q as x lies; its padded and transposed layouts are copies here
+    # (a CPU's GEMMs take any layout: these layouts serve a GPU's torch._scaled_mm).
+    laid_out = recipe != 2 and (q_pad or t_pad)
+    outputs = _outputs(x, history, recipe, record, q_dtype, 0 if laid_out else q_pad)
+    q, (scale_inv, amax, used, next_scale), next_history, q_t = outputs
     if recipe == 2:
         rows, cols = x.shape
         stride_r, stride_c = x.stride()
@@ -151,13 +176,17 @@ def _cpu(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_d
     if status:
         raise ValueError(f"x: the C kernel takes one row for a per-tensor recipe, got {rows}")
     if q_dtype not in _Q_KINDS:
-        q = q.view(dtype)
-    return q, scale_inv, amax, used, next_scale, next_history
+        q, q_t = q.view(dtype), q_t.view(dtype)
+    if laid_out:
+        q, q_t = _laid_out(q.view(x.shape), q_pad, t_pad)
+    return q, scale_inv, amax, used, next_scale, next_history, q_t
 
 
-def _cuda(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype, q_pad=0):
-    _check(x, fp8_format, recipe, q_dtype, q_pad)
-    args = (x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype, q_pad)
+def _cuda(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype, q_pad=0,
+          t_pad=0):  # fmt: skip
+    _check(x, fp8_format, recipe, q_dtype, q_pad, t_pad)
+    args = (x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype, q_pad,
+            t_pad)  # fmt: skip
     if not has_triton() or x.dtype != torch.float32:
         return _twin(*args)
     from mptex._fp8_triton import fp8_quantize_triton
@@ -165,11 +194,12 @@ def _cuda(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_
     return fp8_quantize_triton(*args)
 
 
-def _fake(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype, q_pad=0):
-    q, scalars, next_history = _outputs(x, history, recipe, record, q_dtype, q_pad)
+def _fake(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype, q_pad=0,
+          t_pad=0):  # fmt: skip
+    q, scalars, next_history, q_t = _outputs(x, history, recipe, record, q_dtype, q_pad, t_pad)
     if q_dtype not in _Q_KINDS:
-        q = q.view(q_dtype)
-    return (q, *scalars, next_history)
+        q, q_t = q.view(q_dtype), q_t.view(q_dtype)
+    return (q, *scalars, next_history, q_t)
 
 
 # The twin on any device without a kernel of its own; the C kernel on the CPU; Triton on CUDA.
@@ -200,11 +230,13 @@ def fp8_quantize(
     record: bool,
     q_dtype: torch.dtype,
     q_pad: int = 0,
+    t_pad: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """The quantisation (module docstring): the op where it has a kernel for ``x``, else
     :func:`fp8_quantize_reference`; the same values either way."""
     x = x.detach()
-    args = (x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype, q_pad)
+    args = (x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype, q_pad,
+            t_pad)  # fmt: skip
     if op_available(x) and (recipe == 2 or x.is_contiguous()):
         return torch.ops.mptex.fp8_quantize(*args)
     return fp8_quantize_reference(*args)

@@ -210,7 +210,7 @@ _FORMATS = (E4M3, E5M2)
 _Q_KINDS = {torch.float32: 1, torch.float64: 2}  # 0: the FP8 codes themselves
 
 
-def _check(x, fp8_format, recipe, q_dtype, q_pad: int = 0) -> torch.dtype:
+def _check(x, fp8_format, recipe, q_dtype, q_pad: int = 0, t_pad: int = 0) -> torch.dtype:
     if fp8_format not in (0, 1):
         raise ValueError(f"fp8_format: expected 0 (E4M3) or 1 (E5M2), got {fp8_format}")
     if recipe not in (0, 1, 2):
@@ -222,9 +222,13 @@ def _check(x, fp8_format, recipe, q_dtype, q_pad: int = 0) -> torch.dtype:
         )
     if recipe == 2 and x.ndim != 2:
         raise ValueError(f"x: the rowwise recipe takes a [M, K] matrix, got shape {list(x.shape)}")
-    if q_pad < 0 or (q_pad and recipe != 2):
-        raise ValueError(f"q_pad: expected 0, or > 0 with the rowwise recipe (2), got {q_pad} "
-                         f"with recipe {recipe}")  # fmt: skip
+    if q_pad < 0 or (q_pad and x.ndim != 2):
+        raise ValueError(f"q_pad: expected 0, or > 0 with a [M, K] matrix x, got {q_pad} with "
+                         f"x of shape {list(x.shape)}")  # fmt: skip
+    if t_pad < 0 or (t_pad and (recipe == 2 or x.ndim != 2)):
+        raise ValueError(f"t_pad: expected 0, or > 0 with a per-tensor recipe (0, 1) and a "
+                         f"[M, K] matrix x, got {t_pad} with recipe {recipe} and x of shape "
+                         f"{list(x.shape)}")  # fmt: skip
     return dtype
 
 
@@ -246,10 +250,11 @@ def _rowwise_statistics(amax: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
     return torch.stack([amax.amax(), used.amin()])
 
 
-def _outputs(x, history, recipe, record, q_dtype, q_pad=0):
+def _outputs(x, history, recipe, record, q_dtype, q_pad=0, t_pad=0):
     """The op's outputs, allocated: q laid out as x (with ``q_pad``: row-major, its rows
     ``_q_cols`` wide, the padding left to the kernel), the scalars (or [M, 1] row values), the
-    history (delayed, recording) or the row-wise statistics (recording)."""
+    history (delayed, recording) or the row-wise statistics (recording), and q_t (with ``t_pad``:
+    ``[K, _q_cols(M, t_pad)]`` row-major, else empty)."""
     q_storage = torch.uint8 if q_dtype not in _Q_KINDS else q_dtype
     if q_pad:
         q = torch.empty(x.shape[0], _q_cols(x.shape[1], q_pad), dtype=q_storage, device=x.device)
@@ -263,4 +268,6 @@ def _outputs(x, history, recipe, record, q_dtype, q_pad=0):
     elif record and recipe == 2:
         size = 2
     next_history = torch.empty(size, dtype=torch.float32, device=x.device)
-    return q, scalars, next_history
+    t_shape = (x.shape[1], _q_cols(x.shape[0], t_pad)) if t_pad else (0,)
+    q_t = torch.empty(t_shape, dtype=q_storage, device=x.device)
+    return q, scalars, next_history, q_t

@@ -19,7 +19,10 @@ Launches:
   a tensor of at most ``_ONE_PROGRAM_BLOCKS`` blocks (a layer's weight) is one launch of
   ``_scale_cast_kernel`` with one program that takes the amax of its blocks itself
   (``OWN_AMAX``) before the cast: on a GPU a launch costs the host more than reading a few
-  thousand values twice costs the device;
+  thousand values twice costs the device. With ``q_pad`` or ``t_pad`` (a ``[M, K]`` matrix)
+  ``_scale_cast_kernel`` casts in tiles of rows (``LAID_OUT``): each tile's codes are stored
+  into q's padded rows and, with ``t_pad``, into the transpose, whose stores the compiler lays
+  out along q_t's contiguous rows; the tiles cover the padded columns of both, stored as zeros;
 
 * row-wise recipe (2): ``_rowwise_kernel``, one program per block of rows, each looping over
   the columns twice (amax: ``OWN_AMAX``, then cast), any strides of ``x`` and ``q`` (a
@@ -217,13 +220,20 @@ def _x86_reciprocal(used):
 
 
 @triton.jit
+def _q_value(code, E5M2: tl.constexpr, Q_KIND: tl.constexpr):
+    """What q holds for a code: the code itself (Q_KIND 0, uint8), its value in float32 (1) or
+    float64 (2)."""
+    if Q_KIND == 0:
+        return code.to(tl.uint8)
+    else:
+        return _code_value(code, E5M2, Q_KIND)
+
+
+@triton.jit
 def _store_q(q_ptrs, x, used, mask, E5M2: tl.constexpr, Q_KIND: tl.constexpr):
     """Store ``fp8(x * used)``: the code (Q_KIND 0), its value in float32 (1) or float64 (2)."""
     code = _fp8_code(_x86_product(x, used), E5M2)
-    if Q_KIND == 0:
-        tl.store(q_ptrs, code.to(tl.uint8), mask=mask)
-    else:
-        tl.store(q_ptrs, _code_value(code, E5M2, Q_KIND), mask=mask)
+    tl.store(q_ptrs, _q_value(code, E5M2, Q_KIND), mask=mask)
 
 
 @triton.jit
@@ -245,6 +255,7 @@ def _amax_partials_kernel(x_ptr, partial_ptr, n, n_blocks, BLOCK: tl.constexpr):
 def _scale_cast_kernel(
     x_ptr,
     q_ptr,
+    q_t_ptr,
     partial_ptr,
     scale_ptr,
     history_ptr,
@@ -255,7 +266,13 @@ def _scale_cast_kernel(
     next_history_ptr,
     n,
     n_blocks,
+    n_partials,
     hlen,
+    rows,
+    cols,
+    q_cols,
+    t_cols,
+    row_tiles,
     E5M2: tl.constexpr,
     FMAX: tl.constexpr,
     HAS_MARGIN: tl.constexpr,
@@ -268,12 +285,21 @@ def _scale_cast_kernel(
     PARTIALS: tl.constexpr,
     HISTORY_BLOCK: tl.constexpr,
     OWN_AMAX: tl.constexpr,
+    LAID_OUT: tl.constexpr,
+    HAS_T: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
 ):
-    """The scale (every program, from the partials; with ``OWN_AMAX`` the one program's own
-    pass over all blocks), the cast of this program's blocks, and program 0's scalars and
-    history: the C kernel's per-tensor arm."""
+    """The scale (every program, from the ``n_partials`` partials; with ``OWN_AMAX`` the one
+    program's own pass over all blocks), the cast, and program 0's scalars and history: the C
+    kernel's per-tensor arm. The cast: this program's blocks of the contiguous ``x``, q laid
+    out as it; or, ``LAID_OUT``, the contiguous ``[rows, cols]`` ``x`` in tiles of ROWS x COLS,
+    the row tiles ``pid, pid + P, ...``: q row-major with rows ``q_cols`` wide and, with
+    ``HAS_T``, ``q_t`` (``[cols, t_cols]`` row-major, the transpose) from the same codes, the
+    padding (columns of q past ``cols``, of q_t past ``rows``) stored as zeros by the same
+    stores (the row tiles cover q_t's padded columns too). Rows, cols, q_cols, t_cols and
+    row_tiles are read only when ``LAID_OUT``."""
     pid = tl.program_id(0)
-    step = tl.num_programs(0)
     lanes = tl.arange(0, BLOCK)
     if OWN_AMAX:
         acc = tl.zeros([BLOCK], dtype=tl.int32)
@@ -284,7 +310,7 @@ def _scale_cast_kernel(
         amax = _amax_of(tl.max(acc, axis=0))
     else:
         idx = tl.arange(0, PARTIALS)
-        partials = tl.load(partial_ptr + idx, mask=idx < step, other=0)
+        partials = tl.load(partial_ptr + idx, mask=idx < n_partials, other=0)
         amax = _amax_of(tl.max(partials, axis=0))
     fmax = tl.full((), FMAX, tl.float32)
     inf = _f32(_F32_INF_BITS)
@@ -323,11 +349,28 @@ def _scale_cast_kernel(
         tl.store(amax_ptr, amax)
         tl.store(used_ptr, used)
         tl.store(next_scale_ptr, next_scale)
-    for blk in range(pid.to(tl.int64), n_blocks, step):
-        offs = blk * BLOCK + lanes
-        mask = offs < n
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        _store_q(q_ptr + offs, x, used, mask, E5M2, Q_KIND)
+    if LAID_OUT:
+        r_lanes = tl.arange(0, ROWS)
+        k_lanes = tl.arange(0, COLS)
+        for tile in range(pid.to(tl.int64), row_tiles, tl.num_programs(0)):
+            r = tile * ROWS + r_lanes
+            for c0 in range(0, q_cols, COLS):
+                k = c0 + k_lanes
+                inside = (r < rows)[:, None] & (k < cols)[None, :]
+                x = tl.load(x_ptr + r[:, None] * cols + k[None, :], mask=inside, other=0.0)
+                code = _fp8_code(_x86_product(x, used), E5M2)
+                value = _q_value(tl.where(inside, code, 0), E5M2, Q_KIND)  # padding: +0
+                q_mask = (r < rows)[:, None] & (k < q_cols)[None, :]
+                tl.store(q_ptr + r[:, None] * q_cols + k[None, :], value, mask=q_mask)
+                if HAS_T:
+                    t_mask = (r < t_cols)[:, None] & (k < cols)[None, :]
+                    tl.store(q_t_ptr + k[None, :] * t_cols + r[:, None], value, mask=t_mask)
+    else:
+        for blk in range(pid.to(tl.int64), n_blocks, tl.num_programs(0)):
+            offs = blk * BLOCK + lanes
+            mask = offs < n
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+            _store_q(q_ptr + offs, x, used, mask, E5M2, Q_KIND)
 
 
 @triton.jit
@@ -587,13 +630,14 @@ def fp8_quantize_triton(
     record: bool,
     q_dtype: torch.dtype,
     q_pad: int = 0,
+    t_pad: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """``mptex::fp8_quantize`` (:mod:`mptex._fp8_fused`'s module docstring) with the Triton
-    kernels: ``(q, scale_inv, amax, used, next_scale, next_history)``, the C kernel's bits.
+    kernels: ``(q, scale_inv, amax, used, next_scale, next_history, q_t)``, the C kernel's bits.
 
     ``x`` is float32 on a device Triton compiles for (or on the CPU under the interpreter).
     No host synchronisation: launch sizes depend on shapes only."""
-    dtype = _check(x, fp8_format, recipe, q_dtype, q_pad)
+    dtype = _check(x, fp8_format, recipe, q_dtype, q_pad, t_pad)
     x = x.detach()
     q_kind = _Q_KINDS.get(q_dtype, 0)
     consts = dict(
@@ -605,22 +649,34 @@ def fp8_quantize_triton(
     )
     if recipe == 2:
         outputs = _outputs(x, history, recipe, record, q_dtype, q_pad)
-        q, (scale_inv, amax, used, next_scale), next_history = outputs
+        q, (scale_inv, amax, used, next_scale), next_history, q_t = outputs
         _rowwise(x, q, (scale_inv, amax, used, next_scale), next_history, consts)
     else:
-        # The per-tensor kernels walk memory linearly; q is laid out as x (empty_like), so a
+        # The per-tensor kernels read x linearly; q is laid out as x (empty_like), so a
         # non-contiguous x is quantised as its contiguous copy and q copied into x's layout.
+        # With q_pad or t_pad, q (and q_t) are written in their padded layouts by the cast.
         flat = x.contiguous()
-        outputs = _outputs(flat, history, recipe, record, q_dtype)
-        q, (scale_inv, amax, used, next_scale), next_history = outputs
+        outputs = _outputs(flat, history, recipe, record, q_dtype, q_pad, t_pad)
+        q, (scale_inv, amax, used, next_scale), next_history, q_t = outputs
         n = flat.numel()
         n_blocks = triton.cdiv(n, _BLOCK)
         own_amax = n_blocks <= _ONE_PROGRAM_BLOCKS
-        programs = 1 if own_amax else min(n_blocks, _MAX_PROGRAMS)
+        # The partials' reduction reads one value per program of the first launch.
+        partial_programs = 1 if own_amax else min(n_blocks, _MAX_PROGRAMS)
+        programs, laid_out = partial_programs, bool(q_pad or t_pad)
+        layout, block_cols = (0, 0, 0, 0, 0), 16  # (unread without LAID_OUT)
+        if laid_out:
+            rows, cols = flat.shape
+            t_cols = q_t.shape[1] if t_pad else rows
+            block_cols = min(max(_next_pow2(q.shape[1]), 16), _MAX_COLS)
+            row_tiles = triton.cdiv(max(rows, t_cols), _ROW_TILE // block_cols)
+            layout = (rows, cols, q.shape[1], t_cols, row_tiles)
+            if not own_amax:
+                programs = min(max(row_tiles, 1), _MAX_PROGRAMS)
         partials = amax  # unread with own_amax
         if not own_amax:
-            partials = torch.empty(programs, dtype=torch.int32, device=x.device)
-            _amax_partials_kernel[(programs,)](
+            partials = torch.empty(partial_programs, dtype=torch.int32, device=x.device)
+            _amax_partials_kernel[(partial_programs,)](
                 flat, partials, n, n_blocks, BLOCK=_BLOCK, enable_fp_fusion=False
             )
         delayed = recipe == 0
@@ -628,19 +684,9 @@ def fp8_quantize_triton(
         history = history.detach().float().contiguous() if delayed and record else amax
         history = history if history.numel() else amax  # an unread (masked) pointer
         _scale_cast_kernel[(programs,)](
-            flat,
-            q,
-            partials,
-            scale,
-            history,
-            scale_inv,
-            amax,
-            used,
-            next_scale,
-            next_history if next_history.numel() else amax,
-            n,
-            n_blocks,
-            next_history.numel(),
+            flat, q, q_t if t_pad else q, partials, scale, history, scale_inv, amax, used,
+            next_scale, next_history if next_history.numel() else amax, n, n_blocks,
+            partial_programs, next_history.numel(), *layout,
             CURRENT=recipe == 1,
             RECORD=delayed and record,
             MOST_RECENT=bool(most_recent),
@@ -648,11 +694,15 @@ def fp8_quantize_triton(
             PARTIALS=_next_pow2(_MAX_PROGRAMS),
             HISTORY_BLOCK=_HISTORY_BLOCK,
             OWN_AMAX=own_amax,
+            LAID_OUT=laid_out,
+            HAS_T=bool(t_pad),
+            ROWS=_ROW_TILE // block_cols,
+            COLS=block_cols,
             enable_fp_fusion=False,
             **consts,
-        )
-        if flat is not x:
+        )  # fmt: skip
+        if flat is not x and not q_pad:
             q = torch.empty_like(x, dtype=q.dtype).copy_(q)
     if q_kind == 0:
-        q = q.view(dtype)
-    return q, scale_inv, amax, used, next_scale, next_history
+        q, q_t = q.view(dtype), q_t.view(dtype)
+    return q, scale_inv, amax, used, next_scale, next_history, q_t

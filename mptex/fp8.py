@@ -261,7 +261,7 @@ class _Kept:
     def serves(self, x: torch.Tensor, form: tuple) -> bool:
         """Whether ``x`` is the kept tensor itself, unchanged (same object, storage and version
         counter: not modified in place nor given new data since), quantised in the same
-        ``form`` (``(q_dtype, pad)``)."""
+        ``form`` (the op's layout arguments)."""
         return (self.tensor is x and self.version == x._version
                 and self.pointer == x.data_ptr() and self.form == form)  # fmt: skip
 
@@ -367,29 +367,47 @@ class ScalingState:
         """``(q, scale_inv, used)`` of ``x`` under the recipe; with ``record`` the history, the
         next scale and the statistics are updated. For the ``rowwise`` recipe ``x`` is
         ``[M, K]`` and ``scale_inv``, ``used`` are ``[M, 1]`` (:func:`quantize_fp8_rowwise`);
-        with ``pad`` (row-wise only) ``q`` is row-major, its rows zero-padded to a multiple of
-        ``pad`` columns. ``q`` is in ``q_dtype``: the state's FP8 dtype (default), or float32 /
-        float64 holding its values. One ``mptex::fp8_quantize`` op where it has a kernel
-        (:mod:`mptex._fp8_fused`), else the same arithmetic in eager ops."""
+        with ``pad`` (``x`` a ``[M, K]`` matrix) ``q`` is row-major, its rows zero-padded to a
+        multiple of ``pad`` columns. ``q`` is in ``q_dtype``: the state's FP8 dtype (default),
+        or float32 / float64 holding its values. One ``mptex::fp8_quantize`` op where it has a
+        kernel (:mod:`mptex._fp8_fused`), else the same arithmetic in eager ops."""
+        q, scale_inv, used, _ = self._quantize(x, record, q_dtype, pad, 0)
+        return q, scale_inv, used
+
+    def quantize_both(
+        self, x: torch.Tensor, record: bool, pad: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q, q_t, scale_inv)`` of a ``[M, K]`` ``x`` under a per-tensor recipe, recorded as
+        :meth:`quantize` records: ``q`` and its transpose ``q_t`` (``[K, M]``) from the same
+        codes, each row-major with its rows zero-padded to a multiple of ``pad`` columns, the
+        layouts ``torch._scaled_mm`` takes for the two GEMMs ``x`` enters (one reducing over
+        its columns, one over its rows), made by the one quantisation op."""
+        q, scale_inv, _, q_t = self._quantize(x, record, None, pad, pad)
+        return q, q_t, scale_inv
+
+    def _quantize(self, x, record, q_dtype, pad, t_pad):
+        """:meth:`quantize` and :meth:`quantize_both`: ``(q, scale_inv, used, q_t)``."""
         recipe = self.recipe
         code = RECIPE_CODES[recipe.recipe]
         delayed_record = record and code == 0
         reusable = self.reuse and record and code != 0
         kept = self._reused if reusable else None
-        if kept is not None and kept.serves(x, (q_dtype, pad)):
+        form = (q_dtype, pad, t_pad)
+        if kept is not None and kept.serves(x, form):
             outputs, memo = kept.outputs, kept.derived
         else:
             outputs = fp8_quantize(
                 x, self.scale, self.history, int(self.dtype == E5M2), code, recipe.margin,
                 recipe.amax_compute_algo == "most_recent", record, q_dtype or self.dtype, pad,
+                t_pad,
             )  # fmt: skip
             memo = {}  # what recording derives from the outputs, kept with them when reusable
             if reusable:
-                self._reused = _Kept(x, (q_dtype, pad), outputs, memo)
+                self._reused = _Kept(x, form, outputs, memo)
                 self._reused_columns = None  # a new training forward: the weight may have moved
-        q, scale_inv, amax, used, scale, history = outputs
+        q, scale_inv, amax, used, scale, history, q_t = outputs
         if not record:
-            return q, scale_inv, used
+            return q, scale_inv, used, q_t
         if code == 2:
             # The statistics are per tensor: the largest row amax and the smallest row scale,
             # which the op returns in place of a history (no reduction of its own here). A
@@ -407,15 +425,16 @@ class ScalingState:
                     memo["collected"] = (quantization_error(x, values),
                                          rowwise_spread(x, used, amax, self.dtype))  # fmt: skip
                 self.last_error, self.last_rowwise = memo["collected"]
-            return q, scale_inv, used
+            return q, scale_inv, used, q_t
         self._record(amax, self.scale if code == 0 else used, used)
         if delayed_record:
             self.scale, self.history = scale, history
         if self.collect:
             if "collected" not in memo:
-                memo["collected"] = quantization_error(x, dequantize_fp8(q, scale_inv))
+                values = q[:, : x.shape[1]] if pad else q  # padding left out
+                memo["collected"] = quantization_error(x, dequantize_fp8(values, scale_inv))
             self.last_error = memo["collected"]
-        return q, scale_inv, used
+        return q, scale_inv, used, q_t
 
     def quantize_columns(
         self, weight: torch.Tensor, q_dtype: torch.dtype | None = None, pad: int = 0
@@ -805,8 +824,14 @@ class _FP8Linear(torch.autograd.Function):
         resolved = resolve_gemm_backend(backend, x.device)
         emulated = resolved == "emulated"
         q_dtype = torch.float32 if emulated else None
-        x_q, x_inv, _ = x_state.quantize(x2, record, q_dtype)
-        w_q, w_inv, _ = w_state.quantize(weight, record, q_dtype)
+        if resolved == "scaled_mm":
+            # torch._scaled_mm's layouts from the quantisation itself (_scaled_mm_operands):
+            # the backward keeps the transposes.
+            x_q, w_q, x_inv, w_inv = _scaled_mm_operands(ctx, x2, weight, x_state, w_state,
+                                                         record)  # fmt: skip
+        else:
+            x_q, x_inv, _ = x_state.quantize(x2, record, q_dtype)
+            w_q, w_inv, _ = w_state.quantize(weight, record, q_dtype)
         if resolved == "triton":  # the bias added in the GEMM's epilogue
             out = _triton_mm(x_q, w_q.t(), x_inv, w_inv, bias)
         else:
@@ -815,6 +840,9 @@ class _FP8Linear(torch.autograd.Function):
             out = _LAYER_GEMMS[resolved](x_q, w_q.t(), x_inv, w_inv)
             if bias is not None:
                 out = out + bias.float()
+        if resolved == "scaled_mm":
+            x_q, w_q = ctx.transposes
+            del ctx.transposes
         ctx.save_for_backward(x_q, w_q, x_inv, w_inv)
         ctx.grad_state, ctx.w_state, ctx.shape = grad_state, w_state, shape
         ctx.resolved = resolved
@@ -827,6 +855,8 @@ class _FP8Linear(torch.autograd.Function):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         ctx.w_state.end_reuse()
         grad2 = grad_out.reshape(-1, grad_out.shape[-1])
+        if ctx.resolved == "scaled_mm":
+            return _scaled_mm_backward(ctx, grad2, x_q, w_q, x_inv, w_inv)
         emulated = ctx.resolved == "emulated"
         q_dtype = torch.float32 if emulated else None
         g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True, q_dtype)
@@ -843,6 +873,51 @@ class _FP8Linear(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             grad_b = grad2.float().sum(0).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None, None
+
+
+def _scaled_mm_operands(ctx, x2, weight, x_state, w_state, record):
+    """A per-tensor layer's forward operands for ``torch._scaled_mm`` (row-major, the reduced
+    dimension padded to a multiple of 16) and, in ``ctx.transposes``, the transposes its
+    backward's GEMMs take, made by the same quantisations: ``x``'s for ``dW = dY^T X``, the
+    weight's for ``dX = dY W`` (each reduces over the other dimension; None where that
+    gradient is not needed). No operand is copied or transposed after its quantisation, but
+    for a weight of fewer than 16 output channels, whose forward ``b`` is padded."""
+    pad = _SCALED_MM_ALIGN
+    needs_x_grad, needs_w_grad = ctx.needs_input_grad[:2]
+    x_t = w_t = None
+    if needs_w_grad:
+        x_q, x_t, x_inv = x_state.quantize_both(x2, record, pad)
+    else:
+        x_q, x_inv, _ = x_state.quantize(x2, record, None, pad)
+    if needs_x_grad:
+        w_q, w_t, w_inv = w_state.quantize_both(weight, record, pad)
+    else:
+        w_q, w_inv, _ = w_state.quantize(weight, record, None, pad)
+    ctx.transposes = (x_t, w_t)
+    return x_q, w_q, x_inv, w_inv
+
+
+def _scaled_mm_backward(ctx, grad2, x_t, w_t, x_inv, w_inv):
+    """:class:`_FP8Linear`'s backward on ``torch._scaled_mm`` from the forward's transposes
+    (:func:`_scaled_mm_operands`): ``dY`` quantised once into both layouts, ``dX = dY W`` as
+    ``dY [M, N] x (W^T)^T`` and ``dW = dY^T X`` as ``(dY^T) [N, M] x (X^T)^T``, each ``b`` the
+    column-major view of a row-major transpose; the same zero-padded reductions, so the same
+    sums, as the operands padded by copies."""
+    x_dtype, w_dtype, b_dtype = ctx.dtypes
+    needs_x_grad, needs_w_grad, needs_b_grad = ctx.needs_input_grad[:3]
+    grad_x = grad_w = grad_b = None
+    if needs_w_grad:
+        g_q, g_t, g_inv = ctx.grad_state.quantize_both(grad2, True, _SCALED_MM_ALIGN)
+    else:
+        g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True, None, _SCALED_MM_ALIGN)
+    if needs_x_grad:
+        grad_x = _scaled_mm_padded(g_q, w_t.t(), g_inv, w_inv)
+        grad_x = grad_x.to(x_dtype).reshape(ctx.shape)
+    if needs_w_grad:
+        grad_w = _scaled_mm_padded(g_t, x_t.t(), g_inv, x_inv).to(w_dtype)
+    if needs_b_grad:
+        grad_b = grad2.float().sum(0).to(b_dtype)
+    return grad_x, grad_w, grad_b, None, None, None
 
 
 def fp8_linear(

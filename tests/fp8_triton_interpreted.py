@@ -24,6 +24,9 @@ import re
 
 import triton.language as tl  # annotations only: no kernel is decorated at import
 
+# The kernels' integer arguments (sizes and counts).
+_SIZES = "n n_blocks n_partials hlen rows cols q_cols t_cols row_tiles chunks tiles_per_chunk"
+
 
 def compile_check() -> None:
     """Compile the three kernels for sm_90 in the constexpr variants that matter (formats, q
@@ -54,10 +57,7 @@ def compile_check() -> None:
         next_history_ptr="*fp32",
         stats_ptr="*fp32",
         pairs_ptr="*i32",
-        **dict.fromkeys(
-            ["n", "n_blocks", "hlen", "rows", "cols", "q_cols", "chunks", "tiles_per_chunk"],
-            "i32",
-        ),
+        **dict.fromkeys(_SIZES.split(), "i32"),
         **dict.fromkeys(["stride_xr", "stride_xc", "stride_qr", "stride_qc"], "i32"),
     )
 
@@ -66,7 +66,8 @@ def compile_check() -> None:
         stats = "*i32" if constexprs.get("STATS") == 2 else "*fp32"
         signature = {
             name: "constexpr" if name in constexprs
-            else dict(types, q_ptr=q_types[q_kind], stats_ptr=stats)[name]
+            else dict(types, q_ptr=q_types[q_kind], q_t_ptr=q_types[q_kind],
+                      stats_ptr=stats)[name]
             for name in kernel.arg_names
         }  # fmt: skip
         # what the launcher's specialisation tells the compiler about 16-aligned arguments
@@ -90,6 +91,7 @@ def compile_check() -> None:
             assert len(f32_divs) == divisions, (what, len(f32_divs), divisions)
         return len(f32_divs)
 
+    tile_rows = fp8_triton._ROW_TILE // 32  # a tile 32 columns wide
     ptx = build(fp8_triton._amax_partials_kernel, dict(BLOCK=fp8_triton._BLOCK))
     check(ptx, "partials", divisions=0)
     variants = 0
@@ -117,9 +119,15 @@ def compile_check() -> None:
         # both ways to the amax: the partials, and the one program's own pass
         for own_amax in (False, True):
             what = ("scale_cast", e5m2, q_kind, margin, current, record, most_recent, own_amax)
-            variant = dict(constexprs, OWN_AMAX=own_amax)
+            variant = dict(constexprs, OWN_AMAX=own_amax, LAID_OUT=False, HAS_T=False, ROWS=1,
+                           COLS=16)  # fmt: skip
             check(build(fp8_triton._scale_cast_kernel, variant, q_kind), what, want)
-            variants += 1
+            # the same scale, cast into the padded row-major q and its transpose (or q alone)
+            tiles = dict(LAID_OUT=True, HAS_T=variants % 2 == 0, ROWS=tile_rows, COLS=32)
+            what = (*what, "laid out", tiles["HAS_T"])
+            check(build(fp8_triton._scale_cast_kernel, dict(variant, **tiles), q_kind), what,
+                  want)  # fmt: skip
+            variants += 2
     # Row-wise: as the launcher specialises them, a row-major x (unit column strides, the rest
     # divisible by 16), a transposed one, and no specialisation at all. The divisions are per
     # row, repeated where the layout spreads a row over several threads.

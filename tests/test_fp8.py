@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from fp8_reference import FORMATS, fp8_code, fp8_value, rowwise_codes, rowwise_gemm_reference
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mptex.fp8 import (
     E4M3,
@@ -256,6 +257,40 @@ def test_the_scaled_mm_path_meets_the_cuda_kernels_checks_and_agrees_with_the_em
         assert torch.all((hw - emu).abs() <= bound), ((hw - emu).abs() / mag).max()
 
 
+class _OpNames(TorchDispatchMode):
+    """The names of the aten ops run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+_COPIES = ("copy_", "clone", "new_zeros", "zeros", "contiguous")  # layout copies
+
+
+def _scaled_mm_layer_case(monkeypatch, recipe: str, n_out: int, seed: int):
+    """A layer of 32 inputs and ``n_out`` outputs on 40 rows, on the scaled_mm path (this CPU's
+    ``torch._scaled_mm`` behind :func:`_strict_scaled_mm`, whose calls are recorded) and the
+    emulation: ``(calls, x, w, g, states by backend)``, the gradient states collecting."""
+    import mptex.fp8 as fp8
+
+    monkeypatch.setattr(fp8, "has_fp8_tensor_cores", lambda device, rowwise=False: True)
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_mm", _strict_scaled_mm(calls))
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.rand(40, 32, generator=gen) * 2 - 1).requires_grad_()
+    w = (torch.randn(n_out, 32, generator=gen) * 0.3).requires_grad_()
+    g = torch.randn(40, n_out, generator=gen) * 1e-4
+    states = {backend: _states(recipe) for backend in ("scaled_mm", "emulated")}
+    for backend in states:
+        states[backend][2].collect = True
+    return calls, x, w, g, states
+
+
 @pytest.mark.parametrize("n_out", [32, 3])
 def test_the_rowwise_backward_gives_scaled_mm_its_operands_uncopied(monkeypatch, n_out):
     """Row-wise, on the scaled_mm path: the operands the backward quantises for its GEMMs (the
@@ -265,33 +300,11 @@ def test_the_rowwise_backward_gives_scaled_mm_its_operands_uncopied(monkeypatch,
     M and the number of output channels; the results are those of the emulation within the
     bound of the test above, and the gradient's collected statistics are the emulation's (the
     padding left out)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    import mptex.fp8 as fp8
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
-
-    monkeypatch.setattr(fp8, "has_fp8_tensor_cores", lambda device, rowwise=False: True)
-    calls = []
-    monkeypatch.setattr(torch, "_scaled_mm", _strict_scaled_mm(calls))
-    gen = torch.Generator().manual_seed(5)
-    x = (torch.rand(40, 32, generator=gen) * 2 - 1).requires_grad_()
-    w = (torch.randn(n_out, 32, generator=gen) * 0.3).requires_grad_()
-    g = torch.randn(40, n_out, generator=gen) * 1e-4
-    states = {backend: _states("rowwise") for backend in ("scaled_mm", "emulated")}
-    for backend in states:
-        states[backend][2].collect = True
+    calls, x, w, g, states = _scaled_mm_layer_case(monkeypatch, "rowwise", n_out, seed=5)
     y = fp8_linear(x, w, None, states["scaled_mm"], backend="scaled_mm")
-    with Ops() as ops:
+    with _OpNames() as ops:
         grad_x, grad_w = torch.autograd.grad((y * g).sum(), (x, w))
-    copies = [n for n in ops.names if n in ("copy_", "clone", "new_zeros", "zeros", "contiguous")]
+    copies = [n for n in ops.names if n in _COPIES]
     assert not copies, copies
     assert calls[1:] == [(40, 32 if n_out > 16 else 16, 32), (n_out, 48, 32)]  # dX, dW (M: 48)
     y_emu = fp8_linear(x, w, None, states["emulated"], backend="emulated")
@@ -302,6 +315,43 @@ def test_the_rowwise_backward_gives_scaled_mm_its_operands_uncopied(monkeypatch,
     got, emu = states["scaled_mm"][2], states["emulated"][2]
     assert got.last_error.tolist() == emu.last_error.tolist() and got.last_error[0] > 0
     assert got.last_rowwise.tolist() == emu.last_rowwise.tolist()
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("n_out", [32, 3])
+def test_the_per_tensor_layer_gives_scaled_mm_its_operands_uncopied(monkeypatch, recipe, n_out):
+    """Per tensor, on the scaled_mm path: each operand comes from its quantisation in the
+    layout torch._scaled_mm takes, the transposes the backward's GEMMs reduce over (the input's
+    and the output gradient's over the batch, the weight's over its output channels) from the
+    same op call. The backward copies nothing; the forward copies only the weight of a layer
+    with fewer than 16 outputs (padded as its b). The gradients are those the emulation gives
+    on the same codes within the bound of the test above, and the recorded scales and the
+    gradient's collected statistics are the emulation's (the padding left out)."""
+    calls, x, w, g, states = _scaled_mm_layer_case(monkeypatch, recipe, n_out, seed=6)
+    results = {}
+    for backend in states:
+        with _OpNames() as forward:
+            y = fp8_linear(x, w, None, states[backend], backend=backend)
+        with _OpNames() as backward:
+            grads = torch.autograd.grad((y * g).sum(), (x, w))
+        results[backend] = (y, grads, forward.names, backward.names)
+    y, (grad_x, grad_w), forward, backward = results["scaled_mm"]
+    assert not [n for n in backward if n in _COPIES], backward
+    assert [n for n in forward if n in _COPIES] == ([] if n_out >= 16 else ["new_zeros", "copy_"])
+    padded_out = 32 if n_out > 16 else 16
+    assert calls == [(40, 32, padded_out), (40, padded_out, 32), (n_out, 48, 32)]  # y, dX, dW
+    y_emu, (want_x, want_w), _, _ = results["emulated"]
+    mag_y = x.detach().abs() @ w.detach().abs().t()
+    for got, emu, k, mag in ((y, y_emu, 32, mag_y),
+                             (grad_x, want_x, n_out, g.abs() @ w.detach().abs()),
+                             (grad_w, want_w, 40, g.abs().t() @ x.detach().abs())):  # fmt: skip
+        assert got.shape == emu.shape
+        assert torch.all((got - emu).abs() <= 2 * (k + 2) * U32 * 1.27 * mag)
+    for got, emu in zip(states["scaled_mm"], states["emulated"], strict=True):
+        assert got.last_scale.tolist() == emu.last_scale.tolist()
+        assert got.history.tolist() == emu.history.tolist()
+    got, emu = states["scaled_mm"][2], states["emulated"][2]
+    assert got.last_error.tolist() == emu.last_error.tolist() and got.last_error[0] > 0
 
 
 @pytest.mark.requires_cuda
@@ -620,7 +670,7 @@ def test_rowwise_statistics_count_a_nonfinite_row_and_never_an_overflow(dtype, m
     empty = torch.empty(0)
     outputs = fp8_quantize_reference(x, empty, empty, int(dtype == E5M2), 2, margin, False,
                                      False, dtype)  # fmt: skip
-    _, _, amax, used, recipe_scale, _ = outputs
+    _, _, amax, used, recipe_scale, *_ = outputs
     assert torch.isfinite(amax).all() and torch.equal(used, recipe_scale)
     assert (used == 1.0).sum() >= 2  # the zero and the subnormal rows kept 1
     state = ScalingState(dtype, ScalingRecipe("rowwise", margin=margin), None)
@@ -628,7 +678,7 @@ def test_rowwise_statistics_count_a_nonfinite_row_and_never_an_overflow(dtype, m
     assert state.overflows.item() == 0.0 and state.nonfinite.item() == 0.0
     assert state.last_scale.item() == used.min().item() and state.calls.item() == 1.0
     x[8, 0] = float("inf")
-    _, _, amax, used, recipe_scale, _ = fp8_quantize_reference(
+    _, _, amax, used, recipe_scale, *_ = fp8_quantize_reference(
         x, empty, empty, int(dtype == E5M2), 2, margin, False, False, dtype)  # fmt: skip
     assert used[8].item() == 0.0 and recipe_scale[8].item() == 1.0  # only that row differs
     keep = torch.arange(12) != 8

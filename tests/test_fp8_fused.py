@@ -19,7 +19,7 @@ needs_kernel = pytest.mark.skipif(
     native_kernels() is None, reason="no C compiler: the op runs its eager twin (no kernel to test)"
 )
 FORMATS = ((0, E4M3), (1, E5M2))
-OUTPUTS = ("q", "scale_inv", "amax", "used", "next_scale", "next_history")
+OUTPUTS = ("q", "scale_inv", "amax", "used", "next_scale", "next_history", "q_t")
 
 
 def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> str | None:
@@ -149,8 +149,9 @@ def test_the_kernels_cast_rounds_as_torchs_over_every_exponent(fmt, dtype):
 
 def test_the_op_is_registered_with_a_fake_kernel():
     x = torch.randn(12, 30)
-    for recipe, record, q_pad in ((0, True, 0), (0, False, 0), (1, False, 0), (2, True, 0),
-                                  (2, False, 16)):  # fmt: skip
+    for recipe, record, q_pad, t_pad in ((0, True, 0, 0), (0, False, 0, 0), (1, False, 0, 0),
+                                         (2, True, 0, 0), (2, False, 16, 0), (0, True, 16, 16),
+                                         (1, False, 0, 16)):  # fmt: skip
         for q_dtype in (E4M3, torch.float32):
             torch.library.opcheck(
                 torch.ops.mptex.fp8_quantize.default,
@@ -165,6 +166,7 @@ def test_the_op_is_registered_with_a_fake_kernel():
                     record,
                     q_dtype,
                     q_pad,
+                    t_pad,
                 ),  # fmt: skip
                 test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
             )
@@ -195,6 +197,41 @@ def test_padded_rows_are_the_unpadded_values_then_zeros(fmt, dtype):
                 assert torch.equal(bits(u), bits(v)), name
 
 
+@needs_kernel
+@pytest.mark.parametrize("fmt,dtype", FORMATS)
+@pytest.mark.parametrize("recipe", [0, 1])
+def test_per_tensor_layouts_are_the_codes_padded_and_transposed(fmt, dtype, recipe):
+    """A per-tensor recipe with ``q_pad`` and ``t_pad``: q row-major with zero columns up to a
+    multiple of q_pad, ``q_t[k, m] = q[m, k]`` with zero columns up to a multiple of t_pad, the
+    other outputs those of the call without them (a delayed call's history included); the
+    kernel bit for bit its twin, infinities and NaNs included."""
+    for i, (x, scale, history) in enumerate(_cases(seed=70 + 10 * fmt + recipe, trials=24)):
+        x = x.contiguous()
+        rows, cols = x.shape
+        for q_pad, t_pad, record, q_dtype in itertools.product(
+            (0, 16, 5), (0, 16, 3), (False, True), (dtype, torch.float32, torch.float64)
+        ):
+            args = (x, scale, history, fmt, recipe, 2, False, record, q_dtype)
+            got = torch.ops.mptex.fp8_quantize(*args, q_pad, t_pad)
+            problem = _same(got, fp8_quantize_reference(*args, q_pad, t_pad))
+            assert problem is None, f"case {i} {[rows, cols]} pads {q_pad, t_pad}: {problem}"
+            plain = torch.ops.mptex.fp8_quantize(*args)
+            q, q_t = got[0], got[6]
+            width = -(-cols // q_pad) * q_pad if q_pad else cols
+            assert q.shape == (rows, width) and q.is_contiguous()
+            assert torch.equal(bits(q[:, :cols]), bits(plain[0]))
+            assert not torch.count_nonzero(bits(q[:, cols:]))  # +0 codes / values
+            if t_pad:
+                length = -(-rows // t_pad) * t_pad
+                assert q_t.shape == (cols, length) and q_t.is_contiguous()
+                assert torch.equal(bits(q_t[:, :rows]), bits(plain[0].t()))
+                assert not torch.count_nonzero(bits(q_t[:, rows:]))
+            else:
+                assert q_t.shape == (0,) and q_t.dtype == q.dtype
+            for name, u, v in zip(OUTPUTS[1:6], got[1:6], plain[1:6], strict=True):
+                assert torch.equal(bits(u), bits(v)), name
+
+
 def test_the_dispatcher_uses_the_twin_where_there_is_no_kernel():
     x = torch.randn(8, 4, dtype=torch.float64)
     assert not op_available(x)
@@ -209,14 +246,21 @@ def test_the_dispatcher_uses_the_twin_where_there_is_no_kernel():
         (dict(recipe=3), "recipe: expected 0 \\(delayed\\), 1 \\(current\\) or 2 \\(rowwise\\)"),
         (dict(q_dtype=torch.float16), "q_dtype: expected torch.float8_e4m3fn"),
         (dict(x=torch.zeros(2, 3, 4)), "x: the rowwise recipe takes a \\[M, K\\] matrix"),
-        (dict(q_pad=-1), "q_pad: expected 0, or > 0 with the rowwise recipe \\(2\\), got -1"),
-        (dict(recipe=1, q_pad=16), "q_pad: expected 0, or > 0 with the rowwise recipe"),
+        (dict(q_pad=-1), "q_pad: expected 0, or > 0 with a \\[M, K\\] matrix x, got -1"),
+        (dict(recipe=1, x=torch.zeros(6), q_pad=16), "q_pad: expected 0, or > 0 with a \\[M, K\\]"),
+        (dict(recipe=1, t_pad=-1), "t_pad: expected 0, or > 0 with a per-tensor recipe"),
+        (
+            dict(t_pad=16),
+            "t_pad: expected 0, or > 0 with a per-tensor recipe \\(0, 1\\) and a "
+            "\\[M, K\\] matrix x, got 16 with recipe 2",
+        ),
+        (dict(recipe=0, x=torch.zeros(6), t_pad=16), "t_pad: expected 0, or > 0 with a per-tensor"),
     ],
 )
 def test_bad_arguments_name_themselves(change, message):
     args = dict(
         x=torch.zeros(2, 3), scale=torch.tensor(1.0), history=torch.zeros(2), fp8_format=0,
-        recipe=2, margin=0, most_recent=False, record=False, q_dtype=E4M3, q_pad=0,
+        recipe=2, margin=0, most_recent=False, record=False, q_dtype=E4M3, q_pad=0, t_pad=0,
     )  # fmt: skip
     args.update(change)
     for quantize in (fp8_quantize, fp8_quantize_reference, torch.ops.mptex.fp8_quantize):

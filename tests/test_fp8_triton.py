@@ -107,16 +107,17 @@ def _op(name, x, fmt, recipe, q_dtype, margin=0, most_recent=False, record=True,
     """An op case: ``kwargs`` may give ``scale``, ``history``, ``max_programs``,
     ``one_program_blocks`` (0: the per-tensor recipes' two launches at any size),
     ``tiles_per_chunk`` (long rows: fewer column tiles per chunk, more chunks),
-    ``statistics_block`` (the row-wise statistics' pairs reduced fewer at a time) and ``q_pad``
-    (row-wise: q row-major, its rows zero-padded to a multiple of it)."""
+    ``statistics_block`` (the row-wise statistics' pairs reduced fewer at a time), ``q_pad``
+    (q row-major, its rows zero-padded to a multiple of it) and ``t_pad`` (per tensor: the
+    transpose too, its rows zero-padded to a multiple of it)."""
     scale, history = kwargs.get("scale"), kwargs.get("history")
     if scale is None:
         scale = torch.tensor(2.0**-12)
     if history is None:
         history = _wide(16, 99).abs()
     args = (x, scale, history, fmt, recipe, margin, most_recent, record, q_dtype)
-    if kwargs.get("q_pad"):
-        args += (kwargs["q_pad"],)
+    if kwargs.get("q_pad") or kwargs.get("t_pad"):
+        args += (kwargs.get("q_pad", 0), kwargs.get("t_pad", 0))
     keys = ("max_programs", "one_program_blocks", "tiles_per_chunk", "statistics_block")
     overrides = {key: kwargs.get(key) for key in keys}
     return dict(kind="op", name=name, args=args, **overrides)
@@ -246,6 +247,24 @@ def _cases():
             cases.append(_op(f"padded-{tag}-r{int(record)}", x, 0, 2, f8, margin=2,
                              record=record, q_pad=pad))  # fmt: skip
         cases.append(_op(f"padded-{tag}-f32", x, 1, 2, torch.float32, q_pad=pad))
+    # Per tensor, q row-major and padded and its transpose (the operands of torch._scaled_mm
+    # for the two GEMMs a tensor enters): one launch and two, a program over several row tiles
+    # (4 programs), rows wider than a column tile, odd pads, no rows, a transposed x; with an
+    # inf and a NaN, and a row of the amax.
+    layouts = [
+        ("one", _wide((40, 32), 40), 16, 16), ("two", _wide((3001, 32), 41), 16, 16),
+        ("wide", _wide((37, 200), 42), 16, 3), ("odd", _wide((257, 5), 43), 5, 3),
+        ("t-only", _wide((70, 3), 44), 0, 16), ("q-only", _wide((300, 3), 45), 16, 0),
+        ("no-rows", torch.empty(0, 32), 16, 16), ("transposed", _wide((45, 67), 46).t(), 0, 16),
+    ]  # fmt: skip
+    layouts[1][1][2000, 7] = 3e4
+    layouts[2][1][5, 150], layouts[3][1][100, 2] = INF, NAN
+    for (tag, x, q_pad, t_pad), recipe in itertools.product(layouts, (0, 1)):
+        pads = dict(q_pad=q_pad, t_pad=t_pad)
+        cases.append(_op(f"layout-{tag}-{recipe}", x, 0, recipe, f8, margin=1, **pads))
+        cases.append(_op(f"layout-{tag}-{recipe}-f64", x, 1, recipe, torch.float64, **pads))
+    cases.append(_op("layout-cap4", _wide((3001, 32), 47), 1, 1, torch.float32, q_pad=16,
+                     t_pad=16, max_programs=4, one_program_blocks=0))  # fmt: skip
     big = _with_specials(_wide(ABOVE_CAP, 17), [1e7])  # amax at a spot past the first pass
     cases.append(_op("above-cap-delayed", big, 0, 0, f8, margin=2, scale=torch.tensor(1e-5)))
     cases.append(_op("above-cap-current", big, 1, 1, torch.float32))
@@ -336,7 +355,7 @@ def test_matches_twin(interpreted, name):
     for output, g, w in zip(OUTPUTS, got, want):
         assert_same_bits(g, w, (name, output))
     x = case["args"][0]
-    if len(case["args"]) > 9:  # q_pad: row-major
+    if len(case["args"]) > 9 and case["args"][9]:  # q_pad: row-major
         assert got[0].is_contiguous(), "q is row-major"
     else:
         assert got[0].stride() == torch.empty_like(x).stride(), "q is laid out as x"
@@ -466,9 +485,14 @@ def test_matches_cpu_on_cuda(recipe, fmt):
     cases = ([x, x[:6], x[10:], x.t(), tall.t(), tall[:, :9].t()] if recipe == 2
              else [x, x[:6], x[10:], _wide(ABOVE_CAP, 31)])  # fmt: skip
     scales = torch.cat([torch.tensor([2.0**-10]), _nan_payloads()])  # NaNs: x86's NaN rules
-    for xc, q_dtype, margin, scale in itertools.product(cases, _q_dtypes(fmt), (0, 2), scales):
+    # per tensor, also q padded and its transpose (torch._scaled_mm's layouts), 2-D cases only
+    layouts = [()] if recipe == 2 else [(), (16, 16)]
+    for xc, q_dtype, margin, scale, pads in itertools.product(cases, _q_dtypes(fmt), (0, 2),
+                                                              scales, layouts):  # fmt: skip
+        if pads and xc.ndim != 2:
+            continue
         history = _wide(20, 32).abs()
-        args = (scale, history, fmt, recipe, margin, False, True, q_dtype)
+        args = (scale, history, fmt, recipe, margin, False, True, q_dtype, *pads)
         want = torch.ops.mptex.fp8_quantize(xc, *args)
         on_gpu = [xc.cuda(), *(a.cuda() if torch.is_tensor(a) else a for a in args)]
         torch.cuda.synchronize()

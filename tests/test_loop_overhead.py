@@ -206,12 +206,16 @@ def test_the_fp8_gemms_can_be_counted_as_on_a_gpu(tmp_path):
 @pytest.mark.requires_triton
 def test_the_triton_fp8_gemms_are_counted_as_launches_without_copies(tmp_path):
     # --fp8-gemm triton: each GEMM one interpreted launch (at this size no split of K), where
-    # the scaled_mm path pads and lays out its operands in copies first.
+    # the scaled_mm path pads some of its operands in copies first (this texture's 8 encoder
+    # outputs and 3 colour outputs are not multiples of 16). Launches: ops less the
+    # allocations (``empty``: no kernel), which the Triton GEMMs' outputs add.
     counts = {gemm: _count_fp8(tmp_path, gemm) for gemm in ("scaled_mm", "triton")}
     scaled, triton = counts["scaled_mm"]["ops_by_name"], counts["triton"]["ops_by_name"]
     assert triton["triton:mm_kernel"] == scaled["_scaled_mm"] > 0
     assert "_scaled_mm" not in triton and "new_zeros" not in triton and scaled["new_zeros"] > 0
-    assert counts["triton"]["ops_per_iter"] < counts["scaled_mm"]["ops_per_iter"]
+    launches = {gemm: c["ops_per_iter"] - c["ops_by_name"].get("empty", 0)
+                for gemm, c in counts.items()}  # fmt: skip
+    assert launches["triton"] < launches["scaled_mm"], launches
 
 
 @pytest.mark.requires_triton

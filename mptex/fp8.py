@@ -880,10 +880,12 @@ def _scaled_mm_operands(ctx, x2, weight, x_state, w_state, record):
     dimension padded to a multiple of 16) and, in ``ctx.transposes``, the transposes its
     backward's GEMMs take, made by the same quantisations: ``x``'s for ``dW = dY^T X``, the
     weight's for ``dX = dY W`` (each reduces over the other dimension; None where that
-    gradient is not needed). No operand is copied or transposed after its quantisation, but
-    for a weight of fewer than 16 output channels, whose forward ``b`` is padded."""
+    gradient is not needed, or no backward can follow: ``record`` is False, as in a forward
+    under ``torch.no_grad()``, where ``ctx.needs_input_grad`` still says what requires grad).
+    No operand is copied or transposed after its quantisation, but for a weight of fewer than
+    16 output channels, whose forward ``b`` is padded."""
     pad = _SCALED_MM_ALIGN
-    needs_x_grad, needs_w_grad = ctx.needs_input_grad[:2]
+    needs_x_grad, needs_w_grad = (record and needs for needs in ctx.needs_input_grad[:2])
     x_t = w_t = None
     if needs_w_grad:
         x_q, x_t, x_inv = x_state.quantize_both(x2, record, pad)

@@ -354,6 +354,26 @@ def test_the_per_tensor_layer_gives_scaled_mm_its_operands_uncopied(monkeypatch,
     assert got.last_error.tolist() == emu.last_error.tolist() and got.last_error[0] > 0
 
 
+def test_the_per_tensor_layer_makes_transposes_only_for_a_backward(monkeypatch):
+    """On the scaled_mm path the transposes (``t_pad``) are asked for where a backward can
+    follow: the input's when the weight requires grad, the weight's when the input does; none
+    under ``torch.no_grad()`` (a validation forward)."""
+    import mptex.fp8 as fp8
+
+    calls, x, w, _, states = _scaled_mm_layer_case(monkeypatch, "current", 32, seed=7)
+    asked, quantize = [], fp8.fp8_quantize
+    monkeypatch.setattr(fp8, "fp8_quantize", lambda *a: asked.append(a[-1]) or quantize(*a))
+    with torch.no_grad():
+        fp8_linear(x, w, None, states["scaled_mm"], backend="scaled_mm")
+    assert asked == [0, 0]
+    for x_grad, w_grad, want in ((True, True, [16, 16]), (False, True, [16, 0]),
+                                 (True, False, [0, 16])):  # fmt: skip
+        asked.clear()
+        fp8_linear(x.detach().requires_grad_(x_grad), w.detach().requires_grad_(w_grad), None,
+                   states["scaled_mm"], backend="scaled_mm")  # fmt: skip
+        assert asked == want, (x_grad, w_grad)
+
+
 @pytest.mark.requires_cuda
 @pytest.mark.parametrize("recipe", ["delayed", "current", "rowwise"])
 @pytest.mark.parametrize("m, n_out", [(17, 9), (4097, 3), (65536 + 5, 32)])

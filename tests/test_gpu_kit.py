@@ -146,6 +146,7 @@ def test_dry_run_runs_every_stage_and_records_why_native_ones_cannot(tmp_path):
     profile = stages["profile"]
     assert profile["status"] == "ok", profile
     assert all(len(run["top_host_ops"]) == 12 for run in profile["data"]["profile"])
+    assert all(run["device_busy_ms_per_iter"] is None for run in profile["data"]["profile"])
     profiled = {row[0]: row[1] for row in profile["tables"][0]["rows"]}
     assert list(profiled) == list(kit.stages_loop.PROFILED)
     assert profiled[kit.stages_loop.TRITON].startswith("not run: cpu tensors need Triton")

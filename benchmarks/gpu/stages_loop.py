@@ -130,6 +130,10 @@ def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
         return getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0)) / 1e3
 
     parts = {e.key: device_ms(e) / iterations for e in events if e.key.startswith("mptex.")}
+    # The device's busy time: the kernels' and copies' own events (device-side, no children),
+    # each counted once; against ms / iter it says whether the loop waits for the device or
+    # for the host.
+    busy = sum(device_ms(e) for e in events if _on_device(e)) / iterations
     top = sorted((e for e in events if not e.key.startswith("mptex.")), key=device_ms,
                  reverse=True)[:10]  # fmt: skip
     # Where the host's time goes: an op's own CPU time (its launches, a library's set-up such
@@ -139,6 +143,7 @@ def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
         "arm": label,
         "status": metrics["status"],
         "ms_per_iter": (metrics["time_per_iter_s"] or 0.0) * 1e3,
+        "device_busy_ms_per_iter": busy if ctx.device.startswith("cuda") else None,
         "launches_per_iter": calls("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"),
         "stream_syncs_per_iter": calls("cudaStreamSynchronize", "cudaDeviceSynchronize"),
         "dtoh_per_iter": calls(
@@ -152,6 +157,14 @@ def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
         "backends": metrics.get("backends"),
         "torch": torch.__version__,
     }
+
+
+def _on_device(event) -> bool:
+    """Whether a profiler event is the device's own (a kernel, a copy, a memset), not a host
+    op that launched it."""
+    from torch.autograd import DeviceType
+
+    return getattr(event, "device_type", DeviceType.CPU) == DeviceType.CUDA
 
 
 def _host_floor(ctx, loop_overhead) -> None:
@@ -192,33 +205,36 @@ def stage_profile(ctx) -> None:
     rows, runs = [], []
     for arm in PROFILED:
         if runs and ctx.remaining() < 75:  # the host floors below need about a minute
-            rows.append([arm, "not run: time box", *[""] * 6])
+            rows.append([arm, "not run: time box", *[""] * 7])
             continue
         problem = override_problem(VARIANTS.get(arm, (arm, None))[1], ctx.device)
         if problem:
-            rows.append([arm, f"not run: {problem}", *[""] * 6])
+            rows.append([arm, f"not run: {problem}", *[""] * 7])
             continue
         try:
             run = _profile_arm(ctx, arm, iterations)
         except Exception as exc:  # one arm's failure is a row, not the stage's end
             rows.append([arm, f"failed: {type(exc).__name__}: {exc}".splitlines()[0],
-                         *[""] * 6])  # fmt: skip
+                         *[""] * 7])  # fmt: skip
             continue
         runs.append(run)
         backends = ", ".join(f"{k}={v}" for k, v in (run["backends"] or {}).items())
+        busy = run["device_busy_ms_per_iter"]
         rows.append([arm, run["status"], f"{run['ms_per_iter']:.2f}",
-                     f"{run['launches_per_iter']:.0f}", f"{run['stream_syncs_per_iter']:.1f}",
-                     f"{run['dtoh_per_iter']:.1f}", backends])  # fmt: skip
+                     "–" if busy is None else f"{busy:.2f}", f"{run['launches_per_iter']:.0f}",
+                     f"{run['stream_syncs_per_iter']:.1f}", f"{run['dtoh_per_iter']:.1f}",
+                     backends])  # fmt: skip
         ctx.result["data"]["profile"] = runs
         ctx.save()
     ctx.table(
         f"The loop under torch.profiler, {iterations} iterations, nvdiffrec's scale",
-        ["arm", "status", "ms / iter", "launches / iter", "stream syncs / iter", "DtoH / iter",
-         "backends"],
+        ["arm", "status", "ms / iter", "device busy ms / iter", "launches / iter",
+         "stream syncs / iter", "DtoH / iter", "backends"],
         rows,
         "ms / iter: the loop's median iteration time over the run; the other columns and the "
         "tables below: per iteration of a window in the middle of the run (after the first "
-        "third, before the final validation)",
+        "third, before the final validation); device busy: the kernels' and copies' own time "
+        "(well under ms / iter: the loop waits for the host; the profiler adds host time)",
     )  # fmt: skip
     for run in runs:
         ctx.table(f"{run['arm']}: device ms per iteration by part and the top ops",

@@ -33,13 +33,15 @@ Arguments (the op's and the twin's):
 * ``q_pad`` (default 0): ``x`` a ``[M, K]`` matrix: q row-major with its rows padded with zeros
   to a multiple of ``q_pad`` columns, the layout ``torch._scaled_mm`` takes an operand in (its
   reduced dimension a multiple of 16, contiguous), so that a GEMM needs no copy of it.
-* ``t_pad`` (default 0): a per-tensor recipe and a ``[M, K]`` matrix ``x``: the op also returns
-  ``x``'s transpose quantised with the same scale, row-major, its rows padded with zeros to a
-  multiple of ``t_pad`` columns: the operand of a GEMM that reduces over ``x``'s rows (a
-  weight gradient's, which reduces over the batch), in ``torch._scaled_mm``'s layout. One
-  scale per tensor makes the transpose's codes those of ``q``, so one call serves both GEMMs.
+* ``t_pad`` (default 0): ``x`` a ``[M, K]`` matrix: the op also returns ``x``'s transpose
+  quantised, row-major, its rows padded with zeros to a multiple of ``t_pad`` columns (1: not
+  padded): the operand of a GEMM that reduces over ``x``'s rows (a weight gradient's, which
+  reduces over the batch), in ``torch._scaled_mm``'s layout. Per tensor it has the same scale,
+  so its codes are those of ``q``; row-wise it is quantised row-wise itself (one scale per
+  column of ``x``, the scales a GEMM reducing over the rows needs), as a call on ``x.t()``
+  that does not record would. Either way one call serves both GEMMs the tensor enters.
 
-Returns ``(q, scale_inv, amax, used, next_scale, next_history, q_t)``:
+Returns ``(q, scale_inv, amax, used, next_scale, next_history, q_t, t_scale_inv)``:
 
 * ``q``: ``fp8(x * used)`` in ``q_dtype``, laid out as ``x`` (``torch.empty_like``), or with
   ``q_pad`` ``[M, K rounded up to a multiple of q_pad]`` row-major, the added columns zero;
@@ -52,7 +54,9 @@ Returns ``(q, scale_inv, amax, used, next_scale, next_history, q_t)``:
   is NaN) and the smallest ``used`` (``(0, 1)`` for a matrix without rows, as for a zero
   tensor), so that recording a call takes no reduction of its own; else ``[0]``;
 * ``q_t``: with ``t_pad``, ``[K, M rounded up to a multiple of t_pad]`` row-major in
-  ``q_dtype``, ``q_t[k, m] = q[m, k]`` and the added columns zero; else empty (``[0]``).
+  ``q_dtype``, the added columns zero (per tensor ``q_t[k, m] = q[m, k]``); else empty;
+* ``t_scale_inv``: row-wise with ``t_pad``, ``[K, 1]`` f32, the transpose's rows'
+  ``scale_inv``; else empty (per tensor the transpose's is ``scale_inv``).
 """
 
 from __future__ import annotations
@@ -94,7 +98,11 @@ def fp8_quantize_reference(
         q, scale_inv, amax, used = _fp8.quantize_fp8(x, row_scale, dtype, amax)
         statistics = _rowwise_statistics(amax, used) if record else empty
         q, q_t = _laid_out(q.to(q_dtype), q_pad, 0)
-        return q, scale_inv, amax, used, row_scale, statistics, q_t
+        t_scale_inv = empty
+        if t_pad:  # x.t() quantised row-wise, as its own call that does not record
+            t_args = (scale, history, fp8_format, 2, margin, False, False, q_dtype, t_pad)
+            q_t, t_scale_inv = fp8_quantize_reference(x.t(), *t_args)[:2]
+        return q, scale_inv, amax, used, row_scale, statistics, q_t, t_scale_inv
     amax = _fp8._amax(x)
     if recipe == 1:
         used = _fp8.current_scale(amax, dtype, margin)
@@ -107,7 +115,7 @@ def fp8_quantize_reference(
             next_scale, next_history = _fp8.delayed_update(amax, scale, history, dtype, margin,
                                                            most_recent)  # fmt: skip
     q, q_t = _laid_out(q.to(q_dtype), q_pad, t_pad)
-    return q, scale_inv, amax, used, next_scale, next_history, q_t
+    return q, scale_inv, amax, used, next_scale, next_history, q_t, empty
 
 
 def _padded(q: torch.Tensor, pad: int) -> torch.Tensor:
@@ -133,7 +141,7 @@ _LIB = torch.library.Library("mptex", "DEF")
 _LIB.define(
     "fp8_quantize(Tensor x, Tensor scale, Tensor history, int fp8_format, int recipe, "
     "int margin, bool most_recent, bool record, ScalarType q_dtype, int q_pad=0, int t_pad=0) "
-    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
 
@@ -155,7 +163,7 @@ def _cpu(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_d
     # (a CPU's GEMMs take any layout: these layouts serve a GPU's torch._scaled_mm).
     laid_out = recipe != 2 and (q_pad or t_pad)
     outputs = _outputs(x, history, recipe, record, q_dtype, 0 if laid_out else q_pad)
-    q, (scale_inv, amax, used, next_scale), next_history, q_t = outputs
+    q, (scale_inv, amax, used, next_scale), next_history, q_t, t_scale_inv = outputs
     if recipe == 2:
         rows, cols = x.shape
         stride_r, stride_c = x.stride()
@@ -179,7 +187,10 @@ def _cpu(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_d
         q, q_t = q.view(dtype), q_t.view(dtype)
     if laid_out:
         q, q_t = _laid_out(q.view(x.shape), q_pad, t_pad)
-    return q, scale_inv, amax, used, next_scale, next_history, q_t
+    if recipe == 2 and t_pad:  # x.t() quantised row-wise, as its own call that does not record
+        t_args = (scale, history, fp8_format, 2, margin, False, False, q_dtype, t_pad)
+        q_t, t_scale_inv = _cpu(x.t(), *t_args)[:2]
+    return q, scale_inv, amax, used, next_scale, next_history, q_t, t_scale_inv
 
 
 def _cuda(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype, q_pad=0,
@@ -196,10 +207,11 @@ def _cuda(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_
 
 def _fake(x, scale, history, fp8_format, recipe, margin, most_recent, record, q_dtype, q_pad=0,
           t_pad=0):  # fmt: skip
-    q, scalars, next_history, q_t = _outputs(x, history, recipe, record, q_dtype, q_pad, t_pad)
+    outputs = _outputs(x, history, recipe, record, q_dtype, q_pad, t_pad)
+    q, scalars, next_history, q_t, t_scale_inv = outputs
     if q_dtype not in _Q_KINDS:
         q, q_t = q.view(q_dtype), q_t.view(q_dtype)
-    return (q, *scalars, next_history, q_t)
+    return (q, *scalars, next_history, q_t, t_scale_inv)
 
 
 # The twin on any device without a kernel of its own; the C kernel on the CPU; Triton on CUDA.

@@ -225,10 +225,9 @@ def _check(x, fp8_format, recipe, q_dtype, q_pad: int = 0, t_pad: int = 0) -> to
     if q_pad < 0 or (q_pad and x.ndim != 2):
         raise ValueError(f"q_pad: expected 0, or > 0 with a [M, K] matrix x, got {q_pad} with "
                          f"x of shape {list(x.shape)}")  # fmt: skip
-    if t_pad < 0 or (t_pad and (recipe == 2 or x.ndim != 2)):
-        raise ValueError(f"t_pad: expected 0, or > 0 with a per-tensor recipe (0, 1) and a "
-                         f"[M, K] matrix x, got {t_pad} with recipe {recipe} and x of shape "
-                         f"{list(x.shape)}")  # fmt: skip
+    if t_pad < 0 or (t_pad and x.ndim != 2):
+        raise ValueError(f"t_pad: expected 0, or > 0 with a [M, K] matrix x, got {t_pad} with "
+                         f"x of shape {list(x.shape)}")  # fmt: skip
     return dtype
 
 
@@ -253,8 +252,9 @@ def _rowwise_statistics(amax: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
 def _outputs(x, history, recipe, record, q_dtype, q_pad=0, t_pad=0):
     """The op's outputs, allocated: q laid out as x (with ``q_pad``: row-major, its rows
     ``_q_cols`` wide, the padding left to the kernel), the scalars (or [M, 1] row values), the
-    history (delayed, recording) or the row-wise statistics (recording), and q_t (with ``t_pad``:
-    ``[K, _q_cols(M, t_pad)]`` row-major, else empty)."""
+    history (delayed, recording) or the row-wise statistics (recording), q_t (with ``t_pad``:
+    ``[K, _q_cols(M, t_pad)]`` row-major, else empty) and t_scale_inv (row-wise with ``t_pad``:
+    ``[K, 1]``, else empty)."""
     q_storage = torch.uint8 if q_dtype not in _Q_KINDS else q_dtype
     if q_pad:
         q = torch.empty(x.shape[0], _q_cols(x.shape[1], q_pad), dtype=q_storage, device=x.device)
@@ -270,4 +270,6 @@ def _outputs(x, history, recipe, record, q_dtype, q_pad=0, t_pad=0):
     next_history = torch.empty(size, dtype=torch.float32, device=x.device)
     t_shape = (x.shape[1], _q_cols(x.shape[0], t_pad)) if t_pad else (0,)
     q_t = torch.empty(t_shape, dtype=q_storage, device=x.device)
-    return q, scalars, next_history, q_t
+    t_rows = (x.shape[1], 1) if t_pad and recipe == 2 else (0,)
+    t_scale_inv = torch.empty(t_rows, dtype=torch.float32, device=x.device)
+    return q, scalars, next_history, q_t, t_scale_inv

@@ -633,7 +633,8 @@ def fp8_quantize_triton(
     t_pad: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """``mptex::fp8_quantize`` (:mod:`mptex._fp8_fused`'s module docstring) with the Triton
-    kernels: ``(q, scale_inv, amax, used, next_scale, next_history, q_t)``, the C kernel's bits.
+    kernels: ``(q, scale_inv, amax, used, next_scale, next_history, q_t, t_scale_inv)``, the C
+    kernel's bits.
 
     ``x`` is float32 on a device Triton compiles for (or on the CPU under the interpreter).
     No host synchronisation: launch sizes depend on shapes only."""
@@ -649,15 +650,18 @@ def fp8_quantize_triton(
     )
     if recipe == 2:
         outputs = _outputs(x, history, recipe, record, q_dtype, q_pad)
-        q, (scale_inv, amax, used, next_scale), next_history, q_t = outputs
+        q, (scale_inv, amax, used, next_scale), next_history, q_t, t_scale_inv = outputs
         _rowwise(x, q, (scale_inv, amax, used, next_scale), next_history, consts)
+        if t_pad:  # x.t() quantised row-wise, as its own call that does not record
+            t_args = (scale, history, fp8_format, 2, margin, False, False, q_dtype, t_pad)
+            q_t, t_scale_inv = fp8_quantize_triton(x.t(), *t_args)[:2]
     else:
         # The per-tensor kernels read x linearly; q is laid out as x (empty_like), so a
         # non-contiguous x is quantised as its contiguous copy and q copied into x's layout.
         # With q_pad or t_pad, q (and q_t) are written in their padded layouts by the cast.
         flat = x.contiguous()
         outputs = _outputs(flat, history, recipe, record, q_dtype, q_pad, t_pad)
-        q, (scale_inv, amax, used, next_scale), next_history, q_t = outputs
+        q, (scale_inv, amax, used, next_scale), next_history, q_t, t_scale_inv = outputs
         n = flat.numel()
         n_blocks = triton.cdiv(n, _BLOCK)
         own_amax = n_blocks <= _ONE_PROGRAM_BLOCKS
@@ -705,4 +709,4 @@ def fp8_quantize_triton(
             q = torch.empty_like(x, dtype=q.dtype).copy_(q)
     if q_kind == 0:
         q, q_t = q.view(dtype), q_t.view(dtype)
-    return q, scale_inv, amax, used, next_scale, next_history, q_t
+    return q, scale_inv, amax, used, next_scale, next_history, q_t, t_scale_inv

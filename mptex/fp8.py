@@ -333,8 +333,6 @@ class ScalingState:
         self.collect = False
         self.reuse = False
         self._reused: _Kept | None = None
-        # The same for the column-wise copy of a row-wise weight (the backward's dX GEMM).
-        self._reused_columns: _Kept | None = None
 
     # (A state dict without last_rowwise, saved before it existed, loads: missing names keep
     # their initial values.)
@@ -371,22 +369,27 @@ class ScalingState:
         multiple of ``pad`` columns. ``q`` is in ``q_dtype``: the state's FP8 dtype (default),
         or float32 / float64 holding its values. One ``mptex::fp8_quantize`` op where it has a
         kernel (:mod:`mptex._fp8_fused`), else the same arithmetic in eager ops."""
-        q, scale_inv, used, _ = self._quantize(x, record, q_dtype, pad, 0)
+        q, scale_inv, used, _, _ = self._quantize(x, record, q_dtype, pad, 0)
         return q, scale_inv, used
 
     def quantize_both(
-        self, x: torch.Tensor, record: bool, pad: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(q, q_t, scale_inv)`` of a ``[M, K]`` ``x`` under a per-tensor recipe, recorded as
-        :meth:`quantize` records: ``q`` and its transpose ``q_t`` (``[K, M]``) from the same
-        codes, each row-major with its rows zero-padded to a multiple of ``pad`` columns, the
-        layouts ``torch._scaled_mm`` takes for the two GEMMs ``x`` enters (one reducing over
-        its columns, one over its rows), made by the one quantisation op."""
-        q, scale_inv, _, q_t = self._quantize(x, record, None, pad, pad)
-        return q, q_t, scale_inv
+        self, x: torch.Tensor, record: bool, pad: int, t_pad: int,
+        q_dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``(q, q_t, scale_inv, t_scale_inv)`` of a ``[M, K]`` ``x``, recorded as
+        :meth:`quantize` records, for the two GEMMs ``x`` enters, one reducing over its columns
+        and one over its rows, from one quantisation op: ``q`` as :meth:`quantize` makes it
+        (rows padded to a multiple of ``pad``) and ``q_t``, ``[K, M]`` row-major, its rows
+        zero-padded to a multiple of ``t_pad`` (at least 1). Per tensor, ``q_t`` holds ``q``'s
+        codes transposed and ``t_scale_inv`` is ``scale_inv``; row-wise, ``q_t`` is ``x.t()``
+        quantised row-wise (one scale per column of ``x``, ``t_scale_inv`` ``[K, 1]``), not
+        recorded."""
+        q, scale_inv, _, q_t, t_scale_inv = self._quantize(x, record, q_dtype, pad, t_pad)
+        return q, q_t, scale_inv, t_scale_inv if t_scale_inv.numel() else scale_inv
 
     def _quantize(self, x, record, q_dtype, pad, t_pad):
-        """:meth:`quantize` and :meth:`quantize_both`: ``(q, scale_inv, used, q_t)``."""
+        """:meth:`quantize` and :meth:`quantize_both`: ``(q, scale_inv, used, q_t,
+        t_scale_inv)``."""
         recipe = self.recipe
         code = RECIPE_CODES[recipe.recipe]
         delayed_record = record and code == 0
@@ -404,10 +407,9 @@ class ScalingState:
             memo = {}  # what recording derives from the outputs, kept with them when reusable
             if reusable:
                 self._reused = _Kept(x, form, outputs, memo)
-                self._reused_columns = None  # a new training forward: the weight may have moved
-        q, scale_inv, amax, used, scale, history, q_t = outputs
+        q, scale_inv, amax, used, scale, history, q_t, t_scale_inv = outputs
         if not record:
-            return q, scale_inv, used, q_t
+            return q, scale_inv, used, q_t, t_scale_inv
         if code == 2:
             # The statistics are per tensor: the largest row amax and the smallest row scale,
             # which the op returns in place of a history (no reduction of its own here). A
@@ -425,7 +427,7 @@ class ScalingState:
                     memo["collected"] = (quantization_error(x, values),
                                          rowwise_spread(x, used, amax, self.dtype))  # fmt: skip
                 self.last_error, self.last_rowwise = memo["collected"]
-            return q, scale_inv, used, q_t
+            return q, scale_inv, used, q_t, t_scale_inv
         self._record(amax, self.scale if code == 0 else used, used)
         if delayed_record:
             self.scale, self.history = scale, history
@@ -434,29 +436,12 @@ class ScalingState:
                 values = q[:, : x.shape[1]] if pad else q  # padding left out
                 memo["collected"] = quantization_error(x, dequantize_fp8(values, scale_inv))
             self.last_error = memo["collected"]
-        return q, scale_inv, used, q_t
-
-    def quantize_columns(
-        self, weight: torch.Tensor, q_dtype: torch.dtype | None = None, pad: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(q, scale_inv)`` of ``weight.t()`` quantised row-wise in E4M3 (one scale per input
-        channel: the ``dX = dY W`` GEMM's ``b``; with ``pad``, ``q`` row-major and its rows
-        zero-padded to a multiple of it), nothing recorded; with :attr:`reuse`, the previous
-        call's outputs for the same unchanged tensor until :meth:`end_reuse`."""
-        kept = self._reused_columns
-        if self.reuse and kept is not None and kept.serves(weight, (q_dtype, pad)):
-            return kept.outputs
-        outputs = _rowwise_operand(weight.t(), E4M3, self.recipe.margin, q_dtype or E4M3,
-                                   pad=pad)  # fmt: skip
-        if self.reuse:
-            self._reused_columns = _Kept(weight, (q_dtype, pad), outputs, {})
-        return outputs
+        return q, scale_inv, used, q_t, t_scale_inv
 
     def end_reuse(self) -> None:
         """Forget the forward's outputs kept for :attr:`reuse`; each backward through the layer
-        calls it, as the next training forward comes after an optimizer step. (The column-wise
-        copy stays for the other backward calls of the same pass, until a training forward
-        quantises again.)"""
+        calls it, as the next training forward comes after an optimizer step. (A backward takes
+        what it needs of them from its forward's saved tensors.)"""
         self._reused = None
 
     def _record(self, amax: torch.Tensor, scale: torch.Tensor, used: torch.Tensor) -> None:
@@ -488,7 +473,7 @@ class ScalingState:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self._count_pending()
-        self._reused = self._reused_columns = None
+        self._reused = None
         for name in self._TENSORS:
             if name in state:
                 old = getattr(self, name)
@@ -502,7 +487,7 @@ class ScalingState:
 
     def to(self, device: torch.device) -> ScalingState:
         self._count_pending()
-        self._reused = self._reused_columns = None
+        self._reused = None
         for name in self._TENSORS:
             setattr(self, name, getattr(self, name).to(device))
         return self
@@ -743,8 +728,12 @@ def _rowwise_emulated(a, b, scale_a, scale_b) -> torch.Tensor:
 
 class _FP8RowwiseLinear(torch.autograd.Function):
     """The three GEMMs of a linear layer with row-wise scales, each operand quantised along
-    the axis its GEMM reduces over (module docstring, *Row-wise scaling*). The emulation gets
-    the operands' values in float64 from the quantisation itself (no conversion op)."""
+    the axis its GEMM reduces over (module docstring, *Row-wise scaling*). A tensor that
+    enters two GEMMs is quantised both ways by one op call (``quantize_both``): the input and
+    the weight in the forward (the backward keeps the column-wise copies), the output gradient
+    in the backward. The emulation gets the operands' values in float64 from the quantisation
+    itself (no conversion op), and quantises the input column-wise in the backward from the
+    saved input instead (its float64 copy would take twice the float32 input's memory)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, states, backend, record):
@@ -754,46 +743,60 @@ class _FP8RowwiseLinear(torch.autograd.Function):
         resolved = resolve_gemm_backend(backend, x.device, rowwise=True)
         emulated = resolved == "emulated"
         q_dtype = torch.float64 if emulated else None
-        x_q, x_inv, _ = x_state.quantize(x2, record, q_dtype)  # per sample
-        w_q, w_inv, _ = w_state.quantize(weight, record, q_dtype)  # per output channel
+        # torch._scaled_mm takes both operands with the reduced dimension contiguous and a
+        # multiple of 16: the operands come from the op laid out so, no copy.
+        pad = _SCALED_MM_ALIGN if resolved == "scaled_mm" else 0
+        t_pad = pad or 1
+        # Column-wise copies where a backward can follow and needs them (ctx.needs_input_grad
+        # also says what requires grad under torch.no_grad(), where record is False).
+        needs_x_grad, needs_w_grad = (record and needs for needs in ctx.needs_input_grad[:2])
+        x_t = x_t_inv = w_t = w_t_inv = None
+        if needs_w_grad and not emulated:  # per sample, and per input channel for dW
+            x_q, x_t, x_inv, x_t_inv = x_state.quantize_both(x2, record, pad, t_pad)
+        else:
+            x_q, x_inv, _ = x_state.quantize(x2, record, q_dtype, pad)
+        if needs_x_grad:  # per output channel, and per input channel for dX
+            w_q, w_t, w_inv, w_t_inv = w_state.quantize_both(weight, record, pad, t_pad, q_dtype)
+        else:
+            w_q, w_inv, _ = w_state.quantize(weight, record, q_dtype, pad)
         if resolved == "triton":  # the bias added in the GEMM's epilogue
             out = _triton_mm(x_q, w_q.t(), x_inv, w_inv.t(), bias, rowwise=True)
         else:
             out = _rowwise_gemm(x_q, w_q.t(), x_inv, w_inv.t(), resolved)
             if bias is not None:
                 out = out + bias.float()
-        ctx.save_for_backward(x2.detach(), weight.detach())
+        keep_x = x2.detach() if needs_w_grad and emulated else None
+        ctx.save_for_backward(x_t, x_t_inv, w_t, w_t_inv, keep_x)
         ctx.grad_state, ctx.w_state, ctx.resolved, ctx.shape = grad_state, w_state, resolved, shape
-        ctx.w_weight = weight  # the parameter itself: quantize_columns knows it by identity
-        ctx.margin = x_state.recipe.margin
+        ctx.margin, ctx.pads = x_state.recipe.margin, (pad, t_pad)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out.reshape(*shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x2, weight = ctx.saved_tensors
+        x_t, x_t_inv, w_t, w_t_inv, x2 = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         grad2 = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
-        emulated, margin = ctx.resolved == "emulated", ctx.margin
+        emulated, (pad, t_pad) = ctx.resolved == "emulated", ctx.pads
         ctx.w_state.end_reuse()
         wide = torch.float64 if emulated else None
-        # torch._scaled_mm takes both operands with the reduced dimension contiguous and a
-        # multiple of 16: the operands quantised here come from the op laid out so, no copy.
-        pad = _SCALED_MM_ALIGN if ctx.resolved == "scaled_mm" else 0
-        if ctx.needs_input_grad[0]:
-            # dX = dY W reduces over the output channels: dY per sample, W per input channel.
+        needs_x_grad, needs_w_grad, needs_b_grad = ctx.needs_input_grad[:3]
+        # dX = dY W reduces over the output channels: dY per sample, W per input channel (w_t).
+        # dW = dY^T X reduces over the batch: dY per output channel, X per input channel (x_t).
+        if needs_w_grad:
+            g_q, g_t, g_inv, g_t_inv = ctx.grad_state.quantize_both(grad2, True, pad, t_pad, wide)
+        else:
             g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True, wide, pad)
-            w_q, w_inv = ctx.w_state.quantize_columns(ctx.w_weight, wide, pad)
-            grad_x = _rowwise_gemm(g_q, w_q.t(), g_inv, w_inv.t(), ctx.resolved)
+        if needs_x_grad:
+            grad_x = _rowwise_gemm(g_q, w_t.t(), g_inv, w_t_inv.t(), ctx.resolved)
             grad_x = grad_x.to(x_dtype).reshape(ctx.shape)
-        if ctx.needs_input_grad[1]:
-            # dW = dY^T X reduces over the batch: dY per output channel, X per input channel.
-            g_q, g_inv = _rowwise_operand(grad2.t(), E5M2, margin, wide or E5M2, pad=pad)
-            x_q, x_inv = _rowwise_operand(x2.t(), E4M3, margin, wide or E4M3, pad=pad)
-            grad_w = _rowwise_gemm(g_q, x_q.t(), g_inv, x_inv.t(), ctx.resolved)
+        if needs_w_grad:
+            if x2 is not None:  # the emulation: X per input channel from the saved input
+                x_t, x_t_inv = _rowwise_operand(x2.t(), E4M3, ctx.margin, wide, pad=t_pad)
+            grad_w = _rowwise_gemm(g_t, x_t.t(), g_t_inv, x_t_inv.t(), ctx.resolved)
             grad_w = grad_w.to(w_dtype)
-        if ctx.needs_input_grad[2]:
+        if needs_b_grad:
             grad_b = grad2.float().sum(0).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None, None
 
@@ -888,11 +891,11 @@ def _scaled_mm_operands(ctx, x2, weight, x_state, w_state, record):
     needs_x_grad, needs_w_grad = (record and needs for needs in ctx.needs_input_grad[:2])
     x_t = w_t = None
     if needs_w_grad:
-        x_q, x_t, x_inv = x_state.quantize_both(x2, record, pad)
+        x_q, x_t, x_inv, _ = x_state.quantize_both(x2, record, pad, pad)
     else:
         x_q, x_inv, _ = x_state.quantize(x2, record, None, pad)
     if needs_x_grad:
-        w_q, w_t, w_inv = w_state.quantize_both(weight, record, pad)
+        w_q, w_t, w_inv, _ = w_state.quantize_both(weight, record, pad, pad)
     else:
         w_q, w_inv, _ = w_state.quantize(weight, record, None, pad)
     ctx.transposes = (x_t, w_t)
@@ -909,7 +912,8 @@ def _scaled_mm_backward(ctx, grad2, x_t, w_t, x_inv, w_inv):
     needs_x_grad, needs_w_grad, needs_b_grad = ctx.needs_input_grad[:3]
     grad_x = grad_w = grad_b = None
     if needs_w_grad:
-        g_q, g_t, g_inv = ctx.grad_state.quantize_both(grad2, True, _SCALED_MM_ALIGN)
+        pad = _SCALED_MM_ALIGN
+        g_q, g_t, g_inv, _ = ctx.grad_state.quantize_both(grad2, True, pad, pad)
     else:
         g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True, None, _SCALED_MM_ALIGN)
     if needs_x_grad:

@@ -19,7 +19,7 @@ needs_kernel = pytest.mark.skipif(
     native_kernels() is None, reason="no C compiler: the op runs its eager twin (no kernel to test)"
 )
 FORMATS = ((0, E4M3), (1, E5M2))
-OUTPUTS = ("q", "scale_inv", "amax", "used", "next_scale", "next_history", "q_t")
+OUTPUTS = ("q", "scale_inv", "amax", "used", "next_scale", "next_history", "q_t", "t_scale_inv")
 
 
 def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> str | None:
@@ -151,7 +151,7 @@ def test_the_op_is_registered_with_a_fake_kernel():
     x = torch.randn(12, 30)
     for recipe, record, q_pad, t_pad in ((0, True, 0, 0), (0, False, 0, 0), (1, False, 0, 0),
                                          (2, True, 0, 0), (2, False, 16, 0), (0, True, 16, 16),
-                                         (1, False, 0, 16)):  # fmt: skip
+                                         (1, False, 0, 16), (2, True, 16, 16)):  # fmt: skip
         for q_dtype in (E4M3, torch.float32):
             torch.library.opcheck(
                 torch.ops.mptex.fp8_quantize.default,
@@ -228,7 +228,32 @@ def test_per_tensor_layouts_are_the_codes_padded_and_transposed(fmt, dtype, reci
                 assert not torch.count_nonzero(bits(q_t[:, rows:]))
             else:
                 assert q_t.shape == (0,) and q_t.dtype == q.dtype
+            assert got[7].shape == (0,)  # the transpose's scale is scale_inv
             for name, u, v in zip(OUTPUTS[1:6], got[1:6], plain[1:6], strict=True):
+                assert torch.equal(bits(u), bits(v)), name
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt,dtype", FORMATS)
+def test_rowwise_transposes_are_the_columns_quantised_as_rows(fmt, dtype):
+    """Row-wise with ``t_pad``: ``q_t`` and ``t_scale_inv`` are what the op gives for ``x.t()``
+    with ``q_pad = t_pad`` and no record (one scale per column of x), the other outputs those
+    of the call without ``t_pad`` (the statistics of the rows alone); the kernel bit for bit
+    its twin, on row-major and transposed inputs, infinities and NaNs included."""
+    for i, (x, scale, history) in enumerate(_cases(seed=90 + fmt, trials=24)):
+        for q_pad, t_pad, record, q_dtype in itertools.product(
+            (0, 16), (16, 5, 1), (False, True), (dtype, torch.float32, torch.float64)
+        ):
+            args = (x, scale, history, fmt, 2, 2, False, record, q_dtype)
+            got = torch.ops.mptex.fp8_quantize(*args, q_pad, t_pad)
+            problem = _same(got, fp8_quantize_reference(*args, q_pad, t_pad))
+            assert problem is None, f"case {i} {list(x.shape)} pads {q_pad, t_pad}: {problem}"
+            plain = torch.ops.mptex.fp8_quantize(*args, q_pad)
+            columns = torch.ops.mptex.fp8_quantize(x.t(), *args[1:7], False, q_dtype, t_pad)
+            assert got[6].is_contiguous() and got[7].shape == (x.shape[1], 1)
+            assert torch.equal(bits(got[6]), bits(columns[0]))
+            assert torch.equal(bits(got[7]), bits(columns[1]))
+            for name, u, v in zip(OUTPUTS[:6], got[:6], plain[:6], strict=True):
                 assert torch.equal(bits(u), bits(v)), name
 
 
@@ -248,13 +273,8 @@ def test_the_dispatcher_uses_the_twin_where_there_is_no_kernel():
         (dict(x=torch.zeros(2, 3, 4)), "x: the rowwise recipe takes a \\[M, K\\] matrix"),
         (dict(q_pad=-1), "q_pad: expected 0, or > 0 with a \\[M, K\\] matrix x, got -1"),
         (dict(recipe=1, x=torch.zeros(6), q_pad=16), "q_pad: expected 0, or > 0 with a \\[M, K\\]"),
-        (dict(recipe=1, t_pad=-1), "t_pad: expected 0, or > 0 with a per-tensor recipe"),
-        (
-            dict(t_pad=16),
-            "t_pad: expected 0, or > 0 with a per-tensor recipe \\(0, 1\\) and a "
-            "\\[M, K\\] matrix x, got 16 with recipe 2",
-        ),
-        (dict(recipe=0, x=torch.zeros(6), t_pad=16), "t_pad: expected 0, or > 0 with a per-tensor"),
+        (dict(recipe=1, t_pad=-1), "t_pad: expected 0, or > 0 with a \\[M, K\\] matrix x, got -1"),
+        (dict(recipe=0, x=torch.zeros(6), t_pad=16), "t_pad: expected 0, or > 0 with a \\[M, K\\]"),
     ],
 )
 def test_bad_arguments_name_themselves(change, message):

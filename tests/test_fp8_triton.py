@@ -247,6 +247,11 @@ def _cases():
             cases.append(_op(f"padded-{tag}-r{int(record)}", x, 0, 2, f8, margin=2,
                              record=record, q_pad=pad))  # fmt: skip
         cases.append(_op(f"padded-{tag}-f32", x, 1, 2, torch.float32, q_pad=pad))
+    # Row-wise and column-wise in one call (t_pad: x.t() quantised row-wise too), padded, and
+    # unpadded (t_pad 1).
+    for tag, x, pad in padded[:4]:
+        cases.append(_op(f"both-{tag}", x, 1, 2, FORMATS[1], margin=1, q_pad=pad, t_pad=16))
+    cases.append(_op("both-unpadded", padded[0][1], 0, 2, torch.float64, record=False, t_pad=1))
     # Per tensor, q row-major and padded and its transpose (the operands of torch._scaled_mm
     # for the two GEMMs a tensor enters): one launch and two, a program over several row tiles
     # (4 programs), rows wider than a column tile, odd pads, no rows, a transposed x; with an
@@ -485,8 +490,8 @@ def test_matches_cpu_on_cuda(recipe, fmt):
     cases = ([x, x[:6], x[10:], x.t(), tall.t(), tall[:, :9].t()] if recipe == 2
              else [x, x[:6], x[10:], _wide(ABOVE_CAP, 31)])  # fmt: skip
     scales = torch.cat([torch.tensor([2.0**-10]), _nan_payloads()])  # NaNs: x86's NaN rules
-    # per tensor, also q padded and its transpose (torch._scaled_mm's layouts), 2-D cases only
-    layouts = [()] if recipe == 2 else [(), (16, 16)]
+    # also q padded and its transpose (torch._scaled_mm's layouts), 2-D cases only
+    layouts = [(), (16, 16)]
     for xc, q_dtype, margin, scale, pads in itertools.product(cases, _q_dtypes(fmt), (0, 2),
                                                               scales, layouts):  # fmt: skip
         if pads and xc.ndim != 2:

@@ -43,6 +43,15 @@ Launches:
   ``_row_statistics_kernel`` (one program) reduces the pairs: one launch instead of the two
   reductions a caller would otherwise make.
 
+  With ``t_pad`` (``x.t()`` quantised row-wise too) and rows that fit one tile (``q_cols <=
+  _MAX_COLS``: a layer's activations, gradients, weights), ``_rowwise_both_kernel`` does both
+  from the same loads of ``x``: each program casts its blocks of rows and keeps the largest
+  ``|x|`` of each column over them. A matrix of at most ``_ONE_PROGRAM_BLOCKS`` blocks of rows
+  is one program, which then casts ``x.t()`` itself (one launch for both); a taller one stores
+  the column maxima as ``x.t()``'s partials (one per program) and ``_rowwise_kernel`` casts
+  ``x.t()`` from them (two launches, and the statistics' reduction, where the two
+  quantisations apart take four).
+
 Arithmetic, and why it matches the C kernel on any GPU:
 
 * the amax is a max over ``bits(x) & 0x7fffffff`` in int32: for non-negative floats the integer
@@ -76,7 +85,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mptex._fp8_scaling import _Q_KINDS, _check, _outputs
+from mptex._fp8_scaling import _Q_KINDS, _check, _outputs, _q_cols
 
 __all__ = ["fp8_quantize_triton", "INTERPRETED"]
 
@@ -534,6 +543,145 @@ def _row_statistics_kernel(pairs_ptr, stats_ptr, n, BLOCK: tl.constexpr):
     tl.store(stats_ptr + 1, tl.min(low, axis=0).to(tl.float32, bitcast=True))
 
 
+@triton.jit
+def _rowwise_both_kernel(
+    x_ptr,
+    q_ptr,
+    q_t_ptr,
+    col_partial_ptr,
+    scale_inv_ptr,
+    amax_ptr,
+    used_ptr,
+    next_scale_ptr,
+    stats_ptr,
+    t_scale_inv_ptr,
+    rows,
+    cols,
+    q_cols,
+    t_cols,
+    row_blocks,
+    t_row_blocks,
+    stride_xr,
+    stride_xc,
+    stride_qr,
+    stride_qc,
+    E5M2: tl.constexpr,
+    FMAX: tl.constexpr,
+    HAS_MARGIN: tl.constexpr,
+    DIVISOR_BITS: tl.constexpr,
+    Q_KIND: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    STATS: tl.constexpr,
+    CAST_T: tl.constexpr,
+):
+    """The row-wise recipe on a ``[rows, cols]`` x whose rows fit one tile (``q_cols <=
+    COLS``), with the column maxima that ``x.t()``'s row-wise quantisation needs, from the same
+    loads. Program ``pid`` of P takes the blocks of ROWS rows ``pid, pid + P, ...``: their
+    amaxes and scales (stored), their cast into q (``q_cols`` wide, the padding zeros: x loads
+    0 there) and, over all its blocks, the largest ``bits(|x|)`` of each column. ``STATS`` as
+    :func:`_rowwise_kernel`'s (1: one program, as floats; 2: an int32 pair per program). Then
+    either the column maxima are stored as ``x.t()``'s partials (``[cols, P]`` int32, for
+    :func:`_rowwise_kernel` to cast ``x.t()`` from), or, ``CAST_T`` (one program), the columns'
+    scales are computed here (:func:`_row_scales`, as for rows) and ``x.t()`` is cast into
+    ``q_t`` (``[cols, t_cols]`` row-major, columns past ``rows`` zero) with ``t_scale_inv``
+    ``[cols]``: the whole quantisation both ways in one launch."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    r_lanes = tl.arange(0, ROWS)
+    k = tl.arange(0, COLS).to(tl.int64)  # offsets past 2**31 do not wrap
+    col_in = k < cols
+    column_bits = tl.zeros([COLS], dtype=tl.int32)
+    top = tl.full((), 0, tl.int32)
+    low = tl.full((), _F32_INF_BITS, tl.int32)
+    for blk in range(pid.to(tl.int64), row_blocks, programs):
+        r = blk * ROWS + r_lanes
+        row_in = r < rows
+        inside = row_in[:, None] & col_in[None, :]
+        x = tl.load(x_ptr + r[:, None] * stride_xr + k[None, :] * stride_xc, mask=inside,
+                    other=0.0)  # fmt: skip
+        x_bits = _abs_bits(x)
+        column_bits = tl.maximum(column_bits, tl.max(x_bits, axis=0))
+        amax = _amax_of(tl.max(x_bits, axis=1))
+        row_scale, used = _row_scales(amax, FMAX, HAS_MARGIN, DIVISOR_BITS, ROWS)
+        tl.store(amax_ptr + r, amax, mask=row_in)
+        tl.store(used_ptr + r, used, mask=row_in)
+        tl.store(next_scale_ptr + r, row_scale, mask=row_in)
+        tl.store(scale_inv_ptr + r, _x86_reciprocal(used), mask=row_in)
+        if STATS != 0:  # as _rowwise_kernel's: integer max and min of non-negative floats
+            top = tl.maximum(top, tl.max(tl.where(row_in, amax.to(tl.int32, bitcast=True), 0),
+                                         axis=0))  # fmt: skip
+            low = tl.minimum(low, tl.min(tl.where(row_in, used.to(tl.int32, bitcast=True),
+                                                  _F32_INF_BITS), axis=0))  # fmt: skip
+        q_mask = row_in[:, None] & (k < q_cols)[None, :]
+        q_ptrs = q_ptr + r[:, None] * stride_qr + k[None, :] * stride_qc
+        _store_q(q_ptrs, x, used[:, None], q_mask, E5M2, Q_KIND)
+    if STATS == 1:
+        tl.store(stats_ptr, top.to(tl.float32, bitcast=True))
+        tl.store(stats_ptr + 1, low.to(tl.float32, bitcast=True))
+    elif STATS == 2:
+        pair = stats_ptr.to(tl.pointer_type(tl.int32)) + 2 * pid
+        tl.store(pair, top)
+        tl.store(pair + 1, low)
+    if CAST_T:
+        t_amax = _amax_of(column_bits)
+        _, t_used = _row_scales(t_amax, FMAX, HAS_MARGIN, DIVISOR_BITS, COLS)
+        tl.store(t_scale_inv_ptr + k, _x86_reciprocal(t_used), mask=col_in)
+        for blk in range(0, t_row_blocks):
+            r = blk * ROWS + r_lanes
+            inside = (r < rows)[:, None] & col_in[None, :]
+            x = tl.load(x_ptr + r[:, None] * stride_xr + k[None, :] * stride_xc, mask=inside,
+                        other=0.0)  # fmt: skip
+            t_mask = (r < t_cols)[:, None] & col_in[None, :]
+            _store_q(q_t_ptr + k[None, :] * t_cols + r[:, None], x, t_used[None, :], t_mask,
+                     E5M2, Q_KIND)  # fmt: skip
+    else:
+        tl.store(col_partial_ptr + k * programs + pid, column_bits, mask=col_in)
+
+
+def _rowwise_both(x, q, scalars, stats, q_t, t_scale_inv, consts: dict) -> None:
+    """The row-wise recipe on ``x`` and on ``x.t()`` (:func:`_rowwise_both_kernel`), for an
+    ``x`` whose rows fit one tile: a matrix of at most ``_ONE_PROGRAM_BLOCKS`` blocks of rows (a
+    layer's weight) in one launch; a taller one in two, the second :func:`_rowwise_kernel`
+    casting ``x.t()`` from the first's column maxima (one partial per program of the first),
+    plus the statistics' reduction when recording, where the two quantisations apart take
+    four."""
+    rows, cols = x.shape
+    q_cols, t_cols = q.shape[1], q_t.shape[1]
+    block_cols = min(max(_next_pow2(q_cols), 16), _MAX_COLS)
+    block_rows = _ROW_TILE // block_cols
+    row_blocks = triton.cdiv(rows, block_rows)
+    one = row_blocks <= _ONE_PROGRAM_BLOCKS
+    programs = 1 if one else min(row_blocks, _MAX_PROGRAMS)
+    mode, pairs = 0, stats
+    if stats.numel():
+        mode = 1 if programs == 1 else 2
+    if mode == 2:
+        pairs = torch.empty(programs, 2, dtype=torch.int32, device=x.device)
+    partials = torch.empty(0 if one else cols * programs, dtype=torch.int32, device=x.device)
+    _rowwise_both_kernel[(programs,)](
+        x, q, q_t, partials, *scalars, pairs if mode else scalars[0], t_scale_inv, rows, cols,
+        q_cols, t_cols, row_blocks, triton.cdiv(t_cols, block_rows), *x.stride(), *q.stride(),
+        ROWS=block_rows, COLS=block_cols, STATS=mode, CAST_T=one, enable_fp_fusion=False,
+        **consts,
+    )  # fmt: skip
+    if not one:
+        # x.t() row-wise: its rows' amaxes from the partials, its columns in `programs` chunks
+        long_rows = min(max(_next_pow2(cols), 2), _LONG_ROWS)
+        tile_cols = _ROW_TILE // long_rows
+        tiles_per_chunk = triton.cdiv(triton.cdiv(t_cols, tile_cols), programs)
+        scratch = [torch.empty(cols, 1, dtype=torch.float32, device=x.device) for _ in range(3)]
+        _rowwise_kernel[(triton.cdiv(cols, long_rows), programs)](
+            x.t(), q_t, partials, t_scale_inv, *scratch, scratch[0], cols, rows, t_cols,
+            *x.t().stride(), *q_t.stride(), programs, tiles_per_chunk, ROWS=long_rows,
+            COLS=tile_cols, PARTIALS_BLOCK=_PARTIALS_BLOCK, OWN_AMAX=False, STATS=0,
+            enable_fp_fusion=False, **consts,
+        )  # fmt: skip
+    if mode == 2:
+        _row_statistics_kernel[(1,)](pairs, stats, programs, BLOCK=_STATISTICS_BLOCK,
+                                     enable_fp_fusion=False)  # fmt: skip
+
+
 def _interpreted() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -651,8 +799,15 @@ def fp8_quantize_triton(
     if recipe == 2:
         outputs = _outputs(x, history, recipe, record, q_dtype, q_pad)
         q, (scale_inv, amax, used, next_scale), next_history, q_t, t_scale_inv = outputs
-        _rowwise(x, q, (scale_inv, amax, used, next_scale), next_history, consts)
-        if t_pad:  # x.t() quantised row-wise, as its own call that does not record
+        scalars = (scale_inv, amax, used, next_scale)
+        rows, cols = x.shape
+        if t_pad and rows and cols and q.shape[1] <= _MAX_COLS:  # rows that fit one tile
+            q_t = torch.empty(cols, _q_cols(rows, t_pad), dtype=q.dtype, device=x.device)
+            t_scale_inv = torch.empty(cols, 1, dtype=torch.float32, device=x.device)
+            _rowwise_both(x, q, scalars, next_history, q_t, t_scale_inv, consts)
+        else:
+            _rowwise(x, q, scalars, next_history, consts)
+        if t_pad and not q_t.numel():  # x.t() quantised row-wise, as its own call would be
             t_args = (scale, history, fp8_format, 2, margin, False, False, q_dtype, t_pad)
             q_t, t_scale_inv = fp8_quantize_triton(x.t(), *t_args)[:2]
     else:

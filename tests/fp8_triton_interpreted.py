@@ -25,7 +25,10 @@ import re
 import triton.language as tl  # annotations only: no kernel is decorated at import
 
 # The kernels' integer arguments (sizes and counts).
-_SIZES = "n n_blocks n_partials hlen rows cols q_cols t_cols row_tiles chunks tiles_per_chunk"
+_SIZES = (
+    "n n_blocks n_partials hlen rows cols q_cols t_cols row_tiles row_blocks t_row_blocks "
+    "chunks tiles_per_chunk"
+)
 
 
 def compile_check() -> None:
@@ -57,6 +60,8 @@ def compile_check() -> None:
         next_history_ptr="*fp32",
         stats_ptr="*fp32",
         pairs_ptr="*i32",
+        col_partial_ptr="*i32",
+        t_scale_inv_ptr="*fp32",
         **dict.fromkeys(_SIZES.split(), "i32"),
         **dict.fromkeys(["stride_xr", "stride_xc", "stride_qr", "stride_qc"], "i32"),
     )
@@ -168,6 +173,15 @@ def compile_check() -> None:
             what = ("row chunks", e5m2, q_kind, layout)
             n_div[what] = check(build(fp8_triton._rowwise_kernel, constexprs, q_kind), what)
             variants += 1
+    # Both ways at once (rows that fit a tile): one program with the columns' cast, or many
+    # storing the column maxima; the statistics as floats, as pairs, or none.
+    for i, (e5m2, q_kind, cast_t) in enumerate(((False, 0, True), (True, 1, False),
+                                                (False, 2, True), (True, 0, False))):  # fmt: skip
+        constexprs = dict(_formats(fp8_triton, e5m2, q_kind, 2), ROWS=tile_rows, COLS=32,
+                          STATS=(1 if cast_t else 2) if i < 2 else 0, CAST_T=cast_t)  # fmt: skip
+        what = ("rowwise both", e5m2, q_kind, cast_t)
+        n_div[what] = check(build(fp8_triton._rowwise_both_kernel, constexprs, q_kind), what)
+        variants += 1
     # the statistics' reduction: integer max and min, no float arithmetic
     statistics = dict(BLOCK=fp8_triton._STATISTICS_BLOCK)
     check(build(fp8_triton._row_statistics_kernel, statistics), "row statistics", 0)

@@ -5,11 +5,13 @@
 Every FP8 GEMM goes through ``torch._scaled_mm`` (its CPU kernel; ``has_fp8_tensor_cores``
 patched to true). Each quantisation (the QAT arms' E4M3 rounding included) runs the C kernel
 (``c``) or, with ``TRITON_INTERPRET=1`` in
-the environment, mptex's Triton kernels under Triton's interpreter (``triton``; the long-row
-split made to take any row of more than one column tile; the ``torch._scaled_mm`` operands that
-need padding copied by :mod:`mptex._fp8_layout_triton`'s kernel instead of zeros and a copy).
-Writes ``OUT/ARM.pt`` (the checkpoint) and ``OUT/ARM.json`` (the loss history, and in ``triton``
-mode the number of quantisations, of long-row splits and of padded copies). Run by
+the environment, mptex's Triton kernels under Triton's interpreter (``triton``; every
+quantisation in its form for large tensors: the per-tensor amax over two launches, a row-wise
+tensor and its transpose in two launches, the transpose's columns in chunks; the
+``torch._scaled_mm`` operands that need padding copied by :mod:`mptex._fp8_layout_triton`'s
+kernel instead of zeros and a copy). Writes ``OUT/ARM.pt`` (the checkpoint) and
+``OUT/ARM.json`` (the loss history, and in ``triton`` mode the number of quantisations, of
+row-wise quantisations both ways in two launches and of padded copies). Run by
 ``tests/test_fp8_triton.py``: both modes must train the same bits.
 """
 
@@ -36,7 +38,7 @@ TINY = [
 
 def main(out: Path, mode: str, arms: list[str]) -> None:
     mptex.fp8.has_fp8_tensor_cores = lambda device, rowwise=False: True
-    counts = {"quantisations": 0, "long_rows": 0, "padded_copies": 0}
+    counts = {"quantisations": 0, "both_split": 0, "padded_copies": 0}
     if mode == "triton":
         import mptex._fp8_layout_triton as layout
         import mptex._fp8_triton as kernels
@@ -51,20 +53,21 @@ def main(out: Path, mode: str, arms: list[str]) -> None:
 
         assert kernels.INTERPRETED, "TRITON_INTERPRET=1 did not select the interpreter"
         kernels._TILES_PER_CHUNK = 1  # split any row longer than one tile
+        kernels._ONE_PROGRAM_BLOCKS = 0  # the forms for large tensors, whatever the size
 
-        class CountedLaunch:  # the long-row split's first kernel, counted at each launch
+        class CountedLaunch:  # the row-wise kernel both ways, counted at each launch
             def __init__(self, kernel):
                 self.kernel = kernel
 
             def __getitem__(self, grid):
-                counts["long_rows"] += 1
+                counts["both_split"] += 1
                 return self.kernel[grid]
 
         def quantize(x, *args):
             counts["quantisations"] += 1
             return kernels.fp8_quantize_triton(x.detach(), *args)
 
-        kernels._row_partials_kernel = CountedLaunch(kernels._row_partials_kernel)
+        kernels._rowwise_both_kernel = CountedLaunch(kernels._rowwise_both_kernel)
         mptex.fp8.fp8_quantize = quantize
     out.mkdir(parents=True, exist_ok=True)
     for arm in arms:
@@ -76,7 +79,7 @@ def main(out: Path, mode: str, arms: list[str]) -> None:
         losses = [entry["loss"] for entry in metrics["history"]]
         (out / f"{arm}.json").write_text(json.dumps({"status": metrics["status"],
                                                      "losses": losses, **counts}))  # fmt: skip
-        counts.update(quantisations=0, long_rows=0, padded_copies=0)
+        counts.update(quantisations=0, both_split=0, padded_copies=0)
 
 
 if __name__ == "__main__":

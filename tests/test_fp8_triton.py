@@ -248,10 +248,19 @@ def _cases():
                              record=record, q_pad=pad))  # fmt: skip
         cases.append(_op(f"padded-{tag}-f32", x, 1, 2, torch.float32, q_pad=pad))
     # Row-wise and column-wise in one call (t_pad: x.t() quantised row-wise too), padded, and
-    # unpadded (t_pad 1).
+    # unpadded (t_pad 1): rows that fit a tile in one launch (up to 16 blocks of rows), in
+    # two (one program per block, or 4 programs looping over them), and rows that do not.
     for tag, x, pad in padded[:4]:
         cases.append(_op(f"both-{tag}", x, 1, 2, FORMATS[1], margin=1, q_pad=pad, t_pad=16))
+        cases.append(_op(f"both-{tag}-two", x, 0, 2, f8, q_pad=pad, t_pad=16,
+                         one_program_blocks=0))  # fmt: skip
     cases.append(_op("both-unpadded", padded[0][1], 0, 2, torch.float64, record=False, t_pad=1))
+    tall_both = _wide((3001, 32), 29)
+    tall_both[1500, 3], tall_both[7, 31] = INF, NAN
+    cases.append(_op("both-tall", tall_both, 0, 2, f8, margin=2, q_pad=16, t_pad=16))
+    cases.append(_op("both-tall-4-programs", tall_both, 1, 2, torch.float32, t_pad=5,
+                     max_programs=4))  # fmt: skip
+    cases.append(_op("both-tall-t", tall_both[:, :5].t(), 0, 2, f8, t_pad=16))
     # Per tensor, q row-major and padded and its transpose (the operands of torch._scaled_mm
     # for the two GEMMs a tensor enters): one launch and two, a program over several row tiles
     # (4 programs), rows wider than a column tile, odd pads, no rows, a transposed x; with an
@@ -437,8 +446,9 @@ def _flat(obj, path=""):
 def test_training_through_the_triton_kernels_has_the_c_kernels_bits(tmp_path):
     # The FP8 arms trained as on a GPU with FP8 tensor cores (torch._scaled_mm, its CPU kernel
     # here), every quantisation once through the C kernel and once through the Triton kernels
-    # under the interpreter (the long-row split taken by every row-wise operand longer than one
-    # tile; the padded GEMM operands copied by the layout kernel): the same weights, Adam state,
+    # under the interpreter (each in its form for large tensors: a row-wise tensor and its
+    # transpose in two launches; the padded GEMM operands copied by the layout kernel): the
+    # same weights, Adam state,
     # FP8 scaling state and losses, bit for bit. The FP8 QAT arms' rounding goes through the
     # same op.
     arms = ["fp8", "fp8_current", "fp8_rowwise", "fp8_qat", "fp8_rowwise_qat"]
@@ -450,7 +460,7 @@ def test_training_through_the_triton_kernels_has_the_c_kernels_bits(tmp_path):
         c, t = (json.loads((tmp_path / m / f"{arm}.json").read_text()) for m in ("c", "triton"))
         assert c["status"] == t["status"] == "completed" and t["quantisations"] > 0, (c, t)
         assert t["losses"] == c["losses"]
-        assert (t["long_rows"] > 0) == (arm == "fp8_rowwise"), t
+        assert (t["both_split"] > 0) == (arm == "fp8_rowwise"), t
         # torch._scaled_mm's padded operands (the QAT arms have no FP8 GEMM)
         assert (t["padded_copies"] > 0) == ("qat" not in arm) and c["padded_copies"] == 0, t
         states = [torch.load(tmp_path / mode / f"{arm}.pt", weights_only=False)

@@ -368,8 +368,10 @@ def test_host_costs_run_every_block_on_the_cpu():
     host_costs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(host_costs)
     costs = host_costs.host_costs("cpu", 64, calls=3)
-    # The Triton FP8 GEMMs (the last three) run on a CPU only under Triton's interpreter.
-    ran, triton = costs[:10], costs[10:]
+    # The Triton launch and the Triton FP8 GEMMs (the last four) run on a CPU only under
+    # Triton's interpreter.
+    ran, (launch, *triton) = costs[:13], costs[13:]
+    assert "Triton launch" in launch["what"] and "error" in launch, launch
     assert len(triton) == 3 and all("Triton" in c["what"] for c in triton)
     assert all("error" not in c for c in ran), costs
     assert all(c["host_us"] > 0 and c["device_us"] is None for c in ran)

@@ -42,10 +42,15 @@ def host_costs(device: str, rows: int, calls: int = 200) -> list[dict[str, Any]]
     w_q = w.to(E4M3)
     g_q = x.to(E5M2)
 
-    def quantize(recipe: str, record: bool, tensor=x[:rows]):
+    def quantize(recipe: str, record: bool, tensor=x[:rows], pads=()):
         scale, hist = (one, history) if recipe == "delayed" else (empty, empty)
         return lambda i: fp8_quantize(tensor, scale, hist, 0, RECIPE_CODES[recipe], 0, False,
-                                      record, E4M3)  # fmt: skip
+                                      record, E4M3, *pads)  # fmt: skip
+
+    def triton_floor(i):  # the cheapest Triton launch mptex makes: a padded copy of one byte
+        from mptex._fp8_layout_triton import padded_copy
+
+        return padded_copy(x_q[:1, :1], 16, 16, False)
 
     blocks = [
         ("torch.add of two scalars (a launch's floor)", lambda i: one + one),
@@ -55,12 +60,19 @@ def host_costs(device: str, rows: int, calls: int = 200) -> list[dict[str, Any]]
         ("fp8_quantize [M, 32], delayed, recording", quantize("delayed", True)),
         ("fp8_quantize [32, 32] weight, delayed, recording", quantize("delayed", True, w)),
         ("fp8_quantize [M, 32], row-wise", quantize("rowwise", True)),
+        ("fp8_quantize [M, 32], row-wise, and its transpose (q_pad, t_pad 16)",
+         quantize("rowwise", True, pads=(16, 16))),
+        ("fp8_quantize [32, 32] weight, row-wise, and its transpose",
+         quantize("rowwise", True, w, pads=(16, 16))),
+        ("fp8_quantize [M, 32], current scaling, and its transpose (q_pad, t_pad 16)",
+         quantize("current", True, pads=(16, 16))),
         ("scaled_mm forward [M, 32] x [32, 32]",
          lambda i: scaled_mm(x_q[:rows], w_q.t(), one, one)),
         ("scaled_mm forward, M one row more each call",
          lambda i: scaled_mm(x_q[: rows + i], w_q.t(), one, one)),
         ("scaled_mm weight gradient [32, M] x [M, 32]",
          lambda i: scaled_mm(g_q[:rows].t(), x_q[:rows], one, one)),
+        ("a Triton launch (mptex's padded copy of a [1, 1] FP8 operand)", triton_floor),
         ("Triton FP8 GEMM forward [M, 32] x [32, 32]",
          lambda i: scaled_mm(x_q[:rows], w_q.t(), one, one, backend="triton")),
         ("Triton FP8 GEMM forward, M one row more each call",

@@ -49,8 +49,8 @@ Launches:
   ``|x|`` of each column over them. A matrix of at most ``_ONE_PROGRAM_BLOCKS`` blocks of rows
   is one program, which then casts ``x.t()`` itself (one launch for both); a taller one stores
   the column maxima as ``x.t()``'s partials (one per program) and ``_rowwise_kernel`` casts
-  ``x.t()`` from them (two launches, and the statistics' reduction, where the two
-  quantisations apart take four).
+  ``x.t()`` from them, its program (0, 0) also reducing the first launch's statistics pairs
+  when recording: two launches where the two quantisations apart take four.
 
 Arithmetic, and why it matches the C kernel on any GPU:
 
@@ -464,6 +464,8 @@ def _rowwise_kernel(
     stride_qc,
     chunks,
     tiles_per_chunk,
+    pairs_ptr,
+    n_pairs,
     E5M2: tl.constexpr,
     FMAX: tl.constexpr,
     HAS_MARGIN: tl.constexpr,
@@ -474,6 +476,7 @@ def _rowwise_kernel(
     PARTIALS_BLOCK: tl.constexpr,
     OWN_AMAX: tl.constexpr,
     STATS: tl.constexpr,
+    PAIRS_BLOCK: tl.constexpr,
 ):
     """ROWS rows: their amaxes (with ``OWN_AMAX``, one chunk holding the whole rows: this
     program's own pass over them; else from the partials), their scales (the C kernel's
@@ -481,7 +484,9 @@ def _rowwise_kernel(
     columns (q's rows are ``q_cols`` wide, the columns past ``cols`` written as zeros: ``x``
     loads 0 there). ``STATS`` (recording): 1, one block of rows, whose program stores the
     per-tensor statistics as floats; 2, each chunk-0 program stores its rows' as an int32 pair
-    (:func:`_row_statistics_kernel` reduces them); 0, none."""
+    (:func:`_row_statistics_kernel` reduces them); 3, not its own rows' but another launch's:
+    program (0, 0) reduces the ``n_pairs`` pairs at ``pairs_ptr`` into ``stats_ptr`` (the
+    launch that casts ``x.t()`` after :func:`_rowwise_both_kernel` cast ``x``); 0, none."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.program_id(1)
     row_in = r < rows
@@ -506,20 +511,12 @@ def _rowwise_kernel(
         tl.store(used_ptr + r, used, mask=row_in)
         tl.store(next_scale_ptr + r, row_scale, mask=row_in)
         tl.store(scale_inv_ptr + r, _x86_reciprocal(used), mask=row_in)
-        if STATS != 0:
-            # The largest amax and the smallest used scale as int32 bits: both are >= 0 (the
-            # amax's NaN is 0x7fc00000, above infinity; used is never NaN), where the integer
-            # order is the float order, so the max and min are exact and order-free.
-            top = tl.max(tl.where(row_in, amax.to(tl.int32, bitcast=True), 0), axis=0)
-            low = tl.min(tl.where(row_in, used.to(tl.int32, bitcast=True), _F32_INF_BITS),
-                         axis=0)  # fmt: skip
-            if STATS == 1:
-                tl.store(stats_ptr, top.to(tl.float32, bitcast=True))
-                tl.store(stats_ptr + 1, low.to(tl.float32, bitcast=True))
-            else:
-                pair = stats_ptr.to(tl.pointer_type(tl.int32)) + 2 * tl.program_id(0)
-                tl.store(pair, top)
-                tl.store(pair + 1, low)
+        if STATS == 1 or STATS == 2:
+            top, low = _rows_statistics(amax, used, row_in, 0, _F32_INF_BITS)
+            _store_statistics(stats_ptr, top, low, tl.program_id(0), STATS)
+        if STATS == 3:
+            if tl.program_id(0) == 0:
+                _reduce_pairs(pairs_ptr, stats_ptr, n_pairs, PAIRS_BLOCK)
     q_rows = q_ptr + r64[:, None] * stride_qr
     k_lanes = tl.arange(0, COLS)
     for t in range(first, first + tiles_per_chunk):
@@ -529,9 +526,39 @@ def _rowwise_kernel(
 
 
 @triton.jit
+def _rows_statistics(amax, used, row_in, top, low):
+    """``(top, low)``: the running largest row amax and smallest used scale, as int32 bits,
+    with these rows'. Both are >= 0 (the amax's NaN is 0x7fc00000, above infinity; used is
+    never NaN), where the integer order is the float order, so the max and min are exact and
+    order-free."""
+    top = tl.maximum(top, tl.max(tl.where(row_in, amax.to(tl.int32, bitcast=True), 0), axis=0))
+    low = tl.minimum(low, tl.min(tl.where(row_in, used.to(tl.int32, bitcast=True),
+                                          _F32_INF_BITS), axis=0))  # fmt: skip
+    return top, low
+
+
+@triton.jit
+def _store_statistics(stats_ptr, top, low, index, STATS: tl.constexpr):
+    """STATS 1: the per-tensor statistics as floats; 2: the int32 pair ``index``."""
+    if STATS == 1:
+        tl.store(stats_ptr, top.to(tl.float32, bitcast=True))
+        tl.store(stats_ptr + 1, low.to(tl.float32, bitcast=True))
+    else:
+        pair = stats_ptr.to(tl.pointer_type(tl.int32)) + 2 * index
+        tl.store(pair, top)
+        tl.store(pair + 1, low)
+
+
+@triton.jit
 def _row_statistics_kernel(pairs_ptr, stats_ptr, n, BLOCK: tl.constexpr):
     """stats = (max of the pairs' first ints, min of their second) as float32: the per-tensor
     statistics from :func:`_rowwise_kernel`'s ``n`` int32 pairs (one program)."""
+    _reduce_pairs(pairs_ptr, stats_ptr, n, BLOCK)
+
+
+@triton.jit
+def _reduce_pairs(pairs_ptr, stats_ptr, n, BLOCK: tl.constexpr):
+    """:func:`_row_statistics_kernel`'s reduction, in the calling program."""
     top = tl.zeros([BLOCK], dtype=tl.int32)
     low = tl.full([BLOCK], _F32_INF_BITS, tl.int32)
     for start in range(0, n, BLOCK):
@@ -608,21 +635,13 @@ def _rowwise_both_kernel(
         tl.store(used_ptr + r, used, mask=row_in)
         tl.store(next_scale_ptr + r, row_scale, mask=row_in)
         tl.store(scale_inv_ptr + r, _x86_reciprocal(used), mask=row_in)
-        if STATS != 0:  # as _rowwise_kernel's: integer max and min of non-negative floats
-            top = tl.maximum(top, tl.max(tl.where(row_in, amax.to(tl.int32, bitcast=True), 0),
-                                         axis=0))  # fmt: skip
-            low = tl.minimum(low, tl.min(tl.where(row_in, used.to(tl.int32, bitcast=True),
-                                                  _F32_INF_BITS), axis=0))  # fmt: skip
+        if STATS != 0:
+            top, low = _rows_statistics(amax, used, row_in, top, low)
         q_mask = row_in[:, None] & (k < q_cols)[None, :]
         q_ptrs = q_ptr + r[:, None] * stride_qr + k[None, :] * stride_qc
         _store_q(q_ptrs, x, used[:, None], q_mask, E5M2, Q_KIND)
-    if STATS == 1:
-        tl.store(stats_ptr, top.to(tl.float32, bitcast=True))
-        tl.store(stats_ptr + 1, low.to(tl.float32, bitcast=True))
-    elif STATS == 2:
-        pair = stats_ptr.to(tl.pointer_type(tl.int32)) + 2 * pid
-        tl.store(pair, top)
-        tl.store(pair + 1, low)
+    if STATS != 0:
+        _store_statistics(stats_ptr, top, low, pid, STATS)
     if CAST_T:
         t_amax = _amax_of(column_bits)
         _, t_used = _row_scales(t_amax, FMAX, HAS_MARGIN, DIVISOR_BITS, COLS)
@@ -643,9 +662,9 @@ def _rowwise_both(x, q, scalars, stats, q_t, t_scale_inv, consts: dict) -> None:
     """The row-wise recipe on ``x`` and on ``x.t()`` (:func:`_rowwise_both_kernel`), for an
     ``x`` whose rows fit one tile: a matrix of at most ``_ONE_PROGRAM_BLOCKS`` blocks of rows (a
     layer's weight) in one launch; a taller one in two, the second :func:`_rowwise_kernel`
-    casting ``x.t()`` from the first's column maxima (one partial per program of the first),
-    plus the statistics' reduction when recording, where the two quantisations apart take
-    four."""
+    casting ``x.t()`` from the first's column maxima (one partial per program of the first)
+    and, when recording, reducing the first's statistics pairs, where the two quantisations
+    apart take four."""
     rows, cols = x.shape
     q_cols, t_cols = q.shape[1], q_t.shape[1]
     block_cols = min(max(_next_pow2(q_cols), 16), _MAX_COLS)
@@ -671,15 +690,14 @@ def _rowwise_both(x, q, scalars, stats, q_t, t_scale_inv, consts: dict) -> None:
         tile_cols = _ROW_TILE // long_rows
         tiles_per_chunk = triton.cdiv(triton.cdiv(t_cols, tile_cols), programs)
         scratch = [torch.empty(cols, 1, dtype=torch.float32, device=x.device) for _ in range(3)]
+        # and, recording, x's statistics from the first launch's pairs (STATS 3)
         _rowwise_kernel[(triton.cdiv(cols, long_rows), programs)](
-            x.t(), q_t, partials, t_scale_inv, *scratch, scratch[0], cols, rows, t_cols,
-            *x.t().stride(), *q_t.stride(), programs, tiles_per_chunk, ROWS=long_rows,
-            COLS=tile_cols, PARTIALS_BLOCK=_PARTIALS_BLOCK, OWN_AMAX=False, STATS=0,
+            x.t(), q_t, partials, t_scale_inv, *scratch, stats if mode else scratch[0], cols,
+            rows, t_cols, *x.t().stride(), *q_t.stride(), programs, tiles_per_chunk, pairs,
+            programs, ROWS=long_rows, COLS=tile_cols, PARTIALS_BLOCK=_PARTIALS_BLOCK,
+            OWN_AMAX=False, STATS=3 if mode else 0, PAIRS_BLOCK=_STATISTICS_BLOCK,
             enable_fp_fusion=False, **consts,
         )  # fmt: skip
-    if mode == 2:
-        _row_statistics_kernel[(1,)](pairs, stats, programs, BLOCK=_STATISTICS_BLOCK,
-                                     enable_fp_fusion=False)  # fmt: skip
 
 
 def _interpreted() -> bool:
@@ -754,11 +772,14 @@ def _rowwise(x, q, scalars, stats, consts: dict) -> None:
         *q.stride(),
         chunks,
         tiles_per_chunk,
+        scalars[0],  # no pairs to reduce (STATS 3 only)
+        0,
         ROWS=block_rows,
         COLS=block_cols,
         PARTIALS_BLOCK=_PARTIALS_BLOCK,
         OWN_AMAX=chunks == 1,
         STATS=mode,
+        PAIRS_BLOCK=_STATISTICS_BLOCK,
         enable_fp_fusion=False,
         **consts,
     )

@@ -27,7 +27,7 @@ import triton.language as tl  # annotations only: no kernel is decorated at impo
 # The kernels' integer arguments (sizes and counts).
 _SIZES = (
     "n n_blocks n_partials hlen rows cols q_cols t_cols row_tiles row_blocks t_row_blocks "
-    "chunks tiles_per_chunk"
+    "chunks tiles_per_chunk n_pairs"
 )
 
 
@@ -146,6 +146,7 @@ def compile_check() -> None:
         constexprs = dict(
             _formats(fp8_triton, e5m2, q_kind, 2), ROWS=fp8_triton._ROW_TILE // cols, COLS=cols,
             PARTIALS_BLOCK=fp8_triton._PARTIALS_BLOCK, OWN_AMAX=True, chunks=1, STATS=i % 3,
+            PAIRS_BLOCK=fp8_triton._STATISTICS_BLOCK,
         )  # fmt: skip
         aligned = ["x_ptr", "q_ptr", "scale_inv_ptr", "amax_ptr", "used_ptr", "next_scale_ptr"]
         if layout == "rows":
@@ -167,7 +168,8 @@ def compile_check() -> None:
         for stats, (e5m2, q_kind) in enumerate(((False, 0), (True, 1), (False, 2))):
             constexprs = dict(_formats(fp8_triton, e5m2, q_kind, 2), **tile, **unit,
                               PARTIALS_BLOCK=fp8_triton._PARTIALS_BLOCK,
-                              OWN_AMAX=False, STATS=stats)  # fmt: skip
+                              OWN_AMAX=False, STATS=stats + (stats == 2),
+                              PAIRS_BLOCK=fp8_triton._STATISTICS_BLOCK)  # fmt: skip
             if layout == "columns":
                 constexprs.update(stride_qr=1)
             what = ("row chunks", e5m2, q_kind, layout)

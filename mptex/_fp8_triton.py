@@ -364,7 +364,7 @@ def _scale_cast_kernel(
         for tile in range(pid.to(tl.int64), row_tiles, tl.num_programs(0)):
             r = tile * ROWS + r_lanes
             for c0 in range(0, q_cols, COLS):
-                k = c0 + k_lanes
+                k = (c0 + k_lanes).to(tl.int64)  # k * t_cols may pass 2**31
                 inside = (r < rows)[:, None] & (k < cols)[None, :]
                 x = tl.load(x_ptr + r[:, None] * cols + k[None, :], mask=inside, other=0.0)
                 code = _fp8_code(_x86_product(x, used), E5M2)

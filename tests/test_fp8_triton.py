@@ -494,10 +494,11 @@ def test_matches_cpu_on_cuda(recipe, fmt):
     x[7, :3] = torch.tensor([INF, NAN, -INF])  # one row (row-wise) or the whole tensor
     x[8, :4] = torch.cat([_nan_payloads(), torch.tensor([-NAN, 1.0])])
     # per-tensor: one launch (x[:6], 402 values) and two (the rest); row-wise: long rows too
-    # (9 and 32 rows of 2^17 + 5 columns, the weight gradient's operands, in chunks)
+    # (9 and 32 rows of 2^17 + 5 columns, the weight gradient's operands, in chunks), and the
+    # tall matrix itself (with the pads below: both ways in two launches)
     tall = _wide((2**17 + 5, 32), 33)
     tall[-1, 3], tall[7, 5] = NAN, INF
-    cases = ([x, x[:6], x[10:], x.t(), tall.t(), tall[:, :9].t()] if recipe == 2
+    cases = ([x, x[:6], x[10:], x.t(), tall.t(), tall[:, :9].t(), tall] if recipe == 2
              else [x, x[:6], x[10:], _wide(ABOVE_CAP, 31)])  # fmt: skip
     scales = torch.cat([torch.tensor([2.0**-10]), _nan_payloads()])  # NaNs: x86's NaN rules
     # also q padded and its transpose (torch._scaled_mm's layouts), 2-D cases only

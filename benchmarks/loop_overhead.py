@@ -61,6 +61,10 @@ padding and layout copies; this CPU kernel's own host time makes ``--host-ms`` u
 measure of a GPU's. ``--fp8-gemm triton`` runs them in their Triton kernels
 (``texture.fp8_gemm=triton``) under Triton's CPU interpreter, each launch counted as one op.
 
+``--fp8-quantize triton`` runs the FP8 quantisations (``mptex::fp8_quantize``, one op on the
+CPU) in their Triton kernels, as on CUDA, under the interpreter: each launch counted as one op
+(``triton:<kernel>``), so that the counts are a CUDA run's launches, not estimates.
+
 ``--fused-loss`` runs the image loss in its Triton kernels (``train.fused_loss``, CUDA's path)
 under Triton's CPU interpreter, so that the counts are those of a CUDA run's loss: its kernels
 are launches outside the dispatcher, not counted, as a GPU's Triton grid is not; the
@@ -318,6 +322,27 @@ def _route_fp8_gemms_through_triton() -> None:
         setattr(kernels, name, _CountedLaunch(getattr(kernels, name), name.strip("_")))
 
 
+def _route_quantisations_through_triton() -> None:
+    """``mptex::fp8_quantize`` in its Triton kernels (its CUDA implementation) under the
+    interpreter, each launch counted as one op; the allocations of its outputs are counted as
+    they would be on CUDA (``empty``, no kernel)."""
+    _interpret_triton("--fp8-quantize triton")
+    import mptex._fp8_triton as kernels
+    import mptex.fp8
+
+    for name in ("_amax_partials_kernel", "_scale_cast_kernel", "_row_partials_kernel",
+                 "_rowwise_kernel", "_row_statistics_kernel", "_rowwise_both_kernel"):  # fmt: skip
+        setattr(kernels, name, _CountedLaunch(getattr(kernels, name), name.strip("_")))
+    original = mptex.fp8.fp8_quantize
+
+    def quantize(x, *args):
+        if x.dtype != torch.float32:  # where the op itself would run its twin
+            return original(x, *args)
+        return kernels.fp8_quantize_triton(x.detach(), *args)
+
+    mptex.fp8.fp8_quantize = quantize
+
+
 def _route_loss_through_triton() -> None:
     """Run the image loss in its Triton kernels on the CPU, under Triton's interpreter, as
     ``train.fused_loss`` runs them on CUDA: the ops of a CUDA run's loss, counted here."""
@@ -367,7 +392,8 @@ class _CountedLaunch:
 
 def _write_json(args: argparse.Namespace, results: list[dict], **extra) -> None:
     payload = {"machine": machine("cpu"), "fp8_gemm": args.fp8_gemm,
-               "fused_loss": args.fused_loss, **extra, "results": results}  # fmt: skip
+               "fp8_quantize": args.fp8_quantize, "fused_loss": args.fused_loss, **extra,
+               "results": results}  # fmt: skip
     args.json.write_text(json.dumps(payload, indent=1) + "\n")
 
 
@@ -398,6 +424,13 @@ def main(argv: list[str] | None = None) -> None:
         "interpreted, each launch one op",
     )
     parser.add_argument(
+        "--fp8-quantize",
+        choices=("auto", "triton"),
+        default="auto",
+        help="triton: the FP8 quantisations in their Triton kernels (CUDA's), interpreted, "
+        "each launch one op",
+    )
+    parser.add_argument(
         "--fused-loss",
         action="store_true",
         help="the image loss in its Triton kernels under Triton's interpreter, as on CUDA",
@@ -416,6 +449,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.fused_loss:
         _route_loss_through_triton()
         args.overrides = ["train.fused_loss=true", *args.overrides]
+    if args.fp8_quantize == "triton":
+        _route_quantisations_through_triton()
     if args.host_ms:
         if args.host_runs < 1:
             parser.error(f"--host-runs: expected at least 1, got {args.host_runs}")
@@ -437,11 +472,11 @@ def main(argv: list[str] | None = None) -> None:
                                  args.texture))  # fmt: skip
         if args.json is not None:  # after each arm: a long run keeps what it counted
             _write_json(args, results)
+    loss = "fused (Triton, interpreted)" if args.fused_loss else "eager"
     print(
         f"builtin scene {args.resolution}x{args.resolution}, batch 4, texture={args.texture}, "
-        f"iterations [{args.start}, {args.stop}), FP8 GEMMs {args.fp8_gemm}, "
-        f"loss {'fused (Triton, interpreted)' if args.fused_loss else 'eager'}; "
-        f"{machine('cpu')}\n"
+        f"iterations [{args.start}, {args.stop}), FP8 GEMMs {args.fp8_gemm}, FP8 quantisations "
+        f"{args.fp8_quantize}, loss {loss}; {machine('cpu')}\n"
     )
     print_results(results, args.top_sites)
     if args.json is not None:

@@ -689,7 +689,8 @@ def _rowwise_both(x, q, scalars, stats, q_t, t_scale_inv, consts: dict) -> None:
         long_rows = min(max(_next_pow2(cols), 2), _LONG_ROWS)
         tile_cols = _ROW_TILE // long_rows
         tiles_per_chunk = triton.cdiv(triton.cdiv(t_cols, tile_cols), programs)
-        scratch = [torch.empty(cols, 1, dtype=torch.float32, device=x.device) for _ in range(3)]
+        # x.t()'s rows' amax, used and recipe scales: written, not returned (one buffer)
+        scratch = [torch.empty(cols, 1, dtype=torch.float32, device=x.device)] * 3
         # and, recording, x's statistics from the first launch's pairs (STATS 3)
         _rowwise_kernel[(triton.cdiv(cols, long_rows), programs)](
             x.t(), q_t, partials, t_scale_inv, *scratch, stats if mode else scratch[0], cols,
@@ -818,17 +819,16 @@ def fp8_quantize_triton(
         Q_KIND=q_kind,
     )
     if recipe == 2:
-        outputs = _outputs(x, history, recipe, record, q_dtype, q_pad)
+        rows, cols = x.shape
+        both = t_pad and rows and cols and _q_cols(cols, q_pad) <= _MAX_COLS  # rows fit a tile
+        outputs = _outputs(x, history, recipe, record, q_dtype, q_pad, t_pad if both else 0)
         q, (scale_inv, amax, used, next_scale), next_history, q_t, t_scale_inv = outputs
         scalars = (scale_inv, amax, used, next_scale)
-        rows, cols = x.shape
-        if t_pad and rows and cols and q.shape[1] <= _MAX_COLS:  # rows that fit one tile
-            q_t = torch.empty(cols, _q_cols(rows, t_pad), dtype=q.dtype, device=x.device)
-            t_scale_inv = torch.empty(cols, 1, dtype=torch.float32, device=x.device)
+        if both:
             _rowwise_both(x, q, scalars, next_history, q_t, t_scale_inv, consts)
         else:
             _rowwise(x, q, scalars, next_history, consts)
-        if t_pad and not q_t.numel():  # x.t() quantised row-wise, as its own call would be
+        if t_pad and not both:  # x.t() quantised row-wise, as its own call would be
             t_args = (scale, history, fp8_format, 2, margin, False, False, q_dtype, t_pad)
             q_t, t_scale_inv = fp8_quantize_triton(x.t(), *t_args)[:2]
     else:

@@ -180,18 +180,41 @@ def test_the_loop_reads_the_host_once_per_iteration(tmp_path, arm):
     assert result["syncs_by_kind"] == {"copy to host (tolist)": 1.0}
 
 
-def _count_fp8(tmp_path, gemm: str) -> dict:
-    """fp8's counts over iterations [2, 4) at 16 x 16 with ``--fp8-gemm gemm``; one sync."""
-    out = tmp_path / f"{gemm}.json"
-    run = _loop_overhead("--arms", "fp8", "--start", "2", "--stop", "4", "--resolution", "16",
-                         "--texture", "tiny", "--fp8-gemm", gemm, "--json", str(out), "--",
-                         "scene.n_train_views=4", "scene.n_val_views=1")  # fmt: skip
+def _count_fp8(tmp_path, gemm: str, arm: str = "fp8", *options: str) -> dict:
+    """``arm``'s counts over iterations [2, 4) at 16 x 16 with ``--fp8-gemm gemm``; one
+    sync."""
+    out = tmp_path / f"{arm}-{gemm}{''.join(options)}.json"
+    run = _loop_overhead("--arms", arm, "--start", "2", "--stop", "4", "--resolution", "16",
+                         "--texture", "tiny", "--fp8-gemm", gemm, *options, "--json", str(out),
+                         "--", "scene.n_train_views=4", "scene.n_val_views=1")  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     payload = json.loads(out.read_text())
     assert payload["fp8_gemm"] == gemm
     (result,) = payload["results"]
     assert result["syncs_per_iter"] == 1.0, result["sync_sites"]
     return result
+
+
+@pytest.mark.requires_triton
+@pytest.mark.parametrize(
+    "arm, kernel",
+    [("fp8_current", "triton:scale_cast_kernel"), ("fp8_rowwise", "triton:rowwise_both_kernel")],
+)
+def test_the_quantisations_can_be_counted_as_cuda_launches(tmp_path, arm, kernel):
+    # --fp8-quantize triton: each quantisation in its Triton kernels under the interpreter,
+    # each launch an op, where the op mptex::fp8_quantize counted one; every other op the
+    # same (both runs interpret the other Triton kernels too: --fused-loss).
+    counts = {q: _count_fp8(tmp_path, "scaled_mm", arm, "--fused-loss", "--fp8-quantize", q)
+              for q in ("auto", "triton")}  # fmt: skip
+    auto, triton = (counts[q]["ops_by_name"] for q in ("auto", "triton"))
+    assert auto["fp8_quantize"] > 0 and "fp8_quantize" not in triton and triton[kernel] > 0
+    added = {k: v for k, v in triton.items() if k not in auto}
+    assert (
+        all(k.startswith("triton:") for k in added) and sum(added.values()) >= auto["fp8_quantize"]
+    )
+    assert {k: v for k, v in auto.items() if k not in ("fp8_quantize", "empty")} == {
+        k: v for k, v in triton.items() if k not in added and k != "empty"
+    }
 
 
 def test_the_fp8_gemms_can_be_counted_as_on_a_gpu(tmp_path):

@@ -507,10 +507,8 @@ def _rowwise_kernel(
     amax = _amax_of(bits)
     row_scale, used = _row_scales(amax, FMAX, HAS_MARGIN, DIVISOR_BITS, ROWS)
     if c == 0:
-        tl.store(amax_ptr + r, amax, mask=row_in)
-        tl.store(used_ptr + r, used, mask=row_in)
-        tl.store(next_scale_ptr + r, row_scale, mask=row_in)
-        tl.store(scale_inv_ptr + r, _x86_reciprocal(used), mask=row_in)
+        _store_rows(amax_ptr, used_ptr, next_scale_ptr, scale_inv_ptr, r, row_in, amax, used,
+                    row_scale)  # fmt: skip
         if STATS == 1 or STATS == 2:
             top, low = _rows_statistics(amax, used, row_in, 0, _F32_INF_BITS)
             _store_statistics(stats_ptr, top, low, tl.program_id(0), STATS)
@@ -523,6 +521,17 @@ def _rowwise_kernel(
         x, k, _ = _row_tile(x_rows, t, k_lanes, row_in, cols, stride_xc, COLS)
         inside = row_in[:, None] & (k < q_cols)[None, :]
         _store_q(q_rows + k[None, :] * stride_qc, x, used[:, None], inside, E5M2, Q_KIND)
+
+
+@triton.jit
+def _store_rows(amax_ptr, used_ptr, next_scale_ptr, scale_inv_ptr, r, row_in, amax, used,
+                row_scale):  # fmt: skip
+    """The rows' outputs: ``amax``, ``used``, ``next_scale`` (the recipe scale) and
+    ``scale_inv = 1 / used`` at the rows ``r`` inside the matrix."""
+    tl.store(amax_ptr + r, amax, mask=row_in)
+    tl.store(used_ptr + r, used, mask=row_in)
+    tl.store(next_scale_ptr + r, row_scale, mask=row_in)
+    tl.store(scale_inv_ptr + r, _x86_reciprocal(used), mask=row_in)
 
 
 @triton.jit
@@ -631,10 +640,8 @@ def _rowwise_both_kernel(
         column_bits = tl.maximum(column_bits, tl.max(x_bits, axis=0))
         amax = _amax_of(tl.max(x_bits, axis=1))
         row_scale, used = _row_scales(amax, FMAX, HAS_MARGIN, DIVISOR_BITS, ROWS)
-        tl.store(amax_ptr + r, amax, mask=row_in)
-        tl.store(used_ptr + r, used, mask=row_in)
-        tl.store(next_scale_ptr + r, row_scale, mask=row_in)
-        tl.store(scale_inv_ptr + r, _x86_reciprocal(used), mask=row_in)
+        _store_rows(amax_ptr, used_ptr, next_scale_ptr, scale_inv_ptr, r, row_in, amax, used,
+                    row_scale)  # fmt: skip
         if STATS != 0:
             top, low = _rows_statistics(amax, used, row_in, top, low)
         q_mask = row_in[:, None] & (k < q_cols)[None, :]

@@ -380,11 +380,14 @@ class ScalingState:
         :meth:`quantize` records, for the two GEMMs ``x`` enters, one reducing over its columns
         and one over its rows, from one quantisation op: ``q`` as :meth:`quantize` makes it
         (rows padded to a multiple of ``pad``) and ``q_t``, ``[K, M]`` row-major, its rows
-        zero-padded to a multiple of ``t_pad`` (at least 1). Per tensor, ``q_t`` holds ``q``'s
-        codes transposed and ``t_scale_inv`` is ``scale_inv``; row-wise, ``q_t`` is ``x.t()``
+        zero-padded to a multiple of ``t_pad``. Per tensor, ``q_t`` holds ``q``'s codes
+        transposed and ``t_scale_inv`` is ``scale_inv``; row-wise, ``q_t`` is ``x.t()``
         quantised row-wise (one scale per column of ``x``, ``t_scale_inv`` ``[K, 1]``), not
-        recorded."""
+        recorded. ``t_pad`` 0 (no second GEMM to serve): :meth:`quantize`'s call, ``q_t`` and
+        ``t_scale_inv`` None."""
         q, scale_inv, _, q_t, t_scale_inv = self._quantize(x, record, q_dtype, pad, t_pad)
+        if not t_pad:
+            return q, None, scale_inv, None
         return q, q_t, scale_inv, t_scale_inv if t_scale_inv.numel() else scale_inv
 
     def _quantize(self, x, record, q_dtype, pad, t_pad):
@@ -747,18 +750,13 @@ class _FP8RowwiseLinear(torch.autograd.Function):
         # multiple of 16: the operands come from the op laid out so, no copy.
         pad = _SCALED_MM_ALIGN if resolved == "scaled_mm" else 0
         t_pad = pad or 1
-        # Column-wise copies where a backward can follow and needs them (ctx.needs_input_grad
-        # also says what requires grad under torch.no_grad(), where record is False).
-        needs_x_grad, needs_w_grad = (record and needs for needs in ctx.needs_input_grad[:2])
-        x_t = x_t_inv = w_t = w_t_inv = None
-        if needs_w_grad and not emulated:  # per sample, and per input channel for dW
-            x_q, x_t, x_inv, x_t_inv = x_state.quantize_both(x2, record, pad, t_pad)
-        else:
-            x_q, x_inv, _ = x_state.quantize(x2, record, q_dtype, pad)
-        if needs_x_grad:  # per output channel, and per input channel for dX
-            w_q, w_t, w_inv, w_t_inv = w_state.quantize_both(weight, record, pad, t_pad, q_dtype)
-        else:
-            w_q, w_inv, _ = w_state.quantize(weight, record, q_dtype, pad)
+        # Column-wise copies where a backward needs them: X per input channel for dW (not in
+        # the emulation: it keeps the input), W per input channel for dX.
+        needs_x_grad, needs_w_grad = _backward_needs(ctx, record)
+        x_t_pad = t_pad if needs_w_grad and not emulated else 0
+        x_q, x_t, x_inv, x_t_inv = x_state.quantize_both(x2, record, pad, x_t_pad, q_dtype)
+        w_t_pad = t_pad if needs_x_grad else 0
+        w_q, w_t, w_inv, w_t_inv = w_state.quantize_both(weight, record, pad, w_t_pad, q_dtype)
         if resolved == "triton":  # the bias added in the GEMM's epilogue
             out = _triton_mm(x_q, w_q.t(), x_inv, w_inv.t(), bias, rowwise=True)
         else:
@@ -784,10 +782,8 @@ class _FP8RowwiseLinear(torch.autograd.Function):
         needs_x_grad, needs_w_grad, needs_b_grad = ctx.needs_input_grad[:3]
         # dX = dY W reduces over the output channels: dY per sample, W per input channel (w_t).
         # dW = dY^T X reduces over the batch: dY per output channel, X per input channel (x_t).
-        if needs_w_grad:
-            g_q, g_t, g_inv, g_t_inv = ctx.grad_state.quantize_both(grad2, True, pad, t_pad, wide)
-        else:
-            g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True, wide, pad)
+        g_t_pad = t_pad if needs_w_grad else 0
+        g_q, g_t, g_inv, g_t_inv = ctx.grad_state.quantize_both(grad2, True, pad, g_t_pad, wide)
         if needs_x_grad:
             grad_x = _rowwise_gemm(g_q, w_t.t(), g_inv, w_t_inv.t(), ctx.resolved)
             grad_x = grad_x.to(x_dtype).reshape(ctx.shape)
@@ -827,14 +823,14 @@ class _FP8Linear(torch.autograd.Function):
         resolved = resolve_gemm_backend(backend, x.device)
         emulated = resolved == "emulated"
         q_dtype = torch.float32 if emulated else None
-        if resolved == "scaled_mm":
-            # torch._scaled_mm's layouts from the quantisation itself (_scaled_mm_operands):
-            # the backward keeps the transposes.
-            x_q, w_q, x_inv, w_inv = _scaled_mm_operands(ctx, x2, weight, x_state, w_state,
-                                                         record)  # fmt: skip
-        else:
-            x_q, x_inv, _ = x_state.quantize(x2, record, q_dtype)
-            w_q, w_inv, _ = w_state.quantize(weight, record, q_dtype)
+        # On torch._scaled_mm, its layouts from the quantisation itself (rows padded to a
+        # multiple of 16), and the transposes the backward's GEMMs take (x's for dW, the
+        # weight's for dX) from the same op calls: the backward keeps them instead.
+        pad = _SCALED_MM_ALIGN if resolved == "scaled_mm" else 0
+        needs_x_grad, needs_w_grad = _backward_needs(ctx, record) if pad else (False, False)
+        x_t_pad, w_t_pad = (pad if needs_w_grad else 0), (pad if needs_x_grad else 0)
+        x_q, x_t, x_inv, _ = x_state.quantize_both(x2, record, pad, x_t_pad, q_dtype)
+        w_q, w_t, w_inv, _ = w_state.quantize_both(weight, record, pad, w_t_pad, q_dtype)
         if resolved == "triton":  # the bias added in the GEMM's epilogue
             out = _triton_mm(x_q, w_q.t(), x_inv, w_inv, bias)
         else:
@@ -843,9 +839,8 @@ class _FP8Linear(torch.autograd.Function):
             out = _LAYER_GEMMS[resolved](x_q, w_q.t(), x_inv, w_inv)
             if bias is not None:
                 out = out + bias.float()
-        if resolved == "scaled_mm":
-            x_q, w_q = ctx.transposes
-            del ctx.transposes
+        if pad:
+            x_q, w_q = x_t, w_t  # no copy left: each operand is in its GEMM's layout
         ctx.save_for_backward(x_q, w_q, x_inv, w_inv)
         ctx.grad_state, ctx.w_state, ctx.shape = grad_state, w_state, shape
         ctx.resolved = resolved
@@ -878,44 +873,27 @@ class _FP8Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
-def _scaled_mm_operands(ctx, x2, weight, x_state, w_state, record):
-    """A per-tensor layer's forward operands for ``torch._scaled_mm`` (row-major, the reduced
-    dimension padded to a multiple of 16) and, in ``ctx.transposes``, the transposes its
-    backward's GEMMs take, made by the same quantisations: ``x``'s for ``dW = dY^T X``, the
-    weight's for ``dX = dY W`` (each reduces over the other dimension; None where that
-    gradient is not needed, or no backward can follow: ``record`` is False, as in a forward
-    under ``torch.no_grad()``, where ``ctx.needs_input_grad`` still says what requires grad).
-    No operand is copied or transposed after its quantisation, but for a weight of fewer than
-    16 output channels, whose forward ``b`` is padded."""
-    pad = _SCALED_MM_ALIGN
-    needs_x_grad, needs_w_grad = (record and needs for needs in ctx.needs_input_grad[:2])
-    x_t = w_t = None
-    if needs_w_grad:
-        x_q, x_t, x_inv, _ = x_state.quantize_both(x2, record, pad, pad)
-    else:
-        x_q, x_inv, _ = x_state.quantize(x2, record, None, pad)
-    if needs_x_grad:
-        w_q, w_t, w_inv, _ = w_state.quantize_both(weight, record, pad, pad)
-    else:
-        w_q, w_inv, _ = w_state.quantize(weight, record, None, pad)
-    ctx.transposes = (x_t, w_t)
-    return x_q, w_q, x_inv, w_inv
+def _backward_needs(ctx, record: bool) -> tuple[bool, bool]:
+    """Whether a backward can follow that needs ``dL/dx``, and one that needs ``dL/dW``: the
+    layer's forward makes the transposes those GEMMs take only then (``record`` is False in a
+    forward under ``torch.no_grad()``, where ``ctx.needs_input_grad`` still says what requires
+    grad)."""
+    needs_x_grad, needs_w_grad = ctx.needs_input_grad[:2]
+    return record and needs_x_grad, record and needs_w_grad
 
 
 def _scaled_mm_backward(ctx, grad2, x_t, w_t, x_inv, w_inv):
-    """:class:`_FP8Linear`'s backward on ``torch._scaled_mm`` from the forward's transposes
-    (:func:`_scaled_mm_operands`): ``dY`` quantised once into both layouts, ``dX = dY W`` as
-    ``dY [M, N] x (W^T)^T`` and ``dW = dY^T X`` as ``(dY^T) [N, M] x (X^T)^T``, each ``b`` the
-    column-major view of a row-major transpose; the same zero-padded reductions, so the same
-    sums, as the operands padded by copies."""
+    """:class:`_FP8Linear`'s backward on ``torch._scaled_mm`` from the forward's transposes:
+    ``dY`` quantised once into both layouts, ``dX = dY W`` as ``dY [M, N] x (W^T)^T`` and
+    ``dW = dY^T X`` as ``(dY^T) [N, M] x (X^T)^T``, each ``b`` the column-major view of a
+    row-major transpose; the same zero-padded reductions, so the same sums, as the operands
+    padded by copies."""
     x_dtype, w_dtype, b_dtype = ctx.dtypes
     needs_x_grad, needs_w_grad, needs_b_grad = ctx.needs_input_grad[:3]
     grad_x = grad_w = grad_b = None
-    if needs_w_grad:
-        pad = _SCALED_MM_ALIGN
-        g_q, g_t, g_inv, _ = ctx.grad_state.quantize_both(grad2, True, pad, pad)
-    else:
-        g_q, g_inv, _ = ctx.grad_state.quantize(grad2, True, None, _SCALED_MM_ALIGN)
+    pad = _SCALED_MM_ALIGN
+    g_t_pad = pad if needs_w_grad else 0
+    g_q, g_t, g_inv, _ = ctx.grad_state.quantize_both(grad2, True, pad, g_t_pad)
     if needs_x_grad:
         grad_x = _scaled_mm_padded(g_q, w_t.t(), g_inv, w_inv)
         grad_x = grad_x.to(x_dtype).reshape(ctx.shape)

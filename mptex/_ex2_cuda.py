@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mptex._triton_launch import cdiv
+
 __all__ = ["ex2_approx_cuda"]
 
 
@@ -58,5 +60,5 @@ def ex2_approx_cuda(inputs: list[float], device: torch.device | str | None = Non
     x = torch.tensor(inputs, dtype=torch.float32, device=device)
     out = torch.empty_like(x)
     if x.numel():
-        _ex2_kernel[(triton.cdiv(x.numel(), 128),)](x, out, x.numel(), BLOCK=128)
+        _ex2_kernel[(cdiv(x.numel(), 128),)](x, out, x.numel(), BLOCK=128)
     return out.cpu().tolist()

@@ -19,13 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
+from mptex._triton_launch import cdiv
+
 __all__ = ["padded_copy"]
 
 # Output tiles of _BLOCK x _BLOCK bytes (4 KiB per program).
 _BLOCK = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["src_rows"])
 def _padded_copy_kernel(
     src_ptr,
     dst_ptr,
@@ -64,7 +66,7 @@ def padded_copy(x: torch.Tensor, rows: int, cols: int, column_major: bool) -> to
     out = out.t() if column_major else out
     if rows and cols:
         src, dst = x.view(torch.uint8), out.view(torch.uint8)
-        grid = (triton.cdiv(rows, _BLOCK), triton.cdiv(cols, _BLOCK))
+        grid = (cdiv(rows, _BLOCK), cdiv(cols, _BLOCK))
         _padded_copy_kernel[grid](src, dst, x.shape[0], x.shape[1], rows, cols, *src.stride(),
                                   *dst.stride(), BLOCK=_BLOCK)  # fmt: skip
     return out

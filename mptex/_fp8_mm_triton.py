@@ -51,6 +51,7 @@ import triton.language as tl
 
 from mptex._fp8_scaling import E5M2
 from mptex._fp8_triton import _code_value
+from mptex._triton_launch import cdiv
 
 __all__ = ["fp8_mm_triton", "INTERPRETED", "split_k_chunks"]
 
@@ -143,7 +144,7 @@ def _mm_kernel(
         tl.store(out_ptr + offsets, out, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def _split_sum_kernel(
     partial_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, splits,
     BLOCK: tl.constexpr, SPLIT_TILE: tl.constexpr, ROWWISE: tl.constexpr,
@@ -180,10 +181,10 @@ def _block(n: int, low: int, high: int) -> int:
 
 def split_k_chunks(m: int, n: int, k: int) -> int:
     """How many K chunks the GEMM ``[m, k] @ [k, n]`` is split into (1: one pass)."""
-    tiles = triton.cdiv(m, _BLOCK_M) * triton.cdiv(n, _MAX_BLOCK_N)
+    tiles = cdiv(m, _BLOCK_M) * cdiv(n, _MAX_BLOCK_N)
     if k <= _SPLIT_MIN_K or tiles > _SPLIT_MAX_TILES:
         return 1
-    return min(triton.cdiv(k, _K_CHUNK), _MAX_SPLITS)
+    return min(cdiv(k, _K_CHUNK), _MAX_SPLITS)
 
 
 def fp8_mm_triton(
@@ -222,7 +223,7 @@ def fp8_mm_triton(
     splits = split_k_chunks(m, n, k)
     if splits == 1:
         block_n = _block(n, _MIN_BLOCK, _MAX_BLOCK_N)
-        grid = (triton.cdiv(m, _BLOCK_M), triton.cdiv(n, block_n), 1)
+        grid = (cdiv(m, _BLOCK_M), cdiv(n, block_n), 1)
         _mm_kernel[grid](
             codes_a, codes_b, out, scale_a, scale_b, bias_arg,
             m, n, k, *codes_a.stride(), *codes_b.stride(), max(k, 1),
@@ -231,21 +232,21 @@ def fp8_mm_triton(
         )  # fmt: skip
         return out
     # Split-K: every chunk a whole number of BLOCK_K steps, none left empty.
-    chunk = triton.cdiv(triton.cdiv(k, splits), _MAX_BLOCK_K) * _MAX_BLOCK_K
-    splits = triton.cdiv(k, chunk)
+    chunk = cdiv(cdiv(k, splits), _MAX_BLOCK_K) * _MAX_BLOCK_K
+    splits = cdiv(k, chunk)
     # At least 64 rows (a weight gradient's output has 3 to 64): the tile Hopper's FP8
     # instructions take; fewer would make Triton convert the codes to f16 for smaller ones.
     block_m = _block(m, _SPLIT_MIN_BLOCK_M, _BLOCK_M)
     block_n = _block(n, _MIN_BLOCK, _MAX_BLOCK_N)
     partials = torch.empty(splits, m, n, dtype=torch.float32, device=a.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), splits)
+    grid = (cdiv(m, block_m), cdiv(n, block_n), splits)
     _mm_kernel[grid](
         codes_a, codes_b, partials, scale_a, scale_b, bias_arg,
         m, n, k, *codes_a.stride(), *codes_b.stride(), chunk,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_MAX_BLOCK_K,
         SPLIT=True, enable_fp_fusion=False, **flags,
     )  # fmt: skip
-    _split_sum_kernel[(triton.cdiv(m * n, _SUM_BLOCK),)](
+    _split_sum_kernel[(cdiv(m * n, _SUM_BLOCK),)](
         partials, out, scale_a, scale_b, bias_arg, m, n, splits,
         BLOCK=_SUM_BLOCK, SPLIT_TILE=_SPLIT_TILE, ROWWISE=rowwise, HAS_BIAS=bias is not None,
         enable_fp_fusion=False,

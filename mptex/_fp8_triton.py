@@ -86,6 +86,7 @@ import triton
 import triton.language as tl
 
 from mptex._fp8_scaling import _Q_KINDS, _check, _outputs, _q_cols
+from mptex._triton_launch import cdiv
 
 __all__ = ["fp8_quantize_triton", "INTERPRETED"]
 
@@ -245,7 +246,7 @@ def _store_q(q_ptrs, x, used, mask, E5M2: tl.constexpr, Q_KIND: tl.constexpr):
     tl.store(q_ptrs, _q_value(code, E5M2, Q_KIND), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks"])
 def _amax_partials_kernel(x_ptr, partial_ptr, n, n_blocks, BLOCK: tl.constexpr):
     """partial[pid] = max of ``bits(|x|)`` over the blocks pid, pid + P, ... (0 if none)."""
     pid = tl.program_id(0)
@@ -260,7 +261,7 @@ def _amax_partials_kernel(x_ptr, partial_ptr, n, n_blocks, BLOCK: tl.constexpr):
     tl.store(partial_ptr + pid, tl.max(acc, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks", "n_partials", "rows", "row_tiles"])
 def _scale_cast_kernel(
     x_ptr,
     q_ptr,
@@ -420,7 +421,7 @@ def _row_scales(
     return row_scale, used
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunks", "tiles_per_chunk"])
 def _row_partials_kernel(
     x_ptr,
     partial_ptr,
@@ -445,7 +446,7 @@ def _row_partials_kernel(
     tl.store(partial_ptr + r64 * chunks + c, bits, mask=row_in)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunks", "tiles_per_chunk", "n_pairs"])
 def _rowwise_kernel(
     x_ptr,
     q_ptr,
@@ -558,7 +559,7 @@ def _store_statistics(stats_ptr, top, low, index, STATS: tl.constexpr):
         tl.store(pair + 1, low)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _row_statistics_kernel(pairs_ptr, stats_ptr, n, BLOCK: tl.constexpr):
     """stats = (max of the pairs' first ints, min of their second) as float32: the per-tensor
     statistics from :func:`_rowwise_kernel`'s ``n`` int32 pairs (one program)."""
@@ -579,7 +580,7 @@ def _reduce_pairs(pairs_ptr, stats_ptr, n, BLOCK: tl.constexpr):
     tl.store(stats_ptr + 1, tl.min(low, axis=0).to(tl.float32, bitcast=True))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "row_blocks", "t_row_blocks"])
 def _rowwise_both_kernel(
     x_ptr,
     q_ptr,
@@ -676,7 +677,7 @@ def _rowwise_both(x, q, scalars, stats, q_t, t_scale_inv, consts: dict) -> None:
     q_cols, t_cols = q.shape[1], q_t.shape[1]
     block_cols = min(max(_next_pow2(q_cols), 16), _MAX_COLS)
     block_rows = _ROW_TILE // block_cols
-    row_blocks = triton.cdiv(rows, block_rows)
+    row_blocks = cdiv(rows, block_rows)
     one = row_blocks <= _ONE_PROGRAM_BLOCKS
     programs = 1 if one else min(row_blocks, _MAX_PROGRAMS)
     mode, pairs = 0, stats
@@ -687,7 +688,7 @@ def _rowwise_both(x, q, scalars, stats, q_t, t_scale_inv, consts: dict) -> None:
     partials = torch.empty(0 if one else cols * programs, dtype=torch.int32, device=x.device)
     _rowwise_both_kernel[(programs,)](
         x, q, q_t, partials, *scalars, pairs if mode else scalars[0], t_scale_inv, rows, cols,
-        q_cols, t_cols, row_blocks, triton.cdiv(t_cols, block_rows), *x.stride(), *q.stride(),
+        q_cols, t_cols, row_blocks, cdiv(t_cols, block_rows), *x.stride(), *q.stride(),
         ROWS=block_rows, COLS=block_cols, STATS=mode, CAST_T=one, enable_fp_fusion=False,
         **consts,
     )  # fmt: skip
@@ -695,11 +696,11 @@ def _rowwise_both(x, q, scalars, stats, q_t, t_scale_inv, consts: dict) -> None:
         # x.t() row-wise: its rows' amaxes from the partials, its columns in `programs` chunks
         long_rows = min(max(_next_pow2(cols), 2), _LONG_ROWS)
         tile_cols = _ROW_TILE // long_rows
-        tiles_per_chunk = triton.cdiv(triton.cdiv(t_cols, tile_cols), programs)
+        tiles_per_chunk = cdiv(cdiv(t_cols, tile_cols), programs)
         # x.t()'s rows' amax, used and recipe scales: written, not returned (one buffer)
         scratch = [torch.empty(cols, 1, dtype=torch.float32, device=x.device)] * 3
         # and, recording, x's statistics from the first launch's pairs (STATS 3)
-        _rowwise_kernel[(triton.cdiv(cols, long_rows), programs)](
+        _rowwise_kernel[(cdiv(cols, long_rows), programs)](
             x.t(), q_t, partials, t_scale_inv, *scratch, stats if mode else scratch[0], cols,
             rows, t_cols, *x.t().stride(), *q_t.stride(), programs, tiles_per_chunk, pairs,
             programs, ROWS=long_rows, COLS=tile_cols, PARTIALS_BLOCK=_PARTIALS_BLOCK,
@@ -746,22 +747,22 @@ def _rowwise(x, q, scalars, stats, consts: dict) -> None:
     block_cols = min(max(_next_pow2(q_cols), 16), _MAX_COLS)
     block_rows = _ROW_TILE // block_cols
     long_rows = min(max(_next_pow2(rows), 2), _LONG_ROWS)  # the long-row tile
-    col_tiles = triton.cdiv(q_cols, _ROW_TILE // long_rows)
-    chunks = min(triton.cdiv(col_tiles, _TILES_PER_CHUNK),
-                 _MAX_PROGRAMS // triton.cdiv(rows, long_rows))  # fmt: skip
+    col_tiles = cdiv(q_cols, _ROW_TILE // long_rows)
+    chunks = min(cdiv(col_tiles, _TILES_PER_CHUNK),
+                 _MAX_PROGRAMS // cdiv(rows, long_rows))  # fmt: skip
     partials = scalars[0]  # unread in one chunk
     if chunks > 1:
         block_rows, block_cols = long_rows, _ROW_TILE // long_rows
-        tiles_per_chunk = triton.cdiv(col_tiles, chunks)
-        chunks = triton.cdiv(col_tiles, tiles_per_chunk)  # none left empty
+        tiles_per_chunk = cdiv(col_tiles, chunks)
+        chunks = cdiv(col_tiles, tiles_per_chunk)  # none left empty
         partials = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
-        grid = (triton.cdiv(rows, block_rows), chunks)
+        grid = (cdiv(rows, block_rows), chunks)
         _row_partials_kernel[grid](x, partials, rows, cols, *x.stride(), chunks, tiles_per_chunk,
                                    ROWS=block_rows, COLS=block_cols,
                                    enable_fp_fusion=False)  # fmt: skip
     else:
-        chunks, tiles_per_chunk = 1, triton.cdiv(q_cols, block_cols)
-    row_blocks = triton.cdiv(rows, block_rows)
+        chunks, tiles_per_chunk = 1, cdiv(q_cols, block_cols)
+    row_blocks = cdiv(rows, block_rows)
     mode, pairs = 0, stats
     if stats.numel():
         mode = 1 if row_blocks == 1 else 2
@@ -846,7 +847,7 @@ def fp8_quantize_triton(
         outputs = _outputs(flat, history, recipe, record, q_dtype, q_pad, t_pad)
         q, (scale_inv, amax, used, next_scale), next_history, q_t, t_scale_inv = outputs
         n = flat.numel()
-        n_blocks = triton.cdiv(n, _BLOCK)
+        n_blocks = cdiv(n, _BLOCK)
         own_amax = n_blocks <= _ONE_PROGRAM_BLOCKS
         # The partials' reduction reads one value per program of the first launch.
         partial_programs = 1 if own_amax else min(n_blocks, _MAX_PROGRAMS)
@@ -854,9 +855,9 @@ def fp8_quantize_triton(
         layout, block_cols = (0, 0, 0, 0, 0), 16  # (unread without LAID_OUT)
         if laid_out:
             rows, cols = flat.shape
-            t_cols = q_t.shape[1] if t_pad else rows
+            t_cols = q_t.shape[1] if t_pad else 0  # a stride of q_t; unread without it
             block_cols = min(max(_next_pow2(q.shape[1]), 16), _MAX_COLS)
-            row_tiles = triton.cdiv(max(rows, t_cols), _ROW_TILE // block_cols)
+            row_tiles = cdiv(max(rows, t_cols), _ROW_TILE // block_cols)
             layout = (rows, cols, q.shape[1], t_cols, row_tiles)
             if not own_amax:
                 programs = min(max(row_tiles, 1), _MAX_PROGRAMS)

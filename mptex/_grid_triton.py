@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from mptex._grid_torch import TCNN_HALF_LOSS_SCALE, GridGeometry
+from mptex._triton_launch import cdiv
 
 __all__ = ["hash_grid_encode_triton", "INTERPRETED", "check_device"]
 
@@ -251,7 +252,7 @@ def _level_setup(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_points"])
 def _forward_kernel(
     x_ptr,
     params_ptr,
@@ -369,7 +370,7 @@ def _column(tile, features, index: tl.constexpr):
     return tl.sum(tl.where(features[None, :] == index, tile, 0.0), axis=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_points"])
 def _backward_kernel(
     x_ptr,
     params_ptr,
@@ -541,7 +542,7 @@ def _level_constants(geometry: GridGeometry, device: torch.device) -> tuple[torc
 
 def _launch_config(device: torch.device, n_points: int, n_levels: int):
     block = _BLOCK["interpreter" if INTERPRETED else "gpu"]
-    return (triton.cdiv(n_points, block), n_levels), block
+    return (cdiv(n_points, block), n_levels), block
 
 
 class _TritonGridFunction(torch.autograd.Function):

@@ -290,7 +290,10 @@ def test_kernels_match_autograd(interpreted, name, reciprocal):
     if case["tonemap"]:
         exact = _correctly_rounded(case["pred"].float() * alpha) & _correctly_rounded(ref * alpha)
     if want.numel() > 100:
-        assert exact.float().mean() > 0.8, "too few elements compared to the bit"
+        # Which elements torch's CPU log and pow round correctly depends on the CPU's math
+        # kernels: 79.7 % of the special-values case on an AMD EPYC, more on an Intel Xeon. The
+        # bound only keeps the bitwise comparison from being vacuous.
+        assert exact.float().mean() > 0.5, "too few elements compared to the bit"
     same = (got == want) | (torch.isnan(got) & torch.isnan(want))
     assert same[exact].all(), (got[exact & ~same], want[exact & ~same])
     # Elsewhere torch's log or pow is an ulp off the correctly rounded value: a few ulps here.

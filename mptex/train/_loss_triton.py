@@ -57,6 +57,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from mptex._triton_launch import cdiv
+
 __all__ = ["INTERPRETED", "LAUNCH_OPTIONS", "torch_libdevice", "toolkit_libdevice",
            "loss_partials", "loss_grad", "kd_partials", "kd_grad"]  # fmt: skip
 
@@ -315,7 +317,7 @@ def loss_partials(pred, rgba, background, tonemap: bool) -> torch.Tensor:
     _check(pred, rgba, background)
     pred, rgba, background = pred.contiguous(), rgba.contiguous(), background.contiguous()
     n = pred.numel()
-    programs = max(triton.cdiv(n, _BLOCK), 1)
+    programs = max(cdiv(n, _BLOCK), 1)
     out = torch.empty(programs, dtype=torch.float32, device=pred.device)
     _partials_kernel[(programs,)](pred, rgba, background, out, n, TONEMAP=tonemap,
                                   INTERP=INTERPRETED, BLOCK=_BLOCK,
@@ -332,7 +334,7 @@ def loss_grad(pred, rgba, background, grad, tonemap: bool, mean_by_reciprocal: b
     n = pred.numel()
     out = torch.empty_like(pred)
     if n:
-        _grad_kernel[(triton.cdiv(n, _BLOCK),)](
+        _grad_kernel[(cdiv(n, _BLOCK),)](
             pred, rgba, background, grad.detach().float().contiguous(), out, n,
             TONEMAP=tonemap, MEAN_BY_RECIPROCAL=mean_by_reciprocal, INTERP=INTERPRETED,
             BLOCK=_BLOCK, **_options(tonemap),
@@ -397,7 +399,7 @@ def kd_partials(tex: torch.Tensor, tex_jitter: torch.Tensor) -> torch.Tensor:
     _check_kd(tex, tex_jitter)
     tex, tex_jitter = tex.contiguous(), tex_jitter.contiguous()
     n = tex.numel()
-    programs = max(triton.cdiv(n, _BLOCK), 1)
+    programs = max(cdiv(n, _BLOCK), 1)
     out = torch.empty(programs, dtype=torch.float32, device=tex.device)
     _kd_partials_kernel[(programs,)](tex_jitter, tex, out, n, C=tex.shape[1], BLOCK=_BLOCK,
                                      **LAUNCH_OPTIONS)  # fmt: skip
@@ -412,7 +414,7 @@ def kd_grad(tex, tex_jitter, grad, pixels: int, mean_by_reciprocal: bool):
     n = tex.numel()
     grad_jitter, grad_tex = torch.empty_like(tex_jitter), torch.empty_like(tex)
     if n:
-        _kd_grad_kernel[(triton.cdiv(n, _BLOCK),)](
+        _kd_grad_kernel[(cdiv(n, _BLOCK),)](
             tex_jitter, tex, grad.detach().float().contiguous(), grad_jitter, grad_tex, n, pixels,
             C=tex.shape[1], MEAN_BY_RECIPROCAL=mean_by_reciprocal, BLOCK=_BLOCK,
             **LAUNCH_OPTIONS,

@@ -29,12 +29,14 @@ one tile looping over all the rows would leave every SM but one idle.
 
 Arithmetic. On a GPU with FP8 tensor cores (compute capability 8.9 or later) the operands go to
 ``tl.dot`` as FP8 (``FP8_DOT``); the tensor cores multiply exactly and accumulate with the
-precision the hardware has (on Hopper, fewer than float32's bits within a block of products:
-the GPU kit's ``fp8`` stage bounds the error against a float64 reference, as it does for
-``torch._scaled_mm``). Elsewhere (Triton's CPU interpreter, whose FP8 ``tl.dot`` is not exact)
-each code is first turned into its float32 value on the bits (``_code_value``, the quantisation
-kernels' own conversion) and ``tl.dot`` multiplies in IEEE float32: exact products (an FP8
-product has at most 8 significant bits) summed in float32, in an order of the kernel's own.
+precision the hardware has (on Hopper, fewer than float32's bits within a block of products),
+the running sum promoted to float32 after every ``BLOCK_K`` (at most 128) products, as
+``torch._scaled_mm`` does by default (Triton's own default on Hopper never promotes); the GPU
+kit's ``fp8`` stage bounds both's error against a float64 reference. Elsewhere (Triton's CPU
+interpreter, whose FP8 ``tl.dot`` is not exact) each code is first turned into its float32
+value on the bits (``_code_value``, the quantisation kernels' own conversion) and ``tl.dot``
+multiplies in IEEE float32: exact products (an FP8 product has at most 8 significant bits)
+summed in float32, in an order of the kernel's own.
 Either way the result is the exact product of the scaled FP8 values up to the accumulation's
 rounding, as ``torch._scaled_mm``'s is; the epilogue's multiplies and the bias's add are
 separate roundings (launched with ``enable_fp_fusion=False``: no multiply-add contraction).
@@ -130,7 +132,10 @@ def _mm_kernel(
         b = tl.load(b_ptr + kk[:, None] * stride_bk + rn64[None, :] * stride_bn, mask=b_mask,
                     other=0)  # fmt: skip
         if FP8_DOT:
-            acc = tl.dot(_fp8(a, A_E5M2), _fp8(b, B_E5M2), acc)
+            # Each BLOCK_K step's products are summed in the tensor cores' reduced-precision
+            # accumulator, then added to `acc` in float32 (Triton's default on Hopper would
+            # keep the whole K loop in the reduced accumulator): torch._scaled_mm's accuracy.
+            acc = tl.dot(_fp8(a, A_E5M2), _fp8(b, B_E5M2), acc, max_num_imprecise_acc=BLOCK_K)
         else:  # each code's float32 value, exact products in IEEE float32
             acc = tl.dot(_code_value(a, A_E5M2, 1), _code_value(b, B_E5M2, 1), acc,
                          input_precision="ieee")  # fmt: skip

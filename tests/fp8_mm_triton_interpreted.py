@@ -30,8 +30,9 @@ def compile_check() -> None:
     """Compile the kernels for sm_90 in the variants the MLP runs (E4M3 and E5M2 x E4M3, one
     pass and split-K, per-tensor and row-wise, with and without a bias); exit 3 (skip) if this
     triton has no CUDA backend. Asserts: every GEMM is an FP8 ``wgmma`` of the operands'
-    formats (not a conversion to f16 or a float32 loop), and no float32 multiply-add was
-    contracted in the epilogues (the scale's products and the bias's add stay apart)."""
+    formats (not a conversion to f16 or a float32 loop), its accumulation promoted to float32
+    after every ``BLOCK_K`` products, and no float32 multiply-add was contracted in the
+    epilogues (the scale's products and the bias's add stay apart)."""
     import triton
     from triton.compiler import ASTSource
     from triton_subprocess import cuda_target
@@ -48,16 +49,18 @@ def compile_check() -> None:
     )  # fmt: skip
     aligned = ("a_ptr", "b_ptr", "out_ptr", "partial_ptr", "stride_am", "stride_bk")
 
-    def ptx(kernel, constexprs):
+    def compiled(kernel, constexprs):
         signature = {n: "constexpr" if n in constexprs else types[n] for n in kernel.arg_names}
         attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]]
                  for a in aligned if a in kernel.arg_names}  # fmt: skip
-        compiled = triton.compile(
+        return triton.compile(
             ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
             target=target,
             options={"enable_fp_fusion": False},
-        )
-        return compiled.asm["ptx"]
+        ).asm
+
+    def ptx(kernel, constexprs):
+        return compiled(kernel, constexprs)["ptx"]
 
     def no_contraction(text, what):
         assert not re.search(r"\bfma\.rn(\.ftz)?\.f32\b", text), what
@@ -73,10 +76,16 @@ def compile_check() -> None:
         (v, r, b) for v in variants for r in (False, True) for b in (False, True)
     ):
         what = (bm, bn, bk, a_e5m2, split, rowwise, bias)
-        text = ptx(mm._mm_kernel, dict(
+        asm = compiled(mm._mm_kernel, dict(
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, A_E5M2=a_e5m2, B_E5M2=False, FP8_DOT=True,
             SPLIT=split, ROWWISE=rowwise, HAS_BIAS=bias,
         ))  # fmt: skip
+        text = asm["ptx"]
+        # the reduced-precision accumulation is promoted to float32 after every BLOCK_K
+        # products (Triton's default on sm_90 never promotes)
+        promoted = set(re.findall(r"maxNumImpreciseAcc = (\d+)", asm["ttgir"]))
+        assert promoted == {str(bk)}, (what, promoted)
+        assert re.search(r"\badd(\.rn)?\.f32\b", text), what
         formats = ("e5m2" if a_e5m2 else "e4m3") + ".e4m3"
         mma = set(re.findall(r"\bwgmma\.mma_async\.[\w.]+", text))
         assert mma and all(m.endswith(f".f32.{formats}") for m in mma), (what, mma)

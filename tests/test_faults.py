@@ -580,3 +580,23 @@ def test_kill_9_at_random_moments_then_resume_completes_bit_exactly(tmp_path):
     a = load_checkpoint(run_dir / "checkpoint.pt")["texture"]
     b = load_checkpoint(reference / "checkpoint.pt")["texture"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_rng_states_are_restored_from_wherever_the_checkpoint_was_loaded():
+    # A resume on a GPU loads the checkpoint with map_location there, which puts the saved RNG
+    # byte tensors on the GPU, while every torch generator takes its state as a CPU byte tensor.
+    # Stand-ins for tensors on another device: objects torch rejects, whose .cpu() is the state.
+    from unittest import mock
+
+    from mptex.train.rng import rng_state, set_rng_state
+
+    gen = torch.Generator().manual_seed(3)
+    saved = rng_state({"views": gen})
+    want = torch.rand(4, generator=gen), torch.rand(4)
+    elsewhere = {k: mock.Mock(cpu=mock.Mock(return_value=v)) if torch.is_tensor(v) else v
+                 for k, v in saved.items()}  # fmt: skip
+    gen.manual_seed(99)
+    torch.manual_seed(99)
+    set_rng_state(elsewhere, {"views": gen})
+    assert torch.equal(torch.rand(4, generator=gen), want[0])
+    assert torch.equal(torch.rand(4), want[1])

@@ -292,7 +292,8 @@ def test_the_speed_checks_by_hand():
     assert kit.with_variant(runs(fp8_slow), variants, "train.overlap=false") == runs(fp8_slow)
 
     class Stage:  # what judge_arms uses of the stage's context
-        result, tables, saved = {"data": {}}, [], 0
+        def __init__(self, device="cpu"):
+            self.result, self.tables, self.saved, self.device = {"data": {}}, [], 0, device
 
         def table(self, title, headers, rows, note=""):
             self.tables.append((title, rows))
@@ -306,6 +307,17 @@ def test_the_speed_checks_by_hand():
     assert ctx.result["data"]["targets_with"] == {
         "texture.fp8_gemm=triton": ["fp8_current: 1.62x f32, over 1.5x"]}  # fmt: skip
     assert ctx.tables[0][1] == [["texture.fp8_gemm=triton", "fp8_current: 1.62x f32, over 1.5x"]]
+    # On CUDA every completed run must have run the fused loss (its start-up check falls back
+    # to the eager loss with only a warning): the runs above name no loss backend.
+    ctx = Stage("cuda")
+    fused = [{**run, "backends": {"loss": "triton"}} for run in runs(at_limit)]
+    kit.judge_arms(ctx, fused, [], order)
+    assert "failed_checks" not in ctx.result
+    fused[0]["backends"] = {"encoder": "triton"}
+    ctx = Stage("cuda")
+    kit.judge_arms(ctx, fused, [], order)
+    assert ctx.result["failed_checks"] == [
+        "f32: the loss ran eager, not fused (its warning is in log.txt)"]  # fmt: skip
 
 
 def test_a_spent_budget_leaves_stages_not_run(tmp_path):

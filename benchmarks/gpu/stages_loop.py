@@ -120,8 +120,11 @@ def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
     finally:
         loop._forward_backward = forward
     events = prof.key_averages()
-    by_name = {e.key: e for e in events}
-    iterations = active  # what the window recorded
+    by_name = {e.key: e for e in events if not _on_device(e) or not _annotation(e)}
+    # What the window recorded: one profiler step per iteration (fewer than `active` where the
+    # run ended inside the window), averaged as "ProfilerStep*" or kept as "ProfilerStep#N".
+    steps = sum(e.count for e in events if e.key.startswith("ProfilerStep") and not _on_device(e))
+    iterations = steps or active
 
     def calls(*names: str) -> float:
         return sum(by_name[n].count for n in names if n in by_name) / max(1, iterations)
@@ -129,13 +132,19 @@ def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
     def device_ms(e) -> float:
         return getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0)) / 1e3
 
-    parts = {e.key: device_ms(e) / iterations for e in events if e.key.startswith("mptex.")}
+    # A scope's device time: its host range's, which sums the kernels launched inside it (with
+    # CUDA activity each range also has a device-side copy, an annotation spanning its
+    # kernels and the gaps between them: left out).
+    parts = {e.key: device_ms(e) / iterations for e in events
+             if e.key.startswith("mptex.") and not _on_device(e)}  # fmt: skip
     # The device's busy time: the kernels' and copies' own events (device-side, no children),
     # each counted once; against ms / iter it says whether the loop waits for the device or
     # for the host.
-    busy = sum(device_ms(e) for e in events if _on_device(e)) / iterations
-    top = sorted((e for e in events if not e.key.startswith("mptex.")), key=device_ms,
-                 reverse=True)[:10]  # fmt: skip
+    device = [e for e in events if _on_device(e) and not _annotation(e)]
+    kernels = sum(e.count for e in device if not e.key.startswith(("Memcpy", "Memset")))
+    busy = sum(device_ms(e) for e in device) / iterations
+    top = sorted((e for e in events if not e.key.startswith(("mptex.", "ProfilerStep"))
+                  and not _annotation(e)), key=device_ms, reverse=True)[:10]  # fmt: skip
     # Where the host's time goes: an op's own CPU time (its launches, a library's set-up such
     # as cuBLASLt's algorithm choice, Python called inside a custom op), children excluded.
     host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
@@ -144,7 +153,9 @@ def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
         "status": metrics["status"],
         "ms_per_iter": (metrics["time_per_iter_s"] or 0.0) * 1e3,
         "device_busy_ms_per_iter": busy if ctx.device.startswith("cuda") else None,
-        "launches_per_iter": calls("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"),
+        # Kernels as the device ran them: torch's launches (cudaLaunchKernel*) and Triton's
+        # (cuLaunchKernelEx) alike.
+        "launches_per_iter": kernels / max(1, iterations),
         "stream_syncs_per_iter": calls("cudaStreamSynchronize", "cudaDeviceSynchronize"),
         "dtoh_per_iter": calls(
             "Memcpy DtoH (Device -> Pageable)", "Memcpy DtoH (Device -> Pinned)"
@@ -165,6 +176,12 @@ def _on_device(event) -> bool:
     from torch.autograd import DeviceType
 
     return getattr(event, "device_type", DeviceType.CPU) == DeviceType.CUDA
+
+
+def _annotation(event) -> bool:
+    """Whether a profiler event is a ``record_function`` range (a loop scope, a profiler step)
+    as the device timeline shows it: not work of its own."""
+    return bool(getattr(event, "is_user_annotation", False))
 
 
 def _host_floor(ctx, loop_overhead) -> None:

@@ -815,6 +815,17 @@ def speed_checks(runs: list[dict], order: list[str]) -> list[str]:
     return failed
 
 
+def fused_loss_checks(runs: list[dict]) -> list[str]:
+    """On CUDA every arm's loss runs in its Triton kernels (``train.fused_loss=auto``); a run
+    whose kernels failed their start-up check ran the eager loss instead, with only a warning
+    in its log, and its time is not the loop's: a failed check of the stage."""
+    return [
+        f"{r['precision']}: the loss ran eager, not fused (its warning is in log.txt)"
+        for r in runs
+        if r["status"] == "completed" and (r.get("backends") or {}).get("loss") != "triton"
+    ]
+
+
 def with_variant(runs: list[dict], variants: list[dict], variant: str) -> list[dict]:
     """``runs`` with each arm that also ran with ``variant`` (the arms stage's variant rows)
     taking that run's place: the judged runs as they would be with the override, for
@@ -863,7 +874,9 @@ def stage_arms(ctx: StageContext) -> None:
             runs.append({k: metrics.get(k) for k in keep})
         else:
             variants.append({"variant": variant, **{k: metrics.get(k) for k in keep}})
-        psnr, ms = metrics.get("psnr"), metrics["time_per_iter_s"] * 1e3
+        # an arm stopped before its first timed iteration (a non-finite start) has no time
+        seconds = metrics.get("time_per_iter_s")
+        psnr, ms = metrics.get("psnr"), None if seconds is None else seconds * 1e3
         f32 = next((r["time_per_iter_s"] for r in runs if r["precision"] == "f32"), None)
         split = metrics.get("time_split_s") or {}
         rows.append(
@@ -871,8 +884,8 @@ def stage_arms(ctx: StageContext) -> None:
                 label,
                 metrics["status"],
                 f"{psnr:.2f}" if psnr is not None else "–",
-                f"{ms:.2f}",
-                f"{ms / (f32 * 1e3):.2f}" if f32 else "–",
+                f"{ms:.2f}" if ms is not None else "–",
+                f"{ms / (f32 * 1e3):.2f}" if f32 and ms is not None else "–",
                 f"{metrics['wall_time_s']:.1f} / {split.get('start', 0):.1f} / "
                 f"{split.get('iterations', 0):.1f}",
                 f"{metrics['peak_memory_bytes'] / 2**20:.0f} ({metrics['peak_memory_kind']})",
@@ -907,6 +920,8 @@ def judge_arms(ctx, runs: list[dict], variants: list[dict], order: list[str]) ->
     targets say with the FP8 GEMM arms' variant runs in their places (not judged: the judged
     arms are what ``auto`` runs; this tells whether switching it would pass)."""
     failed = speed_checks(runs, order)
+    if ctx.device.startswith("cuda"):
+        failed += fused_loss_checks(runs)
     overrides = sorted({v for vs in ARM_VARIANTS.values() for v in vs})
     targets_with = {o: speed_checks(with_variant(runs, variants, o), order) for o in overrides}
     ctx.result["data"]["targets_with"] = targets_with

@@ -937,8 +937,9 @@ def _iterate(run: RunState, stop: StopSignals) -> dict[str, Any] | None:
         # queued.
         if not stop.received and _looks_ahead(run, it):
             if launched.packed.device.type == "cuda":
+                # on the run's device's stream, which the current device's need not be
                 launched.ready = torch.cuda.Event()
-                launched.ready.record()
+                launched.ready.record(torch.cuda.current_stream(launched.packed.device))
             # What the look-ahead's forward and backward record (the FP8 layers' scaling
             # state), to undo if the run ends at this iteration; no device work.
             kept = [(module, module.snapshot()) for module in run.stateful]

@@ -34,11 +34,15 @@ def rng_state(generators: Mapping[str, torch.Generator]) -> dict[str, Any]:
 
 
 def set_rng_state(state: Mapping[str, Any], generators: Mapping[str, torch.Generator]) -> None:
-    """Restore what :func:`rng_state` saved, into the global generators and ``generators``."""
+    """Restore what :func:`rng_state` saved, into the global generators and ``generators``.
+
+    Every torch generator takes its state as a CPU byte tensor, a CUDA generator's too; a
+    checkpoint loaded with ``map_location`` a GPU holds the states there, so each is taken
+    to the CPU first (no copy where it already is)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())
     for k, g in generators.items():
-        g.set_state(state[f"gen_{k}"])
+        g.set_state(state[f"gen_{k}"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])

@@ -42,9 +42,14 @@ def _padded_copy_kernel(
     BLOCK: tl.constexpr,
 ):
     """dst[r, c] = src[r, c] inside the source, 0 elsewhere, for the ``BLOCK x BLOCK`` output
-    tile of this program (int64 offsets: an operand may pass 2**31 bytes)."""
-    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    tile of this program, tiles numbered row by row over a one-axis grid (CUDA caps a grid's
+    second axis at 65,535 programs: 4.2 M columns of tiles of 64, and a weight gradient's
+    operand has the covered points as columns); int64 offsets: an operand may pass 2**31
+    bytes."""
+    col_tiles = tl.cdiv(cols, BLOCK)
+    tile = tl.program_id(0).to(tl.int64)
+    r = (tile // col_tiles) * BLOCK + tl.arange(0, BLOCK)
+    c = (tile % col_tiles) * BLOCK + tl.arange(0, BLOCK)
     r64 = r.to(tl.int64)[:, None]
     c64 = c.to(tl.int64)[None, :]
     inside = (r < src_rows)[:, None] & (c < src_cols)[None, :]
@@ -66,7 +71,7 @@ def padded_copy(x: torch.Tensor, rows: int, cols: int, column_major: bool) -> to
     out = out.t() if column_major else out
     if rows and cols:
         src, dst = x.view(torch.uint8), out.view(torch.uint8)
-        grid = (cdiv(rows, _BLOCK), cdiv(cols, _BLOCK))
+        grid = (cdiv(rows, _BLOCK) * cdiv(cols, _BLOCK),)
         _padded_copy_kernel[grid](src, dst, x.shape[0], x.shape[1], rows, cols, *src.stride(),
                                   *dst.stride(), BLOCK=_BLOCK)  # fmt: skip
     return out

@@ -100,7 +100,8 @@ class TextureConfig:
     min_max: Any = None
     """``[[min per channel], [max per channel]]``; null: [0, 1]."""
     backend: str = setting("auto", OneOf(ENCODER_BACKENDS))
-    """Hash-grid backend: auto (tcnn on CUDA when importable, else torch), torch, tcnn, triton."""
+    """Hash-grid backend: auto (on CUDA Triton, else tcnn, as
+    :meth:`~mptex.HashGridEncoding.resolved_backend`; torch elsewhere), torch, tcnn, triton."""
     fp8_gemm: str = setting("auto", OneOf(GEMM_BACKENDS))
     """The FP8 arms' GEMMs: auto (``torch._scaled_mm`` on FP8 tensor cores, else emulated),
     scaled_mm, emulated, triton (:func:`mptex.fp8.scaled_mm`)."""
@@ -205,7 +206,8 @@ class MLPTexture3D(nn.Module):
             config dict (what nvdiffrec passes to ``tcnn.Encoding``), or a ready
             :class:`~mptex.HashGridEncoding` with 3 input dims (used as given, dtype included).
         backend: encoder backend for ``None``/dict encoders: ``"auto"``, ``"torch"``, ``"tcnn"``
-            or ``"triton"`` (opt-in; see :class:`~mptex.HashGridEncoding`).
+            or ``"triton"`` (``"auto"``: Triton on CUDA where it imports, else tcnn;
+            :meth:`~mptex.HashGridEncoding.resolved_backend`).
         fp8_gemm: the FP8 arms' GEMM backend (:func:`mptex.fp8.scaled_mm`: ``"auto"``,
             ``"scaled_mm"``, ``"emulated"``, ``"triton"``), resolved for the device the texture
             runs on at each call (:meth:`backends` resolves it now).

@@ -431,3 +431,23 @@ def test_profiler_scopes_are_entered_only_while_a_profiler_records(monkeypatch, 
     for scope in ("mptex.views", "mptex.render", "mptex.loss", "mptex.backward", "mptex.optimizer",
                   "mptex.validation"):  # fmt: skip
         assert scope in names and scope in entered, scope
+
+
+def test_an_indexed_cuda_device_is_made_current_for_the_run(monkeypatch):
+    # Triton launches on the current CUDA device whatever device its tensors are on: a run on
+    # cuda:N makes that device current while it trains; nothing else changes the current one.
+    import contextlib
+
+    from mptex.train import loop
+
+    for value in ("cpu", "cuda", "cuda:1", "nonsense", None, 3):  # no CUDA device here
+        guard = loop._current_device({"train": {"device": value}})
+        assert isinstance(guard, contextlib.nullcontext), value
+    assert isinstance(loop._current_device({}), contextlib.nullcontext)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    guard = loop._current_device({"train": {"device": "cuda:1"}})
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    for value in ("cuda", "cuda:2", "cpu"):  # current already, or the device check's error
+        guard = loop._current_device({"train": {"device": value}})
+        assert isinstance(guard, contextlib.nullcontext), value

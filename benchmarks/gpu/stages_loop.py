@@ -21,8 +21,10 @@ report as ``mainjob-report.md`` beside its results.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -351,11 +353,17 @@ def stage_mainjob(ctx) -> None:
     env = job_env(os.environ)
     command = [sys.executable, "-m", "mptex.cli", "-m", "+experiment=gpu_main", *overrides]
     start = time.time()
+    # A session of its own: on a timeout the whole job goes, the launcher's worker processes
+    # (the sweep's children, each training a run on the GPU) with it, not the parent only.
+    job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     try:
-        run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=max(60.0, ctx.remaining() - 20))  # fmt: skip
-        returncode, tail = run.returncode, (run.stderr or "")[-3000:]
+        _, stderr = job.communicate(timeout=max(60.0, ctx.remaining() - 20))
+        returncode, tail = job.returncode, (stderr or "")[-3000:]
     except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.communicate()
         returncode, tail = None, "timed out"
     wall = time.time() - start
     timed_out = returncode is None

@@ -450,6 +450,7 @@ class StageContext:
         return self.deadline - time.time()
 
     def table(self, title: str, headers: list[str], rows: list[list[Any]], note: str = "") -> None:
+        """Add a table and save: a stage stopped by its box later keeps it (and its data)."""
         self.result["tables"].append(
             {
                 "title": title,
@@ -458,6 +459,7 @@ class StageContext:
                 "note": note,
             }
         )
+        self.save()
 
     def save(self) -> None:
         tmp = self.result_path.with_suffix(".tmp")

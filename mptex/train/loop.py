@@ -36,6 +36,7 @@ the loop itself never imports the exporter).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
@@ -433,9 +434,27 @@ def train(
     remove_stale_temporaries(run_dir)
     stop = StopSignals()
     try:
-        return _train_validated(plain, run_dir, metrics, start_wall, stop, exporter)
+        with _current_device(plain):
+            return _train_validated(plain, run_dir, metrics, start_wall, stop, exporter)
     finally:
         stop.uninstall()
+
+
+def _current_device(plain: dict[str, Any]) -> contextlib.AbstractContextManager:
+    """The run's CUDA device made the current one while it trains (``train.device=cuda:N``):
+    Triton launches its kernels on the current device, whatever device their tensors are on.
+    Anything else (the CPU, ``cuda``, a value the config's check will refuse) changes
+    nothing."""
+    value = (plain.get("train") or {}).get("device")
+    try:
+        device = torch.device(value) if isinstance(value, str) else None
+    except RuntimeError:
+        device = None
+    if device is None or device.type != "cuda" or device.index is None:
+        return contextlib.nullcontext()
+    if not torch.cuda.is_available() or device.index >= torch.cuda.device_count():
+        return contextlib.nullcontext()  # the device check's one-line error comes later
+    return torch.cuda.device(device)
 
 
 def _train_validated(
@@ -461,7 +480,7 @@ def _train_validated(
         raise ConfigError(message) from None
     metrics["config"] = full
     try:
-        rss = RunPeakRss().start()
+        rss = RunPeakRss(enabled=device.type != "cuda").start()
         try:
             # The named steps: setup, the iterations (step, validate, checkpoint), finish.
             run = setup(full, scene, texture, ckpt, run_dir, device, metrics)

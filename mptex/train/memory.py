@@ -22,8 +22,10 @@ class RunPeakRss:
 
     _STATM = "/proc/self/statm"
 
-    def __init__(self, interval_s: float = 0.005):
-        self.available = os.path.exists(self._STATM)
+    def __init__(self, interval_s: float = 0.005, enabled: bool = True):
+        # enabled=False (a CUDA run, whose peak is the allocator's): no thread wakes every
+        # interval to take the GIL from the loop
+        self.available = enabled and os.path.exists(self._STATM)
         self.peak = 0
         self._interval = interval_s
         self._stop = threading.Event()

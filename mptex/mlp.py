@@ -36,8 +36,10 @@ def reduced_linear(
 ) -> torch.Tensor:
     """``F.linear`` with operands rounded to ``dtype``, float32 accumulation, output in ``dtype``.
 
-    This is what a half or bfloat16 GEMM computes on a GPU (cuBLAS's default f32 accumulation)
-    and on a CPU (oneDNN's f16/bf16 GEMM). Off the CPU it *is* that GEMM. On a CPU the operands are
+    This is what a half or bfloat16 GEMM computes on a GPU (cuBLAS's f32 accumulation, with
+    torch's ``allow_fp16_reduced_precision_reduction`` and its bf16 twin False, as ``mptex-train``
+    sets them for a run: torch's default lets cuBLAS reduce split sums in ``dtype``) and on a CPU
+    (oneDNN's f16/bf16 GEMM). Off the CPU it *is* that GEMM. On a CPU the operands are
     rounded to ``dtype`` and the GEMM runs in float32, then the result is rounded once: a product
     of two 11-bit (8-bit for bf16) significands is exact in float32, so only the order of the
     float32 sum can differ from oneDNN's (1 ulp on ~0.1 % of outputs, measured). The reason: with

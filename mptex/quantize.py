@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from mptex._fp8_scaling import _constant
 from mptex.fp8 import E4M3, _rowwise_operand, quantization_error
 
 __all__ = [
@@ -47,7 +48,10 @@ def int8_channel_scales(weight: torch.Tensor) -> torch.Tensor:
         weight: ``[out, in]`` float.
     """
     amax = weight.detach().float().abs().amax(dim=1)
-    return torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    # A tensor divisor: CUDA divides by a Python scalar as a product with its reciprocal,
+    # not the correctly rounded quotient the CPU computes.
+    scales = torch.div(amax, _constant(float(INT8_MAX), amax.device))
+    return torch.where(amax > 0, scales, torch.ones_like(amax))
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -179,6 +179,19 @@ def test_chunked_evaluation_gives_the_same_bake():
         assert torch.equal(whole.texture, pieces.texture), chunk_size
 
 
+@pytest.mark.requires_cuda
+def test_a_bake_on_cuda_matches_the_cpu_bake():
+    # The texture and the mesh on the GPU: the conservative ring, the masks and the dilation
+    # are the CPU's exactly; the values are the same texture's, evaluated there.
+    mesh = islands_mesh()
+    tex = tiny_texture(mesh.aabb)
+    on_cpu = bake_texture(tex, mesh, 32, backend="torch")
+    on_cuda = bake_texture(tex.to("cuda"), mesh, 32, backend="torch")
+    for mask in ("covered", "evaluated", "filled"):
+        assert torch.equal(getattr(on_cuda, mask).cpu(), getattr(on_cpu, mask)), mask
+    assert torch.allclose(on_cuda.texture.cpu(), on_cpu.texture, atol=1e-5, rtol=0)
+
+
 # ----------------------------------------------------------------------------- UVs and checks
 def test_uv_problems_are_named():
     mesh = islands_mesh()

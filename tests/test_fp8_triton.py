@@ -501,10 +501,17 @@ def test_matches_cpu_on_cuda(recipe, fmt):
     cases = ([x, x[:6], x[10:], x.t(), tall.t(), tall[:, :9].t(), tall] if recipe == 2
              else [x, x[:6], x[10:], _wide(ABOVE_CAP, 31)])  # fmt: skip
     scales = torch.cat([torch.tensor([2.0**-10]), _nan_payloads()])  # NaNs: x86's NaN rules
-    # also q padded and its transpose (torch._scaled_mm's layouts), 2-D cases only
+    # also q padded and its transpose (torch._scaled_mm's layouts), 2-D cases only. Every case,
+    # scale and layout with the FP8 codes and no margin; the float32 / float64 values and the
+    # margin (other compiled variants of the same arithmetic) on the first case: each variant
+    # is a compile of about a second on the GPU machine.
     layouts = [(), (16, 16)]
-    for xc, q_dtype, margin, scale, pads in itertools.product(cases, _q_dtypes(fmt), (0, 2),
-                                                              scales, layouts):  # fmt: skip
+    runs = [(xc, FORMATS[fmt], 0, scale, pads)
+            for xc, scale, pads in itertools.product(cases, scales, layouts)]  # fmt: skip
+    runs += [(x, q_dtype, margin, scale, ())
+             for q_dtype, margin in itertools.product(_q_dtypes(fmt), (0, 2))
+             if (q_dtype, margin) != (FORMATS[fmt], 0) for scale in scales]  # fmt: skip
+    for xc, q_dtype, margin, scale, pads in runs:
         if pads and xc.ndim != 2:
             continue
         history = _wide(20, 32).abs()

@@ -390,10 +390,19 @@ def test_a_failed_check_keeps_the_loss_eager_or_stops_at_start(tmp_path, monkeyp
 
 
 # --------------------------------------------------------------------------------- on a GPU
+def _skip_without_the_fused_loss(loss):
+    """Skip where the fused loss cannot run on this GPU (e.g. ``logl1`` without the libdevice
+    of torch's CUDA release: ``MPTEX_LIBDEVICE`` or a toolkit), with the reason."""
+    problem = fused_loss_problem("cuda", loss)
+    if problem is not None:
+        pytest.skip(f"the fused loss needs {problem}")
+
+
 @pytest.mark.requires_cuda
 @pytest.mark.requires_triton
 @pytest.mark.parametrize("loss", FUSED_LOSSES)
 def test_matches_eager_autograd_on_cuda(loss):
+    _skip_without_the_fused_loss(loss)
     pred, rgba, background = (t.cuda() for t in _inputs((4, 64, 96), seed=8))
     grad = torch.tensor(128.0, device="cuda")
     want_value, want = _autograd(pred, rgba, background, grad, loss)
@@ -407,6 +416,7 @@ def test_matches_eager_autograd_on_cuda(loss):
 @pytest.mark.requires_cuda
 @pytest.mark.requires_triton
 def test_smoothness_matches_eager_autograd_on_cuda():
+    _skip_without_the_fused_loss(None)
     case = _kd_case("kd_nine")
     args = case["tex"].cuda(), case["tex_jitter"].cuda(), case["grad"].cuda(), case["pixels"]
     value, want_jitter, want_tex = _kd_autograd(*args)
@@ -420,6 +430,7 @@ def test_smoothness_matches_eager_autograd_on_cuda():
 @pytest.mark.requires_cuda
 @pytest.mark.requires_triton
 def test_training_on_cuda_takes_the_fused_loss(tmp_path):
+    _skip_without_the_fused_loss("logl1")  # the tiny config's loss
     overrides = ["precision=f32", "train.device=cuda", "train.iterations=6"]
     train(tiny_cfg(*overrides), tmp_path / "auto")
     train(tiny_cfg(*overrides, "train.fused_loss=false"), tmp_path / "eager")

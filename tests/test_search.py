@@ -416,7 +416,8 @@ def test_mptex_train_runs_the_search_with_two_workers(tmp_path):
 
 def test_measured_ms_per_iteration_replaces_the_model_for_runs_on_a_gpu(tmp_path, searched):
     # The same runs, as if trained on CUDA: metrics.json says device cuda:0 and 2 ms / iteration
-    # for one candidate; its cost becomes the measurement, the others keep the model.
+    # for one candidate; with one worker (the runs had the GPU to themselves) its cost becomes
+    # the measurement, the others keep the model.
     import shutil
 
     tmp, summary = searched
@@ -426,9 +427,10 @@ def test_measured_ms_per_iteration_replaces_the_model_for_runs_on_a_gpu(tmp_path
         metrics = json.loads(path.read_text())
         metrics.update(device="cuda:0", time_per_iter_s=0.002)
         path.write_text(json.dumps(metrics))
-    again = run_search(_cfg(tmp_path), tmp_path / "out")
+    again = run_search(_cfg(tmp_path, "search.workers=1"), tmp_path / "out")
     rows = {r["candidate"]: r for r in again["candidates"]}
     assert rows[summary["certified"]]["cost_s"] == 0.002 == rows[summary["certified"]]["measured_s"]
+    assert rows[summary["certified"]]["cost_source"] == "measured"
     others = [r for n, r in rows.items() if n != summary["certified"]]
     assert all(r["measured_s"] is None and r["cost_s"] == r["model_s"] for r in others)
     assert again["cost"]["measured"]
@@ -436,3 +438,9 @@ def test_measured_ms_per_iteration_replaces_the_model_for_runs_on_a_gpu(tmp_path
         "Cost: measured on this machine's GPU where a candidate ran on CUDA"
         in (tmp_path / "out" / "search.md").read_text()
     )
+    # Two workers: the runs shared the GPU, each one's time holds the other's work; the
+    # measurement is kept beside the model, which stays the cost.
+    shared = run_search(_cfg(tmp_path, "search.workers=2"), tmp_path / "out")
+    row = next(r for r in shared["candidates"] if r["candidate"] == summary["certified"])
+    assert row["measured_s"] == 0.002 and row["cost_s"] == row["model_s"]
+    assert row["cost_source"] == "modelled" and not shared["cost"]["measured"]

@@ -451,3 +451,26 @@ def test_an_indexed_cuda_device_is_made_current_for_the_run(monkeypatch):
     for value in ("cuda", "cuda:2", "cpu"):  # current already, or the device check's error
         guard = loop._current_device({"train": {"device": value}})
         assert isinstance(guard, contextlib.nullcontext), value
+
+
+def test_a_run_keeps_cublas_half_sums_in_float32_and_restores_the_setting(monkeypatch, tmp_path):
+    # The f16 / bf16 arms model a float32 accumulation (mptex.mlp.reduced_linear); torch's
+    # default would let cuBLAS reduce split sums in the reduced type.
+    from mptex.train import loop
+
+    matmul = torch.backends.cuda.matmul
+    seen = []
+
+    def body(*args, **kwargs):
+        seen.append((matmul.allow_fp16_reduced_precision_reduction,
+                     matmul.allow_bf16_reduced_precision_reduction))  # fmt: skip
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(loop, "_train_validated", body)
+    monkeypatch.setattr(matmul, "allow_fp16_reduced_precision_reduction", True)
+    monkeypatch.setattr(matmul, "allow_bf16_reduced_precision_reduction", True)
+    with pytest.raises(RuntimeError, match="stop here"):
+        loop.train({"train": {"device": "cpu"}}, tmp_path)
+    assert seen == [(False, False)]
+    assert matmul.allow_fp16_reduced_precision_reduction
+    assert matmul.allow_bf16_reduced_precision_reduction

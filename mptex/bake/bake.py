@@ -309,7 +309,8 @@ def _conservative_ring(
     start = 0
     while start < n_tri:
         base = int(cum[start - 1]) if start else 0
-        end = int(torch.searchsorted(cum, torch.tensor(base + _RING_PAIRS_PER_CHUNK), right=True))
+        # a scalar value: the boundaries may be on a GPU, which a CPU tensor would not match
+        end = int(torch.searchsorted(cum, base + _RING_PAIRS_PER_CHUNK, right=True))
         end = max(end, start + 1)
         ids = torch.arange(start, end, device=device)
         tri_ids = torch.repeat_interleave(ids, counts[start:end])

@@ -119,8 +119,8 @@ def write_search_report(out: str | os.PathLike, summary: Mapping[str, Any]) -> P
     cost = summary["cost"]
     what = ("measured on this machine's GPU where a candidate ran on CUDA, modelled elsewhere"
             if cost["measured"] else "modelled")  # fmt: skip
-    where = ("measured on this machine's GPU" if best["measured_s"] and ref["measured_s"]
-             else f"modelled on {cost['gpu_name']}")  # fmt: skip
+    measured = best.get("cost_source") == ref.get("cost_source") == "measured"
+    where = "measured on this machine's GPU" if measured else f"modelled on {cost['gpu_name']}"
     lines = ["## Precision search", ""]
     if summary["certified_is_reference"]:
         lines.append(

@@ -137,8 +137,13 @@ def summarise(state: SearchState, certified: Candidate) -> dict[str, Any]:
                 "certificate": cert,
             }
         )
+    # A GPU time is a candidate's cost only where its runs had the GPU to themselves: with
+    # several workers the runs share it, and each one's time holds the others' work.
+    alone = settings["workers"] == 1
     for row in rows:
-        row["cost_s"] = row["measured_s"] if row["measured_s"] is not None else row["model_s"]
+        measured = row["measured_s"] if alone else None
+        row["cost_source"] = "modelled" if measured is None else "measured"
+        row["cost_s"] = row["model_s"] if measured is None else measured
     rows.sort(key=lambda r: (r["cost_s"], r["candidate"]))
     all_runs = list(pool.results.values())
     return {
@@ -158,7 +163,7 @@ def summarise(state: SearchState, certified: Candidate) -> dict[str, Any]:
             "source": GPUS[settings["cost"]["gpu"]].source,
             "points": state.points,
             "shape": vars(shape),
-            "measured": any(r["measured_s"] for r in rows),
+            "measured": any(r["cost_source"] == "measured" for r in rows),
             "reference_parts": model[ref.name]["parts"],
             "certified_parts": model[certified.name]["parts"],
         },

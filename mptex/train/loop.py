@@ -434,10 +434,29 @@ def train(
     remove_stale_temporaries(run_dir)
     stop = StopSignals()
     try:
-        with _current_device(plain):
+        with _current_device(plain), _float32_gemm_sums():
             return _train_validated(plain, run_dir, metrics, start_wall, stop, exporter)
     finally:
         stop.uninstall()
+
+
+@contextlib.contextmanager
+def _float32_gemm_sums():
+    """cuBLAS's half and bfloat16 GEMMs summing in float32 throughout while the run trains,
+    as :func:`mptex.mlp.reduced_linear` models them: torch lets cuBLAS reduce a split sum's
+    partial results in the reduced type by default (``allow_fp16_reduced_precision_reduction``,
+    ``allow_bf16_reduced_precision_reduction``), likeliest in the weight gradient's long sum
+    over the batch. The settings are the process's; they are restored afterwards."""
+    matmul = torch.backends.cuda.matmul
+    kept = (matmul.allow_fp16_reduced_precision_reduction,
+            matmul.allow_bf16_reduced_precision_reduction)  # fmt: skip
+    matmul.allow_fp16_reduced_precision_reduction = False
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        (matmul.allow_fp16_reduced_precision_reduction,
+         matmul.allow_bf16_reduced_precision_reduction) = kept  # fmt: skip
 
 
 def _current_device(plain: dict[str, Any]) -> contextlib.AbstractContextManager:

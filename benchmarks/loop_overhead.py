@@ -40,12 +40,15 @@ What counts:
   (a ``_to_copy``/``copy_`` across devices, when the run is on one; on the CPU:
   ``Tensor.tolist()``/``Tensor.numpy()`` of run data, which bypass the dispatcher, and
   ``torch.tensor(..., device=...)``/``new_tensor`` of run data, which on a device are a
-  blocking copy from pageable memory: PyTorch's blocking copy synchronises the stream).
-  Reads of tensors that live on the host by design are not syncs: the views' indices drawn
-  from the run's CPU generator (``RunState.generators["views"]``) and anything computed only
-  from them, tensors made from Python data without a ``device``, Adam's ``step`` counters
-  (torch keeps them on the host unless ``fused``/``capturable``), found by identity, and the
-  host scalars torch's optimizers make for them.
+  blocking copy from pageable memory: PyTorch's blocking copy synchronises the stream), and
+  a wait outside the dispatcher (``torch.cuda.synchronize``, a stream's or an event's
+  ``synchronize``). Reads of tensors that live on the host by design are not syncs: the
+  views' indices drawn from the run's CPU generator (``RunState.generators["views"]``) and
+  anything computed only from them, tensors made from Python data without a ``device``,
+  Adam's ``step`` counters where they are on the host (torch keeps them there unless
+  ``fused``/``capturable``; fused Adam's, on the device, are counted as any op), found by
+  identity, and the host scalars torch's optimizers make for them. In a run on a device, host
+  data copied there is a launch and a sync, and what the copy made is the device's.
 
 ``--host-ms`` measures what the counts stand for: the host's time per iteration when the
 kernels cost next to nothing (the built-in scene at 8 x 8 pixels, batch 4, ``texture=tiny``,
@@ -149,8 +152,11 @@ def count_arm(arm: str, start: int, stop: int, resolution: int, overrides: list[
         if it == start:
             counter = OverheadCounter(run.device, [run.generators["views"]])
             for param_state in run.optimizer.state.values():
-                if isinstance(param_state.get("step"), torch.Tensor):
-                    counter.mark_host(param_state["step"])
+                step_count = param_state.get("step")
+                # on the CPU for the foreach and loop implementations; fused Adam (CUDA's)
+                # keeps them on the device, where its increment is a launch
+                if isinstance(step_count, torch.Tensor) and step_count.device.type == "cpu":
+                    counter.mark_host(step_count)
             counter_ref[0] = counter
             counter.__enter__()
         if it == stop and counter_ref[0] is not None:
@@ -229,15 +235,22 @@ def host_ms(arms: list[str], runs: int, iterations: int = 200, overrides=()) -> 
         for arm in arms:
             cfg = run_config(arm, 8, iterations, overrides, texture="tiny")
             with tempfile.TemporaryDirectory() as tmp:
-                times[arm].append(loop.train(cfg, tmp)["time_per_iter_s"] * 1e3)
+                seconds = loop.train(cfg, tmp)["time_per_iter_s"]
+            # None: the run stopped before a timed iteration (its row says so)
+            times[arm].append(None if seconds is None else seconds * 1e3)
     return [{"arm": arm, "host_ms_runs": ms} for arm, ms in times.items()]
 
 
 def print_host_ms(results: list[dict]) -> None:
-    f32 = next((statistics.median(r["host_ms_runs"]) for r in results if r["arm"] == "f32"), None)
+    f32_runs = next((r["host_ms_runs"] for r in results if r["arm"] == "f32"), [])
+    f32_runs = [m for m in f32_runs if m is not None]
+    f32 = statistics.median(f32_runs) if f32_runs else None
     rows = []
     for r in results:
-        ms = r["host_ms_runs"]
+        ms = [m for m in r["host_ms_runs"] if m is not None]
+        if not ms:
+            rows.append([r["arm"], "–", "no timed iteration", "0", "–"])
+            continue
         median = statistics.median(ms)
         rows.append([r["arm"], f"{median:.2f}", f"{min(ms):.2f}-{max(ms):.2f}", str(len(ms)),
                      f"{median / f32:.2f}" if f32 else "–"])  # fmt: skip
@@ -390,8 +403,18 @@ class _CountedLaunch:
         return run
 
 
+def _run_device(overrides: list[str]) -> str:
+    """The runs' device: the last ``train.device=`` override (``run_config`` puts the CPU
+    first), for the machine line."""
+    devices = [o.split("=", 1)[1] for o in overrides if o.startswith("train.device=")]
+    device = devices[-1] if devices else "cpu"
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def _write_json(args: argparse.Namespace, results: list[dict], **extra) -> None:
-    payload = {"machine": machine("cpu"), "fp8_gemm": args.fp8_gemm,
+    payload = {"machine": machine(_run_device(args.overrides)), "fp8_gemm": args.fp8_gemm,
                "fp8_quantize": args.fp8_quantize, "fused_loss": args.fused_loss, **extra,
                "results": results}  # fmt: skip
     args.json.write_text(json.dumps(payload, indent=1) + "\n")
@@ -461,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
                          "texture=tiny; those options are the counts'")  # fmt: skip
         results = host_ms(args.arms, args.host_runs, overrides=args.overrides)
         print(f"builtin scene 8x8, batch 4, texture=tiny, 200 iterations per run; "
-              f"{machine('cpu')}\n")  # fmt: skip
+              f"{machine(_run_device(args.overrides))}\n")  # fmt: skip
         print_host_ms(results)
         if args.json is not None:
             _write_json(args, results)
@@ -476,7 +499,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"builtin scene {args.resolution}x{args.resolution}, batch 4, texture={args.texture}, "
         f"iterations [{args.start}, {args.stop}), FP8 GEMMs {args.fp8_gemm}, FP8 quantisations "
-        f"{args.fp8_quantize}, loss {loss}; {machine('cpu')}\n"
+        f"{args.fp8_quantize}, loss {loss}; {machine(_run_device(args.overrides))}\n"
     )
     print_results(results, args.top_sites)
     if args.json is not None:

@@ -331,6 +331,46 @@ def test_in_a_device_run_a_host_tensors_read_is_not_a_second_sync():
     assert dict(counter.syncs) == {}
 
 
+def test_in_a_device_run_host_data_copied_to_the_device_is_a_launch_and_a_sync():
+    # Host data (torch.tensor without a device) moved to the run's device is a copy that
+    # waits for the host, and what it made is the device's: later ops on it are launches.
+    # The meta device stands in for a GPU (no CUDA here).
+    counter = OverheadCounter(torch.device("meta"))
+    undo = patch_host_reads([counter])
+    try:
+        with counter:
+            host = torch.tensor([1.0, 2.0])
+            host * 2  # host data only: no launch
+            on_device = host.to("meta")
+            on_device * 2
+    finally:
+        undo()
+    assert dict(counter.syncs) == {("step", "copy host<->device"): 1}
+    assert dict(counter.ops) == {("step", "_to_copy"): 1, ("step", "mul"): 1}
+    assert dict(counter.host_ops) == {("step", "mul"): 1}
+
+
+def test_waits_for_the_device_outside_the_dispatcher_are_syncs():
+    # torch.cuda.synchronize and a stream's or an event's synchronize block the host without
+    # an op: each counts (here without CUDA each call fails after it was counted).
+    originals = torch.cuda.synchronize, torch.cuda.Event.synchronize
+    counter = OverheadCounter(torch.device("cuda"))
+    undo = patch_host_reads([counter])
+    try:
+        for call in (torch.cuda.synchronize, lambda: torch.cuda.Event.synchronize(None),
+                     lambda: torch.cuda.Stream.synchronize(None)):  # fmt: skip
+            with pytest.raises((AssertionError, AttributeError, RuntimeError)):
+                call()
+    finally:
+        undo()
+    assert (torch.cuda.synchronize, torch.cuda.Event.synchronize) == originals
+    assert dict(counter.syncs) == {
+        ("step", "wait for the device (torch.cuda.synchronize)"): 1,
+        ("step", "wait for the device (Event.synchronize)"): 1,
+        ("step", "wait for the device (Stream.synchronize)"): 1,
+    }
+
+
 def test_device_check_names_what_is_missing():
     assert device_problem("cpu") is None
     if not torch.cuda.is_available():

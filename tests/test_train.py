@@ -474,3 +474,15 @@ def test_a_run_keeps_cublas_half_sums_in_float32_and_restores_the_setting(monkey
     assert seen == [(False, False)]
     assert matmul.allow_fp16_reduced_precision_reduction
     assert matmul.allow_bf16_reduced_precision_reduction
+
+
+def test_a_cuda_device_index_beyond_the_machines_is_a_config_error(monkeypatch):
+    # One line at start, as any other bad key, not CUDA's "invalid device ordinal" later.
+    from mptex.config_schema import plain
+    from mptex.train import ConfigError, validate_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises((ConfigError, ValueError), match=r"^train\.device: 'cuda:1' requested, "
+                       r"1 CUDA device\(s\) here$"):  # fmt: skip
+        validate_config(dict(plain(tiny_cfg("train.device=cuda:1"))))

@@ -153,7 +153,10 @@ def _profile_arm(ctx, arm: str, iterations: int) -> dict[str, Any]:
     return {
         "arm": label,
         "status": metrics["status"],
-        "ms_per_iter": (metrics["time_per_iter_s"] or 0.0) * 1e3,
+        # None: the run stopped before a timed iteration
+        "ms_per_iter": None
+        if metrics["time_per_iter_s"] is None
+        else metrics["time_per_iter_s"] * 1e3,
         "device_busy_ms_per_iter": busy if ctx.device.startswith("cuda") else None,
         # Kernels as the device ran them: torch's launches (cudaLaunchKernel*) and Triton's
         # (cuLaunchKernelEx) alike.
@@ -239,7 +242,8 @@ def stage_profile(ctx) -> None:
         runs.append(run)
         backends = ", ".join(f"{k}={v}" for k, v in (run["backends"] or {}).items())
         busy = run["device_busy_ms_per_iter"]
-        rows.append([arm, run["status"], f"{run['ms_per_iter']:.2f}",
+        ms = run["ms_per_iter"]
+        rows.append([arm, run["status"], "–" if ms is None else f"{ms:.2f}",
                      "–" if busy is None else f"{busy:.2f}", f"{run['launches_per_iter']:.0f}",
                      f"{run['stream_syncs_per_iter']:.1f}", f"{run['dtoh_per_iter']:.1f}",
                      backends])  # fmt: skip

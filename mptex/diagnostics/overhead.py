@@ -114,6 +114,12 @@ class OverheadCounter(TorchDispatchMode):
             generator is not None
             and (generator.device, generator.initial_seed()) in self.host_generators
         ) or (bool(tensors) and all(self.is_host(t) for t in tensors))
+        if host_out and self.device.type != "cpu":
+            # In a run on a device, host data copied there (or any op that puts its result
+            # there) is a launch, and its result is the device's: not host data any more.
+            outputs = [t for t in torch.utils._pytree.tree_leaves(out)
+                       if isinstance(t, torch.Tensor)]  # fmt: skip
+            host_out = all(t.device.type == "cpu" for t in outputs)
         if host_out:
             for t in torch.utils._pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):
@@ -189,14 +195,11 @@ def patch_host_reads(counter_ref: list):
     def wrap(name, original):
         def method(self, *args, **kwargs):
             counter = counter_ref[0]
-            # In a run on a device, a host tensor's read waits for nothing: the copy that
-            # brought it to the host, if any, was counted. In a run on the CPU the read stands
-            # for that copy.
-            if (
-                counter is not None
-                and not counter.is_host(self)
-                and not (self.device.type == "cpu" and counter.device.type != "cpu")
-            ):
+            # In a run on the CPU the read stands for the device-to-host copy a device run
+            # makes. In a run on a device the dispatcher sees that copy itself (a device
+            # tensor's tolist copies it to the host through it), and a host tensor's read
+            # waits for nothing.
+            if counter is not None and counter.device.type == "cpu" and not counter.is_host(self):
                 counter.record_sync(f"copy to host ({name})")
             return original(self, *args, **kwargs)
 
@@ -205,7 +208,28 @@ def patch_host_reads(counter_ref: list):
     for name, original in originals.items():
         setattr(torch.Tensor, name, wrap(name, original))
 
+    # The waits that are not ops: the host blocks until the device (a stream, an event) is
+    # done. (Nothing in the training loop calls them; counted so that nothing can hide there.)
+    waits = [(torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"),
+             (torch.cuda.Event, "synchronize")]  # fmt: skip
+    waited = [(owner, name, getattr(owner, name)) for owner, name in waits]
+
+    def wait(what, original):
+        def method(*args, **kwargs):
+            counter = counter_ref[0]
+            if counter is not None:
+                counter.record_sync(f"wait for the device ({what})")
+            return original(*args, **kwargs)
+
+        return method
+
+    for owner, name, original in waited:
+        what = "torch.cuda.synchronize" if owner is torch.cuda else f"{owner.__name__}.{name}"
+        setattr(owner, name, wait(what, original))
+
     def undo():
+        for owner, name, original in waited:
+            setattr(owner, name, original)
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
         for name, original in factories.items():

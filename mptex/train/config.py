@@ -245,6 +245,10 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"train.device: {exc}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"train.device: {device!r} requested but CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"train.device: {device!r} requested, {torch.cuda.device_count()} CUDA device(s) here"
+        )
     s["device"] = device
 
     try:

@@ -252,7 +252,7 @@ def test_a_stage_that_fails_is_recorded_and_the_next_one_runs(tmp_path):
     assert network["status"] == "ok"
 
 
-def test_the_speed_checks_by_hand():
+def test_the_speed_checks_by_hand(monkeypatch):
     order = kit.arm_order()
     assert order[0] == "f32" and order[-3:] == list(kit.ARMS_NOT_JUDGED)
     judged = [a for a in order if a != "f32" and a not in kit.ARMS_NOT_JUDGED]
@@ -309,6 +309,9 @@ def test_the_speed_checks_by_hand():
     assert ctx.tables[0][1] == [["texture.fp8_gemm=triton", "fp8_current: 1.62x f32, over 1.5x"]]
     # On CUDA every completed run must have run the fused loss (its start-up check falls back
     # to the eager loss with only a warning): the runs above name no loss backend.
+    import mptex.train.fused_loss
+
+    monkeypatch.setattr(mptex.train.fused_loss, "fused_loss_problem", lambda device, loss: None)
     ctx = Stage("cuda")
     fused = [{**run, "backends": {"loss": "triton"}} for run in runs(at_limit)]
     kit.judge_arms(ctx, fused, [], order)
@@ -317,7 +320,10 @@ def test_the_speed_checks_by_hand():
     ctx = Stage("cuda")
     kit.judge_arms(ctx, fused, [], order)
     assert ctx.result["failed_checks"] == [
-        "f32: the loss ran eager, not fused (its warning is in log.txt)"]  # fmt: skip
+        "f32: the loss ran eager, not fused (its start-up check failed: the warning is in "
+        "log.txt)"]  # fmt: skip
+    assert kit.fused_loss_checks(fused, "a libdevice") == [
+        "f32: the loss ran eager, not fused (the fused loss needs a libdevice)"]  # fmt: skip
 
 
 def test_a_spent_budget_leaves_stages_not_run(tmp_path):

@@ -350,17 +350,18 @@ def test_in_a_device_run_host_data_copied_to_the_device_is_a_launch_and_a_sync()
     assert dict(counter.host_ops) == {("step", "mul"): 1}
 
 
-def test_waits_for_the_device_outside_the_dispatcher_are_syncs():
+def test_waits_for_the_device_outside_the_dispatcher_are_syncs(monkeypatch):
     # torch.cuda.synchronize and a stream's or an event's synchronize block the host without
-    # an op: each counts (here without CUDA each call fails after it was counted).
+    # an op: each counts. Stand-ins for the waits themselves, with or without a GPU.
+    for owner in (torch.cuda, torch.cuda.Stream, torch.cuda.Event):
+        monkeypatch.setattr(owner, "synchronize", lambda *args, **kwargs: None)
     originals = torch.cuda.synchronize, torch.cuda.Event.synchronize
     counter = OverheadCounter(torch.device("cuda"))
     undo = patch_host_reads([counter])
     try:
-        for call in (torch.cuda.synchronize, lambda: torch.cuda.Event.synchronize(None),
-                     lambda: torch.cuda.Stream.synchronize(None)):  # fmt: skip
-            with pytest.raises((AssertionError, AttributeError, RuntimeError)):
-                call()
+        torch.cuda.synchronize()
+        torch.cuda.Event.synchronize(None)
+        torch.cuda.Stream.synchronize(None)
     finally:
         undo()
     assert (torch.cuda.synchronize, torch.cuda.Event.synchronize) == originals

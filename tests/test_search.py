@@ -416,18 +416,23 @@ def test_mptex_train_runs_the_search_with_two_workers(tmp_path):
 
 def test_measured_ms_per_iteration_replaces_the_model_for_runs_on_a_gpu(tmp_path, searched):
     # The same runs, as if trained on CUDA: metrics.json says device cuda:0 and 2 ms / iteration
-    # for one candidate; with one worker (the runs had the GPU to themselves) its cost becomes
-    # the measurement, the others keep the model.
+    # for one candidate, trained alone (no other run beside it); its cost becomes the
+    # measurement, the others keep the model.
     import shutil
 
     tmp, summary = searched
     shutil.copytree(tmp / "out" / "runs", tmp_path / "out" / "runs")
     gpu_run = tmp_path / "out" / "runs" / summary["certified"]
+    # each run's record: how many runs trained beside it (its batch of the search's two workers)
+    sharing = sorted(gpu_run.glob("seed*/search_sharing.json"))
+    assert sharing and {json.loads(p.read_text())["ran_beside"] for p in sharing} <= {0, 1}
     for path in gpu_run.glob("seed*/metrics.json"):
         metrics = json.loads(path.read_text())
         metrics.update(device="cuda:0", time_per_iter_s=0.002)
         path.write_text(json.dumps(metrics))
-    again = run_search(_cfg(tmp_path, "search.workers=1"), tmp_path / "out")
+    for path in sharing:
+        path.write_text(json.dumps({"ran_beside": 0}))
+    again = run_search(_cfg(tmp_path), tmp_path / "out")
     rows = {r["candidate"]: r for r in again["candidates"]}
     assert rows[summary["certified"]]["cost_s"] == 0.002 == rows[summary["certified"]]["measured_s"]
     assert rows[summary["certified"]]["cost_source"] == "measured"
@@ -438,9 +443,15 @@ def test_measured_ms_per_iteration_replaces_the_model_for_runs_on_a_gpu(tmp_path
         "Cost: measured on this machine's GPU where a candidate ran on CUDA"
         in (tmp_path / "out" / "search.md").read_text()
     )
-    # Two workers: the runs shared the GPU, each one's time holds the other's work; the
-    # measurement is kept beside the model, which stays the cost.
-    shared = run_search(_cfg(tmp_path, "search.workers=2"), tmp_path / "out")
-    row = next(r for r in shared["candidates"] if r["candidate"] == summary["certified"])
-    assert row["measured_s"] == 0.002 and row["cost_s"] == row["model_s"]
-    assert row["cost_source"] == "modelled" and not shared["cost"]["measured"]
+    # Trained beside another run (or with no record): the time holds the other run's work too;
+    # the model stays the cost.
+    for beside in (1, None):
+        for path in sharing:
+            if beside is None:
+                path.unlink()
+            else:
+                path.write_text(json.dumps({"ran_beside": beside}))
+        shared = run_search(_cfg(tmp_path), tmp_path / "out")
+        row = next(r for r in shared["candidates"] if r["candidate"] == summary["certified"])
+        assert row["measured_s"] is None and row["cost_s"] == row["model_s"], beside
+        assert row["cost_source"] == "modelled" and not shared["cost"]["measured"]

@@ -440,7 +440,8 @@ def test_an_indexed_cuda_device_is_made_current_for_the_run(monkeypatch):
 
     from mptex.train import loop
 
-    for value in ("cpu", "cuda", "cuda:1", "nonsense", None, 3):  # no CUDA device here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for value in ("cpu", "cuda", "cuda:1", "nonsense", None, 3):  # no CUDA device
         guard = loop._current_device({"train": {"device": value}})
         assert isinstance(guard, contextlib.nullcontext), value
     assert isinstance(loop._current_device({}), contextlib.nullcontext)
@@ -467,13 +468,14 @@ def test_a_run_keeps_cublas_half_sums_in_float32_and_restores_the_setting(monkey
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(loop, "_train_validated", body)
-    monkeypatch.setattr(matmul, "allow_fp16_reduced_precision_reduction", True)
-    monkeypatch.setattr(matmul, "allow_bf16_reduced_precision_reduction", True)
+    before = (torch._C._get_cublas_allow_fp16_reduced_precision_reduction(),
+              torch._C._get_cublas_allow_bf16_reduced_precision_reduction())  # fmt: skip
     with pytest.raises(RuntimeError, match="stop here"):
         loop.train({"train": {"device": "cpu"}}, tmp_path)
     assert seen == [(False, False)]
-    assert matmul.allow_fp16_reduced_precision_reduction
-    assert matmul.allow_bf16_reduced_precision_reduction
+    # restored whole (with newer torch, whether split-K is allowed too)
+    assert (torch._C._get_cublas_allow_fp16_reduced_precision_reduction(),
+            torch._C._get_cublas_allow_bf16_reduced_precision_reduction()) == before  # fmt: skip
 
 
 def test_a_cuda_device_index_beyond_the_machines_is_a_config_error(monkeypatch):

@@ -205,13 +205,15 @@ def _host_floor(ctx, loop_overhead) -> None:
         ctx.result["data"]["host_floor"] = f"failed: {type(exc).__name__}: {exc}".splitlines()[0]
         return
     ctx.result["data"]["host_floor"] = results
-    f32 = next((r["host_ms_runs"][0] for r in results if r["arm"] == "f32"), None)
+    # one run per arm; None where it stopped before a timed iteration
+    ms = {r["arm"]: r["host_ms_runs"][0] for r in results}
+    f32 = ms.get("f32")
     ctx.table(
         f"Host floor on {ctx.device}: ms per iteration at 8x8, batch 4, texture=tiny, "
         f"{iterations} iterations",
         ["arm", "ms / iter", "x f32"],
-        [[r["arm"], f"{r['host_ms_runs'][0]:.2f}",
-          f"{r['host_ms_runs'][0] / f32:.2f}" if f32 else "–"] for r in results],
+        [[arm, "–" if t is None else f"{t:.2f}",
+          f"{t / f32:.2f}" if f32 and t is not None else "–"] for arm, t in ms.items()],
         "the loop's median iteration time where the kernels cost next to nothing: the host's "
         "work per iteration (Python, dispatch, autograd, launches); compare with the arms "
         "stage's times at nvdiffrec's scale",
@@ -358,17 +360,22 @@ def stage_mainjob(ctx) -> None:
     command = [sys.executable, "-m", "mptex.cli", "-m", "+experiment=gpu_main", *overrides]
     start = time.time()
     # A session of its own: on a timeout the whole job goes, the launcher's worker processes
-    # (the sweep's children, each training a run on the GPU) with it, not the parent only.
+    # (the sweep's children, each training a run on the GPU) with it, not the parent only. The
+    # stage stops it 20 s before its own box ends, and stops it whatever ends the stage: the
+    # kit's kill of the stage's group would not reach a session of its own.
     job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     try:
-        _, stderr = job.communicate(timeout=max(60.0, ctx.remaining() - 20))
+        _, stderr = job.communicate(timeout=max(1.0, ctx.remaining() - 20))
         returncode, tail = job.returncode, (stderr or "")[-3000:]
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(job.pid, signal.SIGKILL)
-        job.communicate()
         returncode, tail = None, "timed out"
+    finally:
+        if job.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                job.communicate(timeout=10)
     wall = time.time() - start
     timed_out = returncode is None
     rows = _sweep_summary(sweep_dir) if sweep_dir.is_dir() else []

@@ -817,12 +817,16 @@ def speed_checks(runs: list[dict], order: list[str]) -> list[str]:
     return failed
 
 
-def fused_loss_checks(runs: list[dict]) -> list[str]:
+def fused_loss_checks(runs: list[dict], problem: str | None) -> list[str]:
     """On CUDA every arm's loss runs in its Triton kernels (``train.fused_loss=auto``); a run
-    whose kernels failed their start-up check ran the eager loss instead, with only a warning
-    in its log, and its time is not the loop's: a failed check of the stage."""
+    that ran the eager loss instead is not the loop's time: a failed check of the stage, with
+    why (``problem``: :func:`~mptex.train.fused_loss.fused_loss_problem`'s answer for the
+    arms' loss, or None where the kernels could run but failed their start-up comparison,
+    which only warns)."""
+    why = (f"the fused loss needs {problem}" if problem is not None
+           else "its start-up check failed: the warning is in log.txt")  # fmt: skip
     return [
-        f"{r['precision']}: the loss ran eager, not fused (its warning is in log.txt)"
+        f"{r['precision']}: the loss ran eager, not fused ({why})"
         for r in runs
         if r["status"] == "completed" and (r.get("backends") or {}).get("loss") != "triton"
     ]
@@ -923,7 +927,9 @@ def judge_arms(ctx, runs: list[dict], variants: list[dict], order: list[str]) ->
     arms are what ``auto`` runs; this tells whether switching it would pass)."""
     failed = speed_checks(runs, order)
     if ctx.device.startswith("cuda"):
-        failed += fused_loss_checks(runs)
+        from mptex.train.fused_loss import fused_loss_problem
+
+        failed += fused_loss_checks(runs, fused_loss_problem(ctx.device, "logl1"))
     overrides = sorted({v for vs in ARM_VARIANTS.values() for v in vs})
     targets_with = {o: speed_checks(with_variant(runs, variants, o), order) for o in overrides}
     ctx.result["data"]["targets_with"] = targets_with

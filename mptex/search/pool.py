@@ -20,12 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from mptex.search.space import Candidate
+from mptex.train.checkpoint import atomic_write_bytes
 from mptex.train.signals import StopSignals
 
 __all__ = ["SearchInterrupted", "RunPool", "run_summary"]
 
 # A run in one of these states is read back, never trained again.
 _DONE = ("completed", "diverged")
+# Beside a run's metrics.json: how many other runs shared the device while it trained.
+_SHARING = "search_sharing.json"
 
 
 class SearchInterrupted(RuntimeError):
@@ -114,7 +117,14 @@ class RunPool:
             metrics = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
-        return run_summary(metrics) if metrics.get("status") in _DONE else None
+        if metrics.get("status") not in _DONE:
+            return None
+        summary = run_summary(metrics)
+        try:  # unknown (a run trained before this record existed): None
+            summary["ran_beside"] = json.loads((run_dir / _SHARING).read_text())["ran_beside"]
+        except (OSError, ValueError, KeyError, TypeError):
+            summary["ran_beside"] = None
+        return summary
 
     def _stopped_by(self) -> str | None:
         return self.stop.received[0] if self.stop.received else None
@@ -156,7 +166,13 @@ class RunPool:
                 workers, mp_context=get_context("spawn"), max_tasks_per_child=1
             ) as pool:
                 outputs = list(pool.map(_train_run, *zip(*args, strict=True)))
+        # How many runs shared the device while each trained: its time per iteration is its
+        # own only where it ran alone (kept beside metrics.json for a search that reuses it).
+        record = json.dumps({"ran_beside": workers - 1}).encode()
         for (candidate, seed), result in zip(todo, outputs, strict=True):
+            result["ran_beside"] = workers - 1
+            atomic_write_bytes(self.run_dir(candidate, seed) / _SHARING,
+                               lambda f: f.write(record))  # fmt: skip
             self.results[(candidate.name, seed)] = result
             self.trained += 1
         stopped = [

@@ -114,10 +114,14 @@ def summarise(state: SearchState, certified: Candidate) -> dict[str, Any]:
     for cname, stage in stages.items():
         c = by_name[cname]
         runs = {s: pool.results[(cname, s)] for s in seeds if (cname, s) in pool.results}
+        # A GPU time is the candidate's own only where its run had the device to itself (no
+        # other run trained beside it): with several workers the runs share it.
         measured = [
             r["time_per_iter_s"]
             for r in runs.values()
-            if str(r.get("device") or "").startswith("cuda") and r.get("time_per_iter_s")
+            if str(r.get("device") or "").startswith("cuda")
+            and r.get("time_per_iter_s")
+            and r.get("ran_beside") == 0
         ]
         deltas = {s: state.delta(c, s) for s in runs}
         cert = state.certificate(c) if len(runs) == len(seeds) else None
@@ -137,11 +141,8 @@ def summarise(state: SearchState, certified: Candidate) -> dict[str, Any]:
                 "certificate": cert,
             }
         )
-    # A GPU time is a candidate's cost only where its runs had the GPU to themselves: with
-    # several workers the runs share it, and each one's time holds the others' work.
-    alone = settings["workers"] == 1
     for row in rows:
-        measured = row["measured_s"] if alone else None
+        measured = row["measured_s"]
         row["cost_source"] = "modelled" if measured is None else "measured"
         row["cost_s"] = row["model_s"] if measured is None else measured
     rows.sort(key=lambda r: (r["cost_s"], r["candidate"]))

@@ -448,8 +448,10 @@ def _float32_gemm_sums():
     ``allow_bf16_reduced_precision_reduction``), likeliest in the weight gradient's long sum
     over the batch. The settings are the process's; they are restored afterwards."""
     matmul = torch.backends.cuda.matmul
-    kept = (matmul.allow_fp16_reduced_precision_reduction,
-            matmul.allow_bf16_reduced_precision_reduction)  # fmt: skip
+    # Kept whole, as torch's getters give them (newer torch adds whether split-K is allowed,
+    # which setting a bool resets), and set back the same way.
+    kept = (torch._C._get_cublas_allow_fp16_reduced_precision_reduction(),
+            torch._C._get_cublas_allow_bf16_reduced_precision_reduction())  # fmt: skip
     matmul.allow_fp16_reduced_precision_reduction = False
     matmul.allow_bf16_reduced_precision_reduction = False
     try:

@@ -1,4 +1,5 @@
-"""Host-side arithmetic for launching mptex's Triton kernels, kept cheap.
+"""Host-side arithmetic for launching mptex's Triton kernels, kept cheap, and the device they
+launch on.
 
 Each training iteration launches a few dozen Triton kernels, and on a GPU their host-side work
 is on the critical path. ``triton.cdiv`` is a ``constexpr_function`` in Triton 3.6 and 3.9:
@@ -19,9 +20,30 @@ before.
 
 from __future__ import annotations
 
-__all__ = ["cdiv"]
+import contextlib
+
+import torch
+
+__all__ = ["cdiv", "launching_on"]
 
 
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for integers, ``b > 0``."""
     return -(-a // b)
+
+
+def launching_on(device: str | torch.device | None) -> contextlib.AbstractContextManager:
+    """Within: ``device`` (``cuda:N``) is the current CUDA device. Triton launches its kernels
+    on the current device and its stream, whatever device their tensors are on: work on
+    ``cuda:1`` with ``cuda:0`` current would read another device's memory. Anything else (the
+    CPU, ``cuda``, a value that is not a device, an index this machine does not have, for the
+    caller's own check to name) changes nothing."""
+    try:
+        device = torch.device(device) if isinstance(device, (str, torch.device)) else None
+    except RuntimeError:
+        device = None
+    if device is None or device.type != "cuda" or device.index is None:
+        return contextlib.nullcontext()
+    if not torch.cuda.is_available() or device.index >= torch.cuda.device_count():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)

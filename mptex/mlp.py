@@ -26,9 +26,35 @@ from mptex.network import FullyFusedMLP
 from mptex.precision import PrecisionPolicy, scale_grad
 from mptex.quantize import fake_quantize, fake_quantize_input, quantization_error
 
-__all__ = ["PrecisionMLP", "CastLinear", "FP8Linear", "QuantizedLinear", "reduced_linear"]
+__all__ = [
+    "PrecisionMLP", "CastLinear", "FP8Linear", "QuantizedLinear", "reduced_linear",
+    "float32_gemm_sums",
+]  # fmt: skip
 
 _ACTIVATIONS = {"ReLU": nn.ReLU, "LeakyReLU": nn.LeakyReLU, "Sigmoid": nn.Sigmoid, "Tanh": nn.Tanh}
+
+
+@contextlib.contextmanager
+def float32_gemm_sums():
+    """Within: cuBLAS's half and bfloat16 GEMMs sum in float32 throughout, as
+    :func:`reduced_linear` models them. torch lets cuBLAS reduce a split sum's partial results
+    in the reduced type by default (``torch.backends.cuda.matmul``'s
+    ``allow_fp16_reduced_precision_reduction`` and ``allow_bf16_reduced_precision_reduction``),
+    likeliest in a weight gradient's long sum over the batch; both are False within and
+    restored after. The settings are the process's. ``mptex-train`` trains inside it, and
+    ``mptex-check`` compares inside it."""
+    matmul = torch.backends.cuda.matmul
+    # Kept whole, as torch's getters give them (newer torch adds whether split-K is allowed,
+    # which setting a bool resets), and set back the same way.
+    kept = (torch._C._get_cublas_allow_fp16_reduced_precision_reduction(),
+            torch._C._get_cublas_allow_bf16_reduced_precision_reduction())  # fmt: skip
+    matmul.allow_fp16_reduced_precision_reduction = False
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        (matmul.allow_fp16_reduced_precision_reduction,
+         matmul.allow_bf16_reduced_precision_reduction) = kept  # fmt: skip
 
 
 def reduced_linear(
@@ -36,10 +62,9 @@ def reduced_linear(
 ) -> torch.Tensor:
     """``F.linear`` with operands rounded to ``dtype``, float32 accumulation, output in ``dtype``.
 
-    This is what a half or bfloat16 GEMM computes on a GPU (cuBLAS's f32 accumulation, with
-    torch's ``allow_fp16_reduced_precision_reduction`` and its bf16 twin False, as ``mptex-train``
-    sets them for a run: torch's default lets cuBLAS reduce split sums in ``dtype``) and on a CPU
-    (oneDNN's f16/bf16 GEMM). Off the CPU it *is* that GEMM. On a CPU the operands are
+    This is what a half or bfloat16 GEMM computes on a GPU (cuBLAS's f32 accumulation, within
+    :func:`float32_gemm_sums`: torch's default lets cuBLAS reduce split sums in ``dtype``) and on
+    a CPU (oneDNN's f16/bf16 GEMM). Off the CPU it *is* that GEMM. On a CPU the operands are
     rounded to ``dtype`` and the GEMM runs in float32, then the result is rounded once: a product
     of two 11-bit (8-bit for bf16) significands is exact in float32, so only the order of the
     float32 sum can differ from oneDNN's (1 ulp on ~0.1 % of outputs, measured). The reason: with

@@ -1,5 +1,6 @@
 """benchmarks/cpu_speed.py, run as a user runs it: its tables print; its comparison of two
-reports' results.json (mptex.report.compare) leaves out timings and paths only."""
+reports' results.json (mptex.report.compare) leaves out timings, paths and where the runs ran
+(versions, threads, device) only."""
 
 from __future__ import annotations
 
@@ -21,12 +22,16 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
-def test_results_comparison_ignores_timings_and_paths_only():
+def test_results_comparison_ignores_timings_paths_and_environment_only():
     before = {"sweep_dir": "/a", "runs": [{"psnr": 52.5, "time_per_iter_s": 0.1,
-                                          "peak_memory_bytes": 1, "run_dir": "x"}],
+                                          "peak_memory_bytes": 1, "run_dir": "x",
+                                          "versions": {"torch": "2.13.0"}, "torch_threads": 1,
+                                          "device": "cpu", "device_name": "a CPU"}],
               "summary": [{"verdict": "better", "speedup": 1.0}]}  # fmt: skip
     after = {"sweep_dir": "/b", "runs": [{"psnr": 52.5, "time_per_iter_s": 0.05,
-                                         "peak_memory_bytes": 2, "run_dir": "y"}],
+                                         "peak_memory_bytes": 2, "run_dir": "y",
+                                         "versions": {"torch": "2.14.0"}, "torch_threads": 2,
+                                         "device": "cuda:0", "device_name": "a GPU"}],
              "summary": [{"verdict": "better", "speedup": 2.0}]}  # fmt: skip
     assert result_differences(before, after) == []
     after["runs"][0]["psnr"] = 52.500001

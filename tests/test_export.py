@@ -341,6 +341,14 @@ def test_mptex_export_without_checkpoint_is_one_line(tmp_path, capsys):
     assert "no checkpoint.pt" in _one_line_error(capsys)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_mptex_export_on_a_missing_gpu_is_one_line(builtin_run, tmp_path, capsys):
+    # not "a corrupt checkpoint", which loading it onto an absent GPU would report
+    assert export_main([str(builtin_run), "--out", str(tmp_path), "--device", "cuda:1"]) == 2
+    assert _one_line_error(capsys).rstrip().endswith(
+        "--device: cuda:1 requested but CUDA is not available")  # fmt: skip
+
+
 def test_mptex_export_without_xatlas_is_one_line(builtin_run, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "xatlas", None)
     assert export_main([str(builtin_run), "--out", str(tmp_path), "--resolution", "64"]) == 2

@@ -441,6 +441,19 @@ def test_resume_with_fewer_planned_iterations_is_an_error(tmp_path):
     assert message.startswith("train.iterations: expected at least the 4 iterations")
 
 
+def test_resume_on_another_kind_of_device_is_an_error(tmp_path):
+    # A run's random streams are its device's (a CUDA generator's state is not a CPU one's):
+    # a checkpoint of a GPU run does not resume on the CPU, in one line at start.
+    train(tiny_cfg("train.iterations=2"), tmp_path)
+    path = tmp_path / "checkpoint.pt"
+    ckpt = torch.load(path, weights_only=False)
+    ckpt["config"]["train"]["device"] = "cuda:0"  # as a GPU run writes it
+    torch.save(ckpt, path)
+    message = start_error(tmp_path, "train.iterations=4", "train.resume=true")
+    assert message == (f"train.resume: checkpoint {path} was trained on cuda, this run is on "
+                       "cpu: a resume continues on the device it started on (train.device)")
+
+
 def test_output_files_get_the_umask_mode(tmp_path):
     old = os.umask(0o027)
     try:

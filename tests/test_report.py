@@ -551,6 +551,27 @@ def test_nvdiffrec154_gap_decomposition_hand_computed(tmp_path):
     assert text.index("## nvdiffrec #154") < text.index("## How to read this")
 
 
+def test_nvdiffrec154_terms_name_arms_that_ran_other_implementations(tmp_path):
+    # On a GPU tcnn_fused runs tinycudann's network and the twin-only switches the twin: their
+    # difference holds the implementations' difference too, and its row says so.
+    runs = {"nvdiffrec": ("torch", 30.0), "tcnn_fused_swap154": ("tcnn", 28.0),
+            "tcnn_fused": ("tcnn", 28.0), "tcnn_fused_f32acc": ("torch", 29.0),
+            "tcnn_fused_dynamic": ("tcnn", 29.5)}  # fmt: skip
+    for arm, (mlp, psnr) in runs.items():
+        for seed in range(2):
+            backends = {"encoder": "triton", "mlp": mlp, "raster": "nvdiffrast"}
+            _write(tmp_path, f"{arm}_{seed}",
+                   _metrics(arm, seed, psnr=psnr + 0.1 * seed, backends=backends))  # fmt: skip
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    lines = text.splitlines()
+    f32acc = next(line for line in lines if "`tcnn_fused_f32acc` − `tcnn_fused`" in line)
+    assert f32acc.endswith("(not like for like: network: `tcnn_fused_f32acc` ran torch, "
+                           "`tcnn_fused` tcnn) |")  # fmt: skip
+    dynamic = next(line for line in lines if "`tcnn_fused_dynamic` −" in line)
+    assert "not like for like" not in dynamic
+
+
 def test_no_nvdiffrec154_section_without_its_arms(sweep):
     write_report(sweep)
     assert "#154" not in (sweep / "report.md").read_text()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
@@ -57,3 +58,29 @@ def test_bad_arguments_fail_with_one_line(tmp_path, capsys):
     assert rescore.rescore_main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mptex-rescore: ") and "checkpoint.pt" in err and "\n" not in err
+    if not torch.cuda.is_available():  # a GPU asked for on a machine without one
+        assert rescore.rescore_main([str(tmp_path), "--device", "cuda"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == "mptex-rescore: --device: cuda requested, 0 CUDA device(s) here"
+
+
+def test_a_gpu_runs_backends_fall_back_where_they_cannot_run(tmp_path, recwarn):
+    # A run trained with nvdiffrast and tinycudann's grid, rescored on a machine without them:
+    # the same parameters and views with the device's defaults, the run's own PSNR again, and
+    # a warning for each.
+    from mptex._backends import has_nvdiffrast, has_tcnn
+
+    if has_nvdiffrast() or has_tcnn():
+        pytest.skip("needs a machine without nvdiffrast and tinycudann")
+    run_dir, metrics = _run(tmp_path)
+    path = run_dir / "checkpoint.pt"
+    ckpt = torch.load(path, weights_only=False)
+    ckpt["config"]["scene"]["raster_backend"] = "nvdiffrast"
+    ckpt["config"]["texture"]["backend"] = "tcnn"
+    torch.save(ckpt, path)
+    (rows,) = rescore.rescore(run_dir, [1], torch.device("cpu"))
+    assert rows["psnr"] == metrics["psnr"] == rows["own"]
+    said = [str(w.message) for w in recwarn]
+    for start in ("scene.raster_backend: the run's 'nvdiffrast' cannot run",
+                  "texture.backend: the checkpoint's 'tcnn' cannot run"):  # fmt: skip
+        assert any(m.startswith(start) for m in said), (start, said)

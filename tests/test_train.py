@@ -488,3 +488,46 @@ def test_a_cuda_device_index_beyond_the_machines_is_a_config_error(monkeypatch):
     with pytest.raises((ConfigError, ValueError), match=r"^train\.device: 'cuda:1' requested, "
                        r"1 CUDA device\(s\) here$"):  # fmt: skip
         validate_config(dict(plain(tiny_cfg("train.device=cuda:1"))))
+
+
+@pytest.mark.parametrize("backend", ["tcnn", "triton"])
+def test_a_checkpoint_of_a_gpu_grid_backend_loads_on_the_cpu(tmp_path, backend):
+    # A GPU run's texture.backend (tcnn, triton) cannot run on a CPU without them (tcnn: no
+    # library; triton: no interpreter): export and rescore evaluate the same parameters with
+    # the device's default grid, and say so.
+    import os
+    import subprocess
+    import sys
+
+    from mptex.train import load_texture
+
+    train(tiny_cfg("train.iterations=2"), tmp_path)
+    path = tmp_path / "checkpoint.pt"
+    points = torch.rand(64, 3) * 2 - 1
+    with torch.no_grad():
+        want = load_texture(path).sample(points)
+    ckpt = torch.load(path, weights_only=False)
+    ckpt["config"]["texture"]["backend"] = backend
+    torch.save(ckpt, path)
+    torch.save(points, tmp_path / "points.pt")
+    # in a fresh process, without Triton's interpreter (which would run the triton grid)
+    code = (
+        "import sys, torch, warnings\n"
+        "from mptex.train import load_texture\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    tex = load_texture(sys.argv[1])\n"
+        "print([str(w.message) for w in caught])\n"
+        "with torch.no_grad():\n"
+        "    torch.save(tex.sample(torch.load(sys.argv[2])), sys.argv[3])\n"
+    )
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "TRITON_INTERPRET": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(path), str(tmp_path / "points.pt"),
+         str(tmp_path / "got.pt")], capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"texture.backend: the checkpoint's '{backend}' cannot run here" in proc.stdout
+    assert torch.equal(torch.load(tmp_path / "got.pt"), want)

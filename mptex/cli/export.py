@@ -63,14 +63,7 @@ def _fail(message: str) -> int:
 
 def export_main(argv: list[str] | None = None) -> int:
     """``mptex-export``; returns the exit status (0, or 2 for a problem found before work)."""
-    from mptex.bake.export import export_asset, preflight_export
-    from mptex.scenes import build_scene
-    from mptex.train.checkpoint import (
-        TEXTURE_KEYS,
-        CheckpointError,
-        load_checkpoint,
-        texture_from_checkpoint,
-    )
+    from mptex._triton_launch import launching_on
 
     args = _parser().parse_args(argv)
     run_dir = Path(args.run_dir)
@@ -86,6 +79,26 @@ def export_main(argv: list[str] | None = None) -> int:
         device = torch.device(device)
     except RuntimeError as exc:
         return _fail(f"--device: {exc}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return _fail(f"--device: {device} requested but CUDA is not available")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        return _fail(f"--device: {device} requested, {torch.cuda.device_count()} CUDA device(s) "
+                     "here")  # fmt: skip
+    # Triton's kernels launch on the current CUDA device: the export's, for the export
+    with launching_on(device):
+        return _export_run(args, run_dir, checkpoint, device)
+
+
+def _export_run(args, run_dir: Path, checkpoint: Path, device: torch.device) -> int:
+    from mptex.bake.export import export_asset, preflight_export
+    from mptex.scenes import build_scene
+    from mptex.train.checkpoint import (
+        TEXTURE_KEYS,
+        CheckpointError,
+        load_checkpoint,
+        texture_from_checkpoint,
+    )
+
     try:
         ckpt = load_checkpoint(checkpoint, map_location=device, required=TEXTURE_KEYS)
     except CheckpointError as exc:

@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -64,7 +65,18 @@ def rescore(run_dir: str | os.PathLike, spps: list[int], device: torch.device,
     scene_cfg = dict(config["scene"])
     if n_val_views is not None:
         scene_cfg["n_val_views"] = n_val_views
-    scene = build_scene(scene_cfg, device)
+    stored = scene_cfg.get("raster_backend", "auto")
+    try:
+        scene = build_scene(scene_cfg, device)
+    except (ValueError, RuntimeError) as exc:
+        if stored == "auto":
+            raise
+        # A GPU run's rasterizer (nvdiffrast) where it cannot run: the device's default draws
+        # the same views (the twin's triangle ids and barycentrics are nvdiffrast's).
+        warnings.warn(f"scene.raster_backend: the run's {stored!r} cannot run here "
+                      f"({' '.join(str(exc).split())}); the views are drawn with 'auto'",
+                      stacklevel=2)  # fmt: skip
+        scene = build_scene({**scene_cfg, "raster_backend": "auto"}, device)
     texture = texture_from_checkpoint(ckpt, device)
     settings = dict(config["train"])
     light_dir = light_direction(settings, device)
@@ -89,6 +101,7 @@ def rescore(run_dir: str | os.PathLike, spps: list[int], device: torch.device,
 
 
 def rescore_main(argv: list[str] | None = None) -> int:
+    from mptex._triton_launch import launching_on
     from mptex.train.checkpoint import CheckpointError
 
     args = _parser().parse_args(argv)
@@ -97,7 +110,17 @@ def rescore_main(argv: list[str] | None = None) -> int:
         print(f"mptex-rescore: --val-spp: expected integers in [1, 16], got {bad}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        print(f"mptex-rescore: --device: {exc}", file=sys.stderr)
+        return 2
+    if device.type == "cuda" and (
+        not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()
+    ):
+        print(f"mptex-rescore: --device: {device} requested, {torch.cuda.device_count()} CUDA "
+              "device(s) here", file=sys.stderr)  # fmt: skip
+        return 2
     rows = []
     for run in args.runs:
         run_dir = Path(run)
@@ -106,9 +129,15 @@ def rescore_main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)  # fmt: skip
             return 2
         try:
-            rows += rescore(run_dir, args.val_spp, device, args.n_val_views)
+            # Triton's kernels launch on the current CUDA device: the rescore's
+            with launching_on(device):
+                rows += rescore(run_dir, args.val_spp, device, args.n_val_views)
         except CheckpointError as exc:  # unreadable, corrupt or not an mptex checkpoint
             print(f"mptex-rescore: {exc}", file=sys.stderr)
+            return 2
+        except (ValueError, RuntimeError) as exc:  # what this machine cannot run, in one line
+            why = " ".join(str(exc).split()) or type(exc).__name__
+            print(f"mptex-rescore: {run_dir}: {why}", file=sys.stderr)
             return 2
     print(f"machine: {device_name(device)}\n")
     print(markdown_table(

@@ -14,7 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from mptex._triton_launch import launching_on
 from mptex.host import to_host
+from mptex.mlp import float32_gemm_sums
 from mptex.precision import PrecisionPolicy, dtype_name
 from mptex.texture import NVDIFFREC_ENCODER_CONFIG, MLPTexture3D
 
@@ -698,7 +700,9 @@ def compare_setups(
     first: dict[str, str | None] = {}
     scales: dict[str, float] = {}
     for name, setup in zip(names, setups):
-        stages, scales[name] = _run_scaled(source, setup, positions, cotangent)
+        # cuBLAS's half GEMMs as training runs them; Triton launching on the setup's device
+        with float32_gemm_sums(), launching_on(setup.device):
+            stages, scales[name] = _run_scaled(source, setup, positions, cotangent)
         results[name] = stages
         want_grad = setup.mode != "no_grad"
         local = _local_errors(reference, stages, setup.precision, cotangent, want_grad)

@@ -81,7 +81,22 @@ def _term(runs, arm, minus, what, margin_db) -> dict[str, Any] | None:
             curve.setdefault(it, []).append(pa[it] - pb[it])
     over = {it: mean_ci(d) for it, d in sorted(curve.items()) if len(d) == len(pairs)}
     return dict(arm=arm, minus=minus, what=what, n=len(pairs), final=final,
-                verdict=verdict(final, margin_db), curve=over)  # fmt: skip
+                verdict=verdict(final, margin_db), curve=over,
+                mixed=_mixed_backends(arm, minus, [a[p] for p in pairs],
+                                      [b[p] for p in pairs]))  # fmt: skip
+
+
+def _mixed_backends(arm, minus, runs_a, runs_b) -> str | None:
+    """Where the two arms' grid or network ran different implementations (on a GPU the
+    ``tcnn_fused`` arms run tinycudann's network, the twin-only switches the twin): the
+    difference then holds the implementations' difference too. None where they match."""
+    notes = []
+    for key, part in (("mlp_backend", "network"), ("encoder_backend", "grid")):
+        ran_a = sorted({str(r.get(key)) for r in runs_a if r.get(key)})
+        ran_b = sorted({str(r.get(key)) for r in runs_b if r.get(key)})
+        if ran_a and ran_b and ran_a != ran_b:
+            notes.append(f"{part}: `{arm}` ran {'/'.join(ran_a)}, `{minus}` {'/'.join(ran_b)}")
+    return "; ".join(notes) or None
 
 
 def _stat_means(runs, arm) -> dict[str, float]:
@@ -132,8 +147,10 @@ def _row(term: Mapping[str, Any] | None, spec: tuple[str, str, str]) -> str:
     arm, minus, what = spec
     if term is None:
         return f"| {what} | `{arm}` − `{minus}` | – | – | not run (an arm has no completed run) |"
+    mixed = term.get("mixed")
+    note = f" (not like for like: {mixed})" if mixed else ""
     return (f"| {what} | `{arm}` − `{minus}` | {term['n']} | {_ci(term['final'])} | "
-            f"{term['verdict']} |")  # fmt: skip
+            f"{term['verdict']}{note} |")  # fmt: skip
 
 
 def render(result: Mapping[str, Any], margin_db: float, plotted: bool) -> list[str]:

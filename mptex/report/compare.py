@@ -13,8 +13,11 @@ from typing import Any
 __all__ = ["NOT_RESULTS", "result_differences"]
 
 # Keys left out of the comparison: a key containing any of these words is a timing, a memory
-# figure or a path, which differ between two runs of the same computation.
-NOT_RESULTS = ("time", "memory", "speedup", "run_dir", "sweep_dir")
+# figure or a path, which differ between two runs of the same computation, or where it ran
+# (package versions, thread count, device), which a comparison across thread counts, versions
+# or machines changes on purpose.
+NOT_RESULTS = ("time", "memory", "speedup", "run_dir", "sweep_dir", "versions", "threads",
+               "device")  # fmt: skip
 
 
 def result_differences(before: Any, after: Any, where: str = "") -> list[str]:

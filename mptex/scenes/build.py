@@ -73,10 +73,11 @@ def _build_builtin(cfg: dict, device) -> Scene:
     )  # fmt: skip
 
 
-def _textured_reference(mesh):
+def _textured_reference(mesh, backend: str):
     def reference(gbuffer: GBuffer) -> torch.Tensor:
-        # Each pixel takes its triangle's material: its texture at the UV, or its Kd.
-        return _coverage_rgba(shade_kd(mesh, gbuffer.rast), gbuffer.mask)
+        # Each pixel takes its triangle's material: its texture at the UV, or its Kd; with the
+        # scene's rasterizer backend, as its G-buffers (not whichever "auto" finds installed).
+        return _coverage_rgba(shade_kd(mesh, gbuffer.rast, backend), gbuffer.mask)
 
     return reference
 
@@ -101,8 +102,9 @@ def _build_mesh(cfg: dict, device) -> Scene:
         mesh = unit_size(mesh)
     mesh = mesh.to(device)
     train, val = _camera_splits(cfg, device)
+    reference = _textured_reference(mesh, cfg["raster_backend"])
     return Scene(
-        cfg["name"], mesh, cfg["resolution"], train, val, _textured_reference(mesh), device,
+        cfg["name"], mesh, cfg["resolution"], train, val, reference, device,
         backend=cfg["raster_backend"],
     )  # fmt: skip
 

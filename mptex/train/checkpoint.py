@@ -257,15 +257,38 @@ def load_texture(path: str | os.PathLike, device: str | torch.device = "cpu") ->
     return texture_from_checkpoint(ckpt, device)
 
 
+def _texture_on(ckpt: dict[str, Any], texture_cfg: dict[str, Any], device) -> MLPTexture3D:
+    texture = build_texture(ckpt["aabb"], texture_cfg, ckpt["precision"])
+    texture.load_state_dict(ckpt["texture"])
+    return texture.to(device)
+
+
 def texture_from_checkpoint(
     ckpt: dict[str, Any], device: str | torch.device = "cpu"
 ) -> MLPTexture3D:
     """:func:`load_texture` for a checkpoint already read with :func:`load_checkpoint`
     (``required`` including :data:`TEXTURE_KEYS`): one read when the caller also needs the
     checkpoint's config."""
-    texture = build_texture(ckpt["aabb"], ckpt["config"]["texture"], ckpt["precision"])
-    texture.load_state_dict(ckpt["texture"])
-    texture = texture.to(device)
+    stored = dict(ckpt["config"]["texture"])
+    backend = stored.get("backend", "auto")
+    try:
+        texture = _texture_on(ckpt, stored, device)
+        if backend != "auto":  # an explicit grid backend: does it run here?
+            with torch.no_grad():
+                texture.sample(texture.AABB.mean(0, keepdim=True))
+    except RuntimeError as exc:
+        if backend == "auto":
+            raise
+        # The run's texture.backend (tcnn, triton) is how its grid computed, not what it
+        # learned: every backend holds the same flat parameters. Where it cannot run (an
+        # export on a CPU of a GPU run), the device's default evaluates them.
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        warnings.warn(
+            f"texture.backend: the checkpoint's {backend!r} cannot run here ({why}); its grid "
+            "runs on 'auto' instead",
+            stacklevel=2,
+        )
+        texture = _texture_on(ckpt, {**stored, "backend": "auto"}, device)
     try:
         texture.net.fp8_gemm_backend()  # resolved for this device
     except ValueError as exc:

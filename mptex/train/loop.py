@@ -50,8 +50,10 @@ from typing import Any
 import torch
 
 from mptex._profiler_scope import profiler_scope
+from mptex._triton_launch import launching_on
 from mptex.config_schema import plain as plain_config
 from mptex.host import to_host
+from mptex.mlp import float32_gemm_sums
 from mptex.precision import PrecisionStepper, all_finite
 from mptex.render.image import rgb_to_srgb
 from mptex.scenes import MESH_SCENES, Scene, build_scene
@@ -367,6 +369,16 @@ def _start(
                     f"train.resume: checkpoint {resume_from} was trained with another "
                     f"{group} config"
                 )
+        # The random streams a resume restores are the device's (a CUDA generator's state is
+        # not a CPU one's): a run continues on the kind of device it started on.
+        trained_on = torch.device(str(ckpt["config"].get("train", {}).get("device", "cpu")))
+        here = torch.device(full["train"]["device"])
+        if trained_on.type != here.type:
+            raise ValueError(
+                f"train.resume: checkpoint {resume_from} was trained on {trained_on.type}, "
+                f"this run is on {here.type}: a resume continues on the device it started on "
+                "(train.device)"
+            )
         groups = _param_groups(texture, settings["mlp_lr_scale"])
         ckpt["optimizer"] = _optimizer_state(ckpt["optimizer"], texture, groups, resume_from)
         done, planned = int(ckpt["iteration"]), int(settings["iterations"])
@@ -434,48 +446,17 @@ def train(
     remove_stale_temporaries(run_dir)
     stop = StopSignals()
     try:
-        with _current_device(plain), _float32_gemm_sums():
+        with _current_device(plain), float32_gemm_sums():
             return _train_validated(plain, run_dir, metrics, start_wall, stop, exporter)
     finally:
         stop.uninstall()
 
 
-@contextlib.contextmanager
-def _float32_gemm_sums():
-    """cuBLAS's half and bfloat16 GEMMs summing in float32 throughout while the run trains,
-    as :func:`mptex.mlp.reduced_linear` models them: torch lets cuBLAS reduce a split sum's
-    partial results in the reduced type by default (``allow_fp16_reduced_precision_reduction``,
-    ``allow_bf16_reduced_precision_reduction``), likeliest in the weight gradient's long sum
-    over the batch. The settings are the process's; they are restored afterwards."""
-    matmul = torch.backends.cuda.matmul
-    # Kept whole, as torch's getters give them (newer torch adds whether split-K is allowed,
-    # which setting a bool resets), and set back the same way.
-    kept = (torch._C._get_cublas_allow_fp16_reduced_precision_reduction(),
-            torch._C._get_cublas_allow_bf16_reduced_precision_reduction())  # fmt: skip
-    matmul.allow_fp16_reduced_precision_reduction = False
-    matmul.allow_bf16_reduced_precision_reduction = False
-    try:
-        yield
-    finally:
-        (matmul.allow_fp16_reduced_precision_reduction,
-         matmul.allow_bf16_reduced_precision_reduction) = kept  # fmt: skip
-
-
 def _current_device(plain: dict[str, Any]) -> contextlib.AbstractContextManager:
-    """The run's CUDA device made the current one while it trains (``train.device=cuda:N``):
-    Triton launches its kernels on the current device, whatever device their tensors are on.
-    Anything else (the CPU, ``cuda``, a value the config's check will refuse) changes
-    nothing."""
-    value = (plain.get("train") or {}).get("device")
-    try:
-        device = torch.device(value) if isinstance(value, str) else None
-    except RuntimeError:
-        device = None
-    if device is None or device.type != "cuda" or device.index is None:
-        return contextlib.nullcontext()
-    if not torch.cuda.is_available() or device.index >= torch.cuda.device_count():
-        return contextlib.nullcontext()  # the device check's one-line error comes later
-    return torch.cuda.device(device)
+    """The run's CUDA device made the current one while it trains (``train.device=cuda:N``;
+    :func:`mptex._triton_launch.launching_on`). A value the config's check will refuse changes
+    nothing: the check's one-line error comes later."""
+    return launching_on((plain.get("train") or {}).get("device"))
 
 
 def _train_validated(

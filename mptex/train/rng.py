@@ -45,4 +45,6 @@ def set_rng_state(state: Mapping[str, Any], generators: Mapping[str, torch.Gener
     for k, g in generators.items():
         g.set_state(state[f"gen_{k}"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+        # one state per device the saving process saw; this one may see fewer
+        for index, device_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(device_state.cpu(), index)

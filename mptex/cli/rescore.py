@@ -69,7 +69,7 @@ def rescore(run_dir: str | os.PathLike, spps: list[int], device: torch.device,
     try:
         scene = build_scene(scene_cfg, device)
     except (ValueError, RuntimeError) as exc:
-        if stored == "auto":
+        if stored == "auto" or "raster_backend" not in str(exc):
             raise
         # A GPU run's rasterizer (nvdiffrast) where it cannot run: the device's default draws
         # the same views (the twin's triangle ids and barycentrics are nvdiffrast's).

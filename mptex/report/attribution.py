@@ -68,7 +68,10 @@ def _psnr_at(run: Mapping[str, Any]) -> dict[int, float]:
             if is_number(h.get("psnr")) and is_number(h.get("iteration"))}  # fmt: skip
 
 
-def _term(runs, arm, minus, what, margin_db) -> dict[str, Any] | None:
+def _term(runs, arm, minus, what, margin_db, one_effect=False) -> dict[str, Any] | None:
+    """One paired difference; ``one_effect``: the two arms are meant to differ by one switch
+    of the twin's arithmetic (a switch term against ``tcnn_fused``), so a difference of
+    implementation between them is named (``mixed``)."""
     a, b = _completed(runs, arm), _completed(runs, minus)
     pairs = sorted(set(a) & set(b))
     if not pairs:
@@ -82,8 +85,8 @@ def _term(runs, arm, minus, what, margin_db) -> dict[str, Any] | None:
     over = {it: mean_ci(d) for it, d in sorted(curve.items()) if len(d) == len(pairs)}
     return dict(arm=arm, minus=minus, what=what, n=len(pairs), final=final,
                 verdict=verdict(final, margin_db), curve=over,
-                mixed=_mixed_backends(arm, minus, [a[p] for p in pairs],
-                                      [b[p] for p in pairs]))  # fmt: skip
+                mixed=_mixed_backends(arm, minus, [a[p] for p in pairs], [b[p] for p in pairs])
+                if one_effect else None)  # fmt: skip
 
 
 def _mixed_backends(arm, minus, runs_a, runs_b) -> str | None:
@@ -130,7 +133,7 @@ def attribution(runs: Sequence[Mapping[str, Any]], margin_db: float) -> dict[str
     return dict(
         gap=_term(runs, SWAP, BASE, "the swap as #154 made it", margin_db),
         decomposition=[_term(runs, *t, margin_db) for t in DECOMPOSITION],
-        switches=[_term(runs, *t, margin_db) for t in SWITCHES],
+        switches=[_term(runs, *t, margin_db, one_effect=t[1] == "tcnn_fused") for t in SWITCHES],
         statistics={
             arm: _stat_means(runs, arm) for arm in dict.fromkeys(arms) if _completed(runs, arm)
         },  # fmt: skip

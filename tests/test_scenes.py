@@ -259,3 +259,21 @@ def test_mesh_scene_with_several_materials(tmp_path):
         where = views.mask & (material == index)
         assert int(where.sum()) > 0, index
         torch.testing.assert_close(rgb[where], colour.expand(int(where.sum()), 3))
+
+
+@pytest.mark.requires_assets
+def test_a_suite_scene_from_another_machine_reads_this_machines_asset():
+    # A run's config stores the suite asset's path as its machine resolved it: where that file
+    # is missing (an export on another machine), the asset is read from this one's package.
+    from mptex.scenes import suite_path
+
+    cfg = {"name": "duck", "path": "/elsewhere/pybullet_data/duck.obj", "resolution": 16,
+           "n_train_views": 2, "n_val_views": 1}  # fmt: skip
+    with pytest.warns(UserWarning, match=r"^scene\.path: /elsewhere/pybullet_data/duck\.obj not "
+                      r"found; suite asset 'duck' read from "):  # fmt: skip
+        moved = build_scene(cfg, "cpu")
+    here = build_scene({**cfg, "path": suite_path("duck")}, "cpu")
+    assert torch.equal(moved.mesh.v_pos, here.mesh.v_pos)
+    # a mesh that is not a suite asset: still the one-line error
+    with pytest.raises(ValueError, match=r"^scene\.path: file not found: /elsewhere/x\.obj$"):
+        build_scene({**cfg, "name": "mesh", "path": "/elsewhere/x.obj"}, "cpu")

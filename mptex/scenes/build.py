@@ -8,6 +8,7 @@ naming the key).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from mptex.render.camera import orbit_views, random_views
 from mptex.render.material import mesh_materials, shade_kd
 from mptex.render.mesh import unit_size
 from mptex.render.obj import load_obj
+from mptex.scenes.assets import SUITE, suite_path
 from mptex.scenes.builtin import gt_texture, torus_knot
 from mptex.scenes.config import MESH_SCENES, check_scene_config
 from mptex.scenes.gbuffer import GBuffer
@@ -92,6 +94,13 @@ def _load_obj(path: Path, key: str):
 
 def _build_mesh(cfg: dict, device) -> Scene:
     path = Path(cfg["path"])
+    if not path.is_file() and cfg["name"] in SUITE:
+        # A suite asset's path as the machine that ran it resolved it (a run's config stores
+        # it resolved): this machine's copy of the same asset, said.
+        here = Path(suite_path(cfg["name"]))
+        warnings.warn(f"scene.path: {path} not found; suite asset {cfg['name']!r} read from "
+                      f"{here}", stacklevel=3)  # fmt: skip
+        path = here
     if not path.is_file():
         raise ValueError(f"scene.path: file not found: {path}")
     mesh = _load_obj(path, "path")

@@ -275,7 +275,7 @@ def texture_from_checkpoint(
         texture = _texture_on(ckpt, stored, device)
         if backend != "auto":  # an explicit grid backend: does it run here?
             with torch.no_grad():
-                texture.sample(texture.AABB.mean(0, keepdim=True))
+                texture.encoder(torch.full((1, 3), 0.5, device=texture.AABB.device))
     except RuntimeError as exc:
         if backend == "auto":
             raise

@@ -19,6 +19,7 @@ __all__ = [
     "has_nvdiffrast",
     "has_triton",
     "backend_problem",
+    "cuda_device_problem",
     "unavailable_message",
     "import_tcnn",
     "import_nvdiffrast",
@@ -40,6 +41,20 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def cuda_device_problem(device: Any, named: str) -> str | None:
+    """Why the CUDA device ``device`` (a ``torch.device`` of type cuda) is not on this machine,
+    in words that start with ``named`` (how the caller's message shows it): no CUDA at all, or
+    an index beyond its devices; None where it is."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"{named} requested but CUDA is not available"
+    count = torch.cuda.device_count()
+    if (device.index or 0) >= count:
+        return f"{named} requested, {count} CUDA device(s) here"
+    return None
 
 
 def has_tcnn() -> bool:

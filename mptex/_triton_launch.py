@@ -24,6 +24,8 @@ import contextlib
 
 import torch
 
+from mptex._backends import cuda_device_problem
+
 __all__ = ["cdiv", "launching_on"]
 
 
@@ -44,6 +46,6 @@ def launching_on(device: str | torch.device | None) -> contextlib.AbstractContex
         device = None
     if device is None or device.type != "cuda" or device.index is None:
         return contextlib.nullcontext()
-    if not torch.cuda.is_available() or device.index >= torch.cuda.device_count():
+    if cuda_device_problem(device, str(device)) is not None:
         return contextlib.nullcontext()
     return torch.cuda.device(device)

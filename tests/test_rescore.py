@@ -61,7 +61,7 @@ def test_bad_arguments_fail_with_one_line(tmp_path, capsys):
     if not torch.cuda.is_available():  # a GPU asked for on a machine without one
         assert rescore.rescore_main([str(tmp_path), "--device", "cuda"]) == 2
         err = capsys.readouterr().err.strip()
-        assert err == "mptex-rescore: --device: cuda requested, 0 CUDA device(s) here"
+        assert err == "mptex-rescore: --device: cuda requested but CUDA is not available"
 
 
 def test_a_gpu_runs_backends_fall_back_where_they_cannot_run(tmp_path, recwarn):

@@ -438,19 +438,19 @@ def test_an_indexed_cuda_device_is_made_current_for_the_run(monkeypatch):
     # cuda:N makes that device current while it trains; nothing else changes the current one.
     import contextlib
 
-    from mptex.train import loop
+    from mptex._triton_launch import launching_on
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for value in ("cpu", "cuda", "cuda:1", "nonsense", None, 3):  # no CUDA device
-        guard = loop._current_device({"train": {"device": value}})
+        guard = launching_on(value)
         assert isinstance(guard, contextlib.nullcontext), value
-    assert isinstance(loop._current_device({}), contextlib.nullcontext)
+    assert isinstance(launching_on(None), contextlib.nullcontext)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    guard = loop._current_device({"train": {"device": "cuda:1"}})
+    guard = launching_on("cuda:1")
     assert isinstance(guard, torch.cuda.device) and guard.idx == 1
     for value in ("cuda", "cuda:2", "cpu"):  # current already, or the device check's error
-        guard = loop._current_device({"train": {"device": value}})
+        guard = launching_on(value)
         assert isinstance(guard, contextlib.nullcontext), value
 
 

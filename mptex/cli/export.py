@@ -63,6 +63,7 @@ def _fail(message: str) -> int:
 
 def export_main(argv: list[str] | None = None) -> int:
     """``mptex-export``; returns the exit status (0, or 2 for a problem found before work)."""
+    from mptex._backends import cuda_device_problem
     from mptex._triton_launch import launching_on
 
     args = _parser().parse_args(argv)
@@ -79,11 +80,9 @@ def export_main(argv: list[str] | None = None) -> int:
         device = torch.device(device)
     except RuntimeError as exc:
         return _fail(f"--device: {exc}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return _fail(f"--device: {device} requested but CUDA is not available")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        return _fail(f"--device: {device} requested, {torch.cuda.device_count()} CUDA device(s) "
-                     "here")  # fmt: skip
+    problem = cuda_device_problem(device, str(device)) if device.type == "cuda" else None
+    if problem is not None:
+        return _fail(f"--device: {problem}")
     # Triton's kernels launch on the current CUDA device: the export's, for the export
     with launching_on(device):
         return _export_run(args, run_dir, checkpoint, device)

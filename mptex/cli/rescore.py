@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
 def rescore(run_dir: str | os.PathLike, spps: list[int], device: torch.device,
             n_val_views: int | None = None) -> list[dict]:  # fmt: skip
     """The run's checkpoint validated at each of ``spps``; one dict per value."""
-    from mptex.scenes import build_scene
+    from mptex.scenes.build import build_scene, raster_backend_problem
     from mptex.train.checkpoint import TEXTURE_KEYS, load_checkpoint, texture_from_checkpoint
     from mptex.train.shading import light_direction
     from mptex.train.validation import evaluate
@@ -65,18 +65,15 @@ def rescore(run_dir: str | os.PathLike, spps: list[int], device: torch.device,
     scene_cfg = dict(config["scene"])
     if n_val_views is not None:
         scene_cfg["n_val_views"] = n_val_views
-    stored = scene_cfg.get("raster_backend", "auto")
-    try:
-        scene = build_scene(scene_cfg, device)
-    except (ValueError, RuntimeError) as exc:
-        if stored == "auto" or "raster_backend" not in str(exc):
-            raise
+    problem = raster_backend_problem(scene_cfg.get("raster_backend", "auto"), device)
+    if problem is not None:
         # A GPU run's rasterizer (nvdiffrast) where it cannot run: the device's default draws
         # the same views (the twin's triangle ids and barycentrics are nvdiffrast's).
-        warnings.warn(f"scene.raster_backend: the run's {stored!r} cannot run here "
-                      f"({' '.join(str(exc).split())}); the views are drawn with 'auto'",
+        warnings.warn(f"scene.raster_backend: the run's {scene_cfg['raster_backend']!r} cannot "
+                      f"run here ({problem}); the views are drawn with 'auto'",
                       stacklevel=2)  # fmt: skip
-        scene = build_scene({**scene_cfg, "raster_backend": "auto"}, device)
+        scene_cfg["raster_backend"] = "auto"
+    scene = build_scene(scene_cfg, device)
     texture = texture_from_checkpoint(ckpt, device)
     settings = dict(config["train"])
     light_dir = light_direction(settings, device)
@@ -101,6 +98,7 @@ def rescore(run_dir: str | os.PathLike, spps: list[int], device: torch.device,
 
 
 def rescore_main(argv: list[str] | None = None) -> int:
+    from mptex._backends import cuda_device_problem
     from mptex._triton_launch import launching_on
     from mptex.train.checkpoint import CheckpointError
 
@@ -115,11 +113,9 @@ def rescore_main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"mptex-rescore: --device: {exc}", file=sys.stderr)
         return 2
-    if device.type == "cuda" and (
-        not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()
-    ):
-        print(f"mptex-rescore: --device: {device} requested, {torch.cuda.device_count()} CUDA "
-              "device(s) here", file=sys.stderr)  # fmt: skip
+    problem = cuda_device_problem(device, str(device)) if device.type == "cuda" else None
+    if problem is not None:
+        print(f"mptex-rescore: --device: {problem}", file=sys.stderr)
         return 2
     rows = []
     for run in args.runs:

@@ -26,7 +26,7 @@ from mptex.scenes.gbuffer import GBuffer
 from mptex.scenes.nerf import load_nerf_split
 from mptex.scenes.scene import Scene
 
-__all__ = ["build_scene"]
+__all__ = ["build_scene", "raster_backend_problem"]
 
 # The scene group's check, under the name the tests of the shipped configs call.
 _validate = check_scene_config
@@ -159,11 +159,20 @@ def build_scene(cfg: Mapping, device: torch.device | str = "cpu") -> Scene:
     """
     resolved = check_scene_config(cfg)
     device = torch.device(device)
-    if resolved["raster_backend"] == "nvdiffrast":
-        why = unavailable_message("nvdiffrast", "scene.raster_backend")
-        if why is None and device.type != "cuda":
-            why = (f"scene.raster_backend='nvdiffrast' needs the scene on a CUDA device, got "
-                   f"{device}; scene.raster_backend='torch' runs on any device")  # fmt: skip
-        if why is not None:
-            raise ValueError(why)
+    why = raster_backend_problem(resolved["raster_backend"], device)
+    if why is not None:
+        raise ValueError(why)
     return _BUILDERS[resolved["name"]](resolved, device)
+
+
+def raster_backend_problem(backend: str, device: torch.device | str) -> str | None:
+    """Why ``scene.raster_backend`` ``backend`` cannot draw a scene on ``device`` here (one
+    line naming the key), or None: nvdiffrast needs its package and a CUDA device."""
+    if backend != "nvdiffrast":
+        return None
+    why = unavailable_message("nvdiffrast", "scene.raster_backend")
+    device = torch.device(device)
+    if why is None and device.type != "cuda":
+        why = (f"scene.raster_backend='nvdiffrast' needs the scene on a CUDA device, got "
+               f"{device}; scene.raster_backend='torch' runs on any device")  # fmt: skip
+    return why

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mptex._backends import unavailable_message
+from mptex._backends import cuda_device_problem, unavailable_message
 from mptex.config_schema import (
     SEED,
     AnyOf,
@@ -243,12 +243,9 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         dev = torch.device(device)
     except RuntimeError as exc:
         raise ValueError(f"train.device: {exc}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"train.device: {device!r} requested but CUDA is not available")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(
-            f"train.device: {device!r} requested, {torch.cuda.device_count()} CUDA device(s) here"
-        )
+    problem = cuda_device_problem(dev, repr(device)) if dev.type == "cuda" else None
+    if problem is not None:
+        raise ValueError(f"train.device: {problem}")
     s["device"] = device
 
     try:

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from hydra.experimental.callback import Callback
 
+from mptex._backends import cuda_device_problem
+
 __all__ = ["RequireDeviceCallback", "device_problem"]
 
 
@@ -27,8 +29,7 @@ def device_problem(device: str) -> str | None:
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             return "this preset needs a CUDA GPU and none is available here"
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            return f"{device} requested, {torch.cuda.device_count()} CUDA device(s) here"
+        return cuda_device_problem(dev, device)
     return None
 
 

@@ -36,7 +36,6 @@ the loop itself never imports the exporter).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import statistics
@@ -446,17 +445,13 @@ def train(
     remove_stale_temporaries(run_dir)
     stop = StopSignals()
     try:
-        with _current_device(plain), float32_gemm_sums():
+        # cuda:N current while the run trains (Triton launches there); a device value the
+        # config's check refuses changes nothing, and the check's one-line error comes later
+        device = (plain.get("train") or {}).get("device")
+        with launching_on(device), float32_gemm_sums():
             return _train_validated(plain, run_dir, metrics, start_wall, stop, exporter)
     finally:
         stop.uninstall()
-
-
-def _current_device(plain: dict[str, Any]) -> contextlib.AbstractContextManager:
-    """The run's CUDA device made the current one while it trains (``train.device=cuda:N``;
-    :func:`mptex._triton_launch.launching_on`). A value the config's check will refuse changes
-    nothing: the check's one-line error comes later."""
-    return launching_on((plain.get("train") or {}).get("device"))
 
 
 def _train_validated(

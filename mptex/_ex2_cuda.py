@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mptex._triton_launch import cdiv
+from mptex._triton_launch import cdiv, launching_on
 
 __all__ = ["ex2_approx_cuda"]
 
@@ -60,5 +60,6 @@ def ex2_approx_cuda(inputs: list[float], device: torch.device | str | None = Non
     x = torch.tensor(inputs, dtype=torch.float32, device=device)
     out = torch.empty_like(x)
     if x.numel():
-        _ex2_kernel[(cdiv(x.numel(), 128),)](x, out, x.numel(), BLOCK=128)
+        with launching_on(device):
+            _ex2_kernel[(cdiv(x.numel(), 128),)](x, out, x.numel(), BLOCK=128)
     return out.cpu().tolist()

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mptex._triton_launch import cdiv
+from mptex._triton_launch import cdiv, on_operand_device
 
 __all__ = ["padded_copy"]
 
@@ -58,6 +58,7 @@ def _padded_copy_kernel(
     tl.store(dst_ptr + r64 * stride_dr + c64 * stride_dc, values, mask=written)
 
 
+@on_operand_device
 def padded_copy(x: torch.Tensor, rows: int, cols: int, column_major: bool) -> torch.Tensor:
     """``x`` (``[r, c]``, one byte per element, any strides, ``r <= rows``, ``c <= cols``) in a
     new ``[rows, cols]`` tensor of its dtype, row-major or ``column_major``, zero outside it."""

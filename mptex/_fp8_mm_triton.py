@@ -53,7 +53,7 @@ import triton.language as tl
 
 from mptex._fp8_scaling import E5M2
 from mptex._fp8_triton import _code_value
-from mptex._triton_launch import cdiv
+from mptex._triton_launch import cdiv, on_operand_device
 
 __all__ = ["fp8_mm_triton", "INTERPRETED", "split_k_chunks"]
 
@@ -192,6 +192,7 @@ def split_k_chunks(m: int, n: int, k: int) -> int:
     return min(cdiv(k, _K_CHUNK), _MAX_SPLITS)
 
 
+@on_operand_device
 def fp8_mm_triton(
     a: torch.Tensor,
     b: torch.Tensor,

@@ -86,7 +86,7 @@ import triton
 import triton.language as tl
 
 from mptex._fp8_scaling import _Q_KINDS, _check, _outputs, _q_cols
-from mptex._triton_launch import cdiv
+from mptex._triton_launch import cdiv, on_operand_device
 
 __all__ = ["fp8_quantize_triton", "INTERPRETED"]
 
@@ -797,6 +797,7 @@ def _rowwise(x, q, scalars, stats, consts: dict) -> None:
                                      enable_fp_fusion=False)  # fmt: skip
 
 
+@on_operand_device
 def fp8_quantize_triton(
     x: torch.Tensor,
     scale: torch.Tensor,

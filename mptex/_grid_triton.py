@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from mptex._grid_torch import TCNN_HALF_LOSS_SCALE, GridGeometry
-from mptex._triton_launch import cdiv
+from mptex._triton_launch import cdiv, on_operand_device
 
 __all__ = ["hash_grid_encode_triton", "INTERPRETED", "check_device"]
 
@@ -549,6 +549,7 @@ class _TritonGridFunction(torch.autograd.Function):
     """The encoding as one autograd node; the backward recomputes positions and rows."""
 
     @staticmethod
+    @on_operand_device
     def forward(ctx, x, params, geometry: GridGeometry, out_dtype: torch.dtype):
         n_points, n_levels = x.shape[0], geometry.n_levels
         out = torch.empty(n_points, geometry.n_output_dims, dtype=out_dtype, device=x.device)
@@ -574,6 +575,7 @@ class _TritonGridFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @on_operand_device
     def backward(ctx, grad_out):
         geometry, half = ctx.geometry, ctx.out_dtype == torch.float16
         x, params = ctx.saved_tensors

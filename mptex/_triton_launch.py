@@ -16,17 +16,26 @@ axis's accesses, and so do strides and padded widths: those sites compile two va
 batch size that is a multiple of 16 and one that is not). ``benchmarks/triton_launches.py``
 counts the variants per launch site over batch sizes: at most 2, where up to 4 were compiled
 before.
+
+Triton launches a kernel on the current CUDA device, whatever device its tensors are on, so a
+kernel for tensors on ``cuda:1`` launched while ``cuda:0`` is current reads the other device's
+memory. The training loop, ``mptex-check``, ``mptex-export`` and ``mptex-rescore`` make their
+run's device current (``launching_on``); every function that launches a kernel also makes its
+first tensor's device current while it runs (``on_operand_device``), so that a user's own code
+on ``cuda:N`` needs no ``torch.cuda.device(N)``. Where the device is current already, the check
+is one ``torch.cuda.current_device()`` call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
 from mptex._backends import cuda_device_problem
 
-__all__ = ["cdiv", "launching_on"]
+__all__ = ["cdiv", "launching_on", "on_operand_device"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -49,3 +58,22 @@ def launching_on(device: str | torch.device | None) -> contextlib.AbstractContex
     if cuda_device_problem(device, str(device)) is not None:
         return contextlib.nullcontext()
     return torch.cuda.device(device)
+
+
+def on_operand_device(launcher):
+    """Decorator: ``launcher`` (a function that launches Triton kernels) runs with the device of
+    its first tensor argument current, where that is a CUDA device other than the current one.
+    Nothing changes for tensors on the CPU (Triton's interpreter) or on the current device."""
+
+    @functools.wraps(launcher)
+    def wrapper(*args, **kwargs):
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                device = arg.device
+                if device.type == "cuda" and device.index != torch.cuda.current_device():
+                    with torch.cuda.device(device):
+                        return launcher(*args, **kwargs)
+                break
+        return launcher(*args, **kwargs)
+
+    return wrapper

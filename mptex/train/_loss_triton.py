@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from mptex._triton_launch import cdiv
+from mptex._triton_launch import cdiv, on_operand_device
 
 __all__ = ["INTERPRETED", "LAUNCH_OPTIONS", "torch_libdevice", "toolkit_libdevice",
            "loss_partials", "loss_grad", "kd_partials", "kd_grad"]  # fmt: skip
@@ -310,6 +310,7 @@ def _check(pred: torch.Tensor, rgba: torch.Tensor, background: torch.Tensor) -> 
         )
 
 
+@on_operand_device
 def loss_partials(pred, rgba, background, tonemap: bool) -> torch.Tensor:
     """``[programs]`` float32: each program's sum of ``|T(p a) - T(r a)|`` (``T`` the identity
     without ``tonemap``) over its ``_BLOCK`` elements of ``pred`` (``[..., 3]``, any float
@@ -325,6 +326,7 @@ def loss_partials(pred, rgba, background, tonemap: bool) -> torch.Tensor:
     return out
 
 
+@on_operand_device
 def loss_grad(pred, rgba, background, grad, tonemap: bool, mean_by_reciprocal: bool):
     """``dL/dpred`` (``pred``'s shape and dtype) of ``L = grad * mean|T(p a) - T(r a)|``:
     ``grad`` a float32 scalar tensor on ``pred``'s device; ``mean_by_reciprocal`` as torch's
@@ -393,6 +395,7 @@ def _check_kd(tex: torch.Tensor, tex_jitter: torch.Tensor) -> None:
         raise ValueError(f"tex, tex_jitter: expected float32, got {tex.dtype}, {tex_jitter.dtype}")
 
 
+@on_operand_device
 def kd_partials(tex: torch.Tensor, tex_jitter: torch.Tensor) -> torch.Tensor:
     """``[programs]`` float32: each program's sum of ``|tex_jitter[:, :3] - tex[:, :3]|`` over its
     ``_BLOCK`` elements of the two ``[N, C]`` float32 tensors."""
@@ -406,6 +409,7 @@ def kd_partials(tex: torch.Tensor, tex_jitter: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@on_operand_device
 def kd_grad(tex, tex_jitter, grad, pixels: int, mean_by_reciprocal: bool):
     """``(dL/dtex_jitter, dL/dtex)`` of ``L = grad * sum_i(sum_c<3 |tj - t| / 3) / pixels``, as
     autograd composes it (module docstring of :mod:`mptex.train.fused_loss`)."""

@@ -20,7 +20,8 @@ before.
 Triton launches a kernel on the current CUDA device, whatever device its tensors are on, so a
 kernel for tensors on ``cuda:1`` launched while ``cuda:0`` is current reads the other device's
 memory. The training loop, ``mptex-check``, ``mptex-export`` and ``mptex-rescore`` make their
-run's device current (``launching_on``); every function that launches a kernel also makes its
+run's device current (``launching_on``); every function that launches a kernel, and each
+tinycudann forward (its bindings allocate and run on the current device too), also makes its
 first tensor's device current while it runs (``on_operand_device``), so that a user's own code
 on ``cuda:N`` needs no ``torch.cuda.device(N)``. Where the device is current already, the check
 is one ``torch.cuda.current_device()`` call.

@@ -33,6 +33,7 @@ from mptex._grid_torch import (
     grid_geometry,
     hash_grid_encode,
 )
+from mptex._triton_launch import on_operand_device
 
 __all__ = ["HashGridEncoding", "hash_grid_encode", "GridGeometry"]
 
@@ -553,6 +554,7 @@ class HashGridEncoding(nn.Module):
         geometry = self.geometry_on(x.device)
         return hash_grid_encode_triton(x, self.params, geometry, self.dtype)
 
+    @on_operand_device  # tinycudann, too, works on the current device
     def _forward_tcnn(self, x: torch.Tensor) -> torch.Tensor:
         if self.params.device.type != "cuda":
             raise RuntimeError(

@@ -62,6 +62,7 @@ from mptex._fused_mlp_torch import (
     fused_mlp,
     xavier_uniform_params,
 )
+from mptex._triton_launch import on_operand_device
 
 __all__ = [
     "FullyFusedMLP",
@@ -279,6 +280,7 @@ class FullyFusedMLP(nn.Module):
             return self._forward_tcnn(x)
         return fused_mlp(x, self.params, self.spec)
 
+    @on_operand_device  # tinycudann, too, works on the current device
     def _forward_tcnn(self, x: torch.Tensor) -> torch.Tensor:
         if self.params.device.type != "cuda":
             raise RuntimeError(

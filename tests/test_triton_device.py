@@ -128,3 +128,17 @@ def test_every_function_that_launches_a_triton_kernel_makes_its_device_current()
             launches += 1
             assert covered, f"{path.relative_to(PACKAGE.parent)}:{call.lineno}"
     assert launches >= 15  # the grid, the loss, the FP8 quantisations, GEMMs and copies
+
+
+def test_every_tinycudann_call_makes_its_device_current():
+    # tinycudann's bindings also work on the current device: they allocate their outputs and
+    # initial parameters on it and run on its stream.
+    callers = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, ast.FunctionDef) and "tcnn_module_sharing(" in ast.unparse(fn):
+                if fn.name != "tcnn_module_sharing":
+                    callers.append((f"{path.relative_to(PACKAGE.parent)}:{fn.name}", fn))
+    assert len(callers) >= 2  # the encoding's and the network's tinycudann forward
+    for where, fn in callers:
+        assert _decorated(fn), where

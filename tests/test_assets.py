@@ -64,3 +64,42 @@ def test_mptex_train_without_pybullet_data_fails_at_start_naming_the_key(tmp_pat
         train(_compose(["scene=duck", "train.iterations=1"]), tmp_path)
     assert str(err.value).startswith("scene.path: real-asset suite: scene 'duck'")
     assert "\n" not in str(err.value) and not (tmp_path / "metrics.json").exists()
+
+
+def test_same_suite_asset_compares_the_file_within_pybullet_data():
+    here = "/opt/venv/lib/python3.12/site-packages/pybullet_data/torus/torus_textured.obj"
+    there = "C:/Users/me/env/Lib/site-packages/pybullet_data/torus/torus_textured.obj"
+    assert assets.same_suite_asset("torus", here, there)
+    assert not assets.same_suite_asset("torus", here, "/data/other/torus/torus_textured.obj")
+    assert not assets.same_suite_asset("duck", here, there)  # another asset's file
+    assert not assets.same_suite_asset("mesh", here, here)  # not a suite asset
+    assert not assets.same_suite_asset("torus", here, None)
+
+
+@pytest.mark.requires_assets
+def test_a_suite_asset_run_resumes_where_pybullet_data_lies_elsewhere(tmp_path):
+    # A run's config stores the asset's path as its machine resolved it: a run preempted on one
+    # machine resumes on another whose pybullet_data is elsewhere; another file is refused.
+    import torch
+
+    from mptex.train import ConfigError, train
+
+    small = ["scene=duck", *SMALL, "train=tiny", "texture=tiny"]
+    train(_compose([*small, "train.iterations=2"]), tmp_path)
+    path = tmp_path / "checkpoint.pt"
+    ckpt = torch.load(path, weights_only=False)
+    ckpt["config"]["scene"]["path"] = "/cluster/node7/venv/site-packages/pybullet_data/duck.obj"
+    torch.save(ckpt, path)
+    resumed = train(_compose([*small, "train.iterations=3", "train.resume=true"]), tmp_path)
+    assert resumed["status"] == "completed" and resumed["iterations"] == 3
+    assert resumed["resumed_from"] == 2
+    ckpt = torch.load(path, weights_only=False)
+    ckpt["config"]["scene"]["path"] = "/cluster/node7/data/duck.obj"
+    ckpt["config"]["scene"]["resolution"] += 1
+    torch.save(ckpt, path)
+    with pytest.raises(ConfigError) as err:
+        train(_compose([*small, "train.iterations=4", "train.resume=true"]), tmp_path)
+    assert str(err.value) == (
+        f"train.resume: checkpoint {path} was trained with another scene config (different: "
+        "scene.path, scene.resolution)"
+    )

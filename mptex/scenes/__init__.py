@@ -4,7 +4,7 @@ Use ``build_scene(cfg, device)`` and the returned ``Scene``'s ``sample_train_bat
 ``train_views`` and ``val_views``; every view's G-buffer is rasterized once and cached.
 """
 
-from mptex.scenes.assets import SUITE, suite_available, suite_path
+from mptex.scenes.assets import SUITE, same_suite_asset, suite_available, suite_path
 from mptex.scenes.build import build_scene
 from mptex.scenes.builtin import gt_texture, torus_knot
 from mptex.scenes.config import MESH_SCENES, SCENE_DEFAULTS
@@ -19,6 +19,7 @@ __all__ = [
     "SUITE",
     "suite_available",
     "suite_path",
+    "same_suite_asset",
     "Scene",
     "ViewBatch",
     "TrainingBatch",

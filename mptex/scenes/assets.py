@@ -28,7 +28,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SUITE", "SuiteAsset", "PACKAGE", "suite_available", "suite_path"]
+__all__ = ["SUITE", "SuiteAsset", "PACKAGE", "suite_available", "suite_path", "same_suite_asset"]
 
 # The pinned package (its data never changed in 3.2.x; pinned so that the suite's numbers in
 # docs/benchmarks.md are about the same files).
@@ -78,3 +78,13 @@ def suite_path(name: str) -> str:
     if not path.is_file():
         raise ValueError(f"real-asset suite: {path} (asset {name!r}) not found in pybullet_data")
     return str(path)
+
+
+def same_suite_asset(name: str, path_a: str, path_b: str) -> bool:
+    """Whether ``path_a`` and ``path_b`` are both suite asset ``name``'s file, each where some
+    machine's ``pybullet_data`` holds it (a run's config stores the path as its machine resolved
+    it)."""
+    if name not in SUITE or not isinstance(path_a, str) or not isinstance(path_b, str):
+        return False
+    tail = ("pybullet_data", *Path(SUITE[name].file).parts)  # the package's folder name
+    return all(Path(p).parts[-len(tail) :] == tail for p in (path_a, path_b))

@@ -55,7 +55,7 @@ from mptex.host import to_host
 from mptex.mlp import float32_gemm_sums
 from mptex.precision import PrecisionStepper, all_finite
 from mptex.render.image import rgb_to_srgb
-from mptex.scenes import MESH_SCENES, Scene, build_scene
+from mptex.scenes import MESH_SCENES, Scene, build_scene, same_suite_asset
 from mptex.texture import MLPTexture3D
 from mptex.train.checkpoint import (
     CHECKPOINT_FILE,
@@ -363,10 +363,11 @@ def _start(
     if resume_from is not None:
         ckpt = load_checkpoint(resume_from, map_location=device, required=CHECKPOINT_KEYS)
         for group in ("scene", "precision", "texture"):
-            if ckpt["config"].get(group) != full[group]:
+            differ = _config_differences(group, ckpt["config"].get(group), full[group])
+            if differ:
                 raise ValueError(
                     f"train.resume: checkpoint {resume_from} was trained with another "
-                    f"{group} config"
+                    f"{group} config (different: {', '.join(differ)})"
                 )
         # The random streams a resume restores are the device's (a CUDA generator's state is
         # not a CPU one's): a run continues on the kind of device it started on.
@@ -387,6 +388,26 @@ def _start(
                 f"{resume_from} has done, got {planned}"
             )
     return scene, texture, ckpt
+
+
+def _config_differences(group: str, stored: Any, current: Mapping[str, Any]) -> list[str]:
+    """The keys (``group.key``) whose values differ between a checkpoint's config group and
+    this run's. A suite asset's ``scene.path`` is the same asset wherever each machine's
+    ``pybullet_data`` holds it (the config stores the path as the training machine resolved
+    it), so that a run preempted on one machine resumes on another."""
+    if not isinstance(stored, Mapping):
+        return [group]
+    missing = object()
+    differ = []
+    for key in sorted(set(stored) | set(current), key=str):
+        a, b = stored.get(key, missing), current.get(key, missing)
+        if a == b:
+            continue
+        if (group == "scene" and key == "path" and stored.get("name") == current.get("name")
+                and same_suite_asset(current.get("name"), a, b)):  # fmt: skip
+            continue
+        differ.append(f"{group}.{key}")
+    return differ
 
 
 def train(

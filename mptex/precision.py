@@ -562,7 +562,8 @@ class PrecisionStepper:
             result = stepper.step()                       # StepResult(skipped, loss_scale)
             scheduler.step()
 
-    ``stepper(loss)`` does ``backward`` then ``step`` in one call.
+    ``stepper(loss)`` does ``backward`` then ``step(loss)`` in one call (``step(loss)`` checks
+    the loss with the gradients in arms without loss scaling, as the training loop does).
 
     Algorithm per ``policy.loss_scaling``, every check on the device:
         * ``"dynamic"``: ``torch.amp.GradScaler(device, init_scale, growth_factor, backoff_factor,
@@ -721,16 +722,18 @@ class PrecisionStepper:
             broken = not self.policy.master_weights and flags[1] > 0
         return StepResult(skipped=False, loss_scale=1.0, diverged=broken)
 
-    def step(self) -> StepResult:
+    def step(self, loss: torch.Tensor | None = None) -> StepResult:
         """Unscale, check, step or skip, update the scale; see the class docstring. One host
-        read of the outcome."""
-        pending = self.step_async()
+        read of the outcome. ``loss``: as :meth:`step_async`'s (checked with the gradients in
+        arms without loss scaling)."""
+        pending = self.step_async(loss)
         return self.finish(pending, pending.flags.detach().to("cpu").tolist())
 
     def __call__(self, loss: torch.Tensor) -> StepResult:
-        """``backward(loss)`` then ``step()``."""
+        """``backward(loss)`` then ``step(loss)``: in arms without loss scaling a non-finite
+        loss skips the step even where every gradient is finite."""
         self.backward(loss)
-        return self.step()
+        return self.step(loss)
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state (scale, growth tracker) for checkpoints; empty without loss

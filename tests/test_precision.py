@@ -180,6 +180,25 @@ def test_nan_loss_is_skipped_too():
     _assert_bitwise_equal(before, _snapshot(mlp, optimizer))
 
 
+@pytest.mark.parametrize("arm", ["f32", "nvdiffrec", "bf16"])
+def test_a_non_finite_loss_with_finite_gradients_skips_the_step_of_an_unscaled_arm(arm):
+    # A NaN added to the loss leaves every gradient finite: stepper(loss) and step(loss) check
+    # the loss too, as the training loop's step_async(loss) does; step() without it cannot.
+    mlp, optimizer = _model_and_optimizer(arm)
+    stepper = PrecisionStepper(mlp.policy, optimizer)
+    before = _snapshot(mlp, optimizer)
+    result = stepper(_loss(mlp) + torch.tensor(float("nan")))
+    assert result == StepResult(skipped=True, loss_scale=1.0, diverged=True)
+    assert all(bool(torch.isfinite(p.grad).all()) for p in mlp.parameters())
+    _assert_bitwise_equal(before, _snapshot(mlp, optimizer))
+    loss = _loss(mlp) + torch.tensor(float("inf"))
+    optimizer.zero_grad()
+    stepper.backward(loss)
+    assert stepper.step(loss).skipped
+    _assert_bitwise_equal(before, _snapshot(mlp, optimizer))
+    assert not stepper.step().skipped  # the same finite gradients, the loss not given
+
+
 def test_dynamic_scale_grows_after_the_growth_interval():
     mlp, optimizer = _model_and_optimizer("f16_dynamic", init_scale=64.0, growth_interval=3)
     stepper = mlp.policy.stepper(optimizer)

@@ -66,6 +66,7 @@ output channel and each layer's inputs E4M3 per row (sample), both straight thro
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -362,7 +363,8 @@ class PrecisionPolicy:
         field names. When ``cfg["name"]`` is a registered arm, unspecified fields take that
         arm's values, so ``{"name": "f16_dynamic", "growth_interval": 100}`` is f16_dynamic with a
         shorter interval; otherwise they take the dataclass defaults. Unknown keys raise
-        ``ValueError``.
+        ``ValueError``, and so does an unregistered name close to a registered one (a typo)
+        when fields are left unspecified: they would silently be f32's.
         """
         if isinstance(cfg, PrecisionPolicy):
             return cfg
@@ -374,7 +376,15 @@ class PrecisionPolicy:
             )
         cfg = plain(cfg)
         check_keys(cls, cfg)
-        base = _ARMS.get(cfg.get("name"), cls())
+        name = cfg.get("name")
+        if name not in _ARMS and len(cfg) < len(dataclasses.fields(cls)):
+            close = difflib.get_close_matches(str(name), list(_ARMS), n=1, cutoff=0.8)
+            if close:
+                raise ValueError(
+                    f"name: {name!r} is not a registered arm (did you mean {close[0]!r}?); a "
+                    "policy of its own under a new name gives every field"
+                )
+        base = _ARMS.get(name, cls())
         return dataclasses.replace(base, **cfg)
 
     def to_config(self) -> dict[str, Any]:

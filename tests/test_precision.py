@@ -249,3 +249,17 @@ def test_f16_naive_loses_small_gradients_that_f16_dynamic_keeps():
         assert torch.count_nonzero(g_dyn) > 0.9 * torch.count_nonzero(g_ref)
         # f16 rounding of activations and output gradients: a few 1e-3 relative.
         torch.testing.assert_close(g_dyn, g_ref, rtol=2e-2, atol=2e-2 * g_ref.abs().max().item())
+
+
+def test_a_misspelled_arm_name_in_a_partial_config_is_an_error():
+    # Its unspecified fields would be the dataclass's (f32) under a name that reads as f16.
+    with pytest.raises(ValueError) as err:
+        PrecisionPolicy.from_config({"name": "f16_dyanmic", "growth_interval": 100})
+    assert str(err.value) == (
+        "name: 'f16_dyanmic' is not a registered arm (did you mean 'f16_dynamic'?); a policy of "
+        "its own under a new name gives every field"
+    )
+    full = {**PrecisionPolicy.named("f16_dynamic").to_config(), "name": "f16_dynamic2"}
+    assert PrecisionPolicy.from_config(full).loss_scaling == "dynamic"  # every field: its own
+    own = PrecisionPolicy.from_config({"name": "my_arm", "encoder_dtype": "f16"})  # not close
+    assert own.name == "my_arm" and own.mlp_dtypes == (torch.float32,)

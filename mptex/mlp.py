@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mptex.config_schema import is_int
 from mptex.fp8 import (
     E4M3,
     E5M2,
@@ -355,7 +356,7 @@ class PrecisionMLP(nn.Module):
             ("n_hidden_layers", n_hidden_layers),
             ("n_neurons", n_neurons),
         ):
-            if not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{arg}: expected a positive integer, got {value!r}")
         if activation not in _ACTIVATIONS:
             raise ValueError(

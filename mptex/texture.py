@@ -158,6 +158,15 @@ def _bounds(value: Any, arg: str, width: int | None) -> torch.Tensor:
     return tensor.clone()
 
 
+def _min_max(value: Any, channels: int) -> torch.Tensor:
+    tensor = _bounds(value, "min_max", channels)
+    if not bool((tensor[0] < tensor[1]).all()):
+        # The output is min + sigmoid * (max - min): an empty range is a constant channel
+        # whose gradient is 0, an inverted one a flipped sigmoid.
+        raise ValueError(f"min_max: expected min < max for every channel, got {tensor.tolist()}")
+    return tensor
+
+
 def _aabb(value: Any) -> torch.Tensor:
     tensor = _bounds(value, "AABB", 3)
     if not bool((tensor[0] < tensor[1]).all()):
@@ -233,8 +242,10 @@ class MLPTexture3D(nn.Module):
         fp8_gemm: str = "auto",
     ):
         super().__init__()
-        if not is_int(channels) or channels < 1:
-            raise ValueError(f"channels: expected a positive integer, got {channels!r}")
+        for arg, value in (("channels", channels), ("internal_dims", internal_dims),
+                           ("hidden", hidden)):  # fmt: skip
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{arg}: expected a positive integer, got {value!r}")
         self.policy = PrecisionPolicy.from_config(plain(precision))
         self.policy.check_available()
         self.channels = channels
@@ -244,7 +255,7 @@ class MLPTexture3D(nn.Module):
         self.register_buffer("AABB", _aabb(AABB), persistent=False)
         if min_max is None:
             min_max = torch.stack([torch.zeros(channels), torch.ones(channels)])
-        self.register_buffer("min_max", _bounds(min_max, "min_max", channels), persistent=False)
+        self.register_buffer("min_max", _min_max(min_max, channels), persistent=False)
         self._extents: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
         encoder = plain(encoder)
@@ -286,9 +297,13 @@ class MLPTexture3D(nn.Module):
             ``[..., channels]`` float32, in ``[min_max[0], min_max[1]]`` per channel.
         """
         if not isinstance(texc, torch.Tensor) or not texc.is_floating_point():
-            raise ValueError(f"texc: expected a floating-point torch.Tensor [..., 3], got {texc!r}")
+            tensor = isinstance(texc, torch.Tensor)
+            got = f"a {texc.dtype} tensor" if tensor else type(texc).__name__
+            raise ValueError(f"texc: expected a floating-point torch.Tensor [..., 3], got {got}")
         if texc.dim() == 0 or texc.shape[-1] != 3:
             raise ValueError(f"texc: expected shape [..., 3], got {list(texc.shape)}")
+        if texc.device != self.AABB.device:
+            raise ValueError(f"texc: is on {texc.device} but the texture is on {self.AABB.device}")
         flat = texc.reshape(-1, 3).to(torch.float32)
         lo = self.AABB[0]
         unit = torch.clamp((flat - lo[None]) / self._extent("AABB")[None], min=0, max=1)

@@ -91,6 +91,25 @@ def test_bad_arguments_name_themselves():
         MLPTexture3D(AABB, precision="f12", encoder=SMALL)
     with pytest.raises(ValueError, match="texc"):
         _texture("f32").sample(torch.zeros(4, 2))
+    # The caller's argument names, not the MLP's; no bool counts as a size.
+    for kwargs, message in (
+        ({"internal_dims": 0}, "internal_dims: expected a positive integer, got 0"),
+        ({"hidden": True}, "hidden: expected a positive integer, got True"),
+        ({"min_max": [[0, 0, 0], [1, 0, 1]]}, "min_max: expected min < max for every channel, "
+                                              "got [[0.0, 0.0, 0.0], [1.0, 0.0, 1.0]]"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError) as err:
+            MLPTexture3D(AABB, encoder=SMALL, **kwargs)
+        assert str(err.value) == message
+    texture = _texture("f32")
+    with pytest.raises(ValueError) as err:  # one line: the dtype, not the tensor's values
+        texture.sample(torch.zeros(40, 3, dtype=torch.int64))
+    assert str(err.value) == (
+        "texc: expected a floating-point torch.Tensor [..., 3], got a torch.int64 tensor"
+    )
+    with pytest.raises(ValueError) as err:  # before any arithmetic mixes the devices
+        texture.sample(torch.zeros(4, 3, device="meta"))
+    assert str(err.value) == "texc: is on meta but the texture is on cpu"
 
 
 def _bound_forms(lo, hi):

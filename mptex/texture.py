@@ -17,7 +17,7 @@ from torch import nn
 
 from mptex.config_schema import Group, Integer, OneOf, OrNull, check_group, is_int, plain, setting
 from mptex.encoding import BACKENDS as ENCODER_BACKENDS
-from mptex.encoding import HashGridEncoding
+from mptex.encoding import HashGridEncoding, _grid_kwargs_from_tcnn
 from mptex.fp8 import GEMM_BACKENDS
 from mptex.mlp import PrecisionMLP
 from mptex.network import fused_params_from_linear, linear_weights_from_fused
@@ -266,8 +266,11 @@ class MLPTexture3D(nn.Module):
                 raise ValueError(f"encoder: expected 3 input dims, got {encoder.n_input_dims}")
             self.encoder = encoder
         elif isinstance(encoder, Mapping):
-            self.encoder = HashGridEncoding.from_tcnn_config(
-                3, dict(encoder), backend=backend, dtype=self.policy.encoder_dtype
+            # HashGridEncoding.from_tcnn_config's reading, its errors and warning naming this
+            # argument (encoder.n_levels) and pointing at the caller's line
+            grid = _grid_kwargs_from_tcnn(dict(encoder), "encoder")
+            self.encoder = HashGridEncoding(
+                3, **grid, backend=backend, dtype=self.policy.encoder_dtype
             )
         else:
             raise ValueError(

@@ -101,6 +101,12 @@ def test_bad_arguments_name_themselves():
         with pytest.raises(ValueError) as err:
             MLPTexture3D(AABB, encoder=SMALL, **kwargs)
         assert str(err.value) == message
+    with pytest.raises(ValueError) as err:
+        MLPTexture3D(AABB, encoder={**SMALL, "n_levels": 2.5})
+    assert str(err.value) == "encoder.n_levels: expected a whole number, got 2.5"
+    with pytest.warns(UserWarning, match=r"^encoder: ignoring 'n_level' \(did you mean") as seen:
+        MLPTexture3D(AABB, encoder={**SMALL, "n_level": 3})
+    assert seen[0].filename == __file__  # the caller's line
     texture = _texture("f32")
     with pytest.raises(ValueError) as err:  # one line: the dtype, not the tensor's values
         texture.sample(torch.zeros(40, 3, dtype=torch.int64))

@@ -114,6 +114,17 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def check_seed(arg: str, value: Any, allow_none: bool = False) -> None:
+    """``ValueError`` naming ``arg`` unless ``value`` is an int in ``[0, 2**64)`` (what torch's
+    ``Generator.manual_seed`` and tinycudann's ``size_t`` seed take without wrapping or
+    overflowing), or None where ``allow_none``."""
+    if value is None and allow_none:
+        return
+    if not is_int(value) or not 0 <= value < 2**64:
+        none = " or None" if allow_none else ""
+        raise ValueError(f"{arg}: expected an integer in [0, 2**64){none}, got {value!r}")
+
+
 # ----------------------------------------------------------------------------- validators
 class Check:
     """One kind of value. ``check(value, key)`` returns the value (normalised where the kind

@@ -34,6 +34,7 @@ from mptex._grid_torch import (
     hash_grid_encode,
 )
 from mptex._triton_launch import on_operand_device
+from mptex.config_schema import check_seed
 
 __all__ = ["HashGridEncoding", "hash_grid_encode", "GridGeometry"]
 
@@ -327,7 +328,8 @@ class HashGridEncoding(nn.Module):
     ) -> None:
         _check_int("n_input_dims", n_input_dims, 2, 4)
         _check_int("n_levels", n_levels, 1, 32)
-        if n_features_per_level not in (1, 2, 4, 8):
+        check_seed("seed", seed, allow_none=True)
+        if isinstance(n_features_per_level, bool) or n_features_per_level not in (1, 2, 4, 8):
             raise ValueError(
                 f"n_features_per_level must be 1, 2, 4 or 8, got {n_features_per_level!r}"
             )

@@ -49,9 +49,12 @@ What was checked in tiny-cuda-nn's source (commit 6ee3546b, 2026-04-01), and whe
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from numbers import Real
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -63,6 +66,7 @@ from mptex._fused_mlp_torch import (
     xavier_uniform_params,
 )
 from mptex._triton_launch import on_operand_device
+from mptex.config_schema import check_seed
 
 __all__ = [
     "FullyFusedMLP",
@@ -131,6 +135,11 @@ class FullyFusedMLP(nn.Module):
         for name, value in (("n_input_dims", n_input_dims), ("n_output_dims", n_output_dims)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if not isinstance(network_config, Mapping):
+            raise ValueError(
+                f"network_config: expected a mapping of tcnn network keys, got {network_config!r}"
+            )
+        check_seed("seed", seed)
         config = dict(network_config)
         unknown = sorted(set(config) - _CONFIG_KEYS)
         if unknown:
@@ -162,8 +171,11 @@ class FullyFusedMLP(nn.Module):
             raise ValueError(f"backend: expected 'auto', 'torch' or 'tcnn', got {backend!r}")
         if accumulate not in ACCUMULATE_MODES:
             raise ValueError(f"accumulate: expected one of {ACCUMULATE_MODES}, got {accumulate!r}")
-        if not float(loss_scale) > 0:
-            raise ValueError(f"loss_scale: expected a positive number, got {loss_scale!r}")
+        if (isinstance(loss_scale, bool) or not isinstance(loss_scale, Real)
+                or not math.isfinite(loss_scale) or loss_scale <= 0):  # fmt: skip
+            raise ValueError(f"loss_scale: expected a finite positive number, got {loss_scale!r}")
+        if not isinstance(split_k, (bool, np.bool_)):
+            raise ValueError(f"split_k: expected True or False, got {split_k!r}")
         self.switches_are_tcnns = accumulate == "half" and bool(split_k)
         if backend == "tcnn":
             if not self.switches_are_tcnns:

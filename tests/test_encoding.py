@@ -394,6 +394,11 @@ def test_state_dict_is_one_flat_vector():
         (dict(n_input_dims=3, interpolation="Cubic"), "interpolation"),
         (dict(n_input_dims=3, backend="cuda"), "backend"),
         (dict(n_input_dims=3, dtype=torch.float64), "dtype"),
+        (dict(n_input_dims=3, n_features_per_level=True), "^n_features_per_level"),
+        (dict(n_input_dims=3, seed=-1), r"^seed: expected an integer in \[0, 2\*\*64\) or None"),
+        (dict(n_input_dims=3, seed=2**64), "^seed"),
+        (dict(n_input_dims=3, seed=True), "^seed"),
+        (dict(n_input_dims=3, seed=1.5), "^seed"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, match):

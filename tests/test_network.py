@@ -206,6 +206,28 @@ def test_bad_config_raises_value_error(config, key):
         FullyFusedMLP(8, 3, config, backend="torch")
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(seed=2**64), "seed: expected an integer in [0, 2**64), got 18446744073709551616"),
+        (dict(seed=-1), "seed: expected an integer in [0, 2**64), got -1"),
+        (dict(seed=True), "seed: expected an integer in [0, 2**64), got True"),
+        (dict(loss_scale=float("inf")), "loss_scale: expected a finite positive number, got inf"),
+        (dict(loss_scale="8"), "loss_scale: expected a finite positive number, got '8'"),
+        (dict(split_k="no"), "split_k: expected True or False, got 'no'"),
+        (dict(network_config=None), "network_config: expected a mapping of tcnn network keys, "
+                                    "got None"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_are_one_line_naming_them(kwargs, message):
+    # pcg32 would take a seed modulo 2**64 (2**64 the same network as 0), and a string loss
+    # scale or split_k would be converted rather than refused.
+    kwargs = {"network_config": {"n_neurons": 16}, **kwargs}
+    with pytest.raises(ValueError) as err:
+        FullyFusedMLP(8, 3, backend="torch", **kwargs)
+    assert str(err.value) == message
+
+
 def test_tcnn_backend_refuses_twin_only_switches():
     with pytest.raises(ValueError, match="accumulate"):
         FullyFusedMLP(8, 3, {"n_neurons": 16}, backend="tcnn", accumulate="float")

@@ -224,7 +224,15 @@ class FP8Linear(CastLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         states = tuple(self.scaling[role] for role in self.ROLES)
-        return fp8_linear(x, self.weight, self.bias, states, self.gemm_backend)
+        try:
+            return fp8_linear(x, self.weight, self.bias, states, self.gemm_backend)
+        except ValueError as exc:
+            # fp8_linear's GEMM backend is this layer's fp8_gemm (resolved per call, for the
+            # device the layer runs on): the error names the argument the caller set.
+            message = str(exc)
+            if message.startswith(_GEMM_ARG):
+                raise ValueError("fp8_gemm: " + message[len(_GEMM_ARG) :]) from None
+            raise
 
     def quant_statistics(self) -> dict[str, torch.Tensor]:
         """Device scalars ``<role>_<name>`` for roles ``input``, ``weight``, ``grad`` and the
@@ -266,6 +274,9 @@ class FP8Linear(CastLinear):
             f"{super().extra_repr()}, fp8 recipe={r.recipe!r}, margin={r.margin}, "
             f"amax_history_len={r.amax_history_len}, amax_compute_algo={r.amax_compute_algo!r}"
         )
+
+
+_GEMM_ARG = "backend: "  # how mptex.fp8.resolve_gemm_backend's errors name the backend
 
 
 def _check_fp8_gemm(backend: str) -> None:

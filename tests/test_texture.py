@@ -605,3 +605,12 @@ def test_output_sigmoid_has_the_same_bits_for_any_thread_count():
             assert torch.equal(outs[0], torch.sigmoid(x)) and torch.equal(grads[0], ref.grad)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_an_fp8_gemm_backend_this_device_cannot_run_is_named_as_the_argument():
+    # Resolved per call for the device the texture runs on, so the error comes at sample().
+    texture = MLPTexture3D(AABB, precision="fp8", fp8_gemm="scaled_mm", encoder=SMALL)
+    with pytest.raises(ValueError) as err:
+        texture.sample(torch.rand(8, 3))
+    assert str(err.value) == ("fp8_gemm: 'scaled_mm' needs a CUDA device with FP8 tensor cores "
+                              "(compute capability 8.9 or later), got cpu")  # fmt: skip

@@ -380,6 +380,11 @@ class PrecisionMLP(nn.Module):
 
         self.layers: list[CastLinear] = []
         if self.policy.mlp == "fused":
+            if bias:
+                raise ValueError(
+                    f"bias: policy {self.policy.name!r} runs tcnn's fully fused network, which "
+                    "has no biases; bias=True needs a linear MLP"
+                )
             self.policy.check_available()
             self.net = FullyFusedMLP(
                 n_input_dims,

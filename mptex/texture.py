@@ -216,7 +216,8 @@ class MLPTexture3D(nn.Module):
             :class:`~mptex.HashGridEncoding` with 3 input dims (used as given, dtype included).
         backend: encoder backend for ``None``/dict encoders: ``"auto"``, ``"torch"``, ``"tcnn"``
             or ``"triton"`` (``"auto"``: Triton on CUDA where it imports, else tcnn;
-            :meth:`~mptex.HashGridEncoding.resolved_backend`).
+            :meth:`~mptex.HashGridEncoding.resolved_backend`). A ready encoder keeps its own:
+            ``"auto"`` or that backend.
         fp8_gemm: the FP8 arms' GEMM backend (:func:`mptex.fp8.scaled_mm`: ``"auto"``,
             ``"scaled_mm"``, ``"emulated"``, ``"triton"``), resolved for the device the texture
             runs on at each call (:meth:`backends` resolves it now).
@@ -264,6 +265,11 @@ class MLPTexture3D(nn.Module):
         if isinstance(encoder, HashGridEncoding):
             if encoder.n_input_dims != 3:
                 raise ValueError(f"encoder: expected 3 input dims, got {encoder.n_input_dims}")
+            if backend not in ("auto", encoder.backend):
+                raise ValueError(
+                    f"backend: a ready encoder keeps its own backend ({encoder.backend!r}); got "
+                    f"{backend!r}"
+                )
             self.encoder = encoder
         elif isinstance(encoder, Mapping):
             # HashGridEncoding.from_tcnn_config's reading, its errors and warning naming this

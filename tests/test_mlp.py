@@ -61,6 +61,8 @@ def test_bias_and_activation_options():
         PrecisionMLP(4, 2, 1, 8, "f32", activation="GELU")
     with pytest.raises(ValueError, match="n_hidden_layers"):
         PrecisionMLP(4, 2, 0, 8, "f32")
+    with pytest.raises(ValueError, match=r"^bias: policy 'tcnn_fused' runs tcnn's fully fused"):
+        PrecisionMLP(4, 2, 1, 16, "tcnn_fused", bias=True)  # would be built without biases
     with pytest.raises(ValueError, match="x: expected shape"):
         mlp(torch.zeros(3, 5))
 

@@ -101,6 +101,9 @@ def test_bad_arguments_name_themselves():
         with pytest.raises(ValueError) as err:
             MLPTexture3D(AABB, encoder=SMALL, **kwargs)
         assert str(err.value) == message
+    with pytest.raises(ValueError) as err:  # not silently ignored
+        MLPTexture3D(AABB, encoder=HashGridEncoding.from_tcnn_config(3, SMALL), backend="nope")
+    assert str(err.value) == "backend: a ready encoder keeps its own backend ('auto'); got 'nope'"
     with pytest.raises(ValueError) as err:
         MLPTexture3D(AABB, encoder={**SMALL, "n_levels": 2.5})
     assert str(err.value) == "encoder.n_levels: expected a whole number, got 2.5"

@@ -427,6 +427,10 @@ def convert_state_dict(
         ValueError: naming ``state_dict`` (no MLP, both layouts, biases, sizes that differ from
             ``texture``'s) or ``params``.
     """
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(f"state_dict: expected a texture's state dict, got {type(state_dict)}")
+    if not isinstance(texture, MLPTexture3D):
+        raise ValueError(f"texture: expected an MLPTexture3D, got {type(texture)}")
     linear = sorted(
         (int(m.group(1)), key) for key in state_dict if (m := _LINEAR_KEY.fullmatch(key))
     )
@@ -442,6 +446,13 @@ def convert_state_dict(
     }
     net = texture.net
     if ("linear" if linear else "fused") == net.policy.mlp:
+        own = texture.state_dict()
+        for key, value in state_dict.items():
+            if isinstance(value, torch.Tensor) and key in own and value.shape != own[key].shape:
+                raise ValueError(
+                    f"state_dict: {key} is {list(value.shape)}, the texture's "
+                    f"{list(own[key].shape)}"
+                )
         return _with_extra_state(dict(state_dict), texture)
     if net.policy.mlp == "fused":
         biases = [key for _, key in linear if key.endswith(".bias")]

@@ -329,7 +329,15 @@ def test_export_mesh_errors_are_one_line_before_any_work(tmp_path):
         export_mesh(texture, mesh, tmp_path / "a", formats=["fbx"])
     with pytest.raises(ValueError, match="^background: expected 'white' or 'black'"):
         export_mesh(texture, mesh, tmp_path / "a", background="grey")
+    with pytest.raises(ValueError, match="^mesh: expected an mptex Mesh"):
+        export_mesh(texture, None, tmp_path / "a")
+    with pytest.raises(ValueError, match="^texture: expected an MLPTexture3D, got NoneType"):
+        export_mesh(None, mesh, tmp_path / "a")
     assert not (tmp_path / "a").exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError) as err:
+        export_mesh(texture, mesh, tmp_path / "file", resolution=16, formats="obj")
+    assert str(err.value) == f"out_dir: {tmp_path / 'file'} exists and is not a folder"
     summary = export_mesh(texture, mesh, tmp_path / "b", resolution=16, formats="obj",
                           measure=False)  # fmt: skip
     assert summary["measure_skipped"] == "export.measure=false"

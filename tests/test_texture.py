@@ -480,6 +480,14 @@ def test_state_dict_conversion_errors_name_the_problem():
     for state_dict, match in cases:
         with pytest.raises(ValueError, match=match):
             convert_state_dict(state_dict, fused)
+    # In the texture's own layout too: sizes that differ are named here, not by load_state_dict.
+    with pytest.raises(ValueError) as err:
+        convert_state_dict(narrow, _texture("f32"))
+    assert str(err.value) == "state_dict: net.net.0.weight is [16, 8], the texture's [32, 8]"
+    with pytest.raises(ValueError, match=r"^state_dict: expected a texture's state dict"):
+        convert_state_dict(None, fused)
+    with pytest.raises(ValueError, match=r"^texture: expected an MLPTexture3D"):
+        convert_state_dict(linear, None)
 
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")

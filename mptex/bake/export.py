@@ -498,9 +498,17 @@ def export_mesh(
         ValueError: ``"export.<key>: ..."`` / ``"resolution: ..."`` (one line) before any work.
         RuntimeError: a writer or xatlas is needed but not installed (one line).
     """
+    if not isinstance(texture, MLPTexture3D):
+        raise ValueError(f"texture: expected an MLPTexture3D, got {type(texture).__name__}")
+    if not isinstance(mesh, Mesh):
+        raise ValueError(
+            f"mesh: expected an mptex Mesh (mptex.render.load_obj), got {type(mesh).__name__}"
+        )
     if background not in ("white", "black"):
         raise ValueError(f"background: expected 'white' or 'black', got {background!r}")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir: {out} exists and is not a folder")
     options = dict(
         resolution=resolution, formats=formats, padding=padding, unwrap=unwrap,
         kd_format=kd_format, chunk_size=chunk_size, measure=measure,

@@ -398,16 +398,18 @@ class HashGridEncoding(nn.Module):
         )
         self._cuda_geometry: GridGeometry | None = None
         # Refuse what cannot fit before allocating: the f32 table plus the temporaries of its
-        # initialisation (two vectors of its size at once).
+        # initialisation (two vectors of its size at once), drawn on the CPU whatever the
+        # device (the same values everywhere for a seed), then on the device.
         needed = 2 * 4 * self.geometry.n_params
-        available = _available_bytes(device)
-        if available is not None and needed > available:
-            raise ValueError(
-                f"log2_hashmap_size: {n_levels} levels of up to 2**{log2_hashmap_size} entries "
-                f"x {n_features_per_level} features need {needed / 2**30:.1f} GiB to build, "
-                f"only {available / 2**30:.1f} GiB is available on {torch.device(device or 'cpu')}"
-                " (lower log2_hashmap_size or n_levels)"
-            )
+        for where in dict.fromkeys((torch.device("cpu"), torch.device(device or "cpu"))):
+            available = _available_bytes(where)
+            if available is not None and needed > available:
+                raise ValueError(
+                    f"log2_hashmap_size: {n_levels} levels of up to 2**{log2_hashmap_size} "
+                    f"entries x {n_features_per_level} features need {needed / 2**30:.1f} GiB "
+                    f"to build, only {available / 2**30:.1f} GiB is available on {where}"
+                    " (lower log2_hashmap_size or n_levels)"
+                )
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         initial = torch.rand(self.geometry.n_params, generator=generator) * 2e-4 - 1e-4
         self.params = nn.Parameter(initial.to(device))

@@ -163,6 +163,9 @@ def test_constructor_errors_name_the_config_key(tmp_path, overrides, key):
 def test_api_refuses_bad_arguments_naming_them():
     cases = [
         (lambda: HashGridEncoding(3, n_levels=16, log2_hashmap_size=30), "log2_hashmap_size"),
+        # drawn on the CPU before it moves: the CPU's memory is checked on any device
+        (lambda: HashGridEncoding(3, n_levels=16, log2_hashmap_size=30, device="meta"),
+         "log2_hashmap_size"),
         (lambda: HashGridEncoding.from_tcnn_config(3, None), "config"),
         (lambda: HashGridEncoding(3, base_resolution=16.9), "base_resolution"),
         (lambda: HashGridEncoding(3, n_levels=4.7), "n_levels"),

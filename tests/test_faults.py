@@ -444,6 +444,20 @@ def test_resume_with_fewer_planned_iterations_is_an_error(tmp_path):
     assert message.startswith("train.iterations: expected at least the 4 iterations")
 
 
+def test_resume_with_another_seed_is_an_error_naming_it(tmp_path):
+    # The report pairs runs by train.seed: a resume under another seed would relabel a run whose
+    # initial weights and random streams are the first seed's. Other train keys may change.
+    train(tiny_cfg("train.iterations=2", "train.seed=0"), tmp_path)
+    path = tmp_path / "checkpoint.pt"
+    message = start_error(tmp_path, "train.iterations=4", "train.resume=true", "train.seed=5",
+                          "train.init_seed=1")  # fmt: skip
+    assert message == (f"train.resume: checkpoint {path} was trained with another train config "
+                       "(different: train.init_seed, train.seed)")  # fmt: skip
+    resumed = train(tiny_cfg("train.iterations=3", "train.resume=true", "train.seed=0",
+                             "train.lr=0.002"), tmp_path)  # fmt: skip
+    assert resumed["status"] == "completed" and resumed["resumed_from"] == 2
+
+
 def test_resume_on_another_kind_of_device_is_an_error(tmp_path):
     # A run's random streams are its device's (a CUDA generator's state is not a CPU one's):
     # a checkpoint of a GPU run does not resume on the CPU, in one line at start.

@@ -362,8 +362,15 @@ def _start(
     ckpt = None
     if resume_from is not None:
         ckpt = load_checkpoint(resume_from, map_location=device, required=CHECKPOINT_KEYS)
-        for group in ("scene", "precision", "texture"):
-            differ = _config_differences(group, ckpt["config"].get(group), full[group])
+        for group in ("scene", "precision", "texture", "train"):
+            stored = ckpt["config"].get(group)
+            current = full[group]
+            if group == "train":
+                # The seeds name the run (the report pairs runs by train.seed) and made its
+                # initial weights and random streams; the rest of train may change on a resume.
+                stored = {k: (stored or {}).get(k, TRAIN_DEFAULTS[k]) for k in _RUN_SEEDS}
+                current = {k: current.get(k, TRAIN_DEFAULTS[k]) for k in _RUN_SEEDS}
+            differ = _config_differences(group, stored, current)
             if differ:
                 raise ValueError(
                     f"train.resume: checkpoint {resume_from} was trained with another "
@@ -388,6 +395,9 @@ def _start(
                 f"{resume_from} has done, got {planned}"
             )
     return scene, texture, ckpt
+
+
+_RUN_SEEDS = ("seed", "init_seed")
 
 
 def _config_differences(group: str, stored: Any, current: Mapping[str, Any]) -> list[str]:

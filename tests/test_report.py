@@ -821,3 +821,44 @@ def test_the_quantisation_table_per_layer(tmp_path):
     text = (tmp_path / "report.md").read_text()
     assert "| arm | layer | input rel. error | overflows input / weight / grad | amax" in text
     assert "| `fp8` | net.1 | 0.06 | 3 / – / – | 3.5 / – / – |" in text
+
+
+def test_runs_that_failed_at_start_stay_in_their_arms_row(tmp_path):
+    # A run refused at start records its config as a started run would (defaults, the device
+    # train.device=auto resolves to, the arm's fields): its arm's row counts it, and no key
+    # that only the check resolves (train.device: auto against cpu) becomes a swept value.
+    from hydra import compose, initialize_config_dir
+
+    from mptex.cli import CONFIG_DIR
+    from mptex.train import ConfigError, train
+
+    tiny = ["train=tiny", "texture=tiny", "scene.resolution=16", "scene.n_train_views=2",
+            "scene.n_val_views=1", "scene.tubular_segments=32", "scene.radial_segments=6",
+            "train.iterations=2", "train.device=auto"]  # fmt: skip
+    for arm in ("f32", "bf16"):
+        for seed in (0, 1, -1):
+            with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+                cfg = compose("config", overrides=[*tiny, f"precision={arm}",
+                                                   f"train.seed={seed}"])  # fmt: skip
+            if seed < 0:
+                with pytest.raises(ConfigError, match="^train.seed"):
+                    train(cfg, tmp_path / f"{arm}_{seed}")
+            else:
+                train(cfg, tmp_path / f"{arm}_{seed}")
+    # and a job that crashed before writing metrics.json: Hydra's copy of its config
+    from omegaconf import OmegaConf
+
+    from mptex.report.collect import group_runs
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[*tiny, "precision=f32", "train.seed=2"])
+    (tmp_path / "f32_2" / ".hydra").mkdir(parents=True)
+    (tmp_path / "f32_2" / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    keys, groups, _, _ = group_runs(collect_runs(tmp_path))
+    assert len(groups) == 2 and all(k.startswith("precision.") for k in keys), keys
+    rows = {row["precision"]: row for row in summarize(collect_runs(tmp_path))}
+    assert set(rows) == {"f32", "bf16"}
+    assert rows["bf16"]["n_runs"] == 3 and rows["bf16"]["completed"] == 2
+    assert rows["bf16"]["failed"] == 1
+    assert rows["f32"]["n_runs"] == 4 and rows["f32"]["completed"] == 2
+    assert rows["f32"]["failed"] == 2

@@ -67,7 +67,13 @@ from mptex.train.checkpoint import (
     save_checkpoint,
     write_metrics,
 )
-from mptex.train.config import TRAIN_DEFAULTS, ConfigError, config_key, validate_config
+from mptex.train.config import (
+    TRAIN_DEFAULTS,
+    ConfigError,
+    config_key,
+    normalized_config,
+    validate_config,
+)
 from mptex.train.exporter import Exporter
 from mptex.train.fused_loss import fused_loss_check, fused_loss_problem, masked_image_loss
 from mptex.train.losses import lr_schedule
@@ -503,7 +509,9 @@ def _train_validated(
         scene, texture, ckpt = _start(full, resume_from, run_dir, exporter)
     except ValueError as exc:
         message = " ".join(str(exc).split())  # one line, whatever the source wrote
-        metrics.update(error=message, failed_at="start")
+        # The config as a run that started records it (defaults, the device, the arm's
+        # fields), as far as it is valid: the report places this run in its arm's row.
+        metrics.update(error=message, failed_at="start", config=normalized_config(plain))
         write_metrics(run_dir, metrics)
         raise ConfigError(message) from None
     metrics["config"] = full

@@ -444,6 +444,24 @@ def test_resume_with_fewer_planned_iterations_is_an_error(tmp_path):
     assert message.startswith("train.iterations: expected at least the 4 iterations")
 
 
+def test_a_crash_while_starting_is_recorded_then_raised(tmp_path, monkeypatch):
+    # Not a config error (e.g. the scene's buffers do not fit in memory): metrics.json says
+    # where and why, and the error reaches the caller as it came.
+    from mptex.train import loop
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory:\nyou tried to allocate 1 TB")
+
+    monkeypatch.setattr(loop, "build_scene", out_of_memory)
+    with pytest.raises(RuntimeError, match="^DefaultCPUAllocator"):
+        train(tiny_cfg("train.iterations=2"), tmp_path)
+    metrics = read_metrics(tmp_path)
+    assert metrics["status"] == "failed" and metrics["failed_at"] == "start"
+    assert metrics["error"] == ("RuntimeError: DefaultCPUAllocator: not enough memory: you "
+                                "tried to allocate 1 TB")  # fmt: skip
+    assert metrics["config"]["train"]["device"] == "cpu"  # recorded as checked
+
+
 def test_resume_with_another_seed_is_an_error_naming_it(tmp_path):
     # The report pairs runs by train.seed: a resume under another seed would relabel a run whose
     # initial weights and random streams are the first seed's. Other train keys may change.

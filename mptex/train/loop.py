@@ -514,6 +514,13 @@ def _train_validated(
         metrics.update(error=message, failed_at="start", config=normalized_config(plain))
         write_metrics(run_dir, metrics)
         raise ConfigError(message) from None
+    except Exception as exc:
+        # Not the config's fault (the scene's buffers did not fit, a library failed): recorded
+        # as a failure at start all the same, then raised as it came.
+        error = " ".join(f"{type(exc).__name__}: {exc}".split())
+        metrics.update(error=error, failed_at="start", config=normalized_config(plain))
+        write_metrics(run_dir, metrics)
+        raise
     metrics["config"] = full
     try:
         rss = RunPeakRss(enabled=device.type != "cuda").start()

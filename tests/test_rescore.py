@@ -51,6 +51,10 @@ def test_bad_arguments_fail_with_one_line(tmp_path, capsys):
     assert rescore.rescore_main([str(tmp_path), "--val-spp", "0"]) == 2
     expected = "mptex-rescore: --val-spp: expected integers in [1, 16], got [0]"
     assert capsys.readouterr().err.strip() == expected
+    for flag, message in (("--threads", "--threads: expected an integer >= 1, got 0"),
+                          ("--n-val-views", "--n-val-views: expected an integer >= 1, got 0")):
+        assert rescore.rescore_main([str(tmp_path), flag, "0"]) == 2  # fmt: skip
+        assert capsys.readouterr().err.strip() == f"mptex-rescore: {message}"
     assert rescore.rescore_main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith("no checkpoint.pt (not a finished mptex-train run)") and "\n" not in err

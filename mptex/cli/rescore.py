@@ -107,6 +107,14 @@ def rescore_main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"mptex-rescore: --val-spp: expected integers in [1, 16], got {bad}", file=sys.stderr)
         return 2
+    if args.threads < 1:
+        print(f"mptex-rescore: --threads: expected an integer >= 1, got {args.threads}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.n_val_views is not None and args.n_val_views < 1:
+        print(f"mptex-rescore: --n-val-views: expected an integer >= 1, got {args.n_val_views}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     torch.set_num_threads(args.threads)
     try:
         device = torch.device(args.device)

@@ -385,7 +385,7 @@ def test_completed_without_psnr_is_counted_as_diverged(tmp_path):
     assert row["completed"] == 2 and row["diverged"] == 1 and row["n_runs"] == 3
     write_report(tmp_path)
     text = (tmp_path / "report.md").read_text()
-    assert "Diverged: `f32` (1/3 runs" in text
+    assert "Diverged: `f32` (1/3 runs, at iteration end (no finite PSNR))" in text
     assert "Counted as diverged: `2: recorded as completed, but its PSNR is not a finite" in text
 
 

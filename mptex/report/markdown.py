@@ -217,10 +217,12 @@ def _reading(rows: Sequence[Mapping[str, Any]], margin_db: float, on_cpu: bool) 
         lines += _epsilon_lines(compared, ref)
     diverged = [r for r in rows if r["diverged"]]
     if diverged:
+        # None: a run recorded as completed whose final PSNR is not finite
+        where = [", ".join("end (no finite PSNR)" if i is None else str(i)
+                           for i in r["diverged_at"]) for r in diverged]  # fmt: skip
         items = ", ".join(
-            f"{_name(r)} ({r['diverged']}/{r['n_runs']} runs, at iteration "
-            f"{', '.join(str(i) for i in r['diverged_at'])})"
-            for r in diverged
+            f"{_name(r)} ({r['diverged']}/{r['n_runs']} runs, at iteration {at})"
+            for r, at in zip(diverged, where, strict=True)
         )
         lines.append(f"- Diverged: {items}.")
     else:

@@ -520,7 +520,10 @@ def test_check_exit_codes(tmp_path, capsys):
 # ----------------------------------------------------------------------------- the real CLI
 def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "mptex.cli", f"hydra.run.dir={tmp_path}", *TINY, *args]
+    flags = [a for a in args if a.startswith("-") and "=" not in a]  # before the overrides
+    args = [a for a in args if a not in flags]
+    cmd = [sys.executable, "-m", "mptex.cli", *flags, f"hydra.run.dir={tmp_path}",
+           f"hydra.sweep.dir={tmp_path}", *TINY, *args]  # fmt: skip
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -538,6 +541,26 @@ def test_cli_errors_are_one_line_with_exit_2(tmp_path, args, start):
     assert proc.stderr.splitlines() == [proc.stderr.strip()]
     assert proc.stderr.startswith(f"mptex-train: error: {start.format(dir=tmp_path)}")
     assert read_metrics(tmp_path)["status"] == "failed"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train.iteratons=5"], "Could not override 'train.iteratons'. To append to your config "
+                                "use +train.iteratons=5"),
+        (["-m", "precision=f32,f99"], "In 'config': Could not find 'precision/f99' Available "
+                                      "options in 'precision': amp bf16 "),
+        (["hydra/launcher=nope"], "In 'hydra/config': Could not find 'hydra/launcher/nope'"),
+    ],
+)  # fmt: skip
+def test_overrides_hydra_cannot_compose_are_one_line_with_exit_2(tmp_path, args, message):
+    # Checked before any job starts: a sweep with one bad value runs none and writes no report.
+    proc = run_cli(tmp_path, *args)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith(f"mptex-train: error: {message}")
+    assert "Config search path" not in proc.stderr
+    assert not list(tmp_path.rglob("metrics.json")) and not list(tmp_path.rglob("report.md"))
 
 
 def test_cli_f16_naive_one_iteration_says_diverged(tmp_path):

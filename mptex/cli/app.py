@@ -75,5 +75,61 @@ def run_hydra_app(task, prog: str) -> None:
     import hydra
 
     register_experiments()
+    problem = override_problem(sys.argv[1:])
+    if problem is not None:
+        print(f"{prog}: error: {problem}", file=sys.stderr)
+        sys.exit(EXIT_CODES["error"])
     app = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")(task)
     app()
+
+
+# Hydra's flags after which it does not compose the run's config as given (help, the config's
+# printout, another config): left to Hydra.
+_OWN_FLAGS = ("help", "hydra_help", "version", "cfg", "info", "shell_completion", "config_path",
+              "config_name", "config_dir", "experimental_rerun")  # fmt: skip
+
+
+def override_problem(argv: list[str]) -> str | None:
+    """One line saying why Hydra would not compose the config of ``argv``'s overrides (a key
+    that is not in the config, an unknown option of a config group, a syntax error), or None.
+
+    Each value of a swept override (``precision=f32,f99``) is composed once, the other
+    overrides at their first value, before any job starts: a sweep with one bad value runs
+    none. Hydra reports these itself, over several lines and with exit status 1, and only once
+    a sweep reaches the job. Anything this check cannot read (Hydra's own flags, an error it
+    does not recognise) is left to Hydra."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        args = get_args_parser().parse_args(argv)
+    except SystemExit:  # argparse's own error: Hydra prints it
+        return None
+    if any(getattr(args, flag, None) for flag in _OWN_FLAGS):
+        return None
+    try:
+        parsed = OverridesParser.create().parse_overrides(args.overrides)
+        choices = []
+        for override in parsed:
+            key = override.get_key_element()
+            if override.is_sweep_override():
+                choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])
+            else:
+                value = override.get_value_element_as_str()
+                choices.append([key if value is None else f"{key}={value}"])
+        firsts = [values[0] for values in choices]
+        trials = [firsts] + [
+            [*firsts[:i], value, *firsts[i + 1 :]]
+            for i, values in enumerate(choices)
+            for value in values[1:]
+        ]
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            for overrides in trials:
+                compose("config", overrides=overrides, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as exc:
+        message = " ".join(str(exc).split())
+        return message.split(" Config search path:")[0]  # the options, not Hydra's search path
+    return None

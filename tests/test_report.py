@@ -862,3 +862,27 @@ def test_runs_that_failed_at_start_stay_in_their_arms_row(tmp_path):
     assert rows["bf16"]["failed"] == 1
     assert rows["f32"]["n_runs"] == 4 and rows["f32"]["completed"] == 2
     assert rows["f32"]["failed"] == 2
+
+
+def test_a_sweep_stopped_before_all_its_jobs_ran_says_so(tmp_path):
+    # multirun.yaml plans 2 arms x 3 seeds (one swept in hydra.sweeper.params, one on the
+    # command line, which wins over params for the same key); two jobs ran before a stop.
+    (tmp_path / "multirun.yaml").write_text(
+        "hydra:\n"
+        "  sweeper:\n"
+        "    _target_: hydra._internal.core_plugins.basic_sweeper.BasicSweeper\n"
+        "    params:\n      precision: f32,bf16,fp8\n"
+        "  overrides:\n    task: [train=tiny, 'precision=f32,bf16', 'train.seed=0,1,2']\n"
+    )
+    _write(tmp_path, "0", _metrics("f32", 0))
+    _write(tmp_path, "1", _metrics("bf16", 0))
+    assert report.collect.planned_jobs(tmp_path) == 6
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert ("**Incomplete sweep**: 4 of the 6 jobs its multirun.yaml plans have no run "
+            "directory") in text  # fmt: skip
+    for seed in (1, 2):
+        _write(tmp_path, f"f32_{seed}", _metrics("f32", seed))
+        _write(tmp_path, f"bf16_{seed}", _metrics("bf16", seed))
+    write_report(tmp_path)
+    assert "Incomplete sweep" not in (tmp_path / "report.md").read_text()

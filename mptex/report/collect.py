@@ -17,6 +17,7 @@ Nothing here imports the training loop: ``metrics.json`` is the contract (docs/m
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from collections.abc import Mapping, Sequence
@@ -36,6 +37,7 @@ __all__ = [
     "SweepLayoutError",
     "find_sweeps",
     "collect_runs",
+    "planned_jobs",
     "swept_keys",
     "shown_keys",
     "group_runs",
@@ -236,6 +238,35 @@ def _quantization(metrics: Mapping[str, Any]) -> dict[str, float]:
         else:
             stats[key] = statistics.fmean(values)
     return dict(sorted(stats.items()))
+
+
+def planned_jobs(sweep_dir: str | os.PathLike) -> int | None:
+    """How many jobs the sweep in ``sweep_dir`` was to run, from its ``multirun.yaml``: the
+    product of the value counts of its swept overrides (``hydra.sweeper.params``, then the
+    command line's, which win for the same key: Hydra's basic sweeper), or None where that file
+    is missing, unreadable or names another sweeper."""
+    config = _read_yaml(Path(sweep_dir) / "multirun.yaml")
+    hydra = config.get("hydra") if isinstance(config, Mapping) else None
+    if not isinstance(hydra, Mapping):
+        return None
+    sweeper = hydra.get("sweeper") or {}
+    if not str(sweeper.get("_target_", "")).endswith("BasicSweeper"):
+        return None
+    params = sweeper.get("params") or {}
+    task = (hydra.get("overrides") or {}).get("task") or []
+    lines = [f"{key}={value}" for key, value in params.items()] + list(task)
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        counts: dict[str, int] = {}
+        for override in OverridesParser.create().parse_overrides(lines):
+            sweep = override.is_sweep_override()
+            counts[override.get_key_element()] = (
+                len(list(override.sweep_string_iterator())) if sweep else 1
+            )
+    except Exception:  # an override this Hydra cannot parse: unknown, not a guess
+        return None
+    return math.prod(counts.values())
 
 
 def _read_yaml(path: Path) -> Any:

@@ -9,7 +9,7 @@ from typing import Any
 from mptex.collapse import PARTLY_STUCK_RULE
 from mptex.collapse import RULE as COLLAPSE_RULE
 from mptex.numbers import is_number
-from mptex.report.collect import REFERENCE_ARM, STATUSES
+from mptex.report.collect import REFERENCE_ARM, STATUSES, planned_jobs
 from mptex.report.stats import CONFIDENCE, fastest_at_reference_quality
 
 __all__ = ["render_report"]
@@ -377,6 +377,12 @@ def render_report(
         "",
         *_environment(runs),
     ]
+    planned = planned_jobs(sweep_dir)
+    if planned is not None and planned > len(runs):
+        lines += ["", f"**Incomplete sweep**: {planned - len(runs)} of the {planned} jobs its "
+                  "multirun.yaml plans have no run directory (never started: a sweep stopped "
+                  "by a signal continues when the same command runs again); every count below "
+                  "is of the runs that exist."]  # fmt: skip
     if duplicates:
         lines += ["", f"Not counted ({len(duplicates)} runs repeat the config and seed of an "
                   "earlier run; the first by directory name is kept):"]  # fmt: skip

@@ -88,3 +88,47 @@ def test_a_gpu_runs_backends_fall_back_where_they_cannot_run(tmp_path, recwarn):
     for start in ("scene.raster_backend: the run's 'nvdiffrast' cannot run",
                   "texture.backend: the checkpoint's 'tcnn' cannot run"):  # fmt: skip
         assert any(m.startswith(start) for m in said), (start, said)
+
+
+def test_a_batch_scores_each_run_once_skips_one_without_checkpoint_and_names_unfinished_ones(
+    tmp_path, capsys
+):
+    run_dir, metrics = _run(tmp_path)
+    diverged = tmp_path / "diverged"  # a diverged run writes no checkpoint
+    diverged.mkdir()
+    out = tmp_path / "scores.json"
+    argv = [str(run_dir), str(run_dir / "."), str(diverged), "--json", str(out)]
+    assert rescore.rescore_main(argv) == 0
+    (row,) = json.loads(out.read_text())["scores"]
+    assert row["psnr"] == metrics["psnr"] and row["iterations"] == 4
+    assert row["status"] == "completed"
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "mptex-rescore: 1 run directories given more than once: each is scored once",
+        f"mptex-rescore: {diverged}: no checkpoint.pt (not a finished mptex-train run)",
+    ]
+    assert rescore.rescore_main([str(diverged)]) == 2  # nothing left to score
+    capsys.readouterr()
+    # A run stopped before its last iteration: its checkpoint is scored, and said to be early.
+    record = json.loads((run_dir / "metrics.json").read_text())
+    record["status"] = "interrupted"
+    (run_dir / "metrics.json").write_text(json.dumps(record))
+    assert rescore.rescore_main([str(run_dir)]) == 0
+    assert capsys.readouterr().err.strip() == (
+        f"mptex-rescore: {run_dir}: scoring a checkpoint of 4 of 4 iterations (the run is "
+        "interrupted)"
+    )
+
+
+def test_unfinished_note_says_what_a_checkpoint_holds(tmp_path):
+    from mptex.train.checkpoint import unfinished_note
+
+    ckpt = {"iteration": 3, "config": {"train": {"iterations": 8}}}
+    assert unfinished_note(ckpt, tmp_path) == (
+        "a checkpoint of 3 of 8 iterations (the run is without a readable metrics.json)"
+    )
+    (tmp_path / "metrics.json").write_text('{"status": "interrupted"}')
+    assert unfinished_note(ckpt, tmp_path).endswith("(the run is interrupted)")
+    (tmp_path / "metrics.json").write_text('{"status": "completed"}')
+    assert unfinished_note({**ckpt, "iteration": 8}, tmp_path) is None
+    assert unfinished_note(ckpt, tmp_path) is not None  # fewer iterations than planned

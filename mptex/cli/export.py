@@ -96,12 +96,16 @@ def _export_run(args, run_dir: Path, checkpoint: Path, device: torch.device) -> 
         CheckpointError,
         load_checkpoint,
         texture_from_checkpoint,
+        unfinished_note,
     )
 
     try:
         ckpt = load_checkpoint(checkpoint, map_location=device, required=TEXTURE_KEYS)
     except CheckpointError as exc:
         return _fail(str(exc))
+    note = unfinished_note(ckpt, run_dir)
+    if note is not None:  # its weights are not the run's result: said
+        print(f"{_PROG}: {run_dir}: exporting {note}", file=sys.stderr)
     config = ckpt["config"]
     overrides = {
         "resolution": args.resolution, "formats": args.formats, "padding": args.padding,

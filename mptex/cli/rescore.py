@@ -15,7 +15,10 @@ docs/archive/torus-lost-side.md)::
 Prints a Markdown table (run, scene, arm, seed, val_spp, PSNR, constant-colour baseline,
 seconds) and per ``(scene, arm, val_spp)`` the mean ± sample std over the runs' seeds;
 ``--json`` also writes every view's PSNR. Runs on the CPU by default (``--device``), one torch
-thread unless ``--threads``.
+thread unless ``--threads``. A run directory named twice is scored once; among several, one
+without a checkpoint (a diverged run writes none) is named and skipped; a checkpoint of a run
+that did not complete (interrupted, or killed before its last iteration) is scored with a line
+saying how many of its iterations it holds.
 """
 
 from __future__ import annotations
@@ -54,7 +57,12 @@ def rescore(run_dir: str | os.PathLike, spps: list[int], device: torch.device,
             n_val_views: int | None = None) -> list[dict]:  # fmt: skip
     """The run's checkpoint validated at each of ``spps``; one dict per value."""
     from mptex.scenes.build import build_scene, raster_backend_problem
-    from mptex.train.checkpoint import TEXTURE_KEYS, load_checkpoint, texture_from_checkpoint
+    from mptex.train.checkpoint import (
+        TEXTURE_KEYS,
+        load_checkpoint,
+        texture_from_checkpoint,
+        unfinished_note,
+    )
     from mptex.train.shading import light_direction
     from mptex.train.validation import evaluate
 
@@ -77,10 +85,14 @@ def rescore(run_dir: str | os.PathLike, spps: list[int], device: torch.device,
     texture = texture_from_checkpoint(ckpt, device)
     settings = dict(config["train"])
     light_dir = light_direction(settings, device)
-    own = None
+    own, status = None, None
     metrics_path = run_dir / "metrics.json"
     if metrics_path.is_file():
-        own = json.loads(metrics_path.read_text()).get("psnr")
+        metrics = json.loads(metrics_path.read_text())
+        own, status = metrics.get("psnr"), metrics.get("status")
+    note = unfinished_note(ckpt, run_dir)
+    if note is not None:  # its weights are not the run's result: said
+        print(f"mptex-rescore: {run_dir}: scoring {note}", file=sys.stderr)
     rows = []
     for spp in spps:
         start = time.perf_counter()
@@ -91,6 +103,7 @@ def rescore(run_dir: str | os.PathLike, spps: list[int], device: torch.device,
             "seed": settings["seed"], "val_spp": spp, "n_val_views": scene.n_val_views,
             "psnr": scored["psnr"], "baseline_psnr": scored["baseline_psnr"],
             "psnr_per_image": scored["psnr_per_image"], "seconds": time.perf_counter() - start,
+            "iterations": int(ckpt["iteration"]), "status": status,
             # the run's own metrics.json PSNR when this is its own validation setting
             "own": own if same_setting else None,
         })  # fmt: skip
@@ -126,12 +139,19 @@ def rescore_main(argv: list[str] | None = None) -> int:
         print(f"mptex-rescore: --device: {problem}", file=sys.stderr)
         return 2
     rows = []
+    # Each run once, as the report counts it (a glob and a path may name the same one).
+    unique: dict[Path, Path] = {}
     for run in args.runs:
-        run_dir = Path(run)
+        unique.setdefault(Path(run).resolve(), Path(run))
+    run_dirs = list(unique.values())
+    if len(run_dirs) < len(args.runs):
+        print(f"mptex-rescore: {len(args.runs) - len(run_dirs)} run directories given more "
+              "than once: each is scored once", file=sys.stderr)  # fmt: skip
+    for run_dir in run_dirs:
         if not (run_dir / "checkpoint.pt").is_file():
             print(f"mptex-rescore: {run_dir}: no checkpoint.pt (not a finished mptex-train run)",
                   file=sys.stderr)  # fmt: skip
-            return 2
+            continue  # one of several (a diverged run writes none): the others are scored
         try:
             # Triton's kernels launch on the current CUDA device: the rescore's
             with launching_on(device):
@@ -143,6 +163,8 @@ def rescore_main(argv: list[str] | None = None) -> int:
             why = " ".join(str(exc).split()) or type(exc).__name__
             print(f"mptex-rescore: {run_dir}: {why}", file=sys.stderr)
             return 2
+    if not rows:
+        return 2  # nothing scored: every run was skipped, each said why
     print(f"machine: {device_name(device)}\n")
     print(markdown_table(
         ["run", "scene", "arm", "seed", "val_spp", "PSNR (dB)", "baseline (dB)", "own", "s"],

@@ -32,6 +32,7 @@ __all__ = [
     "build_texture",
     "load_texture",
     "texture_from_checkpoint",
+    "unfinished_note",
 ]
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -303,3 +304,21 @@ def texture_from_checkpoint(
         )
         texture.net.set_fp8_gemm("auto")
     return texture
+
+
+def unfinished_note(ckpt: Mapping[str, Any], run_dir: str | os.PathLike) -> str | None:
+    """``"a checkpoint of <done> of <planned> iterations (the run is <status>)"`` when the run in
+    ``run_dir`` did not complete (its ``metrics.json`` says another status, or is missing or
+    unreadable, or the checkpoint holds fewer iterations than planned), else None: what
+    ``mptex-export`` and ``mptex-rescore`` say before they use such a checkpoint, whose weights
+    are not the run's result."""
+    done = int(ckpt.get("iteration", 0))
+    planned = int(((ckpt.get("config") or {}).get("train") or {}).get("iterations", done))
+    try:
+        status = json.loads((Path(run_dir) / _METRICS).read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        status = None
+    if status == "completed" and done >= planned:
+        return None
+    said = status if isinstance(status, str) else "without a readable metrics.json"
+    return f"a checkpoint of {done} of {planned} iterations (the run is {said})"

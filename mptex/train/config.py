@@ -138,7 +138,8 @@ class TrainConfig:
     checkpoint_interval: int = setting(100, _PERIOD)
     """Also at the end."""
     n_val_images: int = setting(4, Integer(min=0))
-    """Reference | prediction PNGs written to ``images/``."""
+    """Reference | prediction PNGs written to ``images/``: the first ``n_val_images``
+    validation views (all of them where the scene has fewer)."""
     seed: int = setting(0, SEED)
     """Seeds torch, numpy, random, the view sampling, the noise."""
     init_seed: int | None = setting(None, OrNull(SEED, "train.seed"))
@@ -165,12 +166,16 @@ class TrainConfig:
     logl1 or l1). The gradients are the eager loss's, bit for bit."""
     max_consecutive_skips: int = setting(200, Integer(min=1))
     """A loss-scaled arm that skips this many steps in a row has diverged."""
-    inject_nonfinite_at: int | None = setting(None, OrNull(Integer(), what="null or an iteration"))
+    inject_nonfinite_at: int | None = setting(
+        None, OrNull(Integer(min=0), what="null or an iteration")
+    )
     """Test hook: multiply the loss by inf at this iteration."""
     stop_signals: list[str] = setting(list(DEFAULT_STOP_SIGNALS), STOP_SIGNAL_LIST)
     """Signals that stop the run cleanly: it finishes the iteration, writes checkpoint.pt and
     metrics.json (``status: interrupted``); ``[]``: each signal's default action."""
-    inject_signal_at: int | None = setting(None, OrNull(Integer(), what="null or an iteration"))
+    inject_signal_at: int | None = setting(
+        None, OrNull(Integer(min=0), what="null or an iteration")
+    )
     """Test hook: send ``inject_signal`` to this process during this iteration."""
     inject_signal: str = setting(
         "SIGTERM", OneOf(STOP_SIGNAL_NAMES, what=f"a signal name from {list(STOP_SIGNAL_NAMES)}")

@@ -306,20 +306,10 @@ def _empty_run() -> dict[str, Any]:
     return run
 
 
-def _as_recorded(config: Mapping[str, Any]) -> dict[str, Any]:
-    """A config no run recorded after its check (Hydra's copy; a run that failed at start,
-    written before such runs recorded it normalised) as a started run records it, as far as it
-    is valid (:func:`~mptex.train.config.normalized_config`), flattened; ``train.device: auto``
-    stays, for :func:`collect_runs` to resolve from the sweep's other runs."""
-    from mptex.train.config import normalized_config
-
-    return _flatten(normalized_config(config, resolve_device=False))
-
-
 def _from_hydra(job_dir: Path, run: dict[str, Any]) -> None:
     config = _read_yaml(job_dir / ".hydra" / "config.yaml")
     if isinstance(config, Mapping):
-        run["config"] = _as_recorded(config)
+        run["config"] = _flatten(config)
         run.update(
             scene=_get(config, ("scene", "name")),
             precision=_get(config, ("precision", "name")),
@@ -374,11 +364,10 @@ def _read_job(job_dir: Path) -> dict[str, Any]:
         run["error"] = f"needs {_missing_backend(metrics)}"
     config = metrics.get("config")
     if isinstance(config, Mapping):
-        started = metrics.get("failed_at") != "start"
-        run["config"] = _flatten(config) if started else _as_recorded(config)
+        run["config"] = _flatten(config)
     else:  # an older metrics.json without its config: Hydra's copy, if the job has one
         config = _read_yaml(job_dir / ".hydra" / "config.yaml")
-        run["config"] = _as_recorded(config) if isinstance(config, Mapping) else {}
+        run["config"] = _flatten(config) if isinstance(config, Mapping) else {}
     run["history"] = [h for h in metrics.get("history") or [] if isinstance(h, Mapping)]
     run["underflow"] = _underflow(metrics)
     run["quantization"] = _quantization(metrics)
@@ -424,8 +413,11 @@ def collect_runs(sweep_dir: str | os.PathLike) -> list[dict[str, Any]]:
         run["scene"] = run.get("scene") or "unknown"
         run["precision"] = run.get("precision") or "unknown"
         runs.append(run)
-    # train.device: auto in a config no run resolved: the device the sweep's other runs
-    # resolved it to, where they agree (so that it is not a swept value of its own).
+    # train.device: auto in a config no check resolved (Hydra's copy of a job that wrote no
+    # metrics.json; a run refused at start by an mptex that recorded its config as given): the
+    # device the sweep's other runs resolved it to, where they agree, so that it is not a swept
+    # value of its own. (Keys such a config lacks make no swept value: only the values present
+    # are compared.)
     devices = {(r["config"] or {}).get("train.device") for r in runs}
     resolved = devices - {"auto", None}
     if "auto" in devices and len(resolved) == 1:

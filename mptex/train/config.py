@@ -218,11 +218,11 @@ def config_key(message: str) -> str:
     return f"{_ARGUMENT_KEYS[name]}{inner}:{rest if sep == ':' else ' must' + rest}"
 
 
-def normalized_config(cfg: Mapping[str, Any], *, resolve_device: bool = True) -> dict[str, Any]:
+def normalized_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """What :func:`validate_config` would record for ``cfg``, as far as ``cfg`` allows: each
     group normalised on its own where it is valid (train's and export's defaults filled in,
-    the precision arm's fields written out, ``train.device: auto`` resolved for this machine
-    with ``resolve_device``), left as given where it is not. Never raises. A run that fails at
+    the precision arm's fields written out, ``train.device: auto`` resolved for this machine),
+    left as given where it is not. Never raises. A run that fails at
     start records this, so that it compares with its sweep's other runs key by key."""
     cfg = dict(plain(cfg))
     given = cfg.get("train")
@@ -231,7 +231,7 @@ def normalized_config(cfg: Mapping[str, Any], *, resolve_device: bool = True) ->
         train = check_group(TrainConfig, train, "train")
     except ValueError:  # a bad value: the others' defaults, that value as given
         train = {**TRAIN_DEFAULTS, **train}
-    if resolve_device and train.get("device") == "auto":
+    if train.get("device") == "auto":
         train["device"] = "cuda" if torch.cuda.is_available() else "cpu"
     cfg["train"] = train
     for group, normalise in (

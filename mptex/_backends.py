@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -26,6 +27,7 @@ __all__ = [
     "import_triton",
     "tcnn_module_sharing",
     "warn_fallback_once",
+    "available_bytes",
 ]
 
 
@@ -164,3 +166,26 @@ def tcnn_module_sharing(owner: Any, build: Callable[[], Any]) -> Any:
     native = cached[1]
     native.params = params
     return native
+
+
+def available_bytes(device: Any) -> int | None:
+    """Free memory on ``device`` (a ``torch.device``, its string, or None for the CPU) in bytes
+    (CUDA: the driver's free memory; CPU: MemAvailable), or None when unknown."""
+    import torch
+
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None

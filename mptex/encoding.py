@@ -14,7 +14,6 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
-import os
 import warnings
 from collections.abc import Mapping
 from numbers import Integral, Real
@@ -47,26 +46,6 @@ _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "
 # integers (2^24): beyond it ``floor(pos)`` and the cell fraction lose meaning, and a position
 # scaled past the float32 range becomes inf, whose fraction is NaN.
 _MAX_RESOLUTION = 2**24
-
-
-def _available_bytes(device: torch.device | str | None) -> int | None:
-    """Free memory where ``params`` will live (CPU: MemAvailable), or None when unknown."""
-    device = torch.device("cpu" if device is None else device)
-    if device.type == "cuda" and torch.cuda.is_available():
-        return int(torch.cuda.mem_get_info(device)[0])
-    if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as meminfo:
-                for line in meminfo:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        try:
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            return None
-    return None
 
 
 def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
@@ -402,7 +381,7 @@ class HashGridEncoding(nn.Module):
         # device (the same values everywhere for a seed), then on the device.
         needed = 2 * 4 * self.geometry.n_params
         for where in dict.fromkeys((torch.device("cpu"), torch.device(device or "cpu"))):
-            available = _available_bytes(where)
+            available = _backends.available_bytes(where)
             if available is not None and needed > available:
                 raise ValueError(
                     f"log2_hashmap_size: {n_levels} levels of up to 2**{log2_hashmap_size} "

@@ -444,6 +444,22 @@ def test_resume_with_fewer_planned_iterations_is_an_error(tmp_path):
     assert message.startswith("train.iterations: expected at least the 4 iterations")
 
 
+def test_views_that_cannot_fit_in_memory_are_refused_at_start(tmp_path, monkeypatch):
+    # The views' buffers of a resolution (and a supersampled validation) the device cannot
+    # hold: one line at start, not the allocator's failure (or the kernel's OOM kill) later.
+    from mptex.train import config as train_config
+
+    monkeypatch.setattr(train_config, "available_bytes", lambda device: 2**30)  # 1 GiB free
+    message = start_error(tmp_path, "scene.resolution=2048", "train.val_spp=4")
+    # 2048^2 x (2 + 1 x 4^2) pixels x 57 bytes (G-buffer and reference RGBA)
+    assert message == (
+        "scene.resolution: 2 training and 1 validation views of 2048 x 2048 pixels (validation "
+        "at train.val_spp=4 x that) need 4.0 GiB for their buffers alone, only 1.0 GiB is free "
+        "on cpu (lower scene.resolution, the view counts or train.val_spp)"
+    )
+    train(tiny_cfg("train.iterations=1"), tmp_path / "fits")  # the tiny scene fits in 1 GiB
+
+
 def test_a_crash_while_starting_is_recorded_then_raised(tmp_path, monkeypatch):
     # Not a config error (e.g. the scene's buffers do not fit in memory): metrics.json says
     # where and why, and the error reaches the caller as it came.

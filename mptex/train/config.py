@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mptex._backends import cuda_device_problem, unavailable_message
+from mptex._backends import available_bytes, cuda_device_problem, unavailable_message
 from mptex.config_schema import (
     SEED,
     AnyOf,
@@ -37,6 +37,7 @@ from mptex.config_schema import (
 from mptex.export_config import check_export_config
 from mptex.fp8 import resolve_gemm_backend
 from mptex.precision import PrecisionPolicy
+from mptex.scenes.config import check_scene_config
 from mptex.texture import GridConfig, check_texture_config
 from mptex.train.losses import LOSSES, LR_SCHEDULES
 from mptex.train.shading import _BACKGROUNDS, _SHADINGS
@@ -218,6 +219,37 @@ def config_key(message: str) -> str:
     return f"{_ARGUMENT_KEYS[name]}{inner}:{rest if sep == ':' else ' must' + rest}"
 
 
+# What a scene holds per pixel of each view it draws: the G-buffer (rast 16 bytes, position
+# 12, normal 12, mask 1) and the reference RGBA (16); the rasterizer's temporaries come on top.
+_VIEW_BYTES_PER_PIXEL = 57
+
+
+def _view_memory_problem(scene: Mapping[str, Any], val_spp: int, device: torch.device):
+    """One line naming ``scene.resolution`` when the scene's views (the training views, and
+    the validation views at ``val_spp`` x the resolution) cannot fit in what ``device`` has
+    free, else None; None too where the scene's config or the free memory cannot be read
+    (``build_scene`` reports a bad scene config)."""
+    try:
+        checked = check_scene_config(scene)
+    except ValueError:
+        return None
+    size = checked.get("resolution")
+    if not isinstance(size, tuple) or "n_train_views" not in checked:
+        return None  # a scene of images at their own resolution (NeRF)
+    pixels = size[0] * size[1] * (checked["n_train_views"] + checked["n_val_views"] * val_spp**2)
+    needed = pixels * _VIEW_BYTES_PER_PIXEL
+    available = available_bytes(device)
+    if available is None or needed <= available:
+        return None
+    supersampled = f" (validation at train.val_spp={val_spp} x that)" if val_spp > 1 else ""
+    return (
+        f"scene.resolution: {checked['n_train_views']} training and {checked['n_val_views']} "
+        f"validation views of {size[0]} x {size[1]} pixels{supersampled} need "
+        f"{needed / 2**30:.1f} GiB for their buffers alone, only {available / 2**30:.1f} GiB "
+        f"is free on {device} (lower scene.resolution, the view counts or train.val_spp)"
+    )
+
+
 def normalized_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """What :func:`validate_config` would record for ``cfg``, as far as ``cfg`` allows: each
     group normalised on its own where it is valid (train's and export's defaults filled in,
@@ -330,6 +362,9 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
             f"precision.mlp_backend='tcnn' needs train.device=cuda, got {dev.type}; the arm "
             f"{policy.name} runs on the CPU with mlp_backend='torch'"
         )
+    problem = _view_memory_problem(cfg["scene"], s["val_spp"], dev)
+    if problem is not None:
+        raise ValueError(problem)
     # The export group is optional (configs written before it existed); its keys are checked
     # here, what the export needs from the machine by the loop once the scene is built.
     export = check_export_config(cfg.get("export"))

@@ -228,7 +228,7 @@ def test_memory_check_names_the_resolution(monkeypatch):
         check_bake_memory(50000, 3)
     with pytest.raises(ValueError, match="^resolution: expected an integer"):
         check_bake_memory(1.5, 3)
-    monkeypatch.setattr(bake_module, "_available_memory", lambda device: 1 << 20)
+    monkeypatch.setattr(bake_module, "available_bytes", lambda device: 1 << 20)
     with pytest.raises(ValueError, match=r"^resolution: a 256x256 bake .* GiB available"):
         check_bake_memory(256, 3)
 

@@ -368,7 +368,7 @@ def test_mptex_export_resolution_beyond_memory_is_one_line(builtin_run, tmp_path
                                                             capsys):  # fmt: skip
     import mptex.bake.bake as bake_module
 
-    monkeypatch.setattr(bake_module, "_available_memory", lambda device: 1 << 20)
+    monkeypatch.setattr(bake_module, "available_bytes", lambda device: 1 << 20)
     assert export_main([str(builtin_run), "--out", str(tmp_path), "--resolution", "512"]) == 2
     assert "export.resolution: a 512x512 bake" in _one_line_error(capsys)
     assert not (tmp_path / "export.json").exists()

@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import torch
 
+from mptex._backends import available_bytes
 from mptex.render.mesh import Mesh
 from mptex.render.rasterize import Backend, interpolate, rasterize
 from mptex.texture import MLPTexture3D
@@ -100,21 +101,6 @@ class BakeResult:
 # ---------------------------------------------------------------------------------------------
 
 
-def _available_memory(device: torch.device) -> int | None:
-    """Bytes the process can still allocate on ``device`` (None when unknown)."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def check_bake_memory(resolution: int, channels: int, device: torch.device | str = "cpu") -> int:
     """Refuse a resolution whose buffers would not fit in the memory available now.
 
@@ -143,7 +129,7 @@ def check_bake_memory(resolution: int, channels: int, device: torch.device | str
         )
     texels = resolution * resolution
     need = texels * (8 * channels + 12) + min(texels, _BAND_TEXELS) * 128
-    available = _available_memory(torch.device(device))
+    available = available_bytes(torch.device(device))
     if available is not None and need > available:
         raise ValueError(
             f"resolution: a {resolution}x{resolution} bake of {channels} channels needs about "

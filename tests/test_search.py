@@ -368,6 +368,25 @@ def test_a_search_dir_refuses_other_settings(tmp_path, searched):
         run_search(_cfg(tmp, "search.screen_db=0.25"), tmp / "out")
 
 
+def test_a_name_mptex_ships_is_refused_and_the_default_avoids_it(tmp_path):
+    # Hydra searches mptex's configs before --config-dir: precision=<a shipped name> would
+    # train the shipped config, not the result.
+    from mptex.search.results import default_result_name
+
+    for name in ("f32", "search_builtin"):
+        with pytest.raises(SearchError) as err:
+            run_search(_cfg(tmp_path, f"search.name={name}"), tmp_path / "out")
+        assert str(err.value) == (
+            f"search.name: mptex ships a precision config {name!r}, which 'mptex-train "
+            f"--config-dir ... precision={name}' would train instead of the result; choose "
+            "another search.name"
+        )
+    assert not (tmp_path / "out" / "runs").exists()  # refused before any training
+    assert default_result_name("builtin") == "my_search_builtin"  # search_builtin ships
+    assert default_result_name("soccer") == "my_search_soccer"
+    assert default_result_name("duck") == "search_duck"
+
+
 def test_a_user_precision_config_is_never_overwritten(tmp_path):
     target = tmp_path / "cfg" / "precision" / "mine.yaml"
     target.parent.mkdir(parents=True)

@@ -60,6 +60,7 @@ from mptex.search.cost import iteration_cost, shape_from_config
 from mptex.search.pool import RunPool
 from mptex.search.results import (
     check_result_path,
+    default_result_name,
     check_search_dir,
     result_path,
     settings_record,
@@ -144,9 +145,9 @@ def run_search(cfg: Mapping[str, Any], out: str | os.PathLike) -> dict[str, Any]
     full = validate_config({**base, "precision": ref.policy_dict()})
     base["train"] = dict(full["train"])
     scene_name = str(full["scene"].get("name", "scene"))
-    name = settings["name"] or f"search_{scene_name}"
+    name = settings["name"] or default_result_name(scene_name)
     result = result_path(settings, name, out)
-    check_result_path(result)
+    check_result_path(result, name)
     check_search_dir(out, settings_record(settings, full))
 
     kept_list, pruned = enumerate_space(

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mptex._paths import CONFIG_DIR
 from mptex.search.config import SearchError
 from mptex.search.cost import GPUS
 from mptex.search.space import Candidate
@@ -53,8 +54,29 @@ def result_path(settings: Mapping[str, Any], name: str, out: Path) -> Path:
     return root / "precision" / f"{name}.yaml"
 
 
-def check_result_path(path: Path) -> None:
-    """Refuse to overwrite a precision config that no search wrote (:class:`SearchError`)."""
+def _shipped(name: str) -> bool:
+    """Whether mptex ships a precision config ``name`` (an arm, or a shipped search result)."""
+    return (CONFIG_DIR / "precision" / f"{name}.yaml").is_file()
+
+
+def default_result_name(scene: str) -> str:
+    """``search_<scene>``, or ``my_search_<scene>`` where mptex ships a ``search_<scene>``
+    (builtin, soccer): the printed ``mptex-train --config-dir <dir> precision=<name>`` would
+    train the shipped config, whose directory Hydra searches first."""
+    name = f"search_{scene}"
+    return f"my_{name}" if _shipped(name) else name
+
+
+def check_result_path(path: Path, name: str) -> None:
+    """Refuse, before any training (:class:`SearchError`), a ``name`` that mptex ships as a
+    precision config (``precision=<name>`` would train that one: Hydra searches mptex's configs
+    before ``--config-dir``'s), and a precision config at ``path`` that no search wrote."""
+    if _shipped(name):
+        raise SearchError(
+            f"search.name: mptex ships a precision config {name!r}, which "
+            f"'mptex-train --config-dir ... precision={name}' would train instead of the "
+            "result; choose another search.name"
+        )
     if path.exists():
         first = path.read_text().splitlines()[:1]
         if not first or not first[0].startswith(_HEADER):

@@ -60,8 +60,8 @@ from mptex.search.cost import iteration_cost, shape_from_config
 from mptex.search.pool import RunPool
 from mptex.search.results import (
     check_result_path,
-    default_result_name,
     check_search_dir,
+    default_result_name,
     result_path,
     settings_record,
     write_results,

@@ -387,6 +387,17 @@ def test_a_name_mptex_ships_is_refused_and_the_default_avoids_it(tmp_path):
     assert default_result_name("duck") == "search_duck"
 
 
+def test_a_config_dir_that_cannot_hold_the_result_is_refused_before_training(tmp_path):
+    (tmp_path / "a file").write_text("")
+    with pytest.raises(SearchError) as err:
+        run_search(_cfg(tmp_path, f"search.config_dir={tmp_path / 'a file'}", config_dir=False),
+                   tmp_path / "out")  # fmt: skip
+    assert str(err.value) == (
+        f"search.config_dir: cannot make {tmp_path / 'a file' / 'precision'}: Not a directory"
+    )
+    assert not (tmp_path / "out" / "runs").exists()
+
+
 def test_a_user_precision_config_is_never_overwritten(tmp_path):
     target = tmp_path / "cfg" / "precision" / "mine.yaml"
     target.parent.mkdir(parents=True)

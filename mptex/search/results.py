@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import time
 from collections.abc import Mapping, Sequence
@@ -77,6 +78,17 @@ def check_result_path(path: Path, name: str) -> None:
             f"'mptex-train --config-dir ... precision={name}' would train instead of the "
             "result; choose another search.name"
         )
+    # The folder is made now: a config_dir that cannot hold the result fails before the
+    # search trains, not after.
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        writable = os.access(path.parent, os.W_OK)
+    except OSError as exc:
+        raise SearchError(
+            f"search.config_dir: cannot make {path.parent}: {exc.strerror or exc}"
+        ) from None
+    if not writable:
+        raise SearchError(f"search.config_dir: {path.parent} is not writable")
     if path.exists():
         first = path.read_text().splitlines()[:1]
         if not first or not first[0].startswith(_HEADER):

@@ -374,6 +374,24 @@ def test_mptex_export_resolution_beyond_memory_is_one_line(builtin_run, tmp_path
     assert not (tmp_path / "export.json").exists()
 
 
+def test_mptex_export_problems_found_late_are_one_line(builtin_run, tmp_path, monkeypatch,
+                                                       capsys):  # fmt: skip
+    import mptex.bake.export as export_module
+
+    (tmp_path / "file").write_text("")
+    assert export_main([str(builtin_run), "--out", str(tmp_path / "file")]) == 2
+    assert _one_line_error(capsys) == (
+        f"mptex-export: error: --out: {tmp_path / 'file'} exists and is not a folder\n"
+    )
+
+    def unpackable(*args, **kwargs):  # what only the bake finds: xatlas's packing
+        raise ValueError("resolution: xatlas cannot pack the mesh's charts into one 7^2 atlas")
+
+    monkeypatch.setattr(export_module, "export_asset", unpackable)
+    assert export_main([str(builtin_run), "--out", str(tmp_path / "a"), "--resolution", "16"]) == 2
+    assert _one_line_error(capsys).endswith("cannot pack the mesh's charts into one 7^2 atlas\n")
+
+
 @pytest.mark.requires_xatlas
 @pytest.mark.requires_trimesh
 def test_mptex_train_exports_at_the_end_of_a_run(tmp_path):
@@ -391,6 +409,17 @@ def test_mptex_train_exports_at_the_end_of_a_run(tmp_path):
     assert set(metrics["export"]["decode_precision"]["psnr_vs_f32"]) >= {"f16", "int8", "fp8"}
     assert (tmp_path / "export" / "mesh.obj").is_file()
     assert not (tmp_path / "export" / "mesh.glb").exists()
+    # An export that fails after the training (charts that xatlas cannot pack at this size):
+    # the run stands, and mptex-train says so instead of only recording it.
+    small = [cmd[0], "-m", "mptex.cli", f"hydra.run.dir={tmp_path / 'small'}", *cmd[4:-2],
+             "export.resolution=8", "export.formats=[obj]"]  # fmt: skip
+    proc = subprocess.run(small, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    error = json.loads((tmp_path / "small" / "metrics.json").read_text())["export"]["error"]
+    assert error == ("ValueError: resolution: xatlas cannot pack the mesh's charts into one 8^2 "
+                     "atlas")
+    assert proc.stderr.strip().splitlines()[-1] == f"mptex-train: export failed: {error}"
     # A bad export key stops the run at start with one line naming it.
     bad = subprocess.run(cmd[:-3] + ["+export.colour=1"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)  # fmt: skip

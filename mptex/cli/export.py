@@ -116,6 +116,8 @@ def _export_run(args, run_dir: Path, checkpoint: Path, device: torch.device) -> 
     options = {**(config.get("export") or {}), "enabled": True}
     options.update({k: v for k, v in overrides.items() if v is not None})
     out = Path(args.out) if args.out else run_dir / "export"
+    if out.exists() and not out.is_dir():
+        return _fail(f"--out: {out} exists and is not a folder")
     try:
         scene = build_scene(config["scene"], device)
         texture = texture_from_checkpoint(ckpt, device)
@@ -124,7 +126,12 @@ def _export_run(args, run_dir: Path, checkpoint: Path, device: torch.device) -> 
         return _fail(str(exc))
     options.pop("unwrap_reason")
     background = (config.get("train") or {}).get("val_background", "white")
-    summary = export_asset(texture, scene, out, options, background)
+    try:
+        summary = export_asset(texture, scene, out, options, background)
+    except (ValueError, RuntimeError, OSError) as exc:
+        # What only the bake finds (charts that do not pack at this resolution) or the disk
+        # says (a folder that cannot be made): one line, as the checks before it.
+        return _fail(str(exc) if not isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}")
     print(f"{_PROG}: wrote {', '.join(summary['files'].values())} and export.json to {out}")
     print(
         f"{_PROG}: {summary['resolution']}^2 texels, UVs from {summary['uv_source']}, "

@@ -98,6 +98,11 @@ def _run(cfg) -> None:
     )
     print(f"{_PROG}: results in {run_dir}")
     print(f"{_PROG}: metrics in {run_dir / 'metrics.json'}")
+    export = metrics.get("export")
+    if isinstance(export, dict) and export.get("error"):
+        # The training completed and stands; the export at its end did not (metrics.json's
+        # export.error): said, not only recorded.
+        print(f"{_PROG}: export failed: {export['error']}", file=sys.stderr)
 
 
 def _submitit_signal() -> signal.Signals | None:

@@ -103,3 +103,18 @@ def test_a_suite_asset_run_resumes_where_pybullet_data_lies_elsewhere(tmp_path):
         f"train.resume: checkpoint {path} was trained with another scene config (different: "
         "scene.path, scene.resolution)"
     )
+
+
+def test_an_asset_scene_with_another_mesh_is_refused(tmp_path):
+    # The run, the report and a search would name another mesh's results after the asset.
+    from mptex.train import ConfigError, train
+
+    other = tmp_path / "cube.obj"
+    other.write_text("v 0 0 0\nv 1 0 0\nv 0 1 0\nf 1 2 3\n")
+    with pytest.raises(ConfigError) as err:
+        train(_compose(["scene=duck", f"scene.path={other}", "train.iterations=1"]),
+              tmp_path / "run")  # fmt: skip
+    assert str(err.value) == (
+        f"scene.path: scene 'duck' is the real-asset suite's duck.obj in pybullet_data, got "
+        f"'{other}'; another mesh is scene=mesh scene.path=<file>"
+    )

@@ -29,7 +29,7 @@ from mptex.config_schema import (
     plain,
     setting,
 )
-from mptex.scenes.assets import SUITE
+from mptex.scenes.assets import SUITE, same_suite_asset
 
 # The scene schemas are reached through SCENE_SCHEMAS and documented by name; they stay out of
 # __all__, mptex's public API, whose path parameters take str | os.PathLike: scene.path is a
@@ -150,6 +150,14 @@ def check_scene_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(name, str) or name not in SCENE_SCHEMAS:
         raise ConfigError(f"scene.name: expected one of {sorted(SCENE_SCHEMAS)}, got {name!r}")
     checked = check_group(SCENE_SCHEMAS[name], cfg, "scene", context=f" for scene {name!r}")
+    path = checked.get("path")
+    if name in SUITE and isinstance(path, str) and not same_suite_asset(name, path, path):
+        # Runs, reports and searches name the scene: another mesh under an asset's name would
+        # be reported as that asset.
+        raise ConfigError(
+            f"scene.path: scene {name!r} is the real-asset suite's {SUITE[name].file} in "
+            f"pybullet_data, got {path!r}; another mesh is scene=mesh scene.path=<file>"
+        )
     if "resolution" in checked:
         size = checked["resolution"]
         checked["resolution"] = (size, size) if isinstance(size, int) else tuple(size)

@@ -314,6 +314,29 @@ def test_latin1_mtl_loads_and_a_flat_mesh_is_refused_naming_the_file(tmp_path):
     assert message.startswith(f"scene.path: {flat}: the mesh has zero extent along z")
 
 
+def test_a_relative_mesh_path_is_recorded_absolute(tmp_path, monkeypatch):
+    # As typed, it would be found only from the directory the run started in: export, rescore
+    # and a resume from anywhere else would not find the mesh.
+    _mesh_files(tmp_path / "mesh", CUBE, "newmtl red\nKd 1 0 0\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = tiny_cfg("scene=mesh", "scene.path=mesh/m.obj", "scene.resolution=16",
+                   "train.iterations=2")  # fmt: skip
+    train(cfg, tmp_path / "run")
+    recorded = read_metrics(tmp_path / "run")["config"]["scene"]["path"]
+    assert recorded == str(tmp_path / "mesh" / "m.obj")
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["config"][
+        "scene"]["path"] == recorded  # fmt: skip
+    resumed = train(tiny_cfg("scene=mesh", "scene.path=mesh/m.obj", "scene.resolution=16",
+                             "train.iterations=3", "train.resume=true"), tmp_path / "run")
+    assert resumed["status"] == "completed"  # the same path, typed relative again
+    ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    ckpt["config"]["scene"]["path"] = "mesh/m.obj"  # as a run recorded it before
+    torch.save(ckpt, tmp_path / "run" / "checkpoint.pt")
+    resumed = train(tiny_cfg("scene=mesh", "scene.path=mesh/m.obj", "scene.resolution=16",
+                             "train.iterations=4", "train.resume=true"), tmp_path / "run")
+    assert resumed["status"] == "completed" and resumed["resumed_from"] == 3
+
+
 @pytest.fixture(scope="module")
 def good_checkpoint(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("good")

@@ -50,6 +50,7 @@ __all__ = [
     "check_texture_config",
     "config_key",
     "normalized_config",
+    "absolute_scene_paths",
     "validate_config",
 ]
 
@@ -250,6 +251,21 @@ def _view_memory_problem(scene: Mapping[str, Any], val_spp: int, device: torch.d
     )
 
 
+# The scene keys that name files or folders (a mesh, a dataset).
+_SCENE_PATHS = ("path", "mesh")
+
+
+def absolute_scene_paths(scene: Mapping[str, Any]) -> dict[str, Any]:
+    """``scene`` with its file and folder paths made absolute against the current directory
+    (``~`` expanded): the run records where its files were, so that ``mptex-export``,
+    ``mptex-rescore`` and a resume find them from any directory."""
+    scene = dict(scene)
+    for key in _SCENE_PATHS:
+        if isinstance(scene.get(key), str) and scene[key]:
+            scene[key] = os.path.abspath(os.path.expanduser(scene[key]))
+    return scene
+
+
 def normalized_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """What :func:`validate_config` would record for ``cfg``, as far as ``cfg`` allows: each
     group normalised on its own where it is valid (train's and export's defaults filled in,
@@ -296,6 +312,7 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     for group in ("scene", "precision", "texture"):
         if not isinstance(cfg.get(group), Mapping):
             raise ValueError(f"{group}: missing config group")
+    cfg["scene"] = absolute_scene_paths(cfg["scene"])
     for group in ("scene", "precision", "texture"):
         for key in cfg[group]:
             if not isinstance(key, str):

@@ -70,6 +70,7 @@ from mptex.train.checkpoint import (
 from mptex.train.config import (
     TRAIN_DEFAULTS,
     ConfigError,
+    absolute_scene_paths,
     config_key,
     normalized_config,
     validate_config,
@@ -422,6 +423,8 @@ def _config_differences(group: str, stored: Any, current: Mapping[str, Any]) -> 
         if (group == "scene" and key == "path" and stored.get("name") == current.get("name")
                 and same_suite_asset(current.get("name"), a, b)):  # fmt: skip
             continue
+        if group == "scene" and absolute_scene_paths({key: a}) == {key: b}:
+            continue  # a path a run before absolute paths stored relative to the same folder
         differ.append(f"{group}.{key}")
     return differ
 

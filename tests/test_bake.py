@@ -206,6 +206,16 @@ def test_uv_problems_are_named():
     kd_only = Mesh(v_pos=mesh.v_pos, t_pos_idx=mesh.t_pos_idx, t_tex_idx=no_vt,
                    v_tex=torch.cat([mesh.v_tex, torch.zeros(1, 2)]))  # fmt: skip
     assert "1 of the mesh's triangles have no UVs" in uv_problem(kd_only)
+    # Palette-style UVs (every face in a small patch of [0, 1]^2): a few texels per triangle.
+    squeezed = Mesh(v_pos=mesh.v_pos, t_pos_idx=mesh.t_pos_idx, v_tex=mesh.v_tex * 0.05,
+                    t_tex_idx=mesh.t_tex_idx)  # fmt: skip
+    from mptex.bake.bake import _signed_areas, _uv_triangles
+
+    area = float(_signed_areas(_uv_triangles(squeezed)).abs().sum())
+    assert area < 0.01 and uv_problem(squeezed) == (
+        f"the mesh's UV triangles cover only {area:.3g} of [0, 1]^2 (below 0.01): a baked "
+        "texture would give them a few texels each"
+    )
     # The built-in knot's UVs wrap around the tube: the seam's triangles span the atlas.
     assert "overlap" in needs_unwrap(torus_knot(12, 6), backend="torch")
     assert needs_unwrap(mesh, backend="torch") is None

@@ -64,6 +64,10 @@ _RING_RADIUS = math.sqrt(2.0) + 1e-3
 # Own UVs that cover less than this fraction of their summed triangle area overlap (mirrored
 # or tiled islands, several materials sharing [0, 1]^2, a wrapping seam).
 _MIN_UNION_FRACTION = 0.9
+# Own UVs whose triangles cover less than this fraction of [0, 1]^2 (palette-style UVs: each
+# material's faces squeezed into a small patch of a colour chart) leave a baked texture a few
+# texels per triangle; xatlas charts fill the atlas (the real-asset soccer ball's cover 1.7e-4).
+_MIN_UV_AREA = 0.01
 # Atlas size of that overlap test (centre sampling at 512^2 measures areas to well under 10 %).
 _OVERLAP_RESOLUTION = 512
 
@@ -155,7 +159,8 @@ def uv_problem(mesh: Mesh, covered_texels: int | None = None, resolution: int = 
 
     A texture baked into UVs gives each texel one value, so the UVs must be present on every
     triangle (not all three corners at one UV vertex, as ``load_obj`` gives faces without
-    ``vt``), inside [0, 1]^2 and must not overlap. Overlap (mirrored or tiled islands, several
+    ``vt``), inside [0, 1]^2, cover at least 1 % of it (:data:`_MIN_UV_AREA`) and must not
+    overlap. Overlap (mirrored or tiled islands, several
     materials each using the whole square, a seam that wraps around) is detected from the
     rasterized atlas: the texels covered must be at least 90 % of the triangles' summed UV area.
 
@@ -179,6 +184,11 @@ def uv_problem(mesh: Mesh, covered_texels: int | None = None, resolution: int = 
     summed = float(_signed_areas(_uv_triangles(mesh)).abs().sum())
     if summed <= 0:
         return "the mesh's UVs have no area"
+    if summed < _MIN_UV_AREA:
+        return (
+            f"the mesh's UV triangles cover only {summed:.3g} of [0, 1]^2 (below "
+            f"{_MIN_UV_AREA:g}): a baked texture would give them a few texels each"
+        )
     if covered_texels is not None and covered_texels < _MIN_UNION_FRACTION * summed * resolution**2:
         union = covered_texels / (resolution**2)
         return (

@@ -364,7 +364,7 @@ def test_search_resumes_after_a_stop_signal_with_the_same_result(tmp_path, searc
 
 def test_a_search_dir_refuses_other_settings(tmp_path, searched):
     tmp, _ = searched
-    with pytest.raises(SearchError, match="other settings.*search"):
+    with pytest.raises(SearchError, match=r"other settings \(different: .*search.screen_db\)"):
         run_search(_cfg(tmp, "search.screen_db=0.25"), tmp / "out")
 
 

@@ -110,17 +110,29 @@ def settings_record(settings: Mapping[str, Any], full: Mapping[str, Any]) -> dic
     }
 
 
+def _differing_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two records (nested mappings descended)."""
+    if not (isinstance(old, Mapping) and isinstance(new, Mapping)):
+        return [prefix] if old != new else []
+    keys = []
+    for key in sorted(set(old) | set(new), key=str):
+        name = f"{prefix}.{key}" if prefix else str(key)
+        keys += _differing_keys(old.get(key), new.get(key), name)
+    return keys
+
+
 def check_search_dir(out: Path, record: Mapping[str, Any]) -> None:
     """Write ``record`` as ``out/search_config.json``, or refuse (:class:`SearchError`) a
     directory whose record differs."""
     path = out / "search_config.json"
     if path.is_file():
         old = json.loads(path.read_text())
-        if old != json.loads(json.dumps(record)):
-            keys = sorted(k for k in set(old) | set(record) if old.get(k) != record.get(k))
+        new = json.loads(json.dumps(record, default=str))
+        if old != new:
+            keys = _differing_keys(old, new)
             raise SearchError(
-                f"search dir {out} holds a search with other settings ({', '.join(keys)} "
-                "differ); use a new directory or the same settings to continue it"
+                f"search dir {out} holds a search with other settings (different: "
+                f"{', '.join(keys)}); use a new directory or the same settings to continue it"
             )
     else:
         out.mkdir(parents=True, exist_ok=True)

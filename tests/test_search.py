@@ -485,3 +485,14 @@ def test_measured_ms_per_iteration_replaces_the_model_for_runs_on_a_gpu(tmp_path
         row = next(r for r in shared["candidates"] if r["candidate"] == summary["certified"])
         assert row["measured_s"] is None and row["cost_s"] == row["model_s"], beside
         assert row["cost_source"] == "modelled" and not shared["cost"]["measured"]
+
+
+def test_a_cost_texture_that_is_not_a_config_name_lists_the_names():
+    from mptex.search.driver import _cost_texture
+
+    for given in ("/nonexist.yaml", "nosuch"):
+        with pytest.raises(SearchError) as err:
+            _cost_texture({"cost": {"texture": given}}, {})
+        assert str(err.value) == ("search.cost.texture: expected the name of one of mptex's "
+                                  f"texture configs ['cpu', 'default', 'tiny'], got {given!r}")
+    assert set(_cost_texture({"cost": {"texture": "tiny"}}, {})) == {"texture"}

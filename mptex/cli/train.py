@@ -150,3 +150,7 @@ def _arm_available(cfg) -> tuple[bool, str]:
 def train_main() -> None:
     """``mptex-train``: Hydra app over ``configs/config.yaml``; see the module docstring."""
     run_hydra_app(_run, _PROG)
+
+
+if __name__ == "__main__":
+    train_main()

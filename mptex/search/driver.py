@@ -109,9 +109,12 @@ def _cost_texture(settings: Mapping[str, Any], full: Mapping[str, Any]) -> dict[
 
     from mptex._paths import CONFIG_DIR
 
-    path = CONFIG_DIR / "texture" / f"{name}.yaml"
-    if not path.is_file():
-        raise SearchError(f"search.cost.texture: no texture config {name!r} ({path})")
+    folder = CONFIG_DIR / "texture"
+    path = folder / f"{name}.yaml"
+    if "/" in name or "\\" in name or not path.is_file():
+        names = sorted(p.stem for p in folder.glob("*.yaml"))
+        raise SearchError(f"search.cost.texture: expected the name of one of mptex's texture "
+                          f"configs {names}, got {name!r}")  # fmt: skip
     return {"texture": OmegaConf.to_container(OmegaConf.load(path), resolve=True)}
 
 

@@ -360,6 +360,8 @@ def test_search_resumes_after_a_stop_signal_with_the_same_result(tmp_path, searc
     # a third start trains nothing: every run is read back
     again = run_search(_cfg(tmp_path), out)
     assert again["budget"]["trained"] == 0 and again["budget"]["reused"] == again["budget"]["runs"]
+    # its wall time is the invocations' together, not the third's alone (which trained nothing)
+    assert again["budget"]["search_wall_s"] > resumed["budget"]["search_wall_s"] > 0
 
 
 def test_a_search_dir_refuses_other_settings(tmp_path, searched):

@@ -223,10 +223,22 @@ def summarise(state: SearchState, certified: Candidate) -> dict[str, Any]:
             "reused": pool.reused,
             "iterations": sum(int(r.get("iterations") or 0) for r in all_runs),
             "run_wall_s": sum(float(r.get("wall_time_s") or 0) for r in all_runs),
-            "search_wall_s": time.perf_counter() - state.start,
+            # every invocation's, this one's added to what the directory's search.json says
+            # (a finished search run again, which reads its runs back)
+            "search_wall_s": _earlier_wall_s(state.out) + time.perf_counter() - state.start,
             "workers": settings["workers"],
         },
     }
+
+
+def _earlier_wall_s(out: Path) -> float:
+    """``budget.search_wall_s`` of the search.json earlier invocations wrote in ``out`` (0.0
+    where there is none, or it cannot be read)."""
+    try:
+        earlier = json.loads((out / "search.json").read_text())["budget"]["search_wall_s"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+    return float(earlier) if isinstance(earlier, (int, float)) and earlier >= 0 else 0.0
 
 
 def _kind(candidate: Candidate) -> str | None:

@@ -74,7 +74,8 @@ def _texture_config(value: str):
         return value
     from omegaconf import OmegaConf
 
-    from mptex.train.config import check_texture_config
+    from mptex.diagnostics.compare import _source_texture
+    from mptex.train.config import check_texture_config, config_key
 
     try:
         config = OmegaConf.to_container(OmegaConf.load(value), resolve=True)
@@ -88,8 +89,15 @@ def _texture_config(value: str):
         raise ValueError(f"--texture-config: {value}: expected a mapping of texture keys")
     try:
         check_texture_config(config)
+        # The values check_texture_config leaves to the constructors (the encoder's sizes):
+        # built once here, so that their errors name the file too.
+        _source_texture(config, 0)
     except ValueError as error:
-        raise ValueError(f"--texture-config: {value}: {error}") from None
+        raise ValueError(f"--texture-config: {value}: {config_key(str(error))}") from None
+    if config.get("backend", "torch") != "torch":
+        # The setups choose the grid's backend (--backend-a, --backend-b): said, not dropped.
+        print(f"mptex-check: --texture-config: {value}: its backend {config['backend']!r} is "
+              "not used; --backend-a and --backend-b choose the grid's backend", file=sys.stderr)
     return config
 
 

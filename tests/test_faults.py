@@ -553,20 +553,18 @@ def test_check_exit_codes(tmp_path, capsys):
     assert len(errors) == 4 and all(e.startswith("mptex-check: error: --") for e in errors)
     assert "texture.foo" in errors[1]
     # A value only the texture's constructor checks: named with the file and the full key.
-    nested = tmp_path / "nested.yaml"
-    nested.write_text("encoder:\n  n_levels: 0\n")
-    assert check_main([*small, "--texture-config", str(nested)]) == 2
-    assert capsys.readouterr().err.strip() == (
-        f"mptex-check: error: --texture-config: {nested}: texture.encoder.n_levels: must be an "
-        "integer >= 1 and <= 32, got 0"
-    )
-    tcnn = tmp_path / "tcnn.yaml"
-    tcnn.write_text("backend: tcnn\nencoder:\n  n_levels: 2\n  log2_hashmap_size: 8\n")
-    assert check_main([*small, "--texture-config", str(tcnn)]) == 0
-    assert capsys.readouterr().err.strip() == (
-        f"mptex-check: --texture-config: {tcnn}: its backend 'tcnn' is not used; --backend-a "
-        "and --backend-b choose the grid's backend"
-    )
+    # and a backend key the setups' flags override, said.
+    for text, code, said in (
+        ("encoder:\n  n_levels: 0\n", 2, "error: --texture-config: {}: texture.encoder."
+         "n_levels: must be an integer >= 1 and <= 32, got 0"),
+        ("backend: tcnn\nencoder:\n  n_levels: 2\n  log2_hashmap_size: 8\n", 0,
+         "--texture-config: {}: its backend 'tcnn' is not used; --backend-a and --backend-b "
+         "choose the grid's backend"),
+    ):  # fmt: skip
+        path = tmp_path / f"case{code}.yaml"
+        path.write_text(text)
+        assert check_main([*small, "--texture-config", str(path)]) == code
+        assert capsys.readouterr().err.strip() == f"mptex-check: {said.format(path)}"
     assert check_main(["--a", "f32", "--b", "f16_naive", "--points", "512"]) == 1
     assert check_main(["--a", "f32", "--b", "f16_dynamic", "--points", "512"]) == 0
 

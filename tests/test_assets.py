@@ -118,3 +118,10 @@ def test_an_asset_scene_with_another_mesh_is_refused(tmp_path):
         f"scene.path: scene 'duck' is the real-asset suite's duck.obj in pybullet_data, got "
         f"'{other}'; another mesh is scene=mesh scene.path=<file>"
     )
+
+
+@pytest.mark.requires_assets
+def test_an_asset_scene_from_python_takes_the_suite_file():
+    # {"name": "duck"} from Python, as configs/scene/duck.yaml resolves it for mptex-train
+    scene = build_scene({"name": "duck", "resolution": 24, "n_train_views": 2, "n_val_views": 1})
+    assert scene.name == "duck" and scene.mesh.v_pos.shape[0] > 0

@@ -29,7 +29,7 @@ from mptex.config_schema import (
     plain,
     setting,
 )
-from mptex.scenes.assets import SUITE, same_suite_asset
+from mptex.scenes.assets import SUITE, same_suite_asset, suite_path
 
 # The scene schemas are reached through SCENE_SCHEMAS and documented by name; they stay out of
 # __all__, mptex's public API, whose path parameters take str | os.PathLike: scene.path is a
@@ -149,6 +149,12 @@ def check_scene_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     name = cfg.get("name")
     if not isinstance(name, str) or name not in SCENE_SCHEMAS:
         raise ConfigError(f"scene.name: expected one of {sorted(SCENE_SCHEMAS)}, got {name!r}")
+    if name in SUITE and cfg.get("path") is None:
+        # From Python ({"name": "duck"}): the suite's file, as configs/scene/<asset>.yaml says
+        try:
+            cfg["path"] = suite_path(name)
+        except ValueError as exc:
+            raise ConfigError(f"scene.path: {exc}") from None
     checked = check_group(SCENE_SCHEMAS[name], cfg, "scene", context=f" for scene {name!r}")
     path = checked.get("path")
     if name in SUITE and isinstance(path, str) and not same_suite_asset(name, path, path):

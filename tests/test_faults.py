@@ -615,6 +615,22 @@ def test_overrides_hydra_cannot_compose_are_one_line_with_exit_2(tmp_path, args,
     assert not list(tmp_path.rglob("metrics.json")) and not list(tmp_path.rglob("report.md"))
 
 
+def test_the_override_check_leaves_what_hydra_accepts_to_hydra():
+    from mptex.cli.app import override_problem, register_experiments
+
+    register_experiments()
+    for argv in (
+        ["-m", "precision=glob(f16*)"],  # expanded by Hydra's config loader only
+        ["-m", "precision=choice(f32,bf16)", "train.seed=range(0,3)"],
+        ["~train.tensorboard", "++train.lr=0.02", "hydra.job.chdir=true"],
+        ["scene=mesh", "scene.path='/tmp/a,b.obj'", "hydra.run.dir=out/${now:%H}"],
+        ["-m", "+experiment=real_assets", "hydra/launcher=submitit_slurm"],
+        ["--cfg", "job", "precision=f99"],  # Hydra's own flags: Hydra's to report
+    ):
+        assert override_problem(argv) is None, argv
+    assert override_problem(["train.lr=[1,"]).startswith("override syntax: no viable")
+
+
 def test_cli_f16_naive_one_iteration_says_diverged(tmp_path):
     proc = run_cli(tmp_path, "precision=f16_naive", "train.iterations=1")
     assert proc.returncode == 0, proc.stderr

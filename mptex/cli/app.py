@@ -112,6 +112,9 @@ def override_problem(argv: list[str]) -> str | None:
         return None
     try:
         parsed = OverridesParser.create().parse_overrides(args.overrides)
+    except (HydraException, OmegaConfBaseException) as exc:  # a syntax error
+        return "override syntax: " + " ".join(str(exc).split())
+    try:
         choices = []
         for override in parsed:
             key = override.get_key_element()
@@ -120,6 +123,9 @@ def override_problem(argv: list[str]) -> str | None:
             else:
                 value = override.get_value_element_as_str()
                 choices.append([key if value is None else f"{key}={value}"])
+    except Exception:  # a sweep only Hydra's config loader expands (glob(...)): left to Hydra
+        return None
+    try:
         firsts = [values[0] for values in choices]
         trials = [firsts] + [
             [*firsts[:i], value, *firsts[i + 1 :]]

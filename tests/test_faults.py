@@ -499,6 +499,12 @@ def test_a_crash_while_starting_is_recorded_then_raised(tmp_path, monkeypatch):
     assert metrics["error"] == ("RuntimeError: DefaultCPUAllocator: not enough memory: you "
                                 "tried to allocate 1 TB")  # fmt: skip
     assert metrics["config"]["train"]["device"] == "cpu"  # recorded as checked
+    # a scene path as a started run records it: absolute, so the report compares it
+    from mptex.train.config import normalized_config
+
+    assert normalized_config({"scene": {"name": "mesh", "path": "m.obj"}})["scene"]["path"] == (
+        os.path.abspath("m.obj")
+    )
 
 
 def test_resume_with_another_seed_is_an_error_naming_it(tmp_path):
@@ -513,6 +519,10 @@ def test_resume_with_another_seed_is_an_error_naming_it(tmp_path):
     resumed = train(tiny_cfg("train.iterations=3", "train.resume=true", "train.seed=0",
                              "train.lr=0.002"), tmp_path)  # fmt: skip
     assert resumed["status"] == "completed" and resumed["resumed_from"] == 2
+    # init_seed null is train.seed's: the same initial weights as an explicit init_seed=0
+    resumed = train(tiny_cfg("train.iterations=4", "train.resume=true", "train.seed=0",
+                             "train.init_seed=0"), tmp_path)  # fmt: skip
+    assert resumed["status"] == "completed" and resumed["resumed_from"] == 3
 
 
 def test_resume_on_another_kind_of_device_is_an_error(tmp_path):

@@ -263,3 +263,7 @@ def test_a_misspelled_arm_name_in_a_partial_config_is_an_error():
     assert PrecisionPolicy.from_config(full).loss_scaling == "dynamic"  # every field: its own
     own = PrecisionPolicy.from_config({"name": "my_arm", "encoder_dtype": "f16"})  # not close
     assert own.name == "my_arm" and own.mlp_dtypes == (torch.float32,)
+    # a variant's own name (an extension of an arm's, or longer) is no typo
+    for name in ("bf16_nogrid", "f16_dynamic_100", "nvdiffrec_f32", "tcnn_fused_128",
+                 "per_layer2", "bf16_2", "fp8_rowwise_v2"):  # fmt: skip
+        assert PrecisionPolicy.from_config({"name": name, "mlp_dtypes": ["bf16"]}).name == name

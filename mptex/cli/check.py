@@ -94,7 +94,7 @@ def _texture_config(value: str):
         _source_texture(config, 0)
     except ValueError as error:
         raise ValueError(f"--texture-config: {value}: {config_key(str(error))}") from None
-    if config.get("backend", "torch") != "torch":
+    if config.get("backend", "auto") not in ("auto", "torch"):
         # The setups choose the grid's backend (--backend-a, --backend-b): said, not dropped.
         print(f"mptex-check: --texture-config: {value}: its backend {config['backend']!r} is "
               "not used; --backend-a and --backend-b choose the grid's backend", file=sys.stderr)

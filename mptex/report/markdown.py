@@ -381,8 +381,10 @@ def render_report(
     if planned is not None and planned > len(runs):
         lines += ["", f"**Incomplete sweep**: {planned - len(runs)} of the {planned} jobs its "
                   "multirun.yaml plans have no run directory (never started: a sweep stopped "
-                  "by a signal continues when the same command runs again); every count below "
-                  "is of the runs that exist."]  # fmt: skip
+                  "by a signal continues when the same command runs again with "
+                  "`hydra.sweep.dir=<this directory> hydra.callbacks.fresh_sweep_dir.enabled="
+                  "false`, docs/cluster.md); every count below is of the runs that "
+                  "exist."]  # fmt: skip
     if duplicates:
         lines += ["", f"Not counted ({len(duplicates)} runs repeat the config and seed of an "
                   "earlier run; the first by directory name is kept):"]  # fmt: skip

@@ -44,7 +44,8 @@ class SearchConfig:
     (:func:`mptex.search.run_search` states the method)."""
 
     name: str | None = setting(None, OrNull(Name()))
-    """The result's precision arm name; null: ``search_<scene>``."""
+    """The result's precision arm name; null: ``search_<scene>`` (``my_search_<scene>`` where
+    mptex ships a ``search_<scene>``: builtin, soccer)."""
     seed: int = setting(0, Integer(min=0))
     """Seeds used: ``seed, seed + 1, ..., seed + certify_seeds - 1``."""
     certify_seeds: int = setting(3, Integer(min=2, note="an interval needs two paired seeds"))

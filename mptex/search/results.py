@@ -223,8 +223,9 @@ def summarise(state: SearchState, certified: Candidate) -> dict[str, Any]:
             "reused": pool.reused,
             "iterations": sum(int(r.get("iterations") or 0) for r in all_runs),
             "run_wall_s": sum(float(r.get("wall_time_s") or 0) for r in all_runs),
-            # every invocation's, this one's added to what the directory's search.json says
-            # (a finished search run again, which reads its runs back)
+            # this invocation's added to what the directory's search.json says (a finished
+            # search run again, which reads its runs back); an invocation that a stop signal
+            # ended wrote no search.json, so its time is not in it
             "search_wall_s": _earlier_wall_s(state.out) + time.perf_counter() - state.start,
             "workers": settings["workers"],
         },

@@ -273,6 +273,8 @@ def normalized_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     left as given where it is not. Never raises. A run that fails at
     start records this, so that it compares with its sweep's other runs key by key."""
     cfg = dict(plain(cfg))
+    if isinstance(cfg.get("scene"), Mapping):
+        cfg["scene"] = absolute_scene_paths(cfg["scene"])
     given = cfg.get("train")
     train = dict(given) if isinstance(given, Mapping) else {}
     try:

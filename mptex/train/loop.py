@@ -375,8 +375,8 @@ def _start(
             if group == "train":
                 # The seeds name the run (the report pairs runs by train.seed) and made its
                 # initial weights and random streams; the rest of train may change on a resume.
-                stored = {k: (stored or {}).get(k, TRAIN_DEFAULTS[k]) for k in _RUN_SEEDS}
-                current = {k: current.get(k, TRAIN_DEFAULTS[k]) for k in _RUN_SEEDS}
+                stored = _run_seeds(stored or {})
+                current = _run_seeds(current)
             differ = _config_differences(group, stored, current)
             if differ:
                 raise ValueError(
@@ -405,6 +405,14 @@ def _start(
 
 
 _RUN_SEEDS = ("seed", "init_seed")
+
+
+def _run_seeds(train: Mapping[str, Any]) -> dict[str, Any]:
+    """The seeds that name a run: ``train.seed`` and the initial weights' seed
+    (``train.init_seed``, which null leaves to ``train.seed``)."""
+    seed = train.get("seed", TRAIN_DEFAULTS["seed"])
+    init_seed = train.get("init_seed", TRAIN_DEFAULTS["init_seed"])
+    return {"seed": seed, "init_seed": seed if init_seed is None else init_seed}
 
 
 def _config_differences(group: str, stored: Any, current: Mapping[str, Any]) -> list[str]:

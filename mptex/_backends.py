@@ -21,6 +21,7 @@ __all__ = [
     "has_triton",
     "backend_problem",
     "cuda_device_problem",
+    "auto_device",
     "unavailable_message",
     "import_tcnn",
     "import_nvdiffrast",
@@ -43,6 +44,14 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def auto_device() -> str:
+    """What ``device: auto`` means on this machine: ``"cuda"`` where CUDA is available, else
+    ``"cpu"``."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def cuda_device_problem(device: Any, named: str) -> str | None:

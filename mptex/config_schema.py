@@ -114,17 +114,6 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_seed(arg: str, value: Any, allow_none: bool = False) -> None:
-    """``ValueError`` naming ``arg`` unless ``value`` is an int in ``[0, 2**64)`` (what torch's
-    ``Generator.manual_seed`` and tinycudann's ``size_t`` seed take without wrapping or
-    overflowing), or None where ``allow_none``."""
-    if value is None and allow_none:
-        return
-    if not is_int(value) or not 0 <= value < 2**64:
-        none = " or None" if allow_none else ""
-        raise ValueError(f"{arg}: expected an integer in [0, 2**64){none}, got {value!r}")
-
-
 # ----------------------------------------------------------------------------- validators
 class Check:
     """One kind of value. ``check(value, key)`` returns the value (normalised where the kind
@@ -397,6 +386,19 @@ class Group(Check):
 # A seed of numpy (taken % 2**32) and of torch generators (seed + 1 must stay below 2**64):
 # train.seed, train.init_seed and scene.seed.
 SEED = Integer(0, 2**63 - 1, max_open=True, what="an integer in [0, 2**63 - 1)")
+# What torch's Generator.manual_seed and tinycudann's size_t seed take without wrapping or
+# overflowing (the modules' own seed arguments; a run's train.seed is SEED).
+GENERATOR_SEED = Integer(0, 2**64, max_open=True, what="an integer in [0, 2**64)")
+
+
+def check_seed(arg: str, value: Any, allow_none: bool = False) -> None:
+    """``ValueError`` naming ``arg`` unless ``value`` is a :data:`GENERATOR_SEED`, or None
+    where ``allow_none``."""
+    if value is None and allow_none:
+        return
+    if not GENERATOR_SEED.accepts(value):
+        none = " or None" if allow_none else ""
+        raise ValueError(f"{arg}: expected {GENERATOR_SEED.what}{none}, got {value!r}")
 
 
 # ----------------------------------------------------------------------------- schemas

@@ -63,7 +63,7 @@ def _fail(message: str) -> int:
 
 def export_main(argv: list[str] | None = None) -> int:
     """``mptex-export``; returns the exit status (0, or 2 for a problem found before work)."""
-    from mptex._backends import cuda_device_problem
+    from mptex._backends import auto_device, cuda_device_problem
     from mptex._triton_launch import launching_on
 
     args = _parser().parse_args(argv)
@@ -75,7 +75,7 @@ def export_main(argv: list[str] | None = None) -> int:
         return _fail(f"{run_dir}: no checkpoint.pt (not a finished mptex-train run)")
     device = args.device
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = auto_device()
     try:
         device = torch.device(device)
     except RuntimeError as exc:

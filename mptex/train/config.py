@@ -16,7 +16,12 @@ from typing import Any
 
 import torch
 
-from mptex._backends import available_bytes, cuda_device_problem, unavailable_message
+from mptex._backends import (
+    auto_device,
+    available_bytes,
+    cuda_device_problem,
+    unavailable_message,
+)
 from mptex.config_schema import (
     SEED,
     AnyOf,
@@ -282,7 +287,7 @@ def normalized_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     except ValueError:  # a bad value: the others' defaults, that value as given
         train = {**TRAIN_DEFAULTS, **train}
     if train.get("device") == "auto":
-        train["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+        train["device"] = auto_device()
     cfg["train"] = train
     for group, normalise in (
         ("precision", lambda g: PrecisionPolicy.from_config(g).to_config()),
@@ -322,7 +327,7 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     s = check_group(TrainConfig, cfg.get("train"), "train")
     device = str(s["device"])
     if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = auto_device()
     try:
         dev = torch.device(device)
     except RuntimeError as exc:

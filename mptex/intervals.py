@@ -122,8 +122,14 @@ def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> dict[str
         ``{"n", "mean", "sd", "half_width", "low", "high"}``; ``sd`` is the sample standard
         deviation; ``half_width = t_{(1+confidence)/2, n-1} * sd / sqrt(n)``. With fewer than
         two values ``sd``, ``half_width``, ``low`` and ``high`` are None (no interval).
+
+    Raises:
+        ValueError: a value is NaN or infinite (a diverged run's PSNR has no place in a mean).
     """
     values = [float(v) for v in values]
+    bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+    if bad is not None:
+        raise ValueError(f"values: expected finite numbers, got {values[bad]} at index {bad}")
     n = len(values)
     mean = statistics.fmean(values) if values else None
     if n < 2:

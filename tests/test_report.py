@@ -115,6 +115,24 @@ def test_confidence_interval_hand_computed():
     assert mean_ci([5.0])["half_width"] is None
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_confidence_interval_refuses_a_non_finite_value_in_one_line(bad):
+    with pytest.raises(ValueError, match=r"^values: expected finite numbers, got .* at index 1$"):
+        mean_ci([1.0, bad, 2.0])
+
+
+def test_printed_bounds_keep_what_the_exact_ones_say_about_zero_and_the_margin():
+    from mptex.report.markdown import _interval_text
+
+    # +0.004 printed +0.00 would touch 0 under "better": one more digit.
+    assert _interval_text({"mean": 0.1, "low": 0.004, "high": 0.196}, 0.5) == (
+        "+0.100", "+0.004", "+0.196")  # fmt: skip
+    # -0.5004 printed -0.50 (or -0.500) would lie inside the margin: four digits.
+    assert _interval_text({"mean": -0.2, "low": -0.5004, "high": 0.1}, 0.5)[1] == "-0.5004"
+    assert _interval_text({"mean": -2.1667, "low": -2.88, "high": -1.45}, 0.5) == (
+        "-2.17", "-2.88", "-1.45")  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "low, high, expected",
     [(0.1, 0.4, "better"), (-2.0, -0.01, "worse"), (-0.3, 0.45, "no detectable difference"),
@@ -242,6 +260,81 @@ def test_headline_with_an_equivalent_faster_arm(tmp_path):
     assert "Inconclusive: `bf16`" in text
 
 
+def test_a_small_loss_measured_precisely_is_worse_and_at_f32s_quality(tmp_path):
+    # diffs -0.05, -0.04, -0.06: mean -0.05, sd 0.01, half width 4.303 * 0.01 / sqrt(3) = 0.0248:
+    # [-0.075, -0.025], below 0 (worse) and above -0.5 (at most 0.5 dB worse).
+    _three_seeds(tmp_path, "f32", [40.0, 41.0, 42.0], t=0.30)
+    _three_seeds(tmp_path, "bf16", [39.95, 40.96, 41.94], t=0.05)
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert _rows(tmp_path)[("bf16",)]["verdict"] == "worse"
+    headline = _headline(text)
+    assert "**`bf16`**" in headline and "(worse, by at most 0.5 dB: Δ -0.05 dB" in headline
+    assert "| -0.05 [-0.07, -0.03] | worse, by at most 0.5 dB |" in text
+
+
+def test_an_arm_that_lost_runs_is_not_named_at_f32s_quality(tmp_path):
+    # fp8's two completed seeds agree with f32 to 0.01 dB, but three of its five runs diverged.
+    for seed in range(5):
+        _write(tmp_path, f"f32_{seed}", _metrics("f32", seed, psnr=40.0 + seed, t=0.3))
+        if seed < 2:
+            psnr = 40.0 + seed + (0.01, -0.01)[seed]
+            _write(tmp_path, f"fp8_{seed}", _metrics("fp8", seed, psnr=psnr, t=0.05))
+        else:
+            _write(tmp_path, f"fp8_{seed}", _metrics("fp8", seed, t=0.05, status="diverged"))
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert "`f32` itself" in _headline(text)
+    assert ("- Not at `f32`'s quality although the Δ of their completed runs is within 0.5 dB: "
+            "`fp8` (3 diverged of 5 runs).") in text  # fmt: skip
+
+
+def test_pairs_are_counted_in_the_delta_cell_and_unpaired_seeds_named(tmp_path):
+    for seed in range(5):
+        if seed < 3:
+            _write(tmp_path, f"f32_{seed}", _metrics("f32", seed, psnr=40.0 + seed))
+        _write(tmp_path, f"bf16_{seed}", _metrics("bf16", seed, psnr=40.0 + seed + 0.1 * seed))
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    bf16 = next(line for line in text.splitlines() if line.startswith("| `bf16` |"))
+    # diffs 0, 0.1, 0.2 over the 3 seeds both ran: mean 0.1, half width 4.303 * 0.1 / sqrt(3)
+    assert "| 5 |" in bf16 and "| +0.10 [-0.15, +0.35] (3 pairs) |" in bf16
+    assert ("- Completed but not paired (no completed `f32` run with that seed): `bf16` seeds "
+            "3, 4; in the row's seeds and PSNR, not in its Δ.") in text  # fmt: skip
+    f32 = _rows(tmp_path)[("f32",)]
+    assert f32["pairs"] == [] and f32["delta"]["n"] == 0  # the reference is not self-paired
+
+
+def test_zero_spread_is_named(tmp_path):
+    _three_seeds(tmp_path, "f32", [40.0, 41.0, 42.0], t=0.3)
+    _three_seeds(tmp_path, "bf16", [39.0, 40.0, 41.0], t=0.1)
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert "- Zero spread: `bf16` (Δ -1.00 dB on each of 3 seeds)." in text
+
+
+def test_a_precision_key_swept_over_f32_pairs_each_arm_with_its_setting(tmp_path):
+    # precision=f32,f16_static precision.static_loss_scale=64,1024, and one f16_static setting
+    # that f32 was not run at. The arms differ in a key of their own (loss_scaling), so no f32
+    # row matches an f16_static row in every key.
+    cases = [("f32", 64, 0.0), ("f32", 1024, 0.0), ("f16_static", 64, -0.1),
+             ("f16_static", 1024, -1.0), ("f16_static", 256, -0.5)]  # fmt: skip
+    for arm, scale, offset in cases:
+        scaling = "none" if arm == "f32" else "static"
+        for seed in range(3):
+            config = {"precision.static_loss_scale": scale, "precision.loss_scaling": scaling}
+            psnr = 40.0 + seed + (offset + 0.01 * seed if arm != "f32" else 0.0)
+            _write(tmp_path, f"{arm}_{scale}_{seed}", _metrics(arm, seed, psnr=psnr, config=config))
+    write_report(tmp_path)
+    rows = _rows(tmp_path)
+    assert rows[("f16_static", "64")]["delta"]["mean"] == pytest.approx(-0.1 + 0.01)
+    assert rows[("f16_static", "1024")]["delta"]["mean"] == pytest.approx(-1.0 + 0.01)
+    assert rows[("f16_static", "256")]["verdict"] is None
+    text = (tmp_path / "report.md").read_text()
+    assert ("- Not compared (no `f32` row with the same settings to pair with): `f16_static "
+            "precision.static_loss_scale=256`.") in text  # fmt: skip
+
+
 def test_one_seed_cannot_judge(tmp_path):
     _write(tmp_path, "0", _metrics("f32", 0, psnr=40.0, t=0.3))
     _write(tmp_path, "1", _metrics("nvdiffrec", 0, psnr=41.55, t=0.1))
@@ -320,9 +413,27 @@ def test_duplicate_config_and_seed_counted_once_and_listed(tmp_path):
     assert row["n_runs"] == 2 and row["seeds"] == [0, 1]
     write_report(tmp_path)
     text = (tmp_path / "report.md").read_text()
-    assert "- `b/0`: same as `a/0`" in text
+    assert "- `b/0` (completed, PSNR 47.27 dB): same as `a/0` (completed, PSNR 47.27 dB)" in text
     csv_lines = (tmp_path / "results.csv").read_text().splitlines()
     assert sum("duplicate of a/0" in line for line in csv_lines) == 1
+
+
+def test_a_completed_duplicate_is_counted_before_a_failed_one_and_job_numbers_by_value(tmp_path):
+    # A crashed first attempt and its completed re-run: the completed run is counted, whatever
+    # the directory names' order.
+    _write(tmp_path, "attempt1/1_f32", _metrics("f32", 1, status="failed"))
+    _write(tmp_path, "attempt2/1_f32", _metrics("f32", 1, psnr=40.0))
+    # Hydra numbers jobs 0, 1, ..., 12: job 5 comes before job 12, as numbers.
+    _write(tmp_path, "attempt2/5_bf16", _metrics("bf16", 1, psnr=32.0))
+    _write(tmp_path, "attempt2/12_bf16", _metrics("bf16", 1, psnr=28.0))
+    rows = {r["precision"]: r for r in summarize(collect_runs(tmp_path))}
+    assert rows["f32"]["completed"] == 1 and rows["f32"]["failed"] == 0
+    assert rows["bf16"]["psnr_mean"] == 32.0
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert ("- `attempt1/1_f32` (failed): same as `attempt2/1_f32` (completed, PSNR 40.00 dB)"
+            in text)  # fmt: skip
+    assert "- `attempt2/12_bf16` (completed, PSNR 28.00 dB): same as `attempt2/5_bf16`" in text
 
 
 def test_a_folder_of_two_sweeps_is_reported_per_sweep(tmp_path, capsys):
@@ -544,11 +655,57 @@ def test_nvdiffrec154_gap_decomposition_hand_computed(tmp_path):
             "no detectable difference |") in text  # fmt: skip
     assert "| `tcnn_fused_f32acc` − `tcnn_fused` | – | – | not run" in text
     # Over iterations: both validations paired; statistics: mean over iterations, then seeds.
-    gap = json.loads((tmp_path / "results.json").read_text())["nvdiffrec154"]
+    (gap,) = json.loads((tmp_path / "results.json").read_text())["nvdiffrec154"]
+    assert gap["context"] == {}
     assert sorted(gap["gap"]["curve"]) == ["10", "20"]
     assert gap["statistics"]["tcnn_fused"]["net.0.fused_absorbed_frac"] == pytest.approx(0.375)
     assert "gap_curves.png" in written and "## nvdiffrec #154" in text
     assert text.index("## nvdiffrec #154") < text.index("## How to read this")
+
+
+def test_nvdiffrec154_is_computed_per_scene_never_pooled(tmp_path):
+    # The swap gains 1 dB on one scene and loses 1 dB on the other: two confident, opposite
+    # results, each in its own section (pooled, they would read as an inconclusive +0.05).
+    job = 0
+    for scene, gap in (("duck", 1.0), ("torus", -1.0)):
+        for seed in range(3):
+            for arm, psnr in (("nvdiffrec", 30.0 + seed),
+                              ("tcnn_fused_swap154", 30.0 + seed + gap + 0.05 * seed)):
+                _write(tmp_path, f"{job}", _metrics(arm, seed, psnr=psnr, scene=scene))
+                job += 1
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    duck = text.index("## nvdiffrec #154: the gap and what accounts for it: `scene.name=duck`")
+    torus = text.index("## nvdiffrec #154: the gap and what accounts for it: `scene.name=torus`")
+    # diffs 1.0, 1.05, 1.1: mean 1.05, sd 0.05, half width 4.303 * 0.05 / sqrt(3) = 0.124
+    gap = "| **the gap: the swap as #154 made it** | `tcnn_fused_swap154` − `nvdiffrec` | 3 | "
+    assert text.index(gap + "+1.05 [+0.93, +1.17] | better |") > duck
+    assert text.index(gap + "-0.95 [-1.07, -0.83] | worse |") > torus
+    assert "over 3 seeds" in text and "over 6 seeds" not in text
+    gaps = json.loads((tmp_path / "results.json").read_text())["nvdiffrec154"]
+    assert [g["context"] for g in gaps] == [{"scene.name": "duck"}, {"scene.name": "torus"}]
+    with pytest.raises(ValueError, match="several contexts"):
+        report.attribution.attribution(collect_runs(tmp_path) and [
+            dict(r, keys={"scene.name": r["scene"]}) for r in collect_runs(tmp_path)], 0.5)
+
+
+def test_nvdiffrec154_pairs_runs_of_a_precision_key_swept_within_the_arms(tmp_path):
+    # Both arms at precision.static_loss_scale 64 and 128: each setting is its own section,
+    # where the runs of one setting used to overwrite the other's.
+    for scale, gap in ((64, 3.0), (128, 0.0)):
+        for seed in range(3):
+            for arm, psnr in (("nvdiffrec", 30.0 + seed),
+                              ("tcnn_fused_swap154", 30.0 + seed + gap + 0.05 * seed)):
+                config = {"precision.static_loss_scale": scale}
+                _write(tmp_path, f"{arm}_{scale}_{seed}",
+                       _metrics(arm, seed, psnr=psnr, config=config))  # fmt: skip
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    gap = "| **the gap: the swap as #154 made it** | `tcnn_fused_swap154` − `nvdiffrec` | 3 | "
+    at_64 = text.index("the gap and what accounts for it: `precision.static_loss_scale=64`")
+    at_128 = text.index("the gap and what accounts for it: `precision.static_loss_scale=128`")
+    assert text.index(gap + "+3.05 [+2.93, +3.17] | better |") > at_64
+    assert text.index(gap + "+0.05 [-0.07, +0.17] | no detectable difference |") > at_128
 
 
 def test_nvdiffrec154_terms_name_arms_that_ran_other_implementations(tmp_path):

@@ -2,7 +2,10 @@
 
 Read from a sweep that holds the #154 arms (``+experiment=nvdiffrec154``); every number is a
 paired difference (same seed, same other swept values) with the Student-t interval of
-:func:`mptex.report.stats.mean_ci` and the verdict of :func:`mptex.report.stats.verdict`.
+:func:`mptex.report.stats.mean_ci` and the verdict of :func:`mptex.report.stats.verdict`. A
+sweep over more than the arms and seeds (two scenes, two learning rates, a ``precision.*`` key
+swept within an arm) has one section per combination of those values (:func:`contexts`): runs
+are paired only within one, and no interval pools them.
 
 The gap is decomposed along a chain of arms that each change one thing, so that the terms add
 up to the gap exactly (per seed, hence also in the mean)::
@@ -27,9 +30,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mptex.numbers import is_number
-from mptex.report.stats import CONFIDENCE, _context, mean_ci, verdict
+from mptex.report.stats import CONFIDENCE, mean_ci, verdict
 
-__all__ = ["DECOMPOSITION", "SWITCHES", "applies", "attribution", "render", "plot_gap"]
+__all__ = ["DECOMPOSITION", "SWITCHES", "applies", "contexts", "attribution", "render", "plot_gap"]
 
 BASE = "nvdiffrec"
 SWAP = "tcnn_fused_swap154"
@@ -57,10 +60,58 @@ def applies(runs: Sequence[Mapping[str, Any]]) -> bool:
     return SWAP in arms and BASE in arms
 
 
-def _completed(runs, arm) -> dict[tuple, Mapping[str, Any]]:
-    return {(_context(r.get("keys") or {}), str(r["seed"])): r for r in runs
-            if r.get("precision") == arm and r["status"] == "completed"
-            and is_number(r.get("psnr"))}  # fmt: skip
+def _within_arm_keys(runs: Sequence[Mapping[str, Any]]) -> set[str]:
+    """The ``precision.*`` keys (not the name) with two or more values among one arm's runs: a
+    setting swept on top of the arms (``precision.static_loss_scale=64,1024``), not one that
+    follows from the arm."""
+    values: dict[tuple[str, str], set[str]] = {}
+    for run in runs:
+        for key, value in (run.get("keys") or {}).items():
+            if key.startswith("precision.") and key != "precision.name":
+                values.setdefault((str(run.get("precision")), key), set()).add(str(value))
+    return {key for (_, key), seen in values.items() if len(seen) > 1}
+
+
+def _key_of(run: Mapping[str, Any], within: set[str]) -> tuple:
+    return tuple(sorted((k, str(v)) for k, v in (run.get("keys") or {}).items()
+                        if not k.startswith("precision.") or k in within))  # fmt: skip
+
+
+def contexts(runs: Sequence[Mapping[str, Any]]) -> list[tuple[dict[str, Any], list]]:
+    """The sweep's runs split by what the section compares within: the same values of every
+    swept key outside the precision group (scene, learning rate, ...) and of every
+    ``precision.*`` key swept within an arm. ``[(values, runs)]`` in the runs' order; ``values``
+    maps each such key to its value (empty for a sweep of the arms and seeds alone)."""
+    within = _within_arm_keys(runs)
+    out: dict[tuple, tuple[dict[str, Any], list]] = {}
+    for run in runs:
+        key = _key_of(run, within)
+        if key not in out:
+            values = {k: v for k, v in (run.get("keys") or {}).items()
+                      if not k.startswith("precision.") or k in within}  # fmt: skip
+            out[key] = (values, [])
+        out[key][1].append(run)
+    return list(out.values())
+
+
+def _completed(runs, arm) -> dict[str, Mapping[str, Any]]:
+    """Seed -> the arm's completed run with a PSNR, from the runs of one context."""
+    done: dict[str, Mapping[str, Any]] = {}
+    for run in runs:
+        if (
+            run.get("precision") == arm
+            and run["status"] == "completed"
+            and is_number(run.get("psnr"))
+        ):
+            seed = str(run["seed"])
+            if seed in done:
+                raise ValueError(
+                    f"runs: `{arm}` has two completed runs with seed {seed} "
+                    f"({done[seed].get('run_dir')}, {run.get('run_dir')}); pass the runs of "
+                    "one context (contexts())"
+                )
+            done[seed] = run
+    return done
 
 
 def _psnr_at(run: Mapping[str, Any]) -> dict[int, float]:
@@ -116,10 +167,13 @@ def _stat_means(runs, arm) -> dict[str, float]:
 
 
 def attribution(runs: Sequence[Mapping[str, Any]], margin_db: float) -> dict[str, Any]:
-    """The gap, its decomposition, the switch terms and the precision statistics.
+    """The gap, its decomposition, the switch terms and the precision statistics of the runs of
+    one context (:func:`contexts`).
 
     Args:
-        runs: the sweep's runs after :func:`mptex.report.collect.group_runs` (``keys`` set).
+        runs: runs after :func:`mptex.report.collect.group_runs` (``keys`` set), of one
+            context (:class:`ValueError` otherwise: pairs across contexts would mix scenes or
+            settings).
         margin_db: the equivalence margin of the verdicts.
 
     Returns:
@@ -128,6 +182,9 @@ def attribution(runs: Sequence[Mapping[str, Any]], margin_db: float) -> dict[str
         ``final`` (:func:`mean_ci` of the final-PSNR differences), ``verdict``, ``curve``
         (iteration -> :func:`mean_ci` of the validation-PSNR differences).
     """
+    if len(contexts(runs)) > 1:
+        raise ValueError("runs: they span several contexts (scenes or settings); pass the runs "
+                         "of one context (contexts())")  # fmt: skip
     arms = [SWAP, "tcnn_fused", BASE, "nvdiffrec_scale1", "f32",
             *(s[0] for s in SWITCHES)]  # fmt: skip
     return dict(
@@ -156,13 +213,24 @@ def _row(term: Mapping[str, Any] | None, spec: tuple[str, str, str]) -> str:
             f"{term['verdict']}{note} |")  # fmt: skip
 
 
-def render(result: Mapping[str, Any], margin_db: float, plotted: bool) -> list[str]:
-    """report.md lines of the section "nvdiffrec #154: the gap and what accounts for it"."""
+def _title(context: Mapping[str, Any]) -> str:
+    return ", ".join(f"`{k}={v}`" for k, v in context.items())
+
+
+def render(
+    result: Mapping[str, Any],
+    margin_db: float,
+    plotted: bool,
+    context: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """report.md lines of the section "nvdiffrec #154: the gap and what accounts for it", for
+    the runs of ``context`` (:func:`contexts`' values, named in the heading when not empty)."""
     header = ["| effect | difference | pairs | ΔPSNR (dB) "
               f"[{CONFIDENCE:.0%} CI] | verdict (±{margin_db:g} dB) |",
               "|---|---|---|---|---|"]  # fmt: skip
     gap = result["gap"]
-    lines = ["## nvdiffrec #154: the gap and what accounts for it", ""]
+    where = f": {_title(context)}" if context else ""
+    lines = [f"## nvdiffrec #154: the gap and what accounts for it{where}", ""]
     if gap is None:
         return lines + ["The swap or nvdiffrec's baseline has no completed run: no gap.", ""]
     lines += [
@@ -209,16 +277,31 @@ def render(result: Mapping[str, Any], margin_db: float, plotted: bool) -> list[s
     return lines
 
 
-def plot_gap(path: str | os.PathLike, result: Mapping[str, Any]) -> bool:
+def plot_gap(
+    path: str | os.PathLike, results: Sequence[tuple[Mapping[str, Any], Mapping[str, Any]]]
+) -> bool:
     """``gap_curves.png``: the gap and the decomposition terms against iteration, mean with its
-    confidence band. False (nothing written) without a curve."""
-    terms = [t for t in (result["gap"], *result["decomposition"]) if t and t["curve"]]
-    if not terms:
+    confidence band, one panel per ``(context, result)`` with a curve (:func:`contexts`,
+    :func:`attribution`). False (nothing written) without a curve."""
+    panels = []
+    for context, result in results:
+        terms = [t for t in (result["gap"], *result["decomposition"]) if t and t["curve"]]
+        if terms:
+            panels.append((context, terms))
+    if not panels:
         return False
-    from mptex.report.plots import _figure, arm_color
+    from mptex.report.plots import _figure
 
-    fig, axes = _figure(1, width=7.5, height=4.5)
-    ax = axes[0][0]
+    fig, axes = _figure(1, n_rows=len(panels), width=7.5, height=4.5)
+    for (context, terms), ax in zip(panels, axes[:, 0]):
+        _draw_gap(ax, terms, context)
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def _draw_gap(ax, terms, context: Mapping[str, Any]) -> None:
+    from mptex.report.plots import arm_color
+
     for k, term in enumerate(terms):
         its = list(term["curve"])
         mean = [term["curve"][i]["mean"] for i in its]
@@ -231,9 +314,8 @@ def plot_gap(path: str | os.PathLike, result: Mapping[str, Any]) -> bool:
             high = [term["curve"][i]["high"] for i in its]
             ax.fill_between(its, low, high, color=color, alpha=0.15, linewidth=0)
     ax.axhline(0.0, color="grey", linewidth=0.8)
+    where = "".join(f", {k}={v}" for k, v in context.items())
     ax.set(xlabel="iteration", ylabel="ΔPSNR (dB), paired by seed",
-           title=f"nvdiffrec #154: gap and terms, mean and {CONFIDENCE:.0%} CI")  # fmt: skip
+           title=f"nvdiffrec #154: gap and terms, mean and {CONFIDENCE:.0%} CI{where}")  # fmt: skip
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    fig.savefig(path, dpi=100)
-    return True

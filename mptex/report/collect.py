@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -470,6 +471,12 @@ def shown_keys(runs: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> list[s
     return shown
 
 
+def _natural_key(text: str) -> list[Any]:
+    """``text`` split into text and numbers, the numbers compared as numbers."""
+    return [(0, int(part)) if part.isdigit() else (1, part)
+            for part in re.split(r"(\d+)", text) if part]  # fmt: skip
+
+
 def group_runs(
     runs: Sequence[dict[str, Any]],
 ) -> tuple[list[str], list[list[dict[str, Any]]], list[dict[str, Any]], list[dict[str, Any]]]:
@@ -477,8 +484,10 @@ def group_runs(
 
     Returns:
         ``(keys, groups, duplicates, unidentified)``: the swept keys; one list of runs per
-        distinct combination of their values (in arm order); the runs not counted because an
-        earlier run (by ``run_dir``) has the same values and seed (each gets ``duplicate_of``);
+        distinct combination of their values (in arm order); the runs not counted because
+        another run has the same values and seed (each gets ``duplicate_of``): of such runs a
+        completed one is counted before one that is not, then the first by ``run_dir`` with the
+        numbers in it compared as numbers (Hydra's job ``5_...`` before ``12_...``);
         and the runs without any readable config (unreadable metrics.json and no ``.hydra``),
         which belong to no row and are listed by path.
     """
@@ -488,7 +497,8 @@ def group_runs(
     groups: dict[tuple, list[dict[str, Any]]] = {}
     seen: dict[tuple, dict[str, Any]] = {}
     duplicates = []
-    for run in sorted(identified, key=lambda r: r["run_dir"]):
+    for run in sorted(identified, key=lambda r: (r["status"] != "completed",
+                                                 _natural_key(r["run_dir"]))):  # fmt: skip
         row = tuple(_hashable(run["config"].get(k)) for k in keys)
         run["keys"] = {k: run["config"].get(k) for k in keys}
         first = seen.setdefault((row, _hashable(run["seed"])), run)

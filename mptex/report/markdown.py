@@ -10,7 +10,7 @@ from mptex.collapse import PARTLY_STUCK_RULE
 from mptex.collapse import RULE as COLLAPSE_RULE
 from mptex.numbers import is_number
 from mptex.report.collect import REFERENCE_ARM, STATUSES, planned_jobs
-from mptex.report.stats import CONFIDENCE, fastest_at_reference_quality
+from mptex.report.stats import CONFIDENCE, at_reference_quality, fastest_at_reference_quality
 
 __all__ = ["render_report"]
 
@@ -40,13 +40,33 @@ def _psnr(row: Mapping[str, Any]) -> str:
     return text + (" ⚠" if row["below_baseline"] else "")
 
 
-def _delta(row: Mapping[str, Any]) -> str:
+def _interval_text(delta: Mapping[str, Any], margin_db: float) -> tuple[str, str, str]:
+    """Mean, low and high as printed: two decimals, or as many more (up to six) as it takes for
+    the printed bounds to say what the exact ones say about 0 and ±``margin_db`` (a low of
+    0.004 printed +0.00 would read as touching 0 under a verdict of ``better``)."""
+    low, high = delta["low"], delta["high"]
+
+    def facts(lo: float, hi: float) -> tuple[bool, ...]:
+        return lo > 0, hi < 0, lo >= -margin_db, hi <= margin_db
+
+    for digits in range(2, 7):
+        text = [format(v, f"+.{digits}f") for v in (delta["mean"], low, high)]
+        if facts(float(text[1]), float(text[2])) == facts(low, high):
+            break
+    return text[0], text[1], text[2]
+
+
+def _delta(row: Mapping[str, Any], margin_db: float) -> str:
     delta = row["delta"]
     if row["verdict"] is None or delta["mean"] is None:
         return "–"
     if delta["half_width"] is None:
         return f"{_signed(delta['mean'])} (1 seed)"
-    return f"{_signed(delta['mean'])} [{_signed(delta['low'])}, {_signed(delta['high'])}]"
+    mean, low, high = _interval_text(delta, margin_db)
+    # The pairs are the seeds both completed: said where that is not the row's seeds column.
+    n = delta["n"]
+    pairs = f" ({n} pairs)" if n != row["n_seeds"] else ""
+    return f"{mean} [{low}, {high}]{pairs}"
 
 
 def _verdict(row: Mapping[str, Any], margin_db: float) -> str:
@@ -58,7 +78,22 @@ def _verdict(row: Mapping[str, Any], margin_db: float) -> str:
         return f"no detectable difference within ±{margin_db:g} dB"
     if row["verdict"] == "cannot judge":
         return f"cannot judge ({row['delta']['n']} paired seed{'s' * (row['delta']['n'] != 1)})"
+    low, high = row["delta"]["low"], row["delta"]["high"]
+    if -margin_db <= low and high <= margin_db:  # a difference shown, and shown to be small
+        return f"{row['verdict']}, by at most {margin_db:g} dB"
     return row["verdict"]
+
+
+def _duplicate_result(run: Mapping[str, Any]) -> str:
+    """A run's status and PSNR, for the line that names it a duplicate (two completed runs of
+    one config and seed that disagree show it there)."""
+    psnr = run.get("psnr")
+    return f"{run.get('status')}" + (f", PSNR {psnr:.2f} dB" if is_number(psnr) else "")
+
+
+def _lost_runs(row: Mapping[str, Any]) -> str:
+    """``"2 diverged / 1 failed"``: the row's runs that did not complete, by status."""
+    return " / ".join(f"{row[k]} {k}" for k in ("diverged", "collapsed", "failed") if row[k])
 
 
 def _value(value: Any) -> str:
@@ -179,23 +214,38 @@ def _reading(rows: Sequence[Mapping[str, Any]], margin_db: float, on_cpu: bool) 
         )
     else:
         ref = refs[0]
-        best = fastest_at_reference_quality(compared, ref)
+        best = fastest_at_reference_quality(compared, ref, margin_db)
         if best is None:
             lines.append("- No timings: the fastest arm at f32's quality is undefined.")
         elif best is ref:
             lines.append(
                 f"- Fastest arm at `{REFERENCE_ARM}`'s quality: `{REFERENCE_ARM}` itself (no "
-                f"faster arm whose {CONFIDENCE:.0%} interval is better than or within "
-                f"±{margin_db:g} dB of `{REFERENCE_ARM}`)."
+                f"faster arm at most {margin_db:g} dB worse at {CONFIDENCE:.0%} confidence with "
+                "every run completed)."
             )
         else:
             d = best["delta"]
+            mean, low, high = _interval_text(d, margin_db)
             lines.append(
                 f"- Fastest arm at `{REFERENCE_ARM}`'s quality: **{_name(best)}** "
-                f"({_verdict(best, margin_db)}: Δ {_signed(d['mean'])} dB, {CONFIDENCE:.0%} CI "
-                f"[{_signed(d['low'])}, {_signed(d['high'])}] over {d['n']} seeds; "
+                f"({_verdict(best, margin_db)}: Δ {mean} dB, {CONFIDENCE:.0%} CI "
+                f"[{low}, {high}] over {d['n']} seeds; "
                 f"{_fmt(best['time_per_iter_s'] * 1e3, '.1f')} ms/iteration, "
-                f"{_fmt(best['speedup'], '.2f')}x `{REFERENCE_ARM}`'s speed)."
+                f"{_fmt(best['speedup'], '.2f')}x `{REFERENCE_ARM}`'s speed, a ratio of mean "
+                "times)."
+            )
+        lost = [
+            r
+            for r in compared
+            if r["delta"]["low"] is not None
+            and r["delta"]["low"] >= -margin_db
+            and not at_reference_quality(r, margin_db)
+        ]
+        if lost:
+            items = ", ".join(f"{_name(r)} ({_lost_runs(r)} of {r['n_runs']} runs)" for r in lost)
+            lines.append(
+                f"- Not at `{REFERENCE_ARM}`'s quality although the Δ of their completed runs is "
+                f"within {margin_db:g} dB: {items}. Runs an arm loses are part of its quality."
             )
         if best is not None and on_cpu:
             lines.append(
@@ -207,14 +257,38 @@ def _reading(rows: Sequence[Mapping[str, Any]], margin_db: float, on_cpu: bool) 
             # Rows with no completed run are in the diverged / failed / collapsed lines below.
             hit = [r for r in compared if r["verdict"] == name and r["n_seeds"]]
             if hit:
-                items = ", ".join(f"{_name(r)} ({_delta(r)} dB)" for r in hit)
+                items = ", ".join(f"{_name(r)} ({_delta(r, margin_db)} dB)" for r in hit)
                 lead = {
                     "worse": f"Worse than `{REFERENCE_ARM}`",
                     "better": f"Better than `{REFERENCE_ARM}`",
                     "no paired seeds": f"No seed completed in both the arm and `{REFERENCE_ARM}`",
                 }.get(name, name.capitalize())
                 lines.append(f"- {lead}: {items}.")
+        unpaired = [r for r in compared if r.get("unpaired_seeds")]
+        if unpaired:
+            items = ", ".join(f"{_name(r)} seed{'s' * (len(r['unpaired_seeds']) != 1)} "
+                              f"{', '.join(map(str, r['unpaired_seeds']))}"
+                              for r in unpaired)  # fmt: skip
+            lines.append(
+                f"- Completed but not paired (no completed `{REFERENCE_ARM}` run with that seed): "
+                f"{items}; in the row's seeds and PSNR, not in its Δ."
+            )
+        flat = [r for r in compared if r["delta"]["sd"] == 0 and r["delta"]["mean"]]
+        if flat:
+            items = ", ".join(f"{_name(r)} (Δ {_signed(r['delta']['mean'])} dB on each of "
+                              f"{r['delta']['n']} seeds)" for r in flat)  # fmt: skip
+            lines.append(
+                f"- Zero spread: {items}. Every seed gave the same difference, so the interval "
+                "has no width; check that `train.seed` varies these runs (runs that ignore the "
+                "seed, or a setting given to one arm's runs only, give such differences)."
+            )
         lines += _epsilon_lines(compared, ref)
+    unmatched = [r for r in rows if r["verdict"] is None and r["precision"] != REFERENCE_ARM]
+    if unmatched and refs:
+        lines.append(
+            f"- Not compared (no `{REFERENCE_ARM}` row with the same settings to pair with): "
+            f"{', '.join(_name(r) for r in unmatched)}."
+        )
     diverged = [r for r in rows if r["diverged"]]
     if diverged:
         # None: a run recorded as completed whose final PSNR is not finite
@@ -386,9 +460,15 @@ def render_report(
                   "false`, docs/cluster.md); every count below is of the runs that "
                   "exist."]  # fmt: skip
     if duplicates:
-        lines += ["", f"Not counted ({len(duplicates)} runs repeat the config and seed of an "
-                  "earlier run; the first by directory name is kept):"]  # fmt: skip
-        lines += [f"- `{r['run_dir']}`: same as `{r['duplicate_of']}`" for r in duplicates]
+        lines += ["", f"Not counted ({len(duplicates)} runs repeat the config and seed of "
+                  "another run; a completed run is counted before one that is not, then the "
+                  "first by directory name):"]  # fmt: skip
+        counted = {r["run_dir"]: r for r in runs}
+        for run in duplicates:
+            kept = counted.get(run["duplicate_of"], {})
+            both = [_duplicate_result(r) for r in (run, kept)]
+            lines.append(f"- `{run['run_dir']}` ({both[0]}): same as `{run['duplicate_of']}` "
+                         f"({both[1]})")  # fmt: skip
     unreadable = [r for r in runs if r.get("unreadable")]
     if unreadable:
         lines += ["", f"Unreadable runs ({len(unreadable)}; counted as failed"
@@ -424,7 +504,7 @@ def render_report(
                   f"{', '.join(map(str, views)) or '–'}{sampling}.", ""]  # fmt: skip
         table = [[
             f"`{r['precision']}`", *(_value(r["keys"].get(k)) for k in key_columns),
-            str(r["n_seeds"]), _psnr(r), _delta(r), _verdict(r, margin_db),
+            str(r["n_seeds"]), _psnr(r), _delta(r, margin_db), _verdict(r, margin_db),
             _fmt(r["baseline_psnr"], ".2f"),
             _fmt(r["time_per_iter_s"] * 1e3 if is_number(r["time_per_iter_s"]) else None, ".1f"),
             _fmt(r["speedup"], ".2f"),
@@ -473,9 +553,16 @@ def render_report(
         f"- verdict: `better` / `worse` when the whole interval lies above / below 0; `no "
         f"detectable difference within ±{margin_db:g} dB` when it lies inside ±{margin_db:g} dB "
         f"(the equivalence margin, `--margin-db`); `inconclusive` otherwise (more seeds "
-        f"needed); `cannot judge` with fewer than 2 paired seeds. The fastest arm at "
-        f"`{REFERENCE_ARM}`'s quality is chosen among `{REFERENCE_ARM}` and the arms judged "
-        "`better` or `no detectable difference`, by mean ms / iteration.",
+        f"needed); `cannot judge` with fewer than 2 paired seeds; `, by at most "
+        f"{margin_db:g} dB` after `better` or `worse` when the interval lies inside "
+        f"±{margin_db:g} dB too. Each interval is {CONFIDENCE:.0%} for its own comparison, not "
+        f"adjusted for the number of arms compared: of k arms that truly equal "
+        f"`{REFERENCE_ARM}`, up to 1 − {CONFIDENCE:g}^k of sweeps show at least one `better` or "
+        "`worse` by chance (about 23 % at k = 5).",
+        f"- The fastest arm at `{REFERENCE_ARM}`'s quality is chosen by mean ms / iteration "
+        f"among `{REFERENCE_ARM}` and the arms whose interval's lower end is at or above "
+        f"−{margin_db:g} dB (at most {margin_db:g} dB worse, at 97.5 % one-sided confidence) "
+        "and whose every run completed (no diverged, collapsed or failed run).",
         "- ms / iter: median time per training iteration, averaged over seeds; speed-up > 1: "
         "faster than the reference.",
         f"- Peak memory: the largest over the row's runs ({', '.join(kinds) or 'unknown'}). "

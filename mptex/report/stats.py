@@ -6,7 +6,9 @@ Method (stated in every report.md):
 - Pairing: an arm's run and the reference arm's run with the same seed and the same values of
   every other swept key (same scene, same learning rate, ...) form a pair; the difference is
   ``psnr(arm) - psnr(f32)`` in dB. Seeds that completed in only one of the two arms are not
-  paired (they are counted in the row's run counts instead). A collapsed run
+  paired (they are counted in the row's run counts instead). Where ``precision.*`` keys are
+  swept over the reference arm too, an arm's row is paired with the reference row of the same
+  values of those keys. A collapsed run
   (:mod:`mptex.collapse`) is not completed: it and its partner are left out of the pairs
   and listed (``excluded``), so a collapse is never read as a precision effect; an arm left
   without a pair by them "cannot judge".
@@ -18,8 +20,11 @@ Method (stated in every report.md):
   difference within ±m dB`` when it lies inside [-m, +m] (and contains 0); otherwise
   ``inconclusive`` (the interval is too wide for either statement: more seeds needed).
 - "Fastest arm at f32's quality": the fastest (mean ms / iteration) among the reference arm and
-  the arms whose verdict is ``better`` or ``no detectable difference``; an arm whose interval
-  says ``worse`` or that is ``inconclusive`` is never named.
+  the arms at its quality (:func:`at_reference_quality`): the interval's lower end at or above
+  -m (at most m dB worse, whatever the verdict: a precisely measured loss of 0.05 dB is
+  ``worse`` and at f32's quality), and every run of the arm completed (an arm that diverged,
+  collapsed or failed on some seed is never named, whatever its other seeds gave).
+- Each interval is 95 % for its own comparison, not adjusted for the number of arms compared.
 - What else differs: Adam is invariant to a constant factor on a gradient except through its
   epsilon, and nvdiffrec's arm leaves x128 on the grid's gradient, so against an f32 reference
   at the same ``train.adam_eps`` its grid runs with a 128 x smaller effective epsilon
@@ -55,6 +60,7 @@ __all__ = [
     "summarize_groups",
     "grid_adam_eps",
     "sections",
+    "at_reference_quality",
     "fastest_at_reference_quality",
 ]
 
@@ -156,14 +162,25 @@ def _context(keys: Mapping[str, Any]) -> tuple:
 
 def _reference_for(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]):
     """The reference arm's row in the same context: the one matching every key if there is
-    one, else the only reference row of the context; None when absent or ambiguous."""
+    one, else the only reference row of the context, else (``precision.*`` keys swept over the
+    reference too) the one reference row whose values of the keys that tell the reference
+    rows apart are the row's; None when absent or ambiguous."""
     refs = [r for r in rows if r["precision"] == REFERENCE_ARM
             and _context(r["all_keys"]) == _context(row["all_keys"])]  # fmt: skip
     exact = [r for r in refs if {k: v for k, v in r["all_keys"].items() if k != "precision.name"}
              == {k: v for k, v in row["all_keys"].items() if k != "precision.name"}]  # fmt: skip
     if len(exact) == 1:
         return exact[0]
-    return refs[0] if len(refs) == 1 else None
+    if len(refs) <= 1:
+        return refs[0] if refs else None
+    keys = {k for r in refs for k in r["all_keys"]}
+    apart = {k for k in keys if len({str(r["all_keys"].get(k)) for r in refs}) > 1}
+    same = [
+        r
+        for r in refs
+        if all(str(r["all_keys"].get(k)) == str(row["all_keys"].get(k)) for k in apart)
+    ]
+    return same[0] if len(same) == 1 else None
 
 
 def _excluded(group, ref_group) -> list[dict[str, Any]]:
@@ -210,7 +227,9 @@ def summarize_groups(
         ``reason`` of each collapsed run), ``partly_stuck_runs`` (the same for its completed
         runs that :func:`mptex.collapse.classify_partly_stuck` names), ``reference`` (the
         reference row's index or None),
-        ``pairs`` (list of ``[seed, difference]``), ``excluded`` (``seed``, ``run_dir``, ``why``:
+        ``pairs`` (list of ``[seed, difference]``; empty for the reference itself),
+        ``unpaired_seeds`` (the row's completed seeds without a completed reference run of
+        that seed: in its PSNR, not in ``delta``), ``excluded`` (``seed``, ``run_dir``, ``why``:
         the row's seeds left out of the pairs because the run or its reference partner
         collapsed), ``delta`` (:func:`mean_ci` of the paired differences) and ``verdict``.
     """
@@ -224,7 +243,17 @@ def summarize_groups(
         ref_psnr = {r["seed"]: r["psnr"] for r in ref_group if r["status"] == "completed"}
         pairs = [[r["seed"], r["psnr"] - ref_psnr[r["seed"]]] for r in group
                  if r["status"] == "completed" and r["seed"] in ref_psnr]  # fmt: skip
+        if ref is row:  # the reference is not compared with itself
+            pairs = []
         row["pairs"] = pairs
+        # The row's completed seeds without a partner (the reference's run of that seed did not
+        # complete, or there is none): in its seeds and PSNR, not in Δ.
+        paired = {seed for seed, _ in pairs}
+        row["unpaired_seeds"] = (
+            [r["seed"] for r in group if r["status"] == "completed" and r["seed"] not in paired]
+            if ref not in (None, row)
+            else []
+        )
         row["excluded"] = _excluded(group, ref_group if ref is not row else [])
         row["delta"] = mean_ci([d for _, d in pairs])
         if ref is None or ref is row:
@@ -255,16 +284,28 @@ def sections(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[int]]]:
     return list(out.values())
 
 
+def at_reference_quality(row: Mapping[str, Any], margin_db: float) -> bool:
+    """Whether a compared row is at the reference's quality: its interval's lower end at or
+    above ``-margin_db`` (at most ``margin_db`` worse, at 97.5 % one-sided confidence: a
+    non-inferiority test), over pairs of every run it has (none diverged, collapsed or failed:
+    an arm that fails some seeds is not at the reference's quality, whatever its completed
+    runs gave)."""
+    low = (row.get("delta") or {}).get("low")
+    clean = not any(row.get(status) for status in ("diverged", "collapsed", "failed"))
+    return row.get("verdict") is not None and low is not None and low >= -margin_db and clean
+
+
 def fastest_at_reference_quality(
-    rows: Sequence[Mapping[str, Any]], reference: Mapping[str, Any]
+    rows: Sequence[Mapping[str, Any]],
+    reference: Mapping[str, Any],
+    margin_db: float = EQUIVALENCE_MARGIN_DB,
 ) -> Mapping[str, Any] | None:
     """The fastest row (mean time per iteration) among ``reference`` and the rows compared with
-    it whose verdict is ``better`` or ``no detectable difference``; None without timings.
-    A row whose interval says ``worse``, or that cannot be judged, is never returned."""
+    it that are :func:`at_reference_quality`; None without timings. A row that may be more
+    than ``margin_db`` worse, or that cannot be judged, or that lost runs to divergence,
+    collapse or failure, is never returned."""
     candidates = [reference] + [
-        r
-        for r in rows
-        if r is not reference and r["verdict"] in ("better", "no detectable difference")
+        r for r in rows if r is not reference and at_reference_quality(r, margin_db)
     ]
     timed = [r for r in candidates if is_number(r["time_per_iter_s"])]
     return min(timed, key=lambda r: r["time_per_iter_s"]) if timed else None

@@ -86,7 +86,10 @@ def write_report(
     runs = collect.collect_runs(sweep_dir)
     keys, groups, (duplicates, unidentified), rows = _tables(runs, margin_db)
     counted = [r for g in groups for r in g]
-    gap = attribution.attribution(counted, margin_db) if attribution.applies(counted) else None
+    # The #154 section, per context (scene, settings): pairs never cross one.
+    gaps = [(context, attribution.attribution(members, margin_db))
+            for context, members in attribution.contexts(counted)
+            if attribution.applies(members)]  # fmt: skip
     sections = stats.sections(rows)
     written: dict[str, Path] = {}
 
@@ -109,8 +112,9 @@ def write_report(
     path = sweep_dir / "results.json"
     plain_runs = [{k: v for k, v in run.items() if k not in ("history", "config")
                    and not k.startswith("_")} for run in runs]  # fmt: skip
+    study = [{"context": context, **gap} for context, gap in gaps] or None
     document = {"sweep_dir": str(sweep_dir), "swept_keys": keys, "margin_db": margin_db,
-                "runs": plain_runs, "summary": rows, "nvdiffrec154": gap}  # fmt: skip
+                "runs": plain_runs, "summary": rows, "nvdiffrec154": study}  # fmt: skip
     path.write_text(json.dumps(_plain(document), indent=2, allow_nan=False, default=str) + "\n")
     written[path.name] = path
 
@@ -120,7 +124,7 @@ def write_report(
         ("psnr_curves.png", lambda p: plots.plot_history(p, sections, rows, groups, "psnr")),
         ("loss_scale.png", lambda p: plots.plot_history(p, sections, rows, groups, "loss_scale")),
         ("images.png", lambda p: plots.plot_images(p, sweep_dir, sections, rows, groups)),
-        ("gap_curves.png", lambda p: gap is not None and attribution.plot_gap(p, gap)),
+        ("gap_curves.png", lambda p: bool(gaps) and attribution.plot_gap(p, gaps)),
     ):
         try:
             made[name] = draw(sweep_dir / name)
@@ -132,8 +136,12 @@ def write_report(
     path = sweep_dir / "report.md"
     text = markdown.render_report(sweep_dir, runs, keys, rows, groups, sections, duplicates,
                                   unidentified, made, margin_db)  # fmt: skip
-    if gap is not None:  # the #154 section goes before "How to read this"
-        section = "\n".join(attribution.render(gap, margin_db, bool(made["gap_curves.png"])))
+    if gaps:  # the #154 sections go before "How to read this"
+        plotted = bool(made["gap_curves.png"])
+        section = "\n".join(
+            line for context, gap in gaps
+            for line in attribution.render(gap, margin_db, plotted, context)
+        )  # fmt: skip
         head, sep, tail = text.partition("## How to read this")
         text = head + section + "\n" + sep + tail
     if failures:

@@ -16,7 +16,7 @@ from mptex.diagnostics import half_ulps, outside_tolerance, ulp_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 VALIDATE = ROOT / "benchmarks" / "gpu" / "validate.py"
-STAGES = ["env", "loss", "golden", "tests", "profile", "arms", "nvdiffrec154", "grid", "network",
+STAGES = ["env", "loss", "golden", "tests", "arms", "profile", "nvdiffrec154", "grid", "network",
           "raster", "fp8", "throughput"]  # fmt: skip
 FIXTURES = ROOT / "tests" / "gpu_golden"
 _spec = importlib.util.spec_from_file_location("gpu_kit_validate", VALIDATE)
@@ -124,18 +124,23 @@ def test_dry_run_runs_every_stage_and_records_why_native_ones_cannot(tmp_path):
     assert {r["status"] for r in ran.values()} <= {"completed", "diverged"}
     assert ran["f32"]["status"] == "completed" and ran["f32"]["time_per_iter_s"] > 0
     assert all(run["backends"]["encoder"] == "torch" for run in ran.values())
-    # f32 with each loop feature off, right after f32, kept apart from the judged runs
+    # f32 with each loop feature off, kept apart from the judged runs
     variants = arms["data"]["variants"]
     assert [v["variant"] for v in variants] == list(kit.LOOP_VARIANTS)
     assert all(v["precision"] == "f32" and v["status"] == "completed" for v in variants)
     rows = {row[0]: row for row in arms["tables"][0]["rows"]}
-    first = ["f32", *[f"f32, {v}" for v in kit.LOOP_VARIANTS]]
-    assert list(rows)[: len(first)] == first
-    # the FP8 GEMM arms again with Triton's GEMMs, right after each: not on this CPU
+    # Every judged arm first (a box cuts the end), then the runs that are not judged: f32 with a
+    # loop feature off, the FP8 GEMM arms with Triton's GEMMs (not on this CPU), and last the
+    # arms not judged by speed.
+    judged = [a for a in kit.arm_order() if a not in kit.ARMS_NOT_JUDGED]
+    extra = [*[f"f32, {v}" for v in kit.LOOP_VARIANTS],
+             *[f"{a}, {o}" for a in kit.arm_order() for o in kit.ARM_VARIANTS.get(a, ())]]
+    assert list(rows) == [*judged, *extra, *kit.ARMS_NOT_JUDGED]
     for arm, overrides in kit.ARM_VARIANTS.items():
-        names = list(rows)
-        assert names[names.index(arm) + 1] == f"{arm}, {overrides[0]}"
         assert rows[f"{arm}, {overrides[0]}"][1].startswith("not run: cpu tensors need Triton")
+    for name, stage in stages.items():  # every table well formed, "not run" rows included
+        for table in stage["tables"]:
+            assert all(len(r) == len(table["headers"]) for r in table["rows"]), (name, table)
     assert stages["throughput"]["status"] == "ok"
     assert any(row[0].startswith("torch float32 forward+backward")
                for row in stages["throughput"]["tables"][0]["rows"])  # fmt: skip
@@ -211,6 +216,13 @@ def test_the_main_job_stage_runs_only_when_named_and_keeps_its_report(tmp_path):
     assert mainjob["data"]["report"] == str(report) and report.is_file()
     arms = {row[0] for row in mainjob["tables"][0]["rows"]}
     assert arms == {"f32", "fp8"}
+    # each run's own record kept (a job stopped by its box still says which runs finished); the
+    # sweep itself stays in scratch space, out of the results folder
+    records = {(r["precision"], r["seed"], r["status"]) for r in mainjob["data"]["runs"]}
+    assert records == {("f32", 0, "completed"), ("fp8", 0, "completed")}
+    assert all(r["ms_per_iter"] > 0 and r["wall_s"] > 0 for r in mainjob["data"]["runs"])
+    assert sorted(p.name for p in out.iterdir()) == ["log.txt", "mainjob-report.md",
+                                                     "results.json", "results.md"]  # fmt: skip
 
 
 def test_the_main_job_keeps_the_kits_packages_on_the_python_path():
@@ -304,6 +316,11 @@ def test_the_speed_checks_by_hand(monkeypatch):
     ctx = Stage()
     kit.judge_arms(ctx, runs(fp8_slow), variants, order)
     assert ctx.result["failed_checks"][0] == "fp8: 2.25x f32, over 1.5x" and ctx.saved == 1
+    # judged again after every run: the latest verdict replaces the earlier one
+    again = Stage()
+    kit.judge_arms(again, runs(fp8_slow), variants, order)
+    kit.judge_arms(again, runs(at_limit), [], order)
+    assert "failed_checks" not in again.result
     assert ctx.result["data"]["targets_with"] == {
         "texture.fp8_gemm=triton": ["fp8_current: 1.62x f32, over 1.5x"]}  # fmt: skip
     assert ctx.tables[0][1] == [["texture.fp8_gemm=triton", "fp8_current: 1.62x f32, over 1.5x"]]

@@ -39,6 +39,12 @@ native=$(ls "$wheels"/tinycudann-*.whl "$wheels"/nvdiffrast-*.whl 2>/dev/null ||
 if [ -f "$wheels/SHA256SUMS" ]; then
   (cd "$wheels" && sha256sum --quiet -c SHA256SUMS) || die "--wheels $wheels: a wheel does not match SHA256SUMS"
 fi
+# The folder is remade: refuse one that is not an earlier kit (an existing folder with other
+# files, the checkout or a folder above it), which would be deleted.
+case "$repo/" in "$kit"/*) die "--kit $kit: the checkout or a folder above it" ;; esac
+if [ -d "$kit" ] && [ -n "$(ls -A "$kit")" ] && [ ! -f "$kit/manifest.json" ]; then
+  die "--kit $kit: exists and holds no kit (no manifest.json); name a new or empty folder"
+fi
 rm -rf "$kit"; mkdir -p "$kit"
 cp $native "$kit/"
 

@@ -4,7 +4,8 @@ gradients.
 
 * **int8**, per output channel, symmetric (what int8 inference engines and the RTX Neural
   Texture Compression SDK's int8 decoder take): row ``c`` of a ``[out, in]`` weight has the f32
-  scale ``s_c = max_j |W[c, j]| / 127`` (1.0 for a zero row) and the values
+  scale ``s_c = max_j |W[c, j]| / 127`` (1.0 where that is 0: a zero row, or one whose
+  largest magnitude is below 64 x 2^-149, where the quotient underflows) and the values
   ``q = clamp(round_half_even(W / s_c), -127, 127)``; it stands for ``q * s_c``. -128 is never
   used, so the range is symmetric.
 * **fp8**, per tensor, E4M3 with the current amax (:func:`mptex.fp8.quantize_fp8`,
@@ -42,7 +43,10 @@ INT8_MAX = 127
 
 
 def int8_channel_scales(weight: torch.Tensor) -> torch.Tensor:
-    """``[out]`` f32 scales ``max_j |W[c, j]| / 127`` (1.0 where a row is all zero).
+    """``[out]`` f32 scales ``max_j |W[c, j]| / 127`` (1.0 where the quotient is 0: a row all
+    zero, or with its largest magnitude below 64 x 2^-149, whose quotient underflows float32;
+    a scale of 0 would divide the row's zeros into NaN codes and its other values into +-127
+    codes that an engine inverting the scale reads as infinite).
 
     Args:
         weight: ``[out, in]`` float.
@@ -51,7 +55,7 @@ def int8_channel_scales(weight: torch.Tensor) -> torch.Tensor:
     # A tensor divisor: CUDA divides by a Python scalar as a product with its reciprocal,
     # not the correctly rounded quotient the CPU computes.
     scales = torch.div(amax, _constant(float(INT8_MAX), amax.device))
-    return torch.where(amax > 0, scales, torch.ones_like(amax))
+    return torch.where(scales > 0, scales, torch.ones_like(amax))
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

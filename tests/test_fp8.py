@@ -93,6 +93,19 @@ def test_a_scale_that_would_overflow_uses_the_current_one(dtype):
     assert q.float().abs().max().item() == FP8_MAX[dtype]
 
 
+def test_a_product_that_rounds_to_fp8_max_is_no_overflow():
+    # 14.884913 * 30.09759 is 448 + 1.4e-5 exactly but 448.0 in float32, the product the rule
+    # compares: it fits, so the recipe's scale stays (falling back would give 448 / 14.884913).
+    x, scale = torch.tensor([14.884913]), torch.tensor(30.09759)
+    assert float(np.float32(14.884913) * np.float32(30.09759)) == 448.0
+    q, _, _, used = quantize_fp8(x, scale, E4M3)
+    assert used.item() == scale.item() and q.float().item() == 448.0
+    state = ScalingState(E4M3, ScalingRecipe("delayed"), None)
+    state.scale = scale
+    _, _, used = state.quantize(x, record=True)
+    assert used.item() == scale.item() and state.overflows.item() == 0.0
+
+
 def test_non_finite_input_becomes_nan_never_a_finite_value():
     # torch 2.13's CPU cast saturates inf at 448: the scale 0 turns an inf into NaN first.
     for bad in (math.inf, -math.inf, math.nan):
@@ -172,6 +185,18 @@ def test_emulated_gemm_within_the_float32_accumulation_bound(shape, dtypes):
     err = (out.double() - ref).abs()
     assert out.dtype == torch.float32
     assert torch.all(err <= (k + 2) * U32 * magnitude), (err / magnitude).max()
+
+
+def test_emulated_gemm_multiplies_by_the_product_of_the_scales():
+    # k = 1: the sum is the exact product p = 0.40625 * 0.8125 of the E4M3 values, so the
+    # result is f32(p * f32(sa * sb)); applying the scales one after the other,
+    # f32(f32(p * sa) * sb), rounds at other points and lands one ulp above (0x1.794dd4p-3).
+    a, b = torch.tensor([[0.40625]]).to(E4M3), torch.tensor([[0.8125]]).to(E4M3)
+    sa, sb = torch.tensor(0.6976675987243652), torch.tensor(0.800011396408081)
+    f32 = np.float32
+    expected = f32(0.40625 * 0.8125) * (f32(sa.item()) * f32(sb.item()))
+    assert float(expected) == float.fromhex("0x1.794dd2p-3")
+    assert scaled_mm(a, b, sa, sb, backend="emulated").item() == float(expected)
 
 
 @pytest.mark.parametrize("shape", [(7, 32, 3), (300, 32, 32), (3, 4096, 32)])

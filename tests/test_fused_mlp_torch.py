@@ -161,3 +161,27 @@ def test_activations_do_not_depend_on_the_math_library(name):
         factor = twin._activate_backward(name, torch.ones_like(out), out)
         want = [ref.activation_backward_factor(name, v) for v in out.tolist()]
         assert torch.equal(factor, torch.tensor(want, dtype=torch.float16))
+
+
+def test_subnormal_factors_align_at_halfs_smallest_normal_exponent():
+    # One row by one column, 16 products in one k-block: subnormal half factors (0x0001,
+    # 0x8001, ...) share the exponent -14 of the smallest normal; taking -15 for them moves the
+    # truncation point and the rounded sum ends one ulp off (0x826e). The C kernel states the
+    # model independently of the eager ops.
+    a = [0x80B6, 0x8000, 0x0004, 0x8001, 0x3992, 0x1B25, 0x80A2, 0x2C64,
+         0x0008, 0x3900, 0xA827, 0xC74C, 0x0001, 0x1FA3, 0x1055, 0x8004]  # fmt: skip
+    b = [0x800B, 0x4A97, 0x31A9, 0xEEE4, 0x05BB, 0x0CA9, 0x103A, 0x00C0,
+         0xF324, 0x1C6F, 0x9901, 0x8C10, 0xF4BD, 0x3678, 0x801E, 0x0011]  # fmt: skip
+
+    def halves(codes, shape):
+        return torch.tensor(codes).to(torch.int16).view(torch.float16).view(shape)  # same bits
+
+    a, b = halves(a, (1, 16)), halves(b, (16, 1))
+    got = twin._half_matmul_eager(a, b, 16)
+    assert got.view(torch.int16).item() & 0xFFFF == 0x826F
+    lib = twin.native_kernels()
+    if lib is not None:
+        from mptex._native_cpu import half_matmul_native
+
+        assert torch.equal(half_matmul_native(lib, a, b, 16, True).view(torch.int16),
+                           got.view(torch.int16))  # fmt: skip

@@ -100,3 +100,16 @@ def test_the_c_kernel_runs_on_float32_cpu_tensors_only():
     assert (
         grid._native(torch.rand(3, 5), torch.zeros(five_d.n_params), five_d, torch.float32) is None
     )
+
+
+def test_fma_redoes_a_tie_that_double_rounding_gets_wrong():
+    # scale * x + 0.5 with a product of 1.5 * 2^-24 * (1 - 2^-32): the exact sum lies just below
+    # the float32 midpoint 0.5 + 1.5 * 2^-24, so fmaf rounds down to 0x1.000002p-1. The float64
+    # sum rounds onto the midpoint itself and a second rounding (ties to even) goes up to
+    # 0x1.000004p-1. With c = 0.5 the function redoes such ties only for products below 2^-6
+    # (above, the float64 sum is exact): this one is.
+    from grid_reference import fmaf
+
+    a, b = 48 * (1 + 2**-16), (1 - 2**-16) * 2**-29
+    got = grid._fma_f32(torch.tensor([a]), torch.tensor([b]), 0.5, nonnegative_product=True)
+    assert got.item() == float(fmaf(a, b, 0.5)) == float.fromhex("0x1.000002p-1")

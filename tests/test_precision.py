@@ -247,8 +247,9 @@ def test_f16_naive_loses_small_gradients_that_f16_dynamic_keeps():
     assert all(torch.count_nonzero(g) == 0 for g in grads["f16_naive"])
     for g_dyn, g_ref in zip(grads["f16_dynamic"], grads["f32"], strict=True):
         assert torch.count_nonzero(g_dyn) > 0.9 * torch.count_nonzero(g_ref)
-        # f16 rounding of activations and output gradients: a few 1e-3 relative.
-        torch.testing.assert_close(g_dyn, g_ref, rtol=2e-2, atol=2e-2 * g_ref.abs().max().item())
+        # f16 rounding of activations and output gradients: up to 1.6e-3 relative on entries
+        # above a tenth of the largest; measured within 3.8e-4 * (|g| + max |g|) everywhere.
+        torch.testing.assert_close(g_dyn, g_ref, rtol=1e-3, atol=1e-3 * g_ref.abs().max().item())
 
 
 def test_a_misspelled_arm_name_in_a_partial_config_is_an_error():

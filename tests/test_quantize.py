@@ -1,6 +1,7 @@
 """Weight quantisation for int8 / FP8 decoders (mptex.quantize): hand-computed values, the
 per-element reference, straight-through gradients, and the QAT layer."""
 
+import numpy as np
 import pytest
 import torch
 from fp8_reference import fake_quantize_reference
@@ -14,12 +15,46 @@ def test_int8_per_channel_by_hand():
         [[0.5, -1.27, 0.004, 0.015], [0.0, 0.0, 0.0, 0.0], [2.54, 1.0, -1.0, 0.0]]
     )
     q, scales = quantize_int8(weight)
-    # Row 0: scale 1.27 / 127 = 0.01 -> 50, -127, 0.4 -> 0, 1.5 -> 2 (half to even);
-    # row 1: all zero, scale 1; row 2: scale 0.02 -> 127, 50, -50, 0.
-    assert scales.tolist() == pytest.approx([0.01, 1.0, 0.02], rel=1e-6)
+    # Row 0: scale 1.27 / 127 = 0.01 -> 50, -127, 0.4 -> 0, 1.5 -> 2 (a tie, but one that
+    # rounding half away from zero sends to 2 as well); row 1: all zero, scale 1; row 2: scale
+    # 0.02 -> 127, 50, -50, 0. Each scale is the float32 quotient amax / 127, rounded once.
+    f32 = np.float32
+    assert scales.tolist() == [float(f32(1.27) / f32(127)), 1.0, float(f32(2.54) / f32(127))]
     assert q.tolist() == [[50, -127, 0, 2], [0, 0, 0, 0], [127, 50, -50, 0]]
     assert q.dtype == torch.int8 and int(q.min()) >= -127  # -128 never used
     assert torch.equal(int8_channel_scales(weight), scales)
+
+
+def test_int8_rounds_half_to_even():
+    # Scale 127 / 127 = 1, so the quotients are the values: three ties. Half to even gives
+    # 2, 0, 4; half away from zero would give 3, -1, 4.
+    q, scales = quantize_int8(torch.tensor([[127.0, 2.5, -0.5, 3.5]]))
+    assert scales.tolist() == [1.0] and q.tolist() == [[127, 2, 0, 4]]
+
+
+def test_int8_clamps_a_quotient_above_127():
+    # float32 subnormals: 2e-42 is 1427 * 2^-149, its scale 1427 / 127 rounds to 11 * 2^-149,
+    # and 1427 / 11 = 129.7 rounds to 130, which must become 127 (int8 would wrap it to -126);
+    # 1e-42 is 714 * 2^-149, 714 / 11 = 64.9 -> 65.
+    q, scales = quantize_int8(torch.tensor([[2e-42, 1e-42]]))
+    assert scales.item() == 11 * 2.0**-149 and q.tolist() == [[127, 65]]
+
+
+def test_int8_row_whose_scale_underflows_gets_scale_one():
+    # 63 * 2^-149 / 127 underflows to 0 in float32 (64 * 2^-149 is the smallest amax with a
+    # non-zero quotient): such a row is treated as a zero row, scale 1, codes 0 (a scale of 0
+    # would make its zeros NaN codes and its other values +-127 over an infinite inverse).
+    tiny = 63 * 2.0**-149
+    q, scales = quantize_int8(torch.tensor([[tiny, 0.0, -tiny], [64 * 2.0**-149, 0.0, 0.0]]))
+    assert scales.tolist() == [1.0, 2.0**-149]
+    assert q.tolist() == [[0, 0, 0], [64, 0, 0]]
+
+
+def test_int8_scale_is_the_correctly_rounded_quotient():
+    # An amax whose amax * (1 / 127), two roundings, lands one ulp below amax / 127.
+    amax = np.float32(1.740332841873169)
+    scales = int8_channel_scales(torch.tensor([[float(amax), 0.5]]))
+    assert scales.item() == float(amax / np.float32(127)) == 0.013703408651053905
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])

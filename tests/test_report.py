@@ -136,7 +136,8 @@ def test_printed_bounds_keep_what_the_exact_ones_say_about_zero_and_the_margin()
 @pytest.mark.parametrize(
     "low, high, expected",
     [(0.1, 0.4, "better"), (-2.0, -0.01, "worse"), (-0.3, 0.45, "no detectable difference"),
-     (-0.6, 0.2, "inconclusive"), (None, None, "cannot judge")],
+     (-0.6, 0.2, "inconclusive"), (None, None, "cannot judge"),
+     (-0.5, 0.5, "no detectable difference")],  # the margin's ends count as inside it
 )  # fmt: skip
 def test_verdict_follows_the_interval(low, high, expected):
     assert verdict({"low": low, "high": high}, margin_db=0.5) == expected

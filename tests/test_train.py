@@ -379,6 +379,15 @@ def test_losses_and_psnr_on_known_values():
     assert image_loss(a, b, "smape").item() == pytest.approx(0.25 / 0.76)
     assert image_loss(a, b, "relmse").item() == pytest.approx(0.0625 / (0.25 + 0.0625 + 0.1))
     assert image_loss(a, a, "logl1").item() == 0.0
+
+    def log_srgb(v):  # nvdiffrec's tonemap in float64: sRGB's curve of ln(v + 1), above 0.0031308
+        return 1.055 * math.log(v + 1) ** (1 / 2.4) - 0.055
+
+    # float32's log, pow and the arithmetic around them, each within an ulp (6e-8) of values
+    # below 1: a few 1e-7 at most.
+    logl1 = abs(log_srgb(0.5) - log_srgb(0.25))
+    assert image_loss(a, b, "logl1").item() == pytest.approx(logl1, abs=1e-6)
+    assert image_loss(a, b, "logl2").item() == pytest.approx(logl1**2, abs=1e-6)
     # sRGB(1) = 1, sRGB(0) = 0: MSE 1 on one of two images' every pixel.
     ones, zeros = torch.ones(2, 2, 2, 3), torch.zeros(2, 2, 2, 3)
     zeros[1] = 1.0

@@ -306,6 +306,23 @@ def test_pairs_are_counted_in_the_delta_cell_and_unpaired_seeds_named(tmp_path):
     assert f32["pairs"] == [] and f32["delta"]["n"] == 0  # the reference is not self-paired
 
 
+def test_a_train_key_only_some_runs_have_is_named(tmp_path):
+    # f32 from a config without train.adam_eps, bf16 with it: the key never splits the rows
+    # (only values present are compared), so the report says the runs were compared as if
+    # they agreed on it.
+    for seed in range(3):
+        _write(tmp_path, f"f32_{seed}", _metrics("f32", seed, psnr=40.0 + seed))
+        config = {"train.adam_eps": 1e-15}
+        _write(tmp_path, f"bf16_{seed}", _metrics("bf16", seed, psnr=40.1 + seed, config=config))
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert ("**Config keys some runs lack** (runs of another mptex version, or a hand-made "
+            "config): `train.adam_eps` (3 of 6: `1e-15`).") in text  # fmt: skip
+    from mptex.report.collect import partial_keys
+
+    assert partial_keys(collect_runs(tmp_path)) == {"train.adam_eps": [1e-15]}
+
+
 def test_zero_spread_is_named(tmp_path):
     _three_seeds(tmp_path, "f32", [40.0, 41.0, 42.0], t=0.3)
     _three_seeds(tmp_path, "bf16", [39.0, 40.0, 41.0], t=0.1)

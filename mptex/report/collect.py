@@ -35,6 +35,7 @@ __all__ = [
     "NOT_SWEPT",
     "NOT_SWEPT_GROUPS",
     "RUN_FIELDS",
+    "partial_keys",
     "SweepLayoutError",
     "find_sweeps",
     "collect_runs",
@@ -448,6 +449,28 @@ def swept_keys(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     ignored = [k for k in values if k in NOT_SWEPT or k.startswith(NOT_SWEPT_GROUPS)]
     keys = [k for k, v in values.items() if len(v) > 1 and k not in ignored]
     return sorted(keys, key=lambda k: (k != "precision.name", k))
+
+
+# Groups whose keys every run of one mptex version records (a scene's keys depend on its kind:
+# a mesh scene has a path, the built-in one none).
+_PROTOCOL_GROUPS = ("train.", "texture.")
+
+
+def partial_keys(runs: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
+    """Keys of the ``train`` and ``texture`` groups that some runs' configs have and others lack
+    (runs of another mptex version, a hand-made config): key -> the distinct values of the runs
+    that have it. Only values present are compared (:func:`swept_keys`), so such a key never
+    splits rows: the runs without it are compared with the others as if they agreed."""
+    configs = [r["config"] for r in runs if r.get("config") is not None]
+    present: dict[str, list[Any]] = {}
+    for config in configs:
+        for key, value in config.items():
+            if key.startswith(_PROTOCOL_GROUPS) and key not in NOT_SWEPT:
+                seen = present.setdefault(key, [])
+                if _hashable(value) not in map(_hashable, seen):
+                    seen.append(value)
+    return {k: v for k, v in sorted(present.items())
+            if sum(k in c for c in configs) < len(configs)}  # fmt: skip
 
 
 def shown_keys(runs: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any
 from mptex.collapse import PARTLY_STUCK_RULE
 from mptex.collapse import RULE as COLLAPSE_RULE
 from mptex.numbers import is_number
-from mptex.report.collect import REFERENCE_ARM, STATUSES, planned_jobs
+from mptex.report.collect import REFERENCE_ARM, STATUSES, partial_keys, planned_jobs
 from mptex.report.stats import CONFIDENCE, at_reference_quality, fastest_at_reference_quality
 
 __all__ = ["render_report"]
@@ -451,6 +451,18 @@ def render_report(
         "",
         *_environment(runs),
     ]
+    partial = partial_keys(runs)
+    if partial:
+        n = sum(r.get("config") is not None for r in runs)
+        items = "; ".join(
+            f"`{k}` ({sum(k in (r.get('config') or {}) for r in runs)} of {n}: "
+            f"{', '.join(f'`{v}`' for v in values)})"
+            for k, values in partial.items()
+        )
+        lines += ["", f"**Config keys some runs lack** (runs of another mptex version, or a "
+                  f"hand-made config): {items}. Only values present are compared, so the runs "
+                  "without a key are compared with the others as if they agreed: check that "
+                  "they do."]  # fmt: skip
     planned = planned_jobs(sweep_dir)
     if planned is not None and planned > len(runs):
         lines += ["", f"**Incomplete sweep**: {planned - len(runs)} of the {planned} jobs its "

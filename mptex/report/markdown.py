@@ -591,7 +591,9 @@ def render_report(
         "or an unreadable metrics.json) / not available on this machine.",
         "- Raw numbers: `results.csv`, `results.json`. Plots: "
         + (", ".join(f"`{name}`" for name, made in plots.items() if made) or "none")
-        + "."
+        + ". The curves: per row, the mean at each logged iteration over its completed and "
+        "diverged runs, band min–max; after a run diverges, the mean is over the runs still "
+        "training."
         + (f" `images.png`: error maps are |prediction − reference| of the 8-bit sRGB images × "
            f"{gain} (one scale for every arm)." if gain else ""),
         "",

@@ -274,6 +274,17 @@ def test_search_writes_a_result_that_trains_and_reproduces_its_psnr(searched):
     assert {"reference", "screen: one part"} <= stages
     # every trained candidate is a kept one, screened at the first seed
     assert all("0" in r["runs"] for r in summary["candidates"])
+    # The certification runs at fresh seeds, not at the screen's, which chose the candidate:
+    # with the screen's small |Δ| counted again the interval would lean towards 0.
+    assert summary["screen_seed"] == 0 and summary["seeds"] == [1, 2]
+    rows = {r["candidate"]: r for r in summary["candidates"]}
+    assert sorted(rows[summary["reference"]]["runs"]) == ["0", "1", "2"]
+    certified = [r for r in summary["candidates"] if (r["certificate"] or {}).get("n")]
+    assert certified  # a candidate went through certification in this search
+    for row in certified:
+        fresh = [row["delta_db"][s] for s in ("1", "2")]
+        assert row["certificate"]["n"] == 2
+        assert row["certificate"]["mean"] == pytest.approx(sum(fresh) / 2, abs=1e-12)
     path = Path(summary["result_config"])
     assert path == out / "configs" / "precision" / "tiny_search.yaml"
     assert path.read_text().startswith("# Written by mptex's precision search")

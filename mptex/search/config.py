@@ -47,9 +47,10 @@ class SearchConfig:
     """The result's precision arm name; null: ``search_<scene>`` (``my_search_<scene>`` where
     mptex ships a ``search_<scene>``: builtin, soccer)."""
     seed: int = setting(0, Integer(min=0))
-    """Seeds used: ``seed, seed + 1, ..., seed + certify_seeds - 1``."""
+    """The screens' seed; the certification runs at the next ``certify_seeds`` seeds (``seed +
+    1, ..., seed + certify_seeds``: fresh, not the seed that chose the candidate)."""
     certify_seeds: int = setting(3, Integer(min=2, note="an interval needs two paired seeds"))
-    """Seeds of a certification (the reference runs at all of them)."""
+    """Seeds of a certification (the reference runs at all of them and at the screens')."""
     margin_db: float = setting(0.5, _MARGIN)
     """The report's equivalence margin (:data:`mptex.intervals.EQUIVALENCE_MARGIN_DB`)."""
     screen_db: float = setting(0.5, _MARGIN)
@@ -59,7 +60,8 @@ class SearchConfig:
     max_variants: int = setting(4, Integer(min=0))
     """Screens of loss-scaling, master-weight and fused variants."""
     max_certify: int = setting(3, Integer(min=1))
-    """Candidates re-run over all seeds, cheapest first."""
+    """Candidates run over the certification seeds, cheapest first (each a test of its own:
+    with k tried, one truly outside the margin certifies with a chance up to k x 2.5 %)."""
     workers: int = setting(2, Integer(min=1))
     """Training runs at a time, one process each."""
     threads: int = setting(1, Integer(min=1))

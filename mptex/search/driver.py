@@ -1,18 +1,19 @@
 """The precision search: the cheapest precision assignment whose PSNR is certified against f32.
 
-Algorithm (:func:`run_search`), deterministic for a given ``search.seed``; seeds used are
-``seed, seed + 1, ..., seed + certify_seeds - 1`` and every run is the training protocol of the
-config (``train`` group) with one candidate as the ``precision`` group:
+Algorithm (:func:`run_search`), deterministic for a given ``search.seed``; the screens run at
+``seed`` and the certification at the next ``certify_seeds`` seeds, ``seed + 1, ...,
+seed + certify_seeds``, and every run is the training protocol of the config (``train`` group)
+with one candidate as the ``precision`` group:
 
 1. **Space**: every candidate of ``search.space`` (:func:`~mptex.search.space.enumerate_space`);
    invalid and redundant ones are pruned before any training, with the reason recorded.
 2. **Cost**: each candidate's modelled seconds per iteration on ``search.cost.gpu``
    (:mod:`mptex.search.cost`); on a CUDA device the measured ms / iteration of its runs replaces
    the model wherever it has run (the model still orders what is tried).
-3. **Reference**: f32 everywhere at every certification seed.
+3. **Reference**: f32 everywhere at the screens' seed and every certification seed.
 4. **Screen, one part at a time** (greedy over layers): for the encoder and each linear layer,
    and each lower dtype the space allows, the reference with only that part lowered (with the
-   first kept loss-scaling mode of dynamic, static, none) at the first seed. A screen passes
+   first kept loss-scaling mode of dynamic, static, none) at the screens' seed. A screen passes
    when the run completed (not diverged, not collapsed) and ``|Δ| <= screen_db``, Δ being the
    paired PSNR difference to f32 at that seed.
 5. **Combine**: every combination of the lowerings that passed (f32 kept as an option per part),
@@ -23,11 +24,16 @@ config (``train`` group) with one candidate as the ``precision`` group:
    space's ``quantized``), each screened while cheaper than the cheapest passing candidate, at
    most ``max_variants`` screens. (QAT adds work to the f32 MLP: it is screened only when the
    model finds it cheaper, i.e. with a lower-precision grid than the cheapest passing one.)
-7. **Certify**: the passing candidates, cheapest first, each re-run at the other seeds; certified
-   when all ``certify_seeds`` runs completed and the paired 95 % Student-t interval of Δ lies
-   within ``[-margin_db, +margin_db]`` (the report's equivalence rule,
-   :func:`mptex.intervals.mean_ci`). The first certified is the answer; at most
-   ``max_certify`` candidates are tried. If none certifies the answer is f32 itself.
+7. **Certify**: the passing candidates, cheapest first, each run at the certification seeds,
+   which are fresh: the screen's seed chose the candidate (its |Δ| was small there), and an
+   interval that counted it again would be pulled towards 0 (a candidate truly 0.5 dB worse
+   than f32 was measured to certify about twice as often as the interval's 2.5 % with the
+   screen's seed counted, in a simulation of 3 seeds). Certified when all ``certify_seeds`` runs
+   completed and the paired 95 % Student-t interval of Δ lies within ``[-margin_db,
+   +margin_db]`` (the report's equivalence rule, :func:`mptex.intervals.mean_ci`). The first
+   certified is the answer; at most ``max_certify`` candidates are tried, each a test of its
+   own (with k tried, the chance that one truly outside the margin certifies is up to k x
+   2.5 %). If none certifies the answer is f32 itself.
 8. **Output** in the search directory: ``search.json`` (every candidate: stage, cost, runs, Δ,
    interval, verdict; the pruned list; the budget), ``search.md`` (the report section) with
    ``pareto.png``, and ``precision/<name>.yaml`` under ``search.config_dir`` (default: the
@@ -194,8 +200,15 @@ class SearchState:
     stages: dict[str, str] = field(default_factory=dict)
 
     @property
+    def screen_seed(self) -> int:
+        """The seed every screen runs at."""
+        return self.settings["seed"]
+
+    @property
     def seeds(self) -> list[int]:
-        first = self.settings["seed"]
+        """The certification's seeds: the ``certify_seeds`` after the screens' (module
+        docstring, step 7)."""
+        first = self.screen_seed + 1
         return [first + i for i in range(self.settings["certify_seeds"])]
 
     def cost(self, c: Candidate) -> float:
@@ -240,8 +253,7 @@ def _search(state: SearchState) -> dict[str, Any]:
     """Stages 3-8 of the module docstring."""
     settings, ref, kept, pool = state.settings, state.ref, state.kept, state.pool
     n_layers = len(ref.layers)
-    seeds = state.seeds
-    s0 = seeds[0]
+    seeds, s0 = state.seeds, state.screen_seed
     stages = state.stages
     scale = float(settings["space"]["static_loss_scale"])
     cost = state.cost
@@ -258,7 +270,7 @@ def _search(state: SearchState) -> dict[str, Any]:
             stages.setdefault(c.name, stage)
         pool.run([(c, s0) for c in cands])
 
-    # 3-4: the reference at every seed and the one-part lowerings at the first seed, one batch.
+    # 3-4: the reference at every seed and the one-part lowerings at the screens', one batch.
     stages[ref.name] = "reference"
     singles = []
     for enc in sorted({c.encoder for c in kept if c.mlp == "linear"} - {"f32"}):
@@ -271,7 +283,7 @@ def _search(state: SearchState) -> dict[str, Any]:
             singles += [c] if c else []
     for c in singles:
         stages.setdefault(c.name, "screen: one part")
-    pool.run([(ref, s) for s in seeds] + [(c, s0) for c in singles])
+    pool.run([(ref, s) for s in [s0, *seeds]] + [(c, s0) for c in singles])
     passed = [c for c in singles if passes(c)]
 
     def best_cost() -> float:

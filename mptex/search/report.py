@@ -18,7 +18,7 @@ def _interval(cert: Mapping[str, Any] | None) -> str:
 
 
 def _quality(row: Mapping[str, Any], seed: int) -> float | None:
-    """Mean Δ over the certification seeds where all ran, else the first seed's Δ."""
+    """Mean Δ over the certification seeds where all ran, else the screen seed's Δ."""
     cert = row.get("certificate")
     if cert and cert.get("mean") is not None:
         return float(cert["mean"])
@@ -42,7 +42,7 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
 def _plot(path: Path, summary: Mapping[str, Any]) -> bool:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    seed0 = summary["seeds"][0]
+    seed0 = summary["screen_seed"]
     rows = [r for r in summary["candidates"] if _quality(r, seed0) is not None]
     if not rows:
         return False
@@ -113,7 +113,7 @@ def write_search_report(out: str | os.PathLike, summary: Mapping[str, Any]) -> P
     """Write ``search.md`` (and ``pareto.png``) into ``out``; returns the markdown's path."""
     out = Path(out)
     plotted = _plot(out / "pareto.png", summary)
-    seeds, margin = summary["seeds"], summary["margin_db"]
+    seeds, margin, s0 = summary["seeds"], summary["margin_db"], summary["screen_seed"]
     ref = next(r for r in summary["candidates"] if r["candidate"] == summary["reference"])
     best = next(r for r in summary["candidates"] if r["candidate"] == summary["certified"])
     cost = summary["cost"]
@@ -144,15 +144,17 @@ def write_search_report(out: str | os.PathLike, summary: Mapping[str, Any]) -> P
             )
     lines += [
         "",
-        f"`{summary['reproduce']}` trains it with the search's protocol and seed {seeds[0]} "
+        f"`{summary['reproduce']}` trains it with the search's protocol and seed {s0} "
         f"(its config: `{summary['result_config']}`; `--config-dir` adds the search's "
         "`configs/` to mptex's, so `precision=` finds it).",
         "",
         f"Method: every candidate trains with this config's protocol; screens run one seed "
-        f"({seeds[0]}) and pass when |Δ| <= {summary['screen_db']} dB (Δ = PSNR − PSNR(f32), "
-        f"same seed); passing candidates cheaper than f32 are re-run over seeds {seeds}, "
+        f"({s0}) and pass when |Δ| <= {summary['screen_db']} dB (Δ = PSNR − PSNR(f32), "
+        f"same seed); passing candidates cheaper than f32 are run over seeds {seeds} (fresh "
+        f"seeds: the screen's, which chose them, would pull the interval towards 0), "
         f"cheapest first, and certified when the paired 95 % interval of Δ lies within "
-        f"±{margin} dB (a collapsed, diverged or failed run is never certified). Cost: "
+        f"±{margin} dB (a collapsed, diverged or failed run is never certified; each "
+        f"candidate tried is a test of its own). Cost: "
         f"{what} (model: one iteration of the texture on {cost['gpu_name']}, {cost['source']}, "
         f"{cost['points']} texture queries per iteration; its assumptions are in "
         "`mptex/search/cost.py` and the README).",
@@ -162,12 +164,12 @@ def write_search_report(out: str | os.PathLike, summary: Mapping[str, Any]) -> P
         lines += ["![cost vs quality](pareto.png)", ""]
     lines += [
         "| candidate | stage | µs / it | vs f32 | Δ seed "
-        f"{seeds[0]} [dB] | Δ mean [95 % CI] | verdict | certified | runs |",
+        f"{s0} [dB] | Δ mean [95 % CI] | verdict | certified | runs |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary["candidates"]:
         cert = row.get("certificate") or {}
-        d0 = row["delta_db"].get(str(seeds[0]))
+        d0 = row["delta_db"].get(str(s0))
         statuses = Counter(r["status"] for r in row["runs"].values())
         lines.append(
             f"| `{row['candidate']}` | {row['stage']} | {row['cost_s'] * 1e6:.1f} | "
@@ -178,12 +180,12 @@ def write_search_report(out: str | os.PathLike, summary: Mapping[str, Any]) -> P
             f"{', '.join(f'{n} {s}' for s, n in sorted(statuses.items()))} |"
         )
     better = [r["candidate"] for r in summary["candidates"]
-              if (r["delta_db"].get(str(seeds[0])) or 0.0) > summary["screen_db"]]  # fmt: skip
+              if (r["delta_db"].get(str(s0)) or 0.0) > summary["screen_db"]]  # fmt: skip
     if better:
         names = ", ".join(f"`{n}`" for n in better)
         lines += [
             "",
-            f"Above f32 by more than {summary['screen_db']} dB at seed {seeds[0]}: {names}. Not "
+            f"Above f32 by more than {summary['screen_db']} dB at seed {s0}: {names}. Not "
             "equivalent to f32, so never certified: a different function (e.g. tcnn's fused "
             "network has its own initialisation), not a precision effect; compare it as an arm "
             "of its own.",

@@ -154,12 +154,13 @@ def write_results(state: SearchState, certified: Candidate) -> dict[str, Any]:
 def summarise(state: SearchState, certified: Candidate) -> dict[str, Any]:
     """The ``search.json`` dict of a finished search whose answer is ``certified``."""
     settings, pool, seeds, ref = state.settings, state.pool, state.seeds, state.ref
+    s0 = state.screen_seed
     kept, model, stages, shape = state.kept, state.model, state.stages, state.shape
     rows = []
     by_name = {c.name: c for c in kept}
     for cname, stage in stages.items():
         c = by_name[cname]
-        runs = {s: pool.results[(cname, s)] for s in seeds if (cname, s) in pool.results}
+        runs = {s: pool.results[(cname, s)] for s in [s0, *seeds] if (cname, s) in pool.results}
         # A GPU time is the candidate's own only where its run had the device to itself (no
         # other run trained beside it): with several workers the runs share it.
         measured = [
@@ -170,7 +171,7 @@ def summarise(state: SearchState, certified: Candidate) -> dict[str, Any]:
             and r.get("ran_beside") == 0
         ]
         deltas = {s: state.delta(c, s) for s in runs}
-        cert = state.certificate(c) if len(runs) == len(seeds) else None
+        cert = state.certificate(c) if all(s in runs for s in seeds) else None
         rows.append(
             {
                 "candidate": cname,
@@ -181,8 +182,7 @@ def summarise(state: SearchState, certified: Candidate) -> dict[str, Any]:
                 "runs": {str(s): r for s, r in runs.items()},
                 "delta_db": {str(s): d for s, d in deltas.items()},
                 "screen_passed": (
-                    deltas.get(seeds[0]) is not None
-                    and abs(deltas[seeds[0]]) <= settings["screen_db"]
+                    deltas.get(s0) is not None and abs(deltas[s0]) <= settings["screen_db"]
                 ),
                 "certificate": cert,
             }
@@ -196,11 +196,12 @@ def summarise(state: SearchState, certified: Candidate) -> dict[str, Any]:
     return {
         "name": state.name,
         "scene": pool.base["scene"].get("name"),
-        "reproduce": _reproduce(state.name, seeds[0], state.result_path.parents[1]),
+        "reproduce": _reproduce(state.name, s0, state.result_path.parents[1]),
         "result_config": str(state.result_path),
         "certified": certified.name,
         "certified_is_reference": certified == ref,
         "reference": ref.name,
+        "screen_seed": s0,
         "seeds": seeds,
         "margin_db": settings["margin_db"],
         "screen_db": settings["screen_db"],
@@ -337,7 +338,7 @@ def write_result(path: Path, candidate: Candidate, summary: Mapping[str, Any]) -
         f"{summary['cost']['gpu_name']} (f32: {ref_row['model_s'] * 1e6:.1f} us); "
         "report: search.md in the search directory.",
         f"# PSNR per train.seed, this arm: {_psnrs(row)}; f32: {_psnrs(ref_row)} "
-        f"(scene {summary['scene']}). Reproduce seed {summary['seeds'][0]}:",
+        f"(scene {summary['scene']}). Reproduce seed {summary['screen_seed']}:",
         f"#   {summary['reproduce']}",
     ]
     body = yaml.safe_dump(candidate.policy_dict(summary["name"]), sort_keys=False)

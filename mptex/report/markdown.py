@@ -570,11 +570,12 @@ def render_report(
         f"±{margin_db:g} dB too. Each interval is {CONFIDENCE:.0%} for its own comparison, not "
         f"adjusted for the number of arms compared: of k arms that truly equal "
         f"`{REFERENCE_ARM}`, up to 1 − {CONFIDENCE:g}^k of sweeps show at least one `better` or "
-        "`worse` by chance (about 23 % at k = 5).",
+        f"`worse` by chance (about {1 - CONFIDENCE**5:.0%} at k = 5).",
         f"- The fastest arm at `{REFERENCE_ARM}`'s quality is chosen by mean ms / iteration "
         f"among `{REFERENCE_ARM}` and the arms whose interval's lower end is at or above "
-        f"−{margin_db:g} dB (at most {margin_db:g} dB worse, at 97.5 % one-sided confidence) "
-        "and whose every run completed (no diverged, collapsed or failed run).",
+        f"−{margin_db:g} dB (at most {margin_db:g} dB worse, at {(1 + CONFIDENCE) / 2:.1%} "
+        "one-sided confidence) and whose every run completed (no diverged, collapsed or failed "
+        "run).",
         "- ms / iter: median time per training iteration, averaged over seeds; speed-up > 1: "
         "faster than the reference.",
         f"- Peak memory: the largest over the row's runs ({', '.join(kinds) or 'unknown'}). "

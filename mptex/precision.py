@@ -551,16 +551,24 @@ def _non_finite_flag(tensors: Sequence[torch.Tensor], device: torch.device) -> t
 
     ``torch._amp_foreach_non_finite_check_and_unscale_`` with the factor 1.0: GradScaler's own
     check (one multi-tensor kernel per dtype on CUDA); ``x * 1.0`` is ``x`` bit for bit, so the
-    tensors are unchanged, and nothing is read on the host.
+    tensors are unchanged, and nothing is read on the host. CUDA's kernel takes float32,
+    float64 and float16 only (the CPU's takes bfloat16 too): other dtypes are checked on float32
+    copies, which hold every bfloat16 value, inf and NaN included.
     """
     found = torch.zeros(1, dtype=torch.float32, device=device)
     one = _one(device)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
-    for group in by_dtype.values():
+    for dtype, group in by_dtype.items():
+        if dtype not in _AMP_CHECK_DTYPES:
+            group = [t.float() for t in group]
         torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
     return found
+
+
+# The dtypes CUDA's non-finite check dispatches (AT_DISPATCH_FLOATING_TYPES_AND_HALF).
+_AMP_CHECK_DTYPES = (torch.float32, torch.float64, torch.float16)
 
 
 class PrecisionStepper:

@@ -371,6 +371,37 @@ def test_the_check_passes_bit_equal_gradients_and_names_a_difference():
     assert answers["logl1"].startswith("the eager gradients bit for bit on cpu: dL/dpred differs")
 
 
+@pytest.mark.parametrize(
+    "error, raised",
+    [("the kernel's compile failed", False), ("CUDA error: an illegal memory access", True)],
+)
+def test_the_check_names_a_kernel_failure_and_lets_a_device_fault_through(
+    monkeypatch, error, raised
+):
+    # A kernel that cannot compile or launch leaves the loss eager, with why; a fault on the
+    # device leaves its context unusable, so the eager loss would fail too: it is the run's
+    # error, raised where it happened.
+    import mptex.train.fused_loss as fused_loss
+
+    class Failing:
+        @staticmethod
+        def apply(*args):
+            raise RuntimeError(error)
+
+    monkeypatch.setattr(fused_loss, "_FusedMaskedLoss", Failing)
+    fused_loss.fused_loss_check.cache_clear()
+    try:
+        if raised:
+            with pytest.raises(RuntimeError, match="CUDA error"):
+                fused_loss.fused_loss_check("cpu", "l1")
+        else:
+            assert fused_loss.fused_loss_check("cpu", "l1") == (
+                f"kernels that run on cpu (they raised RuntimeError: {error})"
+            )
+    finally:
+        fused_loss.fused_loss_check.cache_clear()
+
+
 @pytest.mark.parametrize("setting", ["auto", "true"])
 def test_a_failed_check_keeps_the_loss_eager_or_stops_at_start(tmp_path, monkeypatch, setting):
     import mptex.train.loop as loop

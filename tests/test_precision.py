@@ -215,6 +215,29 @@ def test_dynamic_scale_grows_after_the_growth_interval():
     assert fresh.loss_scale == 256.0
 
 
+def test_the_finite_check_gives_cuda_only_the_dtypes_its_kernel_takes(monkeypatch):
+    # CUDA's _amp_foreach_non_finite_check_and_unscale_ dispatches float32, float64 and float16
+    # (its CPU kernel takes bfloat16 too): a policy with bfloat16 parameters and no float32
+    # masters must check them through float32 copies, and still see an inf among them.
+    original = torch._amp_foreach_non_finite_check_and_unscale_
+
+    def as_on_cuda(tensors, found, inv_scale):
+        for t in tensors:
+            if t.dtype not in (torch.float32, torch.float64, torch.float16):
+                raise NotImplementedError(f"not implemented for '{t.dtype}' (as on CUDA)")
+        return original(tensors, found, inv_scale)
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", as_on_cuda)
+    mlp, optimizer = _model_and_optimizer("bf16", master_weights=False, loss_scaling="none")
+    assert {p.dtype for p in mlp.parameters()} == {torch.bfloat16}
+    stepper = PrecisionStepper(mlp.policy, optimizer)
+    assert not stepper(_loss(mlp)).skipped
+    optimizer.zero_grad()
+    stepper.backward(_loss(mlp, seed=1))
+    mlp.layers[1].weight.grad[0, 0] = float("inf")
+    assert stepper.step().skipped
+
+
 def test_unscaled_arms_step_plainly():
     for arm in ("f32", "f16_naive", "bf16", "nvdiffrec"):
         mlp, optimizer = _model_and_optimizer(arm)

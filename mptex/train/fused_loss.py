@@ -205,7 +205,13 @@ def fused_loss_check(device: str, loss: str) -> str | None:
 
     try:
         eager, fused = gradients(False), gradients(True)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)  # a fault inside the kernels surfaces here
     except Exception as exc:  # the kernels' compile or launch on this machine
+        if "CUDA error" in str(exc):
+            # A fault on the device leaves its context unusable: the eager loss could not run
+            # either, so this is the run's error, not a reason to fall back.
+            raise
         raised = f"{type(exc).__name__}: {exc}".splitlines()[0]
         return f"kernels that run on {device} (they raised {raised})"
     for name, want, got in zip(("dL/dpred", "dL/dtex", "dL/dtex_jitter"), eager, fused,

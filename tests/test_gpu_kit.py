@@ -395,6 +395,34 @@ def test_the_kits_libdevice_stands_in_only_where_the_machine_has_none(tmp_path, 
     assert not os.environ["MPTEX_LIBDEVICE"]
 
 
+def test_the_fp8_stage_runs_on_the_cpu_with_torchs_scaled_mm_held_to_cudas_checks(
+    tmp_path, monkeypatch
+):
+    # The fp8 stage needs FP8 tensor cores, so the dry run skips it; here it runs with the
+    # device's FP8 capability assumed and torch._scaled_mm held to what its CUDA kernels check
+    # (layouts, K and N multiples of 16, alignment), so a shape or layout the GPU refuses fails
+    # on the CPU first.
+    from test_fp8 import _strict_scaled_mm
+
+    import mptex.fp8
+
+    calls = []
+    monkeypatch.setattr(mptex.fp8, "has_fp8_tensor_cores", lambda device, rowwise=False: True)
+    monkeypatch.setattr(torch, "_scaled_mm", _strict_scaled_mm(calls))
+    result = tmp_path / "fp8.json"
+    args = kit.parse_args(["--device", "cpu", "--stage", "fp8", "--result-file", str(result),
+                           "--deadline", str(kit.time.time() + 300)])  # fmt: skip
+    ctx = kit.StageContext(args, result, args.deadline)
+    kit.stage_fp8(ctx)
+    assert "failed_checks" not in ctx.result, ctx.result["failed_checks"]
+    titles = [t["title"] for t in ctx.result["tables"]]
+    assert len(titles) == 3 and titles[2].startswith("What a call costs the host")
+    rows = ctx.result["data"]["rows"] + ctx.result["data"]["rowwise"]
+    assert rows and all(r["ok"] for r in rows) and calls
+    for table in ctx.result["tables"]:
+        assert all(len(r) == len(table["headers"]) for r in table["rows"]), table["title"]
+
+
 def test_host_costs_run_every_block_on_the_cpu():
     # benchmarks/gpu/host_costs.py (the fp8 stage's last table, which needs FP8 tensor cores):
     # every block runs here too, so the probe cannot rot between GPU runs.

@@ -1039,6 +1039,30 @@ def test_runs_that_failed_at_start_stay_in_their_arms_row(tmp_path):
     assert rows["f32"]["failed"] == 2
 
 
+@pytest.mark.parametrize(
+    "launcher, shared",
+    [("hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher\n    n_jobs: 4", 4),
+     ("hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher\n    n_jobs: -1", 0),
+     ("hydra._internal.core_plugins.basic_launcher.BasicLauncher", 1),
+     ("hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher", 1)],
+)  # fmt: skip
+def test_runs_that_shared_the_machine_are_said_to_have_shared_it(tmp_path, launcher, shared):
+    # Four runs at a time on one GPU (the GPU main job): each run's ms / iteration holds its
+    # neighbours' work, which the speed columns and the fastest arm then compare.
+    (tmp_path / "multirun.yaml").write_text(f"hydra:\n  launcher:\n    _target_: {launcher}\n")
+    assert report.collect.concurrent_jobs(tmp_path) == shared
+    _three_seeds(tmp_path, "f32", [40.0, 41.0, 42.0], t=0.30)
+    _three_seeds(tmp_path, "bf16", [40.1, 40.9, 42.05], t=0.05)
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    line = next((x for x in text.splitlines() if x.startswith("- The runs trained")), None)
+    if shared == 1:
+        assert line is None
+    else:
+        at_once = "as many as the machine's cores" if shared == 0 else "up to 4"
+        assert line.startswith(f"- The runs trained {at_once} at a time on one machine")
+
+
 def test_a_sweep_stopped_before_all_its_jobs_ran_says_so(tmp_path):
     # multirun.yaml plans 2 arms x 3 seeds (one swept in hydra.sweeper.params, one on the
     # command line, which wins over params for the same key); two jobs ran before a stop.

@@ -40,6 +40,7 @@ __all__ = [
     "find_sweeps",
     "collect_runs",
     "planned_jobs",
+    "concurrent_jobs",
     "swept_keys",
     "shown_keys",
     "group_runs",
@@ -269,6 +270,28 @@ def planned_jobs(sweep_dir: str | os.PathLike) -> int | None:
     except Exception:  # an override this Hydra cannot parse: unknown, not a guess
         return None
     return math.prod(counts.values())
+
+
+def concurrent_jobs(sweep_dir: str | os.PathLike) -> int | None:
+    """How many of the sweep's jobs ran at a time on one machine, from its ``multirun.yaml``:
+    the joblib launcher's ``n_jobs`` (-1 or below: as many as the machine's cores, returned as
+    0), 1 for a launcher that runs jobs one after another on the machine (Hydra's basic one) or
+    each on an allocation of its own (submitit), None where the file is missing or unreadable
+    or names another launcher."""
+    config = _read_yaml(Path(sweep_dir) / "multirun.yaml")
+    hydra = config.get("hydra") if isinstance(config, Mapping) else None
+    launcher = hydra.get("launcher") if isinstance(hydra, Mapping) else None
+    if not isinstance(launcher, Mapping):
+        return None
+    target = str(launcher.get("_target_", ""))
+    if target.endswith("JoblibLauncher"):
+        n_jobs = launcher.get("n_jobs")
+        if isinstance(n_jobs, int) and not isinstance(n_jobs, bool):
+            return n_jobs if n_jobs > 0 else 0
+        return None
+    if target.endswith(("BasicLauncher", "SlurmLauncher")):
+        return 1
+    return None
 
 
 def _read_yaml(path: Path) -> Any:

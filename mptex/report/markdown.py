@@ -9,7 +9,13 @@ from typing import Any
 from mptex.collapse import PARTLY_STUCK_RULE
 from mptex.collapse import RULE as COLLAPSE_RULE
 from mptex.numbers import is_number
-from mptex.report.collect import REFERENCE_ARM, STATUSES, partial_keys, planned_jobs
+from mptex.report.collect import (
+    REFERENCE_ARM,
+    STATUSES,
+    concurrent_jobs,
+    partial_keys,
+    planned_jobs,
+)
 from mptex.report.stats import CONFIDENCE, at_reference_quality, fastest_at_reference_quality
 
 __all__ = ["render_report"]
@@ -191,8 +197,12 @@ def _epsilon_lines(compared: Sequence[Mapping[str, Any]], ref: Mapping[str, Any]
     return lines
 
 
-def _reading(rows: Sequence[Mapping[str, Any]], margin_db: float, on_cpu: bool) -> list[str]:
-    """The automatic reading of one section's table, as Markdown bullet lines."""
+def _reading(
+    rows: Sequence[Mapping[str, Any]], margin_db: float, on_cpu: bool, shared: int | None = 1
+) -> list[str]:
+    """The automatic reading of one section's table, as Markdown bullet lines; ``shared``: how
+    many runs trained at a time on one machine (:func:`~mptex.report.collect.concurrent_jobs`;
+    0: as many as its cores)."""
     lines = []
     compared = [r for r in rows if r["verdict"] is not None]
     refs = [r for r in rows if r["precision"] == REFERENCE_ARM and r["verdict"] is None]
@@ -220,8 +230,8 @@ def _reading(rows: Sequence[Mapping[str, Any]], margin_db: float, on_cpu: bool) 
         elif best is ref:
             lines.append(
                 f"- Fastest arm at `{REFERENCE_ARM}`'s quality: `{REFERENCE_ARM}` itself (no "
-                f"faster arm at most {margin_db:g} dB worse at {CONFIDENCE:.0%} confidence with "
-                "every run completed)."
+                f"faster arm whose {CONFIDENCE:.0%} interval's lower end is within "
+                f"{margin_db:g} dB of `{REFERENCE_ARM}` with every run completed)."
             )
         else:
             d = best["delta"]
@@ -246,6 +256,15 @@ def _reading(rows: Sequence[Mapping[str, Any]], margin_db: float, on_cpu: bool) 
             lines.append(
                 f"- Not at `{REFERENCE_ARM}`'s quality although the Δ of their completed runs is "
                 f"within {margin_db:g} dB: {items}. Runs an arm loses are part of its quality."
+            )
+        if best is not None and shared != 1 and shared is not None:
+            at_once = "as many as the machine's cores" if shared == 0 else f"up to {shared}"
+            lines.append(
+                f"- The runs trained {at_once} at a time on one machine (the joblib launcher's "
+                "`n_jobs`): each ms / iteration holds the work of the runs beside it, so the "
+                "speed columns and the fastest arm compare arms only as far as each ran beside "
+                "a similar mix. An arm's own speed needs its runs alone on the device "
+                "(`hydra.launcher.n_jobs=1`, or one job per allocation on Slurm)."
             )
         if best is not None and on_cpu:
             lines.append(
@@ -489,6 +508,7 @@ def render_report(
         lines += [f"- `{r['run_dir']}/metrics.json`: {r['error']}" for r in unreadable]
     lines.append("")
     on_cpu = any(r.get("device") == "cpu" for r in runs)
+    shared = concurrent_jobs(sweep_dir)
     key_columns = [k for k in shown if k != "precision.name"]
     header = ["arm", *(f"`{k}`" for k in key_columns), "seeds", "PSNR (dB)",
               f"Δ vs {REFERENCE_ARM} (dB) [{CONFIDENCE:.0%} CI]", "verdict",
@@ -526,7 +546,7 @@ def render_report(
             " / ".join(str(r[k]) for k in STATUSES),
         ] + ([_fmt(r.get("bake_psnr"), ".2f")] if baked else []) for r in section]  # fmt: skip
         lines += _table(header, table)
-        lines += ["", *_reading(section, margin_db, on_cpu),
+        lines += ["", *_reading(section, margin_db, on_cpu, shared),
                   *_identical(section, [groups[i] for i in indices]), ""]  # fmt: skip
         underflow_keys = sorted({k for r in section for k in r["underflow"] if _shown_underflow(k)})
         if underflow_keys:

@@ -45,7 +45,7 @@ import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from mptex.numbers import is_number
+from mptex.numbers import as_int, is_number
 
 __all__ = [
     "REQUIRED",
@@ -110,8 +110,9 @@ def plain(cfg: Any) -> Any:
 
 
 def is_int(value: Any) -> bool:
-    """An int, not a bool (YAML's ``true`` is no count)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An int or a numpy integer, not a bool (YAML's ``true`` is no count):
+    :func:`mptex.numbers.as_int` has a value for it."""
+    return as_int(value) is not None
 
 
 # ----------------------------------------------------------------------------- validators
@@ -196,6 +197,9 @@ class Integer(_InRange):
 
     def is_type(self, value: Any) -> bool:
         return is_int(value)
+
+    def convert(self, value: Any) -> int:
+        return int(value)  # a numpy integer becomes a Python int (JSON, Hydra, tcnn take it)
 
 
 class Number(_InRange):
@@ -391,14 +395,15 @@ SEED = Integer(0, 2**63 - 1, max_open=True, what="an integer in [0, 2**63 - 1)")
 GENERATOR_SEED = Integer(0, 2**64, max_open=True, what="an integer in [0, 2**64)")
 
 
-def check_seed(arg: str, value: Any, allow_none: bool = False) -> None:
-    """``ValueError`` naming ``arg`` unless ``value`` is a :data:`GENERATOR_SEED`, or None
-    where ``allow_none``."""
+def check_seed(arg: str, value: Any, allow_none: bool = False) -> int | None:
+    """``value`` as a Python int, or ``ValueError`` naming ``arg`` unless it is a
+    :data:`GENERATOR_SEED` (or None where ``allow_none``: returned as None)."""
     if value is None and allow_none:
-        return
+        return None
     if not GENERATOR_SEED.accepts(value):
         none = " or None" if allow_none else ""
         raise ValueError(f"{arg}: expected {GENERATOR_SEED.what}{none}, got {value!r}")
+    return int(value)
 
 
 # ----------------------------------------------------------------------------- schemas

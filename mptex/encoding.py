@@ -34,6 +34,7 @@ from mptex._grid_torch import (
 )
 from mptex._triton_launch import on_operand_device
 from mptex.config_schema import check_seed
+from mptex.numbers import as_int
 
 __all__ = ["HashGridEncoding", "hash_grid_encode", "GridGeometry"]
 
@@ -49,15 +50,12 @@ _MAX_RESOLUTION = 2**24
 
 
 def _check_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or value < minimum
-        or (maximum is not None and value > maximum)
-    ):
+    """``value`` as a Python int (a numpy integer taken), or ``ValueError`` naming ``name``."""
+    number = as_int(value)
+    if number is None or number < minimum or (maximum is not None and number > maximum):
         upper = f" and <= {maximum}" if maximum is not None else ""
         raise ValueError(f"{name} must be an integer >= {minimum}{upper}, got {value!r}")
-    return value
+    return number
 
 
 # tcnn's grid encodings (src/encoding.cu registers them; names compare case-insensitively) and
@@ -305,15 +303,16 @@ class HashGridEncoding(nn.Module):
         grid_type: str = "Hash",
         exp2: str = "auto",
     ) -> None:
-        _check_int("n_input_dims", n_input_dims, 2, 4)
-        _check_int("n_levels", n_levels, 1, 32)
-        check_seed("seed", seed, allow_none=True)
-        if isinstance(n_features_per_level, bool) or n_features_per_level not in (1, 2, 4, 8):
+        n_input_dims = _check_int("n_input_dims", n_input_dims, 2, 4)
+        n_levels = _check_int("n_levels", n_levels, 1, 32)
+        seed = check_seed("seed", seed, allow_none=True)
+        if as_int(n_features_per_level) not in (1, 2, 4, 8):
             raise ValueError(
                 f"n_features_per_level must be 1, 2, 4 or 8, got {n_features_per_level!r}"
             )
-        _check_int("log2_hashmap_size", log2_hashmap_size, 1, 30)
-        _check_int("base_resolution", base_resolution, 1, _MAX_RESOLUTION)
+        n_features_per_level = int(n_features_per_level)
+        log2_hashmap_size = _check_int("log2_hashmap_size", log2_hashmap_size, 1, 30)
+        base_resolution = _check_int("base_resolution", base_resolution, 1, _MAX_RESOLUTION)
         if (
             isinstance(per_level_scale, bool)
             or not isinstance(per_level_scale, Real)

@@ -369,6 +369,8 @@ class PrecisionMLP(nn.Module):
         ):
             if not is_int(value) or value < 1:
                 raise ValueError(f"{arg}: expected a positive integer, got {value!r}")
+        n_input_dims, n_output_dims = int(n_input_dims), int(n_output_dims)
+        n_hidden_layers, n_neurons = int(n_hidden_layers), int(n_neurons)
         if activation not in _ACTIVATIONS:
             raise ValueError(
                 f"activation: expected one of {sorted(_ACTIVATIONS)}, got {activation!r}"

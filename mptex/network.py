@@ -66,7 +66,7 @@ from mptex._fused_mlp_torch import (
     xavier_uniform_params,
 )
 from mptex._triton_launch import on_operand_device
-from mptex.config_schema import check_seed
+from mptex.config_schema import check_seed, is_int
 
 __all__ = [
     "FullyFusedMLP",
@@ -133,13 +133,14 @@ class FullyFusedMLP(nn.Module):
     ) -> None:
         super().__init__()
         for name, value in (("n_input_dims", n_input_dims), ("n_output_dims", n_output_dims)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        n_input_dims, n_output_dims = int(n_input_dims), int(n_output_dims)
         if not isinstance(network_config, Mapping):
             raise ValueError(
                 f"network_config: expected a mapping of tcnn network keys, got {network_config!r}"
             )
-        check_seed("seed", seed)
+        seed = check_seed("seed", seed)
         config = dict(network_config)
         unknown = sorted(set(config) - _CONFIG_KEYS)
         if unknown:
@@ -157,7 +158,7 @@ class FullyFusedMLP(nn.Module):
                 f"got {width!r}"
             )
         n_hidden = config.get("n_hidden_layers", 5)
-        if isinstance(n_hidden, bool) or not isinstance(n_hidden, int) or n_hidden < 1:
+        if not is_int(n_hidden) or n_hidden < 1:
             raise ValueError(
                 f"network_config.n_hidden_layers: expected an integer >= 1, got {n_hidden!r}"
             )

@@ -247,6 +247,7 @@ class MLPTexture3D(nn.Module):
                            ("hidden", hidden)):  # fmt: skip
             if not is_int(value) or value < 1:
                 raise ValueError(f"{arg}: expected a positive integer, got {value!r}")
+        channels, internal_dims, hidden = int(channels), int(internal_dims), int(hidden)
         self.policy = PrecisionPolicy.from_config(plain(precision))
         self.policy.check_available()
         self.channels = channels

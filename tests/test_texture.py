@@ -154,6 +154,32 @@ def test_bounds_on_another_device_move_to_the_textures():
     assert texture.cuda().AABB.device.type == "cuda"
 
 
+
+def test_numpy_integers_are_sizes_and_seeds_and_become_python_ints():
+    # A size or seed from np.arange or an array is an integer (stored as a Python int: JSON,
+    # Hydra and tinycudann's config take it); a bool or a whole float still is not.
+    import json
+
+    from mptex.network import FullyFusedMLP
+    from mptex.train.monitor import PrecisionMonitor
+
+    texture = MLPTexture3D(AABB, channels=np.int64(3), internal_dims=np.int32(16),
+                           hidden=np.int64(2), encoder=SMALL)  # fmt: skip
+    assert type(texture.channels) is int and type(texture.internal_dims) is int
+    assert texture.sample(torch.rand(4, 3)).shape == (4, 3)
+    grid = HashGridEncoding(np.int64(3), n_levels=np.int64(2), n_features_per_level=np.int64(2),
+                            log2_hashmap_size=np.int64(8), seed=np.uint8(7))  # fmt: skip
+    assert grid.n_output_dims == 4 and type(grid.n_output_dims) is int
+    net = FullyFusedMLP(np.int64(4), np.int64(3),
+                        {"n_neurons": np.int64(16), "n_hidden_layers": np.int64(1)},
+                        seed=np.int64(5))  # fmt: skip
+    assert json.loads(json.dumps(net.network_config))["n_hidden_layers"] == 1
+    assert type(net.seed) is int
+    assert PrecisionMonitor(texture, every=np.int64(10)).every == 10
+    for bad in (True, np.bool_(True), 16.0):
+        with pytest.raises(ValueError, match="internal_dims: expected a positive integer"):
+            MLPTexture3D(AABB, internal_dims=bad, encoder=SMALL)
+
 def test_aabb_of_a_vertex_parameter_does_not_train_the_vertices():
     # nvdiffrec's DLMesh holds v_pos as a Parameter and its mesh.aabb() is a (min, max) tuple
     # computed from it: the texture must take the values, not the autograd graph.

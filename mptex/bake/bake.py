@@ -36,6 +36,7 @@ from typing import Any, Literal
 import torch
 
 from mptex._backends import available_bytes
+from mptex.numbers import as_int
 from mptex.render.mesh import Mesh
 from mptex.render.rasterize import Backend, interpolate, rasterize
 from mptex.texture import MLPTexture3D
@@ -124,8 +125,9 @@ def check_bake_memory(resolution: int, channels: int, device: torch.device | str
         ValueError: ``"resolution: ..."`` when N is out of range or the estimate exceeds the
             available memory (``MemAvailable`` on Linux, ``cudaMemGetInfo`` on CUDA).
     """
-    if isinstance(resolution, bool) or not isinstance(resolution, int) or resolution < 2:
+    if as_int(resolution) is None or resolution < 2:
         raise ValueError(f"resolution: expected an integer >= 2, received {resolution!r}")
+    resolution = int(resolution)
     if resolution > MAX_RESOLUTION:
         raise ValueError(
             f"resolution: expected at most {MAX_RESOLUTION} (int32 texel indices), "
@@ -432,8 +434,9 @@ def dilate(
     ):
         got = (list(mask.shape), mask.dtype) if isinstance(mask, torch.Tensor) else type(mask)
         raise ValueError(f"mask: expected [H, W] bool matching image, received {got}")
-    if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
+    if as_int(padding) is None or padding < 0:
         raise ValueError(f"padding: expected an integer >= 0, received {padding!r}")
+    padding = int(padding)
     height, width, channels = image.shape
     flat_index = torch.arange(height * width, device=image.device, dtype=torch.int32)
     own = torch.where(mask.reshape(-1), flat_index, -1).view(height, width)
@@ -550,10 +553,11 @@ def bake_texture(
 
     if not isinstance(texture, MLPTexture3D):
         raise ValueError(f"texture: expected an MLPTexture3D, received {type(texture).__name__}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    if as_int(chunk_size) is None or chunk_size < 1:
         raise ValueError(f"chunk_size: expected an integer >= 1, received {chunk_size!r}")
-    if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
+    if as_int(padding) is None or padding < 0:
         raise ValueError(f"padding: expected an integer >= 0, received {padding!r}")
+    chunk_size, padding = int(chunk_size), int(padding)
     if mesh.t_pos_idx.numel() == 0:
         raise ValueError("mesh: expected at least one triangle")
     device = texture.AABB.device

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from mptex.host import to_host
+from mptex.numbers import as_int
 from mptex.precision import StepResult
 from mptex.texture import MLPTexture3D
 from mptex.train.saturation import SATURATION_LOGIT, saturated_counts
@@ -272,9 +273,9 @@ class PrecisionMonitor:
     def __init__(self, texture: MLPTexture3D, every: int = 50):
         if not isinstance(texture, MLPTexture3D):
             raise ValueError(f"texture: expected an MLPTexture3D, got {type(texture).__name__}")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        if as_int(every) is None or every < 1:
             raise ValueError(f"every: expected a positive integer, got {every!r}")
-        self.texture, self.every = texture, every
+        self.texture, self.every = texture, int(every)
         self._armed = False
         self._iteration: int | None = None
         self._acc: dict[str, torch.Tensor] = {}

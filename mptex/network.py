@@ -67,6 +67,7 @@ from mptex._fused_mlp_torch import (
 )
 from mptex._triton_launch import on_operand_device
 from mptex.config_schema import check_seed, is_int
+from mptex.numbers import as_int
 
 __all__ = [
     "FullyFusedMLP",
@@ -152,7 +153,7 @@ class FullyFusedMLP(nn.Module):
         if otype.lower() not in ("fullyfusedmlp", "megakernelmlp"):
             raise ValueError(f"network_config.otype: expected 'FullyFusedMLP', got {otype!r}")
         width = config.get("n_neurons", 128)
-        if width not in FUSED_WIDTHS:
+        if as_int(width) not in FUSED_WIDTHS:
             raise ValueError(
                 f"network_config.n_neurons: FullyFusedMLP supports {FUSED_WIDTHS} neurons, "
                 f"got {width!r}"

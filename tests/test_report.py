@@ -131,6 +131,9 @@ def test_printed_bounds_keep_what_the_exact_ones_say_about_zero_and_the_margin()
     assert _interval_text({"mean": -0.2, "low": -0.5004, "high": 0.1}, 0.5)[1] == "-0.5004"
     assert _interval_text({"mean": -2.1667, "low": -2.88, "high": -1.45}, 0.5) == (
         "-2.17", "-2.88", "-1.45")  # fmt: skip
+    # Beyond six digits: the shortest text that reads back as the value.
+    assert _interval_text({"mean": 0.1, "low": 1e-9, "high": 0.2}, 0.5)[1] == "+1e-09"
+    assert _interval_text({"mean": -0.2, "low": -0.5000001, "high": 0.1}, 0.5)[1] == "-0.5000001"
 
 
 @pytest.mark.parametrize(
@@ -317,10 +320,24 @@ def test_a_train_key_only_some_runs_have_is_named(tmp_path):
     write_report(tmp_path)
     text = (tmp_path / "report.md").read_text()
     assert ("**Config keys some runs lack** (runs of another mptex version, or a hand-made "
-            "config): `train.adam_eps` (3 of 6: `1e-15`).") in text  # fmt: skip
+            "config):\n- `train.adam_eps` (3 of 6: `1e-15`): one value among the runs that have "
+            "it, so it splits no rows") in text  # fmt: skip
     from mptex.report.collect import partial_keys
 
     assert partial_keys(collect_runs(tmp_path)) == {"train.adam_eps": [1e-15]}
+
+
+def test_a_train_key_some_runs_lack_with_several_values_is_swept(tmp_path):
+    for seed in range(3):
+        _write(tmp_path, f"f32_{seed}", _metrics("f32", seed, psnr=40.0 + seed))
+        for eps in (1e-15, 1e-8):
+            config = {"train.adam_eps": eps}
+            _write(tmp_path, f"bf16_{eps}_{seed}",
+                   _metrics("bf16", seed, psnr=40.1 + seed, config=config))  # fmt: skip
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert ("- `train.adam_eps` (6 of 9: `1e-08`, `1e-15`): swept among the runs that have it; "
+            "the runs without it are compared only among themselves") in text  # fmt: skip
 
 
 def test_zero_spread_is_named(tmp_path):
@@ -351,6 +368,30 @@ def test_a_precision_key_swept_over_f32_pairs_each_arm_with_its_setting(tmp_path
     text = (tmp_path / "report.md").read_text()
     assert ("- Not compared (no `f32` row with the same settings to pair with): `f16_static "
             "precision.static_loss_scale=256`.") in text  # fmt: skip
+    # The reading has a headline per reference row, each over the rows paired with it.
+    for scale in (64, 1024):
+        assert (f"- Fastest arm at `f32 precision.static_loss_scale={scale}`'s quality:"
+                in text)  # fmt: skip
+    assert "Worse than `f32`: `f16_static precision.static_loss_scale=1024`" in text
+
+
+def test_a_reference_row_that_did_not_complete_leaves_the_others_judged(tmp_path):
+    # f32 at one setting diverged on every seed; the rows of the other setting are still read.
+    for scale, f32_status in ((64, "completed"), (1024, "diverged")):
+        for seed in range(3):
+            config = {"precision.static_loss_scale": scale}
+            _write(tmp_path, f"f32_{scale}_{seed}",
+                   _metrics("f32", seed, psnr=40.0 + seed, status=f32_status,
+                            config={**config, "precision.loss_scaling": "none"}))  # fmt: skip
+            _write(tmp_path, f"f16_{scale}_{seed}",
+                   _metrics("f16_static", seed, psnr=39.9 + seed + 0.01 * seed,
+                            config={**config, "precision.loss_scaling": "static"}))  # fmt: skip
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert ("- No completed `f32 precision.static_loss_scale=1024` run: no arm can be compared "
+            "with it.") in text  # fmt: skip
+    assert "- Fastest arm at `f32 precision.static_loss_scale=64`'s quality:" in text
+    assert "Worse than `f32`: `f16_static precision.static_loss_scale=64`" in text
 
 
 def test_one_seed_cannot_judge(tmp_path):
@@ -452,6 +493,20 @@ def test_a_completed_duplicate_is_counted_before_a_failed_one_and_job_numbers_by
     assert ("- `attempt1/1_f32` (failed): same as `attempt2/1_f32` (completed, PSNR 40.00 dB)"
             in text)  # fmt: skip
     assert "- `attempt2/12_bf16` (completed, PSNR 28.00 dB): same as `attempt2/5_bf16`" in text
+
+
+def test_a_rerun_does_not_replace_a_diverged_result(tmp_path):
+    # Divergence is the arm's result: re-running the seed until it completes must not hide it.
+    for seed in range(3):
+        _write(tmp_path, f"1/f32_{seed}", _metrics("f32", seed, psnr=40.0 + seed))
+        status = "diverged" if seed == 2 else "completed"
+        _write(tmp_path, f"1/bf16_{seed}", _metrics("bf16", seed, psnr=40.0 + seed, status=status))
+    _write(tmp_path, "2/bf16_2", _metrics("bf16", 2, psnr=42.0))  # the re-run
+    rows = _rows(tmp_path)
+    assert rows[("bf16",)]["diverged"] == 1 and rows[("bf16",)]["completed"] == 2
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert "- `2/bf16_2` (completed, PSNR 42.00 dB): same as `1/bf16_2` (diverged)" in text
 
 
 def test_a_folder_of_two_sweeps_is_reported_per_sweep(tmp_path, capsys):

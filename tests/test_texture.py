@@ -176,6 +176,8 @@ def test_numpy_integers_are_sizes_and_seeds_and_become_python_ints():
     assert json.loads(json.dumps(net.network_config))["n_hidden_layers"] == 1
     assert type(net.seed) is int
     assert PrecisionMonitor(texture, every=np.int64(10)).every == 10
+    with pytest.raises(ValueError, match="network_config.n_neurons"):  # 64.0 is no width
+        FullyFusedMLP(4, 3, {"n_neurons": 64.0})
     for bad in (True, np.bool_(True), 16.0):
         with pytest.raises(ValueError, match="internal_dims: expected a positive integer"):
             MLPTexture3D(AABB, internal_dims=bad, encoder=SMALL)

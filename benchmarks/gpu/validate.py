@@ -87,7 +87,7 @@ class Stage:
     needs: tuple[str, ...] = ()
 
 
-# In order of value: a short session on a GPU runs the first ones. ``mainjob`` (the main job's
+# In order of value: with little GPU time, the first ones run. ``mainjob`` (the main job's
 # target is 10 minutes) is not in the default run; it runs in a call of its own, whose box must
 # fit the machine's limit on one command: ``--stages mainjob --budget-s 560`` (docs/gpu.md).
 # ``arms`` (the loop's speed targets) comes before ``profile`` (what explains them).
@@ -1413,6 +1413,7 @@ def drive(args: argparse.Namespace) -> int:
         # In --out while the stage runs (its tables as it makes them): if the whole command is
         # stopped from outside, what the stage measured so far is still there.
         result_file = out / f"running-{stage.name}.json"
+        result_file.unlink(missing_ok=True)  # one a command stopped earlier left behind
         cmd = [
             sys.executable,
             str(Path(__file__).resolve()),

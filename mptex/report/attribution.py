@@ -68,12 +68,13 @@ def _within_arm_keys(runs: Sequence[Mapping[str, Any]]) -> set[str]:
     for run in runs:
         for key, value in (run.get("keys") or {}).items():
             if key.startswith("precision.") and key != "precision.name":
-                values.setdefault((str(run.get("precision")), key), set()).add(str(value))
+                values.setdefault((str(run.get("precision")), key), set()).add(repr(value))
     return {key for (_, key), seen in values.items() if len(seen) > 1}
 
 
 def _key_of(run: Mapping[str, Any], within: set[str]) -> tuple:
-    return tuple(sorted((k, str(v)) for k, v in (run.get("keys") or {}).items()
+    # repr, not str: 0.01 and "0.01" (a hand-made config) are rows apart, so contexts apart.
+    return tuple(sorted((k, repr(v)) for k, v in (run.get("keys") or {}).items()
                         if not k.startswith("precision.") or k in within))  # fmt: skip
 
 

@@ -482,8 +482,9 @@ _PROTOCOL_GROUPS = ("train.", "texture.")
 def partial_keys(runs: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
     """Keys of the ``train`` and ``texture`` groups that some runs' configs have and others lack
     (runs of another mptex version, a hand-made config): key -> the distinct values of the runs
-    that have it. Only values present are compared (:func:`swept_keys`), so such a key never
-    splits rows: the runs without it are compared with the others as if they agreed."""
+    that have it. With one value such a key splits no rows (:func:`swept_keys` compares the
+    values present), so the runs without it are compared with the others as if they agreed;
+    with several, it is swept and the runs without it are compared only among themselves."""
     configs = [r["config"] for r in runs if r.get("config") is not None]
     present: dict[str, list[Any]] = {}
     for config in configs:
@@ -519,7 +520,7 @@ def shown_keys(runs: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> list[s
 
 def _natural_key(text: str) -> list[Any]:
     """``text`` split into text and numbers, the numbers compared as numbers."""
-    return [(0, int(part)) if part.isdigit() else (1, part)
+    return [(0, int(part)) if part.isdecimal() else (1, part)
             for part in re.split(r"(\d+)", text) if part]  # fmt: skip
 
 
@@ -531,9 +532,11 @@ def group_runs(
     Returns:
         ``(keys, groups, duplicates, unidentified)``: the swept keys; one list of runs per
         distinct combination of their values (in arm order); the runs not counted because
-        another run has the same values and seed (each gets ``duplicate_of``): of such runs a
-        completed one is counted before one that is not, then the first by ``run_dir`` with the
-        numbers in it compared as numbers (Hydra's job ``5_...`` before ``12_...``);
+        another run has the same values and seed (each gets ``duplicate_of``): of such runs one
+        that ran is counted before one that failed to run (``failed``, ``unavailable``: a crash
+        or a missing library says nothing about the arm), then the first by ``run_dir`` with the
+        numbers in it compared as numbers (Hydra's job ``5_...`` before ``12_...``). A diverged
+        or collapsed run is a result: a later re-run of its seed does not replace it;
         and the runs without any readable config (unreadable metrics.json and no ``.hydra``),
         which belong to no row and are listed by path.
     """
@@ -543,7 +546,7 @@ def group_runs(
     groups: dict[tuple, list[dict[str, Any]]] = {}
     seen: dict[tuple, dict[str, Any]] = {}
     duplicates = []
-    for run in sorted(identified, key=lambda r: (r["status"] != "completed",
+    for run in sorted(identified, key=lambda r: (r["status"] in ("failed", "unavailable"),
                                                  _natural_key(r["run_dir"]))):  # fmt: skip
         row = tuple(_hashable(run["config"].get(k)) for k in keys)
         run["keys"] = {k: run["config"].get(k) for k in keys}

@@ -49,7 +49,8 @@ def _psnr(row: Mapping[str, Any]) -> str:
 def _interval_text(delta: Mapping[str, Any], margin_db: float) -> tuple[str, str, str]:
     """Mean, low and high as printed: two decimals, or as many more (up to six) as it takes for
     the printed bounds to say what the exact ones say about 0 and ±``margin_db`` (a low of
-    0.004 printed +0.00 would read as touching 0 under a verdict of ``better``)."""
+    0.004 printed +0.00 would read as touching 0 under a verdict of ``better``); beyond six,
+    the shortest text that reads back as the exact values."""
     low, high = delta["low"], delta["high"]
 
     def facts(lo: float, hi: float) -> tuple[bool, ...]:
@@ -58,8 +59,8 @@ def _interval_text(delta: Mapping[str, Any], margin_db: float) -> tuple[str, str
     for digits in range(2, 7):
         text = [format(v, f"+.{digits}f") for v in (delta["mean"], low, high)]
         if facts(float(text[1]), float(text[2])) == facts(low, high):
-            break
-    return text[0], text[1], text[2]
+            return text[0], text[1], text[2]
+    return format(delta["mean"], "+.6f"), format(low, "+"), format(high, "+")
 
 
 def _delta(row: Mapping[str, Any], margin_db: float) -> str:
@@ -197,67 +198,94 @@ def _epsilon_lines(compared: Sequence[Mapping[str, Any]], ref: Mapping[str, Any]
     return lines
 
 
+def _headline(
+    ref: Mapping[str, Any], mine: Sequence[Mapping[str, Any]], ref_name: str, margin_db: float,
+    after: str,
+) -> tuple[list[str], bool, bool]:  # fmt: skip
+    """The reading's lines about one reference row and the rows compared with it (``mine``):
+    ``(lines, judged, timed)``: whether the rows could be judged against it (a completed
+    reference, some row with two pairs), and whether a fastest arm was named by speed."""
+    if ref["psnr_mean"] is None:
+        collapsed = " (collapsed runs are not compared)" if ref["collapsed"] else ""
+        return ([f"- No completed {ref_name} run{collapsed}: no arm can be compared with it."],
+                False, False)  # fmt: skip
+    if any(r["verdict"] == "cannot judge" for r in mine) and not any(
+        r["delta"]["n"] >= 2 for r in mine
+    ):
+        n = max(r["delta"]["n"] for r in mine)
+        return ([
+            f"- Cannot judge any arm against {ref_name}: {n} paired seed{'s' * (n != 1)}{after} "
+            "per arm, and a confidence interval needs at least 2 (run 3 or more, e.g. "
+            "`train.seed=0,1,2`). The Δ column is a single difference, not a result."
+        ], False, False)  # fmt: skip
+    lines = []
+    best = fastest_at_reference_quality(mine, ref, margin_db)
+    if best is None:
+        lines.append(f"- No timings: the fastest arm at {ref_name}'s quality is undefined.")
+    elif best is ref:
+        lines.append(
+            f"- Fastest arm at {ref_name}'s quality: {ref_name} itself (no faster arm whose "
+            f"{CONFIDENCE:.0%} interval's lower end is within {margin_db:g} dB of {ref_name} "
+            "with every run completed)."
+        )
+    else:
+        d = best["delta"]
+        mean, low, high = _interval_text(d, margin_db)
+        lines.append(
+            f"- Fastest arm at {ref_name}'s quality: **{_name(best)}** "
+            f"({_verdict(best, margin_db)}: Δ {mean} dB, {CONFIDENCE:.0%} CI [{low}, {high}] "
+            f"over {d['n']} seeds; {_fmt(best['time_per_iter_s'] * 1e3, '.1f')} ms/iteration, "
+            f"{_fmt(best['speedup'], '.2f')}x {ref_name}'s speed, a ratio of mean times)."
+        )
+    lost = [
+        r
+        for r in mine
+        if r["delta"]["low"] is not None
+        and r["delta"]["low"] >= -margin_db
+        and not at_reference_quality(r, margin_db)
+    ]
+    if lost:
+        items = ", ".join(f"{_name(r)} ({_lost_runs(r)} of {r['n_runs']} runs)" for r in lost)
+        lines.append(
+            f"- Not at {ref_name}'s quality although the Δ of their completed runs is within "
+            f"{margin_db:g} dB: {items}. Runs an arm loses are part of its quality."
+        )
+    return lines, True, best is not None
+
+
 def _reading(
-    rows: Sequence[Mapping[str, Any]], margin_db: float, on_cpu: bool, shared: int | None = 1
+    rows: Sequence[Mapping[str, Any]],
+    margin_db: float,
+    on_cpu: bool,
+    shared: int | None = 1,
+    all_rows: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[str]:
     """The automatic reading of one section's table, as Markdown bullet lines; ``shared``: how
     many runs trained at a time on one machine (:func:`~mptex.report.collect.concurrent_jobs`;
-    0: as many as its cores)."""
+    0: as many as its cores); ``all_rows``: the report's rows, which the rows' ``reference``
+    indices point into (default ``rows``). A section with several reference rows (a
+    ``precision.*`` key swept over f32 too) gets a headline per reference row."""
+    all_rows = rows if all_rows is None else all_rows
     lines = []
     compared = [r for r in rows if r["verdict"] is not None]
     refs = [r for r in rows if r["precision"] == REFERENCE_ARM and r["verdict"] is None]
     # Collapses leave runs out of the pairs; the sentences that count pairs say so.
     after = " left by the collapses" if any(r.get("excluded") for r in rows) else ""
-    if not refs or refs[0]["psnr_mean"] is None:
-        collapsed = " (collapsed runs are not compared)" if refs and refs[0]["collapsed"] else ""
-        lines.append(f"- No completed `{REFERENCE_ARM}` run{collapsed}: no arm can be compared "
-                     "with it.")  # fmt: skip
-    elif any(r["verdict"] == "cannot judge" for r in compared) and not any(
-        r["delta"]["n"] >= 2 for r in compared
-    ):
-        n = max(r["delta"]["n"] for r in compared)
-        lines.append(
-            f"- Cannot judge any arm against `{REFERENCE_ARM}`: {n} paired seed"
-            f"{'s' * (n != 1)}{after} per arm, and a confidence interval needs at least 2 (run 3 "
-            "or more, e.g. `train.seed=0,1,2`). The Δ column is a single difference, not a "
-            "result."
-        )
-    else:
-        ref = refs[0]
-        best = fastest_at_reference_quality(compared, ref, margin_db)
-        if best is None:
-            lines.append("- No timings: the fastest arm at f32's quality is undefined.")
-        elif best is ref:
-            lines.append(
-                f"- Fastest arm at `{REFERENCE_ARM}`'s quality: `{REFERENCE_ARM}` itself (no "
-                f"faster arm whose {CONFIDENCE:.0%} interval's lower end is within "
-                f"{margin_db:g} dB of `{REFERENCE_ARM}` with every run completed)."
-            )
-        else:
-            d = best["delta"]
-            mean, low, high = _interval_text(d, margin_db)
-            lines.append(
-                f"- Fastest arm at `{REFERENCE_ARM}`'s quality: **{_name(best)}** "
-                f"({_verdict(best, margin_db)}: Δ {mean} dB, {CONFIDENCE:.0%} CI "
-                f"[{low}, {high}] over {d['n']} seeds; "
-                f"{_fmt(best['time_per_iter_s'] * 1e3, '.1f')} ms/iteration, "
-                f"{_fmt(best['speedup'], '.2f')}x `{REFERENCE_ARM}`'s speed, a ratio of mean "
-                "times)."
-            )
-        lost = [
-            r
-            for r in compared
-            if r["delta"]["low"] is not None
-            and r["delta"]["low"] >= -margin_db
-            and not at_reference_quality(r, margin_db)
-        ]
-        if lost:
-            items = ", ".join(f"{_name(r)} ({_lost_runs(r)} of {r['n_runs']} runs)" for r in lost)
-            lines.append(
-                f"- Not at `{REFERENCE_ARM}`'s quality although the Δ of their completed runs is "
-                f"within {margin_db:g} dB: {items}. Runs an arm loses are part of its quality."
-            )
-        if best is not None and shared != 1 and shared is not None:
+    if not refs:
+        lines.append(f"- No completed `{REFERENCE_ARM}` run: no arm can be compared with it.")
+    judged_refs, timed = [], False
+    for ref in refs:
+        mine = [r for r in compared if r["reference"] is not None
+                and all_rows[r["reference"]] is ref]  # fmt: skip
+        ref_name = _name(ref) if len(refs) > 1 else f"`{REFERENCE_ARM}`"
+        ref_lines, judged, named = _headline(ref, mine, ref_name, margin_db, after)
+        lines += ref_lines
+        timed = timed or named
+        if judged:
+            judged_refs.append((ref, mine))
+    if judged_refs:
+        compared = [r for _, mine in judged_refs for r in mine]
+        if timed and shared != 1 and shared is not None:
             at_once = "as many as the machine's cores" if shared == 0 else f"up to {shared}"
             lines.append(
                 f"- The runs trained {at_once} at a time on one machine (the joblib launcher's "
@@ -266,7 +294,7 @@ def _reading(
                 "a similar mix. An arm's own speed needs its runs alone on the device "
                 "(`hydra.launcher.n_jobs=1`, or one job per allocation on Slurm)."
             )
-        if best is not None and on_cpu:
+        if timed and on_cpu:
             lines.append(
                 "- Speed here was measured on a CPU, where f16 and bf16 math is emulated or "
                 "runs on vector units (AVX-512 FP16/BF16 where the CPU has them), not on tensor "
@@ -301,7 +329,8 @@ def _reading(
                 "has no width; check that `train.seed` varies these runs (runs that ignore the "
                 "seed, or a setting given to one arm's runs only, give such differences)."
             )
-        lines += _epsilon_lines(compared, ref)
+        for ref, mine in judged_refs:
+            lines += _epsilon_lines(mine, ref)
     unmatched = [r for r in rows if r["verdict"] is None and r["precision"] != REFERENCE_ARM]
     if unmatched and refs:
         lines.append(
@@ -473,15 +502,26 @@ def render_report(
     partial = partial_keys(runs)
     if partial:
         n = sum(r.get("config") is not None for r in runs)
-        items = "; ".join(
-            f"`{k}` ({sum(k in (r.get('config') or {}) for r in runs)} of {n}: "
-            f"{', '.join(f'`{v}`' for v in values)})"
-            for k, values in partial.items()
-        )
-        lines += ["", f"**Config keys some runs lack** (runs of another mptex version, or a "
-                  f"hand-made config): {items}. Only values present are compared, so the runs "
-                  "without a key are compared with the others as if they agreed: check that "
-                  "they do."]  # fmt: skip
+
+        def items(keys):
+            return "; ".join(
+                f"`{k}` ({sum(k in (r.get('config') or {}) for r in runs)} of {n}: "
+                f"{', '.join(f'`{v}`' for v in partial[k])})"
+                for k in keys
+            )
+
+        one = [k for k, values in partial.items() if len(values) == 1]
+        several = [k for k, values in partial.items() if len(values) > 1]
+        lines += ["", "**Config keys some runs lack** (runs of another mptex version, or a "
+                  "hand-made config):"]  # fmt: skip
+        if one:
+            lines.append(f"- {items(one)}: one value among the runs that have it, so it splits "
+                         "no rows, and the runs without it are compared with the others as if "
+                         "they agreed: check that they do.")  # fmt: skip
+        if several:
+            lines.append(f"- {items(several)}: swept among the runs that have it; the runs "
+                         "without it are compared only among themselves (their value shown as "
+                         "`None` or `–`).")  # fmt: skip
     planned = planned_jobs(sweep_dir)
     if planned is not None and planned > len(runs):
         lines += ["", f"**Incomplete sweep**: {planned - len(runs)} of the {planned} jobs its "
@@ -492,8 +532,9 @@ def render_report(
                   "exist."]  # fmt: skip
     if duplicates:
         lines += ["", f"Not counted ({len(duplicates)} runs repeat the config and seed of "
-                  "another run; a completed run is counted before one that is not, then the "
-                  "first by directory name):"]  # fmt: skip
+                  "another run; a run that ran is counted before one that failed to run, then "
+                  "the first by directory name: a re-run does not replace a diverged or "
+                  "collapsed result):"]  # fmt: skip
         counted = {r["run_dir"]: r for r in runs}
         for run in duplicates:
             kept = counted.get(run["duplicate_of"], {})
@@ -546,7 +587,7 @@ def render_report(
             " / ".join(str(r[k]) for k in STATUSES),
         ] + ([_fmt(r.get("bake_psnr"), ".2f")] if baked else []) for r in section]  # fmt: skip
         lines += _table(header, table)
-        lines += ["", *_reading(section, margin_db, on_cpu, shared),
+        lines += ["", *_reading(section, margin_db, on_cpu, shared, rows),
                   *_identical(section, [groups[i] for i in indices]), ""]  # fmt: skip
         underflow_keys = sorted({k for r in section for k in r["underflow"] if _shown_underflow(k)})
         if underflow_keys:

@@ -173,6 +173,20 @@ def kd_smoothness(
     return per_point.sum() / pixels
 
 
+def _device_fault(device: str, exc: Exception) -> bool:
+    """Whether ``exc`` came with a fault of ``device`` itself (torch's "CUDA error: ...",
+    Triton's "Triton Error [CUDA]: ..."), or the device can no longer synchronise after it."""
+    if "CUDA error" in str(exc) or "Error [CUDA]" in str(exc):
+        return True
+    if torch.device(device).type != "cuda":
+        return False
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:  # the context is broken: whatever raised first, it is a device fault
+        return True
+    return False
+
+
 @functools.cache
 def fused_loss_check(device: str, loss: str) -> str | None:
     """Both terms of the loss for ``loss`` eager and fused on ``device``, once, on a small batch
@@ -208,7 +222,7 @@ def fused_loss_check(device: str, loss: str) -> str | None:
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)  # a fault inside the kernels surfaces here
     except Exception as exc:  # the kernels' compile or launch on this machine
-        if "CUDA error" in str(exc):
+        if _device_fault(device, exc):
             # A fault on the device leaves its context unusable: the eager loss could not run
             # either, so this is the run's error, not a reason to fall back.
             raise

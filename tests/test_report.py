@@ -764,7 +764,7 @@ def test_nvdiffrec154_is_computed_per_scene_never_pooled(tmp_path):
 
 def test_nvdiffrec154_pairs_runs_of_a_precision_key_swept_within_the_arms(tmp_path):
     # Both arms at precision.static_loss_scale 64 and 128: each setting is its own section,
-    # where the runs of one setting used to overwrite the other's.
+    # and the runs of one setting never stand in for the other's.
     for scale, gap in ((64, 3.0), (128, 0.0)):
         for seed in range(3):
             for arm, psnr in (("nvdiffrec", 30.0 + seed),

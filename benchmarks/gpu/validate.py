@@ -20,6 +20,16 @@ loss           the training loss's image term in its Triton kernels vs eager tor
 golden         recapture the golden tensors of tinycudann and nvdiffrast on the test suite's
                cases and compare them with the committed fixtures (a new library version or GPU
                shows up as arrays no longer bit-equal), then run the twins' golden tests on them
+tests          the test suite's tests marked requires_cuda / requires_tcnn / requires_nvdiffrast
+arms           every precision arm at nvdiffrec's scale (512², batch 4, nvdiffrec's texture),
+               f32 and the judged arms first: ms / iteration (the loop's own synchronised
+               median) and its ratio to f32's against the loop's targets, each run's wall time
+               and start, peak memory, PSNR (``stage_arms``)
+profile        the main arms under torch.profiler: ms / iteration, launches, host
+               synchronisations, device time per loop part; host floors; f32's host
+               synchronisations counted (``stages_loop.stage_profile``)
+nvdiffrec154   nvdiffrec #154 at 512², batch 4: ``nvdiffrec`` vs ``tcnn_fused_swap154``, as
+               many seeds as the time box allows, the paired PSNR difference with its interval
 grid           tcnn's grid vs the torch twin, same parameters: forward max |err|, parameter-
                gradient relative error, f32 and half, nvdiffrec's config and two others
 network        tcnn.Network (FullyFusedMLP) vs the twin: outputs, input and weight gradients
@@ -29,15 +39,10 @@ raster         nvdiffrast vs the torch rasterizer: triangle-id agreement, baryce
 fp8            mptex's FP8 GEMM emulation vs ``torch._scaled_mm`` (FP8 tensor cores, compute
                capability 8.9+) on the same float8 operands and scales: the MLP's forward,
                input- and weight-gradient shapes, errors against float64, and their times
-arms           every precision arm at nvdiffrec's scale (512², batch 4, nvdiffrec's texture),
-               f32 first: ms / iteration (the loop's own synchronised median) and its ratio to
-               f32's against the loop's targets, each run's wall time and start, peak memory,
-               PSNR
 throughput     the grid's forward and forward+backward at 2^18 and 2^20 points: torch, Triton
                and tcnn in one process
-nvdiffrec154   nvdiffrec #154 at 512², batch 4: ``nvdiffrec`` vs ``tcnn_fused_swap154``, as
-               many seeds as the time box allows, the paired PSNR difference with its interval
-tests          the test suite's tests marked requires_cuda / requires_tcnn / requires_nvdiffrast
+mainjob        only when named: ``mptex-train -m +experiment=gpu_main`` as a user runs it, its
+               wall time against 10 minutes (``stages_loop.stage_mainjob``)
 =============  ==============================================================================
 
 A stage that needs tinycudann or nvdiffrast and cannot import it, or FP8 tensor cores the

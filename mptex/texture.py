@@ -158,20 +158,14 @@ def _bounds(value: Any, arg: str, width: int | None) -> torch.Tensor:
     return tensor.clone()
 
 
-def _min_max(value: Any, channels: int) -> torch.Tensor:
-    tensor = _bounds(value, "min_max", channels)
+def _ordered_bounds(value: Any, arg: str, width: int, each: str) -> torch.Tensor:
+    """:func:`_bounds` with min < max in every column (``each``: how the message names one).
+    ``AABB``: sample() divides by max - min, so a flat or inverted box maps every point to NaN
+    or 0. ``min_max``: the output is min + sigmoid * (max - min), so an empty range is a
+    constant channel whose gradient is 0, an inverted one a flipped sigmoid."""
+    tensor = _bounds(value, arg, width)
     if not bool((tensor[0] < tensor[1]).all()):
-        # The output is min + sigmoid * (max - min): an empty range is a constant channel
-        # whose gradient is 0, an inverted one a flipped sigmoid.
-        raise ValueError(f"min_max: expected min < max for every channel, got {tensor.tolist()}")
-    return tensor
-
-
-def _aabb(value: Any) -> torch.Tensor:
-    tensor = _bounds(value, "AABB", 3)
-    if not bool((tensor[0] < tensor[1]).all()):
-        # sample() divides by max - min: a flat or inverted box maps every point to NaN or 0.
-        raise ValueError(f"AABB: expected min < max on every axis, got {tensor.tolist()}")
+        raise ValueError(f"{arg}: expected min < max {each}, got {tensor.tolist()}")
     return tensor
 
 
@@ -254,10 +248,12 @@ class MLPTexture3D(nn.Module):
         self.internal_dims = internal_dims
         # Non-persistent buffers: they follow .to(device) but stay out of the state dict, whose
         # keys are nvdiffrec's.
-        self.register_buffer("AABB", _aabb(AABB), persistent=False)
+        aabb = _ordered_bounds(AABB, "AABB", 3, "on every axis")
+        self.register_buffer("AABB", aabb, persistent=False)
         if min_max is None:
             min_max = torch.stack([torch.zeros(channels), torch.ones(channels)])
-        self.register_buffer("min_max", _min_max(min_max, channels), persistent=False)
+        min_max = _ordered_bounds(min_max, "min_max", channels, "for every channel")
+        self.register_buffer("min_max", min_max, persistent=False)
         self._extents: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
         encoder = plain(encoder)

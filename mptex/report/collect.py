@@ -248,9 +248,8 @@ def planned_jobs(sweep_dir: str | os.PathLike) -> int | None:
     product of the value counts of its swept overrides (``hydra.sweeper.params``, then the
     command line's, which win for the same key: Hydra's basic sweeper), or None where that file
     is missing, unreadable or names another sweeper."""
-    config = _read_yaml(Path(sweep_dir) / "multirun.yaml")
-    hydra = config.get("hydra") if isinstance(config, Mapping) else None
-    if not isinstance(hydra, Mapping):
+    hydra = _multirun_hydra(sweep_dir)
+    if hydra is None:
         return None
     sweeper = hydra.get("sweeper") or {}
     if not str(sweeper.get("_target_", "")).endswith("BasicSweeper"):
@@ -278,9 +277,8 @@ def concurrent_jobs(sweep_dir: str | os.PathLike) -> int | None:
     0), 1 for a launcher that runs jobs one after another on the machine (Hydra's basic one) or
     each on an allocation of its own (submitit), None where the file is missing or unreadable
     or names another launcher."""
-    config = _read_yaml(Path(sweep_dir) / "multirun.yaml")
-    hydra = config.get("hydra") if isinstance(config, Mapping) else None
-    launcher = hydra.get("launcher") if isinstance(hydra, Mapping) else None
+    hydra = _multirun_hydra(sweep_dir)
+    launcher = hydra.get("launcher") if hydra is not None else None
     if not isinstance(launcher, Mapping):
         return None
     target = str(launcher.get("_target_", ""))
@@ -292,6 +290,14 @@ def concurrent_jobs(sweep_dir: str | os.PathLike) -> int | None:
     if target.endswith(("BasicLauncher", "SlurmLauncher")):
         return 1
     return None
+
+
+def _multirun_hydra(sweep_dir: str | os.PathLike) -> Mapping[str, Any] | None:
+    """The ``hydra`` group of the sweep's ``multirun.yaml`` (its sweeper and launcher), or None
+    where the file is missing, unreadable or has none."""
+    config = _read_yaml(Path(sweep_dir) / "multirun.yaml")
+    hydra = config.get("hydra") if isinstance(config, Mapping) else None
+    return hydra if isinstance(hydra, Mapping) else None
 
 
 def _read_yaml(path: Path) -> Any:

@@ -16,7 +16,12 @@ from mptex.report.collect import (
     partial_keys,
     planned_jobs,
 )
-from mptex.report.stats import CONFIDENCE, at_reference_quality, fastest_at_reference_quality
+from mptex.report.stats import (
+    CONFIDENCE,
+    at_reference_quality,
+    fastest_at_reference_quality,
+    non_inferior,
+)
 
 __all__ = ["render_report"]
 
@@ -237,13 +242,9 @@ def _headline(
             f"over {d['n']} seeds; {_fmt(best['time_per_iter_s'] * 1e3, '.1f')} ms/iteration, "
             f"{_fmt(best['speedup'], '.2f')}x {ref_name}'s speed, a ratio of mean times)."
         )
-    lost = [
-        r
-        for r in mine
-        if r["delta"]["low"] is not None
-        and r["delta"]["low"] >= -margin_db
-        and not at_reference_quality(r, margin_db)
-    ]
+    # Within the margin on their completed runs, but with runs lost
+    lost = [r for r in mine
+            if non_inferior(r, margin_db) and not at_reference_quality(r, margin_db)]  # fmt: skip
     if lost:
         items = ", ".join(f"{_name(r)} ({_lost_runs(r)} of {r['n_runs']} runs)" for r in lost)
         lines.append(

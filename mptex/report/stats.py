@@ -60,6 +60,7 @@ __all__ = [
     "summarize_groups",
     "grid_adam_eps",
     "sections",
+    "non_inferior",
     "at_reference_quality",
     "fastest_at_reference_quality",
 ]
@@ -284,15 +285,20 @@ def sections(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[int]]]:
     return list(out.values())
 
 
-def at_reference_quality(row: Mapping[str, Any], margin_db: float) -> bool:
-    """Whether a compared row is at the reference's quality: its interval's lower end at or
-    above ``-margin_db`` (at most ``margin_db`` worse, at 97.5 % one-sided confidence: a
-    non-inferiority test), over pairs of every run it has (none diverged, collapsed or failed:
-    an arm that fails some seeds is not at the reference's quality, whatever its completed
-    runs gave)."""
+def non_inferior(row: Mapping[str, Any], margin_db: float) -> bool:
+    """Whether a compared row's interval has its lower end at or above ``-margin_db``: at most
+    ``margin_db`` worse than the reference, at 97.5 % one-sided confidence (a non-inferiority
+    test over its completed runs' pairs)."""
     low = (row.get("delta") or {}).get("low")
+    return row.get("verdict") is not None and low is not None and low >= -margin_db
+
+
+def at_reference_quality(row: Mapping[str, Any], margin_db: float) -> bool:
+    """Whether a compared row is at the reference's quality: :func:`non_inferior`, and every
+    run it has completed (none diverged, collapsed or failed: an arm that fails some seeds is
+    not at the reference's quality, whatever its completed runs gave)."""
     clean = not any(row.get(status) for status in ("diverged", "collapsed", "failed"))
-    return row.get("verdict") is not None and low is not None and low >= -margin_db and clean
+    return non_inferior(row, margin_db) and clean
 
 
 def fastest_at_reference_quality(

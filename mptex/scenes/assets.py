@@ -80,11 +80,16 @@ def suite_path(name: str) -> str:
     return str(path)
 
 
-def same_suite_asset(name: str, path_a: str, path_b: str) -> bool:
-    """Whether ``path_a`` and ``path_b`` are both suite asset ``name``'s file, each where some
-    machine's ``pybullet_data`` holds it (a run's config stores the path as its machine resolved
-    it)."""
-    if name not in SUITE or not isinstance(path_a, str) or not isinstance(path_b, str):
+def is_suite_file(name: str, path: object) -> bool:
+    """Whether ``path`` is suite asset ``name``'s file where some machine's ``pybullet_data``
+    holds it (a run's config stores the path as its machine resolved it)."""
+    if name not in SUITE or not isinstance(path, str):
         return False
     tail = ("pybullet_data", *Path(SUITE[name].file).parts)  # the package's folder name
-    return all(Path(p).parts[-len(tail) :] == tail for p in (path_a, path_b))
+    return Path(path).parts[-len(tail) :] == tail
+
+
+def same_suite_asset(name: str, path_a: str, path_b: str) -> bool:
+    """Whether ``path_a`` and ``path_b`` are both suite asset ``name``'s file
+    (:func:`is_suite_file`), each resolved on its own machine."""
+    return is_suite_file(name, path_a) and is_suite_file(name, path_b)

@@ -29,7 +29,7 @@ from mptex.config_schema import (
     plain,
     setting,
 )
-from mptex.scenes.assets import SUITE, same_suite_asset, suite_path
+from mptex.scenes.assets import SUITE, is_suite_file, suite_path
 
 # The scene schemas are reached through SCENE_SCHEMAS and documented by name; they stay out of
 # __all__, mptex's public API, whose path parameters take str | os.PathLike: scene.path is a
@@ -157,7 +157,7 @@ def check_scene_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"scene.path: {exc}") from None
     checked = check_group(SCENE_SCHEMAS[name], cfg, "scene", context=f" for scene {name!r}")
     path = checked.get("path")
-    if name in SUITE and isinstance(path, str) and not same_suite_asset(name, path, path):
+    if name in SUITE and isinstance(path, str) and not is_suite_file(name, path):
         # Runs, reports and searches name the scene: another mesh under an asset's name would
         # be reported as that asset.
         raise ConfigError(

@@ -6,6 +6,11 @@ standard deviation), c = 95 % by default; it needs n >= 2. Verdict, with the equ
 margin m: ``better`` when the whole interval lies above 0, ``worse`` below 0, ``no detectable
 difference`` when it lies inside [-m, +m], ``inconclusive`` otherwise, ``cannot judge``
 without an interval.
+
+Several comparisons at once (:func:`family_confidence`): each 95 % interval misses its true
+mean 5 % of the time, so of k comparisons some miss more often. Bonferroni's adjustment takes
+each interval at 1 - 0.05/k instead; then all k hold together with at least 95 % confidence,
+whatever the dependence between them (the union bound).
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from mptex.numbers import is_number
 __all__ = [
     "EQUIVALENCE_MARGIN_DB",
     "CONFIDENCE",
+    "ADJUSTMENTS",
     "VERDICTS",
     "t_quantile",
     "mean_ci",
+    "family_confidence",
     "verdict",
 ]
 
@@ -33,6 +40,8 @@ __all__ = [
 # show when precision matters.
 EQUIVALENCE_MARGIN_DB = 0.5
 CONFIDENCE = 0.95
+# How a family of comparisons sets each interval's confidence (family_confidence).
+ADJUSTMENTS = ("none", "bonferroni")
 VERDICTS = (
     "better",
     "worse",
@@ -137,6 +146,31 @@ def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> dict[str
     sd = statistics.stdev(values)
     half = t_quantile(0.5 + confidence / 2.0, n - 1) * sd / math.sqrt(n)
     return dict(n=n, mean=mean, sd=sd, half_width=half, low=mean - half, high=mean + half)
+
+
+def family_confidence(k: int, adjust: str = "none", confidence: float = CONFIDENCE) -> float:
+    """The confidence of each of ``k`` intervals so that the family has ``confidence``.
+
+    ``adjust="none"``: ``confidence`` for each interval (each holds on its own; of k true
+    differences of 0, the chance that some interval excludes 0 grows towards
+    ``1 - confidence**k`` for independent ones). ``"bonferroni"``: ``1 - (1 - confidence) / k``
+    for each, so that all k hold together with probability at least ``confidence`` (e.g. k = 5:
+    99 % each for 95 % together). k = 0 or 1 is no family: ``confidence``.
+
+    Args:
+        k: the number of intervals in the family (>= 0).
+        adjust: one of :data:`ADJUSTMENTS`.
+        confidence: the family's confidence, in (0, 1).
+    """
+    if adjust not in ADJUSTMENTS:
+        raise ValueError(f"adjust: expected one of {', '.join(ADJUSTMENTS)}, got {adjust!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"k: expected an integer >= 0, got {k!r}")
+    if not (is_number(confidence) and 0.0 < confidence < 1.0):
+        raise ValueError(f"confidence: expected a number in (0, 1), got {confidence!r}")
+    if adjust == "none" or k <= 1:
+        return float(confidence)
+    return 1.0 - (1.0 - confidence) / k
 
 
 def verdict(ci: Mapping[str, Any], margin_db: float = EQUIVALENCE_MARGIN_DB) -> str:

@@ -700,6 +700,108 @@ def test_the_configs_margin_is_the_reports_default():
     assert config.hydra.callbacks.report.margin_db == report.EQUIVALENCE_MARGIN_DB
 
 
+def test_the_configs_adjustment_is_the_reports_default():
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.load(Path(__file__).resolve().parents[1] / "configs" / "config.yaml")
+    assert config.hydra.callbacks.report.adjust == "none"
+    assert report.ReportCallback().adjust == "none"
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("adjust", "holm"), ("margin_db", -1.0), ("margin_db", "0.5"), ("margin_db", math.nan)],
+)
+def test_a_bad_report_setting_stops_the_multirun_at_start_in_one_line(key, value, capsys):
+    # The callback is made before any job runs: a bad value there must not cost the report
+    # only after every job has trained.
+    with pytest.raises(SystemExit) as stop:
+        report.ReportCallback(**{key: value})
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith(f"mptex-train: error: hydra.callbacks.report.{key}: expected")
+
+
+# ----------------------------------------------------------------------------- multiplicity
+def _t_dof2(p):
+    """Student t's quantile for 2 degrees of freedom in closed form: F(t) = 1/2 + t / (2
+    sqrt(2 + t^2)), so t = (2p - 1) sqrt(2 / (1 - (2p - 1)^2))."""
+    u = 2 * p - 1
+    return u * math.sqrt(2 / (1 - u * u))
+
+
+def test_family_confidence_hand_values():
+    assert report.family_confidence(5, "bonferroni") == pytest.approx(0.99, abs=1e-15)
+    assert report.family_confidence(2, "bonferroni") == pytest.approx(0.975, abs=1e-15)
+    assert report.family_confidence(4, "bonferroni", 0.9) == pytest.approx(0.975, abs=1e-15)
+    for k in (0, 1):  # no family: the confidence as given
+        assert report.family_confidence(k, "bonferroni") == 0.95
+    assert report.family_confidence(7, "none") == 0.95
+    for bad in (dict(k=3, adjust="holm"), dict(k=-1), dict(k=2.0), dict(k=True),
+                dict(k=2, confidence=1.0)):  # fmt: skip
+        with pytest.raises(ValueError, match=next(iter(set(bad) - {"k"}), "k")):
+            report.family_confidence(**{"adjust": "bonferroni", **bad})
+
+
+def _family_sweep(root):
+    # f32, nvdiffrec (+1.0, +1.3, +0.7: mean 1.0, sd 0.3), bf16 (-0.05, -0.04, -0.06: mean
+    # -0.05, sd 0.01), amp (one seed: no interval, so not in the family): k = 2.
+    _three_seeds(root, "f32", [40.0, 41.0, 42.0], t=0.30)
+    _three_seeds(root, "nvdiffrec", [41.0, 42.3, 42.7], t=0.40)
+    _three_seeds(root, "bf16", [39.95, 40.96, 41.94], t=0.05)
+    _write(root, "amp_0", _metrics("amp", 0, psnr=40.2, t=0.2))
+
+
+def test_bonferroni_widens_each_interval_to_hold_the_family_together(tmp_path):
+    _family_sweep(tmp_path)
+    plain = _rows(tmp_path)
+    adjusted = {r["precision"]: r for r in summarize(collect_runs(tmp_path), adjust="bonferroni")}
+    # Unadjusted: t(0.975, 2) = 4.3027, nvdiffrec's half width 4.3027 * 0.3 / sqrt(3) = 0.745.
+    assert plain[("nvdiffrec",)]["delta"]["half_width"] == pytest.approx(
+        _t_dof2(0.975) * 0.3 / math.sqrt(3), rel=1e-9)  # fmt: skip
+    assert plain[("nvdiffrec",)]["verdict"] == "better"
+    assert plain[("nvdiffrec",)]["family"] == 2 and plain[("nvdiffrec",)]["confidence"] == 0.95
+    # Bonferroni over k = 2: each interval at 1 - 0.05/2 = 97.5 % two-sided, so the quantile
+    # t(1 - 0.05/4, 2) = 6.205 and nvdiffrec's interval [1 - 1.075, 1 + 1.075] now holds 0.
+    for arm, sd in (("nvdiffrec", 0.3), ("bf16", 0.01)):
+        row = adjusted[arm]
+        assert row["family"] == 2 and row["confidence"] == pytest.approx(0.975, abs=1e-15)
+        assert row["delta"]["half_width"] == pytest.approx(
+            _t_dof2(1 - 0.05 / 4) * sd / math.sqrt(3), rel=1e-9)  # fmt: skip
+    assert adjusted["nvdiffrec"]["verdict"] == "inconclusive"
+    assert adjusted["bf16"]["verdict"] == "worse"  # [-0.086, -0.014]: still below 0
+    assert adjusted["amp"]["verdict"] == "cannot judge" and adjusted["amp"]["delta"]["n"] == 1
+    assert adjusted["f32"]["verdict"] is None
+
+
+def test_the_report_says_how_its_intervals_are_adjusted(tmp_path, capsys):
+    _family_sweep(tmp_path)
+    assert report_main([str(tmp_path), "--adjust", "bonferroni"]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "| Δ vs f32 (dB) [97.5% CI, Bonferroni k = 2] |" in text
+    assert "mean ± t(0.9875, n−1) · sd / √n" in text
+    assert "adjusted for the k = 2 comparisons with an interval" in text
+    assert "at 98.75% one-sided confidence" in text
+    headline = _headline(text)
+    assert "**`bf16`**" in headline and "97.5% CI [" in headline
+    document = json.loads((tmp_path / "results.json").read_text())
+    assert document["intervals"] == {
+        "adjust": "bonferroni",
+        "comparisons": 2,
+        "interval_confidence": pytest.approx(0.975, abs=1e-15),
+    }
+    # The default: each interval 95 % on its own, and the report says so.
+    assert report_main([str(tmp_path)]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "| Δ vs f32 (dB) [95% CI] |" in text and "not adjusted for the" in text
+    assert json.loads((tmp_path / "results.json").read_text())["intervals"]["adjust"] == "none"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        report_main([str(tmp_path), "--adjust", "holm"])
+    assert stop.value.code == 2 and "--adjust" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- nvdiffrec #154
 def test_nvdiffrec154_gap_decomposition_hand_computed(tmp_path):
     psnrs = {

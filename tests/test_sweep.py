@@ -89,3 +89,22 @@ def test_job_dirs_name_the_swept_values_and_a_second_sweep_is_refused(tmp_path):
     assert second.returncode == 2, second.stdout + second.stderr
     assert "hydra.sweep.dir" in second.stderr and "already holds a sweep" in second.stderr
     assert {j: (sweep / j / "metrics.json").read_bytes() for j in jobs} == before
+
+
+def test_the_report_adjustment_is_a_sweep_setting_checked_before_any_job(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "mptex.cli", "-m", *TINY, "precision=f32,bf16",
+               f"hydra.sweep.dir={tmp_path / 'bad'}",
+               "hydra.callbacks.report.adjust=holm"]  # fmt: skip
+    bad = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert ("mptex-train: error: hydra.callbacks.report.adjust: expected one of none, "
+            "bonferroni, got 'holm'") in bad.stderr  # fmt: skip
+    assert not list((tmp_path / "bad").rglob("metrics.json"))  # no job ran
+    _sweep(tmp_path, "precision=f32,bf16", "train.seed=0,1,2",
+           "hydra.callbacks.report.adjust=bonferroni")  # fmt: skip
+    document = json.loads((tmp_path / "sweep" / "results.json").read_text())
+    assert document["intervals"]["adjust"] == "bonferroni"
+    assert document["intervals"]["comparisons"] == 1  # bf16 against f32: no family to adjust
+    assert "[95% CI]" in (tmp_path / "sweep" / "report.md").read_text()

@@ -36,6 +36,10 @@ def report_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--margin-db", type=float, default=stats.EQUIVALENCE_MARGIN_DB,
                         help="equivalence margin of the verdicts in dB (default "
                         f"{stats.EQUIVALENCE_MARGIN_DB})")  # fmt: skip
+    parser.add_argument("--adjust", choices=stats.ADJUSTMENTS, default="none",
+                        help="the intervals' multiplicity adjustment: none (each 95%% on its "
+                        "own, the default) or bonferroni (the k intervals of a report at "
+                        "1 - 0.05/k each, so that all hold together at 95%%)")  # fmt: skip
     args = parser.parse_args(argv)
     if not (math.isfinite(args.margin_db) and args.margin_db > 0):
         print(f"mptex-report: error: --margin-db: expected a number > 0, got {args.margin_db}",
@@ -46,7 +50,7 @@ def report_main(argv: Sequence[str] | None = None) -> int:
         if len(sweeps) > 1:
             print(f"mptex-report: {args.folder} holds {len(sweeps)} sweeps; one report each")
         for sweep in sweeps:
-            written = write_report(sweep, args.margin_db)
+            written = write_report(sweep, args.margin_db, args.adjust)
             print(f"mptex-report: report in {written['report.md']}")
     except (FileNotFoundError, collect.SweepLayoutError) as exc:
         print(f"mptex-report: error: {exc}", file=sys.stderr)

@@ -33,7 +33,14 @@ from mptex.report.collect import (
     group_runs,
 )
 from mptex.report.compare import result_differences
-from mptex.report.stats import EQUIVALENCE_MARGIN_DB, mean_ci, t_quantile, verdict
+from mptex.report.stats import (
+    ADJUSTMENTS,
+    EQUIVALENCE_MARGIN_DB,
+    family_confidence,
+    mean_ci,
+    t_quantile,
+    verdict,
+)
 from mptex.report.writer import (
     REPORT_FILES,
     FreshSweepDirCallback,
@@ -47,6 +54,7 @@ __all__ = [
     "ARM_ORDER",
     "REFERENCE_ARM",
     "EQUIVALENCE_MARGIN_DB",
+    "ADJUSTMENTS",
     "REPORT_FILES",
     "SweepLayoutError",
     "collect_runs",
@@ -54,6 +62,7 @@ __all__ = [
     "group_runs",
     "summarize",
     "mean_ci",
+    "family_confidence",
     "t_quantile",
     "verdict",
     "write_report",

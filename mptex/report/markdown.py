@@ -31,6 +31,17 @@ def _fmt(value: Any, spec: str) -> str:
     return format(value, spec) if is_number(value) else "–"
 
 
+def _level(confidence: float) -> str:
+    """A confidence as a percentage to two decimals at most: ``95%``, ``97.5%``, ``98.33%``
+    (Bonferroni at k = 3)."""
+    return f"{confidence * 100:.2f}".rstrip("0").rstrip(".") + "%"
+
+
+def _confidence(row: Mapping[str, Any]) -> float:
+    """The two-sided confidence of the row's interval (adjusted or not)."""
+    return row.get("confidence", CONFIDENCE)
+
+
 def _signed(value: Any) -> str:
     return _fmt(value, "+.2f")
 
@@ -230,16 +241,17 @@ def _headline(
     elif best is ref:
         lines.append(
             f"- Fastest arm at {ref_name}'s quality: {ref_name} itself (no faster arm whose "
-            f"{CONFIDENCE:.0%} interval's lower end is within {margin_db:g} dB of {ref_name} "
-            "with every run completed)."
+            f"{_level(_confidence(ref))} interval's lower end is within {margin_db:g} dB of "
+            f"{ref_name} with every run completed)."
         )
     else:
         d = best["delta"]
         mean, low, high = _interval_text(d, margin_db)
         lines.append(
             f"- Fastest arm at {ref_name}'s quality: **{_name(best)}** "
-            f"({_verdict(best, margin_db)}: Δ {mean} dB, {CONFIDENCE:.0%} CI [{low}, {high}] "
-            f"over {d['n']} seeds; {_fmt(best['time_per_iter_s'] * 1e3, '.1f')} ms/iteration, "
+            f"({_verdict(best, margin_db)}: Δ {mean} dB, {_level(_confidence(best))} CI "
+            f"[{low}, {high}] over {d['n']} seeds; "
+            f"{_fmt(best['time_per_iter_s'] * 1e3, '.1f')} ms/iteration, "
             f"{_fmt(best['speedup'], '.2f')}x {ref_name}'s speed, a ratio of mean times)."
         )
     # Within the margin on their completed runs, but with runs lost
@@ -467,6 +479,31 @@ def _quantization_table(section: Sequence[Mapping[str, Any]]) -> list[str]:
     ]
 
 
+def _multiplicity(adjust: str, family: int, level: float) -> str:
+    """How to read the intervals as a family (``mptex-report --adjust``)."""
+    if adjust == "none":
+        return (
+            f"Each interval is {_level(level)} for its own comparison, not adjusted for the "
+            f"number of arms compared: of k arms that truly equal `{REFERENCE_ARM}`, up to "
+            f"1 − {level:g}^k of sweeps show at least one `better` or `worse` by chance (about "
+            f"{1 - level**5:.0%} at k = 5; `mptex-report --adjust bonferroni`, or "
+            "`hydra.callbacks.report.adjust=bonferroni` on the sweep's command, holds all of a "
+            "report's intervals together at 95%)."
+        )
+    if family <= 1:
+        return (f"Adjusted for multiplicity ({adjust}), but the table holds {family} "
+                f"comparison with an interval: it is {_level(level)} as it stands.")  # fmt: skip
+    return (
+        f"The intervals are adjusted for the k = {family} comparisons with an interval in this "
+        f"report's tables (Bonferroni: each at 1 − {1 - CONFIDENCE:g}/{family} = "
+        f"{_level(level)}), so that all of them hold together with at least "
+        f"{_level(CONFIDENCE)} confidence: among arms that truly equal `{REFERENCE_ARM}`, the "
+        f"chance of any `better` or `worse` by chance is at most {1 - CONFIDENCE:.0%}. The "
+        "verdicts and the fastest arm follow these intervals; an nvdiffrec #154 section's "
+        f"intervals stay {_level(CONFIDENCE)} each."
+    )
+
+
 # ----------------------------------------------------------------------------- document
 def render_report(
     sweep_dir: str | os.PathLike,
@@ -551,9 +588,15 @@ def render_report(
     lines.append("")
     on_cpu = any(r.get("device") == "cpu" for r in runs)
     shared = concurrent_jobs(sweep_dir)
+    # Each interval's confidence, and the family it was adjusted over (stats.summarize_groups)
+    level = _confidence(rows[0]) if rows else CONFIDENCE
+    adjust = rows[0].get("adjust", "none") if rows else "none"
+    family = rows[0].get("family", 0) if rows else 0
+    adjusted = adjust != "none" and family > 1
+    ci = f"{_level(level)} CI" + (f", Bonferroni k = {family}" if adjusted else "")
     key_columns = [k for k in shown if k != "precision.name"]
     header = ["arm", *(f"`{k}`" for k in key_columns), "seeds", "PSNR (dB)",
-              f"Δ vs {REFERENCE_ARM} (dB) [{CONFIDENCE:.0%} CI]", "verdict",
+              f"Δ vs {REFERENCE_ARM} (dB) [{ci}]", "verdict",
               "baseline (dB)", "ms / iter", f"speed-up vs {REFERENCE_ARM}", "peak mem (MiB)",
               "skipped steps", "eff. loss scale",
               "runs ok / coll. / div / fail / n.a."]  # fmt: skip
@@ -622,20 +665,17 @@ def render_report(
         "and about what the PSNR would gain without them (−10 log10(1 − share)).",
         f"- Δ vs `{REFERENCE_ARM}`: the mean of the paired differences PSNR(arm) − "
         f"PSNR(`{REFERENCE_ARM}`) over the seeds both completed, with the same other swept "
-        f"values; [{CONFIDENCE:.0%} CI]: mean ± t(0.975, n−1) · sd / √n (Student t on the n "
+        f"values; [{ci}]: mean ± t({(1 + level) / 2:.4g}, n−1) · sd / √n (Student t on the n "
         "paired differences, sample sd); one seed gives no interval.",
         f"- verdict: `better` / `worse` when the whole interval lies above / below 0; `no "
         f"detectable difference within ±{margin_db:g} dB` when it lies inside ±{margin_db:g} dB "
         f"(the equivalence margin, `--margin-db`); `inconclusive` otherwise (more seeds "
         f"needed); `cannot judge` with fewer than 2 paired seeds; `, by at most "
         f"{margin_db:g} dB` after `better` or `worse` when the interval lies inside "
-        f"±{margin_db:g} dB too. Each interval is {CONFIDENCE:.0%} for its own comparison, not "
-        f"adjusted for the number of arms compared: of k arms that truly equal "
-        f"`{REFERENCE_ARM}`, up to 1 − {CONFIDENCE:g}^k of sweeps show at least one `better` or "
-        f"`worse` by chance (about {1 - CONFIDENCE**5:.0%} at k = 5).",
+        f"±{margin_db:g} dB too. " + _multiplicity(adjust, family, level),
         f"- The fastest arm at `{REFERENCE_ARM}`'s quality is chosen by mean ms / iteration "
         f"among `{REFERENCE_ARM}` and the arms whose interval's lower end is at or above "
-        f"−{margin_db:g} dB (at most {margin_db:g} dB worse, at {(1 + CONFIDENCE) / 2:.1%} "
+        f"−{margin_db:g} dB (at most {margin_db:g} dB worse, at {_level((1 + level) / 2)} "
         "one-sided confidence) and whose every run completed (no diverged, collapsed or failed "
         "run).",
         "- ms / iter: median time per training iteration, averaged over seeds; speed-up > 1: "

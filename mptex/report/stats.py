@@ -24,7 +24,10 @@ Method (stated in every report.md):
   -m (at most m dB worse, whatever the verdict: a precisely measured loss of 0.05 dB is
   ``worse`` and at f32's quality), and every run of the arm completed (an arm that diverged,
   collapsed or failed on some seed is never named, whatever its other seeds gave).
-- Each interval is 95 % for its own comparison, not adjusted for the number of arms compared.
+- Each interval is 95 % for its own comparison, not adjusted for the number of arms compared,
+  unless ``adjust="bonferroni"``: then each is at 1 - 0.05/k over the report's k comparisons
+  with an interval, and all k hold together with at least 95 % confidence; the verdicts, the
+  non-inferiority and the fastest arm follow the adjusted intervals.
 - What else differs: Adam is invariant to a constant factor on a gradient except through its
   epsilon, and nvdiffrec's arm leaves x128 on the grid's gradient, so against an f32 reference
   at the same ``train.adam_eps`` its grid runs with a 128 x smaller effective epsilon
@@ -39,9 +42,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mptex.intervals import (
+    ADJUSTMENTS,
     CONFIDENCE,
     EQUIVALENCE_MARGIN_DB,
     VERDICTS,
+    family_confidence,
     mean_ci,
     t_quantile,
     verdict,
@@ -53,9 +58,11 @@ from mptex.report.collect import REFERENCE_ARM, STATUSES
 __all__ = [
     "EQUIVALENCE_MARGIN_DB",
     "CONFIDENCE",
+    "ADJUSTMENTS",
     "VERDICTS",
     "t_quantile",
     "mean_ci",
+    "family_confidence",
     "verdict",
     "summarize_groups",
     "grid_adam_eps",
@@ -64,6 +71,7 @@ __all__ = [
     "at_reference_quality",
     "fastest_at_reference_quality",
 ]
+
 
 # ----------------------------------------------------------------------------- rows
 def _mean(values) -> float | None:
@@ -204,6 +212,7 @@ def summarize_groups(
     groups: Sequence[Sequence[Mapping[str, Any]]],
     shown: Sequence[str] = (),
     margin_db: float = EQUIVALENCE_MARGIN_DB,
+    adjust: str = "none",
 ) -> list[dict[str, Any]]:
     """One summary per group (table row), in the groups' order, with its paired comparison.
 
@@ -215,6 +224,10 @@ def summarize_groups(
         groups: runs split by :func:`mptex.report.collect.group_runs` (each run has ``keys``).
         shown: the swept keys the table shows (see ``collect.shown_keys``).
         margin_db: equivalence margin m of the verdict, in dB (> 0).
+        adjust: how the intervals account for each other (:data:`ADJUSTMENTS`): ``"none"``,
+            each at :data:`CONFIDENCE`; ``"bonferroni"``, each at ``1 - (1 - CONFIDENCE) / k``
+            over the k rows compared with an interval (in every section), so that all hold
+            together at :data:`CONFIDENCE` (:func:`mptex.intervals.family_confidence`).
 
     Returns:
         dicts with ``scene``, ``precision``, ``keys`` (shown key -> value), ``n_runs``, one
@@ -232,13 +245,19 @@ def summarize_groups(
         ``unpaired_seeds`` (the row's completed seeds without a completed reference run of
         that seed: in its PSNR, not in ``delta``), ``excluded`` (``seed``, ``run_dir``, ``why``:
         the row's seeds left out of the pairs because the run or its reference partner
-        collapsed), ``delta`` (:func:`mean_ci` of the paired differences) and ``verdict``.
+        collapsed), ``delta`` (:func:`mean_ci` of the paired differences at ``confidence``),
+        ``verdict``, and the family's ``confidence`` (each interval's), ``adjust`` and
+        ``family`` (k, the comparisons with an interval).
     """
+    if adjust not in ADJUSTMENTS:
+        raise ValueError(f"adjust: expected one of {', '.join(ADJUSTMENTS)}, got {adjust!r}")
     if not (is_number(margin_db) and margin_db > 0):
         raise ValueError(f"margin_db: expected a number > 0, got {margin_db!r}")
     rows = [_row(group, shown) for group in groups]
+    refs = []
     for row, group in zip(rows, groups):
         ref = _reference_for(row, rows)
+        refs.append(ref)
         row["reference"] = None if ref is None else rows.index(ref)
         ref_group = groups[row["reference"]] if ref is not None else []
         ref_psnr = {r["seed"]: r["psnr"] for r in ref_group if r["status"] == "completed"}
@@ -256,7 +275,14 @@ def summarize_groups(
             else []
         )
         row["excluded"] = _excluded(group, ref_group if ref is not row else [])
-        row["delta"] = mean_ci([d for _, d in pairs])
+    # The family: every comparison that gets an interval (two pairs or more), in every section.
+    family = sum(ref not in (None, row) and len(row["pairs"]) >= 2
+                 for row, ref in zip(rows, refs))  # fmt: skip
+    confidence = family_confidence(family, adjust)
+    for row, ref in zip(rows, refs):
+        pairs = row["pairs"]
+        row["delta"] = mean_ci([d for _, d in pairs], confidence)
+        row["confidence"], row["adjust"], row["family"] = confidence, adjust, family
         if ref is None or ref is row:
             row["verdict"] = None
         elif not pairs and row["excluded"]:  # collapses took every pair: no precision effect
@@ -287,8 +313,9 @@ def sections(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[int]]]:
 
 def non_inferior(row: Mapping[str, Any], margin_db: float) -> bool:
     """Whether a compared row's interval has its lower end at or above ``-margin_db``: at most
-    ``margin_db`` worse than the reference, at 97.5 % one-sided confidence (a non-inferiority
-    test over its completed runs' pairs)."""
+    ``margin_db`` worse than the reference, at ``(1 + c) / 2`` one-sided confidence for the
+    interval's two-sided c (97.5 % unadjusted; a non-inferiority test over its completed runs'
+    pairs)."""
     low = (row.get("delta") or {}).get("low")
     return row.get("verdict") is not None and low is not None and low >= -margin_db
 

@@ -42,24 +42,29 @@ def _plain(value: Any) -> Any:
 
 
 def summarize(
-    runs: Sequence[dict[str, Any]], margin_db: float = stats.EQUIVALENCE_MARGIN_DB
+    runs: Sequence[dict[str, Any]],
+    margin_db: float = stats.EQUIVALENCE_MARGIN_DB,
+    adjust: str = "none",
 ) -> list[dict[str, Any]]:
     """The table rows of a sweep's runs (:func:`~mptex.report.collect.collect_runs`): grouped by
     every swept key (:func:`~mptex.report.collect.group_runs`), each with its paired comparison
     (:func:`~mptex.report.stats.summarize_groups`). Duplicates and config-less runs are in no
-    row."""
-    return _tables(runs, margin_db)[3]
+    row. ``adjust``: the intervals' multiplicity adjustment
+    (:data:`~mptex.report.stats.ADJUSTMENTS`)."""
+    return _tables(runs, margin_db, adjust)[3]
 
 
-def _tables(runs, margin_db):
+def _tables(runs, margin_db, adjust):
     keys, groups, duplicates, unidentified = collect.group_runs(runs)
     shown = collect.shown_keys([r for g in groups for r in g], keys)
-    rows = stats.summarize_groups(groups, shown, margin_db)
+    rows = stats.summarize_groups(groups, shown, margin_db, adjust)
     return keys, groups, (duplicates, unidentified), rows
 
 
 def write_report(
-    sweep_dir: str | os.PathLike, margin_db: float = stats.EQUIVALENCE_MARGIN_DB
+    sweep_dir: str | os.PathLike,
+    margin_db: float = stats.EQUIVALENCE_MARGIN_DB,
+    adjust: str = "none",
 ) -> dict[str, Path]:
     """Aggregate the jobs of one sweep and write the report files into ``sweep_dir``.
 
@@ -69,6 +74,10 @@ def write_report(
     Args:
         sweep_dir: one sweep (see :func:`mptex.report.collect.find_sweeps`).
         margin_db: the equivalence margin of the verdicts, in dB.
+        adjust: ``"none"`` (each interval 95 % on its own) or ``"bonferroni"`` (the table's
+            k intervals at 1 - 0.05/k each, so that all hold together at 95 %;
+            :func:`~mptex.report.stats.summarize_groups`). The nvdiffrec #154 section's
+            intervals stay 95 % each.
 
     Returns:
         file name -> path of each file written (see :data:`REPORT_FILES`).
@@ -84,7 +93,7 @@ def write_report(
         names = ", ".join(str(s.relative_to(sweep_dir)) for s in found)
         raise collect.SweepLayoutError(f"{sweep_dir}: holds {len(found)} sweeps ({names})")
     runs = collect.collect_runs(sweep_dir)
-    keys, groups, (duplicates, unidentified), rows = _tables(runs, margin_db)
+    keys, groups, (duplicates, unidentified), rows = _tables(runs, margin_db, adjust)
     counted = [r for g in groups for r in g]
     # The #154 section, per context (scene, settings): pairs never cross one.
     gaps = [(context, attribution.attribution(members, margin_db))
@@ -113,8 +122,14 @@ def write_report(
     plain_runs = [{k: v for k, v in run.items() if k not in ("history", "config")
                    and not k.startswith("_")} for run in runs]  # fmt: skip
     study = [{"context": context, **gap} for context, gap in gaps] or None
+    family = {
+        "adjust": adjust,
+        "comparisons": rows[0]["family"] if rows else 0,
+        "interval_confidence": rows[0]["confidence"] if rows else stats.CONFIDENCE,
+    }
     document = {"sweep_dir": str(sweep_dir), "swept_keys": keys, "margin_db": margin_db,
-                "runs": plain_runs, "summary": rows, "nvdiffrec154": study}  # fmt: skip
+                "intervals": family, "runs": plain_runs, "summary": rows,
+                "nvdiffrec154": study}  # fmt: skip
     path.write_text(json.dumps(_plain(document), indent=2, allow_nan=False, default=str) + "\n")
     written[path.name] = path
 
@@ -160,13 +175,29 @@ class ReportCallback(Callback):
 
     Args:
         enabled: write the report at all.
-        margin_db: the verdicts' equivalence margin in dB.
+        margin_db: the verdicts' equivalence margin in dB (> 0).
+        adjust: the intervals' multiplicity adjustment, ``none`` or ``bonferroni``
+            (:func:`write_report`).
+
+    A value outside those stops the multirun before any job, with one line on stderr (exit 2),
+    rather than costing the report after every job has trained.
     """
 
-    def __init__(self, enabled: bool = True,
-                 margin_db: float = stats.EQUIVALENCE_MARGIN_DB) -> None:  # fmt: skip
+    def __init__(self, enabled: bool = True, margin_db: float = stats.EQUIVALENCE_MARGIN_DB,
+                 adjust: str = "none") -> None:  # fmt: skip
+        problem = None
+        if not (isinstance(margin_db, (int, float)) and not isinstance(margin_db, bool)
+                and math.isfinite(margin_db) and margin_db > 0):  # fmt: skip
+            problem = f"margin_db: expected a number > 0, got {margin_db!r}"
+        elif adjust not in stats.ADJUSTMENTS:
+            problem = f"adjust: expected one of {', '.join(stats.ADJUSTMENTS)}, got {adjust!r}"
+        if problem:
+            print(f"mptex-train: error: hydra.callbacks.report.{problem}", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            raise SystemExit(2)
         self.enabled = enabled
         self.margin_db = margin_db
+        self.adjust = adjust
         self._pending: Path | None = None
 
     def on_multirun_start(self, config, **kwargs: Any) -> None:
@@ -184,7 +215,7 @@ class ReportCallback(Callback):
         if sweep_dir is None:
             return
         try:
-            written = write_report(sweep_dir, self.margin_db)
+            written = write_report(sweep_dir, self.margin_db, self.adjust)
         except Exception as exc:  # the sweep's results are on disk; mptex-report can retry
             print(f"mptex-report: no report for {sweep_dir}: {type(exc).__name__}: {exc}",
                   file=sys.stderr)  # fmt: skip

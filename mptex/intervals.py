@@ -30,6 +30,7 @@ __all__ = [
     "t_quantile",
     "mean_ci",
     "family_confidence",
+    "percent",
     "verdict",
 ]
 
@@ -171,6 +172,12 @@ def family_confidence(k: int, adjust: str = "none", confidence: float = CONFIDEN
     if adjust == "none" or k <= 1:
         return float(confidence)
     return 1.0 - (1.0 - confidence) / k
+
+
+def percent(confidence: float) -> str:
+    """A confidence as a percentage, to two decimals at most: ``95%``, ``97.5%``, ``98.33%``
+    (Bonferroni's 1 - 0.05/3)."""
+    return f"{confidence * 100:.2f}".rstrip("0").rstrip(".") + "%"
 
 
 def verdict(ci: Mapping[str, Any], margin_db: float = EQUIVALENCE_MARGIN_DB) -> str:

@@ -95,6 +95,7 @@ def test_cost_of_the_bf16_grid_by_hand():
         ({"space": {"master_weights": ["yes"]}}, "search.space.master_weights"),
         ({"space": {"quantized": ["int4_qat"]}}, "search.space.quantized"),
         ({"name": "a/b"}, "search.name"),
+        ({"adjust": "holm"}, "search.adjust"),
     ],
 )
 def test_bad_search_config_names_the_key(search, key):
@@ -220,6 +221,15 @@ def test_certification_is_the_report_equivalence_rule():
     assert crossing["verdict"] == "better"
     assert not certify([0.0], 0.5)["certified"]  # one seed: no interval
     assert not certify([-0.45, -0.05, -0.25], 0.5)["certified"]  # low = -0.25 - 0.497 < -0.5
+    # Bonferroni over 3 candidates: each interval at 1 - 0.05/3, t(1 - 0.05/6, 2) = 7.6488 in
+    # closed form (2 degrees of freedom: t = u sqrt(2 / (1 - u^2)), u = 2p - 1), half width
+    # 7.6488 * 0.1 / sqrt(3) = 0.4416: [-0.242, 0.642] crosses +0.5, so the same deltas that
+    # certify on their own do not certify as one of three.
+    u = 2 * (1 - 0.05 / 6) - 1
+    adjusted = certify([0.1, 0.3, 0.2], 0.5, 1 - 0.05 / 3)
+    assert adjusted["half_width"] == pytest.approx(u * (2 / (1 - u * u)) ** 0.5 * 0.1 / 3**0.5,
+                                                   rel=1e-9)  # fmt: skip
+    assert not adjusted["certified"] and adjusted["confidence"] == 1 - 0.05 / 3
 
 
 def test_pareto_front_keeps_the_undominated_points():
@@ -373,6 +383,45 @@ def test_search_resumes_after_a_stop_signal_with_the_same_result(tmp_path, searc
     assert again["budget"]["trained"] == 0 and again["budget"]["reused"] == again["budget"]["runs"]
     # its wall time is the invocations' together, not the third's alone (which trained nothing)
     assert again["budget"]["search_wall_s"] > resumed["budget"]["search_wall_s"] > 0
+
+
+def test_bonferroni_certifies_each_candidate_at_the_searchs_share(tmp_path, searched):
+    # Same runs (copied): only the intervals change, each at 1 - 0.05/max_certify (2 here).
+    import shutil
+
+    tmp, summary = searched
+    shutil.copytree(tmp / "out" / "runs", tmp_path / "out" / "runs")
+    held = run_search(_cfg(tmp_path, "search.adjust=bonferroni"), tmp_path / "out")
+    assert held["budget"]["trained"] == 0
+    assert held["adjust"] == "bonferroni" and held["confidence"] == pytest.approx(0.975)
+    assert summary["adjust"] == "none" and summary["confidence"] == 0.95
+    for before, after in zip(summary["candidates"], held["candidates"]):
+        old, new = before["certificate"], after["certificate"]
+        assert before["candidate"] == after["candidate"]
+        if old and old.get("half_width") is not None:
+            # the same pairs: the interval widens by the ratio of the t quantiles (2 seeds,
+            # 1 degree of freedom: t = tan(pi (p - 1/2)), 12.706 -> 25.452)
+            ratio = math.tan(math.pi * (0.9875 - 0.5)) / math.tan(math.pi * (0.975 - 0.5))
+            assert new["mean"] == old["mean"]
+            assert new["half_width"] == pytest.approx(old["half_width"] * ratio, rel=1e-9)
+    text = (tmp_path / "out" / "search.md").read_text()
+    assert "97.5 % (Bonferroni over max_certify = 2)" in text
+    assert "at most 2.5 %" in text
+    # the directory remembers the adjustment: continuing it unadjusted is another search
+    with pytest.raises(SearchError, match=r"different: search.adjust\)"):
+        run_search(_cfg(tmp_path), tmp_path / "out")
+
+
+def test_a_directory_from_before_the_adjustment_continues_unadjusted(tmp_path, searched):
+    import shutil
+
+    tmp, _ = searched
+    shutil.copytree(tmp / "out", tmp_path / "out")
+    record = json.loads((tmp_path / "out" / "search_config.json").read_text())
+    assert "adjust" not in record["search"]  # at its default: left out of the record
+    # so a directory whose record was written before the key existed is the same search
+    again = run_search(_cfg(tmp_path, config_dir=False), tmp_path / "out")
+    assert again["budget"]["trained"] == 0
 
 
 def test_a_search_dir_refuses_other_settings(tmp_path, searched):

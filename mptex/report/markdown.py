@@ -8,6 +8,7 @@ from typing import Any
 
 from mptex.collapse import PARTLY_STUCK_RULE
 from mptex.collapse import RULE as COLLAPSE_RULE
+from mptex.intervals import percent as _level
 from mptex.numbers import is_number
 from mptex.report.collect import (
     REFERENCE_ARM,
@@ -29,12 +30,6 @@ __all__ = ["render_report"]
 # ----------------------------------------------------------------------------- formatting
 def _fmt(value: Any, spec: str) -> str:
     return format(value, spec) if is_number(value) else "–"
-
-
-def _level(confidence: float) -> str:
-    """A confidence as a percentage to two decimals at most: ``95%``, ``97.5%``, ``98.33%``
-    (Bonferroni at k = 3)."""
-    return f"{confidence * 100:.2f}".rstrip("0").rstrip(".") + "%"
 
 
 def _confidence(row: Mapping[str, Any]) -> float:

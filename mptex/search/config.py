@@ -17,11 +17,13 @@ from mptex.config_schema import (
     Integer,
     Name,
     Number,
+    OneOf,
     OrNull,
     check_group,
     defaults_of,
     setting,
 )
+from mptex.intervals import ADJUSTMENTS
 from mptex.search.cost import CostConfig
 from mptex.search.space import SpaceConfig
 
@@ -62,6 +64,10 @@ class SearchConfig:
     max_certify: int = setting(3, Integer(min=1))
     """Candidates run over the certification seeds, cheapest first (each a test of its own:
     with k tried, one truly outside the margin certifies with a chance up to k x 2.5 %)."""
+    adjust: str = setting("none", OneOf(ADJUSTMENTS))
+    """``none``: each certification's interval at 95 %; ``bonferroni``: at 1 - 0.05 /
+    ``max_certify``, so that the chance that any candidate tried certifies although truly
+    outside the margin is at most 2.5 % for the search as a whole."""
     workers: int = setting(2, Integer(min=1))
     """Training runs at a time, one process each."""
     threads: int = setting(1, Integer(min=1))

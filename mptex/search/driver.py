@@ -29,11 +29,14 @@ with one candidate as the ``precision`` group:
    interval that counted it again would be pulled towards 0 (a candidate truly 0.5 dB worse
    than f32 was measured to certify about twice as often as the interval's 2.5 % with the
    screen's seed counted, in a simulation of 3 seeds). Certified when all ``certify_seeds`` runs
-   completed and the paired 95 % Student-t interval of Δ lies within ``[-margin_db,
-   +margin_db]`` (the report's equivalence rule, :func:`mptex.intervals.mean_ci`). The first
-   certified is the answer; at most ``max_certify`` candidates are tried, each a test of its
-   own (with k tried, the chance that one truly outside the margin certifies is up to k x
-   2.5 %). If none certifies the answer is f32 itself.
+   completed and the paired Student-t interval of Δ (95 %, or adjusted: below) lies within
+   ``[-margin_db, +margin_db]`` (the report's equivalence rule,
+   :func:`mptex.intervals.mean_ci`). The first certified is the answer; at most
+   ``max_certify`` candidates are tried, each a test of its own (with k tried, the chance that
+   one truly outside the margin certifies is up to k x 2.5 %), unless ``search.adjust`` is
+   ``bonferroni``: then each interval is at ``1 - 0.05 / max_certify`` and that chance is at
+   most 2.5 % for the whole search (:func:`mptex.intervals.family_confidence`). If none
+   certifies the answer is f32 itself.
 8. **Output** in the search directory: ``search.json`` (every candidate: stage, cost, runs, Δ,
    interval, verdict; the pruned list; the budget), ``search.md`` (the report section) with
    ``pareto.png``, and ``precision/<name>.yaml`` under ``search.config_dir`` (default: the
@@ -61,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from mptex.config_schema import plain
+from mptex.intervals import CONFIDENCE, family_confidence
 from mptex.search.config import SearchError, check_search_config
 from mptex.search.cost import iteration_cost, shape_from_config
 from mptex.search.pool import RunPool
@@ -78,17 +82,22 @@ from mptex.train.signals import DEFAULT_STOP_SIGNALS, StopSignals
 __all__ = ["certify", "run_search"]
 
 
-def certify(deltas: Sequence[float], margin_db: float) -> dict[str, Any]:
-    """Paired 95 % interval of ``deltas`` (dB) and whether it lies within ``±margin_db``.
+def certify(
+    deltas: Sequence[float], margin_db: float, confidence: float = CONFIDENCE
+) -> dict[str, Any]:
+    """Paired interval of ``deltas`` (dB) at ``confidence`` (two-sided; 95 % by default) and
+    whether it lies within ``±margin_db``.
 
-    Returns ``mean_ci``'s dict plus ``verdict`` (the report's) and ``certified`` (True only when
-    ``-margin_db <= low`` and ``high <= margin_db``; never with fewer than 2 values).
+    Returns ``mean_ci``'s dict plus ``confidence``, ``verdict`` (the report's) and
+    ``certified`` (True only when ``-margin_db <= low`` and ``high <= margin_db``; never with
+    fewer than 2 values).
     """
     from mptex.intervals import mean_ci, verdict
 
-    ci = mean_ci(deltas)
+    ci = mean_ci(deltas, confidence)
     ok = ci["low"] is not None and -margin_db <= ci["low"] and ci["high"] <= margin_db
-    return {**ci, "verdict": verdict(ci, margin_db), "certified": bool(ok)}
+    return {**ci, "confidence": confidence, "verdict": verdict(ci, margin_db),
+            "certified": bool(ok)}  # fmt: skip
 
 
 def _points(full: Mapping[str, Any]) -> int:
@@ -234,7 +243,13 @@ class SearchState:
                 "n": sum(d is not None for d in deltas),
                 "reason": f"runs not completed: {statuses}",
             }
-        return certify(deltas, self.settings["margin_db"])
+        return certify(deltas, self.settings["margin_db"], self.confidence)
+
+    @property
+    def confidence(self) -> float:
+        """Each certification interval's two-sided confidence (``search.adjust``)."""
+        settings = self.settings
+        return family_confidence(settings["max_certify"], settings["adjust"])
 
 
 def _preferred(

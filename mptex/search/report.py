@@ -8,7 +8,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from mptex.search.results import confidence_text
+
 __all__ = ["write_search_report", "pareto_front"]
+
+
+def _multiplicity(summary: Mapping[str, Any]) -> str:
+    """What the certification's error rate is for the search as a whole."""
+    if summary.get("adjust", "none") != "none" and summary.get("max_certify", 1) > 1:
+        return (f"adjusted so that the chance that any of the up to {summary['max_certify']} "
+                "candidates tried certifies although truly outside the margin is at most "
+                "2.5 %")  # fmt: skip
+    return ("each candidate tried is a test of its own: with k tried, one truly outside the "
+            "margin certifies with a chance up to k x 2.5 %; `search.adjust=bonferroni` holds "
+            "the search to 2.5 %")  # fmt: skip
 
 
 def _interval(cert: Mapping[str, Any] | None) -> str:
@@ -102,7 +115,9 @@ def _plot(path: Path, summary: Mapping[str, Any]) -> bool:
     ax.set_xlabel(f"{what} µs / iteration on {summary['cost']['gpu_name']}")
     ax.set_ylabel("PSNR − PSNR(f32) [dB]")
     ax.set_title(
-        "Precision search: cost vs quality (hollow: one seed; bars: paired 95 % CI)", fontsize=9
+        f"Precision search: cost vs quality (hollow: one seed; bars: paired "
+        f"{confidence_text({**summary, 'adjust': 'none'})} CI)",
+        fontsize=9,
     )
     ax.legend(fontsize=7, loc="best")
     fig.savefig(path, dpi=120)
@@ -130,7 +145,8 @@ def write_search_report(out: str | os.PathLike, summary: Mapping[str, Any]) -> P
     else:
         lines.append(
             f"**Certified cheapest: `{best['candidate']}`** — PSNR − PSNR(f32) "
-            f"{_interval(best['certificate'])} dB (paired 95 % Student-t interval, seeds "
+            f"{_interval(best['certificate'])} dB (paired {confidence_text(summary)} Student-t "
+            "interval, seeds "
             f"{seeds}, inside ±{margin} dB); cost {best['cost_s'] * 1e6:.1f} µs / "
             f"iteration vs f32's {ref['cost_s'] * 1e6:.1f} µs "
             f"({ref['cost_s'] / best['cost_s']:.2f}x less), {where}."
@@ -152,9 +168,9 @@ def write_search_report(out: str | os.PathLike, summary: Mapping[str, Any]) -> P
         f"({s0}) and pass when |Δ| <= {summary['screen_db']} dB (Δ = PSNR − PSNR(f32), "
         f"same seed); passing candidates cheaper than f32 are run over seeds {seeds} (fresh "
         f"seeds: the screen's, which chose them, would pull the interval towards 0), "
-        f"cheapest first, and certified when the paired 95 % interval of Δ lies within "
-        f"±{margin} dB (a collapsed, diverged or failed run is never certified; each "
-        f"candidate tried is a test of its own). Cost: "
+        f"cheapest first, and certified when the paired {confidence_text(summary)} interval "
+        f"of Δ lies within ±{margin} dB (a collapsed, diverged or failed run is never "
+        f"certified; {_multiplicity(summary)}). Cost: "
         f"{what} (model: one iteration of the texture on {cost['gpu_name']}, {cost['source']}, "
         f"{cost['points']} texture queries per iteration; its assumptions are in "
         "`mptex/search/cost.py` and the README).",
@@ -164,7 +180,8 @@ def write_search_report(out: str | os.PathLike, summary: Mapping[str, Any]) -> P
         lines += ["![cost vs quality](pareto.png)", ""]
     lines += [
         "| candidate | stage | µs / it | vs f32 | Δ seed "
-        f"{s0} [dB] | Δ mean [95 % CI] | verdict | certified | runs |",
+        f"{s0} [dB] | Δ mean [{confidence_text({**summary, 'adjust': 'none'})} CI] | verdict | "
+        "certified | runs |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary["candidates"]:

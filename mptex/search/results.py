@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mptex._paths import CONFIG_DIR
+from mptex.intervals import CONFIDENCE, percent
 from mptex.search.config import SearchError
 from mptex.search.cost import GPUS
 from mptex.search.space import Candidate
@@ -98,12 +99,25 @@ def check_result_path(path: Path, name: str) -> None:
             )
 
 
+def confidence_text(summary: Mapping[str, Any]) -> str:
+    """The certification intervals' confidence as the search's texts state it: ``95 %``, or
+    ``98.33 % (Bonferroni over max_certify = 3)``."""
+    level = percent(summary.get("confidence", CONFIDENCE)).replace("%", " %")
+    if summary.get("adjust", "none") == "none" or summary.get("max_certify", 1) <= 1:
+        return level
+    return f"{level} (Bonferroni over max_certify = {summary['max_certify']})"
+
+
 def settings_record(settings: Mapping[str, Any], full: Mapping[str, Any]) -> dict[str, Any]:
     """What must stay the same for a search directory's runs to be one search's: the search
     settings (but its parallelism) and the scene, texture and training of the runs."""
     train = {k: v for k, v in full["train"].items() if k not in _RUN_ONLY_KEYS}
+    # search.adjust at its default is left out: a directory started before the key existed
+    # (unadjusted, as that default is) continues under the same command.
+    search = {k: v for k, v in settings.items() if k not in ("workers", "threads")
+              and not (k == "adjust" and v == "none")}  # fmt: skip
     return {
-        "search": {k: v for k, v in settings.items() if k not in ("workers", "threads")},
+        "search": search,
         "scene": full["scene"],
         "texture": full["texture"],
         "train": train,
@@ -204,6 +218,9 @@ def summarise(state: SearchState, certified: Candidate) -> dict[str, Any]:
         "screen_seed": s0,
         "seeds": seeds,
         "margin_db": settings["margin_db"],
+        "adjust": settings["adjust"],
+        "confidence": state.confidence,
+        "max_certify": settings["max_certify"],
         "screen_db": settings["screen_db"],
         "cost": {
             "gpu": settings["cost"]["gpu"],
@@ -332,8 +349,9 @@ def write_result(path: Path, candidate: Candidate, summary: Mapping[str, Any]) -
     ref_row = next(r for r in summary["candidates"] if r["candidate"] == summary["reference"])
     lines = [
         f"{_HEADER} ({summary['name']}): the cheapest assignment certified against f32.",
-        f"# Candidate {candidate.name}; paired 95 % interval of PSNR - PSNR(f32) over seeds "
-        f"{summary['seeds']}: {interval} (margin +-{summary['margin_db']} dB).",
+        f"# Candidate {candidate.name}; paired {confidence_text(summary)} interval of PSNR - "
+        f"PSNR(f32) over seeds {summary['seeds']}: {interval} (margin +-{summary['margin_db']} "
+        "dB).",
         f"# Modelled cost {row['model_s'] * 1e6:.1f} us / iteration on "
         f"{summary['cost']['gpu_name']} (f32: {ref_row['model_s'] * 1e6:.1f} us); "
         "report: search.md in the search directory.",

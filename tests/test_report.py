@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -122,18 +123,18 @@ def test_confidence_interval_refuses_a_non_finite_value_in_one_line(bad):
 
 
 def test_printed_bounds_keep_what_the_exact_ones_say_about_zero_and_the_margin():
-    from mptex.report.markdown import _interval_text
+    from mptex.report.markdown import interval_text
 
     # +0.004 printed +0.00 would touch 0 under "better": one more digit.
-    assert _interval_text({"mean": 0.1, "low": 0.004, "high": 0.196}, 0.5) == (
+    assert interval_text({"mean": 0.1, "low": 0.004, "high": 0.196}, 0.5) == (
         "+0.100", "+0.004", "+0.196")  # fmt: skip
     # -0.5004 printed -0.50 (or -0.500) would lie inside the margin: four digits.
-    assert _interval_text({"mean": -0.2, "low": -0.5004, "high": 0.1}, 0.5)[1] == "-0.5004"
-    assert _interval_text({"mean": -2.1667, "low": -2.88, "high": -1.45}, 0.5) == (
+    assert interval_text({"mean": -0.2, "low": -0.5004, "high": 0.1}, 0.5)[1] == "-0.5004"
+    assert interval_text({"mean": -2.1667, "low": -2.88, "high": -1.45}, 0.5) == (
         "-2.17", "-2.88", "-1.45")  # fmt: skip
     # Beyond six digits: the shortest text that reads back as the value.
-    assert _interval_text({"mean": 0.1, "low": 1e-9, "high": 0.2}, 0.5)[1] == "+1e-09"
-    assert _interval_text({"mean": -0.2, "low": -0.5000001, "high": 0.1}, 0.5)[1] == "-0.5000001"
+    assert interval_text({"mean": 0.1, "low": 1e-9, "high": 0.2}, 0.5)[1] == "+1e-09"
+    assert interval_text({"mean": -0.2, "low": -0.5000001, "high": 0.1}, 0.5)[1] == "-0.5000001"
 
 
 @pytest.mark.parametrize(
@@ -785,6 +786,9 @@ def test_the_report_says_how_its_intervals_are_adjusted(tmp_path, capsys):
     assert "at 98.75% one-sided confidence" in text
     headline = _headline(text)
     assert "**`bf16`**" in headline and "97.5% CI [" in headline
+    tex = (tmp_path / "results.tex").read_text()
+    assert r"(dB) [97.5\% CI]" in tex
+    assert "Bonferroni-adjusted over the report's 2 comparisons" in tex
     document = json.loads((tmp_path / "results.json").read_text())
     assert document["intervals"] == {
         "adjust": "bonferroni",
@@ -800,6 +804,70 @@ def test_the_report_says_how_its_intervals_are_adjusted(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         report_main([str(tmp_path), "--adjust", "holm"])
     assert stop.value.code == 2 and "--adjust" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- LaTeX
+def test_latex_escape_hand_cases():
+    from mptex.report.latex import escape
+
+    assert escape("fp8_rowwise") == r"fp8\_rowwise"
+    assert escape("a%b&c#d$e{f}g") == r"a\%b\&c\#d\$e\{f\}g"
+    assert escape("~^\\") == r"\textasciitilde{}\textasciicircum{}\textbackslash{}"
+    assert escape("±0.5 dB") == r"$\pm$0.5 dB"
+
+
+def _cells(line):
+    """A tabular row's cells, split at the ampersands that are not escaped."""
+    assert line.endswith(r" \\"), line
+    return [c.strip() for c in re.split(r"(?<!\\)&", line[: -len(r" \\")])]
+
+
+def _balanced(text):
+    depth = 0
+    for m in re.finditer(r"(?<!\\)[{}]", text):
+        depth += 1 if m.group() == "{" else -1
+        assert depth >= 0, text
+    return depth == 0
+
+
+def test_results_tex_holds_report_mds_numbers_per_section(tmp_path):
+    # Two scenes (two tables), an arm with an underscore, a diverged run, a run below the
+    # baseline, and a precision key swept over every arm (a column).
+    for scene, base in (("duck", 30.0), ("spot", 40.0)):
+        for scale in (64.0, 128.0):
+            for seed in range(3):
+                cfg = {"precision.static_loss_scale": scale}
+                _write(tmp_path, f"{scene}_{scale}_f32_{seed}",
+                       _metrics("f32", seed, psnr=base + seed, scene=scene, config=cfg))
+                status = "diverged" if (scene, scale, seed) == ("spot", 64.0, 2) else "completed"
+                psnr = base + seed + (-0.2, 0.1, 0.4)[seed]
+                _write(tmp_path, f"{scene}_{scale}_f16_{seed}",
+                       _metrics("f16_dynamic", seed, psnr=psnr, scene=scene, config=cfg,
+                                status=status, baseline=base + 1.5))  # fmt: skip
+    assert report_main([str(tmp_path)]) == 0
+    tex = (tmp_path / "results.tex").read_text()
+    md = (tmp_path / "report.md").read_text()
+    assert tex.count(r"\begin{table}") == 2 and _balanced(tex)
+    assert r"\begin{tabular}{llrrllrr}" in tex  # arm, the swept key, then six columns
+    rows = [line for line in tex.splitlines() if line.startswith(r"\texttt{")]
+    assert len(rows) == 8 and all(len(_cells(r)) == 8 for r in rows)
+    header = next(line for line in tex.splitlines() if line.startswith("Arm &"))
+    assert len(_cells(header)) == 8 and r"\texttt{precision.static\_loss\_scale}" in header
+    # Each Δ cell is report.md's with the signs in math mode
+    for row in summarize(collect_runs(tmp_path)):
+        if row["precision"] != "f16_dynamic":
+            continue
+        d = row["delta"]
+        mean, low, high = (format(v, "+.2f") for v in (d["mean"], d["low"], d["high"]))
+        assert f"| {mean} [{low}, {high}]" in md
+        line = next(r for r in rows if r.startswith(r"\texttt{f16\_dynamic}")
+                    and f"${mean}$ [${low}$, ${high}$]" in r)  # fmt: skip
+        assert _cells(line)[2] == f"{row['n_seeds']}/{row['n_runs']}"
+    assert any(_cells(r)[2] == "2/3" for r in rows)  # the diverged run counted, not hidden
+    # f16_dynamic's seeds 0 and 1 are below their baseline (base + 1.5), f32's never (20 dB)
+    assert all((r"\textsuperscript{\dag}" in r) == ("f16" in r) for r in rows)
+    assert "95\\% Student-t interval" in tex and "not adjusted for multiplicity" in tex
+    assert "scene duck" in tex and "scene spot" in tex
 
 
 # ----------------------------------------------------------------------------- nvdiffrec #154

@@ -6,12 +6,15 @@ multirun, writes into each sweep directory:
 
 - ``report.md``: per context (scene and every other swept value outside the precision group),
   one row per arm: n seeds, PSNR mean ± std, the paired difference to ``f32`` with its 95 %
-  Student-t interval and the verdict it supports, the constant-colour baseline, time per
-  iteration and speed-up, peak memory, skipped steps, effective loss scale and the runs'
-  outcomes; the device and versions; an automatic reading (the fastest arm at f32's quality by
-  the interval, arms judged worse, diverged and failed runs, runs under the baseline).
+  Student-t interval (or Bonferroni-adjusted: ``--adjust``) and the verdict it supports, the
+  constant-colour baseline, time per iteration and speed-up, peak memory, skipped steps,
+  effective loss scale and the runs' outcomes; the device and versions; an automatic reading
+  (the fastest arm at f32's quality by the interval, arms judged worse, diverged and failed
+  runs, runs under the baseline).
 - ``results.csv`` / ``results.json``: the raw per-run numbers (and, in the JSON, the row
   summaries the tables show).
+- ``results.tex``: report.md's tables as LaTeX tables (booktabs), each with a caption that
+  states its seeds, interval and adjustment, to paste into a paper.
 - ``psnr_curves.png``, ``loss_scale.png`` (effective scale), ``images.png`` (reference, each arm,
   zoom, error map).
 
@@ -19,8 +22,9 @@ Modules: :mod:`~mptex.report.collect` (jobs, configs, sweeps, grouping by the sw
 :mod:`~mptex.report.stats` (paired differences, intervals, verdicts),
 :mod:`~mptex.report.compare` (two reports' results compared, timings left out),
 :mod:`~mptex.report.markdown`, :mod:`~mptex.report.plots`, :mod:`~mptex.report.writer` (writing
-the files, and the Hydra callbacks); the command is :mod:`mptex.cli.report`. Nothing here
-imports the training loop: ``metrics.json`` is the contract (docs/metrics.md).
+the files, and the Hydra callbacks), :mod:`~mptex.report.latex`; the command is
+:mod:`mptex.cli.report`. Nothing here imports the training loop: ``metrics.json`` is the
+contract (docs/metrics.md).
 """
 
 from mptex.report.collect import (

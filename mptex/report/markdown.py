@@ -57,7 +57,7 @@ def _psnr(row: Mapping[str, Any]) -> str:
     return text + (" ⚠" if row["below_baseline"] else "")
 
 
-def _interval_text(delta: Mapping[str, Any], margin_db: float) -> tuple[str, str, str]:
+def interval_text(delta: Mapping[str, Any], margin_db: float) -> tuple[str, str, str]:
     """Mean, low and high as printed: two decimals, or as many more (up to six) as it takes for
     the printed bounds to say what the exact ones say about 0 and ±``margin_db`` (a low of
     0.004 printed +0.00 would read as touching 0 under a verdict of ``better``); beyond six,
@@ -74,20 +74,25 @@ def _interval_text(delta: Mapping[str, Any], margin_db: float) -> tuple[str, str
     return format(delta["mean"], "+.6f"), format(low, "+"), format(high, "+")
 
 
-def _delta(row: Mapping[str, Any], margin_db: float) -> str:
+def delta_cell(
+    row: Mapping[str, Any], margin_db: float, number=lambda text: text, none: str = "–"
+) -> str:
+    """The Δ column's cell: ``+0.12 [-0.05, +0.29]``, ``(n pairs)`` where they are not the
+    row's seeds, ``+0.20 (1 seed)`` without an interval, ``none`` without a comparison;
+    ``number`` wraps each printed number (LaTeX's math mode)."""
     delta = row["delta"]
     if row["verdict"] is None or delta["mean"] is None:
-        return "–"
+        return none
     if delta["half_width"] is None:
-        return f"{_signed(delta['mean'])} (1 seed)"
-    mean, low, high = _interval_text(delta, margin_db)
+        return f"{number(_signed(delta['mean']))} (1 seed)"
+    mean, low, high = interval_text(delta, margin_db)
     # The pairs are the seeds both completed: said where that is not the row's seeds column.
     n = delta["n"]
     pairs = f" ({n} pairs)" if n != row["n_seeds"] else ""
-    return f"{mean} [{low}, {high}]{pairs}"
+    return f"{number(mean)} [{number(low)}, {number(high)}]{pairs}"
 
 
-def _verdict(row: Mapping[str, Any], margin_db: float) -> str:
+def verdict_text(row: Mapping[str, Any], margin_db: float) -> str:
     if row["verdict"] is None:
         return "reference" if row["precision"] == REFERENCE_ARM else "no reference"
     if row["verdict"] == "no paired seeds":
@@ -241,10 +246,10 @@ def _headline(
         )
     else:
         d = best["delta"]
-        mean, low, high = _interval_text(d, margin_db)
+        mean, low, high = interval_text(d, margin_db)
         lines.append(
             f"- Fastest arm at {ref_name}'s quality: **{_name(best)}** "
-            f"({_verdict(best, margin_db)}: Δ {mean} dB, {_level(_confidence(best))} CI "
+            f"({verdict_text(best, margin_db)}: Δ {mean} dB, {_level(_confidence(best))} CI "
             f"[{low}, {high}] over {d['n']} seeds; "
             f"{_fmt(best['time_per_iter_s'] * 1e3, '.1f')} ms/iteration, "
             f"{_fmt(best['speedup'], '.2f')}x {ref_name}'s speed, a ratio of mean times)."
@@ -312,7 +317,7 @@ def _reading(
             # Rows with no completed run are in the diverged / failed / collapsed lines below.
             hit = [r for r in compared if r["verdict"] == name and r["n_seeds"]]
             if hit:
-                items = ", ".join(f"{_name(r)} ({_delta(r, margin_db)} dB)" for r in hit)
+                items = ", ".join(f"{_name(r)} ({delta_cell(r, margin_db)} dB)" for r in hit)
                 lead = {
                     "worse": f"Worse than `{REFERENCE_ARM}`",
                     "better": f"Better than `{REFERENCE_ARM}`",
@@ -616,7 +621,7 @@ def render_report(
                   f"{', '.join(map(str, views)) or '–'}{sampling}.", ""]  # fmt: skip
         table = [[
             f"`{r['precision']}`", *(_value(r["keys"].get(k)) for k in key_columns),
-            str(r["n_seeds"]), _psnr(r), _delta(r, margin_db), _verdict(r, margin_db),
+            str(r["n_seeds"]), _psnr(r), delta_cell(r, margin_db), verdict_text(r, margin_db),
             _fmt(r["baseline_psnr"], ".2f"),
             _fmt(r["time_per_iter_s"] * 1e3 if is_number(r["time_per_iter_s"]) else None, ".1f"),
             _fmt(r["speedup"], ".2f"),

@@ -1,8 +1,8 @@
 """Writing the report (:func:`write_report`, which ``mptex-report`` runs) and the Hydra callbacks.
 
 Order of work in :func:`write_report`: read every job, group, summarise (nothing written yet, so
-a bad file can never leave half a report); then results.csv, results.json, the plots (a plot
-that fails is named in report.md, never fatal) and report.md last.
+a bad file can never leave half a report); then results.csv, results.json, results.tex, the
+plots (a plot that fails is named in report.md, never fatal) and report.md last.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
-from mptex.report import attribution, collect, markdown, plots, stats
+from mptex.report import attribution, collect, latex, markdown, plots, stats
 
 __all__ = ["REPORT_FILES", "SweepDirInUse", "summarize", "write_report",
            "ReportCallback", "FreshSweepDirCallback"]  # fmt: skip
 
-REPORT_FILES = ("report.md", "results.csv", "results.json", "psnr_curves.png", "loss_scale.png",
-                "images.png")  # fmt: skip
+REPORT_FILES = ("report.md", "results.csv", "results.json", "results.tex", "psnr_curves.png",
+                "loss_scale.png", "images.png")  # fmt: skip
 # Created (O_EXCL) in a sweep directory by FreshSweepDirCallback: the sweep that owns it.
 SWEEP_MARKER = ".mptex_sweep"
 
@@ -131,6 +131,12 @@ def write_report(
                 "intervals": family, "runs": plain_runs, "summary": rows,
                 "nvdiffrec154": study}  # fmt: skip
     path.write_text(json.dumps(_plain(document), indent=2, allow_nan=False, default=str) + "\n")
+    written[path.name] = path
+
+    path = sweep_dir / "results.tex"
+    devices = sorted({str(r["device"]) for r in runs if r.get("device")})
+    path.write_text(latex.render_latex(rows, sections, margin_db, str(sweep_dir), devices,
+                                       collect.concurrent_jobs(sweep_dir)))  # fmt: skip
     written[path.name] = path
 
     made: dict[str, Any] = {}

@@ -806,6 +806,38 @@ def test_the_report_says_how_its_intervals_are_adjusted(tmp_path, capsys):
     assert stop.value.code == 2 and "--adjust" in capsys.readouterr().err
 
 
+def test_seeds_to_settle_an_inconclusive_interval_hand_values():
+    from mptex.report.stats import seeds_to_settle
+
+    # mean 0.2, sd 0.5, margin 0.5: inside the margin once t(0.975, n-1) * 0.5 / sqrt(n) <= 0.3,
+    # i.e. t / sqrt(n) <= 0.6: n = 13 gives 2.179 / 3.606 = 0.604 (t table, 12 dof), n = 14
+    # gives 2.160 / 3.742 = 0.577; excluding 0 would take t / sqrt(n) < 0.4 (n = 27).
+    assert seeds_to_settle({"mean": 0.2, "sd": 0.5, "n": 2}, 0.5) == 14
+    # |mean| beyond the margin: only a shown difference settles it, t / sqrt(n) < 0.6 / 0.5:
+    # n = 5 gives 2.776 / 2.236 = 1.242 (4 dof), n = 6 gives 2.571 / 2.449 = 1.050.
+    assert seeds_to_settle({"mean": -0.6, "sd": 0.5, "n": 2}, 0.5) == 6
+    # sqrt(n) >= 10 t: about 385 seeds, past the estimate's cap; no spread: nothing to estimate
+    assert seeds_to_settle({"mean": 0.0, "sd": 5.0, "n": 3}, 0.5) is None
+    assert seeds_to_settle({"mean": 0.1, "sd": 0.0, "n": 3}, 0.5) is None
+
+
+def test_the_reading_says_how_many_seeds_would_settle_an_inconclusive_arm(tmp_path):
+    _three_seeds(tmp_path, "f32", [40.0, 41.0, 42.0], t=0.30)
+    _three_seeds(tmp_path, "amp", [44.0, 37.0, 42.0], t=0.10)  # diffs +4, -4, 0: sd 4
+    _three_seeds(tmp_path, "bf16", [40.2, 40.6, 42.4], t=0.10)  # diffs +0.2, -0.4, +0.4
+    write_report(tmp_path)
+    rows = _rows(tmp_path)
+    # amp: mean 0, sd 4: inside ±0.5 once 4 t / sqrt(n) <= 0.5, sqrt(n) >= 8 t: about 250
+    assert rows[("amp",)]["seeds_to_settle"] is None
+    # bf16: mean 0.0667, sd 0.4163; inside ±0.5 once 0.0667 + t * 0.4163 / sqrt(n) <= 0.5
+    n = rows[("bf16",)]["seeds_to_settle"]
+    assert t_quantile(0.975, n - 1) * 0.41633 / math.sqrt(n) <= 0.5 - 0.06667
+    assert t_quantile(0.975, n - 2) * 0.41633 / math.sqrt(n - 1) > 0.5 - 0.06667
+    text = (tmp_path / "report.md").read_text()
+    assert f"`bf16` (+0.07 [-0.97, +1.10] dB; about {n} paired seeds at this mean and" in text
+    assert "`amp` (+0.00 [-9.94, +9.94] dB; more than 200 seeds at this mean and spread)" in text
+
+
 # ----------------------------------------------------------------------------- LaTeX
 def test_latex_escape_hand_cases():
     from mptex.report.latex import escape

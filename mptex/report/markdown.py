@@ -19,6 +19,7 @@ from mptex.report.collect import (
 )
 from mptex.report.stats import (
     CONFIDENCE,
+    SETTLE_MAX_SEEDS,
     at_reference_quality,
     fastest_at_reference_quality,
     non_inferior,
@@ -90,6 +91,16 @@ def delta_cell(
     n = delta["n"]
     pairs = f" ({n} pairs)" if n != row["n_seeds"] else ""
     return f"{number(mean)} [{number(low)}, {number(high)}]{pairs}"
+
+
+def _settle(row: Mapping[str, Any]) -> str:
+    """An inconclusive row's estimate of the paired seeds that would settle it."""
+    if row["verdict"] != "inconclusive":
+        return ""
+    n = row.get("seeds_to_settle")
+    if n is None:
+        return f"; more than {SETTLE_MAX_SEEDS} seeds at this mean and spread"
+    return f"; about {n} paired seeds at this mean and spread"
 
 
 def verdict_text(row: Mapping[str, Any], margin_db: float) -> str:
@@ -317,7 +328,8 @@ def _reading(
             # Rows with no completed run are in the diverged / failed / collapsed lines below.
             hit = [r for r in compared if r["verdict"] == name and r["n_seeds"]]
             if hit:
-                items = ", ".join(f"{_name(r)} ({delta_cell(r, margin_db)} dB)" for r in hit)
+                items = ", ".join(f"{_name(r)} ({delta_cell(r, margin_db)} dB{_settle(r)})"
+                                  for r in hit)  # fmt: skip
                 lead = {
                     "worse": f"Worse than `{REFERENCE_ARM}`",
                     "better": f"Better than `{REFERENCE_ARM}`",
@@ -670,8 +682,10 @@ def render_report(
         f"- verdict: `better` / `worse` when the whole interval lies above / below 0; `no "
         f"detectable difference within ±{margin_db:g} dB` when it lies inside ±{margin_db:g} dB "
         f"(the equivalence margin, `--margin-db`); `inconclusive` otherwise (more seeds "
-        f"needed); `cannot judge` with fewer than 2 paired seeds; `, by at most "
-        f"{margin_db:g} dB` after `better` or `worse` when the interval lies inside "
+        "needed: the reading estimates how many paired seeds an interval of the measured mean "
+        f"and spread would need to exclude 0 or to fit inside ±{margin_db:g} dB, a planning "
+        "figure, as both move with more seeds); `cannot judge` with fewer than 2 paired seeds; "
+        f"`, by at most {margin_db:g} dB` after `better` or `worse` when the interval lies inside "
         f"±{margin_db:g} dB too. " + _multiplicity(adjust, family, level),
         f"- The fastest arm at `{REFERENCE_ARM}`'s quality is chosen by mean ms / iteration "
         f"among `{REFERENCE_ARM}` and the arms whose interval's lower end is at or above "

@@ -67,6 +67,7 @@ __all__ = [
     "summarize_groups",
     "grid_adam_eps",
     "sections",
+    "seeds_to_settle",
     "non_inferior",
     "at_reference_quality",
     "fastest_at_reference_quality",
@@ -246,8 +247,9 @@ def summarize_groups(
         that seed: in its PSNR, not in ``delta``), ``excluded`` (``seed``, ``run_dir``, ``why``:
         the row's seeds left out of the pairs because the run or its reference partner
         collapsed), ``delta`` (:func:`mean_ci` of the paired differences at ``confidence``),
-        ``verdict``, and the family's ``confidence`` (each interval's), ``adjust`` and
-        ``family`` (k, the comparisons with an interval).
+        ``verdict``, ``seeds_to_settle`` (inconclusive rows: :func:`seeds_to_settle`, else
+        None), and the family's ``confidence`` (each interval's), ``adjust`` and ``family`` (k,
+        the comparisons with an interval).
     """
     if adjust not in ADJUSTMENTS:
         raise ValueError(f"adjust: expected one of {', '.join(ADJUSTMENTS)}, got {adjust!r}")
@@ -291,9 +293,34 @@ def summarize_groups(
             row["verdict"] = "no paired seeds"
         else:
             row["verdict"] = verdict(row["delta"], margin_db)
+        row["seeds_to_settle"] = (seeds_to_settle(row["delta"], margin_db, confidence)
+                                  if row["verdict"] == "inconclusive" else None)  # fmt: skip
         t, t_ref = row["time_per_iter_s"], ref["time_per_iter_s"] if ref else None
         row["speedup"] = t_ref / t if is_number(t) and t > 0 and is_number(t_ref) else None
     return rows
+
+
+SETTLE_MAX_SEEDS = 200  # beyond this, "more than 200": the estimate means little there
+
+
+def seeds_to_settle(
+    delta: Mapping[str, Any], margin_db: float, confidence: float = CONFIDENCE
+) -> int | None:
+    """For an inconclusive interval: about how many paired seeds would settle it if the mean and
+    the spread of the differences stayed as measured, the smallest n with either
+    ``t * sd / sqrt(n) < |mean|`` (the interval excludes 0: a difference shown) or, where
+    ``|mean| < margin_db``, ``|mean| + t * sd / sqrt(n) <= margin_db`` (inside the margin: no
+    detectable difference), t being ``t_{(1 + confidence)/2, n - 1}``. An estimate from the
+    seeds so far, for planning a sweep (both the mean and the sd will move with more seeds);
+    None without a spread or beyond :data:`SETTLE_MAX_SEEDS`."""
+    mean, sd = delta.get("mean"), delta.get("sd")
+    if not (is_number(mean) and is_number(sd) and sd > 0):
+        return None
+    for n in range(max(int(delta.get("n") or 1) + 1, 2), SETTLE_MAX_SEEDS + 1):
+        half = t_quantile(0.5 + confidence / 2.0, n - 1) * sd / n**0.5
+        if half < abs(mean) or abs(mean) + half <= margin_db:
+            return n
+    return None
 
 
 def sections(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[int]]]:

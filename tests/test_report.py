@@ -170,6 +170,8 @@ def test_report_files_and_rows(sweep):
     written = write_report(sweep)
     # images.png needs the jobs' validation PNGs (test_report_images below).
     assert set(REPORT_FILES) - {"images.png"} <= set(written)
+    for name in ("psnr_curves.pdf", "loss_scale.pdf"):  # the curves as vector figures too
+        assert written[name].read_bytes().startswith(b"%PDF-")
     text = (sweep / "report.md").read_text()
     for arm in ("f32", "bf16", "f16_naive", "tcnn_fused", "amp"):
         assert f"| `{arm}` |" in text

@@ -103,6 +103,9 @@ def plot_history(
             octave per arm, stated in the title; the legend gives each arm's true last value),
             so that f32, bf16 and the other unscaled arms do not hide each other).
 
+    Writes ``path`` (PNG) and, beside it, the same figure as a vector PDF (``path`` with
+    ``.pdf``), the one to put in a paper.
+
     Returns:
         False (nothing written) when no completed or diverged run has a history.
     """
@@ -143,6 +146,7 @@ def plot_history(
     fig.suptitle(textwrap.fill(f"{ylabel}: mean over seeds, band min–max{note}",
                                55 * len(sections)), fontsize="medium")  # fmt: skip
     fig.savefig(path, dpi=100)
+    fig.savefig(Path(path).with_suffix(".pdf"))
     return True
 
 

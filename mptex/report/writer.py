@@ -25,7 +25,7 @@ __all__ = ["REPORT_FILES", "SweepDirInUse", "summarize", "write_report",
            "ReportCallback", "FreshSweepDirCallback"]  # fmt: skip
 
 REPORT_FILES = ("report.md", "results.csv", "results.json", "results.tex", "psnr_curves.png",
-                "loss_scale.png", "images.png")  # fmt: skip
+                "psnr_curves.pdf", "loss_scale.png", "loss_scale.pdf", "images.png")  # fmt: skip
 # Created (O_EXCL) in a sweep directory by FreshSweepDirCallback: the sweep that owns it.
 SWEEP_MARKER = ".mptex_sweep"
 
@@ -153,6 +153,9 @@ def write_report(
             made[name] = None
             failures.append(f"{name}: {type(exc).__name__}: {exc}")
     written.update({name: sweep_dir / name for name, value in made.items() if value})
+    for name in ("psnr_curves.png", "loss_scale.png"):  # each with its vector copy
+        if made[name]:
+            written[name[:-4] + ".pdf"] = sweep_dir / (name[:-4] + ".pdf")
 
     path = sweep_dir / "report.md"
     text = markdown.render_report(sweep_dir, runs, keys, rows, groups, sections, duplicates,

@@ -15,8 +15,8 @@ multirun, writes into each sweep directory:
   summaries the tables show).
 - ``results.tex``: report.md's tables as LaTeX tables (booktabs), each with a caption that
   states its seeds, interval and adjustment, to paste into a paper.
-- ``psnr_curves.png``, ``loss_scale.png`` (effective scale), ``images.png`` (reference, each arm,
-  zoom, error map).
+- ``psnr_curves.png``, ``loss_scale.png`` (effective scale), each also as a vector PDF, and
+  ``images.png`` (reference, each arm, zoom, error map).
 
 Modules: :mod:`~mptex.report.collect` (jobs, configs, sweeps, grouping by the swept keys),
 :mod:`~mptex.report.stats` (paired differences, intervals, verdicts),

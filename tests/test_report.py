@@ -808,6 +808,13 @@ def test_the_report_says_how_its_intervals_are_adjusted(tmp_path, capsys):
     assert stop.value.code == 2 and "--adjust" in capsys.readouterr().err
 
 
+def test_the_header_lists_seeds_by_value(tmp_path):
+    for seed in (10, 2, 0):
+        _write(tmp_path, f"f32_{seed}", _metrics("f32", seed))
+    write_report(tmp_path)
+    assert "; seeds: 0, 2, 10." in (tmp_path / "report.md").read_text()
+
+
 def test_seeds_to_settle_an_inconclusive_interval_hand_values():
     from mptex.report.stats import seeds_to_settle
 

@@ -274,9 +274,11 @@ def planned_jobs(sweep_dir: str | os.PathLike) -> int | None:
 def concurrent_jobs(sweep_dir: str | os.PathLike) -> int | None:
     """How many of the sweep's jobs ran at a time on one machine, from its ``multirun.yaml``:
     the joblib launcher's ``n_jobs`` (-1 or below: as many as the machine's cores, returned as
-    0), 1 for a launcher that runs jobs one after another on the machine (Hydra's basic one) or
-    each on an allocation of its own (submitit), None where the file is missing or unreadable
-    or names another launcher."""
+    0); for submitit's local launcher, which starts every job of a batch at once as a process
+    of its own, the sweeper's ``max_batch_size`` or else the sweep's job count
+    (:func:`planned_jobs`); 1 for a launcher that runs jobs one after another on the machine
+    (Hydra's basic one) or each on an allocation of its own (submitit's Slurm one); None where
+    the file is missing or unreadable, names another launcher, or the count is unknown."""
     hydra = _multirun_hydra(sweep_dir)
     launcher = hydra.get("launcher") if hydra is not None else None
     if not isinstance(launcher, Mapping):
@@ -289,6 +291,12 @@ def concurrent_jobs(sweep_dir: str | os.PathLike) -> int | None:
         return None
     if target.endswith(("BasicLauncher", "SlurmLauncher")):
         return 1
+    if target.endswith("submitit_launcher.LocalLauncher"):
+        batch = (hydra.get("sweeper") or {}).get("max_batch_size")
+        if isinstance(batch, int) and not isinstance(batch, bool) and batch > 0:
+            jobs = planned_jobs(sweep_dir)
+            return batch if jobs is None else min(batch, jobs)
+        return planned_jobs(sweep_dir)
     return None
 
 
@@ -411,7 +419,8 @@ def _arm_key(arm: Any) -> tuple[int, str]:
     return (ARM_ORDER.index(arm) if arm in ARM_ORDER else len(ARM_ORDER), str(arm))
 
 
-def _seed_key(seed: Any) -> tuple[int, str]:
+def seed_key(seed: Any) -> tuple[int, str]:
+    """Sort key of a seed: non-negative integers by value (2 before 10), anything else after."""
     return (0, f"{seed:020d}") if isinstance(seed, int) and seed >= 0 else (1, str(seed))
 
 
@@ -455,7 +464,7 @@ def collect_runs(sweep_dir: str | os.PathLike) -> list[dict[str, Any]]:
         for run in runs:
             if (run["config"] or {}).get("train.device") == "auto":
                 run["config"]["train.device"] = next(iter(resolved))
-    runs.sort(key=lambda r: (_arm_key(r["precision"]), _seed_key(r["seed"]), r["run_dir"]))
+    runs.sort(key=lambda r: (_arm_key(r["precision"]), seed_key(r["seed"]), r["run_dir"]))
     return runs
 
 
@@ -571,5 +580,5 @@ def group_runs(
         ),
     )
     for group in ordered:
-        group.sort(key=lambda r: _seed_key(r["seed"]))
+        group.sort(key=lambda r: seed_key(r["seed"]))
     return keys, ordered, duplicates, unidentified

@@ -16,6 +16,7 @@ from mptex.report.collect import (
     concurrent_jobs,
     partial_keys,
     planned_jobs,
+    seed_key,
 )
 from mptex.report.stats import (
     CONFIDENCE,
@@ -312,8 +313,9 @@ def _reading(
         if timed and shared != 1 and shared is not None:
             at_once = "as many as the machine's cores" if shared == 0 else f"up to {shared}"
             lines.append(
-                f"- The runs trained {at_once} at a time on one machine (the joblib launcher's "
-                "`n_jobs`): each ms / iteration holds the work of the runs beside it, so the "
+                f"- The runs trained {at_once} at a time on one machine (the sweep's launcher: "
+                "joblib's `n_jobs`, or submitit's local launcher, which starts a batch at once): "
+                "each ms / iteration holds the work of the runs beside it, so the "
                 "speed columns and the fastest arm compare arms only as far as each ran beside "
                 "a similar mix. An arm's own speed needs its runs alone on the device "
                 "(`hydra.launcher.n_jobs=1`, or one job per allocation on Slurm)."
@@ -533,7 +535,9 @@ def render_report(
     not counted, or as an unreadable run listed by path."""
     counts = {s: sum(r["status"] == s for r in runs) for s in STATUSES}
     shown = list(rows[0]["keys"]) if rows else []
-    seeds = sorted({str(r["seed"]) for r in runs if r.get("seed") is not None})
+    # by value, as the rows sort them (2 before 10)
+    seeds = sorted({r["seed"] for r in runs if r.get("seed") is not None}, key=seed_key)
+    seeds = list(dict.fromkeys(map(str, seeds)))
     lines = [
         "# mptex precision ablation",
         "",

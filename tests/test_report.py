@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from report_runs import metrics as _metrics
+from report_runs import write_run as _write
 
 import mptex.report as report
 from mptex.cli.report import report_main
@@ -20,43 +22,6 @@ from mptex.report import (
     write_report,
 )
 from mptex.report.plots import ARM_COLORS, arm_color, error_gain, image_panels
-
-
-def _metrics(arm, seed, psnr=30.0, t=0.1, status="completed", scene="builtin", config=None,
-             baseline=20.0, **extra):  # fmt: skip
-    history = [
-        {"iteration": 10, "loss": 0.1, "psnr": psnr - 1, "loss_scale": 1.0, "skipped": False},
-        {"iteration": 20, "loss": 0.05, "psnr": psnr, "loss_scale": 1.0, "skipped": False,
-         "net.0.grad_zero_frac": 0.25},
-    ]  # fmt: skip
-    full = {
-        "precision": {"name": arm, "mlp_backend": "torch", "loss_scaling": "none",
-                      "static_loss_scale": 128.0},
-        "scene": {"name": scene}, "train": {"seed": seed, "lr": 0.01},
-    }  # fmt: skip
-    for key, value in (config or {}).items():
-        group, leaf = key.split(".", 1)
-        full.setdefault(group, {})[leaf] = value
-    metrics = {
-        "status": status, "psnr": psnr if status == "completed" else None,
-        "baseline_psnr": baseline, "precision": arm, "scene": scene, "seed": seed,
-        "iterations": 20, "iterations_planned": 20, "time_per_iter_s": t,
-        "peak_memory_bytes": 2**20 * seed + 2**20, "peak_memory_kind": "process_peak_rss",
-        "skipped_steps": 0, "final_loss_scale": 1.0, "diverged_at": None, "error": None,
-        "failed_at": None, "device": "cpu",
-        "versions": {"torch": "x", "tcnn_available": False, "nvdiffrast_available": False},
-        "history": history, "config": full,
-    }  # fmt: skip
-    metrics.update(extra)
-    return metrics
-
-
-def _write(root: Path, name: str, metrics: dict | str) -> Path:
-    job = root / name
-    job.mkdir(parents=True)
-    text = metrics if isinstance(metrics, str) else json.dumps(metrics)
-    (job / "metrics.json").write_text(text)
-    return job
 
 
 def _rows(folder):

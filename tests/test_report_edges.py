@@ -12,6 +12,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from report_runs import metrics as _metrics
+from report_runs import write_run as _write
 
 from mptex.report import collect_runs, stats, summarize, write_report
 from mptex.report import markdown as md
@@ -24,34 +26,6 @@ from mptex.search.space import enumerate_space, reference_candidate
 
 
 # ----------------------------------------------------------------------------- builders
-def _metrics(arm, seed, psnr=30.0, t=0.1, status="completed", scene="builtin", config=None,
-             baseline=20.0, **extra):  # fmt: skip
-    history = [
-        {"iteration": 10, "loss": 0.1, "psnr": psnr - 1, "loss_scale": 1.0, "skipped": False},
-        {"iteration": 20, "loss": 0.05, "psnr": psnr, "loss_scale": 1.0, "skipped": False},
-    ]  # fmt: skip
-    full = {
-        "precision": {"name": arm, "mlp_backend": "torch", "loss_scaling": "none",
-                      "static_loss_scale": 128.0},
-        "scene": {"name": scene}, "train": {"seed": seed, "lr": 0.01},
-    }  # fmt: skip
-    for key, value in (config or {}).items():
-        group, leaf = key.split(".", 1)
-        full.setdefault(group, {})[leaf] = value
-    metrics = {
-        "status": status, "psnr": psnr if status == "completed" else None,
-        "baseline_psnr": baseline, "precision": arm, "scene": scene, "seed": seed,
-        "iterations": 20, "iterations_planned": 20, "time_per_iter_s": t,
-        "peak_memory_bytes": 2**20, "peak_memory_kind": "process_peak_rss",
-        "skipped_steps": 0, "final_loss_scale": 1.0, "diverged_at": None, "error": None,
-        "failed_at": None, "device": "cpu",
-        "versions": {"torch": "x", "tcnn_available": False, "nvdiffrast_available": False},
-        "history": history, "config": full,
-    }  # fmt: skip
-    metrics.update(extra)
-    return metrics
-
-
 def _collapsed(arm, seed, t=0.1):
     # A plateau at 20.04 dB with 16 % of the covered pixels stuck in channel 2, above the
     # 13.36 dB baseline: the "plateau, stuck" collapse (the real-asset torus, tcnn_fused seed 1).
@@ -63,13 +37,6 @@ def _collapsed(arm, seed, t=0.1):
     m.update(history=history, saturation={"stuck_fraction": [0.0, 0.0, 0.1616],
                                           "saturated_fraction": [0.5, 0.3, 0.91]})  # fmt: skip
     return m
-
-
-def _write(root: Path, name: str, metrics: dict) -> Path:
-    job = root / name
-    job.mkdir(parents=True)
-    (job / "metrics.json").write_text(json.dumps(metrics))
-    return job
 
 
 def _rows(folder):

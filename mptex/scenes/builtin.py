@@ -71,7 +71,11 @@ def torus_knot(
     a, b = i * radial_segments + j, i1 * radial_segments + j
     c, d = i1 * radial_segments + j1, i * radial_segments + j1
     quads = torch.stack([a, b, c, d], -1).reshape(-1, 4)
-    t_pos_idx = torch.cat([quads[:, [0, 1, 2]], quads[:, [0, 2, 3]]]).to(torch.int32)
+    # a -> b runs along the tube (tangent), a -> d around it (binormal at phi = 0), and
+    # tangent x binormal = -normal points into the tube: the triangles (a, c, b) and (a, d, c)
+    # wind counter-clockwise seen from outside, so the vertex normals point out of the tube and
+    # an exported knot is not drawn inside out by viewers that cull back faces.
+    t_pos_idx = torch.cat([quads[:, [0, 2, 1]], quads[:, [0, 3, 2]]]).to(torch.int32)
 
     uu, vv = torch.meshgrid(
         torch.arange(tubular_segments) / tubular_segments,

@@ -175,9 +175,13 @@ def family_confidence(k: int, adjust: str = "none", confidence: float = CONFIDEN
 
 
 def percent(confidence: float) -> str:
-    """A confidence as a percentage, to two decimals at most: ``95%``, ``97.5%``, ``98.33%``
-    (Bonferroni's 1 - 0.05/3)."""
-    return f"{confidence * 100:.2f}".rstrip("0").rstrip(".") + "%"
+    """A confidence as a percentage, to two decimals where they tell it from 100 %: ``95%``,
+    ``97.5%``, ``98.33%`` (Bonferroni's 1 - 0.05/3), ``99.995%`` (1 - 0.05/1000)."""
+    for digits in range(2, 10):
+        text = f"{confidence * 100:.{digits}f}"
+        if float(text) < 100.0 or confidence >= 1.0:
+            break
+    return text.rstrip("0").rstrip(".") + "%"
 
 
 def verdict(ci: Mapping[str, Any], margin_db: float = EQUIVALENCE_MARGIN_DB) -> str:

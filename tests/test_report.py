@@ -135,8 +135,13 @@ def test_report_files_and_rows(sweep):
     written = write_report(sweep)
     # images.png needs the jobs' validation PNGs (test_report_images below).
     assert set(REPORT_FILES) - {"images.png"} <= set(written)
+    first = {}
     for name in ("psnr_curves.pdf", "loss_scale.pdf"):  # the curves as vector figures too
-        assert written[name].read_bytes().startswith(b"%PDF-")
+        first[name] = written[name].read_bytes()
+        assert first[name].startswith(b"%PDF-")
+        assert b"/Type3" not in first[name]  # TrueType fonts: venues refuse Type 3 ones
+    rewritten = write_report(sweep)  # the same curves give the same bytes (no creation date)
+    assert all(rewritten[name].read_bytes() == data for name, data in first.items())
     text = (sweep / "report.md").read_text()
     for arm in ("f32", "bf16", "f16_naive", "tcnn_fused", "amp"):
         assert f"| `{arm}` |" in text
@@ -748,7 +753,7 @@ def test_the_report_says_how_its_intervals_are_adjusted(tmp_path, capsys):
     assert report_main([str(tmp_path), "--adjust", "bonferroni"]) == 0
     text = (tmp_path / "report.md").read_text()
     assert "| Δ vs f32 (dB) [97.5% CI, Bonferroni k = 2] |" in text
-    assert "mean ± t(0.9875, n−1) · sd / √n" in text
+    assert "mean ± t(1 − 0.05/4, n−1) · sd / √n" in text
     assert "adjusted for the k = 2 comparisons with an interval" in text
     assert "at 98.75% one-sided confidence" in text
     headline = _headline(text)
@@ -820,6 +825,7 @@ def test_latex_escape_hand_cases():
     assert escape("a%b&c#d$e{f}g") == r"a\%b\&c\#d\$e\{f\}g"
     assert escape("~^\\") == r"\textasciitilde{}\textasciicircum{}\textbackslash{}"
     assert escape("±0.5 dB") == r"$\pm$0.5 dB"
+    assert escape("a<b>c|d −1") == r"a\textless{}b\textgreater{}c\textbar{}d $-$1"
 
 
 def _cells(line):
@@ -874,6 +880,7 @@ def test_results_tex_holds_report_mds_numbers_per_section(tmp_path):
     assert all((r"\textsuperscript{\dag}" in r) == ("f16" in r) for r in rows)
     assert "95\\% Student-t interval" in tex and "not adjusted for multiplicity" in tex
     assert "scene duck" in tex and "scene spot" in tex
+    assert tex.count("Seeds 0, 1, 2 (3).") == 2
 
 
 # ----------------------------------------------------------------------------- nvdiffrec #154

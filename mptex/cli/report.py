@@ -1,6 +1,7 @@
 """``mptex-report FOLDER``: the precision ablation report of a sweep, or of each sweep in a folder.
 
-Writes ``report.md``, ``results.csv``, ``results.json`` and the plots into each sweep directory
+Writes ``report.md``, ``results.csv``, ``results.json``, ``results.tex`` (the tables as LaTeX)
+and the plots (PNG, the curves also as PDF) into each sweep directory
 (:func:`mptex.report.write_report`); a Hydra multirun writes it by itself at its end
 (:class:`mptex.report.ReportCallback`). Exit 0 on success, 2 for a bad option, a missing folder,
 a folder without jobs, or jobs outside the sweeps of a folder of sweeps (one line naming them).
@@ -28,9 +29,9 @@ def report_main(argv: Sequence[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(
         prog="mptex-report",
-        description="Aggregate mptex sweeps into report.md, results.csv/json and plots, written "
-        "into each sweep directory. A folder holding several sweeps (directories with Hydra's "
-        "multirun.yaml) gets one report per sweep.",
+        description="Aggregate mptex sweeps into report.md, results.csv/json/tex and plots, "
+        "written into each sweep directory. A folder holding several sweeps (directories with "
+        "Hydra's multirun.yaml) gets one report per sweep.",
     )
     parser.add_argument("folder", type=Path, help="a multirun directory, or a folder of them")
     parser.add_argument("--margin-db", type=float, default=stats.EQUIVALENCE_MARGIN_DB,

@@ -44,6 +44,7 @@ __all__ = [
     "swept_keys",
     "shown_keys",
     "group_runs",
+    "seed_key",
     "is_number",
 ]
 

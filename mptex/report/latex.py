@@ -18,7 +18,7 @@ from typing import Any
 
 from mptex.intervals import CONFIDENCE, percent
 from mptex.numbers import is_number
-from mptex.report.collect import REFERENCE_ARM
+from mptex.report.collect import REFERENCE_ARM, seed_key
 from mptex.report.markdown import delta_cell, verdict_text
 
 __all__ = ["escape", "render_latex"]
@@ -35,8 +35,11 @@ _SPECIAL = {
     "}": r"\}",
     "~": r"\textasciitilde{}",
     "^": r"\textasciicircum{}",
+    "<": r"\textless{}",
+    ">": r"\textgreater{}",
+    "|": r"\textbar{}",
     "±": r"$\pm$",
-    "−": "--",
+    "−": "$-$",
     "–": "--",
     "Δ": r"$\Delta$",
 }
@@ -85,7 +88,16 @@ def _speed(devices: Sequence[str], shared: int | None) -> str:
     return text + ". "
 
 
-def _caption(first: Mapping[str, Any], title: str, margin_db: float, speed: str) -> str:
+def _seeds(section: Sequence[Mapping[str, Any]]) -> str:
+    """The section's seeds, by value, and how many."""
+    seeds = sorted({s for row in section for s in row.get("seeds", ())}, key=seed_key)
+    seeds = list(dict.fromkeys(map(str, seeds)))
+    return f"Seeds {escape(', '.join(seeds))} ({len(seeds)}). " if seeds else ""
+
+
+def _caption(section: Sequence[Mapping[str, Any]], title: str, margin_db: float,
+             speed: str) -> str:  # fmt: skip
+    first = section[0]
     level = first.get("confidence", CONFIDENCE)
     adjust, family = first.get("adjust", "none"), first.get("family", 0)
     interval = escape(percent(level)) + " Student-t interval over the paired seeds"
@@ -95,7 +107,8 @@ def _caption(first: Mapping[str, Any], title: str, margin_db: float, speed: str)
     else:
         interval += ", each for its own comparison (not adjusted for multiplicity)"
     return (
-        f"Precision ablation, {escape(title)}. Runs: completed of all. PSNR (dB): mean $\\pm$ "
+        f"Precision ablation, {escape(title)}. {_seeds(section)}Runs: completed of all. "
+        f"PSNR (dB): mean $\\pm$ "
         f"sample std over the completed runs. $\\Delta$: PSNR(arm) $-$ "
         f"PSNR(\\texttt{{{escape(REFERENCE_ARM)}}}) per seed, mean and {interval}. Verdict: "
         f"better or worse when the interval excludes 0, no detectable difference when it lies "
@@ -125,7 +138,7 @@ def render_latex(
               rf"$\Delta$ vs.\ \texttt{{{escape(REFERENCE_ARM)}}} (dB) [{ci}]", "Verdict",
               "ms / iter", "Speed-up"]  # fmt: skip
     lines = [
-        f"% mptex precision ablation of {escape(sweep_dir)}, written by mptex-report with "
+        f"% mptex precision ablation of {sweep_dir}, written by mptex-report with "
         "report.md (the same numbers).",
         r"% Needs \usepackage{booktabs}.",
     ]
@@ -135,7 +148,7 @@ def render_latex(
             "",
             r"\begin{table}[t]",
             r"\centering",
-            r"\caption{" + _caption(section[0], title, margin_db, speed) + "}",
+            r"\caption{" + _caption(section, title, margin_db, speed) + "}",
             r"\begin{tabular}{" + spec + "}",
             r"\toprule",
             " & ".join(header) + r" \\",

@@ -8,7 +8,7 @@ from typing import Any
 
 from mptex.collapse import PARTLY_STUCK_RULE
 from mptex.collapse import RULE as COLLAPSE_RULE
-from mptex.intervals import percent as _level
+from mptex.intervals import percent
 from mptex.numbers import is_number
 from mptex.report.collect import (
     REFERENCE_ARM,
@@ -26,7 +26,7 @@ from mptex.report.stats import (
     non_inferior,
 )
 
-__all__ = ["render_report"]
+__all__ = ["render_report", "delta_cell", "interval_text", "verdict_text"]
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -105,6 +105,9 @@ def _settle(row: Mapping[str, Any]) -> str:
 
 
 def verdict_text(row: Mapping[str, Any], margin_db: float) -> str:
+    """The verdict column's cell: the row's verdict, with the margin (``no detectable
+    difference within ±0.5 dB``, ``worse, by at most 0.5 dB``), the paired seeds of ``cannot
+    judge``, ``reference`` or ``no reference`` for a row not compared."""
     if row["verdict"] is None:
         return "reference" if row["precision"] == REFERENCE_ARM else "no reference"
     if row["verdict"] == "no paired seeds":
@@ -253,7 +256,7 @@ def _headline(
     elif best is ref:
         lines.append(
             f"- Fastest arm at {ref_name}'s quality: {ref_name} itself (no faster arm whose "
-            f"{_level(_confidence(ref))} interval's lower end is within {margin_db:g} dB of "
+            f"{percent(_confidence(ref))} interval's lower end is within {margin_db:g} dB of "
             f"{ref_name} with every run completed)."
         )
     else:
@@ -261,7 +264,7 @@ def _headline(
         mean, low, high = interval_text(d, margin_db)
         lines.append(
             f"- Fastest arm at {ref_name}'s quality: **{_name(best)}** "
-            f"({verdict_text(best, margin_db)}: Δ {mean} dB, {_level(_confidence(best))} CI "
+            f"({verdict_text(best, margin_db)}: Δ {mean} dB, {percent(_confidence(best))} CI "
             f"[{low}, {high}] over {d['n']} seeds; "
             f"{_fmt(best['time_per_iter_s'] * 1e3, '.1f')} ms/iteration, "
             f"{_fmt(best['speedup'], '.2f')}x {ref_name}'s speed, a ratio of mean times)."
@@ -318,7 +321,8 @@ def _reading(
                 "each ms / iteration holds the work of the runs beside it, so the "
                 "speed columns and the fastest arm compare arms only as far as each ran beside "
                 "a similar mix. An arm's own speed needs its runs alone on the device "
-                "(`hydra.launcher.n_jobs=1`, or one job per allocation on Slurm)."
+                "(`hydra.launcher.n_jobs=1`, `hydra.sweeper.max_batch_size=1` under submitit's "
+                "local launcher, or one job per allocation on Slurm)."
             )
         if timed and on_cpu:
             lines.append(
@@ -497,7 +501,7 @@ def _multiplicity(adjust: str, family: int, level: float) -> str:
     """How to read the intervals as a family (``mptex-report --adjust``)."""
     if adjust == "none":
         return (
-            f"Each interval is {_level(level)} for its own comparison, not adjusted for the "
+            f"Each interval is {percent(level)} for its own comparison, not adjusted for the "
             f"number of arms compared: of k arms that truly equal `{REFERENCE_ARM}`, up to "
             f"1 − {level:g}^k of sweeps show at least one `better` or `worse` by chance (about "
             f"{1 - level**5:.0%} at k = 5; `mptex-report --adjust bonferroni`, or "
@@ -505,16 +509,17 @@ def _multiplicity(adjust: str, family: int, level: float) -> str:
             "report's intervals together at 95%)."
         )
     if family <= 1:
-        return (f"Adjusted for multiplicity ({adjust}), but the table holds {family} "
-                f"comparison with an interval: it is {_level(level)} as it stands.")  # fmt: skip
+        held = "no comparison" if family == 0 else "one comparison"
+        return (f"Adjusted for multiplicity ({adjust}), but the report's tables hold {held} "
+                f"with an interval: it is {percent(level)} as it stands.")  # fmt: skip
     return (
         f"The intervals are adjusted for the k = {family} comparisons with an interval in this "
         f"report's tables (Bonferroni: each at 1 − {1 - CONFIDENCE:g}/{family} = "
-        f"{_level(level)}), so that all of them hold together with at least "
-        f"{_level(CONFIDENCE)} confidence: among arms that truly equal `{REFERENCE_ARM}`, the "
+        f"{percent(level)}), so that all of them hold together with at least "
+        f"{percent(CONFIDENCE)} confidence: among arms that truly equal `{REFERENCE_ARM}`, the "
         f"chance of any `better` or `worse` by chance is at most {1 - CONFIDENCE:.0%}. The "
         "verdicts and the fastest arm follow these intervals; an nvdiffrec #154 section's "
-        f"intervals stay {_level(CONFIDENCE)} each."
+        f"intervals stay {percent(CONFIDENCE)} each."
     )
 
 
@@ -609,7 +614,9 @@ def render_report(
     adjust = rows[0].get("adjust", "none") if rows else "none"
     family = rows[0].get("family", 0) if rows else 0
     adjusted = adjust != "none" and family > 1
-    ci = f"{_level(level)} CI" + (f", Bonferroni k = {family}" if adjusted else "")
+    ci = f"{percent(level)} CI" + (f", Bonferroni k = {family}" if adjusted else "")
+    # the quantile as computed: 0.975, or 1 - 0.05/(2k) adjusted (not a rounded decimal)
+    quantile = f"1 − {1 - CONFIDENCE:g}/{2 * family}" if adjusted else f"{(1 + level) / 2:g}"
     key_columns = [k for k in shown if k != "precision.name"]
     header = ["arm", *(f"`{k}`" for k in key_columns), "seeds", "PSNR (dB)",
               f"Δ vs {REFERENCE_ARM} (dB) [{ci}]", "verdict",
@@ -625,8 +632,9 @@ def render_report(
         first = section[0]
         extras = [f"`{k}={v}`" for k, v in first["keys"].items()
                   if not k.startswith("precision.") and k != "scene.name"]  # fmt: skip
-        its = sorted({str(r["iterations_planned"]) for i in indices for r in groups[i]
-                      if r.get("iterations_planned") is not None})  # fmt: skip
+        its = [str(n) for n in sorted({r["iterations_planned"] for i in indices
+                                       for r in groups[i]
+                                       if is_number(r.get("iterations_planned"))})]  # fmt: skip
         views = sorted({r["val_views"] for i in indices for r in groups[i]
                         if r.get("val_views") is not None})  # fmt: skip
         spps = sorted({r["val_spp"] for i in indices for r in groups[i]
@@ -681,7 +689,7 @@ def render_report(
         "and about what the PSNR would gain without them (−10 log10(1 − share)).",
         f"- Δ vs `{REFERENCE_ARM}`: the mean of the paired differences PSNR(arm) − "
         f"PSNR(`{REFERENCE_ARM}`) over the seeds both completed, with the same other swept "
-        f"values; [{ci}]: mean ± t({(1 + level) / 2:.4g}, n−1) · sd / √n (Student t on the n "
+        f"values; [{ci}]: mean ± t({quantile}, n−1) · sd / √n (Student t on the n "
         "paired differences, sample sd); one seed gives no interval.",
         f"- verdict: `better` / `worse` when the whole interval lies above / below 0; `no "
         f"detectable difference within ±{margin_db:g} dB` when it lies inside ±{margin_db:g} dB "
@@ -693,7 +701,7 @@ def render_report(
         f"±{margin_db:g} dB too. " + _multiplicity(adjust, family, level),
         f"- The fastest arm at `{REFERENCE_ARM}`'s quality is chosen by mean ms / iteration "
         f"among `{REFERENCE_ARM}` and the arms whose interval's lower end is at or above "
-        f"−{margin_db:g} dB (at most {margin_db:g} dB worse, at {_level((1 + level) / 2)} "
+        f"−{margin_db:g} dB (at most {margin_db:g} dB worse, at {percent((1 + level) / 2)} "
         "one-sided confidence) and whose every run completed (no diverged, collapsed or failed "
         "run).",
         "- ms / iter: median time per training iteration, averaged over seeds; speed-up > 1: "

@@ -146,7 +146,12 @@ def plot_history(
     fig.suptitle(textwrap.fill(f"{ylabel}: mean over seeds, band min–max{note}",
                                55 * len(sections)), fontsize="medium")  # fmt: skip
     fig.savefig(path, dpi=100)
-    fig.savefig(Path(path).with_suffix(".pdf"))
+    # No creation date (the same curves give the same bytes) and TrueType fonts (venues refuse
+    # the Type 3 fonts matplotlib embeds by default).
+    import matplotlib
+
+    with matplotlib.rc_context({"pdf.fonttype": 42}):
+        fig.savefig(Path(path).with_suffix(".pdf"), metadata={"CreationDate": None})
     return True
 
 

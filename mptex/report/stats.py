@@ -68,6 +68,7 @@ __all__ = [
     "grid_adam_eps",
     "sections",
     "seeds_to_settle",
+    "SETTLE_MAX_SEEDS",
     "non_inferior",
     "at_reference_quality",
     "fastest_at_reference_quality",
@@ -278,7 +279,7 @@ def summarize_groups(
         )
         row["excluded"] = _excluded(group, ref_group if ref is not row else [])
     # The family: every comparison that gets an interval (two pairs or more), in every section.
-    family = sum(ref not in (None, row) and len(row["pairs"]) >= 2
+    family = sum(ref is not None and ref is not row and len(row["pairs"]) >= 2
                  for row, ref in zip(rows, refs))  # fmt: skip
     confidence = family_confidence(family, adjust)
     for row, ref in zip(rows, refs):

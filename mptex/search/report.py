@@ -8,14 +8,26 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from mptex.search.results import confidence_text
+from mptex.intervals import CONFIDENCE, percent
 
-__all__ = ["write_search_report", "pareto_front"]
+__all__ = ["write_search_report", "pareto_front", "confidence_text"]
+
+
+def confidence_text(summary: Mapping[str, Any], bare: bool = False) -> str:
+    """The certification intervals' confidence as the search's texts state it: ``95 %``, or
+    ``98.33 % (Bonferroni over max_certify = 3)``; ``bare``: the level alone."""
+    level = percent(summary.get("confidence", CONFIDENCE)).replace("%", " %")
+    if bare or summary.get("adjust", "none") == "none" or summary.get("max_certify", 1) <= 1:
+        return level
+    return f"{level} (Bonferroni over max_certify = {summary['max_certify']})"
 
 
 def _multiplicity(summary: Mapping[str, Any]) -> str:
     """What the certification's error rate is for the search as a whole."""
-    if summary.get("adjust", "none") != "none" and summary.get("max_certify", 1) > 1:
+    if summary.get("max_certify", 1) <= 1:
+        return ("one candidate at most is tried: the chance that it certifies although truly "
+                "outside the margin is at most 2.5 %")  # fmt: skip
+    if summary.get("adjust", "none") != "none":
         return (f"adjusted so that the chance that any of the up to {summary['max_certify']} "
                 "candidates tried certifies although truly outside the margin is at most "
                 "2.5 %")  # fmt: skip
@@ -116,7 +128,7 @@ def _plot(path: Path, summary: Mapping[str, Any]) -> bool:
     ax.set_ylabel("PSNR − PSNR(f32) [dB]")
     ax.set_title(
         f"Precision search: cost vs quality (hollow: one seed; bars: paired "
-        f"{confidence_text({**summary, 'adjust': 'none'})} CI)",
+        f"{confidence_text(summary, bare=True)} CI)",
         fontsize=9,
     )
     ax.legend(fontsize=7, loc="best")
@@ -180,7 +192,7 @@ def write_search_report(out: str | os.PathLike, summary: Mapping[str, Any]) -> P
         lines += ["![cost vs quality](pareto.png)", ""]
     lines += [
         "| candidate | stage | µs / it | vs f32 | Δ seed "
-        f"{s0} [dB] | Δ mean [{confidence_text({**summary, 'adjust': 'none'})} CI] | verdict | "
+        f"{s0} [dB] | Δ mean [{confidence_text(summary, bare=True)} CI] | verdict | "
         "certified | runs |",
         "|---|---|---|---|---|---|---|---|---|",
     ]

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mptex._paths import CONFIG_DIR
-from mptex.intervals import CONFIDENCE, percent
 from mptex.search.config import SearchError
 from mptex.search.cost import GPUS
+from mptex.search.report import confidence_text, write_search_report
 from mptex.search.space import Candidate
 
 if TYPE_CHECKING:
@@ -99,15 +99,6 @@ def check_result_path(path: Path, name: str) -> None:
             )
 
 
-def confidence_text(summary: Mapping[str, Any]) -> str:
-    """The certification intervals' confidence as the search's texts state it: ``95 %``, or
-    ``98.33 % (Bonferroni over max_certify = 3)``."""
-    level = percent(summary.get("confidence", CONFIDENCE)).replace("%", " %")
-    if summary.get("adjust", "none") == "none" or summary.get("max_certify", 1) <= 1:
-        return level
-    return f"{level} (Bonferroni over max_certify = {summary['max_certify']})"
-
-
 def settings_record(settings: Mapping[str, Any], full: Mapping[str, Any]) -> dict[str, Any]:
     """What must stay the same for a search directory's runs to be one search's: the search
     settings (but its parallelism) and the scene, texture and training of the runs."""
@@ -156,8 +147,6 @@ def check_search_dir(out: Path, record: Mapping[str, Any]) -> None:
 def write_results(state: SearchState, certified: Candidate) -> dict[str, Any]:
     """Write the finished search's files (the module docstring's list); returns ``search.json``'s
     dict."""
-    from mptex.search.report import write_search_report
-
     summary = summarise(state, certified)
     write_result(state.result_path, certified, summary)
     (state.out / "search.json").write_text(json.dumps(summary, indent=1, default=str))

@@ -21,7 +21,7 @@ import math
 import os
 import re
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ __all__ = [
     "shown_keys",
     "group_runs",
     "seed_key",
+    "sorted_seeds",
     "is_number",
 ]
 
@@ -423,6 +424,12 @@ def _arm_key(arm: Any) -> tuple[int, str]:
 def seed_key(seed: Any) -> tuple[int, str]:
     """Sort key of a seed: non-negative integers by value (2 before 10), anything else after."""
     return (0, f"{seed:020d}") if isinstance(seed, int) and seed >= 0 else (1, str(seed))
+
+
+def sorted_seeds(seeds: Iterable[Any]) -> list[str]:
+    """The distinct seeds (None left out) as text, by value (:func:`seed_key`: 2 before 10)."""
+    ordered = sorted({s for s in seeds if s is not None}, key=seed_key)
+    return list(dict.fromkeys(map(str, ordered)))
 
 
 def collect_runs(sweep_dir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -18,8 +18,8 @@ from typing import Any
 
 from mptex.intervals import CONFIDENCE, percent
 from mptex.numbers import is_number
-from mptex.report.collect import REFERENCE_ARM, seed_key
-from mptex.report.markdown import delta_cell, verdict_text
+from mptex.report.collect import REFERENCE_ARM, sorted_seeds
+from mptex.report.markdown import delta_cell, runs_at_once, verdict_text
 
 __all__ = ["escape", "render_latex"]
 
@@ -83,15 +83,13 @@ def _speed(devices: Sequence[str], shared: int | None) -> str:
     where = f" on {escape(', '.join(devices))}" if devices else ""
     text = f"ms / iter: the median time per iteration{where}, mean over the completed runs"
     if shared is not None and shared != 1:
-        at_once = "as many as the machine's cores" if shared == 0 else f"up to {shared}"
-        text += f", {at_once} runs sharing the machine"
+        text += f", {runs_at_once(shared)} runs sharing the machine"
     return text + ". "
 
 
 def _seeds(section: Sequence[Mapping[str, Any]]) -> str:
     """The section's seeds, by value, and how many."""
-    seeds = sorted({s for row in section for s in row.get("seeds", ())}, key=seed_key)
-    seeds = list(dict.fromkeys(map(str, seeds)))
+    seeds = sorted_seeds(s for row in section for s in row.get("seeds", ()))
     return f"Seeds {escape(', '.join(seeds))} ({len(seeds)}). " if seeds else ""
 
 

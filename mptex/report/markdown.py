@@ -13,10 +13,9 @@ from mptex.numbers import is_number
 from mptex.report.collect import (
     REFERENCE_ARM,
     STATUSES,
-    concurrent_jobs,
     partial_keys,
     planned_jobs,
-    seed_key,
+    sorted_seeds,
 )
 from mptex.report.stats import (
     CONFIDENCE,
@@ -26,7 +25,7 @@ from mptex.report.stats import (
     non_inferior,
 )
 
-__all__ = ["render_report", "delta_cell", "interval_text", "verdict_text"]
+__all__ = ["render_report", "delta_cell", "interval_text", "verdict_text", "runs_at_once"]
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -74,6 +73,12 @@ def interval_text(delta: Mapping[str, Any], margin_db: float) -> tuple[str, str,
         if facts(float(text[1]), float(text[2])) == facts(low, high):
             return text[0], text[1], text[2]
     return format(delta["mean"], "+.6f"), format(low, "+"), format(high, "+")
+
+
+def runs_at_once(shared: int) -> str:
+    """How many runs trained at a time, in words: ``up to 4``, or ``as many as the machine's
+    cores`` for 0 (:func:`~mptex.report.collect.concurrent_jobs`)."""
+    return "as many as the machine's cores" if shared == 0 else f"up to {shared}"
 
 
 def delta_cell(
@@ -314,7 +319,7 @@ def _reading(
     if judged_refs:
         compared = [r for _, mine in judged_refs for r in mine]
         if timed and shared != 1 and shared is not None:
-            at_once = "as many as the machine's cores" if shared == 0 else f"up to {shared}"
+            at_once = runs_at_once(shared)
             lines.append(
                 f"- The runs trained {at_once} at a time on one machine (the sweep's launcher: "
                 "joblib's `n_jobs`, or submitit's local launcher, which starts a batch at once): "
@@ -535,14 +540,14 @@ def render_report(
     unidentified: Sequence[Mapping[str, Any]],
     plots: Mapping[str, Any],
     margin_db: float,
+    shared: int | None = None,
 ) -> str:
     """report.md's text. Every run under the sweep appears: in a row's counts, as a duplicate
-    not counted, or as an unreadable run listed by path."""
+    not counted, or as an unreadable run listed by path. ``shared``: how many runs trained at a
+    time on one machine (:func:`~mptex.report.collect.concurrent_jobs`; None: unknown)."""
     counts = {s: sum(r["status"] == s for r in runs) for s in STATUSES}
     shown = list(rows[0]["keys"]) if rows else []
-    # by value, as the rows sort them (2 before 10)
-    seeds = sorted({r["seed"] for r in runs if r.get("seed") is not None}, key=seed_key)
-    seeds = list(dict.fromkeys(map(str, seeds)))
+    seeds = sorted_seeds(r.get("seed") for r in runs)
     lines = [
         "# mptex precision ablation",
         "",
@@ -608,7 +613,6 @@ def render_report(
         lines += [f"- `{r['run_dir']}/metrics.json`: {r['error']}" for r in unreadable]
     lines.append("")
     on_cpu = any(r.get("device") == "cpu" for r in runs)
-    shared = concurrent_jobs(sweep_dir)
     # Each interval's confidence, and the family it was adjusted over (stats.summarize_groups)
     level = _confidence(rows[0]) if rows else CONFIDENCE
     adjust = rows[0].get("adjust", "none") if rows else "none"

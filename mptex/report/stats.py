@@ -64,6 +64,7 @@ __all__ = [
     "mean_ci",
     "family_confidence",
     "verdict",
+    "check_settings",
     "summarize_groups",
     "grid_adam_eps",
     "sections",
@@ -210,6 +211,15 @@ def _excluded(group, ref_group) -> list[dict[str, Any]]:
     return excluded
 
 
+def check_settings(margin_db: Any, adjust: Any) -> None:
+    """The report's settings, checked: ValueError naming the first bad one (``margin_db: ...``,
+    ``adjust: ...``) in one line."""
+    if not (is_number(margin_db) and margin_db > 0):
+        raise ValueError(f"margin_db: expected a number > 0, got {margin_db!r}")
+    if adjust not in ADJUSTMENTS:
+        raise ValueError(f"adjust: expected one of {', '.join(ADJUSTMENTS)}, got {adjust!r}")
+
+
 def summarize_groups(
     groups: Sequence[Sequence[Mapping[str, Any]]],
     shown: Sequence[str] = (),
@@ -252,10 +262,7 @@ def summarize_groups(
         None), and the family's ``confidence`` (each interval's), ``adjust`` and ``family`` (k,
         the comparisons with an interval).
     """
-    if adjust not in ADJUSTMENTS:
-        raise ValueError(f"adjust: expected one of {', '.join(ADJUSTMENTS)}, got {adjust!r}")
-    if not (is_number(margin_db) and margin_db > 0):
-        raise ValueError(f"margin_db: expected a number > 0, got {margin_db!r}")
+    check_settings(margin_db, adjust)
     rows = [_row(group, shown) for group in groups]
     refs = []
     for row, group in zip(rows, groups):

@@ -134,9 +134,10 @@ def write_report(
     written[path.name] = path
 
     path = sweep_dir / "results.tex"
+    shared = collect.concurrent_jobs(sweep_dir)  # for results.tex's captions and report.md
     devices = sorted({str(r["device"]) for r in runs if r.get("device")})
     path.write_text(latex.render_latex(rows, sections, margin_db, str(sweep_dir), devices,
-                                       collect.concurrent_jobs(sweep_dir)))  # fmt: skip
+                                       shared))  # fmt: skip
     written[path.name] = path
 
     made: dict[str, Any] = {}
@@ -159,7 +160,7 @@ def write_report(
 
     path = sweep_dir / "report.md"
     text = markdown.render_report(sweep_dir, runs, keys, rows, groups, sections, duplicates,
-                                  unidentified, made, margin_db)  # fmt: skip
+                                  unidentified, made, margin_db, shared)  # fmt: skip
     if gaps:  # the #154 sections go before "How to read this"
         plotted = bool(made["gap_curves.png"])
         section = "\n".join(
@@ -194,16 +195,12 @@ class ReportCallback(Callback):
 
     def __init__(self, enabled: bool = True, margin_db: float = stats.EQUIVALENCE_MARGIN_DB,
                  adjust: str = "none") -> None:  # fmt: skip
-        problem = None
-        if not (isinstance(margin_db, (int, float)) and not isinstance(margin_db, bool)
-                and math.isfinite(margin_db) and margin_db > 0):  # fmt: skip
-            problem = f"margin_db: expected a number > 0, got {margin_db!r}"
-        elif adjust not in stats.ADJUSTMENTS:
-            problem = f"adjust: expected one of {', '.join(stats.ADJUSTMENTS)}, got {adjust!r}"
-        if problem:
+        try:
+            stats.check_settings(margin_db, adjust)
+        except ValueError as problem:
             print(f"mptex-train: error: hydra.callbacks.report.{problem}", file=sys.stderr,
                   flush=True)  # fmt: skip
-            raise SystemExit(2)
+            raise SystemExit(2) from None
         self.enabled = enabled
         self.margin_db = margin_db
         self.adjust = adjust

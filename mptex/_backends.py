@@ -49,9 +49,7 @@ def _cuda_available() -> bool:
 def auto_device() -> str:
     """What ``device: auto`` means on this machine: ``"cuda"`` where CUDA is available, else
     ``"cpu"``."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if _cuda_available() else "cpu"
 
 
 def cuda_device_problem(device: Any, named: str) -> str | None:
@@ -60,7 +58,7 @@ def cuda_device_problem(device: Any, named: str) -> str | None:
     an index beyond its devices; None where it is."""
     import torch
 
-    if not torch.cuda.is_available():
+    if not _cuda_available():
         return f"{named} requested but CUDA is not available"
     count = torch.cuda.device_count()
     if (device.index or 0) >= count:

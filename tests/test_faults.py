@@ -196,9 +196,27 @@ def _no_cuda(monkeypatch):
 def _cuda_without_libraries(monkeypatch):
     # A CUDA machine where neither native library imports (the other cause, named as such).
     monkeypatch.setattr(_backends, "_cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(_backends, "_try_import",
                         lambda name: (None, f"ImportError: No module named {name!r}"))  # fmt: skip
     return "is not importable (ImportError: No module named"
+
+
+def test_device_auto_and_the_device_checks_read_cuda_through_one_seam(monkeypatch):
+    # Tests model a CUDA machine (or one without) by replacing _backends._cuda_available; what
+    # `device: auto` resolves to and the device check must follow it as the backends do.
+    from mptex._backends import auto_device, cuda_device_problem
+
+    _no_cuda(monkeypatch)
+    assert auto_device() == "cpu"
+    assert cuda_device_problem(torch.device("cuda:0"), "train.device: 'cuda:0'") == (
+        "train.device: 'cuda:0' requested but CUDA is not available")
+    monkeypatch.setattr(_backends, "_cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert auto_device() == "cuda"
+    assert cuda_device_problem(torch.device("cuda:0"), "cuda:0") is None
+    assert cuda_device_problem(torch.device("cuda:1"), "cuda:1") == (
+        "cuda:1 requested, 1 CUDA device(s) here")
 
 
 # Each call that asks for a native backend, the key it asked with, and what runs instead.

@@ -21,11 +21,13 @@ from mptex.report.stats import (
     CONFIDENCE,
     SETTLE_MAX_SEEDS,
     at_reference_quality,
-    fastest_at_reference_quality,
     non_inferior,
+    speed_candidates,
+    speed_ratio,
 )
 
-__all__ = ["render_report", "delta_cell", "interval_text", "verdict_text", "runs_at_once"]
+__all__ = ["render_report", "delta_cell", "interval_text", "verdict_text", "runs_at_once",
+           "speed_text"]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -73,6 +75,29 @@ def interval_text(delta: Mapping[str, Any], margin_db: float) -> tuple[str, str,
         if facts(float(text[1]), float(text[2])) == facts(low, high):
             return text[0], text[1], text[2]
     return format(delta["mean"], "+.6f"), format(low, "+"), format(high, "+")
+
+
+def _faster(speed: Mapping[str, Any] | None) -> bool:
+    """Whether a :func:`~mptex.report.stats.speed_ratio` shows the faster row faster: an
+    interval (two timed pairs or more) that lies above 1."""
+    return bool(speed) and speed["low"] is not None and speed["low"] > 1.0
+
+
+def speed_text(speed: Mapping[str, Any]) -> str:
+    """A :func:`~mptex.report.stats.speed_ratio` as printed: ``1.52x [1.48, 1.56], 95% CI over
+    3 seeds``, the bounds with as many decimals (up to six) as it takes for them to say what
+    the exact ones say about 1; ``1.52x, one seed: no interval``; ``no seed timed in both``."""
+    if speed["ratio"] is None:
+        return "no seed timed in both"
+    if speed["low"] is None:
+        return f"{speed['ratio']:.2f}x, one seed: no interval"
+    low, high = speed["low"], speed["high"]
+    for digits in range(2, 7):
+        text = [format(v, f".{digits}f") for v in (speed["ratio"], low, high)]
+        if (float(text[1]) > 1, float(text[2]) < 1) == (low > 1, high < 1):
+            break
+    return (f"{text[0]}x [{text[1]}, {text[2]}], {percent(speed['confidence'])} CI over "
+            f"{speed['n']} seeds")  # fmt: skip
 
 
 def runs_at_once(shared: int) -> str:
@@ -255,7 +280,8 @@ def _headline(
             "`train.seed=0,1,2`). The Δ column is a single difference, not a result."
         ], False, False)  # fmt: skip
     lines = []
-    best = fastest_at_reference_quality(mine, ref, margin_db)
+    timed = speed_candidates(mine, ref, margin_db)
+    best = timed[0] if timed else None
     if best is None:
         lines.append(f"- No timings: the fastest arm at {ref_name}'s quality is undefined.")
     elif best is ref:
@@ -267,13 +293,35 @@ def _headline(
     else:
         d = best["delta"]
         mean, low, high = interval_text(d, margin_db)
-        lines.append(
-            f"- Fastest arm at {ref_name}'s quality: **{_name(best)}** "
-            f"({verdict_text(best, margin_db)}: Δ {mean} dB, {percent(_confidence(best))} CI "
-            f"[{low}, {high}] over {d['n']} seeds; "
-            f"{_fmt(best['time_per_iter_s'] * 1e3, '.1f')} ms/iteration, "
-            f"{_fmt(best['speedup'], '.2f')}x {ref_name}'s speed, a ratio of mean times)."
+        quality = (
+            f"{verdict_text(best, margin_db)}: Δ {mean} dB, "
+            f"{percent(_confidence(best))} CI [{low}, {high}] over {d['n']} seeds"
         )
+        timing = (
+            f"{_fmt(best['time_per_iter_s'] * 1e3, '.1f')} ms/iteration, "
+            f"{_fmt(best['speedup'], '.2f')}x {ref_name}'s speed, a ratio of mean times"
+        )
+        speed = best["speedup_ci"]
+        if _faster(speed):
+            lines.append(f"- Fastest arm at {ref_name}'s quality: **{_name(best)}** ({quality}; "
+                         f"{timing}; per seed {speed_text(speed)}).")  # fmt: skip
+        else:
+            # The lowest mean time alone is no evidence of speed: the timings vary too.
+            lines.append(
+                f"- Fastest arm at {ref_name}'s quality: none measurably faster than {ref_name}. "
+                f"**{_name(best)}** had the lowest mean time ({quality}; {timing}), but its "
+                f"speed-up over {ref_name} per seed is {speed_text(speed)}, not above 1."
+            )
+    if best is not None and len(timed) > 1 and (best is ref or _faster(best["speedup_ci"])):
+        runner = timed[1]
+        versus = speed_ratio(runner, best, _confidence(ref))
+        if not _faster(versus):
+            lines.append(
+                f"- Not told apart by speed: {_name(best) if best is not ref else ref_name} and "
+                f"{_name(runner) if runner is not ref else ref_name} (also at {ref_name}'s "
+                f"quality): the first over the second per seed {speed_text(versus)}; either "
+                "may be the faster."
+            )
     # Within the margin on their completed runs, but with runs lost
     lost = [r for r in mine
             if non_inferior(r, margin_db) and not at_reference_quality(r, margin_db)]  # fmt: skip
@@ -707,7 +755,10 @@ def render_report(
         f"among `{REFERENCE_ARM}` and the arms whose interval's lower end is at or above "
         f"−{margin_db:g} dB (at most {margin_db:g} dB worse, at {percent((1 + level) / 2)} "
         "one-sided confidence) and whose every run completed (no diverged, collapsed or failed "
-        "run).",
+        f"run). It is called faster than `{REFERENCE_ARM}` only where its per-seed speed-up "
+        "lies above 1 with the intervals' confidence: the ratios of the paired runs' ms / "
+        "iteration (same seed), a Student-t interval of their mean logarithm, exponentiated; "
+        "the reading says when the next arm at that quality is not told apart from it so.",
         "- ms / iter: median time per training iteration, averaged over seeds; speed-up > 1: "
         "faster than the reference.",
         f"- Peak memory: the largest over the row's runs ({', '.join(kinds) or 'unknown'}). "

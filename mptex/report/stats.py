@@ -24,6 +24,12 @@ Method (stated in every report.md):
   -m (at most m dB worse, whatever the verdict: a precisely measured loss of 0.05 dB is
   ``worse`` and at f32's quality), and every run of the arm completed (an arm that diverged,
   collapsed or failed on some seed is never named, whatever its other seeds gave).
+- Speed, compared with an interval too (:func:`speed_ratio`): the per-seed ratio of two arms'
+  ms / iteration, paired as the PSNR differences are; the Student-t interval of the mean log
+  ratio, exponentiated (a geometric-mean speed-up and its interval, at the rows' confidence).
+  The fastest arm is called faster than the reference only where that interval lies above 1,
+  and the reading says when the next arm at the reference's quality is not distinguishable
+  from it in speed.
 - Each interval is 95 % for its own comparison, not adjusted for the number of arms compared,
   unless ``adjust="bonferroni"``: then each is at 1 - 0.05/k over the report's k comparisons
   with an interval, and all k hold together with at least 95 % confidence; the verdicts, the
@@ -37,6 +43,7 @@ Method (stated in every report.md):
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -73,6 +80,8 @@ __all__ = [
     "non_inferior",
     "at_reference_quality",
     "fastest_at_reference_quality",
+    "speed_candidates",
+    "speed_ratio",
 ]
 
 
@@ -139,6 +148,9 @@ def _row(group: Sequence[Mapping[str, Any]], shown: Sequence[str]) -> dict[str, 
         "baseline_psnr": _mean(r.get("baseline_psnr") for r in done),
         "below_baseline": [r["run_dir"] for r in below],
         "time_per_iter_s": _mean(r["time_per_iter_s"] for r in done),
+        # Each completed run's own time, for speed compared seed by seed (speed_ratio).
+        "seed_times": [[r["seed"], float(r["time_per_iter_s"])] for r in done
+                       if is_number(r["time_per_iter_s"]) and r["time_per_iter_s"] > 0],
         "bake_psnr": _mean(r.get("bake_psnr") for r in done),
         "peak_memory_bytes": max((r["peak_memory_bytes"] for r in done
                                   if is_number(r["peak_memory_bytes"])), default=None),
@@ -245,7 +257,10 @@ def summarize_groups(
         dicts with ``scene``, ``precision``, ``keys`` (shown key -> value), ``n_runs``, one
         count per status, ``n_seeds`` (completed runs), ``psnr_mean``, ``psnr_std``,
         ``baseline_psnr``, ``below_baseline`` (run dirs at or under the constant-colour
-        baseline), ``time_per_iter_s``, ``speedup`` (reference time / this row's), peak memory,
+        baseline), ``time_per_iter_s``, ``seed_times`` (``[seed, s / iteration]`` of each
+        completed, timed run), ``speedup`` (reference time / this row's, a ratio of means),
+        ``speedup_ci`` (:func:`speed_ratio` of the reference and this row: the per-seed
+        speed-up and its interval; None for a reference row or a row without one), peak memory,
         ``skipped_steps``, ``final_loss_scale`` (distinct effective scales), ``grid_adam_eps``
         (distinct values of :func:`grid_adam_eps`), ``diverged_at``,
         ``notes``, ``errors``, ``underflow``, ``quantization`` (per ``net.<i>.q_<name>``, the
@@ -305,7 +320,34 @@ def summarize_groups(
                                   if row["verdict"] == "inconclusive" else None)  # fmt: skip
         t, t_ref = row["time_per_iter_s"], ref["time_per_iter_s"] if ref else None
         row["speedup"] = t_ref / t if is_number(t) and t > 0 and is_number(t_ref) else None
+        row["speedup_ci"] = (speed_ratio(ref, row, confidence)
+                             if ref is not None and ref is not row else None)  # fmt: skip
     return rows
+
+
+def speed_ratio(
+    slower: Mapping[str, Any], faster: Mapping[str, Any], confidence: float = CONFIDENCE
+) -> dict[str, Any]:
+    """How many times faster the row ``faster`` ran than the row ``slower``, seed by seed.
+
+    Pairs the two rows' completed, timed runs by seed (their ``seed_times``), takes each
+    seed's log ratio ``ln(t_slower / t_faster)`` and its :func:`mean_ci` at ``confidence``,
+    and exponentiates: ``ratio`` is the geometric mean of the per-seed speed-ups, ``low`` and
+    ``high`` its interval (a ratio, so its interval is not symmetric). A ratio above 1 means
+    ``faster`` took less time per iteration; an interval that contains 1 does not tell the two
+    apart.
+
+    Returns:
+        ``{"n", "ratio", "low", "high", "confidence"}``; ``ratio`` None without a timed pair,
+        ``low`` and ``high`` None with fewer than two.
+    """
+    times = {seed: t for seed, t in slower.get("seed_times") or []}
+    logs = [math.log(times[seed] / t) for seed, t in faster.get("seed_times") or []
+            if seed in times]  # fmt: skip
+    ci = mean_ci(logs, confidence)
+    exp = lambda v: math.exp(v) if v is not None else None  # noqa: E731
+    return {"n": ci["n"], "ratio": exp(ci["mean"]), "low": exp(ci["low"]),
+            "high": exp(ci["high"]), "confidence": confidence}  # fmt: skip
 
 
 SETTLE_MAX_SEEDS = 200  # beyond this, "more than 200": the estimate means little there
@@ -372,8 +414,19 @@ def fastest_at_reference_quality(
     it that are :func:`at_reference_quality`; None without timings. A row that may be more
     than ``margin_db`` worse, or that cannot be judged, or that lost runs to divergence,
     collapse or failure, is never returned."""
+    timed = speed_candidates(rows, reference, margin_db)
+    return timed[0] if timed else None
+
+
+def speed_candidates(
+    rows: Sequence[Mapping[str, Any]],
+    reference: Mapping[str, Any],
+    margin_db: float = EQUIVALENCE_MARGIN_DB,
+) -> list[Mapping[str, Any]]:
+    """``reference`` and the rows compared with it that are :func:`at_reference_quality`, those
+    with a mean time per iteration, fastest first (ties in the rows' order)."""
     candidates = [reference] + [
         r for r in rows if r is not reference and at_reference_quality(r, margin_db)
     ]
     timed = [r for r in candidates if is_number(r["time_per_iter_s"])]
-    return min(timed, key=lambda r: r["time_per_iter_s"]) if timed else None
+    return sorted(timed, key=lambda r: r["time_per_iter_s"])

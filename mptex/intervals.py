@@ -30,6 +30,9 @@ __all__ = [
     "t_quantile",
     "mean_ci",
     "family_confidence",
+    "ratio_ci",
+    "faster",
+    "ratio_text",
     "percent",
     "verdict",
 ]
@@ -147,6 +150,60 @@ def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> dict[str
     sd = statistics.stdev(values)
     half = t_quantile(0.5 + confidence / 2.0, n - 1) * sd / math.sqrt(n)
     return dict(n=n, mean=mean, sd=sd, half_width=half, low=mean - half, high=mean + half)
+
+
+def ratio_ci(pairs: Sequence[Sequence[float]], confidence: float = CONFIDENCE) -> dict[str, Any]:
+    """How many times ``b`` goes into ``a`` over paired measurements, with an interval: for a
+    pair of times per iteration ``(slower, faster)``, the speed-up of the second.
+
+    Algorithm: the log ratios ``ln(a / b)``, their :func:`mean_ci` at ``confidence``, and both
+    exponentiated. ``ratio`` is then the geometric mean of the pairs' ratios and ``[low,
+    high]`` its interval (not symmetric about it); an interval that contains 1 does not tell
+    ``a`` and ``b`` apart.
+
+    Args:
+        pairs: ``[(a, b), ...]``, positive finite numbers (e.g. seconds per iteration of two
+            runs of the same seed).
+        confidence: two-sided, in (0, 1).
+
+    Returns:
+        ``{"n", "ratio", "low", "high", "confidence"}``; ``ratio`` None without a pair, ``low``
+        and ``high`` None with fewer than two.
+    """
+    logs = []
+    for i, pair in enumerate(pairs):
+        a, b = (float(v) for v in pair)
+        if not (math.isfinite(a) and math.isfinite(b) and a > 0 and b > 0):
+            raise ValueError(f"pairs: expected positive finite numbers, got {tuple(pair)} at "
+                             f"index {i}")  # fmt: skip
+        logs.append(math.log(a / b))
+    ci = mean_ci(logs, confidence)
+    exp = lambda v: None if v is None else math.exp(v)  # noqa: E731
+    return {"n": ci["n"], "ratio": exp(ci["mean"]), "low": exp(ci["low"]),
+            "high": exp(ci["high"]), "confidence": confidence}  # fmt: skip
+
+
+def faster(ratio: Mapping[str, Any] | None) -> bool:
+    """Whether a :func:`ratio_ci` of times ``(slower, faster)`` shows the second faster: an
+    interval (two pairs or more) that lies above 1."""
+    return bool(ratio) and ratio.get("low") is not None and ratio["low"] > 1.0
+
+
+def ratio_text(ratio: Mapping[str, Any]) -> str:
+    """A :func:`ratio_ci` as printed: ``1.52x [1.48, 1.56], 95% CI over 3 seeds``, the bounds
+    with as many decimals (up to six) as it takes for them to say what the exact ones say about
+    1; ``1.52x, one seed: no interval``; ``no seed timed in both``."""
+    if ratio["ratio"] is None:
+        return "no seed timed in both"
+    if ratio["low"] is None:
+        return f"{ratio['ratio']:.2f}x, one seed: no interval"
+    low, high = ratio["low"], ratio["high"]
+    for digits in range(2, 7):
+        text = [format(v, f".{digits}f") for v in (ratio["ratio"], low, high)]
+        if (float(text[1]) > 1, float(text[2]) < 1) == (low > 1, high < 1):
+            break
+    return (f"{text[0]}x [{text[1]}, {text[2]}], {percent(ratio['confidence'])} CI over "
+            f"{ratio['n']} seeds")  # fmt: skip
 
 
 def family_confidence(k: int, adjust: str = "none", confidence: float = CONFIDENCE) -> float:

@@ -15,8 +15,8 @@ import pytest
 from report_runs import metrics as _metrics
 from report_runs import write_run as _write
 
+from mptex.intervals import ratio_ci, ratio_text
 from mptex.report import collect_runs, stats, summarize, write_report
-from mptex.report import markdown as md
 
 
 def _t2(q):
@@ -159,18 +159,18 @@ def test_f32_itself_and_an_arm_as_fast_are_not_told_apart(tmp_path):
     assert line is not None and line.startswith("- Not told apart by speed: `f32` and `bf16` ")
 
 
-def test_speed_text_keeps_what_the_bounds_say_about_one():
+def test_ratio_text_keeps_what_the_bounds_say_about_one():
     speed = {"n": 3, "ratio": 1.0005, "low": 1.0004, "high": 1.0006, "confidence": 0.95}
     # Two decimals would print a lower bound of 1.00 for an interval that excludes 1.
-    assert md.speed_text(speed) == "1.0005x [1.0004, 1.0006], 95% CI over 3 seeds"
+    assert ratio_text(speed) == "1.0005x [1.0004, 1.0006], 95% CI over 3 seeds"
     # A lower bound under 1 may print as 1.00: the interval is not above 1 either way.
     speed = {"n": 3, "ratio": 1.2, "low": 0.9996, "high": 1.5, "confidence": 0.99}
-    assert md.speed_text(speed) == "1.20x [1.00, 1.50], 99% CI over 3 seeds"
+    assert ratio_text(speed) == "1.20x [1.00, 1.50], 99% CI over 3 seeds"
     speed = {"n": 3, "ratio": 0.9995, "low": 0.9994, "high": 0.9996, "confidence": 0.95}
-    assert md.speed_text(speed) == "0.9995x [0.9994, 0.9996], 95% CI over 3 seeds"
-    assert md.speed_text({"n": 1, "ratio": 1.5234, "low": None, "high": None,
+    assert ratio_text(speed) == "0.9995x [0.9994, 0.9996], 95% CI over 3 seeds"
+    assert ratio_text({"n": 1, "ratio": 1.5234, "low": None, "high": None,
                           "confidence": 0.95}) == "1.52x, one seed: no interval"  # fmt: skip
-    assert md.speed_text({"n": 0, "ratio": None, "low": None, "high": None,
+    assert ratio_text({"n": 0, "ratio": None, "low": None, "high": None,
                           "confidence": 0.95}) == "no seed timed in both"  # fmt: skip
 
 
@@ -181,3 +181,11 @@ def test_speed_ratio_needs_no_report(tmp_path):
     speed = stats.speed_ratio(slow, fast)
     assert speed["n"] == 2 and speed["ratio"] == pytest.approx(math.sqrt(6.0))
     assert stats.speed_ratio(slow, {"seed_times": []})["ratio"] is None
+
+
+def test_ratio_ci_refuses_a_time_that_is_not_a_positive_number():
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"^pairs: expected positive finite numbers, got "
+                           r"\(.*\) at index 1$"):  # fmt: skip
+            ratio_ci([(2.0, 1.0), (1.0, bad)])
+    assert ratio_ci([])["ratio"] is None and ratio_ci([(3.0, 2.0)])["ratio"] == pytest.approx(1.5)

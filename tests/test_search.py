@@ -15,6 +15,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from mptex.cli import CONFIG_DIR, register_experiments
+from mptex.intervals import ratio_text, t_quantile
 from mptex.search import (
     GPUS,
     Candidate,
@@ -550,6 +551,53 @@ def test_measured_ms_per_iteration_replaces_the_model_for_runs_on_a_gpu(tmp_path
         row = next(r for r in shared["candidates"] if r["candidate"] == summary["certified"])
         assert row["measured_s"] is None and row["cost_s"] == row["model_s"], beside
         assert row["cost_source"] == "modelled" and not shared["cost"]["measured"]
+
+
+def test_a_measured_cost_is_compared_with_f32s_seed_by_seed(tmp_path, searched):
+    # The certified candidate and the reference as if trained alone on CUDA: the candidate 2 ms
+    # per iteration on every seed, the reference a time per seed. The certified line gives the
+    # per-seed speed-up's geometric mean and interval, and says when that interval does not
+    # lie above 1.
+    import shutil
+
+    tmp, summary = searched
+    shutil.copytree(tmp / "out" / "runs", tmp_path / "out" / "runs")
+    runs = tmp_path / "out" / "runs"
+
+    def time_runs(name, times):
+        for seed_dir in sorted((runs / name).glob("seed*")):
+            seed = int(seed_dir.name[len("seed"):])
+            metrics = json.loads((seed_dir / "metrics.json").read_text())
+            metrics.update(device="cuda:0", time_per_iter_s=times(seed))
+            (seed_dir / "metrics.json").write_text(json.dumps(metrics))
+            (seed_dir / "search_sharing.json").write_text(json.dumps({"ran_beside": 0}))
+
+    time_runs(summary["certified"], lambda seed: 0.002)
+    for ref_times, expect_faster in (([0.0040, 0.0044, 0.0036, 0.0041], True),
+                                     ([0.0019, 0.0023, 0.0021, 0.0018], False)):  # fmt: skip
+        time_runs(summary["reference"], lambda seed, t=ref_times: t[seed % len(t)])
+        again = run_search(_cfg(tmp_path), tmp_path / "out")
+        rows = {r["candidate"]: r for r in again["candidates"]}
+        best, ref = rows[summary["certified"]], rows[summary["reference"]]
+        ratios = [ref["runs"][s]["time_per_iter_s"] / 0.002 for s in best["runs"]]
+        logs = [math.log(r) for r in ratios]
+        n, mean = len(logs), sum(logs) / len(logs)
+        sd = math.sqrt(sum((v - mean) ** 2 for v in logs) / (n - 1))
+        half = t_quantile(0.5 + again["confidence"] / 2, n - 1) * sd / math.sqrt(n)
+        speed = best["measured_speedup"]
+        assert speed["n"] == n == len(best["runs"]) >= 2
+        assert speed["ratio"] == pytest.approx(math.exp(mean), rel=1e-12)
+        assert speed["low"] == pytest.approx(math.exp(mean - half), rel=1e-9)
+        assert speed["high"] == pytest.approx(math.exp(mean + half), rel=1e-9)
+        assert ref["measured_speedup"] is None
+        line = next(x for x in (tmp_path / "out" / "search.md").read_text().splitlines()
+                    if x.startswith("**Certified cheapest:"))  # fmt: skip
+        text = f"; per seed {ratio_text(speed)}"
+        assert (speed["low"] > 1) is expect_faster
+        if expect_faster:
+            assert line.endswith(f"measured on this machine's GPU{text}."), line
+        else:
+            assert line.endswith(f"{text}: not measurably faster than f32 on this GPU."), line
 
 
 def test_a_cost_texture_that_is_not_a_config_name_lists_the_names():

@@ -8,7 +8,7 @@ from typing import Any
 
 from mptex.collapse import PARTLY_STUCK_RULE
 from mptex.collapse import RULE as COLLAPSE_RULE
-from mptex.intervals import percent
+from mptex.intervals import faster, percent, ratio_text
 from mptex.numbers import is_number
 from mptex.report.collect import (
     REFERENCE_ARM,
@@ -26,8 +26,7 @@ from mptex.report.stats import (
     speed_ratio,
 )
 
-__all__ = ["render_report", "delta_cell", "interval_text", "verdict_text", "runs_at_once",
-           "speed_text"]  # fmt: skip
+__all__ = ["render_report", "delta_cell", "interval_text", "verdict_text", "runs_at_once"]
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -75,29 +74,6 @@ def interval_text(delta: Mapping[str, Any], margin_db: float) -> tuple[str, str,
         if facts(float(text[1]), float(text[2])) == facts(low, high):
             return text[0], text[1], text[2]
     return format(delta["mean"], "+.6f"), format(low, "+"), format(high, "+")
-
-
-def _faster(speed: Mapping[str, Any] | None) -> bool:
-    """Whether a :func:`~mptex.report.stats.speed_ratio` shows the faster row faster: an
-    interval (two timed pairs or more) that lies above 1."""
-    return bool(speed) and speed["low"] is not None and speed["low"] > 1.0
-
-
-def speed_text(speed: Mapping[str, Any]) -> str:
-    """A :func:`~mptex.report.stats.speed_ratio` as printed: ``1.52x [1.48, 1.56], 95% CI over
-    3 seeds``, the bounds with as many decimals (up to six) as it takes for them to say what
-    the exact ones say about 1; ``1.52x, one seed: no interval``; ``no seed timed in both``."""
-    if speed["ratio"] is None:
-        return "no seed timed in both"
-    if speed["low"] is None:
-        return f"{speed['ratio']:.2f}x, one seed: no interval"
-    low, high = speed["low"], speed["high"]
-    for digits in range(2, 7):
-        text = [format(v, f".{digits}f") for v in (speed["ratio"], low, high)]
-        if (float(text[1]) > 1, float(text[2]) < 1) == (low > 1, high < 1):
-            break
-    return (f"{text[0]}x [{text[1]}, {text[2]}], {percent(speed['confidence'])} CI over "
-            f"{speed['n']} seeds")  # fmt: skip
 
 
 def runs_at_once(shared: int) -> str:
@@ -302,24 +278,24 @@ def _headline(
             f"{_fmt(best['speedup'], '.2f')}x {ref_name}'s speed, a ratio of mean times"
         )
         speed = best["speedup_ci"]
-        if _faster(speed):
+        if faster(speed):
             lines.append(f"- Fastest arm at {ref_name}'s quality: **{_name(best)}** ({quality}; "
-                         f"{timing}; per seed {speed_text(speed)}).")  # fmt: skip
+                         f"{timing}; per seed {ratio_text(speed)}).")  # fmt: skip
         else:
             # The lowest mean time alone is no evidence of speed: the timings vary too.
             lines.append(
                 f"- Fastest arm at {ref_name}'s quality: none measurably faster than {ref_name}. "
                 f"**{_name(best)}** had the lowest mean time ({quality}; {timing}), but its "
-                f"speed-up over {ref_name} per seed is {speed_text(speed)}, not above 1."
+                f"speed-up over {ref_name} per seed is {ratio_text(speed)}, not above 1."
             )
-    if best is not None and len(timed) > 1 and (best is ref or _faster(best["speedup_ci"])):
+    if best is not None and len(timed) > 1 and (best is ref or faster(best["speedup_ci"])):
         runner = timed[1]
         versus = speed_ratio(runner, best, _confidence(ref))
-        if not _faster(versus):
+        if not faster(versus):
             lines.append(
                 f"- Not told apart by speed: {_name(best) if best is not ref else ref_name} and "
                 f"{_name(runner) if runner is not ref else ref_name} (also at {ref_name}'s "
-                f"quality): the first over the second per seed {speed_text(versus)}; either "
+                f"quality): the first over the second per seed {ratio_text(versus)}; either "
                 "may be the faster."
             )
     # Within the margin on their completed runs, but with runs lost

@@ -43,7 +43,6 @@ Method (stated in every report.md):
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -55,6 +54,7 @@ from mptex.intervals import (
     VERDICTS,
     family_confidence,
     mean_ci,
+    ratio_ci,
     t_quantile,
     verdict,
 )
@@ -330,24 +330,19 @@ def speed_ratio(
 ) -> dict[str, Any]:
     """How many times faster the row ``faster`` ran than the row ``slower``, seed by seed.
 
-    Pairs the two rows' completed, timed runs by seed (their ``seed_times``), takes each
-    seed's log ratio ``ln(t_slower / t_faster)`` and its :func:`mean_ci` at ``confidence``,
-    and exponentiates: ``ratio`` is the geometric mean of the per-seed speed-ups, ``low`` and
-    ``high`` its interval (a ratio, so its interval is not symmetric). A ratio above 1 means
-    ``faster`` took less time per iteration; an interval that contains 1 does not tell the two
-    apart.
+    Pairs the two rows' completed, timed runs by seed (their ``seed_times``) and gives the
+    pairs ``(t_slower, t_faster)`` to :func:`mptex.intervals.ratio_ci`: ``ratio`` is the
+    geometric mean of the per-seed speed-ups, ``low`` and ``high`` its interval (the mean log
+    ratio's Student-t interval, exponentiated). A ratio above 1 means ``faster`` took less
+    time per iteration; an interval that contains 1 does not tell the two apart.
 
     Returns:
         ``{"n", "ratio", "low", "high", "confidence"}``; ``ratio`` None without a timed pair,
         ``low`` and ``high`` None with fewer than two.
     """
     times = {seed: t for seed, t in slower.get("seed_times") or []}
-    logs = [math.log(times[seed] / t) for seed, t in faster.get("seed_times") or []
-            if seed in times]  # fmt: skip
-    ci = mean_ci(logs, confidence)
-    exp = lambda v: math.exp(v) if v is not None else None  # noqa: E731
-    return {"n": ci["n"], "ratio": exp(ci["mean"]), "low": exp(ci["low"]),
-            "high": exp(ci["high"]), "confidence": confidence}  # fmt: skip
+    pairs = [(times[seed], t) for seed, t in faster.get("seed_times") or [] if seed in times]
+    return ratio_ci(pairs, confidence)
 
 
 SETTLE_MAX_SEEDS = 200  # beyond this, "more than 200": the estimate means little there

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mptex._paths import CONFIG_DIR
+from mptex.intervals import ratio_ci
 from mptex.search.config import SearchError
 from mptex.search.cost import GPUS
 from mptex.search.report import confidence_text, write_search_report
@@ -161,18 +162,20 @@ def summarise(state: SearchState, certified: Candidate) -> dict[str, Any]:
     kept, model, stages, shape = state.kept, state.model, state.stages, state.shape
     rows = []
     by_name = {c.name: c for c in kept}
+    gpu_times: dict[str, dict[int, float]] = {}
     for cname, stage in stages.items():
         c = by_name[cname]
         runs = {s: pool.results[(cname, s)] for s in [s0, *seeds] if (cname, s) in pool.results}
         # A GPU time is the candidate's own only where its run had the device to itself (no
         # other run trained beside it): with several workers the runs share it.
-        measured = [
-            r["time_per_iter_s"]
-            for r in runs.values()
+        gpu_times[cname] = {
+            s: float(r["time_per_iter_s"])
+            for s, r in runs.items()
             if str(r.get("device") or "").startswith("cuda")
             and r.get("time_per_iter_s")
             and r.get("ran_beside") == 0
-        ]
+        }
+        measured = list(gpu_times[cname].values())
         deltas = {s: state.delta(c, s) for s in runs}
         cert = state.certificate(c) if all(s in runs for s in seeds) else None
         rows.append(
@@ -194,6 +197,12 @@ def summarise(state: SearchState, certified: Candidate) -> dict[str, Any]:
         measured = row["measured_s"]
         row["cost_source"] = "modelled" if measured is None else "measured"
         row["cost_s"] = row["model_s"] if measured is None else measured
+        # A measured cost is compared with f32's seed by seed, with an interval: the GPU's
+        # times vary from run to run.
+        ref_times, own = gpu_times.get(ref.name, {}), gpu_times[row["candidate"]]
+        pairs = [(ref_times[s], t) for s, t in own.items() if s in ref_times]
+        row["measured_speedup"] = (ratio_ci(pairs, state.confidence)
+                                   if pairs and row["candidate"] != ref.name else None)  # fmt: skip
     rows.sort(key=lambda r: (r["cost_s"], r["candidate"]))
     all_runs = list(pool.results.values())
     return {

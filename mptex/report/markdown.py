@@ -734,7 +734,8 @@ def render_report(
         f"run). It is called faster than `{REFERENCE_ARM}` only where its per-seed speed-up "
         "lies above 1 with the intervals' confidence: the ratios of the paired runs' ms / "
         "iteration (same seed), a Student-t interval of their mean logarithm, exponentiated; "
-        "the reading says when the next arm at that quality is not told apart from it so.",
+        "the reading names the next arm at that quality when the two are not told apart that "
+        "way.",
         "- ms / iter: median time per training iteration, averaged over seeds; speed-up > 1: "
         "faster than the reference.",
         f"- Peak memory: the largest over the row's runs ({', '.join(kinds) or 'unknown'}). "

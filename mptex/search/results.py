@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from mptex._paths import CONFIG_DIR
 from mptex.intervals import ratio_ci
+from mptex.numbers import is_number
 from mptex.search.config import SearchError
 from mptex.search.cost import GPUS
 from mptex.search.report import confidence_text, write_search_report
@@ -172,7 +173,8 @@ def summarise(state: SearchState, certified: Candidate) -> dict[str, Any]:
             s: float(r["time_per_iter_s"])
             for s, r in runs.items()
             if str(r.get("device") or "").startswith("cuda")
-            and r.get("time_per_iter_s")
+            and is_number(r.get("time_per_iter_s"))
+            and r["time_per_iter_s"] > 0
             and r.get("ran_beside") == 0
         }
         measured = list(gpu_times[cname].values())

@@ -508,8 +508,43 @@ def test_an_adam_state_that_fits_no_texture_is_one_line_naming_the_checkpoint(tm
         train(tiny_cfg(*ADAM_RUN), tmp_path)
     message = str(info.value)
     assert message.startswith(f"train.resume: checkpoint {path}: its optimizer state does not ")
-    assert "\n" not in message and read_metrics(tmp_path)["failed_at"] == "start"
-    assert load_checkpoint(path)["iteration"] == 3  # left as it was
+    assert "\n" not in message
+    # left as they were: the run is still the interrupted one
+    assert load_checkpoint(path)["iteration"] == 3
+    assert read_metrics(tmp_path)["status"] == "interrupted"
+
+
+@pytest.mark.parametrize("mistake", ["train.iterations=2", "precision=bf16", "train.seed=7",
+                                     "train.lr=-1"])  # fmt: skip
+def test_a_refused_command_leaves_an_interrupted_run_to_the_right_one(tmp_path, uninterrupted,
+                                                                      mistake):  # fmt: skip
+    # A mistyped command in an interrupted run's directory is refused in one line, and the
+    # directory keeps its record (status interrupted) and checkpoint: the right command then
+    # continues the run, bit for bit, instead of starting over.
+    from mptex.train import ConfigError
+
+    train(tiny_cfg(*ADAM_RUN, "train.inject_signal_at=2"), tmp_path)
+    before = (tmp_path / "metrics.json").read_bytes(), (tmp_path / "checkpoint.pt").read_bytes()
+    with pytest.raises(ConfigError) as info:
+        train(tiny_cfg(*ADAM_RUN, mistake), tmp_path)
+    assert "\n" not in str(info.value)
+    assert ((tmp_path / "metrics.json").read_bytes(),
+            (tmp_path / "checkpoint.pt").read_bytes()) == before  # fmt: skip
+    again = train(tiny_cfg(*ADAM_RUN), tmp_path)
+    assert again["status"] == "completed" and again["resume_count"] == 1
+    assert again["psnr"] == read_metrics(uninterrupted)["psnr"]
+    assert_same_weights(tmp_path, uninterrupted)
+
+
+def test_a_refused_command_in_a_finished_runs_directory_records_the_failure(tmp_path):
+    # Nothing here would be continued (the run completed): the refusal is the record.
+    from mptex.train import ConfigError
+
+    train(tiny_cfg(*ADAM_RUN), tmp_path)
+    with pytest.raises(ConfigError):
+        train(tiny_cfg(*ADAM_RUN, "train.lr=-1"), tmp_path)
+    record = read_metrics(tmp_path)
+    assert record["status"] == "failed" and record["failed_at"] == "start"
 
 
 def test_the_mlp_rate_ramp_runs_at_the_ramps_rate_and_resumes_mid_ramp_bit_exactly(tmp_path):

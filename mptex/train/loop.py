@@ -453,7 +453,8 @@ def train(
     Raises:
         ConfigError: (a ``ValueError``) ``"<key>: <message>"`` for a bad config value, before
             any training (``metrics.json`` then says ``status: "failed"``,
-            ``failed_at: "start"``).
+            ``failed_at: "start"``, except in the directory of a stopped run that
+            ``train.resume=auto`` would continue: its record and checkpoint stay as they were).
         Exception: anything raised mid-run is re-raised after ``metrics.json`` records
             ``status: "failed"`` and the error.
 
@@ -502,6 +503,15 @@ def train(
         stop.uninstall()
 
 
+def _record_start_failure(run_dir: Path, metrics: Mapping[str, Any]) -> None:
+    """Record a run refused or failed before its first iteration in ``metrics.json``, unless the
+    directory holds a stopped run that ``train.resume=auto`` would continue: a mistyped command
+    (fewer iterations, another arm) must not turn an interrupted run's record into a failure,
+    after which the right command would start over and overwrite its checkpoint."""
+    if auto_resume_path(run_dir) is None:
+        write_metrics(run_dir, metrics)
+
+
 def _train_validated(
     plain: dict[str, Any],
     run_dir: Path,
@@ -523,14 +533,14 @@ def _train_validated(
         # The config as a run that started records it (defaults, the device, the arm's
         # fields), as far as it is valid: the report places this run in its arm's row.
         metrics.update(error=message, failed_at="start", config=normalized_config(plain))
-        write_metrics(run_dir, metrics)
+        _record_start_failure(run_dir, metrics)
         raise ConfigError(message) from None
     except Exception as exc:
         # Not the config's fault (the scene's buffers did not fit, a library failed): recorded
         # as a failure at start all the same, then raised as it came.
         error = " ".join(f"{type(exc).__name__}: {exc}".split())
         metrics.update(error=error, failed_at="start", config=normalized_config(plain))
-        write_metrics(run_dir, metrics)
+        _record_start_failure(run_dir, metrics)
         raise
     metrics["config"] = full
     try:
@@ -544,7 +554,7 @@ def _train_validated(
             rss.stop()
     except ConfigError as exc:
         metrics.update(status="failed", error=str(exc), failed_at="start")
-        write_metrics(run_dir, metrics)
+        _record_start_failure(run_dir, metrics)
         raise
     except Exception as exc:
         full = exc if isinstance(exc, DiskFullError) else None

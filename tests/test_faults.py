@@ -631,6 +631,11 @@ def test_cli_errors_are_one_line_with_exit_2(tmp_path, args, start):
         (["-m", "precision=f32,f99"], "In 'config': Could not find 'precision/f99' Available "
                                       "options in 'precision': amp bf16 "),
         (["hydra/launcher=nope"], "In 'hydra/config': Could not find 'hydra/launcher/nope'"),
+        # composed, but a value the run refuses: the sweep's other jobs do not train first
+        (["-m", "train.seed=0,1,x"], "train.seed: expected an integer in [0, 2**63 - 1), got "
+                                     "'x'"),
+        (["-m", "precision=f32,bf16", "train.lr=0.01,-1"], "train.lr: expected a finite "
+                                                           "number > 0, got -1"),
     ],
 )  # fmt: skip
 def test_overrides_hydra_cannot_compose_are_one_line_with_exit_2(tmp_path, args, message):
@@ -657,6 +662,28 @@ def test_the_override_check_leaves_what_hydra_accepts_to_hydra():
     ):
         assert override_problem(argv) is None, argv
     assert override_problem(["train.lr=[1,"]).startswith("override syntax: no viable")
+
+
+def test_a_sweep_checks_each_value_with_the_runs_own_check_before_its_first_job():
+    from mptex.cli.app import override_problem, register_experiments
+    from mptex.cli.train import _sweep_value_problem
+
+    register_experiments()
+    check = _sweep_value_problem
+    # The shipped experiments pass; an arm this machine cannot run is left to its job (the
+    # report lists it as unavailable); a single run checks itself when it starts.
+    for argv in (["-m", "+experiment=quick"], ["-m", "+experiment=nvdiffrec154"],
+                 ["-m", "+experiment=precision_search"], ["train.seed=x"],
+                 ["-m", "+experiment=gpu_main", "train.device=cpu"]):  # fmt: skip
+        assert override_problem(argv, check) is None, argv
+    assert override_problem(["-m", "train.iterations=5,-5"], check) == (
+        "train.iterations: expected an integer >= 0, got -5")
+    if not torch.cuda.is_available():
+        assert override_problem(["-m", "train.device=cpu,cuda"], check) == (
+            "this config needs a CUDA GPU and none is available here (train.device=cuda)")
+        # tcnn's network on the CPU only with mlp_backend=torch: the job says unavailable
+        with_tcnn = ["-m", "precision=tcnn_fused", "precision.mlp_backend=tcnn", "train.seed=0,1"]
+        assert override_problem(with_tcnn, check) is None
 
 
 def test_cli_f16_naive_one_iteration_says_diverged(tmp_path):

@@ -546,3 +546,47 @@ def test_a_run_trained_alone_records_no_run_beside_it(tmp_path, monkeypatch):
     assert pool.results[(ref.name, 0)]["ran_beside"] == 0
     record = pool.run_dir(ref, 0) / "search_sharing.json"
     assert json.loads(record.read_text()) == {"ran_beside": 0}
+
+
+def test_writing_the_reports_pdfs_logs_nothing_at_info(tmp_path, caplog):
+    # Under Hydra the console shows INFO records; embedding fonts in the PDFs made fontTools
+    # log hundreds of lines at the end of every sweep.
+    import logging
+
+    _seeds(tmp_path, "f32", [40.0, 41.0, 42.0], t=0.3)
+    _seeds(tmp_path, "bf16", [40.1, 41.1, 42.2], t=0.1)
+    with caplog.at_level(logging.INFO):
+        _report(tmp_path)
+    assert (tmp_path / "psnr_curves.pdf").is_file()
+    noisy = [r for r in caplog.records if r.name.startswith("fontTools")]
+    assert noisy == [], [r.getMessage() for r in noisy[:3]]
+    assert logging.getLogger("fontTools").level == logging.NOTSET  # put back as it was
+
+
+def test_an_arm_of_another_network_is_named_as_not_precision_alone(tmp_path):
+    # tcnn's fused network against f32's linear layers: its Δ is the networks' difference too,
+    # in report.md's reading and in results.tex (a mark and its caption note); bf16 shares
+    # f32's network and gets neither.
+    linear, fused = {"precision.mlp": "linear"}, {"precision.mlp": "fused"}
+    _seeds(tmp_path, "f32", [40.0, 41.0, 42.0], t=0.3, config=linear)
+    _seeds(tmp_path, "bf16", [40.1, 41.1, 42.2], t=0.1, config=linear)
+    _seeds(tmp_path, "tcnn_fused", [42.0, 43.1, 44.0], t=0.2, config=fused)
+    text = _report(tmp_path)
+    lines = [line for line in text.splitlines() if line.startswith("- Not precision alone:")]
+    assert len(lines) == 1 and lines[0].startswith(
+        "- Not precision alone: `tcnn_fused` is tcnn's fully fused network ("
+    ), lines
+    assert "while `f32` is nvdiffrec's MLP (" in lines[0]
+    assert "Better than `f32`: `tcnn_fused`" in text  # the verdict stands as measured
+    tex = (tmp_path / "results.tex").read_text()
+    assert r"\texttt{tcnn\_fused}\textsuperscript{\ddag} &" in tex
+    assert r"\texttt{bf16} &" in tex and r"\texttt{bf16}\textsuperscript" not in tex
+    assert "so its $\\Delta$ is not precision alone." in tex
+    # Without another network in the sweep, neither the line nor the note.
+    for job in tmp_path.glob("tcnn_fused_*"):
+        for path in sorted(job.rglob("*"), reverse=True):
+            path.unlink() if path.is_file() else path.rmdir()
+        job.rmdir()
+    text = _report(tmp_path)
+    assert "- Not precision alone:" not in text
+    assert r"\ddag" not in (tmp_path / "results.tex").read_text()

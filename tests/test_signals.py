@@ -589,3 +589,24 @@ def test_a_relaying_handler_records_the_signal_and_passes_it_to_child_processes(
     child.join(30)
     assert stop.received == ["SIGUSR1"]
     assert child.exitcode == -signal.SIGUSR1
+
+
+def test_a_stopped_sweep_job_names_the_command_that_continues_the_sweep(tmp_path, capsys):
+    # A sweep's directory refuses a second sweep unless told to continue into it: the line a
+    # stopped job prints gives that command, a single run's the plain one.
+    from mptex.cli.train import _interrupted
+
+    metrics = {"signal": "SIGTERM", "interrupted_at": 5, "iterations_planned": 20}
+    for multirun, sweep_dir, expected in (
+        (True, tmp_path / "sweep", f"the same command with hydra.sweep.dir={tmp_path / 'sweep'} "
+         "hydra.callbacks.fresh_sweep_dir.enabled=false continues the sweep (train.resume=auto)"),
+        (False, None, "the same command continues it (train.resume=auto)"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as info:
+            _interrupted(metrics, tmp_path / "job", multirun, sweep_dir)
+        assert info.value.code == EXIT_CODES["interrupted"]
+        err = capsys.readouterr().err
+        assert err.splitlines() == [
+            f"mptex-train: interrupted by SIGTERM after iteration 5 of 20: checkpoint and "
+            f"metrics in {tmp_path / 'job'}; {expected}"
+        ]

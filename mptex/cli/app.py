@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from mptex._paths import CONFIG_DIR, EXPERIMENTS_DIR
 from mptex.scenes.assets import suite_path
@@ -61,9 +61,11 @@ def register_experiments(directory: str | os.PathLike = EXPERIMENTS_DIR) -> list
     return names
 
 
-def run_hydra_app(task, prog: str) -> None:
+def run_hydra_app(task, prog: str, check=None) -> None:
     """Run ``task(cfg)`` as a Hydra app over mptex's ``configs/config.yaml`` with the
-    experiments registered; the common start of ``mptex-train`` and ``mptex-search``."""
+    experiments registered; the common start of ``mptex-train`` and ``mptex-search``.
+    ``check(cfg)``: the command's own check of a composed config (one line, or None), run on
+    each value of a sweep before its first job (:func:`override_problem`)."""
     reproducible_blas()
     if not (CONFIG_DIR / "config.yaml").is_file():
         print(
@@ -75,7 +77,7 @@ def run_hydra_app(task, prog: str) -> None:
     import hydra
 
     register_experiments()
-    problem = override_problem(sys.argv[1:])
+    problem = override_problem(sys.argv[1:], check)
     if problem is not None:
         print(f"{prog}: error: {problem}", file=sys.stderr)
         sys.exit(EXIT_CODES["error"])
@@ -89,7 +91,7 @@ _OWN_FLAGS = ("help", "hydra_help", "version", "cfg", "info", "shell_completion"
               "config_name", "config_dir", "experimental_rerun")  # fmt: skip
 
 
-def override_problem(argv: list[str]) -> str | None:
+def override_problem(argv: list[str], check=None) -> str | None:
     """One line saying why Hydra would not compose the config of ``argv``'s overrides (a key
     that is not in the config, an unknown option of a config group, a syntax error), or None.
 
@@ -97,7 +99,11 @@ def override_problem(argv: list[str]) -> str | None:
     overrides at their first value, before any job starts: a sweep with one bad value runs
     none. Hydra reports these itself, over several lines and with exit status 1, and only once
     a sweep reaches the job. Anything this check cannot read (Hydra's own flags, an error it
-    does not recognise) is left to Hydra."""
+    does not recognise) is left to Hydra. For a multirun (``-m``), ``check(cfg)`` (the
+    command's own check of a composed config, without its ``hydra`` node: one line or None)
+    runs on each of those compositions too, so that a value the command refuses
+    (``train.seed=0,1,x``) stops the sweep before its first job instead of failing that job
+    after the others trained; a single run checks its config itself."""
     from hydra import compose, initialize_config_dir
     from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -136,7 +142,13 @@ def override_problem(argv: list[str]) -> str | None:
             # ~0.1 s a composition: a long sweep (train.seed=range(0,1000)) is checked on its
             # first values, the rest left to Hydra
             for overrides in trials[:_MAX_TRIALS]:
-                compose("config", overrides=overrides, return_hydra_config=True)
+                cfg = compose("config", overrides=overrides, return_hydra_config=True)
+                if check is not None and args.multirun:
+                    with open_dict(cfg):
+                        del cfg["hydra"]
+                    problem = check(cfg)
+                    if problem is not None:
+                        return problem
     except (HydraException, OmegaConfBaseException) as exc:
         message = " ".join(str(exc).split())
         return message.split(" Config search path:")[0]  # the options, not Hydra's search path

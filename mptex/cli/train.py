@@ -88,7 +88,8 @@ def _run(cfg) -> None:
         sys.exit(EXIT_CODES["error"])
     status = metrics["status"]
     if status == "interrupted":
-        _interrupted(metrics, run_dir, hydra_cfg.mode == RunMode.MULTIRUN)
+        multirun = hydra_cfg.mode == RunMode.MULTIRUN
+        _interrupted(metrics, run_dir, multirun, hydra_cfg.sweep.dir if multirun else None)
         return
     detail = f" at iteration {metrics['diverged_at']}" if status == "diverged" else ""
     print(
@@ -116,13 +117,18 @@ def _submitit_signal() -> signal.Signals | None:
     return getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), None)
 
 
-def _interrupted(metrics: dict, run_dir: Path, multirun: bool) -> None:
-    """After a stop signal: say so in one line, then requeue (submitit) or exit 3."""
+def _interrupted(metrics: dict, run_dir: Path, multirun: bool, sweep_dir=None) -> None:
+    """After a stop signal: say so in one line, then requeue (submitit) or exit 3.
+    ``sweep_dir``: the sweep's directory, for a job of a multirun."""
     name = metrics["signal"]
+    # A sweep's directory refuses a second sweep unless told to continue into it.
+    again = (f"the same command with hydra.sweep.dir={sweep_dir} "
+             "hydra.callbacks.fresh_sweep_dir.enabled=false continues the sweep"
+             if multirun else "the same command continues it")  # fmt: skip
     print(
         f"{_PROG}: interrupted by {name} after iteration {metrics['interrupted_at']} of "
-        f"{metrics['iterations_planned']}: checkpoint and metrics in {run_dir}; the same "
-        f"command continues it (train.resume=auto)",
+        f"{metrics['iterations_planned']}: checkpoint and metrics in {run_dir}; {again} "
+        "(train.resume=auto)",
         file=sys.stderr,
     )
     requeue = _submitit_signal()
@@ -147,9 +153,33 @@ def _arm_available(cfg) -> tuple[bool, str]:
         return True, ""
 
 
+def _sweep_value_problem(cfg) -> str | None:
+    """The run's own check (:func:`mptex.train.validate_config`) of one composed config of a
+    sweep, before its first job: the one-line error, or None where the config passes, is a
+    precision search (which checks its own), or names an arm this machine cannot run (the
+    sweep lists that job as unavailable instead)."""
+    if "search" in cfg:
+        return None
+    from mptex.config_schema import plain
+    from mptex.train import validate_config
+    from mptex.train.device_check import device_problem
+
+    device = str(cfg.train.device)
+    problem = None if device == "auto" else device_problem(device)
+    if problem is not None:  # as a preset's device callback words it
+        return f"{problem} (train.device={device})"
+    try:
+        validate_config(dict(plain(cfg)))
+    except ValueError as exc:
+        if not _arm_available(cfg)[0]:
+            return None
+        return " ".join(str(exc).split())
+    return None
+
+
 def train_main() -> None:
     """``mptex-train``: Hydra app over ``configs/config.yaml``; see the module docstring."""
-    run_hydra_app(_run, _PROG)
+    run_hydra_app(_run, _PROG, check=_sweep_value_problem)
 
 
 if __name__ == "__main__":

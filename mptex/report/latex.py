@@ -64,10 +64,22 @@ def _psnr(row: Mapping[str, Any]) -> str:
     return f"${text}$" + (r"\textsuperscript{\dag}" if row["below_baseline"] else "")
 
 
-def _row(row: Mapping[str, Any], keys: Sequence[str], margin_db: float) -> list[str]:
+def _other_network(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the row's MLP is another kind of network than its reference row's
+    (``precision.mlp``, e.g. tcnn's fused network against nvdiffrec's linear layers)."""
+    ref = rows[row["reference"]] if row.get("reference") is not None else None
+    if ref is None or ref is row:
+        return False
+    net, ref_net = row.get("network") or [], ref.get("network") or []
+    return bool(net and ref_net) and net != ref_net
+
+
+def _row(row: Mapping[str, Any], keys: Sequence[str], margin_db: float,
+         other_network: bool = False) -> list[str]:  # fmt: skip
     ms = row["time_per_iter_s"] * 1e3 if is_number(row["time_per_iter_s"]) else None
+    mark = r"\textsuperscript{\ddag}" if other_network else ""
     return [
-        r"\texttt{" + escape(row["precision"]) + "}",
+        r"\texttt{" + escape(row["precision"]) + "}" + mark,
         *(escape("--" if row["keys"].get(k) is None else row["keys"][k]) for k in keys),
         f"{row['n_seeds']}/{row['n_runs']}",
         _psnr(row),
@@ -94,7 +106,7 @@ def _seeds(section: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _caption(section: Sequence[Mapping[str, Any]], title: str, margin_db: float,
-             speed: str) -> str:  # fmt: skip
+             speed: str, other_network: bool = False) -> str:  # fmt: skip
     first = section[0]
     level = first.get("confidence", CONFIDENCE)
     adjust, family = first.get("adjust", "none"), first.get("family", 0)
@@ -112,6 +124,10 @@ def _caption(section: Sequence[Mapping[str, Any]], title: str, margin_db: float,
         f"better or worse when the interval excludes 0, no detectable difference when it lies "
         f"within $\\pm{margin_db:g}$\\,dB, inconclusive otherwise. {speed}"
         r"\textsuperscript{\dag}: a run at or below the constant-colour baseline."
+        + (r" \textsuperscript{\ddag}: another network than "
+           rf"\texttt{{{escape(REFERENCE_ARM)}}}'s (its \texttt{{precision.mlp}} differs: "
+           r"tcnn's fully fused network and nvdiffrec's MLP), so its $\Delta$ is not "
+           r"precision alone." if other_network else "")
     )
 
 
@@ -142,16 +158,17 @@ def render_latex(
     ]
     for title, indices in sections:
         section = [rows[i] for i in indices]
+        other = [_other_network(r, rows) for r in section]
         lines += [
             "",
             r"\begin{table}[t]",
             r"\centering",
-            r"\caption{" + _caption(section, title, margin_db, speed) + "}",
+            r"\caption{" + _caption(section, title, margin_db, speed, any(other)) + "}",
             r"\begin{tabular}{" + spec + "}",
             r"\toprule",
             " & ".join(header) + r" \\",
             r"\midrule",
-            *(" & ".join(_row(r, keys, margin_db)) + r" \\" for r in section),
+            *(" & ".join(_row(r, keys, margin_db, o)) + r" \\" for r, o in zip(section, other)),
             r"\bottomrule",
             r"\end{tabular}",
             r"\end{table}",

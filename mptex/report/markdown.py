@@ -235,6 +235,34 @@ def _epsilon_lines(compared: Sequence[Mapping[str, Any]], ref: Mapping[str, Any]
     return lines
 
 
+# What each MLP kind (precision.mlp) is, as far as a comparison across kinds must say.
+_NETWORKS = {
+    "linear": "nvdiffrec's MLP (PyTorch linear layers, Kaiming-initialised, bias-free)",
+    "fused": "tcnn's fully fused network (Xavier-initialised, its input padded with ones, "
+             "which acts as a first-layer bias)",
+}  # fmt: skip
+
+
+def _network_lines(compared: Sequence[Mapping[str, Any]], ref: Mapping[str, Any]) -> list[str]:
+    """A line per compared arm whose MLP is another kind of network than the reference's
+    (``precision.mlp``): its Δ holds the network's difference, not its precision alone."""
+    lines = []
+    ref_net = ref.get("network") or []
+    for row in compared:
+        net = row.get("network") or []
+        if not (row["n_seeds"] and net and ref_net) or net == ref_net:
+            continue
+        what = " / ".join(_NETWORKS.get(n, f"`precision.mlp={n}`") for n in net)
+        ref_what = " / ".join(_NETWORKS.get(n, f"`precision.mlp={n}`") for n in ref_net)
+        lines.append(
+            f"- Not precision alone: {_name(row)} is {what}, while `{REFERENCE_ARM}` is "
+            f"{ref_what}: its Δ holds the difference between the networks too. Compare it "
+            "with arms of its own network (tcnn's: the `tcnn_fused_*` arms, "
+            "`+experiment=nvdiffrec154`)."
+        )
+    return lines
+
+
 def _headline(
     ref: Mapping[str, Any], mine: Sequence[Mapping[str, Any]], ref_name: str, margin_db: float,
     after: str,
@@ -390,6 +418,7 @@ def _reading(
                 "seed, or a setting given to one arm's runs only, give such differences)."
             )
         for ref, mine in judged_refs:
+            lines += _network_lines(mine, ref)
             lines += _epsilon_lines(mine, ref)
     unmatched = [r for r in rows if r["verdict"] is None and r["precision"] != REFERENCE_ARM]
     if unmatched and refs:

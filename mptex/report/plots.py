@@ -148,10 +148,20 @@ def plot_history(
     fig.savefig(path, dpi=100)
     # No creation date (the same curves give the same bytes) and TrueType fonts (venues refuse
     # the Type 3 fonts matplotlib embeds by default).
+    import logging
+
     import matplotlib
 
-    with matplotlib.rc_context({"pdf.fonttype": 42}):
-        fig.savefig(Path(path).with_suffix(".pdf"), metadata={"CreationDate": None})
+    # Embedding TrueType subsets, fontTools logs each step at INFO: under Hydra, whose job
+    # logging passes INFO to the console, a report would end in hundreds of its lines.
+    fonttools = logging.getLogger("fontTools")
+    level = fonttools.level
+    fonttools.setLevel(logging.WARNING)
+    try:
+        with matplotlib.rc_context({"pdf.fonttype": 42}):
+            fig.savefig(Path(path).with_suffix(".pdf"), metadata={"CreationDate": None})
+    finally:
+        fonttools.setLevel(level)
     return True
 
 

@@ -163,6 +163,11 @@ def _row(group: Sequence[Mapping[str, Any]], shown: Sequence[str]) -> dict[str, 
         # Adam's effective epsilon on the grid (distinct values over completed runs): an arm
         # whose value differs from its reference's differs in more than precision.
         "grid_adam_eps": sorted({e for e in map(grid_adam_eps, done) if e is not None}),
+        # The MLP's kind (precision.mlp: nvdiffrec's linear layers or tcnn's fused network):
+        # an arm of another kind than its reference's is another network, not only another
+        # precision.
+        "network": sorted({str((r.get("config") or {}).get("precision.mlp"))
+                           for r in group if (r.get("config") or {}).get("precision.mlp")}),
         # A collapse's note is its evidence, listed with collapsed_runs instead.
         "notes": sorted({f"{r['run_dir']}: {r['note']}" for r in group
                          if r.get("note") and r["status"] != "collapsed"}),
@@ -262,7 +267,8 @@ def summarize_groups(
         ``speedup_ci`` (:func:`speed_ratio` of the reference and this row: the per-seed
         speed-up and its interval; None for a reference row or a row without one), peak memory,
         ``skipped_steps``, ``final_loss_scale`` (distinct effective scales), ``grid_adam_eps``
-        (distinct values of :func:`grid_adam_eps`), ``diverged_at``,
+        (distinct values of :func:`grid_adam_eps`), ``network`` (distinct ``precision.mlp``
+        values of its runs), ``diverged_at``,
         ``notes``, ``errors``, ``underflow``, ``quantization`` (per ``net.<i>.q_<name>``, the
         mean over the completed and diverged runs), ``collapsed_runs`` (``run_dir``, ``seed``,
         ``reason`` of each collapsed run), ``partly_stuck_runs`` (the same for its completed

@@ -20,6 +20,7 @@ from mptex.intervals import CONFIDENCE, percent
 from mptex.numbers import is_number
 from mptex.report.collect import REFERENCE_ARM, sorted_seeds
 from mptex.report.markdown import delta_cell, runs_at_once, verdict_text
+from mptex.report.stats import differs_from_reference
 
 __all__ = ["escape", "render_latex"]
 
@@ -68,10 +69,7 @@ def _other_network(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) ->
     """Whether the row's MLP is another kind of network than its reference row's
     (``precision.mlp``, e.g. tcnn's fused network against nvdiffrec's linear layers)."""
     ref = rows[row["reference"]] if row.get("reference") is not None else None
-    if ref is None or ref is row:
-        return False
-    net, ref_net = row.get("network") or [], ref.get("network") or []
-    return bool(net and ref_net) and net != ref_net
+    return ref is not None and ref is not row and differs_from_reference(row, ref, "network")
 
 
 def _row(row: Mapping[str, Any], keys: Sequence[str], margin_db: float,
@@ -124,11 +122,15 @@ def _caption(section: Sequence[Mapping[str, Any]], title: str, margin_db: float,
         f"better or worse when the interval excludes 0, no detectable difference when it lies "
         f"within $\\pm{margin_db:g}$\\,dB, inconclusive otherwise. {speed}"
         r"\textsuperscript{\dag}: a run at or below the constant-colour baseline."
-        + (r" \textsuperscript{\ddag}: another network than "
-           rf"\texttt{{{escape(REFERENCE_ARM)}}}'s (its \texttt{{precision.mlp}} differs: "
-           r"tcnn's fully fused network and nvdiffrec's MLP), so its $\Delta$ is not "
-           r"precision alone." if other_network else "")
+        + (_OTHER_NETWORK if other_network else "")
     )
+
+
+_OTHER_NETWORK = (
+    r" \textsuperscript{\ddag}: another network than "
+    rf"\texttt{{{escape(REFERENCE_ARM)}}}'s (its \texttt{{precision.mlp}} differs: tcnn's fully "
+    r"fused network and nvdiffrec's MLP), so its $\Delta$ is not precision alone."
+)
 
 
 def render_latex(

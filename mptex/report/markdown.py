@@ -21,6 +21,7 @@ from mptex.report.stats import (
     CONFIDENCE,
     SETTLE_MAX_SEEDS,
     at_reference_quality,
+    differs_from_reference,
     non_inferior,
     speed_candidates,
     speed_ratio,
@@ -216,9 +217,9 @@ def _epsilon_lines(compared: Sequence[Mapping[str, Any]], ref: Mapping[str, Any]
     lines = []
     ref_eps = ref.get("grid_adam_eps") or []
     for row in compared:
-        eps = row.get("grid_adam_eps") or []
-        if not (row["n_seeds"] and eps and ref_eps) or eps == ref_eps:
+        if not differs_from_reference(row, ref, "grid_adam_eps"):
             continue
+        eps = row["grid_adam_eps"]
         if max(*eps, *ref_eps) <= NEGLIGIBLE_GRID_EPS:
             continue  # both below where epsilon was measured not to matter
         lines.append(
@@ -247,13 +248,11 @@ def _network_lines(compared: Sequence[Mapping[str, Any]], ref: Mapping[str, Any]
     """A line per compared arm whose MLP is another kind of network than the reference's
     (``precision.mlp``): its Δ holds the network's difference, not its precision alone."""
     lines = []
-    ref_net = ref.get("network") or []
     for row in compared:
-        net = row.get("network") or []
-        if not (row["n_seeds"] and net and ref_net) or net == ref_net:
+        if not differs_from_reference(row, ref, "network"):
             continue
-        what = " / ".join(_NETWORKS.get(n, f"`precision.mlp={n}`") for n in net)
-        ref_what = " / ".join(_NETWORKS.get(n, f"`precision.mlp={n}`") for n in ref_net)
+        what, ref_what = (" / ".join(_NETWORKS.get(n, f"`precision.mlp={n}`") for n in r["network"])
+                          for r in (row, ref))  # fmt: skip
         lines.append(
             f"- Not precision alone: {_name(row)} is {what}, while `{REFERENCE_ARM}` is "
             f"{ref_what}: its Δ holds the difference between the networks too. Compare it "

@@ -82,6 +82,7 @@ __all__ = [
     "fastest_at_reference_quality",
     "speed_candidates",
     "speed_ratio",
+    "differs_from_reference",
 ]
 
 
@@ -387,6 +388,14 @@ def sections(rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[int]]]:
             out[context] = (", ".join([f"scene {row['scene']}", *shown]), [])
         out[context][1].append(index)
     return list(out.values())
+
+
+def differs_from_reference(row: Mapping[str, Any], ref: Mapping[str, Any], key: str) -> bool:
+    """Whether ``row``'s distinct values of ``key`` (a row field listing them, such as
+    ``network`` or ``grid_adam_eps``) are known for both rows and differ from its reference
+    row's, ``row`` having completed runs: the comparison then differs in more than precision."""
+    own, theirs = row.get(key) or [], ref.get(key) or []
+    return bool(row.get("n_seeds") and own and theirs) and own != theirs
 
 
 def non_inferior(row: Mapping[str, Any], margin_db: float) -> bool:

@@ -664,6 +664,20 @@ def test_the_override_check_leaves_what_hydra_accepts_to_hydra():
     assert override_problem(["train.lr=[1,"]).startswith("override syntax: no viable")
 
 
+def test_a_required_scene_path_left_unset_is_named_as_unset(tmp_path):
+    # Not as a file "<cwd>/???" that was not found.
+    from hydra import compose, initialize_config_dir
+
+    from mptex.cli import CONFIG_DIR
+    from mptex.train import ConfigError, train
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["scene=mesh"])
+    with pytest.raises(ConfigError) as info:
+        train(cfg, tmp_path)
+    assert str(info.value) == "scene.path: required for scene 'mesh', not set"
+
+
 def test_a_sweep_checks_each_value_with_the_runs_own_check_before_its_first_job():
     from mptex.cli.app import override_problem, register_experiments
     from mptex.cli.train import _sweep_value_problem
@@ -678,6 +692,9 @@ def test_a_sweep_checks_each_value_with_the_runs_own_check_before_its_first_job(
         assert override_problem(argv, check) is None, argv
     assert override_problem(["-m", "train.iterations=5,-5"], check) == (
         "train.iterations: expected an integer >= 0, got -5")
+    # the scene group too, which a run checks when it builds its scene
+    assert override_problem(["-m", "scene=mesh", "train.seed=0,1"], check) == (
+        "scene.path: required for scene 'mesh', not set")
     if not torch.cuda.is_available():
         assert override_problem(["-m", "train.device=cpu,cuda"], check) == (
             "this config needs a CUDA GPU and none is available here (train.device=cuda)")

@@ -161,7 +161,9 @@ def _sweep_value_problem(cfg) -> str | None:
     if "search" in cfg:
         return None
     from mptex.config_schema import plain
+    from mptex.scenes.config import check_scene_config
     from mptex.train import validate_config
+    from mptex.train.config import absolute_scene_paths
     from mptex.train.device_check import device_problem
 
     device = str(cfg.train.device)
@@ -169,7 +171,9 @@ def _sweep_value_problem(cfg) -> str | None:
     if problem is not None:  # as a preset's device callback words it
         return f"{problem} (train.device={device})"
     try:
-        validate_config(dict(plain(cfg)))
+        config = validate_config(dict(plain(cfg)))
+        # The scene group is checked where the run builds its scene: here, before any job.
+        check_scene_config(absolute_scene_paths(config["scene"]))
     except ValueError as exc:
         if not _arm_available(cfg)[0]:
             return None

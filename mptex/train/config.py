@@ -23,6 +23,7 @@ from mptex._backends import (
     unavailable_message,
 )
 from mptex.config_schema import (
+    REQUIRED,
     SEED,
     AnyOf,
     ConfigError,
@@ -266,7 +267,8 @@ def absolute_scene_paths(scene: Mapping[str, Any]) -> dict[str, Any]:
     ``mptex-rescore`` and a resume find them from any directory."""
     scene = dict(scene)
     for key in _SCENE_PATHS:
-        if isinstance(scene.get(key), str) and scene[key]:
+        # A required path left unset ("???") stays so: the scene's check names it as unset.
+        if isinstance(scene.get(key), str) and scene[key] and scene[key] != REQUIRED:
             scene[key] = os.path.abspath(os.path.expanduser(scene[key]))
     return scene
 

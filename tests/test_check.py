@@ -37,6 +37,20 @@ def test_check_main_modes_and_bad_arguments(capsys):
         check_main(["--a", "nonsense"])
 
 
+def test_an_arm_the_bounds_do_not_model_is_refused_with_the_reason(capsys):
+    # The fused network and the quantised arms round otherwise than to their dtypes.
+    for arm, why in (("tcnn_fused", "'tcnn_fused' rounds otherwise than to its dtypes"),
+                     ("fp8", "'fp8' rounds otherwise than to its dtypes"),
+                     ("f99", "no arm 'f99'")):  # fmt: skip
+        with pytest.raises(SystemExit) as info:
+            check_main(["--b", arm])
+        assert info.value.code == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith(f"mptex-check: error: argument --b: {why}"), last
+        assert last.endswith("; one of nvdiffrec, f32, f16_naive, f16_static, f16_dynamic, amp, "
+                             "bf16, per_layer, nvdiffrec_scale1, bf16_grid")  # fmt: skip
+
+
 def test_texture_config_yaml(tmp_path, capsys):
     config = ROOT / "configs" / "texture" / "default.yaml"
     small = tmp_path / "small.yaml"

@@ -39,9 +39,22 @@ def build_parser() -> argparse.ArgumentParser:
         for n in PrecisionPolicy.names()
         if PrecisionPolicy.named(n).mlp == "linear" and not PrecisionPolicy.named(n).quantized
     ]
+
+    def arm(name: str) -> str:
+        if name in arms:
+            return name
+        if name in PrecisionPolicy.names():
+            raise argparse.ArgumentTypeError(
+                f"{name!r} rounds otherwise than to its dtypes (tcnn's fused network, or FP8 / "
+                "int8 quantisation), which the stages' bounds do not model; one of "
+                f"{', '.join(arms)}"
+            )
+        raise argparse.ArgumentTypeError(f"no arm {name!r}; one of {', '.join(arms)}")
+
     for tag in ("a", "b"):
         upper = tag.upper()
-        parser.add_argument(f"--{tag}", default="f32", choices=arms, help=f"setup {upper}'s arm")
+        parser.add_argument(f"--{tag}", default="f32", type=arm, metavar="ARM",
+                            help=f"setup {upper}'s arm: {', '.join(arms)}")  # fmt: skip
         parser.add_argument(f"--device-{tag}", default="cpu", help="cpu, cuda, cuda:1, xpu, mps")
         parser.add_argument(
             f"--backend-{tag}", default="torch", choices=("torch", "tcnn", "auto"),

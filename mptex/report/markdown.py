@@ -607,7 +607,8 @@ def render_report(
         + ", ".join(f"{n} {status}" for status, n in counts.items())
         + f". Swept: {', '.join(f'`{k}`' for k in shown) or 'nothing'}"
         + (
-            f" (and {len(keys) - len(shown)} keys that follow from the arm or scene)"
+            f" (and {len(keys) - len(shown)} key{'s' * (len(keys) - len(shown) != 1)} that "
+            f"follow{'s' * (len(keys) - len(shown) == 1)} from the arm or scene)"
             if len(keys) > len(shown)
             else ""
         )

@@ -590,3 +590,16 @@ def test_an_arm_of_another_network_is_named_as_not_precision_alone(tmp_path):
     text = _report(tmp_path)
     assert "- Not precision alone:" not in text
     assert r"\ddag" not in (tmp_path / "results.tex").read_text()
+
+
+def test_unpaired_seeds_are_named_when_no_arm_can_be_judged(tmp_path):
+    # f32 completed seed 0 only: every arm has one pair ("cannot judge"), and the seeds 1, 2
+    # they completed are in their rows' seeds and PSNR but not in Δ: a line says so.
+    _seeds(tmp_path, "f32", [40.0], t=0.3)
+    _seeds(tmp_path, "bf16", [40.1, 41.1, 42.2], t=0.1)
+    text = _report(tmp_path)
+    assert _line(text, "- Cannot judge any arm against `f32`:") is not None
+    assert _line(text, "- Completed but not paired") == (
+        "- Completed but not paired (no completed `f32` run with that seed): `bf16` seeds 1, 2; "
+        "in the row's seeds and PSNR, not in its Δ."
+    )

@@ -398,15 +398,6 @@ def _reading(
                     "no paired seeds": f"No seed completed in both the arm and `{REFERENCE_ARM}`",
                 }.get(name, name.capitalize())
                 lines.append(f"- {lead}: {items}.")
-        unpaired = [r for r in compared if r.get("unpaired_seeds")]
-        if unpaired:
-            items = ", ".join(f"{_name(r)} seed{'s' * (len(r['unpaired_seeds']) != 1)} "
-                              f"{', '.join(map(str, r['unpaired_seeds']))}"
-                              for r in unpaired)  # fmt: skip
-            lines.append(
-                f"- Completed but not paired (no completed `{REFERENCE_ARM}` run with that seed): "
-                f"{items}; in the row's seeds and PSNR, not in its Δ."
-            )
         flat = [r for r in compared if r["delta"]["sd"] == 0 and r["delta"]["mean"]]
         if flat:
             items = ", ".join(f"{_name(r)} (Δ {_signed(r['delta']['mean'])} dB on each of "
@@ -419,6 +410,16 @@ def _reading(
         for ref, mine in judged_refs:
             lines += _network_lines(mine, ref)
             lines += _epsilon_lines(mine, ref)
+    # Whether or not any arm could be judged: the Δ cells count fewer seeds than the rows.
+    unpaired = [r for r in rows if r["verdict"] is not None and r.get("unpaired_seeds")]
+    if unpaired:
+        items = ", ".join(f"{_name(r)} seed{'s' * (len(r['unpaired_seeds']) != 1)} "
+                          f"{', '.join(map(str, r['unpaired_seeds']))}"
+                          for r in unpaired)  # fmt: skip
+        lines.append(
+            f"- Completed but not paired (no completed `{REFERENCE_ARM}` run with that seed): "
+            f"{items}; in the row's seeds and PSNR, not in its Δ."
+        )
     unmatched = [r for r in rows if r["verdict"] is None and r["precision"] != REFERENCE_ARM]
     if unmatched and refs:
         lines.append(

@@ -139,6 +139,8 @@ def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> dict[str
     Raises:
         ValueError: a value is NaN or infinite (a diverged run's PSNR has no place in a mean).
     """
+    if not (is_number(confidence) and 0.0 < confidence < 1.0):
+        raise ValueError(f"confidence: expected a number in (0, 1), got {confidence!r}")
     values = [float(v) for v in values]
     bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
     if bad is not None:
@@ -244,6 +246,8 @@ def percent(confidence: float) -> str:
 def verdict(ci: Mapping[str, Any], margin_db: float = EQUIVALENCE_MARGIN_DB) -> str:
     """The statement an interval supports (the module docstring's rule); one of
     :data:`VERDICTS`."""
+    if not (is_number(margin_db) and margin_db > 0):
+        raise ValueError(f"margin_db: expected a number > 0, got {margin_db!r}")
     low, high = ci.get("low"), ci.get("high")
     if low is None or high is None:
         return "cannot judge"

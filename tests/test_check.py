@@ -35,6 +35,9 @@ def test_check_main_modes_and_bad_arguments(capsys):
     assert check_main(["--texture-config", "/nonexistent.yaml"]) == 2
     with pytest.raises(SystemExit):
         check_main(["--a", "nonsense"])
+    capsys.readouterr()
+    assert check_main(["--device-b", "xyz"]) == 2  # named by the flag that set it
+    assert capsys.readouterr().err.startswith("mptex-check: error: --device-b: not a device: 'xyz'")
 
 
 def test_an_arm_the_bounds_do_not_model_is_refused_with_the_reason(capsys):

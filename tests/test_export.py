@@ -347,6 +347,20 @@ def test_export_mesh_errors_are_one_line_before_any_work(tmp_path):
 def test_mptex_export_without_checkpoint_is_one_line(tmp_path, capsys):
     assert export_main([str(tmp_path)]) == 2
     assert "no checkpoint.pt" in _one_line_error(capsys)
+    (tmp_path / "metrics.json").write_text("{}")
+    assert export_main([str(tmp_path / "metrics.json")]) == 2
+    assert _one_line_error(capsys).rstrip() == (
+        f"mptex-export: error: {tmp_path / 'metrics.json'}: a file, not a run directory (give "
+        "the folder that holds checkpoint.pt)")
+
+
+def test_mptex_export_names_the_flag_that_set_a_bad_value(builtin_run, tmp_path, capsys):
+    assert export_main([str(builtin_run), "--out", str(tmp_path), "--format", "OBJ"]) == 2
+    assert _one_line_error(capsys).rstrip() == (
+        "mptex-export: error: --format: expected a non-empty list of values, each one of "
+        "['obj', 'glb'], got 'OBJ'")
+    assert export_main([str(builtin_run), "--out", str(tmp_path), "--decode", "f16,f99"]) == 2
+    assert _one_line_error(capsys).startswith("mptex-export: error: --decode: expected a list")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -370,7 +384,7 @@ def test_mptex_export_resolution_beyond_memory_is_one_line(builtin_run, tmp_path
 
     monkeypatch.setattr(bake_module, "available_bytes", lambda device: 1 << 20)
     assert export_main([str(builtin_run), "--out", str(tmp_path), "--resolution", "512"]) == 2
-    assert "export.resolution: a 512x512 bake" in _one_line_error(capsys)
+    assert "--resolution: a 512x512 bake" in _one_line_error(capsys)  # the flag that set it
     assert not (tmp_path / "export.json").exists()
 
 

@@ -181,6 +181,10 @@ def test_no_reference_arm_and_all_failed(tmp_path):
 def test_cli_errors_on_missing_directory(tmp_path, capsys):
     assert report_main([str(tmp_path / "nope")]) == 2
     assert "no such directory" in capsys.readouterr().err
+    (tmp_path / "report.md").write_text("")
+    assert report_main([str(tmp_path / "report.md")]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "report.md: a file, not a directory (give the sweep's folder)")
     assert report_main([str(tmp_path), "--margin-db", "-1"]) == 2
 
 

@@ -189,3 +189,16 @@ def test_ratio_ci_refuses_a_time_that_is_not_a_positive_number():
                            r"\(.*\) at index 1$"):  # fmt: skip
             ratio_ci([(2.0, 1.0), (1.0, bad)])
     assert ratio_ci([])["ratio"] is None and ratio_ci([(3.0, 2.0)])["ratio"] == pytest.approx(1.5)
+
+
+def test_the_interval_functions_name_a_bad_setting():
+    from mptex.intervals import mean_ci, verdict
+
+    for bad in (95, 0.0, 1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"^confidence: expected a number in \(0, 1\), got "):
+            mean_ci([1.0, 2.0], confidence=bad)
+        with pytest.raises(ValueError, match=r"^confidence: expected a number in \(0, 1\), got "):
+            ratio_ci([(2.0, 1.0), (3.0, 1.0)], confidence=bad)
+    for bad in (-1, 0, float("inf"), "0.5"):
+        with pytest.raises(ValueError, match=r"^margin_db: expected a number > 0, got "):
+            verdict({"low": -0.1, "high": 0.1}, margin_db=bad)

@@ -49,23 +49,30 @@ def test_more_views_are_scored_when_asked(tmp_path):
 
 def test_bad_arguments_fail_with_one_line(tmp_path, capsys):
     assert rescore.rescore_main([str(tmp_path), "--val-spp", "0"]) == 2
-    expected = "mptex-rescore: --val-spp: expected integers in [1, 16], got [0]"
+    expected = "mptex-rescore: error: --val-spp: expected integers in [1, 16], got [0]"
     assert capsys.readouterr().err.strip() == expected
     for flag, message in (("--threads", "--threads: expected an integer >= 1, got 0"),
                           ("--n-val-views", "--n-val-views: expected an integer >= 1, got 0")):
         assert rescore.rescore_main([str(tmp_path), flag, "0"]) == 2  # fmt: skip
-        assert capsys.readouterr().err.strip() == f"mptex-rescore: {message}"
+        assert capsys.readouterr().err.strip() == f"mptex-rescore: error: {message}"
     assert rescore.rescore_main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.endswith("no checkpoint.pt (not a finished mptex-train run)") and "\n" not in err
     (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")
     assert rescore.rescore_main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("mptex-rescore: ") and "checkpoint.pt" in err and "\n" not in err
+    assert err.startswith("mptex-rescore: error: ") and "checkpoint.pt" in err and "\n" not in err
     if not torch.cuda.is_available():  # a GPU asked for on a machine without one
         assert rescore.rescore_main([str(tmp_path), "--device", "cuda"]) == 2
         err = capsys.readouterr().err.strip()
-        assert err == "mptex-rescore: --device: cuda requested but CUDA is not available"
+        assert err == "mptex-rescore: error: --device: cuda requested but CUDA is not available"
+    assert rescore.rescore_main([str(tmp_path), "--device", "gpu"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "mptex-rescore: error: --device: expected a torch device such as cpu, cuda or cuda:1, "
+        "got 'gpu'")
+    missing = tmp_path / "nonexistent"
+    assert rescore.rescore_main([str(missing)]) == 2
+    assert capsys.readouterr().err.strip() == f"mptex-rescore: {missing}: no such run directory"
 
 
 def test_a_gpu_runs_backends_fall_back_where_they_cannot_run(tmp_path, recwarn):

@@ -140,15 +140,18 @@ def check_main(argv: Sequence[str] | None = None) -> int:
     from mptex.diagnostics import Setup, compare_setups
 
     try:
-        setups = [
-            Setup(
-                getattr(args, tag),
-                device=getattr(args, f"device_{tag}"),
-                backend=getattr(args, f"backend_{tag}"),
-                mode=getattr(args, f"mode_{tag}"),
-            )
-            for tag in ("a", "b")
-        ]
+        setups = []
+        for tag in ("a", "b"):
+            try:
+                setups.append(Setup(getattr(args, tag), device=getattr(args, f"device_{tag}"),
+                                    backend=getattr(args, f"backend_{tag}"),
+                                    mode=getattr(args, f"mode_{tag}")))  # fmt: skip
+            except ValueError as error:
+                # Setup names its own field (device: ...): the flag that set it is this one's.
+                field, _, rest = str(error).partition(": ")
+                flag = {"device": f"--device-{tag}", "backend": f"--backend-{tag}",
+                        "mode": f"--mode-{tag}"}.get(field)  # fmt: skip
+                raise ValueError(f"{flag}: {rest}" if flag and rest else str(error)) from None
         if args.points < 1:
             raise ValueError(f"--points: expected a positive integer, got {args.points}")
         if args.out:

@@ -56,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The flag that sets each export key on the command line.
+_FLAGS = {"resolution": "--resolution", "formats": "--format", "padding": "--padding",
+          "unwrap": "--unwrap", "kd_format": "--kd-format", "measure": "--no-measure",
+          "decode_precisions": "--decode", "neural_precision": "--neural"}  # fmt: skip
+
+
 def _fail(message: str) -> int:
     print(f"{_PROG}: error: {' '.join(str(message).split())}", file=sys.stderr)
     return 2
@@ -69,6 +75,9 @@ def export_main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     run_dir = Path(args.run_dir)
     checkpoint = run_dir / "checkpoint.pt"
+    if run_dir.is_file():
+        return _fail(f"{run_dir}: a file, not a run directory (give the folder that holds "
+                     "checkpoint.pt)")  # fmt: skip
     if not run_dir.is_dir():
         return _fail(f"{run_dir}: no such run directory")
     if not checkpoint.is_file():
@@ -123,7 +132,12 @@ def _export_run(args, run_dir: Path, checkpoint: Path, device: torch.device) -> 
         texture = texture_from_checkpoint(ckpt, device)
         options = preflight_export(options, scene.mesh, texture.channels, device, out)
     except (ValueError, RuntimeError) as exc:
-        return _fail(str(exc))
+        message = str(exc)
+        key = message.split(":", 1)[0].removeprefix("export.")
+        if message.startswith("export.") and overrides.get(key) is not None:
+            # The value came from a flag, not from the run's config: name the flag.
+            message = _FLAGS[key] + message[len("export." + key):]
+        return _fail(message)
     options.pop("unwrap_reason")
     background = (config.get("train") or {}).get("val_background", "white")
     try:

@@ -118,25 +118,27 @@ def rescore_main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     bad = [k for k in args.val_spp if not 1 <= k <= 16]
     if bad:
-        print(f"mptex-rescore: --val-spp: expected integers in [1, 16], got {bad}", file=sys.stderr)
+        print(f"mptex-rescore: error: --val-spp: expected integers in [1, 16], got {bad}",
+              file=sys.stderr)  # fmt: skip
         return 2
     if args.threads < 1:
-        print(f"mptex-rescore: --threads: expected an integer >= 1, got {args.threads}",
+        print(f"mptex-rescore: error: --threads: expected an integer >= 1, got {args.threads}",
               file=sys.stderr)  # fmt: skip
         return 2
     if args.n_val_views is not None and args.n_val_views < 1:
-        print(f"mptex-rescore: --n-val-views: expected an integer >= 1, got {args.n_val_views}",
-              file=sys.stderr)  # fmt: skip
+        print("mptex-rescore: error: --n-val-views: expected an integer >= 1, got "
+              f"{args.n_val_views}", file=sys.stderr)  # fmt: skip
         return 2
     torch.set_num_threads(args.threads)
     try:
         device = torch.device(args.device)
-    except RuntimeError as exc:
-        print(f"mptex-rescore: --device: {exc}", file=sys.stderr)
+    except RuntimeError:
+        print(f"mptex-rescore: error: --device: expected a torch device such as cpu, cuda or "
+              f"cuda:1, got {args.device!r}", file=sys.stderr)  # fmt: skip
         return 2
     problem = cuda_device_problem(device, str(device)) if device.type == "cuda" else None
     if problem is not None:
-        print(f"mptex-rescore: --device: {problem}", file=sys.stderr)
+        print(f"mptex-rescore: error: --device: {problem}", file=sys.stderr)
         return 2
     rows = []
     # Each run once, as the report counts it (a glob and a path may name the same one).
@@ -148,6 +150,9 @@ def rescore_main(argv: list[str] | None = None) -> int:
         print(f"mptex-rescore: {len(args.runs) - len(run_dirs)} run directories given more "
               "than once: each is scored once", file=sys.stderr)  # fmt: skip
     for run_dir in run_dirs:
+        if not run_dir.is_dir():
+            print(f"mptex-rescore: {run_dir}: no such run directory", file=sys.stderr)
+            continue
         if not (run_dir / "checkpoint.pt").is_file():
             print(f"mptex-rescore: {run_dir}: no checkpoint.pt (not a finished mptex-train run)",
                   file=sys.stderr)  # fmt: skip
@@ -157,11 +162,11 @@ def rescore_main(argv: list[str] | None = None) -> int:
             with launching_on(device):
                 rows += rescore(run_dir, args.val_spp, device, args.n_val_views)
         except CheckpointError as exc:  # unreadable, corrupt or not an mptex checkpoint
-            print(f"mptex-rescore: {exc}", file=sys.stderr)
+            print(f"mptex-rescore: error: {exc}", file=sys.stderr)
             return 2
         except (ValueError, RuntimeError) as exc:  # what this machine cannot run, in one line
             why = " ".join(str(exc).split()) or type(exc).__name__
-            print(f"mptex-rescore: {run_dir}: {why}", file=sys.stderr)
+            print(f"mptex-rescore: error: {run_dir}: {why}", file=sys.stderr)
             return 2
     if not rows:
         return 2  # nothing scored: every run was skipped, each said why

@@ -130,6 +130,8 @@ def find_sweeps(folder: str | os.PathLike) -> list[Path]:
             (the message names both), or holds no job at all.
     """
     folder = Path(folder).resolve()
+    if folder.is_file():
+        raise FileNotFoundError(f"{folder}: a file, not a directory (give the sweep's folder)")
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such directory")
     if (folder / "multirun.yaml").is_file():

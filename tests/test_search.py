@@ -590,8 +590,11 @@ def test_a_measured_cost_is_compared_with_f32s_seed_by_seed(tmp_path, searched):
         assert speed["low"] == pytest.approx(math.exp(mean - half), rel=1e-9)
         assert speed["high"] == pytest.approx(math.exp(mean + half), rel=1e-9)
         assert ref["measured_speedup"] is None
-        line = next(x for x in (tmp_path / "out" / "search.md").read_text().splitlines()
-                    if x.startswith("**Certified cheapest:"))  # fmt: skip
+        text = (tmp_path / "out" / "search.md").read_text()
+        line = next(x for x in text.splitlines() if x.startswith("**Certified cheapest:"))
+        # f32's own row is the reference: no Δ, verdict or certification of itself
+        ref_line = next(x for x in text.splitlines() if x.startswith(f"| `{ref['candidate']}` |"))
+        assert ref_line.split(" | ")[4:8] == ["-", "-", "reference", "-"], ref_line
         text = f"; per seed {ratio_text(speed)}"
         assert (speed["low"] > 1) is expect_faster
         if expect_faster:

@@ -212,13 +212,16 @@ def write_search_report(out: str | os.PathLike, summary: Mapping[str, Any]) -> P
         cert = row.get("certificate") or {}
         d0 = row["delta_db"].get(str(s0))
         statuses = Counter(r["status"] for r in row["runs"].values())
+        if row is ref:  # compared with itself: Δ 0 by construction, no verdict to give
+            delta, interval, verdict, certified = "-", "-", "reference", "-"
+        else:
+            delta = "-" if d0 is None else f"{d0:+.2f}"
+            interval, verdict = _interval(cert), cert.get("verdict", cert.get("reason", "-"))
+            certified = "yes" if cert.get("certified") else "no"
         lines.append(
             f"| `{row['candidate']}` | {row['stage']} | {row['cost_s'] * 1e6:.1f} | "
-            f"{row['cost_s'] / ref['cost_s']:.2f} | "
-            f"{'-' if d0 is None else f'{d0:+.2f}'} | {_interval(cert)} | "
-            f"{cert.get('verdict', cert.get('reason', '-'))} | "
-            f"{'yes' if cert.get('certified') else 'no'} | "
-            f"{', '.join(f'{n} {s}' for s, n in sorted(statuses.items()))} |"
+            f"{row['cost_s'] / ref['cost_s']:.2f} | {delta} | {interval} | {verdict} | "
+            f"{certified} | {', '.join(f'{n} {s}' for s, n in sorted(statuses.items()))} |"
         )
     better = [r["candidate"] for r in summary["candidates"]
               if (r["delta_db"].get(str(s0)) or 0.0) > summary["screen_db"]]  # fmt: skip

@@ -140,3 +140,13 @@ def test_reduced_precision_linear_layers_are_thread_count_independent(dtype):
     )
     out = _run_after_mptex_train_blas_setup(code)
     assert out.stdout.split() == ["True", "True", "True"], out.stderr
+
+
+def test_help_says_what_the_commands_do(tmp_path):
+    # Hydra's own first line ("train is powered by Hydra.") said nothing about mptex.
+    proc = run_cli(tmp_path, "--help")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("mptex: nvdiffrec's texture optimisation")
+    assert any(line.strip().startswith("mptex-train -m") for line in lines[:6])
+    assert "precision: amp, bf16" in proc.stdout  # Hydra's list of groups follows

@@ -662,6 +662,10 @@ def test_the_override_check_leaves_what_hydra_accepts_to_hydra():
     ):
         assert override_problem(argv) is None, argv
     assert override_problem(["train.lr=[1,"]).startswith("override syntax: no viable")
+    # a key the config lacks but nearly has: named, as a typo is the likelier cause
+    assert override_problem(["train.iteratons=5"]).endswith(
+        "+train.iteratons=5 (did you mean train.iterations?)")
+    assert override_problem(["nothing.like.it=1"]).endswith("+nothing.like.it=1")
 
 
 def test_a_required_scene_path_left_unset_is_named_as_unset(tmp_path):

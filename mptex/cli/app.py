@@ -151,10 +151,39 @@ def override_problem(argv: list[str], check=None) -> str | None:
                         return problem
     except (HydraException, OmegaConfBaseException) as exc:
         message = " ".join(str(exc).split())
-        return message.split(" Config search path:")[0]  # the options, not Hydra's search path
+        return _did_you_mean(message.split(" Config search path:")[0])  # not the search path
     except Exception:  # what this check cannot compose (sweeper params as an override)
         return None
     return None
+
+
+def _did_you_mean(message: str) -> str:
+    """Hydra's line for a key the config lacks (``Could not override 'train.iteration'. To
+    append to your config use +train.iteration=5``), with the config's closest key named when
+    one is close: a typo is likelier than a wish to add a key the run would refuse."""
+    import difflib
+    import re
+
+    from hydra import compose, initialize_config_dir
+
+    found = re.match(r"Could not override '([^']+)'\.", message)
+    if found is None:
+        return message
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            config = OmegaConf.to_container(compose("config"), resolve=False)
+    except Exception:  # the base config cannot be composed here: Hydra's words as they are
+        return message
+
+    def keys(node, prefix=""):
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            yield name
+            if isinstance(value, dict):
+                yield from keys(value, name + ".")
+
+    close = difflib.get_close_matches(found.group(1), list(keys(config)), n=1, cutoff=0.8)
+    return f"{message} (did you mean {close[0]}?)" if close else message
 
 
 _MAX_TRIALS = 64

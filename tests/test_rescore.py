@@ -116,6 +116,18 @@ def test_a_batch_scores_each_run_once_skips_one_without_checkpoint_and_names_unf
     ]
     assert rescore.rescore_main([str(diverged)]) == 2  # nothing left to score
     capsys.readouterr()
+    # What the run's metrics.json says of why there are no weights, where it says so.
+    (diverged / "metrics.json").write_text(json.dumps({"status": "diverged", "diverged_at": 0}))
+    assert rescore.rescore_main([str(diverged)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"mptex-rescore: {diverged}: the run diverged at iteration 0 before its first "
+        "checkpoint: no weights")
+    from mptex.cli.export import export_main
+
+    assert export_main([str(diverged)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"mptex-export: error: {diverged}: the run diverged at iteration 0 before its first "
+        "checkpoint: no weights")
     # A run stopped before its last iteration: its checkpoint is scored, and said to be early.
     record = json.loads((run_dir / "metrics.json").read_text())
     record["status"] = "interrupted"

@@ -81,7 +81,9 @@ def export_main(argv: list[str] | None = None) -> int:
     if not run_dir.is_dir():
         return _fail(f"{run_dir}: no such run directory")
     if not checkpoint.is_file():
-        return _fail(f"{run_dir}: no checkpoint.pt (not a finished mptex-train run)")
+        from mptex.train.checkpoint import no_checkpoint_reason
+
+        return _fail(f"{run_dir}: {no_checkpoint_reason(run_dir)}")
     device = args.device
     if device == "auto":
         device = auto_device()

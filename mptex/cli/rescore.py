@@ -113,7 +113,7 @@ def rescore(run_dir: str | os.PathLike, spps: list[int], device: torch.device,
 def rescore_main(argv: list[str] | None = None) -> int:
     from mptex._backends import cuda_device_problem
     from mptex._triton_launch import launching_on
-    from mptex.train.checkpoint import CheckpointError
+    from mptex.train.checkpoint import CheckpointError, no_checkpoint_reason
 
     args = _parser().parse_args(argv)
     bad = [k for k in args.val_spp if not 1 <= k <= 16]
@@ -154,8 +154,7 @@ def rescore_main(argv: list[str] | None = None) -> int:
             print(f"mptex-rescore: {run_dir}: no such run directory", file=sys.stderr)
             continue
         if not (run_dir / "checkpoint.pt").is_file():
-            print(f"mptex-rescore: {run_dir}: no checkpoint.pt (not a finished mptex-train run)",
-                  file=sys.stderr)  # fmt: skip
+            print(f"mptex-rescore: {run_dir}: {no_checkpoint_reason(run_dir)}", file=sys.stderr)
             continue  # one of several (a diverged run writes none): the others are scored
         try:
             # Triton's kernels launch on the current CUDA device: the rescore's

@@ -33,6 +33,7 @@ __all__ = [
     "load_texture",
     "texture_from_checkpoint",
     "unfinished_note",
+    "no_checkpoint_reason",
 ]
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -322,3 +323,21 @@ def unfinished_note(ckpt: Mapping[str, Any], run_dir: str | os.PathLike) -> str 
         return None
     said = status if isinstance(status, str) else "without a readable metrics.json"
     return f"a checkpoint of {done} of {planned} iterations (the run is {said})"
+
+
+def no_checkpoint_reason(run_dir: str | os.PathLike) -> str:
+    """Why ``run_dir`` holds no ``checkpoint.pt``, as far as its ``metrics.json`` tells: a run
+    that diverged before its first checkpoint (``"the run diverged at iteration 0 before its
+    first checkpoint: no weights"``), one that failed at start, or else that it is not a
+    finished mptex-train run. What ``mptex-export`` and ``mptex-rescore`` say."""
+    try:
+        metrics = json.loads((Path(run_dir) / _METRICS).read_text())
+    except (OSError, ValueError):
+        metrics = None
+    status = metrics.get("status") if isinstance(metrics, dict) else None
+    if status == "diverged":
+        at = metrics.get("diverged_at")
+        return f"the run diverged at iteration {at} before its first checkpoint: no weights"
+    if status == "failed" and metrics.get("failed_at") == "start":
+        return f"the run failed at start ({metrics.get('error')}): no weights"
+    return "no checkpoint.pt (not a finished mptex-train run)"

@@ -306,6 +306,9 @@ def test_export_mesh_writes_what_mptex_export_writes(builtin_run, tmp_path):
                         "--format", "obj"]) == 0  # fmt: skip
     cli = json.loads((tmp_path / "cli" / "export.json").read_text())
     texture = load_texture(builtin_run / "checkpoint.pt")
+    points = torch.rand(64, 3) * 2 - 1
+    # the run's directory names the same texture
+    assert torch.equal(load_texture(builtin_run).sample(points), texture.sample(points))
     mesh = torus_knot(48, 8)  # the run's scene mesh (SMALL_KNOT)
     api = export_mesh(texture, mesh, tmp_path / "api", resolution=128, formats="obj")
     # The same bake: the same files, byte for byte, and the same bake statistics.

@@ -247,14 +247,17 @@ def build_texture(aabb, texture_cfg: Mapping[str, Any], precision: Any) -> MLPTe
 
 
 def load_texture(path: str | os.PathLike, device: str | torch.device = "cpu") -> MLPTexture3D:
-    """The trained :class:`~mptex.MLPTexture3D` from a ``checkpoint.pt`` written by ``train``.
+    """The trained :class:`~mptex.MLPTexture3D` from a ``checkpoint.pt`` written by ``train``
+    (``path``: the file, or the run's directory that holds it).
 
     The texture is rebuilt with the run's AABB, texture config and precision policy, then its
     state dict (nvdiffrec's keys) is loaded::
 
-        tex = mptex.train.load_texture("outputs/.../checkpoint.pt")
+        tex = mptex.train.load_texture("outputs/.../checkpoint.pt")  # or "outputs/..."
         kd = tex.sample(points)  # [N, 3]
     """
+    if Path(path).is_dir():
+        path = Path(path) / CHECKPOINT_FILE
     ckpt = load_checkpoint(path, required=TEXTURE_KEYS)
     return texture_from_checkpoint(ckpt, device)
 

@@ -1,0 +1,289 @@
+"""Config values at start, against messages and normal forms written out by hand.
+
+Every refused value is one line naming the key, what was expected and the value given; the
+bounds are the documented ones, each side of them (nothing clamped); lists given as text, with
+duplicates or empty parts, take their documented normal form; the checks that relate groups (the
+channels shading needs, a supersampled validation of image references, the views' memory) and
+the paths a run records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+from test_train import tiny_cfg
+
+from mptex.config_schema import (
+    REQUIRED,
+    ConfigError,
+    Integer,
+    ListOf,
+    Number,
+    OneOf,
+    Table,
+    check_fields,
+    check_group,
+    check_seed,
+    plain,
+)
+from mptex.export_config import check_export_config
+from mptex.train import validate_config
+from mptex.train.config import (
+    TrainConfig,
+    absolute_scene_paths,
+    config_key,
+    normalized_config,
+)
+
+
+def _refused(check, value, key="group.key") -> str:
+    with pytest.raises(ConfigError) as info:
+        check(value, key)
+    return str(info.value)
+
+
+# ----------------------------------------------------------------------------- kinds of value
+def test_one_sided_and_float_bounds_are_written_as_the_check_applies_them():
+    assert Integer(max=5).what == "an integer <= 5"
+    assert Integer(max=5, max_open=True).what == "an integer < 5"
+    assert Number(min=0.5, max_open=True, max=100.0).what == "a number in [0.5, 100)"
+    assert Number(max=2.5, max_open=True).what == "a finite number < 2.5"
+    Integer(max=5)(5, "k")
+    assert _refused(Integer(max=5, max_open=True), 5) == (
+        "group.key: expected an integer < 5, got 5"
+    )
+
+
+def test_a_numpy_integer_becomes_a_python_int_and_a_table_a_new_dict():
+    value = Integer(min=0)(np.int64(7), "k")
+    assert value == 7 and type(value) is int
+    given = {"max_iterations": 4}
+    table = Table()(given, "k")
+    assert table == given and table is not given
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("obj", ["obj"]), ("glb,obj", ["glb", "obj"]), ("obj,,glb,", ["obj", "glb"]),
+     (" glb , obj , glb ", ["glb", "obj"]), (["obj", "glb", "obj"], ["obj", "glb"])],
+)  # fmt: skip
+def test_a_list_as_text_drops_empty_parts_and_keeps_each_first_occurrence(text, expected):
+    check = ListOf(OneOf(["obj", "glb"]), unique=True, comma_text=True)
+    assert check(text, "k") == expected
+
+
+def test_a_list_without_unique_keeps_its_duplicates():
+    assert ListOf(Integer())([3, 1, 3], "k") == [3, 1, 3]
+
+
+@dataclasses.dataclass
+class _Required:
+    name: str = REQUIRED
+    count: int = 1
+
+
+def test_a_required_value_given_as_null_is_not_set():
+    for values in ({"name": None}, {"name": REQUIRED}, {}):
+        with pytest.raises(ConfigError) as info:
+            check_group(_Required, values, "g", context=" for scene 'x'")
+        assert str(info.value) == "g.name: required for scene 'x', not set"
+
+
+def test_a_resolvers_value_error_is_one_line_and_other_interpolation_errors_are_omegaconfs():
+    from omegaconf.errors import InterpolationKeyError
+
+    def no_asset(name):
+        raise ValueError(f"no asset {name!r} (pip install pybullet)")
+
+    OmegaConf.register_new_resolver("test_config_edges_asset", no_asset, replace=True)
+    cfg = OmegaConf.create({"scene": {"path": "${test_config_edges_asset:duck}"}})
+    with pytest.raises(ConfigError) as info:
+        plain(cfg)
+    assert str(info.value) == "scene.path: no asset 'duck' (pip install pybullet)"
+    with pytest.raises(InterpolationKeyError):
+        plain(OmegaConf.create({"scene": {"path": "${nowhere}"}}))
+
+
+def test_fields_of_an_instance_are_each_checked_with_their_key():
+    with pytest.raises(ConfigError) as info:
+        check_fields(_Required(name="x", count=1.5), prefix="policy.")
+    assert str(info.value) == "policy.count: expected an integer, got 1.5"
+
+
+def test_a_generators_seed_takes_the_full_unsigned_64_bit_range():
+    assert check_seed("seed", 2**64 - 1) == 2**64 - 1
+    assert check_seed("seed", np.uint64(2**63)) == 2**63
+    assert check_seed("seed", None, allow_none=True) is None
+    with pytest.raises(ValueError) as info:
+        check_seed("seed", 2**64)
+    assert str(info.value) == "seed: expected an integer in [0, 2**64), got 18446744073709551616"
+    with pytest.raises(ValueError) as info:
+        check_seed("seed", None)
+    assert str(info.value) == "seed: expected an integer in [0, 2**64), got None"
+
+
+# ----------------------------------------------------------------------------- train
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("lr", 0, "a finite number > 0"),
+        ("mlp_lr_scale", 0.0, "a finite number > 0 (the MLP's learning rate over the grid's)"),
+        ("betas", [0.9, 1.0], "two numbers in [0, 1)"),
+        ("betas", [-0.1, 0.9], "two numbers in [0, 1)"),
+        ("batch_size", 0, "an integer >= 1"),
+        ("warmup_iter", -1, "an integer >= 0"),
+        ("kd_smooth_ramp", -1, "a finite number >= 0"),
+        ("kd_jitter_std", -0.01, "a finite number >= 0"),
+        ("ambient", 1.5, "a number in [0, 1]"),
+        ("ambient", -0.25, "a number in [0, 1]"),
+        ("light_dir", [0, 0, 0], "a non-zero [x, y, z] of numbers"),
+        ("light_dir", [0.0, -0.0, 0], "a non-zero [x, y, z] of numbers"),
+        ("val_background", "random", "one of ['white', 'black']"),
+        ("threads", 0, "null (torch's default) or an integer >= 1"),
+        ("max_consecutive_skips", 0, "an integer >= 1"),
+        ("val_spp", 17, "an integer in [1, 16] (validation samples per pixel along each axis)"),
+        ("checkpoint_interval", -1, "an integer >= 0 (0: only at the end)"),
+        ("stop_signals", ["SIGTERM", "SIGKILL"], "a list of signal names from ['SIGTERM', "
+         "'SIGINT', 'SIGUSR1', 'SIGUSR2', 'SIGHUP', 'SIGQUIT', 'SIGXCPU']"),
+    ],
+)  # fmt: skip
+def test_a_bad_train_value_is_one_line_naming_the_key_and_the_expectation(key, value, message):
+    with pytest.raises(ConfigError) as info:
+        check_group(TrainConfig, {key: value}, "train")
+    assert str(info.value) == f"train.{key}: expected {message}, got {value!r}"
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("light_dir", [0, 1, 0]), ("light_dir", [0.0, 0.0, -2.0]), ("betas", [0.0, 0.0]),
+     ("ambient", 0), ("ambient", 1), ("val_spp", 16), ("val_spp", 1), ("threads", 1),
+     ("max_consecutive_skips", 1), ("batch_size", 1), ("kd_smooth_ramp", 0),
+     ("warmup_iter", 0), ("val_background", "black"), ("iterations", 0)],
+)  # fmt: skip
+def test_a_train_value_at_its_bound_is_taken_unchanged(key, value):
+    assert check_group(TrainConfig, {key: value}, "train")[key] == value
+
+
+def test_repeated_stop_signals_are_installed_once_in_their_first_order():
+    checked = check_group(TrainConfig, {"stop_signals": ["SIGUSR1", "SIGTERM", "SIGUSR1"]},
+                          "train")  # fmt: skip
+    assert checked["stop_signals"] == ["SIGUSR1", "SIGTERM"]
+
+
+# ----------------------------------------------------------------------------- export
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("resolution", 1, "an integer >= 2"),
+        ("formats", [], "a non-empty list of values, each one of ['obj', 'glb']"),
+        ("formats", "", "a non-empty list of values, each one of ['obj', 'glb']"),
+        ("chunk_size", 0, "an integer >= 1"),
+        ("unwrap", "never", "one of ['auto', 'always']"),
+        ("padding", -1, "an integer >= 0"),
+        ("neural_precision", "f64", "null (no neural export) or one of ['f32', 'f16', 'bf16', "
+         "'fp8', 'fp8_rowwise', 'int8']"),
+    ],
+)  # fmt: skip
+def test_a_bad_export_value_is_one_line_naming_the_key_and_the_expectation(key, value, message):
+    with pytest.raises(ConfigError) as info:
+        check_export_config({key: value})
+    assert str(info.value) == f"export.{key}: expected {message}, got {value!r}"
+
+
+def test_export_lists_take_text_and_drop_repeats():
+    checked = check_export_config({"formats": "glb,glb", "decode_precisions": "int8, f16,int8",
+                                   "resolution": 2, "padding": 0})  # fmt: skip
+    assert checked["formats"] == ["glb"] and checked["decode_precisions"] == ["int8", "f16"]
+    assert check_export_config({"decode_precisions": []})["decode_precisions"] == []
+
+
+# ----------------------------------------------------------------------------- the whole config
+def _start_message(*overrides: str, cfg=None) -> str:
+    with pytest.raises(ValueError) as info:
+        validate_config(tiny_cfg(*overrides) if cfg is None else cfg)
+    return str(info.value)
+
+
+def test_diffuse_shading_needs_nine_channels_and_three_is_the_least():
+    assert _start_message("train.shading=diffuse", "texture.channels=8") == (
+        "train.shading: 'diffuse' needs texture.channels=9 (kd, ks, normal)"
+    )
+    assert _start_message("texture.channels=2") == (
+        "texture.channels: expected an integer >= 3, got 2"
+    )
+    full = validate_config(tiny_cfg("train.shading=diffuse", "texture.channels=9"))
+    assert full["train"]["shading"] == "diffuse"
+
+
+def test_a_supersampled_validation_of_image_references_is_refused_from_two():
+    scene = {"name": "nerf", "path": "data/lego", "mesh": "data/lego.obj"}
+    cfg = {**OmegaConf.to_container(tiny_cfg()), "scene": scene}
+    for spp in (2, 3):
+        cfg["train"] = {**cfg["train"], "val_spp": spp}
+        assert _start_message(cfg=cfg) == (
+            "train.val_spp: scene=nerf's validation references are images at their own "
+            f"resolution (no sub-pixel samples to render); expected 1, got {spp}"
+        )
+
+
+def test_views_that_exactly_fill_the_free_memory_fit(monkeypatch):
+    from mptex.train import config as train_config
+
+    # tiny_cfg: 4 training and 2 validation views of 32 x 32 pixels, 57 bytes each
+    needed = 32 * 32 * (4 + 2) * 57
+    monkeypatch.setattr(train_config, "available_bytes", lambda device: needed)
+    validate_config(tiny_cfg())
+    monkeypatch.setattr(train_config, "available_bytes", lambda device: needed - 1)
+    assert _start_message().startswith("scene.resolution: 4 training and 2 validation views of "
+                                       "32 x 32 pixels need 0.0 GiB")  # fmt: skip
+
+
+def test_missing_groups_and_keys_that_are_not_text_are_refused():
+    full = OmegaConf.to_container(tiny_cfg())
+    for group in ("scene", "precision", "texture"):
+        cfg = {k: v for k, v in full.items() if k != group}
+        assert _start_message(cfg=cfg) == f"{group}: missing config group"
+    cfg = {**full, "texture": {**full["texture"], 7: "x"}}
+    assert _start_message(cfg=cfg) == "texture.7: expected a string key"
+
+
+def test_hidden_layers_the_arm_has_no_dtypes_for_name_the_relation():
+    message = _start_message("precision=per_layer", "precision.mlp_dtypes=[f16,f32,f32]",
+                             "texture.hidden=3")  # fmt: skip
+    assert message.startswith("precision.mlp_dtypes: ")
+    assert message.endswith(" (texture.hidden + 1)")
+
+
+def test_the_device_auto_is_recorded_as_this_machines_device():
+    from mptex._backends import auto_device
+
+    assert validate_config(tiny_cfg("train.device=auto"))["train"]["device"] == auto_device()
+    # a bad value is recorded as given, the other keys with their defaults
+    recorded = normalized_config({"train": {"device": "auto", "lr": 0}})["train"]
+    assert recorded["device"] == auto_device() and recorded["lr"] == 0
+    assert recorded["iterations"] == 200 and recorded["betas"] == [0.9, 0.999]
+
+
+def test_scene_paths_are_recorded_absolute_with_the_home_folder_expanded(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    scene = absolute_scene_paths({"name": "nerf", "path": "~/lego", "mesh": "lego.obj",
+                                  "near": 0.1, "empty": ""})  # fmt: skip
+    assert scene == {"name": "nerf", "path": os.path.join(str(tmp_path), "home", "lego"),
+                     "mesh": os.path.join(str(tmp_path), "lego.obj"), "near": 0.1,
+                     "empty": ""}  # fmt: skip
+    assert absolute_scene_paths({"path": ""}) == {"path": ""}
+
+
+def test_a_constructors_must_message_is_renamed_to_the_config_key():
+    assert config_key("n_levels must be an integer >= 1, got 0") == (
+        "texture.encoder.n_levels: must be an integer >= 1, got 0"
+    )
+    assert config_key("config.n_levels: expected an integer") == (
+        "texture.encoder.n_levels: expected an integer"
+    )
+    assert config_key("unknown_arg: x") == "unknown_arg: x"

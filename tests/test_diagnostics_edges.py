@@ -144,7 +144,7 @@ def test_rescore_takes_sixteen_samples_and_refuses_seventeen(tmp_path, capsys):
     assert err == f"mptex-rescore: {tmp_path}: no checkpoint.pt (not a finished mptex-train run)"
     assert rescore.rescore_main([str(tmp_path), "--val-spp", "17", "4", "0"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "mptex-rescore: --val-spp: expected integers in [1, 16], got [17, 0]"
+    assert err == "mptex-rescore: error: --val-spp: expected integers in [1, 16], got [17, 0]"
 
 
 def test_rescore_names_a_run_given_relative_and_absolute_once(tmp_path, monkeypatch, capsys):
@@ -206,7 +206,7 @@ def test_rescore_stops_at_an_unreadable_checkpoint_among_several(tmp_path, monke
     assert rescore.rescore_main(runs) == 2
     captured = capsys.readouterr()
     assert captured.err.strip() == (
-        f"mptex-rescore: {tmp_path / 'bad' / 'checkpoint.pt'}: not a readable checkpoint"
+        f"mptex-rescore: error: {tmp_path / 'bad' / 'checkpoint.pt'}: not a readable checkpoint"
     )
     assert captured.out == ""
 

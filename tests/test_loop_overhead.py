@@ -389,7 +389,7 @@ def test_gpu_preset_refuses_a_machine_without_cuda_in_one_line(tmp_path):
     assert run.returncode == 2
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert lines == [
-        "mptex-train: error: this config needs a CUDA GPU and none is available here "
+        "mptex-train: error: this preset needs a CUDA GPU and none is available here "
         "(train.device=cuda)"
     ]
 

@@ -524,12 +524,17 @@ def test_a_refused_command_leaves_an_interrupted_run_to_the_right_one(tmp_path, 
     from mptex.train import ConfigError
 
     train(tiny_cfg(*ADAM_RUN, "train.inject_signal_at=2"), tmp_path)
-    before = (tmp_path / "metrics.json").read_bytes(), (tmp_path / "checkpoint.pt").read_bytes()
+    record, weights = read_metrics(tmp_path), (tmp_path / "checkpoint.pt").read_bytes()
     with pytest.raises(ConfigError) as info:
         train(tiny_cfg(*ADAM_RUN, mistake), tmp_path)
     assert "\n" not in str(info.value)
-    assert ((tmp_path / "metrics.json").read_bytes(),
-            (tmp_path / "checkpoint.pt").read_bytes()) == before  # fmt: skip
+    # The stopped run's record stays, with the refused attempt added to it.
+    after = read_metrics(tmp_path)
+    assert after.pop("start_failures") == [{"error": str(info.value), "failed_at": "start"}]
+    assert after == record and (tmp_path / "checkpoint.pt").read_bytes() == weights
+    (run,) = collect_runs(tmp_path)
+    assert run["status"] == "failed" and run["error"].endswith(
+        f"and not resumed; 1 attempt to continue it failed at start, the last: {info.value}")
     again = train(tiny_cfg(*ADAM_RUN), tmp_path)
     assert again["status"] == "completed" and again["resume_count"] == 1
     assert again["psnr"] == read_metrics(uninterrupted)["psnr"]
@@ -599,7 +604,9 @@ def test_a_stopped_sweep_job_names_the_command_that_continues_the_sweep(tmp_path
     metrics = {"signal": "SIGTERM", "interrupted_at": 5, "iterations_planned": 20}
     for multirun, sweep_dir, expected in (
         (True, tmp_path / "sweep", f"the same command with hydra.sweep.dir={tmp_path / 'sweep'} "
-         "hydra.callbacks.fresh_sweep_dir.enabled=false continues the sweep (train.resume=auto)"),
+         "hydra.callbacks.fresh_sweep_dir.enabled=false continues the sweep (its completed runs "
+         f"train again), or mptex-train hydra.run.dir={tmp_path / 'job'} with this job's "
+         "overrides (.hydra/overrides.yaml) continues this run alone (train.resume=auto)"),
         (False, None, "the same command continues it (train.resume=auto)"),
     ):  # fmt: skip
         with pytest.raises(SystemExit) as info:

@@ -129,7 +129,7 @@ def preflight_export(
     options = check_export_config(options)
     if "glb" in options["formats"] and _import_trimesh() is None:
         raise RuntimeError("export.formats: 'glb' needs trimesh, which is not installed "
-                           "(pip install trimesh, or formats=obj)")  # fmt: skip
+                           "(pip install trimesh, or export obj only)")  # fmt: skip
     if options["neural_precision"] is not None and importlib.util.find_spec("safetensors") is None:
         raise RuntimeError("export.neural_precision: the neural export needs safetensors, which "
                            "is not installed (pip install safetensors)")  # fmt: skip

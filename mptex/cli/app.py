@@ -144,10 +144,17 @@ def override_problem(argv: list[str], check=None) -> str | None:
             for overrides in trials[:_MAX_TRIALS]:
                 cfg = compose("config", overrides=overrides, return_hydra_config=True)
                 if check is not None and args.multirun:
+                    # A sweeper's own params (an experiment's) set each job's values of their
+                    # keys: this composition has none of them, so what it says of those keys
+                    # (or of a group they choose) is not about any job.
+                    swept = OmegaConf.select(cfg, "hydra.sweeper.params") or {}
                     with open_dict(cfg):
                         del cfg["hydra"]
                     problem = check(cfg)
-                    if problem is not None:
+                    key = (problem or "").split(":", 1)[0]
+                    if problem is not None and not any(
+                        key == k or key.startswith(f"{k}.") for k in swept
+                    ):
                         return problem
     except (HydraException, OmegaConfBaseException) as exc:
         message = " ".join(str(exc).split())
@@ -183,7 +190,10 @@ def _did_you_mean(message: str) -> str:
                 yield from keys(value, name + ".")
 
     close = difflib.get_close_matches(found.group(1), list(keys(config)), n=1, cutoff=0.8)
-    return f"{message} (did you mean {close[0]}?)" if close else message
+    if not close:
+        return message
+    # Hydra's advice (append it with +) would add a key the run's check then refuses.
+    return f"Could not override '{found.group(1)}': no such key (did you mean {close[0]}?)"
 
 
 _MAX_TRIALS = 64

@@ -151,7 +151,8 @@ def rescore_main(argv: list[str] | None = None) -> int:
               "than once: each is scored once", file=sys.stderr)  # fmt: skip
     for run_dir in run_dirs:
         if not run_dir.is_dir():
-            print(f"mptex-rescore: {run_dir}: no such run directory", file=sys.stderr)
+            what = "a file, not a run directory" if run_dir.is_file() else "no such run directory"
+            print(f"mptex-rescore: {run_dir}: {what}", file=sys.stderr)
             continue
         if not (run_dir / "checkpoint.pt").is_file():
             print(f"mptex-rescore: {run_dir}: {no_checkpoint_reason(run_dir)}", file=sys.stderr)

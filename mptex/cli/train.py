@@ -27,6 +27,7 @@ so ``mptex-train`` runs from any folder. Add your own groups with Hydra's ``--co
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -121,17 +122,28 @@ def _interrupted(metrics: dict, run_dir: Path, multirun: bool, sweep_dir=None) -
     """After a stop signal: say so in one line, then requeue (submitit) or exit 3.
     ``sweep_dir``: the sweep's directory, for a job of a multirun."""
     name = metrics["signal"]
-    # A sweep's directory refuses a second sweep unless told to continue into it.
-    again = (f"the same command with hydra.sweep.dir={sweep_dir} "
-             "hydra.callbacks.fresh_sweep_dir.enabled=false continues the sweep"
-             if multirun else "the same command continues it")  # fmt: skip
+    requeue = _submitit_signal()
+    requeued = requeue is not None and name == requeue.name and callable(
+        signal.getsignal(requeue))  # fmt: skip
+    if requeued:
+        again = "submitit requeues this job, which continues it (train.resume=auto)"
+    elif multirun:
+        # A sweep's directory refuses a second sweep unless told to continue into it, and a
+        # sweep run again trains its completed runs again: the run alone is the other way.
+        again = (
+            f"the same command with hydra.sweep.dir={shlex.quote(str(sweep_dir))} "
+            "hydra.callbacks.fresh_sweep_dir.enabled=false continues the sweep (its completed "
+            f"runs train again), or mptex-train hydra.run.dir={shlex.quote(str(run_dir))} with "
+            "this job's overrides (.hydra/overrides.yaml) continues this run alone "
+            "(train.resume=auto)"
+        )
+    else:
+        again = "the same command continues it (train.resume=auto)"
     print(
         f"{_PROG}: interrupted by {name} after iteration {metrics['interrupted_at']} of "
-        f"{metrics['iterations_planned']}: checkpoint and metrics in {run_dir}; {again} "
-        "(train.resume=auto)",
+        f"{metrics['iterations_planned']}: checkpoint and metrics in {run_dir}; {again}",
         file=sys.stderr,
     )
-    requeue = _submitit_signal()
     if requeue is not None and name == requeue.name:
         handler = signal.getsignal(requeue)
         if callable(handler):
@@ -154,29 +166,28 @@ def _arm_available(cfg) -> tuple[bool, str]:
 
 
 def _sweep_value_problem(cfg) -> str | None:
-    """The run's own check (:func:`mptex.train.validate_config`) of one composed config of a
-    sweep, before its first job: the one-line error, or None where the config passes, is a
-    precision search (which checks its own), or names an arm this machine cannot run (the
-    sweep lists that job as unavailable instead)."""
+    """The run's own check of one composed config of a sweep, before its first job: the
+    config alone (:func:`mptex.train.validate_config` with ``machine=False``, and the scene
+    group, which a run checks when it builds its scene), not what the run needs from a
+    machine: the jobs may run elsewhere (a cluster's GPU nodes), and a device, a backend or
+    memory this machine lacks is each job's to say. None where the config passes or is a
+    precision search (which checks its own)."""
     if "search" in cfg:
         return None
     from mptex.config_schema import plain
+    from mptex.scenes.assets import SUITE
     from mptex.scenes.config import check_scene_config
     from mptex.train import validate_config
-    from mptex.train.config import absolute_scene_paths
-    from mptex.train.device_check import device_problem
 
-    device = str(cfg.train.device)
-    problem = None if device == "auto" else device_problem(device)
-    if problem is not None:  # as a preset's device callback words it
-        return f"{problem} (train.device={device})"
     try:
-        config = validate_config(dict(plain(cfg)))
-        # The scene group is checked where the run builds its scene: here, before any job.
-        check_scene_config(absolute_scene_paths(config["scene"]))
+        config = validate_config(dict(plain(cfg)), machine=False)
     except ValueError as exc:
-        if not _arm_available(cfg)[0]:
-            return None
+        return " ".join(str(exc).split())
+    try:
+        check_scene_config(config["scene"])
+    except ValueError as exc:
+        if config["scene"].get("name") in SUITE:
+            return None  # a suite asset's file is in pybullet_data where the job runs
         return " ".join(str(exc).split())
     return None
 

@@ -396,6 +396,11 @@ def _read_job(job_dir: Path) -> dict[str, Any]:
     if metrics.get("status") == "interrupted":
         run["error"] = (f"interrupted by {metrics.get('signal')} after iteration "
                         f"{metrics.get('interrupted_at')} and not resumed")  # fmt: skip
+        tries = metrics.get("start_failures")
+        if isinstance(tries, list) and tries and isinstance(tries[-1], Mapping):
+            # the attempts to continue it that failed before their first iteration: the last
+            run["error"] += (f"; {len(tries)} attempt{'s' * (len(tries) != 1)} to continue it "
+                             f"failed at start, the last: {tries[-1].get('error')}")  # fmt: skip
     if run["status"] == "completed":
         run["collapse"] = classify_collapse(metrics)
         if run["collapse"] is not None:  # the note is the evidence the report prints

@@ -284,41 +284,48 @@ def _headline(
         ], False, False)  # fmt: skip
     lines = []
     timed = speed_candidates(mine, ref, margin_db)
-    best = timed[0] if timed else None
-    if best is None:
+    # Faster than the reference only where the per-seed speed-up's interval lies above 1,
+    # whichever arm had the lowest mean time.
+    fast = [r for r in timed if r is not ref and faster(r["speedup_ci"])]
+    best = fast[0] if fast else (ref if timed else None)
+    if not timed:
         lines.append(f"- No timings: the fastest arm at {ref_name}'s quality is undefined.")
-    elif best is ref:
+    elif fast:
+        d = best["delta"]
+        mean, low, high = interval_text(d, margin_db)
+        lines.append(
+            f"- Fastest arm at {ref_name}'s quality: **{_name(best)}** "
+            f"({verdict_text(best, margin_db)}: Δ {mean} dB, {percent(_confidence(best))} CI "
+            f"[{low}, {high}] over {d['n']} seeds; "
+            f"{_fmt(best['time_per_iter_s'] * 1e3, '.1f')} ms/iteration, "
+            f"{_fmt(best['speedup'], '.2f')}x {ref_name}'s speed, a ratio of mean times; per "
+            f"seed {ratio_text(best['speedup_ci'])})."
+        )
+    elif timed[0] is ref:
         lines.append(
             f"- Fastest arm at {ref_name}'s quality: {ref_name} itself (no faster arm whose "
             f"{percent(_confidence(ref))} interval's lower end is within {margin_db:g} dB of "
             f"{ref_name} with every run completed)."
         )
     else:
-        d = best["delta"]
-        mean, low, high = interval_text(d, margin_db)
-        quality = (
-            f"{verdict_text(best, margin_db)}: Δ {mean} dB, "
-            f"{percent(_confidence(best))} CI [{low}, {high}] over {d['n']} seeds"
+        # A lower mean time is no evidence of speed where the timings vary as much.
+        low_mean = timed[0]
+        speed = low_mean["speedup_ci"]
+        why = (f"per seed its speed-up is {ratio_text(speed)}, not above 1"
+               if speed["low"] is not None else
+               f"its speed cannot be compared seed by seed ({ratio_text(speed)})")  # fmt: skip
+        lines.append(
+            f"- Fastest arm at {ref_name}'s quality: none measurably faster than {ref_name}. "
+            f"{_name(low_mean)} had the lowest mean time "
+            f"({_fmt(low_mean['time_per_iter_s'] * 1e3, '.1f')} ms/iteration, "
+            f"{_fmt(low_mean['speedup'], '.2f')}x {ref_name}'s speed, a ratio of mean times), "
+            f"but {why}."
         )
-        timing = (
-            f"{_fmt(best['time_per_iter_s'] * 1e3, '.1f')} ms/iteration, "
-            f"{_fmt(best['speedup'], '.2f')}x {ref_name}'s speed, a ratio of mean times"
-        )
-        speed = best["speedup_ci"]
-        if faster(speed):
-            lines.append(f"- Fastest arm at {ref_name}'s quality: **{_name(best)}** ({quality}; "
-                         f"{timing}; per seed {ratio_text(speed)}).")  # fmt: skip
-        else:
-            # The lowest mean time alone is no evidence of speed: the timings vary too.
-            lines.append(
-                f"- Fastest arm at {ref_name}'s quality: none measurably faster than {ref_name}. "
-                f"**{_name(best)}** had the lowest mean time ({quality}; {timing}), but its "
-                f"speed-up over {ref_name} per seed is {ratio_text(speed)}, not above 1."
-            )
-    if best is not None and len(timed) > 1 and (best is ref or faster(best["speedup_ci"])):
-        runner = timed[1]
-        versus = speed_ratio(runner, best, _confidence(ref))
-        if not faster(versus):
+    if fast or (timed and timed[0] is ref):
+        # The arm with the lowest mean time besides the one named: told apart from it?
+        runner = next((r for r in timed if r is not best), None)
+        versus = speed_ratio(runner, best, _confidence(ref)) if runner is not None else None
+        if versus is not None and not faster(versus):
             lines.append(
                 f"- Not told apart by speed: {_name(best) if best is not ref else ref_name} and "
                 f"{_name(runner) if runner is not ref else ref_name} (also at {ref_name}'s "

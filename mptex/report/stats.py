@@ -26,7 +26,9 @@ Method (stated in every report.md):
   collapsed or failed on some seed is never named, whatever its other seeds gave).
 - Speed, compared with an interval too (:func:`speed_ratio`): the per-seed ratio of two arms'
   ms / iteration, paired as the PSNR differences are; the Student-t interval of the mean log
-  ratio, exponentiated (a geometric-mean speed-up and its interval, at the rows' confidence).
+  ratio, exponentiated (a geometric-mean speed-up and its interval, at the rows' confidence,
+  adjusted or not, but not counted in the Bonferroni family, whose guarantee covers the Δ
+  intervals).
   The fastest arm is called faster than the reference only where that interval lies above 1,
   and the reading says when the next arm at the reference's quality is not distinguishable
   from it in speed.

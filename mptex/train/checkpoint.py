@@ -257,6 +257,8 @@ def load_texture(path: str | os.PathLike, device: str | torch.device = "cpu") ->
         kd = tex.sample(points)  # [N, 3]
     """
     if Path(path).is_dir():
+        if not (Path(path) / CHECKPOINT_FILE).is_file():
+            raise CheckpointError(f"{path}: {no_checkpoint_reason(path)}")
         path = Path(path) / CHECKPOINT_FILE
     ckpt = load_checkpoint(path, required=TEXTURE_KEYS)
     return texture_from_checkpoint(ckpt, device)

@@ -302,7 +302,7 @@ def normalized_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+def validate_config(cfg: Mapping[str, Any], *, machine: bool = True) -> dict[str, Any]:
     """Check the whole run config before any work; returns it as plain dicts.
 
     Args:
@@ -310,6 +310,10 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
             ``texture``, ``train`` and optionally ``export``; missing ``train`` keys take
             :class:`TrainConfig`'s defaults, missing ``export`` keys
             :class:`~mptex.export_config.ExportConfig`'s.
+        machine: also check what the run needs from this machine (the device, the optional
+            backends, the views' memory). False checks the config alone, as a sweep's
+            launcher does before jobs that may run on other machines (a cluster's GPU nodes);
+            ``train.device`` is then read as given (``auto``: the CPU).
 
     Raises:
         ValueError: ``"<key>: <message>"`` naming the first bad key, e.g. ``train.iterations``,
@@ -329,13 +333,13 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     s = check_group(TrainConfig, cfg.get("train"), "train")
     device = str(s["device"])
     if device == "auto":
-        device = auto_device()
+        device = auto_device() if machine else "cpu"
     try:
         dev = torch.device(device)
     except RuntimeError as exc:
         raise ValueError(f"train.device: {exc}") from None
     problem = cuda_device_problem(dev, repr(device)) if dev.type == "cuda" else None
-    if problem is not None:
+    if problem is not None and machine:
         raise ValueError(f"train.device: {problem}")
     s["device"] = device
 
@@ -344,7 +348,7 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     except (ValueError, TypeError) as exc:
         raise ValueError(f"precision.{exc}") from None
     ok, why = policy.availability()
-    if not ok:
+    if not ok and machine:
         raise ValueError(why)  # it names the key, precision.mlp_backend
     texture = check_texture_config(cfg["texture"])
     channels = texture["channels"]
@@ -361,6 +365,9 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         )
     if s["shading"] == "diffuse" and channels < 9:
         raise ValueError("train.shading: 'diffuse' needs texture.channels=9 (kd, ks, normal)")
+    export = check_export_config(cfg.get("export"))
+    if not machine:
+        return {**cfg, "train": s, "precision": policy.to_config(), "export": export}
     backend = texture["backend"]
     why = unavailable_message(backend, "texture.backend") if backend in ("tcnn", "triton") else None
     if why is not None:
@@ -392,6 +399,5 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if problem is not None:
         raise ValueError(problem)
     # The export group is optional (configs written before it existed); its keys are checked
-    # here, what the export needs from the machine by the loop once the scene is built.
-    export = check_export_config(cfg.get("export"))
+    # above, what the export needs from the machine by the loop once the scene is built.
     return {**cfg, "train": s, "precision": policy.to_config(), "export": export}

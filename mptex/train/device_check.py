@@ -28,7 +28,7 @@ def device_problem(device: str) -> str | None:
         return f"train.device: {exc}"
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            return "this config needs a CUDA GPU and none is available here"
+            return "this preset needs a CUDA GPU and none is available here"
         return cuda_device_problem(dev, device)
     return None
 

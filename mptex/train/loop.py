@@ -36,6 +36,7 @@ the loop itself never imports the exporter).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
@@ -504,12 +505,24 @@ def train(
 
 
 def _record_start_failure(run_dir: Path, metrics: Mapping[str, Any]) -> None:
-    """Record a run refused or failed before its first iteration in ``metrics.json``, unless the
-    directory holds a stopped run that ``train.resume=auto`` would continue: a mistyped command
-    (fewer iterations, another arm) must not turn an interrupted run's record into a failure,
-    after which the right command would start over and overwrite its checkpoint."""
+    """Record a run refused or failed before its first iteration in ``metrics.json``. In the
+    directory of a stopped run that ``train.resume=auto`` would continue, the stopped run's
+    record stays, with this attempt added to its ``start_failures`` (``error``,
+    ``failed_at``): a mistyped command (fewer iterations, another arm) or a start that failed
+    for a passing reason must not turn an interrupted run into a failed one, after which the
+    right command would start over and overwrite its checkpoint."""
     if auto_resume_path(run_dir) is None:
         write_metrics(run_dir, metrics)
+        return
+    try:
+        stopped = json.loads((run_dir / "metrics.json").read_text())
+    except (OSError, ValueError):
+        stopped = None
+    if not isinstance(stopped, dict):  # a Slurm requeue without a readable record
+        return
+    attempt = {"error": metrics.get("error"), "failed_at": metrics.get("failed_at")}
+    stopped["start_failures"] = [*(stopped.get("start_failures") or []), attempt]
+    write_metrics(run_dir, stopped)
 
 
 def _train_validated(

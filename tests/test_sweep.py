@@ -61,9 +61,11 @@ def test_plugin_launchers(tmp_path, launcher):
 
 
 def test_a_failing_job_is_listed_and_the_report_still_written(tmp_path):
-    # The mesh scene without a path fails at start; tcnn_fused runs on the twin (its backend is
-    # "auto"); the unavailable path (a config that needs tinycudann) is test_report's.
-    _sweep(tmp_path, "precision=f32,tcnn_fused", "scene=builtin,mesh")
+    # The mesh scene's file is missing, which only its job finds (the sweep's check before its
+    # first job checks the config alone); tcnn_fused runs on the twin (its backend is "auto");
+    # the unavailable path (a config that needs tinycudann) is test_report's.
+    _sweep(tmp_path, "precision=f32,tcnn_fused", "scene=builtin,mesh",
+           f"scene.path={tmp_path / 'missing.obj'}")  # fmt: skip
     runs = _results(tmp_path)
     status = {(r["scene"], r["precision"]): r["status"] for r in runs}
     assert status[("builtin", "f32")] == "completed"

@@ -14,6 +14,7 @@ The subprocesses are slowed without touching the package: ``faults_site/sitecust
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib.util
 import json
@@ -73,14 +74,16 @@ def site() -> Path:
     return SITE
 
 
-def cli(site: Path, cwd: Path, *args: str, **hooks: float) -> subprocess.Popen:
-    """``mptex-train *args`` in a subprocess, slowed or failed by the ``hooks`` of :data:`SITE`."""
+def cli(site: Path, cwd: Path, *args: str, session: bool = False, **hooks: float
+        ) -> subprocess.Popen:  # fmt: skip
+    """``mptex-train *args`` in a subprocess, slowed or failed by the ``hooks`` of :data:`SITE`;
+    ``session``: in a process group of its own, as a shell's job or a Slurm job step is."""
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1"}
     env = {k: v for k, v in env.items() if not k.startswith(("MPTEX_TEST_", "SLURM_"))}
     env.update({f"MPTEX_TEST_{key.upper()}": str(value) for key, value in hooks.items()})
     return subprocess.Popen(
-        [sys.executable, "-m", "mptex.cli", *args],
-        cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "mptex.cli", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=session,
     )  # fmt: skip
 
 
@@ -197,6 +200,61 @@ def test_without_stop_signals_the_default_action_stays(site, tmp_path):
     proc.send_signal(signal.SIGTERM)
     code, _ = finish(proc)
     assert code == -signal.SIGTERM and not (tmp_path / "metrics.json").exists()
+
+
+# ----------------------------------------------------------------------------- parallel sweeps
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_stop_signal_to_a_parallel_sweep_stops_its_jobs_cleanly_and_the_sweep_continues(
+    site, reference, tmp_path, name
+):
+    # hydra/launcher=local_parallel runs 2 jobs at a time in joblib's worker processes; Ctrl-C
+    # (SIGINT) or Slurm's SIGTERM reaches the whole process group while both jobs train and the
+    # third waits. Each job under way checkpoints, the third never starts, the sweep's process
+    # writes the report and exits 3; the same command into the same folder then continues.
+    sweep = tmp_path / "sweep"
+    command = ["-m", "hydra/launcher=local_parallel", f"hydra.sweep.dir={sweep}", *RUN,
+               "train.seed=0,1,2"]  # fmt: skip
+    proc = cli(site, tmp_path, *command, session=True, iter_sleep_s=0.1)
+    deadline = time.monotonic() + 120
+    while len(list(sweep.glob("*/checkpoint.pt"))) < 2:  # both jobs are past iteration 10
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.Signals[name])
+    try:
+        code = proc.wait(timeout=120)
+    finally:  # nothing of the sweep outlives its process (a worker would hold the pipes open)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = proc.stderr.read()
+    assert code == EXIT_CODES["interrupted"], err
+    started = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert [p.name[:2] for p in started] == ["0_", "1_"], err  # job 2 has no directory
+    stops = {}
+    for run_dir in started:
+        metrics = read_metrics(run_dir)
+        assert metrics["status"] == "interrupted" and metrics["signal"] == name
+        at = metrics["interrupted_at"]
+        assert 10 <= at < ITERATIONS
+        assert load_checkpoint(run_dir / "checkpoint.pt")["iteration"] == at
+        assert not temporaries(run_dir)
+        stops[run_dir.name[0]] = at
+    assert f"mptex-train: sweep stopped by {name}" in err
+    report = (sweep / "report.md").read_text()
+    assert "**Incomplete sweep**: 1 of the 3 jobs" in report
+
+    again = cli(site, tmp_path, *command, "hydra.callbacks.fresh_sweep_dir.enabled=false")
+    code, err = finish(again)
+    assert code == 0, err
+    runs = {p.name[0]: read_metrics(p) for p in sorted(sweep.glob("*_*")) if p.is_dir()}
+    assert sorted(runs) == ["0", "1", "2"]
+    for num, metrics in runs.items():
+        assert metrics["status"] == "completed" and metrics["iterations"] == ITERATIONS
+        resumed = [{"iteration": stops[num], "signal": name}] if num in stops else []
+        assert metrics["interruptions"] == resumed and metrics["resume_count"] == len(resumed)
+    [seed0] = sweep.glob("0_*")  # train.seed=0: the reference run's config
+    assert runs["0"]["psnr"] == read_metrics(reference)["psnr"]
+    assert_same_weights(seed0, reference)
+    assert [r["status"] for r in collect_runs(sweep)] == ["completed"] * 3
 
 
 # ----------------------------------------------------------------------------- submitit requeue
@@ -594,6 +652,28 @@ def test_a_relaying_handler_records_the_signal_and_passes_it_to_child_processes(
     child.join(30)
     assert stop.received == ["SIGUSR1"]
     assert child.exitcode == -signal.SIGUSR1
+
+
+def test_a_handler_installed_over_another_takes_what_it_received_and_passes_new_signals_on():
+    # A parallel sweep's job process keeps a handler between its jobs; a run's handler over it
+    # stops the run for a signal that came while the run started, and the process's handler
+    # knows of the signals the run got (the process then starts no other job).
+    from mptex.train.signals import StopSignals, send_signal
+
+    outer, inner = StopSignals(), StopSignals()
+    try:
+        outer.install(["SIGUSR1", "SIGUSR2"])
+        send_signal("SIGUSR1")
+        inner.install(["SIGUSR1", "SIGUSR2"])
+        assert inner.received == ["SIGUSR1"]
+        send_signal("SIGUSR2")
+        assert inner.received == ["SIGUSR1", "SIGUSR2"] == outer.received
+        inner.uninstall()
+        assert signal.getsignal(signal.SIGUSR2) == outer._handle
+    finally:
+        inner.uninstall()
+        outer.uninstall()
+    assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
 
 
 def test_a_stopped_sweep_job_names_the_command_that_continues_the_sweep(tmp_path, capsys):

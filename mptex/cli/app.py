@@ -1,20 +1,26 @@
 """What every Hydra command of mptex shares: exit statuses, the experiments group, the sweep
-directories' names, and starting the app over mptex's configs."""
+directories' names, a parallel sweep's stop signals, and starting the app over mptex's
+configs."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
+from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf, open_dict
 
 from mptex._paths import CONFIG_DIR, EXPERIMENTS_DIR
 from mptex.scenes.assets import suite_path
 from mptex.train.runinfo import reproducible_blas
+from mptex.train.signals import DEFAULT_STOP_SIGNALS, STOP_SIGNAL_NAMES, StopSignals
 
-__all__ = ["EXIT_CODES", "job_dirname", "register_experiments", "run_hydra_app"]
+__all__ = ["EXIT_CODES", "job_dirname", "register_experiments", "run_hydra_app",
+           "ParallelSweepStopCallback", "sweep_job_process", "stopped_before_start"]  # fmt: skip
 
 # The commands' exit statuses (mptex.cli.train's docstring).
 EXIT_CODES = {"ok": 0, "error": 2, "interrupted": 3}
@@ -41,6 +47,89 @@ def job_dirname(overrides: str) -> str:
 OmegaConf.register_new_resolver("mptex_dirname", job_dirname, replace=True)
 # configs/scene/<asset>.yaml: the real-asset suite's OBJ path, found in pybullet_data at run time.
 OmegaConf.register_new_resolver("mptex_asset", suite_path, replace=True)
+
+
+# ----------------------------------------------------------------------------- parallel sweeps
+# Launchers that run a sweep's jobs in worker processes of the sweep's own process, which waits
+# for them: hydra/launcher=joblib (local_parallel), whose loky workers the sweep's process kills
+# (SIGKILL) when it leaves the wait on an exception (a KeyboardInterrupt, a job's SystemExit).
+_WORKER_LAUNCHERS = ("hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher",)
+# Set by such a sweep for its worker processes: the sweep process's id.
+SWEEP_PARENT_ENV = "MPTEX_SWEEP_PARENT"
+# The sweep process's handler (it records and passes each signal on to the workers), or a
+# worker's, kept installed between its jobs (it records).
+_SWEEP_STOP = StopSignals(relay=True)
+_JOB_PROCESS_STOP = StopSignals()
+_stopped_sweep_dir: list[str] = []
+
+
+def _stop_signal_names(cfg) -> list[str]:
+    names = OmegaConf.select(cfg, "train.stop_signals", default=list(DEFAULT_STOP_SIGNALS))
+    if not OmegaConf.is_list(names) and not isinstance(names, (list, tuple)):
+        return []  # the run's own check names the bad value
+    return [str(n) for n in names if str(n) in STOP_SIGNAL_NAMES]
+
+
+class ParallelSweepStopCallback(Callback):
+    """Hydra callback: a stop signal stops a sweep whose jobs run in worker processes
+    (``hydra/launcher=local_parallel``, joblib's loky workers) as it stops a single run.
+
+    At multirun start, under such a launcher, the sweep's process installs a handler for
+    ``train.stop_signals`` that only records the signal and passes it on to the workers (a
+    signal sent to the sweep's process alone reaches the jobs too), so that the launcher keeps
+    waiting for the jobs under way: each finishes its iteration, writes ``checkpoint.pt`` and
+    ``metrics.json`` (``status: "interrupted"``) and returns; a job that had not started when
+    the signal came does not start (:func:`stopped_before_start`); the report is written and
+    the command exits with status 3 (:func:`run_hydra_app`). Without this, joblib kills the
+    workers on the sweep's KeyboardInterrupt, and SIGTERM ends the sweep's process at once.
+    Other launchers are left as they are. Registered in ``configs/config.yaml``
+    (``hydra.callbacks.parallel_stop``).
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+
+    def on_multirun_start(self, config, **kwargs: Any) -> None:
+        target = OmegaConf.select(config, "hydra.launcher._target_", default=None)
+        if not self.enabled or target not in _WORKER_LAUNCHERS:
+            return
+        names = _stop_signal_names(config)
+        if not names:  # train.stop_signals=[]: each signal's default action stays
+            return
+        os.environ[SWEEP_PARENT_ENV] = str(os.getpid())  # the workers inherit it
+        _stopped_sweep_dir[:] = [str(config.hydra.sweep.dir)]
+        _SWEEP_STOP.install(names, owner="hydra.callbacks.parallel_stop")
+
+
+def sweep_job_process() -> bool:
+    """Whether this process runs jobs of a sweep whose own process waits for them and handles
+    stop signals (:class:`ParallelSweepStopCallback`): a job stopped by a signal then returns
+    normally, and the sweep's process exits with status 3 at its end."""
+    parent = os.environ.get(SWEEP_PARENT_ENV)
+    return bool(parent) and parent != str(os.getpid())
+
+
+def stopped_before_start(cfg, run_dir: Path, prog: str) -> bool:
+    """In a job process of a parallel sweep (:func:`sweep_job_process`), at a job's start:
+    install the process's own flag-only handler for ``train.stop_signals`` (kept between its
+    jobs, so that a signal while it waits for a job does not end it; the run's handler passes
+    what it receives on to it), and say whether a stop signal has come: the job then does not
+    start, one line says so, and its directory, which Hydra has just made, is removed where it
+    holds nothing but Hydra's files (``.hydra/``, the job's log), so that the report counts the
+    job as never started. Elsewhere: False."""
+    if not sweep_job_process():
+        return False
+    if not _JOB_PROCESS_STOP.installed:
+        _JOB_PROCESS_STOP.install(_stop_signal_names(cfg), owner="a parallel sweep's job")
+    if not _JOB_PROCESS_STOP.received:
+        return False
+    run_dir = Path(run_dir)
+    entries = list(run_dir.iterdir()) if run_dir.is_dir() else []
+    if entries and all(p.name == ".hydra" or p.suffix == ".log" for p in entries):
+        shutil.rmtree(run_dir, ignore_errors=True)
+    print(f"{prog}: not started: the sweep was stopped by {_JOB_PROCESS_STOP.received[0]} "
+          f"before this job ({run_dir.name})", file=sys.stderr, flush=True)  # fmt: skip
+    return True
 
 
 def register_experiments(directory: str | os.PathLike = EXPERIMENTS_DIR) -> list[str]:
@@ -83,6 +172,15 @@ def run_hydra_app(task, prog: str, check=None) -> None:
         sys.exit(EXIT_CODES["error"])
     app = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")(task)
     app()
+    if _SWEEP_STOP.received:  # a parallel sweep stopped: its jobs under way checkpointed
+        print(
+            f"{prog}: sweep stopped by {_SWEEP_STOP.received[0]}: the jobs under way wrote "
+            "their checkpoints, the others did not start; the same command with "
+            f"hydra.sweep.dir={_stopped_sweep_dir[0]} hydra.callbacks.fresh_sweep_dir."
+            "enabled=false continues the sweep (train.resume=auto)",
+            file=sys.stderr,
+        )
+        sys.exit(EXIT_CODES["interrupted"])
 
 
 # Hydra's flags after which it does not compose the run's config as given (help, the config's

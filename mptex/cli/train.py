@@ -16,7 +16,10 @@ naming the key or the file); 3 stopped by a stop signal (``train.stop_signals``)
 to continue (``train.resume=auto``). In a submitit job (``hydra/launcher=submitit_local`` or
 ``submitit_slurm``/``slurm_gpu``) submitit's own signal (``SIGUSR2``) is handed back to
 submitit after the checkpoint, which requeues the job (exit 144 under ``submitit_local``), and
-the other stop signals end the job normally, so the sweep's report lists it.
+the other stop signals end the job normally, so the sweep's report lists it. In a sweep whose
+jobs run in worker processes (``hydra/launcher=local_parallel``, joblib) a stopped job returns
+too, the jobs not yet started do not start, and the sweep's process exits 3 after the report
+(:class:`mptex.cli.app.ParallelSweepStopCallback`).
 
 The configs are ``configs/`` and ``experiments/`` at the top of a source checkout (an editable
 install reads them there), shipped inside the package by a wheel install (:mod:`mptex._paths`),
@@ -33,7 +36,14 @@ import sys
 from pathlib import Path
 
 from mptex._paths import CONFIG_DIR, EXPERIMENTS_DIR
-from mptex.cli.app import EXIT_CODES, job_dirname, register_experiments, run_hydra_app
+from mptex.cli.app import (
+    EXIT_CODES,
+    job_dirname,
+    register_experiments,
+    run_hydra_app,
+    stopped_before_start,
+    sweep_job_process,
+)
 
 __all__ = [
     "CONFIG_DIR",
@@ -62,6 +72,8 @@ def _run(cfg) -> None:
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode == RunMode.MULTIRUN and stopped_before_start(cfg, run_dir, _PROG):
+        return  # a parallel sweep stopped by a signal before this job: it does not start
     if "search" in cfg:  # mptex-train +experiment=precision_search: mptex-search's alias
         from mptex.cli.search import run_search_command
 
@@ -151,8 +163,10 @@ def _interrupted(metrics: dict, run_dir: Path, multirun: bool, sweep_dir=None) -
             # which resubmits the same job (same run dir, resumed by train.resume=auto), and
             # requeues it (scontrol requeue; exit 144 under submitit_local).
             signal.raise_signal(requeue)
-    if requeue is not None and multirun:
-        return  # a submitit job that ends normally: the sweep's report lists it
+    if multirun and (requeue is not None or sweep_job_process()):
+        # a submitit job that ends normally: the sweep's report lists it; or a job of a
+        # parallel sweep (joblib), whose own process exits 3 once its jobs under way are done
+        return
     sys.exit(EXIT_CODES["interrupted"])
 
 

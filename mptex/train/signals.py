@@ -58,6 +58,11 @@ class StopSignals:
     Python runs signal handlers in the main thread only, and ``signal.signal`` may only be
     called there: from another thread :meth:`install` warns and installs nothing.
 
+    Installed over another StopSignals (a parallel sweep's job process keeps one installed
+    between its jobs, :mod:`mptex.cli.app`), it starts with the signals that one has already
+    received, and passes each new one on to it: a signal that arrives while a run starts stops
+    the run, and the enclosing one knows of every signal.
+
     Args:
         relay: also pass each signal on to this process's child processes (the precision
             search's worker processes, :mod:`mptex.search.pool`): each one's run then stops
@@ -83,9 +88,20 @@ class StopSignals:
                 stacklevel=3,
             )
             return
+        outers = []
         for name in names:
             signum = signal.Signals[name]
             self._previous[signum] = signal.signal(signum, self._handle)
+            outer = _owner(self._previous[signum])
+            if outer is not None and outer not in outers:
+                outers.append(outer)
+        for outer in outers:  # what arrived before this install
+            self.received.extend(n for n in outer.received if n in names)
+
+    @property
+    def installed(self) -> bool:
+        """Whether :meth:`install` installed handlers that :meth:`uninstall` has not removed."""
+        return bool(self._previous)
 
     def _handle(self, signum: int, frame: object) -> None:
         # Only record (and relay): raising here could land inside a checkpoint write.
@@ -96,6 +112,9 @@ class StopSignals:
                     os.kill(child.pid, signum)
                 except (ProcessLookupError, TypeError):  # exited, or not started (pid None)
                     pass
+        outer = self._previous.get(signal.Signals(signum))
+        if _owner(outer) is not None:
+            outer(signum, frame)
 
     def uninstall(self) -> None:
         for signum, handler in self._previous.items():
@@ -103,6 +122,12 @@ class StopSignals:
             # action is the closest.
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
         self._previous.clear()
+
+
+def _owner(handler: object) -> StopSignals | None:
+    """The StopSignals whose handler ``handler`` is, or None."""
+    owner = getattr(handler, "__self__", None)
+    return owner if isinstance(owner, StopSignals) else None
 
 
 def auto_resume_path(run_dir: str | os.PathLike) -> Path | None:

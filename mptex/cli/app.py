@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -176,8 +177,9 @@ def run_hydra_app(task, prog: str, check=None) -> None:
         print(
             f"{prog}: sweep stopped by {_SWEEP_STOP.received[0]}: the jobs under way wrote "
             "their checkpoints, the others did not start; the same command with "
-            f"hydra.sweep.dir={_stopped_sweep_dir[0]} hydra.callbacks.fresh_sweep_dir."
-            "enabled=false continues the sweep (train.resume=auto)",
+            f"hydra.sweep.dir={shlex.quote(_stopped_sweep_dir[0])} hydra.callbacks."
+            "fresh_sweep_dir.enabled=false continues the sweep (train.resume=auto; its "
+            "completed runs train again)",
             file=sys.stderr,
         )
         sys.exit(EXIT_CODES["interrupted"])

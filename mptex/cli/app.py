@@ -110,7 +110,7 @@ def sweep_job_process() -> bool:
     return bool(parent) and parent != str(os.getpid())
 
 
-def stopped_before_start(cfg, run_dir: Path, prog: str) -> bool:
+def stopped_before_start(cfg, run_dir: str | os.PathLike, prog: str) -> bool:
     """In a job process of a parallel sweep (:func:`sweep_job_process`), at a job's start:
     install the process's own flag-only handler for ``train.stop_signals`` (kept between its
     jobs, so that a signal while it waits for a job does not end it; the run's handler passes

@@ -156,13 +156,11 @@ def _interrupted(metrics: dict, run_dir: Path, multirun: bool, sweep_dir=None) -
         f"{metrics['iterations_planned']}: checkpoint and metrics in {run_dir}; {again}",
         file=sys.stderr,
     )
-    if requeue is not None and name == requeue.name:
-        handler = signal.getsignal(requeue)
-        if callable(handler):
-            # train() has put submitit's handler back: it calls the launcher's checkpoint(),
-            # which resubmits the same job (same run dir, resumed by train.resume=auto), and
-            # requeues it (scontrol requeue; exit 144 under submitit_local).
-            signal.raise_signal(requeue)
+    if requeued:
+        # train() has put submitit's handler back: it calls the launcher's checkpoint(), which
+        # resubmits the same job (same run dir, resumed by train.resume=auto), and requeues it
+        # (scontrol requeue; exit 144 under submitit_local).
+        signal.raise_signal(requeue)
     if multirun and (requeue is not None or sweep_job_process()):
         # a submitit job that ends normally: the sweep's report lists it; or a job of a
         # parallel sweep (joblib), whose own process exits 3 once its jobs under way are done

@@ -19,19 +19,19 @@ Method (stated in every report.md):
   when the whole interval lies above 0; ``worse`` when it lies below 0; ``no detectable
   difference within ±m dB`` when it lies inside [-m, +m] (and contains 0); otherwise
   ``inconclusive`` (the interval is too wide for either statement: more seeds needed).
-- "Fastest arm at f32's quality": the fastest (mean ms / iteration) among the reference arm and
-  the arms at its quality (:func:`at_reference_quality`): the interval's lower end at or above
-  -m (at most m dB worse, whatever the verdict: a precisely measured loss of 0.05 dB is
-  ``worse`` and at f32's quality), and every run of the arm completed (an arm that diverged,
-  collapsed or failed on some seed is never named, whatever its other seeds gave).
+- "Fastest arm at f32's quality": chosen among the reference arm and the arms at its quality
+  (:func:`at_reference_quality`: the interval's lower end at or above -m, i.e. at most m dB
+  worse, whatever the verdict: a precisely measured loss of 0.05 dB is ``worse`` and at f32's
+  quality; and every run of the arm completed: an arm that diverged, collapsed or failed on
+  some seed is never named, whatever its other seeds gave), ordered by mean ms / iteration
+  (:func:`speed_candidates`).
 - Speed, compared with an interval too (:func:`speed_ratio`): the per-seed ratio of two arms'
   ms / iteration, paired as the PSNR differences are; the Student-t interval of the mean log
   ratio, exponentiated (a geometric-mean speed-up and its interval, at the rows' confidence,
   adjusted or not, but not counted in the Bonferroni family, whose guarantee covers the Δ
-  intervals).
-  The fastest arm is called faster than the reference only where that interval lies above 1,
-  and the reading says when the next arm at the reference's quality is not distinguishable
-  from it in speed.
+  intervals). The fastest arm named is the fastest of those whose interval lies above 1;
+  where none's does, the reading says no arm is measurably faster, and it says when the next
+  arm at the reference's quality is not distinguishable from the one named in speed.
 - Each interval is 95 % for its own comparison, not adjusted for the number of arms compared,
   unless ``adjust="bonferroni"``: then each is at 1 - 0.05/k over the report's k comparisons
   with an interval, and all k hold together with at least 95 % confidence; the verdicts, the
@@ -81,7 +81,6 @@ __all__ = [
     "SETTLE_MAX_SEEDS",
     "non_inferior",
     "at_reference_quality",
-    "fastest_at_reference_quality",
     "speed_candidates",
     "speed_ratio",
     "differs_from_reference",
@@ -415,19 +414,6 @@ def at_reference_quality(row: Mapping[str, Any], margin_db: float) -> bool:
     not at the reference's quality, whatever its completed runs gave)."""
     clean = not any(row.get(status) for status in ("diverged", "collapsed", "failed"))
     return non_inferior(row, margin_db) and clean
-
-
-def fastest_at_reference_quality(
-    rows: Sequence[Mapping[str, Any]],
-    reference: Mapping[str, Any],
-    margin_db: float = EQUIVALENCE_MARGIN_DB,
-) -> Mapping[str, Any] | None:
-    """The fastest row (mean time per iteration) among ``reference`` and the rows compared with
-    it that are :func:`at_reference_quality`; None without timings. A row that may be more
-    than ``margin_db`` worse, or that cannot be judged, or that lost runs to divergence,
-    collapse or failure, is never returned."""
-    timed = speed_candidates(rows, reference, margin_db)
-    return timed[0] if timed else None
 
 
 def speed_candidates(

@@ -34,6 +34,7 @@ __all__ = [
     "texture_from_checkpoint",
     "unfinished_note",
     "no_checkpoint_reason",
+    "read_metrics",
 ]
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -182,6 +183,16 @@ def write_metrics(run_dir: str | os.PathLike, metrics: Mapping[str, Any]) -> Pat
     return path
 
 
+def read_metrics(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """``run_dir``'s ``metrics.json`` as a dict; None where it is missing, unreadable, not JSON
+    or not a mapping."""
+    try:
+        metrics = json.loads((Path(run_dir) / _METRICS).read_text())
+    except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None
+    return metrics if isinstance(metrics, dict) else None
+
+
 def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
     """``torch.save(state)`` to ``path`` atomically (:func:`atomic_write_bytes`).
 
@@ -320,10 +331,7 @@ def unfinished_note(ckpt: Mapping[str, Any], run_dir: str | os.PathLike) -> str 
     are not the run's result."""
     done = int(ckpt.get("iteration", 0))
     planned = int(((ckpt.get("config") or {}).get("train") or {}).get("iterations", done))
-    try:
-        status = json.loads((Path(run_dir) / _METRICS).read_text()).get("status")
-    except (OSError, ValueError, AttributeError):
-        status = None
+    status = (read_metrics(run_dir) or {}).get("status")
     if status == "completed" and done >= planned:
         return None
     said = status if isinstance(status, str) else "without a readable metrics.json"
@@ -335,11 +343,8 @@ def no_checkpoint_reason(run_dir: str | os.PathLike) -> str:
     that diverged before its first checkpoint (``"the run diverged at iteration 0 before its
     first checkpoint: no weights"``), one that failed at start, or else that it is not a
     finished mptex-train run. What ``mptex-export`` and ``mptex-rescore`` say."""
-    try:
-        metrics = json.loads((Path(run_dir) / _METRICS).read_text())
-    except (OSError, ValueError):
-        metrics = None
-    status = metrics.get("status") if isinstance(metrics, dict) else None
+    metrics = read_metrics(run_dir) or {}
+    status = metrics.get("status")
     if status == "diverged":
         at = metrics.get("diverged_at")
         return f"the run diverged at iteration {at} before its first checkpoint: no weights"

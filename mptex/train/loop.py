@@ -36,7 +36,6 @@ the loop itself never imports the exporter).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -64,6 +63,7 @@ from mptex.train.checkpoint import (
     DiskFullError,
     build_texture,
     load_checkpoint,
+    read_metrics,
     remove_stale_temporaries,
     save_checkpoint,
     write_metrics,
@@ -514,11 +514,8 @@ def _record_start_failure(run_dir: Path, metrics: Mapping[str, Any]) -> None:
     if auto_resume_path(run_dir) is None:
         write_metrics(run_dir, metrics)
         return
-    try:
-        stopped = json.loads((run_dir / "metrics.json").read_text())
-    except (OSError, ValueError):
-        stopped = None
-    if not isinstance(stopped, dict):  # a Slurm requeue without a readable record
+    stopped = read_metrics(run_dir)
+    if stopped is None:  # a Slurm requeue without a readable record
         return
     attempt = {"error": metrics.get("error"), "failed_at": metrics.get("failed_at")}
     stopped["start_failures"] = [*(stopped.get("start_failures") or []), attempt]

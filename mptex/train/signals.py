@@ -10,7 +10,6 @@ a second signal during those writes interrupts nothing: the atomic writes stay a
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import signal
@@ -20,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mptex.config_schema import ListOf, OneOf
+from mptex.train.checkpoint import read_metrics
 
 # The signals ``train.stop_signals`` may name: those a scheduler or a user sends to ask for a
 # stop. SIGUSR2 is submitit's pre-timeout / preemption signal (its SUBMITIT_PREEMPT_SIGNAL
@@ -146,11 +146,8 @@ def auto_resume_path(run_dir: str | os.PathLike) -> Path | None:
         return None
     if os.environ.get("SLURM_RESTART_COUNT", "0").strip() not in ("", "0"):
         return checkpoint
-    try:
-        metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    if not isinstance(metrics, dict):
+    metrics = read_metrics(run_dir)
+    if metrics is None:
         return None
     status = metrics.get("status")
     stopped = status == "interrupted" or (status == "failed" and metrics.get("failed_writing"))

@@ -150,3 +150,25 @@ def test_help_says_what_the_commands_do(tmp_path):
     assert lines[0].startswith("mptex: nvdiffrec's texture optimisation")
     assert any(line.strip().startswith("mptex-train -m") for line in lines[:6])
     assert "precision: amp, bf16" in proc.stdout  # Hydra's list of groups follows
+
+
+def test_mptex_search_adds_its_experiment_where_hydras_parser_takes_it():
+    # Hydra's parser takes the overrides as one run of words: in front of "-m a=b" the added
+    # experiment made "-m" split them ("unrecognized arguments").
+    from hydra._internal.utils import get_args_parser
+
+    from mptex.cli.search import _with_experiment
+
+    exp = "+experiment=precision_search"
+    cases = {
+        (): [exp],
+        ("-m", "scene=a,b"): ["-m", exp, "scene=a,b"],
+        ("scene=soccer", "-m"): [exp, "scene=soccer", "-m"],
+        ("--config-dir", "d", "train.seed=1"): ["--config-dir", "d", exp, "train.seed=1"],
+        ("--info",): [exp, "--info"],
+        ("-m", "+experiment=quick"): ["-m", "+experiment=quick"],
+    }
+    for args, expected in cases.items():
+        assert _with_experiment(list(args)) == expected, args
+        parsed = get_args_parser().parse_args(expected)
+        assert exp in parsed.overrides or "+experiment=quick" in parsed.overrides

@@ -670,6 +670,65 @@ def test_the_override_check_leaves_what_hydra_accepts_to_hydra():
     assert override_problem(["nothing.like.it=1"]).endswith("+nothing.like.it=1")
 
 
+def test_a_ctrl_c_while_the_check_composes_is_an_interrupt_not_a_config_problem(monkeypatch):
+    # Hydra and OmegaConf can turn a KeyboardInterrupt in the middle of a composition into
+    # another error (an empty ConfigCompositionException, an AttributeError of a half-built
+    # node): the check must not report it as the config's problem (it printed "error: " and
+    # exited 2) or take it for something it cannot read and go on.
+    import hydra
+
+    from mptex.cli.app import override_problem, register_experiments
+
+    register_experiments()
+
+    def interrupted(kind):
+        def compose_interrupted(*args, **kwargs):
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt as exc:
+                raise kind("") from exc
+
+        return compose_interrupted
+
+    from hydra.errors import ConfigCompositionException
+
+    for kind in (ConfigCompositionException, AttributeError):
+        monkeypatch.setattr(hydra, "compose", interrupted(kind))
+        with pytest.raises(KeyboardInterrupt):
+            override_problem(["-m", "train.seed=0,1"])
+    # an error of its own (no interrupt behind it) is still the config's or Hydra's
+    def failing(*args, **kwargs):
+        raise ConfigCompositionException("Could not override 'train.iteratons'.")
+
+    monkeypatch.setattr(hydra, "compose", failing)
+    assert override_problem(["train.iteratons=5"]).startswith("Could not override")
+
+
+def test_a_ctrl_c_outside_a_training_loop_is_one_line_and_exit_3(tmp_path, monkeypatch, capsys):
+    # Before a run's handler takes SIGINT over (Hydra composing, the scene's start) or after
+    # it gives it back: one line, not a traceback, and the status of an interrupted command.
+    from hydra.core.global_hydra import GlobalHydra
+
+    from mptex.cli.app import EXIT_CODES, run_hydra_app
+
+    def task(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["mptex-train", "train=tiny", f"hydra.run.dir={tmp_path}"])
+    try:
+        with pytest.raises(SystemExit) as info:
+            run_hydra_app(task, "mptex-train")
+    finally:
+        GlobalHydra.instance().clear()
+    assert info.value.code == EXIT_CODES["interrupted"] == 3
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "mptex-train: interrupted by SIGINT outside a training loop: no checkpoint was written "
+        "for it; files written before it are as they were"
+    ]
+
+
 def test_a_required_scene_path_left_unset_is_named_as_unset(tmp_path):
     # Not as a file "<cwd>/???" that was not found.
     from hydra import compose, initialize_config_dir

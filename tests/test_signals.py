@@ -257,6 +257,96 @@ def test_a_stop_signal_to_a_parallel_sweep_stops_its_jobs_cleanly_and_the_sweep_
     assert [r["status"] for r in collect_runs(sweep)] == ["completed"] * 3
 
 
+def signal_while_workers_start(proc: subprocess.Popen, marks: Path, name: str
+                               ) -> tuple[int, str]:  # fmt: skip
+    """Send ``name`` to the process group of ``proc`` (a parallel sweep in a session of its
+    own) once both of its worker processes are starting (their marks in ``marks``, made by
+    :data:`SITE`'s hook); its exit status and stderr. Nothing of the sweep outlives it."""
+    deadline = time.monotonic() + 120
+    while len(list(marks.iterdir())) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.Signals[name])
+    try:
+        code = proc.wait(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return code, proc.stderr.read()
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="holds signals by mask")
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_stop_signal_while_a_parallel_sweeps_workers_start_starts_no_job(
+    site, reference, tmp_path, name
+):
+    # The signal reaches the process group while joblib's worker processes are still starting
+    # (an interpreter and torch's import: seconds, here held at their start by the test hook):
+    # it killed them, and joblib ended the sweep with its error (exit 1). Now it waits in each
+    # worker until the worker's handler is in place: no job starts, the sweep's process writes
+    # the report and exits 3, and the command it names runs the sweep.
+    sweep, marks = tmp_path / "sweep", tmp_path / "marks"
+    marks.mkdir()
+    command = ["-m", "hydra/launcher=local_parallel", f"hydra.sweep.dir={sweep}", *RUN,
+               "train.seed=0,1,2"]  # fmt: skip
+    proc = cli(site, tmp_path, *command, session=True, worker_start_s=3, mark_dir=str(marks))
+    code, err = signal_while_workers_start(proc, marks, name)
+    assert code == EXIT_CODES["interrupted"], err
+    assert "Traceback" not in err and "TerminatedWorkerError" not in err, err
+    assert err.count("mptex-train: not started: the sweep was stopped by " + name) == 3, err
+    assert err.splitlines()[-1].startswith(f"mptex-train: sweep stopped by {name}: "), err
+    assert not [p for p in sweep.iterdir() if p.is_dir() and p.name[0].isdigit()], err
+    assert "**Incomplete sweep**: 3 of the 3 jobs" in (sweep / "report.md").read_text()
+    if name != "SIGINT":
+        return
+    again = cli(site, tmp_path, *command, "hydra.callbacks.fresh_sweep_dir.enabled=false")
+    code, err = finish(again)
+    assert code == 0, err
+    runs = [read_metrics(p) for p in sorted(sweep.glob("*_*")) if p.is_dir()]
+    assert [(r["status"], r["resume_count"]) for r in runs] == [("completed", 0)] * 3
+    assert runs[0]["psnr"] == read_metrics(reference)["psnr"]
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="holds signals by mask")
+def test_mptex_search_under_the_parallel_launcher_stops_as_mptex_train_does(site, tmp_path):
+    # The same hold and the same check at a job's start: a signal while the workers start
+    # starts no search, and the sweep's process exits 3 with the command that continues it.
+    sweep, marks = tmp_path / "sweep", tmp_path / "marks"
+    marks.mkdir()
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "OMP_NUM_THREADS": "1",
+           "MPTEX_TEST_WORKER_START_S": "3", "MPTEX_TEST_MARK_DIR": str(marks)}  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mptex.cli.search", "-m", "hydra/launcher=local_parallel",
+         f"hydra.sweep.dir={sweep}", *TINY, "train.iterations=6,7,8"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    code, err = signal_while_workers_start(proc, marks, "SIGINT")
+    assert code == EXIT_CODES["interrupted"] and "Traceback" not in err, err
+    assert err.count("mptex-search: not started: the sweep was stopped by SIGINT") == 3, err
+    assert err.splitlines()[-1].startswith("mptex-search: sweep stopped by SIGINT: "), err
+
+
+def test_a_search_stopped_in_a_parallel_sweeps_job_returns_to_the_sweep(monkeypatch, capsys):
+    # In a worker process the job returns (the sweep's process exits 3 once its jobs under way
+    # are done); a SystemExit there made joblib end the sweep and kill the other workers.
+    import mptex.search
+    from mptex.cli.app import SWEEP_PARENT_ENV
+    from mptex.cli.search import run_search_command
+
+    def stopped(cfg, run_dir):
+        raise mptex.search.SearchInterrupted("stopped by SIGTERM")
+
+    monkeypatch.setattr(mptex.search, "run_search", stopped)
+    monkeypatch.setenv(SWEEP_PARENT_ENV, str(os.getpid() + 1))
+    assert run_search_command({}, "unused") is None
+    assert capsys.readouterr().err == "mptex-search: interrupted: stopped by SIGTERM\n"
+    monkeypatch.delenv(SWEEP_PARENT_ENV)  # a run of its own: exit 3
+    with pytest.raises(SystemExit) as info:
+        run_search_command({}, "unused")
+    assert info.value.code == EXIT_CODES["interrupted"]
+
+
 # ----------------------------------------------------------------------------- submitit requeue
 def _descendants(pid: int) -> list[int]:
     children = Path(f"/proc/{pid}/task/{pid}/children")

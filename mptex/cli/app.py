@@ -8,7 +8,9 @@ import hashlib
 import os
 import shlex
 import shutil
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,8 @@ OmegaConf.register_new_resolver("mptex_asset", suite_path, replace=True)
 _WORKER_LAUNCHERS = ("hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher",)
 # Set by such a sweep for its worker processes: the sweep process's id.
 SWEEP_PARENT_ENV = "MPTEX_SWEEP_PARENT"
+# Set by such a sweep for its worker processes: the stop signals they start with blocked.
+SWEEP_HELD_ENV = "MPTEX_SWEEP_HELD_SIGNALS"
 # The sweep process's handler (it records and passes each signal on to the workers), or a
 # worker's, kept installed between its jobs (it records).
 _SWEEP_STOP = StopSignals(relay=True)
@@ -81,8 +85,10 @@ class ParallelSweepStopCallback(Callback):
     waiting for the jobs under way: each finishes its iteration, writes ``checkpoint.pt`` and
     ``metrics.json`` (``status: "interrupted"``) and returns; a job that had not started when
     the signal came does not start (:func:`stopped_before_start`); the report is written and
-    the command exits with status 3 (:func:`run_hydra_app`). Without this, joblib kills the
-    workers on the sweep's KeyboardInterrupt, and SIGTERM ends the sweep's process at once.
+    the command exits with status 3 (:func:`run_hydra_app`). The workers start with those
+    signals blocked, so that one that comes while a worker starts waits for its handler.
+    Without this, joblib kills the workers on the sweep's KeyboardInterrupt, and SIGTERM ends
+    the sweep's process at once.
     Other launchers are left as they are. Registered in ``configs/config.yaml``
     (``hydra.callbacks.parallel_stop``).
     """
@@ -100,6 +106,41 @@ class ParallelSweepStopCallback(Callback):
         os.environ[SWEEP_PARENT_ENV] = str(os.getpid())  # the workers inherit it
         _stopped_sweep_dir[:] = [str(config.hydra.sweep.dir)]
         _SWEEP_STOP.install(names, owner="hydra.callbacks.parallel_stop")
+        _hold_for_workers(names)
+
+
+def _hold_for_workers(names: list[str]) -> None:
+    """Block the stop signals ``names`` in this (the main) thread, so that the worker
+    processes the launcher starts from it, and the threads that start more, begin with them
+    blocked: a worker takes seconds to start (an interpreter, torch's import) before its job
+    installs a handler (:func:`stopped_before_start`), and a Ctrl-C to the process group in
+    that time killed it, upon which joblib ended the whole sweep with its error. Blocked, the
+    signal waits in the worker until its handler is in place, and the worker's first job
+    does not start. This process still receives them: a thread started before the block
+    keeps them unblocked, the kernel delivers a process's signal to such a thread, and
+    Python runs the handler in the main thread. Released by :func:`_release_held`."""
+    if not hasattr(signal, "pthread_sigmask"):  # not POSIX: the workers are not held
+        return
+    from multiprocessing import resource_tracker
+
+    # The standard library's resource tracker unblocks SIGINT and SIGTERM in the thread that
+    # starts it (after its own start), which the launcher's process pool does: started now.
+    resource_tracker.ensure_running()
+    receiver = threading.Thread(target=threading.Event().wait, daemon=True,
+                                name="mptex-stop-signal-receiver")  # fmt: skip
+    receiver.start()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.Signals[n] for n in names})
+    os.environ[SWEEP_HELD_ENV] = ",".join(names)
+
+
+def _release_held() -> None:
+    """Unblock in this thread the stop signals a parallel sweep blocked (in the sweep's
+    process at its end, in a worker once its handler is installed): one that came while they
+    were blocked is handled now."""
+    held = os.environ.get(SWEEP_HELD_ENV)
+    if held and hasattr(signal, "pthread_sigmask"):
+        names = [n for n in held.split(",") if n in STOP_SIGNAL_NAMES]
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.Signals[n] for n in names})
 
 
 def sweep_job_process() -> bool:
@@ -122,6 +163,7 @@ def stopped_before_start(cfg, run_dir: str | os.PathLike, prog: str) -> bool:
         return False
     if not _JOB_PROCESS_STOP.installed:
         _JOB_PROCESS_STOP.install(_stop_signal_names(cfg), owner="a parallel sweep's job")
+        _release_held()  # a signal that came while the worker started is recorded now
     if not _JOB_PROCESS_STOP.received:
         return False
     run_dir = Path(run_dir)
@@ -167,12 +209,25 @@ def run_hydra_app(task, prog: str, check=None) -> None:
     import hydra
 
     register_experiments()
-    problem = override_problem(sys.argv[1:], check)
-    if problem is not None:
-        print(f"{prog}: error: {problem}", file=sys.stderr)
-        sys.exit(EXIT_CODES["error"])
     app = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")(task)
-    app()
+    try:
+        problem = override_problem(sys.argv[1:], check)
+        if problem is not None:
+            print(f"{prog}: error: {problem}", file=sys.stderr)
+            sys.exit(EXIT_CODES["error"])
+        app()
+    except KeyboardInterrupt:
+        # Ctrl-C before a run's (or a parallel sweep's) handler took SIGINT over, or after it
+        # gave it back: no training loop was under way, so no checkpoint was due.
+        print(
+            f"{prog}: interrupted by SIGINT outside a training loop: no checkpoint was written "
+            "for it; files written before it are as they were",
+            file=sys.stderr,
+        )
+        sys.exit(EXIT_CODES["interrupted"])
+    finally:
+        if os.environ.get(SWEEP_PARENT_ENV) == str(os.getpid()):
+            _release_held()
     if _SWEEP_STOP.received:  # a parallel sweep stopped: its jobs under way checkpointed
         print(
             f"{prog}: sweep stopped by {_SWEEP_STOP.received[0]}: the jobs under way wrote "
@@ -219,6 +274,7 @@ def override_problem(argv: list[str], check=None) -> str | None:
     try:
         parsed = OverridesParser.create().parse_overrides(args.overrides)
     except (HydraException, OmegaConfBaseException) as exc:  # a syntax error
+        _reraise_interrupt(exc)
         return "override syntax: " + " ".join(str(exc).split())
     try:
         choices = []
@@ -229,7 +285,8 @@ def override_problem(argv: list[str], check=None) -> str | None:
             else:
                 value = override.get_value_element_as_str()
                 choices.append([key if value is None else f"{key}={value}"])
-    except Exception:  # a sweep only Hydra's config loader expands (glob(...)): left to Hydra
+    except Exception as exc:  # a sweep only Hydra's config loader expands (glob(...)): Hydra's
+        _reraise_interrupt(exc)
         return None
     try:
         firsts = [values[0] for values in choices]
@@ -257,11 +314,26 @@ def override_problem(argv: list[str], check=None) -> str | None:
                     ):
                         return problem
     except (HydraException, OmegaConfBaseException) as exc:
+        _reraise_interrupt(exc)
         message = " ".join(str(exc).split())
         return _did_you_mean(message.split(" Config search path:")[0])  # not the search path
-    except Exception:  # what this check cannot compose (sweeper params as an override)
+    except Exception as exc:  # what this check cannot compose (sweeper params as an override)
+        _reraise_interrupt(exc)
         return None
     return None
+
+
+def _reraise_interrupt(exc: BaseException) -> None:
+    """Raise KeyboardInterrupt where ``exc`` came from one: a Ctrl-C in the middle of a
+    composition can surface from Hydra or OmegaConf as another error (an empty
+    ConfigCompositionException, an AttributeError of a half-built node) with the interrupt as
+    its cause or context, which the check must not take for a problem of the config."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            raise KeyboardInterrupt from None
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
 
 
 def _did_you_mean(message: str) -> str:
@@ -279,7 +351,8 @@ def _did_you_mean(message: str) -> str:
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             config = OmegaConf.to_container(compose("config"), resolve=False)
-    except Exception:  # the base config cannot be composed here: Hydra's words as they are
+    except Exception as exc:  # the base config cannot be composed here: Hydra's words as they are
+        _reraise_interrupt(exc)
         return message
 
     def keys(node, prefix=""):

@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from mptex.cli.app import EXIT_CODES, run_hydra_app
+from mptex.cli.app import EXIT_CODES, run_hydra_app, stopped_before_start, sweep_job_process
 
 __all__ = ["search_main", "run_search_command"]
 
@@ -40,6 +40,8 @@ def run_search_command(cfg, run_dir: str | os.PathLike, prog: str = _PROG) -> No
         sys.exit(EXIT_CODES["error"])
     except SearchInterrupted as exc:
         print(f"{prog}: interrupted: {exc}", file=sys.stderr)
+        if sweep_job_process():
+            return  # a parallel sweep's job: the sweep's process exits 3 after its report
         sys.exit(EXIT_CODES["interrupted"])
     row = next(r for r in summary["candidates"] if r["candidate"] == summary["certified"])
     cert = row["certificate"] or {}
@@ -55,21 +57,36 @@ def run_search_command(cfg, run_dir: str | os.PathLike, prog: str = _PROG) -> No
 
 def _run(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    if hydra_cfg.mode == RunMode.MULTIRUN and stopped_before_start(cfg, run_dir, _PROG):
+        return  # a parallel sweep stopped by a signal before this job: it does not start
     if "search" not in cfg:
         print(f"{_PROG}: error: search: the composed config has no search block; use "
               "+experiment=precision_search (the default) or an experiment that has one",
               file=sys.stderr)  # fmt: skip
         sys.exit(EXIT_CODES["error"])
-    run_search_command(cfg, Path(HydraConfig.get().runtime.output_dir))
+    run_search_command(cfg, run_dir)
 
 
 def search_main() -> None:
     """Entry point of ``mptex-search``; see the module docstring."""
-    args = sys.argv[1:]
-    if not any(a.lstrip("+~").startswith("experiment=") for a in args):
-        sys.argv = [sys.argv[0], "+experiment=precision_search", *args]
+    sys.argv = [sys.argv[0], *_with_experiment(sys.argv[1:])]
     run_hydra_app(_run, _PROG)
+
+
+def _with_experiment(args: list[str]) -> list[str]:
+    """``args`` with ``+experiment=precision_search`` added unless an experiment is named:
+    just before the first override, since Hydra's argument parser takes its overrides as one
+    run of words (``-m scene=a,b`` with the addition in front failed as unrecognised
+    arguments), and in front where there is no override (``--info`` takes an optional
+    word)."""
+    if any(a.lstrip("+~").startswith("experiment=") for a in args):
+        return list(args)
+    at = next((i for i, a in enumerate(args) if "=" in a and not a.startswith("-")), 0)
+    return [*args[:at], "+experiment=precision_search", *args[at:]]
 
 
 if __name__ == "__main__":

@@ -13,12 +13,14 @@ Exit status (:data:`EXIT_CODES`): 0 the run ended (completed or diverged: ``metr
 says which); 2 a bad config value or input file at start, or a full disk (one line on stderr,
 naming the key or the file); 3 stopped by a stop signal (``train.stop_signals``) after writing
 ``checkpoint.pt`` and ``metrics.json`` (``status: "interrupted"``): run the same command again
-to continue (``train.resume=auto``). In a submitit job (``hydra/launcher=submitit_local`` or
-``submitit_slurm``/``slurm_gpu``) submitit's own signal (``SIGUSR2``) is handed back to
-submitit after the checkpoint, which requeues the job (exit 144 under ``submitit_local``), and
-the other stop signals end the job normally, so the sweep's report lists it. In a sweep whose
-jobs run in worker processes (``hydra/launcher=local_parallel``, joblib) a stopped job returns
-too, the jobs not yet started do not start, and the sweep's process exits 3 after the report
+to continue (``train.resume=auto``); also a Ctrl-C while no training loop runs (Hydra
+composing the config, before a run's handler is in place), which writes nothing. In a
+submitit job (``hydra/launcher=submitit_local`` or ``submitit_slurm``/``slurm_gpu``) submitit's
+own signal (``SIGUSR2``) is handed back to submitit after the checkpoint, which requeues the
+job (exit 144 under ``submitit_local``), and the other stop signals end the job normally, so
+the sweep's report lists it. In a sweep whose jobs run in worker processes
+(``hydra/launcher=local_parallel``, joblib) a stopped job returns too, the jobs not yet started
+do not start, and the sweep's process exits 3 after the report
 (:class:`mptex.cli.app.ParallelSweepStopCallback`).
 
 The configs are ``configs/`` and ``experiments/`` at the top of a source checkout (an editable

@@ -9,6 +9,13 @@ Once ``mptex.train.loop`` is imported it patches, as asked:
 * ``MPTEX_TEST_SLOW_SAVE_S``: ``torch.save`` writes half, prints ``WRITING``, sleeps, then writes
   the rest, so that a signal lands in the middle of a checkpoint write;
 * ``MPTEX_TEST_ENOSPC_AT``: :func:`failing_writer` from that atomic write on.
+
+And at once, in a worker process of a parallel sweep (joblib's loky, started by the sweep's
+process, whose id ``MPTEX_SWEEP_PARENT`` holds):
+
+* ``MPTEX_TEST_WORKER_START_S``: the worker creates ``worker-<pid>`` in the folder
+  ``MPTEX_TEST_MARK_DIR``, then sleeps this long before it goes on starting (a slow start: a
+  cold import from a network file system), so that a signal can be sent while it starts.
 """
 
 import builtins
@@ -21,6 +28,24 @@ import time
 SLEEP = float(os.environ.get("MPTEX_TEST_ITER_SLEEP_S", "0"))
 SLOW_SAVE = float(os.environ.get("MPTEX_TEST_SLOW_SAVE_S", "0"))
 ENOSPC_AT = int(os.environ.get("MPTEX_TEST_ENOSPC_AT", "0"))
+WORKER_START = float(os.environ.get("MPTEX_TEST_WORKER_START_S", "0"))
+
+
+def _loky_worker() -> bool:
+    parent = os.environ.get("MPTEX_SWEEP_PARENT")
+    if not parent or parent == str(os.getpid()):
+        return False
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            return b"popen_loky_posix" in f.read()
+    except OSError:
+        return False
+
+
+if WORKER_START and _loky_worker():
+    mark = os.path.join(os.environ["MPTEX_TEST_MARK_DIR"], f"worker-{os.getpid()}")
+    open(mark, "w").close()
+    time.sleep(WORKER_START)
 
 
 def failing_writer(atomic_write_bytes, at, sticky=True):

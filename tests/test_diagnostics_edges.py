@@ -153,7 +153,7 @@ def test_rescore_names_a_run_given_relative_and_absolute_once(tmp_path, monkeypa
     assert rescore.rescore_main(["run", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err == [
-        "mptex-rescore: 1 run directories given more than once: each is scored once",
+        "mptex-rescore: 1 run directory given more than once: each is scored once",
         "mptex-rescore: run: no checkpoint.pt (not a finished mptex-train run)",
     ]
 

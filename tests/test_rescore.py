@@ -111,11 +111,20 @@ def test_a_batch_scores_each_run_once_skips_one_without_checkpoint_and_names_unf
     assert row["status"] == "completed"
     err = capsys.readouterr().err.splitlines()
     assert err == [
-        "mptex-rescore: 1 run directories given more than once: each is scored once",
+        "mptex-rescore: 1 run directory given more than once: each is scored once",
         f"mptex-rescore: {diverged}: no checkpoint.pt (not a finished mptex-train run)",
     ]
     assert rescore.rescore_main([str(diverged)]) == 2  # nothing left to score
     capsys.readouterr()
+    # several runs, none of them scored: each says why, and a last line says none was
+    missing, gone = tmp_path / "missing", tmp_path / "gone"
+    assert rescore.rescore_main([str(diverged), str(missing), str(gone)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"mptex-rescore: {diverged}: no checkpoint.pt (not a finished mptex-train run)",
+        f"mptex-rescore: {missing}: no such run directory",
+        f"mptex-rescore: {gone}: no such run directory",
+        "mptex-rescore: error: none of the 3 run directories could be scored",
+    ]
     # What the run's metrics.json says of why there are no weights, where it says so.
     (diverged / "metrics.json").write_text(json.dumps({"status": "diverged", "diverged_at": 0}))
     assert rescore.rescore_main([str(diverged)]) == 2

@@ -409,8 +409,8 @@ def test_bonferroni_certifies_each_candidate_at_the_searchs_share(tmp_path, sear
             assert new["half_width"] == pytest.approx(old["half_width"] * ratio, rel=1e-9)
     assert widened  # some candidate other than f32 was certified over seeds with a spread
     text = (tmp_path / "out" / "search.md").read_text()
-    assert "97.5 % (Bonferroni over max_certify = 2)" in text
-    assert "at most 2.5 %" in text
+    assert "97.5% (Bonferroni over max_certify = 2)" in text
+    assert "at most 2.5%" in text
     # the directory remembers the adjustment: continuing it unadjusted is another search
     with pytest.raises(SearchError, match=r"different: search.adjust\)"):
         run_search(_cfg(tmp_path), tmp_path / "out")

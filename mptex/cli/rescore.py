@@ -147,8 +147,10 @@ def rescore_main(argv: list[str] | None = None) -> int:
         unique.setdefault(Path(run).resolve(), Path(run))
     run_dirs = list(unique.values())
     if len(run_dirs) < len(args.runs):
-        print(f"mptex-rescore: {len(args.runs) - len(run_dirs)} run directories given more "
-              "than once: each is scored once", file=sys.stderr)  # fmt: skip
+        twice = len(args.runs) - len(run_dirs)
+        what = "run directory" if twice == 1 else "run directories"
+        print(f"mptex-rescore: {twice} {what} given more than once: each is scored once",
+              file=sys.stderr)  # fmt: skip
     for run_dir in run_dirs:
         if not run_dir.is_dir():
             what = "a file, not a run directory" if run_dir.is_file() else "no such run directory"
@@ -168,8 +170,11 @@ def rescore_main(argv: list[str] | None = None) -> int:
             why = " ".join(str(exc).split()) or type(exc).__name__
             print(f"mptex-rescore: error: {run_dir}: {why}", file=sys.stderr)
             return 2
-    if not rows:
-        return 2  # nothing scored: every run was skipped, each said why
+    if not rows:  # nothing scored: every run was skipped, each said why
+        if len(run_dirs) > 1:
+            print(f"mptex-rescore: error: none of the {len(run_dirs)} run directories could be "
+                  "scored", file=sys.stderr)  # fmt: skip
+        return 2
     print(f"machine: {device_name(device)}\n")
     print(markdown_table(
         ["run", "scene", "arm", "seed", "val_spp", "PSNR (dB)", "baseline (dB)", "own", "s"],

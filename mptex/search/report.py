@@ -14,9 +14,10 @@ __all__ = ["write_search_report", "pareto_front", "confidence_text"]
 
 
 def confidence_text(summary: Mapping[str, Any], bare: bool = False) -> str:
-    """The certification intervals' confidence as the search's texts state it: ``95 %``, or
-    ``98.33 % (Bonferroni over max_certify = 3)``; ``bare``: the level alone."""
-    level = percent(summary.get("confidence", CONFIDENCE)).replace("%", " %")
+    """The certification intervals' confidence as the search's texts state it: ``95%``, or
+    ``98.33% (Bonferroni over max_certify = 3)``; ``bare``: the level alone. Written as the
+    sweep report and the speed-up intervals write a percentage."""
+    level = percent(summary.get("confidence", CONFIDENCE))
     if bare or summary.get("adjust", "none") == "none" or summary.get("max_certify", 1) <= 1:
         return level
     return f"{level} (Bonferroni over max_certify = {summary['max_certify']})"
@@ -26,14 +27,14 @@ def _multiplicity(summary: Mapping[str, Any]) -> str:
     """What the certification's error rate is for the search as a whole."""
     if summary.get("max_certify", 1) <= 1:
         return ("one candidate at most is tried: the chance that it certifies although truly "
-                "outside the margin is at most 2.5 %")  # fmt: skip
+                "outside the margin is at most 2.5%")  # fmt: skip
     if summary.get("adjust", "none") != "none":
         return (f"adjusted so that the chance that any of the up to {summary['max_certify']} "
                 "candidates tried certifies although truly outside the margin is at most "
-                "2.5 %")  # fmt: skip
+                "2.5%")  # fmt: skip
     return ("each candidate tried is a test of its own: with k tried, one truly outside the "
-            "margin certifies with a chance up to k x 2.5 %; `search.adjust=bonferroni` holds "
-            "the search to 2.5 %")  # fmt: skip
+            "margin certifies with a chance up to k x 2.5%; `search.adjust=bonferroni` holds "
+            "the search to 2.5%")  # fmt: skip
 
 
 def _interval(cert: Mapping[str, Any] | None) -> str:

@@ -158,15 +158,35 @@ def _bounds(value: Any, arg: str, width: int | None) -> torch.Tensor:
     return tensor.clone()
 
 
-def _ordered_bounds(value: Any, arg: str, width: int, each: str) -> torch.Tensor:
-    """:func:`_bounds` with min < max in every column (``each``: how the message names one).
-    ``AABB``: sample() divides by max - min, so a flat or inverted box maps every point to NaN
-    or 0. ``min_max``: the output is min + sigmoid * (max - min), so an empty range is a
-    constant channel whose gradient is 0, an inverted one a flipped sigmoid."""
+def _ordered_bounds(
+    value: Any, arg: str, width: int, each: str, *, allow_equal: bool = False
+) -> torch.Tensor:
+    """:func:`_bounds` with min < max in every column, or min <= max with ``allow_equal``
+    (``each``: how the message names one). ``AABB``: sample() divides by max - min, so a flat
+    or inverted box maps every point to NaN or 0. ``min_max``: the output is min + sigmoid *
+    (max - min), so an empty range is a constant channel (nvdiffrec's NeRD configs pin ks's
+    occlusion channel to 0 with ``ks_min[0] == ks_max[0] == 0``), an inverted one a flipped
+    sigmoid, which is refused."""
     tensor = _bounds(value, arg, width)
-    if not bool((tensor[0] < tensor[1]).all()):
-        raise ValueError(f"{arg}: expected min < max {each}, got {tensor.tolist()}")
+    ordered = tensor[0] <= tensor[1] if allow_equal else tensor[0] < tensor[1]
+    if not bool(ordered.all()):
+        relation = "<=" if allow_equal else "<"
+        raise ValueError(f"{arg}: expected min {relation} max {each}, got {tensor.tolist()}")
     return tensor
+
+
+def _tensor_device(value: Any) -> torch.device | None:
+    """The device of bounds given as a tensor or as rows of tensors (the first tensor found;
+    nvdiffrec's ``getAABB()`` is a ``(min, max)`` pair of CUDA tensors); None for numbers,
+    numpy arrays and nested lists of numbers."""
+    if isinstance(value, torch.Tensor):
+        return value.device
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        for item in value:
+            device = _tensor_device(item)
+            if device is not None:
+                return device
+    return None
 
 
 class MLPTexture3D(nn.Module):
@@ -193,16 +213,27 @@ class MLPTexture3D(nn.Module):
     the positions do not require grad.
     ``policy.encoder_hook`` keeps only the encoder's /128 (#154's swap).
 
+    Device: the texture (parameters and the ``AABB``/``min_max`` buffers) is created where
+    the AABB is when the AABB is given as a tensor or as rows of tensors, as nvdiffrec's
+    ``MLPTexture3D(geometry.getAABB(), ...)`` with CUDA vertices gives a CUDA texture with no
+    ``.cuda()`` call; an AABB of numbers or numpy arrays leaves it where torch creates
+    parameters (the default device); with a ready ``encoder``, on the encoder's device.
+    ``.to(device)`` moves it afterwards. The initial values do not depend on the AABB's
+    device: they are drawn where torch creates parameters, then moved.
+
     Args:
         AABB: ``[2, 3]`` (min corner, max corner) of the texture's domain: one tensor or numpy
             array, or a ``(min, max)`` pair of rows (tensors, arrays or lists; nvdiffrec's
             ``mesh.aabb()``). Every form becomes the same detached float32 buffer on the
-            texture's device: an AABB computed from a vertex Parameter keeps no graph.
+            texture's device: an AABB computed from a vertex Parameter keeps no graph. Every
+            axis needs min < max (a flat box would divide by zero).
         channels: output channels (nvdiffrec: 3 for kd, 9 for kd + ks + normal).
         internal_dims: MLP width (``n_neurons``).
         hidden: MLP hidden layers (``n_hidden_layers``; ``hidden + 1`` linear layers).
-        min_max: ``[2, channels]`` output range, in any form ``AABB`` takes; ``None``
-            (nvdiffrec would fail indexing it) means [0, 1] per channel, the plain sigmoid.
+        min_max: ``[2, channels]`` output range, in any form ``AABB`` takes, with min <= max
+            per channel (min == max: a constant channel, as nvdiffrec's NeRD configs' ks
+            occlusion ``[0, 0]``); ``None`` (nvdiffrec would fail indexing it) means [0, 1]
+            per channel, the plain sigmoid.
         precision: a :class:`~mptex.PrecisionPolicy`, an arm name or a config mapping
             (default ``"nvdiffrec"``).
         encoder: ``None`` (nvdiffrec's config, :data:`NVDIFFREC_ENCODER_CONFIG`), a tcnn-style
@@ -248,11 +279,15 @@ class MLPTexture3D(nn.Module):
         self.internal_dims = internal_dims
         # Non-persistent buffers: they follow .to(device) but stay out of the state dict, whose
         # keys are nvdiffrec's.
+        AABB = plain(AABB)
+        home = _tensor_device(AABB)
         aabb = _ordered_bounds(AABB, "AABB", 3, "on every axis")
         self.register_buffer("AABB", aabb, persistent=False)
         if min_max is None:
             min_max = torch.stack([torch.zeros(channels), torch.ones(channels)])
-        min_max = _ordered_bounds(min_max, "min_max", channels, "for every channel")
+        min_max = _ordered_bounds(
+            min_max, "min_max", channels, "for every channel", allow_equal=True
+        )
         self.register_buffer("min_max", min_max, persistent=False)
         self._extents: dict[str, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
@@ -268,6 +303,7 @@ class MLPTexture3D(nn.Module):
                     f"{backend!r}"
                 )
             self.encoder = encoder
+            home = encoder.params.device  # used as given: the texture joins it
         elif isinstance(encoder, Mapping):
             # HashGridEncoding.from_tcnn_config's reading, its errors and warning naming this
             # argument (encoder.n_levels) and pointing at the caller's line
@@ -284,10 +320,10 @@ class MLPTexture3D(nn.Module):
             self.encoder.n_output_dims, channels, hidden, internal_dims, self.policy,
             fp8_gemm=fp8_gemm,
         )  # fmt: skip
-        # The bounds live where the parameters were created (the default device), whatever
-        # device the given tensors were on; .to() moves them with the module from then on.
-        device = self.encoder.params.device
-        self.AABB, self.min_max = self.AABB.to(device), self.min_max.to(device)
+        # Everything was created where torch creates parameters, from the same draws whatever
+        # the AABB's device; the texture now moves where the AABB tensors (or a ready encoder)
+        # are. An AABB of numbers leaves the parameters where they were; the bounds join them.
+        self.to(home if home is not None else self.encoder.params.device)
 
     def sample(self, texc: torch.Tensor, *, check: bool = True) -> torch.Tensor:
         """Texture values at positions ``texc``.

@@ -95,11 +95,13 @@ def test_bad_arguments_name_themselves():
     for kwargs, message in (
         ({"internal_dims": 0}, "internal_dims: expected a positive integer, got 0"),
         ({"hidden": True}, "hidden: expected a positive integer, got True"),
-        ({"min_max": [[0, 0, 0], [1, 0, 1]]}, "min_max: expected min < max for every channel, "
-                                              "got [[0.0, 0.0, 0.0], [1.0, 0.0, 1.0]]"),
+        ({"min_max": [[0, 0, 0], [1, -1, 1]]}, "min_max: expected min <= max for every "
+                                               "channel, got [[0.0, 0.0, 0.0], [1.0, -1.0, 1.0]]"),
+        ({"AABB": [[0, 0, 0], [1, 0, 1]]}, "AABB: expected min < max on every axis, "
+                                           "got [[0.0, 0.0, 0.0], [1.0, 0.0, 1.0]]"),
     ):  # fmt: skip
         with pytest.raises(ValueError) as err:
-            MLPTexture3D(AABB, encoder=SMALL, **kwargs)
+            MLPTexture3D(**{"AABB": AABB, "encoder": SMALL, **kwargs})
         assert str(err.value) == message
     with pytest.raises(ValueError) as err:  # not silently ignored
         MLPTexture3D(AABB, encoder=HashGridEncoding.from_tcnn_config(3, SMALL), backend="nope")
@@ -147,12 +149,15 @@ def test_bounds_are_converted_the_same_way_in_every_form(form):
 
 
 @pytest.mark.requires_cuda
-def test_bounds_on_another_device_move_to_the_textures():
+def test_bounds_on_another_device_than_a_ready_encoder_move_to_the_textures():
+    # An AABB of tensors places the texture (tests/test_nvdiffrec_dropin.py); a ready encoder
+    # is used as given, so the texture joins the encoder and the bounds move there.
     aabb = (torch.tensor(AABB[0], device="cuda"), torch.tensor(AABB[1], device="cuda"))
-    texture = MLPTexture3D(aabb, encoder=SMALL, backend="torch")
+    encoder = HashGridEncoding.from_tcnn_config(3, SMALL, backend="torch")
+    texture = MLPTexture3D(aabb, min_max=[[0.0] * 3, [1.0] * 3], encoder=encoder)
     assert texture.AABB.device == texture.encoder.params.device == torch.device("cpu")
+    assert texture.min_max.device == texture.net.layers[0].weight.device == torch.device("cpu")
     assert texture.cuda().AABB.device.type == "cuda"
-
 
 
 def test_numpy_integers_are_sizes_and_seeds_and_become_python_ints():
@@ -181,6 +186,7 @@ def test_numpy_integers_are_sizes_and_seeds_and_become_python_ints():
     for bad in (True, np.bool_(True), 16.0):
         with pytest.raises(ValueError, match="internal_dims: expected a positive integer"):
             MLPTexture3D(AABB, internal_dims=bad, encoder=SMALL)
+
 
 def test_aabb_of_a_vertex_parameter_does_not_train_the_vertices():
     # nvdiffrec's DLMesh holds v_pos as a Parameter and its mesh.aabb() is a (min, max) tuple

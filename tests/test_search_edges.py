@@ -292,6 +292,10 @@ def test_an_f32_run_that_did_not_complete_leaves_its_seed_without_a_difference(
     assert state.delta(enc, 2) is None and state.delta(enc, 1) == 0.0
     cert = state.certificate(enc)
     assert cert["certified"] is False and cert["n"] == 1
+    # the reason names the run that did not complete: f32's, not the candidate's own
+    assert cert["reason"] == (
+        "runs not completed: ['completed', 'completed']; f32's: ['completed', 'diverged']"
+    )
 
 
 def test_the_cheapest_passing_combination_of_two_parts_is_screened_and_certified(

@@ -238,10 +238,16 @@ class SearchState:
         if any(d is None for d in deltas):
             statuses = [(self.pool.results.get((c.name, s)) or {}).get("status")
                         for s in self.seeds]  # fmt: skip
+            reason = f"runs not completed: {statuses}"
+            # A seed where f32's run did not complete has no Δ either: name those runs too.
+            ref = [(self.pool.results.get((self.ref.name, s)) or {}).get("status")
+                   for s in self.seeds]  # fmt: skip
+            if c != self.ref and any(status != "completed" for status in ref):
+                reason += f"; f32's: {ref}"
             return {
                 "certified": False,
                 "n": sum(d is not None for d in deltas),
-                "reason": f"runs not completed: {statuses}",
+                "reason": reason,
             }
         return certify(deltas, self.settings["margin_db"], self.confidence)
 

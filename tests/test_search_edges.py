@@ -539,10 +539,10 @@ def test_the_cheapest_untrained_kinds_are_listed_even_for_one_untrained_candidat
 
 def test_one_candidate_at_most_needs_no_adjustment():
     one = {"confidence": 0.95, "adjust": "bonferroni", "max_certify": 1}
-    assert confidence_text(one) == "95 %"
+    assert confidence_text(one) == "95%"
     assert _multiplicity(one).startswith("one candidate at most is tried")
     three = {"confidence": 1 - 0.05 / 3, "adjust": "bonferroni", "max_certify": 3}
-    assert confidence_text(three) == "98.33 % (Bonferroni over max_certify = 3)"
+    assert confidence_text(three) == "98.33% (Bonferroni over max_certify = 3)"
 
 
 def test_pareto_front_keeps_one_of_points_equal_in_cost_and_distance():

@@ -593,12 +593,18 @@ def test_a_decoder_with_biases_or_a_smoothstep_grid_is_refused(tmp_path):
         export_neural(smooth, tmp_path / "n.safetensors", "f16")
 
 
+def random_views(texture, seed: int, size: int, covered: float):
+    """Two views' G-buffer positions, uniform in the texture's box (``[2, size, size, 3]``),
+    and a mask that covers about ``covered`` of their pixels."""
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = texture.AABB
+    positions = lo + (hi - lo) * torch.rand(2, size, size, 3, generator=gen)
+    return positions, torch.rand(2, size, size, generator=gen) > 1 - covered
+
+
 def test_decode_table_max_error_is_the_largest_absolute_difference():
     texture = neural_texture()
-    gen = torch.Generator().manual_seed(3)
-    lo, hi = texture.AABB
-    positions = lo + (hi - lo) * torch.rand(2, 12, 12, 3, generator=gen)
-    mask = torch.rand(2, 12, 12, generator=gen) > 0.3
+    positions, mask = random_views(texture, seed=3, size=12, covered=0.7)
     table = decode_precision_table(texture, positions, mask, "white")
     points = positions[mask]
     f32 = decode_texture(texture, points, "f32")
@@ -610,10 +616,7 @@ def test_decode_table_max_error_is_the_largest_absolute_difference():
 
 def test_decode_table_composites_the_reference_over_the_background():
     texture = neural_texture()
-    gen = torch.Generator().manual_seed(4)
-    lo, hi = texture.AABB
-    positions = lo + (hi - lo) * torch.rand(2, 10, 10, 3, generator=gen)
-    mask = torch.rand(2, 10, 10, generator=gen) > 0.4
+    positions, mask = random_views(texture, seed=4, size=10, covered=0.6)
     f32 = decode_texture(texture, positions[mask], "f32")[:, :3]
     for background, level in (("black", 0.0), ("white", 1.0)):
         opaque = torch.full((2, 10, 10, 4), level)

@@ -187,6 +187,19 @@ def test_meshes_differing_only_in_normals_do_not_share_views(monkeypatch):
     assert torch.equal(inward.normal, -out.normal)
 
 
+def test_meshes_differing_only_in_their_faces_do_not_share_views(monkeypatch):
+    # The same vertices, half of the triangles (no normals): less of the view is covered.
+    monkeypatch.setattr(gbuffer_module, "_SHARED", OrderedDict())
+    knot, mvp = torus_knot(12, 4), _views_mvp()
+    full = dataclasses.replace(knot, v_nrm=None, t_nrm_idx=None)
+    half = dataclasses.replace(full, t_pos_idx=full.t_pos_idx[: len(full.t_pos_idx) // 2])
+    GBufferCache(full, (8, 8), "torch").get(["v"], mvp[0:1])
+    cache = GBufferCache(half, (8, 8), "torch")
+    got = cache.get(["v"], mvp[0:1])
+    assert cache.rasterized == 1
+    assert torch.equal(got.mask, render_gbuffer(half, mvp[0:1], (8, 8), "torch").mask)
+
+
 def test_a_cache_refuses_a_camera_count_unlike_its_keys():
     cache = GBufferCache(torus_knot(12, 4), (8, 8), "torch")
     with pytest.raises(ValueError, match=r"^mvp: expected 2 matrices, received 1$"):

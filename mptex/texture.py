@@ -279,7 +279,6 @@ class MLPTexture3D(nn.Module):
         self.internal_dims = internal_dims
         # Non-persistent buffers: they follow .to(device) but stay out of the state dict, whose
         # keys are nvdiffrec's.
-        AABB = plain(AABB)
         home = _tensor_device(AABB)
         aabb = _ordered_bounds(AABB, "AABB", 3, "on every axis")
         self.register_buffer("AABB", aabb, persistent=False)

@@ -160,3 +160,24 @@ def test_unfinished_note_says_what_a_checkpoint_holds(tmp_path):
     (tmp_path / "metrics.json").write_text('{"status": "completed"}')
     assert unfinished_note({**ckpt, "iteration": 8}, tmp_path) is None
     assert unfinished_note(ckpt, tmp_path) is not None  # fewer iterations than planned
+
+
+@pytest.mark.parametrize(
+    "content",
+    ['{"status": "completed", "psnr": 3', "[1, 2]", '"completed"', '{"psnr": "40.1"}'],
+    ids=["corrupt", "a list", "a string", "psnr not a number"],
+)
+def test_an_unreadable_metrics_file_scores_the_checkpoint_and_says_so(tmp_path, capsys, content):
+    # The checkpoint holds the weights; metrics.json only gives the run's own PSNR and status.
+    # Where it is not a readable mapping, the weights are still scored, nothing is compared
+    # with an own PSNR, and the run's status is said to be unknown.
+    run_dir, metrics = _run(tmp_path)
+    (run_dir / "metrics.json").write_text(content)
+    out = tmp_path / "scores.json"
+    assert rescore.rescore_main([str(run_dir), "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["scores"]
+    assert row["psnr"] == metrics["psnr"] and row["own"] is None
+    assert capsys.readouterr().err.splitlines() == [
+        f"mptex-rescore: {run_dir}: scoring a checkpoint of 4 of 4 iterations (the run is "
+        "without a readable metrics.json)"
+    ]

@@ -17,8 +17,9 @@ seconds) and per ``(scene, arm, val_spp)`` the mean ± sample std over the runs'
 ``--json`` also writes every view's PSNR. Runs on the CPU by default (``--device``), one torch
 thread unless ``--threads``. A run directory named twice is scored once; among several, one
 without a checkpoint (a diverged run writes none) is named and skipped; a checkpoint of a run
-that did not complete (interrupted, or killed before its last iteration) is scored with a line
-saying how many of its iterations it holds.
+that did not complete (interrupted, or killed before its last iteration), or whose
+``metrics.json`` is missing or unreadable, is scored with a line saying how many of its
+iterations it holds.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from mptex.numbers import is_number
 from mptex.report.markdown import markdown_table
 from mptex.train.runinfo import device_name
 
@@ -60,6 +62,7 @@ def rescore(run_dir: str | os.PathLike, spps: list[int], device: torch.device,
     from mptex.train.checkpoint import (
         TEXTURE_KEYS,
         load_checkpoint,
+        read_metrics,
         texture_from_checkpoint,
         unfinished_note,
     )
@@ -85,11 +88,12 @@ def rescore(run_dir: str | os.PathLike, spps: list[int], device: torch.device,
     texture = texture_from_checkpoint(ckpt, device)
     settings = dict(config["train"])
     light_dir = light_direction(settings, device)
-    own, status = None, None
-    metrics_path = run_dir / "metrics.json"
-    if metrics_path.is_file():
-        metrics = json.loads(metrics_path.read_text())
-        own, status = metrics.get("psnr"), metrics.get("status")
+    # A missing, corrupt or non-mapping metrics.json leaves the run's own PSNR unknown; the
+    # checkpoint is still scored, and the note below says the run's status could not be read.
+    metrics = read_metrics(run_dir) or {}
+    own, status = metrics.get("psnr"), metrics.get("status")
+    if not is_number(own):
+        own = None
     note = unfinished_note(ckpt, run_dir)
     if note is not None:  # its weights are not the run's result: said
         print(f"mptex-rescore: {run_dir}: scoring {note}", file=sys.stderr)

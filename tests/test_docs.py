@@ -2,6 +2,7 @@
 relative link and anchor resolves, and the API reference's docstrings parse."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,3 +29,51 @@ def test_mkdocs_build_strict(tmp_path):
     api = (site / "api" / "index.html").read_text()
     for name in ("MLPTexture3D", "HashGridEncoding", "FullyFusedMLP", "PrecisionPolicy"):
         assert f'id="mptex.{name}"' in api, name
+
+
+def _github_slug(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading: its text without Markdown (code spans keep
+    their text, links their label), lower-cased, every character that is not a letter, digit,
+    underscore, hyphen or space dropped, and each space (not each run of spaces) made a hyphen.
+    mkdocs collapses runs of spaces and hyphens into one, so ``a -m b`` is ``a--m-b`` on GitHub
+    and ``a-m-b`` on the docs site."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    text = re.sub(r"<[^>]+>", "", text).replace("`", "").replace("*", "")
+    text = "".join(c for c in text.strip().lower() if c.isalnum() or c in "_- ")
+    return text.replace(" ", "-")
+
+
+def _headings(page: Path) -> set[str]:
+    """The GitHub anchors of ``page``'s headings (outside fenced code), a repeated one with
+    GitHub's ``-1``, ``-2`` suffixes."""
+    slugs: list[str] = []
+    fenced = False
+    for line in page.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        match = None if fenced else re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if match:
+            slug = _github_slug(match.group(1))
+            repeats = sum(s == slug or re.fullmatch(re.escape(slug) + r"-\d+", s) is not None
+                          for s in slugs)  # fmt: skip
+            slugs.append(f"{slug}-{repeats}" if repeats else slug)
+    return set(slugs)
+
+
+def test_every_anchor_link_resolves_on_github_too():
+    # mkdocs --strict checks the anchors under the docs site's slugs; the same pages are read
+    # on GitHub, whose slugs differ for some headings (runs of spaces and hyphens, non-ASCII
+    # letters). A link must land on its heading in both places.
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    broken = []
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([^)\s#]*)#([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            path = (page.parent / target).resolve() if target else page
+            if not path.is_file() or anchor not in _headings(path):
+                broken.append(f"{page.relative_to(ROOT)}: {target}#{anchor}")
+    assert not broken, broken
+    assert _github_slug("Default ablation (`mptex-train -m +experiment=quick`)") == (
+        "default-ablation-mptex-train--m-experimentquick"  # two hyphens: " -m"
+    )

@@ -184,7 +184,9 @@ def _weight_without(
                 factor = w31 if ((corner >> 3) & 1) else w30
             weight = weight * factor  # 1 * factor is exact: the twin's first factor
     if ((corner >> skip) & 1) == 0:
-        weight = -weight
+        # A multiply, as the twin's: Triton before 3.8 compiles a float's unary minus to 0 - x,
+        # which gives +0 where the twin's product gives -0 (a point on a cell's face).
+        weight = weight * -1.0
     return weight
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from triton_subprocess import require_faithful_interpreter
 
 from mptex.diagnostics.overhead import OverheadCounter, patch_host_reads
 from mptex.precision import PendingStep, PrecisionStepper, StepResult
@@ -204,6 +205,7 @@ def test_the_quantisations_can_be_counted_as_cuda_launches(tmp_path, arm, kernel
     # --fp8-quantize triton: each quantisation in its Triton kernels under the interpreter,
     # each launch an op, where the op mptex::fp8_quantize counted one; every other op the
     # same (both runs interpret the other Triton kernels too: --fused-loss).
+    require_faithful_interpreter()
     counts = {q: _count_fp8(tmp_path, "scaled_mm", arm, "--fused-loss", "--fp8-quantize", q)
               for q in ("auto", "triton")}  # fmt: skip
     auto, triton = (counts[q]["ops_by_name"] for q in ("auto", "triton"))
@@ -232,6 +234,7 @@ def test_the_triton_fp8_gemms_are_counted_as_launches_without_copies(tmp_path):
     # the scaled_mm path pads some of its operands in copies first (this texture's 8 encoder
     # outputs and 3 colour outputs are not multiples of 16). Launches: ops less the
     # allocations (``empty``: no kernel), which the Triton GEMMs' outputs add.
+    require_faithful_interpreter()
     counts = {gemm: _count_fp8(tmp_path, gemm) for gemm in ("scaled_mm", "triton")}
     scaled, triton = counts["scaled_mm"]["ops_by_name"], counts["triton"]["ops_by_name"]
     assert triton["triton:mm_kernel"] == scaled["_scaled_mm"] > 0

@@ -80,6 +80,8 @@ _SLOPE = tl.constexpr(_f32(12.92))
 _GAIN = tl.constexpr(_f32(1.055))
 _OFFSET = tl.constexpr(_f32(0.055))
 _CLAMP_MAX = tl.constexpr(65535.0)
+# a float32's sign bit, as an int32
+_SIGN_BIT = tl.constexpr(-(2**31))
 
 
 @triton.jit
@@ -379,9 +381,12 @@ def _kd_grad_kernel(tj_ptr, t_ptr, g_ptr, gtj_ptr, gt_ptr, n, pixels, C: tl.cons
         g = tl.math.div_rn(tl.math.div_rn(g, count), three)
     sign = (d > 0.0).to(tl.float32) - (d < 0.0).to(tl.float32)
     gd = g * sign
+    # autograd negates with torch's neg, a flip of the sign bit (zeros and NaNs included); so
+    # does this. Triton before 3.8 compiles a float's unary minus to 0 - x: +0 for +0.
+    neg_gd = (gd.to(tl.int32, bitcast=True) ^ _SIGN_BIT).to(tl.float32, bitcast=True)
     inside = offs < n
     tl.store(gtj_ptr + offs, tl.where(kd, gd, 0.0), mask=inside)
-    tl.store(gt_ptr + offs, tl.where(kd, -gd, 0.0), mask=inside)
+    tl.store(gt_ptr + offs, tl.where(kd, neg_gd, 0.0), mask=inside)
 
 
 def _check_kd(tex: torch.Tensor, tex_jitter: torch.Tensor) -> None:

@@ -178,8 +178,22 @@ def _cast(
     x: torch.Tensor, used: torch.Tensor, dtype: torch.dtype, amax: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`quantize_fp8`'s result for the scale ``used`` (``x`` f32)."""
-    q = (x * used).to(dtype)
+    q = _to_fp8(x * used, dtype)
     return q, torch.reciprocal(used), amax, used
+
+
+def _to_fp8(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``y`` (f32) cast to ``dtype``, rounding to nearest even; E4M3 saturates at +-448,
+    infinities included, E5M2 overflows to infinity, a NaN stays NaN.
+
+    What mptex's quantisation kernels (the C kernel, the Triton kernels) do. torch's own cast
+    to ``float8_e4m3fn`` saturates from torch 2.13 on and returns NaN past 464 before (torch
+    2.11, the GPU machines' build), so the E4M3 values are clamped first: the same bits under
+    every torch. Only a tensor (a row, row-wise) holding a NaN gets this far out of range: its
+    NaN amax does not bound the scale used."""
+    if dtype == E4M3:
+        y = torch.clamp(y, -FP8_MAX[E4M3], FP8_MAX[E4M3])  # a NaN passes through
+    return y.to(dtype)
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:

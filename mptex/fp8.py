@@ -37,6 +37,9 @@ current scale) and counts an *overflow*. A non-finite ``amax`` (an inf or NaN in
 becomes NaN in the quantised tensor (an inf is multiplied by the scale 0), so the GEMM's result
 is NaN and :class:`~mptex.PrecisionStepper` skips the step as it skips any non-finite
 gradient; such an ``amax`` is counted (``nonfinite``) and not recorded in the history.
+The other values of a tensor holding a NaN can still be out of range; mptex's casts (its C and
+Triton kernels, and the eager code through a clamp first) saturate E4M3 at 448 on every torch
+build, so the kernels and their eager twin give the same bits there too.
 
 GEMM backends (:func:`scaled_mm`): on CUDA devices with FP8 tensor cores (compute capability
 8.9 and later: Ada, Hopper, Blackwell) ``torch._scaled_mm``; everywhere else an emulation that

@@ -219,6 +219,21 @@ def test_the_scaled_mm_path_on_this_cpus_kernel_agrees_within_the_same_bound(sha
     assert torch.all((hardware.double() - ref).abs() <= (k + 2) * U32 * magnitude)
 
 
+def _skip_without_cpu_rowwise_scaled_mm() -> None:
+    """Skip where this torch's CPU ``torch._scaled_mm`` takes per-tensor scales only (torch
+    2.11's), so that the row-wise GEMMs cannot run on it here."""
+    a = torch.ones(16, 16).to(E4M3)
+    b = torch.ones(16, 16).to(E4M3).t()
+    try:
+        torch._scaled_mm(a, b, scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
+                         out_dtype=torch.float32)  # fmt: skip
+    except (RuntimeError, NotImplementedError) as exc:
+        why = " ".join(str(exc).split())[:200]
+        pytest.skip(
+            f"torch {torch.__version__}'s CPU torch._scaled_mm has no row-wise scales: {why}"
+        )
+
+
 def _strict_scaled_mm(calls):
     """``torch._scaled_mm`` that first asserts what its CUDA kernels check and this CPU's kernel
     does not (torch's ``_scaled_mm_out_cuda``): a row-major ``a`` with K a multiple of 16, a
@@ -257,6 +272,8 @@ def test_the_scaled_mm_path_meets_the_cuda_kernels_checks_and_agrees_with_the_em
     input, an E5M2 one within 2^-3: (1 + 2^-3)^2 < 1.27)."""
     import mptex.fp8 as fp8
 
+    if recipe == "rowwise":
+        _skip_without_cpu_rowwise_scaled_mm()
     gen = torch.Generator().manual_seed(m * 100 + n_out)
     x0 = torch.rand(m, k_in, generator=gen) * 2 - 1
     w0 = torch.randn(n_out, k_in, generator=gen) * 0.3
@@ -303,6 +320,8 @@ def _scaled_mm_layer_case(monkeypatch, recipe: str, n_out: int, seed: int):
     emulation: ``(calls, x, w, g, states by backend)``, the gradient states collecting."""
     import mptex.fp8 as fp8
 
+    if recipe == "rowwise":
+        _skip_without_cpu_rowwise_scaled_mm()
     monkeypatch.setattr(fp8, "has_fp8_tensor_cores", lambda device, rowwise=False: True)
     calls = []
     monkeypatch.setattr(torch, "_scaled_mm", _strict_scaled_mm(calls))
@@ -953,3 +972,26 @@ def test_fp8_layers_two_forwards_one_backward_same_bits_with_and_without_reuse(r
                 value.isnan().all() and s1[role][name].isnan().all()
             ), (role, name)
     assert s0["weight"]["calls"].item() == 2
+
+
+@pytest.mark.parametrize(
+    "dtype, values, codes",
+    [
+        # E4M3: 448 is 0x7E; 464 is the tie between 448 and the NaN slot above it (to even:
+        # 448); past it, and at infinity, saturated; NaN keeps its sign in 0x7F.
+        (E4M3, [448.0, 464.0, 465.0, 1e30, math.inf, -math.inf, -500.0, math.nan],
+         [0x7E, 0x7E, 0x7E, 0x7E, 0x7E, 0xFE, 0xFE, 0x7F]),
+        # E5M2: 57344 is 0x7B; 61440 is the tie between it and infinity (to even: 0x7C, inf),
+        # so E5M2 overflows to infinity rather than saturating.
+        (E5M2, [57344.0, 61439.0, 61440.0, 1e30, -math.inf],
+         [0x7B, 0x7B, 0x7C, 0x7C, 0xFC]),
+    ],
+)  # fmt: skip
+def test_the_eager_cast_saturates_e4m3_on_every_torch_build(dtype, values, codes):
+    # torch's own float32 -> float8_e4m3fn cast saturates from torch 2.13 on and gives NaN past
+    # 464 before; the eager quantisation clamps first, as the C and Triton kernels saturate,
+    # so these codes hold whichever torch runs them.
+    from mptex._fp8_scaling import _to_fp8
+
+    q = _to_fp8(torch.tensor(values, dtype=torch.float32), dtype)
+    assert q.view(torch.uint8).tolist() == codes

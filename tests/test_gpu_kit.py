@@ -402,10 +402,11 @@ def test_the_fp8_stage_runs_on_the_cpu_with_torchs_scaled_mm_held_to_cudas_check
     # device's FP8 capability assumed and torch._scaled_mm held to what its CUDA kernels check
     # (layouts, K and N multiples of 16, alignment), so a shape or layout the GPU refuses fails
     # on the CPU first.
-    from test_fp8 import _strict_scaled_mm
+    from test_fp8 import _skip_without_cpu_rowwise_scaled_mm, _strict_scaled_mm
 
     import mptex.fp8
 
+    _skip_without_cpu_rowwise_scaled_mm()  # the stage runs row-wise GEMMs too
     calls = []
     monkeypatch.setattr(mptex.fp8, "has_fp8_tensor_cores", lambda device, rowwise=False: True)
     monkeypatch.setattr(torch, "_scaled_mm", _strict_scaled_mm(calls))

@@ -46,7 +46,9 @@ def int8_channel_scales(weight: torch.Tensor) -> torch.Tensor:
     """``[out]`` f32 scales ``max_j |W[c, j]| / 127`` (1.0 where the quotient is 0: a row all
     zero, or with its largest magnitude below 64 x 2^-149, whose quotient underflows float32;
     a scale of 0 would divide the row's zeros into NaN codes and its other values into +-127
-    codes that an engine inverting the scale reads as infinite).
+    codes that an engine inverting the scale reads as infinite). A row holding a NaN gets 1.0
+    too; no trained weight holds one (a step with a non-finite gradient is skipped, and a
+    checkpoint with non-finite weights is refused).
 
     Args:
         weight: ``[out, in]`` float.

@@ -880,3 +880,21 @@ def test_rng_states_are_restored_from_wherever_the_checkpoint_was_loaded():
     set_rng_state(elsewhere, {"views": gen})
     assert torch.equal(torch.rand(4, generator=gen), want[0])
     assert torch.equal(torch.rand(4), want[1])
+
+
+@pytest.mark.parametrize(
+    "per_iter, timing", [(0.01234, "0.0123 s/iteration"), (None, "no iteration timed")]
+)
+def test_a_runs_last_line_times_an_iteration_only_where_one_was_timed(per_iter, timing):
+    # train.iterations=0, or a run that diverged at its first iteration, times none: the line
+    # says so instead of a time of 0.
+    from mptex.cli.train import _summary_line
+
+    metrics = {"status": "completed", "psnr": 21.017, "baseline_psnr": 21.514, "iterations": 0,
+               "time_per_iter_s": per_iter}  # fmt: skip
+    assert _summary_line(metrics) == (
+        "mptex-train: completed: PSNR 21.02 dB (constant-colour baseline 21.51 dB), "
+        f"0 iterations, {timing}"
+    )
+    diverged = {**metrics, "status": "diverged", "diverged_at": 0, "psnr": float("nan")}
+    assert _summary_line(diverged).startswith("mptex-train: diverged at iteration 0: PSNR nan dB")

@@ -106,12 +106,7 @@ def _run(cfg) -> None:
         multirun = hydra_cfg.mode == RunMode.MULTIRUN
         _interrupted(metrics, run_dir, multirun, hydra_cfg.sweep.dir if multirun else None)
         return
-    detail = f" at iteration {metrics['diverged_at']}" if status == "diverged" else ""
-    print(
-        f"{_PROG}: {status}{detail}: PSNR {metrics['psnr']:.2f} dB "
-        f"(constant-colour baseline {metrics['baseline_psnr']:.2f} dB), "
-        f"{metrics['iterations']} iterations, {metrics['time_per_iter_s'] or 0:.4f} s/iteration"
-    )
+    print(_summary_line(metrics))
     print(f"{_PROG}: results in {run_dir}")
     print(f"{_PROG}: metrics in {run_dir / 'metrics.json'}")
     export = metrics.get("export")
@@ -130,6 +125,21 @@ def _submitit_signal() -> signal.Signals | None:
     if not os.environ.get("SUBMITIT_EXECUTOR"):
         return None
     return getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), None)
+
+
+def _summary_line(metrics: dict) -> str:
+    """The line a finished run ends with: status, PSNR, baseline, iterations and time per
+    iteration (none where no iteration was timed: ``train.iterations=0``, or a run that
+    diverged at its first)."""
+    status = metrics["status"]
+    detail = f" at iteration {metrics['diverged_at']}" if status == "diverged" else ""
+    per_iter = metrics.get("time_per_iter_s")
+    timing = "no iteration timed" if per_iter is None else f"{per_iter:.4f} s/iteration"
+    return (
+        f"{_PROG}: {status}{detail}: PSNR {metrics['psnr']:.2f} dB "
+        f"(constant-colour baseline {metrics['baseline_psnr']:.2f} dB), "
+        f"{metrics['iterations']} iterations, {timing}"
+    )
 
 
 def _interrupted(metrics: dict, run_dir: Path, multirun: bool, sweep_dir=None) -> None:

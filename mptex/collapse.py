@@ -215,7 +215,8 @@ def _reason(evidence: Mapping[str, Any]) -> str:
         since = evidence["stuck_since"]
         parts.append(
             f"{evidence['stuck_fraction']:.0%} of covered pixels stuck in channel "
-            f"{evidence['stuck_channel']}" + (f" (since iteration {since})" if since else "")
+            f"{evidence['stuck_channel']}"
+            + (f" (since iteration {since})" if since is not None else "")
         )
     psnr, baseline = evidence["psnr"], evidence["baseline_psnr"]
     if baseline is None:

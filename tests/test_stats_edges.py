@@ -451,3 +451,12 @@ def test_restored_state_repeats_every_generators_draws(global_generators):
     set_rng_state(saved, {"views": gen})
     again = random.random(), np.random.random(), torch.rand(1).item(), torch.rand(1, generator=gen)
     assert first[:3] == again[:3] and torch.equal(first[3], again[3])
+
+
+def test_a_run_stuck_since_iteration_zero_says_so():
+    # A run whose every validation, the first at iteration 0, is stuck: the evidence's
+    # stuck_since is 0, and the reason names it like any other iteration.
+    history = _history((0, 15.0, [0, 0, 0.6]), (100, 16.0, [0, 0, 0.6]), (200, 17.0, [0, 0, 0.6]))
+    got = classify_collapse(_metrics(17.0, 20.0, history, stuck=[0.0, 0.0, 0.6], iterations=200))
+    assert got["rule"] == "stuck" and got["stuck_since"] == 0
+    assert got["reason"].startswith("60% of covered pixels stuck in channel 2 (since iteration 0)")

@@ -1,6 +1,6 @@
-"""The training-time statistics and the validation helpers at their edges: empty and float64
-tensors, the monitor's keys and its state between iterations, box filtering and the saved
-validation images, against per-element counts and hand-made images."""
+"""Training-time precision statistics and validation at their edges: empty and float64
+tensors, the monitor's keys and its state between iterations, box filtering, the baseline
+colour, stuck pixels and the saved images, against per-element counts and float64 references."""
 
 import copy
 import dataclasses
@@ -119,6 +119,33 @@ def test_a_restarted_iteration_forgets_what_the_previous_start_recorded():
     assert [stats[f"output.saturated_frac.{c}"] for c in range(3)] == saturated
 
 
+@pytest.mark.parametrize("sizes", [(16, 48), (1,)])
+def test_output_saturation_is_counted_over_every_forward_of_the_iteration(sizes):
+    # A saturating first forward (last layer +-1e3) and an unsaturated second one, or a single
+    # point: per channel, the fraction of all the iteration's rows with |logit| > 8, counted
+    # here over the logits themselves.
+    texture = _texture()
+    monitor = PrecisionMonitor(texture, every=1)
+    last = texture.net.layers[-1].weight
+    kept = last.detach().clone()
+    logits = []
+    hook = texture.net.register_forward_hook(lambda module, args, out: logits.append(out))
+    monitor.start(0)
+    with torch.no_grad():
+        texture.encoder.params.mul_(1e4)
+        last.copy_(torch.tensor([1e3, 0.0, -1e3])[:, None].expand_as(last))
+        texture.sample(_points(sizes[0]))
+        texture.encoder.params.div_(1e4)
+        last.copy_(kept)
+        for n in sizes[1:]:
+            texture.sample(_points(n, seed=2))
+    hook.remove()
+    stats = monitor.collect()
+    want = (torch.cat(logits).abs() > 8).double().mean(0).tolist()
+    assert want[0] > 0  # the first forward saturated
+    assert [stats[f"output.saturated_frac.{c}"] for c in range(3)] == want
+
+
 def test_a_frozen_parameter_is_not_watched():
     # No gradient reaches a frozen weight: the monitor reports its site's activations but no
     # parameter gradient for it.
@@ -130,6 +157,23 @@ def test_a_frozen_parameter_is_not_watched():
     stats = monitor.collect()
     assert "net.1.act_maxabs" in stats and "net.0.grad_zero_frac" in stats
     assert not any(key.startswith("net.1.grad_") for key in stats)
+
+
+def test_a_layer_computing_in_float32_counts_float32_subnormals():
+    # per_layer: f16 layers, the last in f32. A gradient of ~1e-6 on the last layer is an f16
+    # subnormal (below 2**-14) but a normal f32 number: counted against f32's 2**-126.
+    torch.manual_seed(0)
+    texture = MLPTexture3D(AABB, precision="per_layer", backend="torch",
+                           **TEXTURE_CONFIGS["small"])  # fmt: skip
+    assert texture.net.layers[2].compute_dtype == torch.float32
+    monitor = PrecisionMonitor(texture, every=1)
+    monitor.start(0)
+    (texture.sample(_points(64)).float().sum() * 1e-6).backward()
+    stats = monitor.collect()
+    grad = texture.net.layers[2].weight.grad.abs()
+    assert ((grad > 0) & (grad < 2.0**-14)).any()  # the f16 count would differ
+    want = int(((grad > 0) & (grad < 2.0**-126)).sum()) / grad.numel()
+    assert stats["net.2.grad_subnormal_frac"] == want
 
 
 # ----------------------------------------------------------------------------- validation

@@ -22,8 +22,14 @@ import json
 import pytest
 import torch
 from golden_io import bits
+from test_fp8 import _skip_without_cpu_rowwise_scaled_mm
 from test_fp8_fused import OUTPUTS
-from triton_subprocess import check_compiles, run_cases, run_script
+from triton_subprocess import (
+    check_compiles,
+    require_faithful_interpreter,
+    run_cases,
+    run_script,
+)
 
 import mptex
 from mptex._fp8_fused import fp8_quantize_reference
@@ -452,6 +458,8 @@ def test_training_through_the_triton_kernels_has_the_c_kernels_bits(tmp_path):
     # FP8 scaling state and losses, bit for bit. The FP8 QAT arms' rounding goes through the
     # same op.
     arms = ["fp8", "fp8_current", "fp8_rowwise", "fp8_qat", "fp8_rowwise_qat"]
+    require_faithful_interpreter()  # before the C run, which the interpreted one is checked by
+    _skip_without_cpu_rowwise_scaled_mm()  # fp8_rowwise's GEMMs on this CPU's torch._scaled_mm
     for mode in ("c", "triton"):
         proc = run_script("fp8_triton_training.py", str(tmp_path / mode), mode, *arms,
                           interpret=mode == "triton", timeout=900)  # fmt: skip

@@ -979,8 +979,8 @@ int mptex_half_unscale(float *g, int64_t n, float scale) {
 /* mptex._fp8_fused's op: amax, scale and cast of one tensor (or of each row) in two passes.
    Float32 arithmetic as the eager ops (-ffp-contract=off), the cast rounding to nearest even as
    the eager ops' (mptex._fp8_scaling._to_fp8): E4M3 (float8_e4m3fn) saturates at 448 (infinity
-   included), E5M2 overflows to infinity, a NaN becomes sign | 0x7f. Written without branches in the element loops, so that
-   they vectorise. */
+   included), E5M2 overflows to infinity, a NaN becomes sign | 0x7f. Written without branches
+   in the element loops, so that they vectorise. */
 #define FP8_INF_BITS 0x7f800000u
 
 static inline uint32_t f32_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }

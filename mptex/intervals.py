@@ -99,6 +99,10 @@ def _t_cdf(t: float, dof: float) -> float:
     return 1.0 - tail if t >= 0 else tail
 
 
+# 2^500: the largest bound the quantile's search doubles to (its square, 2^1000, is finite)
+_T_SEARCH_MAX = 2.0**500
+
+
 def t_quantile(p: float, dof: float) -> float:
     """Quantile of Student's t distribution: the t with ``P(T <= t) = p``.
 
@@ -109,6 +113,10 @@ def t_quantile(p: float, dof: float) -> float:
     Args:
         p: probability in (0, 1).
         dof: degrees of freedom > 0.
+
+    Raises:
+        ValueError: ``p`` or ``dof`` out of range, or a quantile beyond 2^500 (``dof`` below
+            about 0.01: e.g. ``t_quantile(0.99, 0.01)``, about 6.7e152).
     """
     if not 0.0 < p < 1.0:
         raise ValueError(f"p: expected a probability in (0, 1), got {p!r}")
@@ -119,6 +127,9 @@ def t_quantile(p: float, dof: float) -> float:
     lo, hi = 0.0, 1.0
     while _t_cdf(hi, dof) < p:
         hi *= 2.0
+        if hi > _T_SEARCH_MAX:  # t^2 overflows beyond: the CDF would read 1 there
+            raise ValueError(f"dof: the {p!r} quantile of a t with {dof!r} degrees of freedom "
+                             f"exceeds {_T_SEARCH_MAX:.3g}, beyond what this computes")  # fmt: skip
     while hi - lo > 1e-12 * max(1.0, hi):
         mid = 0.5 * (lo + hi)
         if _t_cdf(mid, dof) < p:

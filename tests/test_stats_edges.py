@@ -460,3 +460,12 @@ def test_a_run_stuck_since_iteration_zero_says_so():
     got = classify_collapse(_metrics(17.0, 20.0, history, stuck=[0.0, 0.0, 0.6], iterations=200))
     assert got["rule"] == "stuck" and got["stuck_since"] == 0
     assert got["reason"].startswith("60% of covered pixels stuck in channel 2 (since iteration 0)")
+
+
+def test_t_quantile_beyond_its_search_says_so_instead_of_a_wrong_number():
+    # With 0.01 degrees of freedom the 0.975 quantile is about 6.4e128, within the search's
+    # 2^500 (3.3e150); the 0.99 one is about 6.7e152, beyond it, where t^2 would overflow and
+    # the CDF read 1: an error naming dof, not a number that is no quantile.
+    assert t_quantile(0.975, 0.01) == pytest.approx(scipy.stats.t.ppf(0.975, 0.01), rel=1e-9)
+    with pytest.raises(ValueError, match=r"^dof: the 0\.99 quantile .* exceeds 3\.27e\+150"):
+        t_quantile(0.99, 0.01)

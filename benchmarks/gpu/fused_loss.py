@@ -59,8 +59,12 @@ def compare_fused_loss(device: str, shape: tuple[int, ...], repeats: int = 20) -
     # The smoothness term on as many points as a third of the pixels (the built-in scene's
     # coverage), nine channels (its kd and the rest, which get no gradient).
     tex = torch.rand(pixels // 3, 9, generator=gen)
-    tex_jitter = (tex + torch.randn(tex.shape, generator=gen) * 0.01).to(device)
-    tex = tex.to(device)
+    tex_jitter = tex + torch.randn(tex.shape, generator=gen) * 0.01
+    # Every 50th point unmoved by its jitter (a saturated texture's output does this): a zero
+    # difference, whose gradient with respect to tex is -0 in eager torch (its neg), which the
+    # kernel must give as well.
+    tex_jitter[::50] = tex[::50]
+    tex, tex_jitter = tex.to(device), tex_jitter.to(device)
 
     def smoothness(fused: bool):
         a, b = tex.clone().requires_grad_(), tex_jitter.clone().requires_grad_()

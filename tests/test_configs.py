@@ -7,10 +7,17 @@ from hydra import compose, initialize_config_dir
 
 from mptex.cli import CONFIG_DIR
 from mptex.precision import PrecisionPolicy
+from mptex.scenes import SUITE
 from mptex.train import TRAIN_DEFAULTS, validate_config
 
 GROUPS = sorted(p.name for p in CONFIG_DIR.iterdir() if p.is_dir())
-OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONFIG_DIR / g).glob("*.yaml"))]
+# The real-asset suite's scenes read their meshes from pybullet_data (the assets extra).
+OPTIONS = [
+    pytest.param(g, f.stem, marks=[pytest.mark.requires_assets] if g == "scene" and f.stem in SUITE
+                 else [])
+    for g in GROUPS
+    for f in sorted((CONFIG_DIR / g).glob("*.yaml"))
+]  # fmt: skip
 # Options that need a value the user must give (mandatory `???` keys).
 REQUIRED = {
     ("scene", "mesh"): ["scene.path=/tmp/x.obj"],
@@ -86,6 +93,14 @@ def test_real_assets_sweeps_the_suite_with_the_protocol():
     # grid is texture=cpu's, unchanged.
     assert cfg.texture.encoder.log2_hashmap_size == 17 and list(cfg.train.betas) == [0.9, 0.99]
     assert (cfg.texture.encoder.n_levels, cfg.texture.encoder.base_resolution) == (12, 16)
+
+
+@pytest.mark.requires_assets
+@pytest.mark.parametrize("scene", ["duck", "torus", "aliengo", "soccer"])
+def test_the_real_asset_sweeps_jobs_validate(scene):
+    # Each scene of the sweep finds its mesh in pybullet_data and takes the protocol's values.
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["+experiment=real_assets", f"scene={scene}"])
     validate_config(cfg)
 
 

@@ -204,6 +204,16 @@ def test_rescore_counts_the_directories_given_twice_and_names_a_file(tmp_path, m
     ]
 
 
+def test_rescore_counts_a_directory_given_three_times_as_one(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a").mkdir()
+    assert rescore.rescore_main(["a", "a/.", str(tmp_path / "a")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "mptex-rescore: 1 run directory given more than once: each is scored once",
+        "mptex-rescore: a: no checkpoint.pt (not a finished mptex-train run)",
+    ]
+
+
 def test_rescore_says_when_neither_of_two_runs_could_be_scored(tmp_path, capsys):
     first, second = tmp_path / "first", tmp_path / "second"
     assert rescore.rescore_main([str(first), str(second)]) == 2

@@ -151,7 +151,9 @@ def rescore_main(argv: list[str] | None = None) -> int:
         unique.setdefault(Path(run).resolve(), Path(run))
     run_dirs = list(unique.values())
     if len(run_dirs) < len(args.runs):
-        twice = len(args.runs) - len(run_dirs)
+        # directories named more than once, each counted once however often it is named
+        named = [Path(run).resolve() for run in args.runs]
+        twice = sum(1 for key in unique if named.count(key) > 1)
         what = "run directory" if twice == 1 else "run directories"
         print(f"mptex-rescore: {twice} {what} given more than once: each is scored once",
               file=sys.stderr)  # fmt: skip

@@ -289,6 +289,19 @@ def test_a_run_this_machine_cannot_score_stops_the_batch_in_one_line(
     assert captured.out == ""
 
 
+@pytest.mark.parametrize("where", ["missing folder", "a folder"])
+def test_rescore_refuses_a_json_path_it_cannot_write_before_scoring(tmp_path, monkeypatch,
+                                                                    capsys, where):  # fmt: skip
+    runs = _scored(tmp_path, monkeypatch, {"a": [("builtin", "f32", 1, 20.0)]})
+    target = tmp_path / "no" / "scores.json" if where == "missing folder" else tmp_path
+    assert rescore.rescore_main([*runs, "--json", str(target)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"mptex-rescore: error: --json: cannot write {target} (not a writable file location)\n"
+    )
+    assert captured.out == ""  # nothing scored
+
+
 # ----------------------------------------------------------------------------- mptex-report
 @pytest.mark.parametrize("margin", ["0", "inf", "nan", "-0.5"])
 def test_report_refuses_a_margin_that_is_no_finite_positive_number(tmp_path, capsys, margin):

@@ -133,6 +133,12 @@ def rescore_main(argv: list[str] | None = None) -> int:
         print("mptex-rescore: error: --n-val-views: expected an integer >= 1, got "
               f"{args.n_val_views}", file=sys.stderr)  # fmt: skip
         return 2
+    folder = os.path.dirname(os.path.abspath(args.json)) if args.json else None
+    if args.json and (os.path.isdir(args.json) or not os.path.isdir(folder)):
+        # said before the scoring, which a write failing at the end would throw away
+        print(f"mptex-rescore: error: --json: cannot write {args.json} (not a writable file "
+              "location)", file=sys.stderr)  # fmt: skip
+        return 2
     torch.set_num_threads(args.threads)
     try:
         device = torch.device(args.device)

@@ -13,6 +13,7 @@ import torch
 
 from mptex import PrecisionPolicy
 from mptex.diagnostics import half_ulps, outside_tolerance, ulp_summary
+from mptex.scenes import suite_available
 
 ROOT = Path(__file__).resolve().parents[1]
 VALIDATE = ROOT / "benchmarks" / "gpu" / "validate.py"
@@ -186,6 +187,8 @@ def test_comparisons_of_the_twin_with_itself_are_exact(tmp_path):
     # the committed fixtures' format, one row per committed array.
     golden = results["stages"]["golden"]["data"]
     committed = sorted(p.name for p in FIXTURES.glob("*.npz"))
+    if not suite_available():  # the duck's mesh is read from pybullet_data: captured without it
+        committed.remove("raster_duck.npz")
     assert committed and sorted(p.name for p in (out / "golden").glob("*.npz")) == committed
     rows = {(r["file"], r["array"]): r for r in golden["arrays"]}
     assert len(rows) == len(golden["arrays"])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -132,7 +133,11 @@ _COMMANDS = {
 
 def _shims(bin_dir: Path) -> None:
     bin_dir.mkdir()
-    (bin_dir / "python").symlink_to(sys.executable)
+    # A script, not a symlink: a venv's python run through a link elsewhere finds no
+    # pyvenv.cfg beside it and starts as the base interpreter, without the venv's packages.
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    python.chmod(0o755)
     for name, (module, function, small) in _COMMANDS.items():
         path = bin_dir / name
         path.write_text(_SHIM.format(python=sys.executable, root=str(ROOT), small=small,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -334,9 +335,10 @@ def test_export_of_a_missing_run_directory_is_one_line(tmp_path, capsys):
 
 def test_export_names_a_bad_device_by_its_flag(tiny_run, tmp_path, capsys):
     assert export_main([str(tiny_run[0]), "--out", str(tmp_path), "--device", "gpu"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("mptex-export: error: --device: ") and err.count("\n") == 1
-    assert "gpu" in err
+    assert capsys.readouterr().err == (
+        "mptex-export: error: --device: expected auto or a torch device such as cpu, cuda or "
+        "cuda:1, got 'gpu'\n"
+    )
 
 
 def test_export_says_an_unfinished_run_then_names_a_bad_padding_flag(tiny_run, tmp_path,
@@ -389,3 +391,23 @@ def test_export_takes_a_zero_padding_and_no_measure_from_its_flags(tiny_run, tmp
     )
     assert stdout[1].startswith("mptex-export: 64^2 texels, UVs from xatlas, coverage ")
     assert len(stdout) == 2  # nothing measured, no PSNR line
+
+
+def test_rescore_says_in_one_line_when_its_json_cannot_be_written_after_the_scoring(
+    tmp_path, monkeypatch, capsys
+):
+    # A folder that exists but refuses the file (read-only, a full disk) is found only when
+    # writing: the table is printed, then one line and exit 2, not a traceback.
+    runs = _scored(tmp_path, monkeypatch, {"a": [("builtin", "f32", 1, 20.0)]})
+    target = tmp_path / "scores.json"
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "write_text", refuse)
+    assert rescore.rescore_main([*runs, "--json", str(target)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"mptex-rescore: error: --json: cannot write {target} (Permission denied)\n"
+    )
+    assert "20.00 ± -" in captured.out  # the scores were printed first

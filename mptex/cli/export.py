@@ -89,8 +89,9 @@ def export_main(argv: list[str] | None = None) -> int:
         device = auto_device()
     try:
         device = torch.device(device)
-    except RuntimeError as exc:
-        return _fail(f"--device: {exc}")
+    except RuntimeError:  # torch's message lists every device type it knows: not one line's
+        return _fail(f"--device: expected auto or a torch device such as cpu, cuda or cuda:1, "
+                     f"got {device!r}")  # fmt: skip
     problem = cuda_device_problem(device, str(device)) if device.type == "cuda" else None
     if problem is not None:
         return _fail(f"--device: {problem}")

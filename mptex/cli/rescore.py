@@ -206,8 +206,13 @@ def rescore_main(argv: list[str] | None = None) -> int:
          for (scene, arm, spp), v in groups.items()],
     ))  # fmt: skip
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": device_name(device), "scores": rows},
-                                              indent=1))  # fmt: skip
+        try:
+            Path(args.json).write_text(json.dumps({"machine": device_name(device),
+                                                   "scores": rows}, indent=1))  # fmt: skip
+        except OSError as exc:  # a folder that is read-only, a full disk: the table stands
+            print(f"mptex-rescore: error: --json: cannot write {args.json} ({exc.strerror or exc})",
+                  file=sys.stderr)  # fmt: skip
+            return 2
     return 0
 
 

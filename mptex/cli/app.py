@@ -1,6 +1,6 @@
 """What every Hydra command of mptex shares: exit statuses, the experiments group, the sweep
 directories' names, a parallel sweep's stop signals, and starting the app over mptex's
-configs."""
+configs; and the check every command's output-file flag makes before its work."""
 
 from __future__ import annotations
 
@@ -173,6 +173,14 @@ def stopped_before_start(cfg, run_dir: str | os.PathLike, prog: str) -> bool:
     print(f"{prog}: not started: the sweep was stopped by {_JOB_PROCESS_STOP.received[0]} "
           f"before this job ({run_dir.name})", file=sys.stderr, flush=True)  # fmt: skip
     return True
+
+
+def unwritable_file(path: str | os.PathLike) -> bool:
+    """True where ``path`` cannot be a file this process writes: a folder, in a folder that does
+    not exist, or in one it may not write. What a command's output flag checks before its work,
+    whose result a write failing at the end would throw away."""
+    folder = os.path.dirname(os.path.abspath(path))
+    return os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK)
 
 
 def register_experiments(directory: str | os.PathLike = EXPERIMENTS_DIR) -> list[str]:

@@ -19,6 +19,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from mptex.cli.app import unwritable_file
+
 __all__ = ["check_main", "build_parser"]
 
 
@@ -126,14 +128,6 @@ def _cotangent_scale(value: str) -> float | None:
     return scale
 
 
-def _check_writable(path: str) -> None:
-    import os
-
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise ValueError(f"--out: cannot write {path} (not a writable file location)")
-
-
 def check_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mptex-check``; returns (and, as a script, exits with) the exit code."""
     args = build_parser().parse_args(argv)
@@ -154,8 +148,8 @@ def check_main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"{flag}: {rest}" if flag and rest else str(error)) from None
         if args.points < 1:
             raise ValueError(f"--points: expected a positive integer, got {args.points}")
-        if args.out:
-            _check_writable(args.out)
+        if args.out and unwritable_file(args.out):
+            raise ValueError(f"--out: cannot write {args.out} (not a writable file location)")
         report = compare_setups(
             _texture_config(args.texture_config), *setups, points=args.points, seed=args.seed,
             cotangent_scale=_cotangent_scale(args.cotangent_scale),

@@ -31,10 +31,12 @@ import statistics
 import sys
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
 
+from mptex.cli.app import unwritable_file
 from mptex.numbers import is_number
 from mptex.report.markdown import markdown_table
 from mptex.train.runinfo import device_name
@@ -133,9 +135,7 @@ def rescore_main(argv: list[str] | None = None) -> int:
         print("mptex-rescore: error: --n-val-views: expected an integer >= 1, got "
               f"{args.n_val_views}", file=sys.stderr)  # fmt: skip
         return 2
-    folder = os.path.dirname(os.path.abspath(args.json)) if args.json else None
-    if args.json and (os.path.isdir(args.json) or not os.path.isdir(folder)):
-        # said before the scoring, which a write failing at the end would throw away
+    if args.json and unwritable_file(args.json):
         print(f"mptex-rescore: error: --json: cannot write {args.json} (not a writable file "
               "location)", file=sys.stderr)  # fmt: skip
         return 2
@@ -153,13 +153,15 @@ def rescore_main(argv: list[str] | None = None) -> int:
     rows = []
     # Each run once, as the report counts it (a glob and a path may name the same one).
     unique: dict[Path, Path] = {}
+    named = Counter()
     for run in args.runs:
-        unique.setdefault(Path(run).resolve(), Path(run))
+        key = Path(run).resolve()
+        unique.setdefault(key, Path(run))
+        named[key] += 1
     run_dirs = list(unique.values())
     if len(run_dirs) < len(args.runs):
         # directories named more than once, each counted once however often it is named
-        named = [Path(run).resolve() for run in args.runs]
-        twice = sum(1 for key in unique if named.count(key) > 1)
+        twice = sum(1 for times in named.values() if times > 1)
         what = "run directory" if twice == 1 else "run directories"
         print(f"mptex-rescore: {twice} {what} given more than once: each is scored once",
               file=sys.stderr)  # fmt: skip

@@ -47,11 +47,11 @@ from typing import Any
 
 import torch
 
+from mptex._fp8_scaling import _to_fp8
 from mptex._grid_torch import hash_grid_encode
 from mptex.export_config import DECODE_PRECISIONS
 from mptex.fp8 import (
     E4M3,
-    FP8_MAX,
     fp8_scale,
     quantize_fp8,
     quantize_fp8_rowwise,
@@ -147,9 +147,9 @@ def _fp8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fp8_input(h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    # A calibrated scale can be exceeded by points outside the calibration set: saturate at
-    # 448 (what a decoder's conversion with satfinite does) instead of relying on torch's cast.
-    return torch.clamp(h * scale, -FP8_MAX[E4M3], FP8_MAX[E4M3]).to(E4M3)
+    # A calibrated scale can be exceeded by points outside the calibration set: saturated at
+    # 448 (what a decoder's conversion with satfinite does), as mptex's quantisation casts.
+    return _to_fp8(h * scale, E4M3)
 
 
 def decode_texture(

@@ -148,13 +148,42 @@ def test_an_error_whose_text_holds_a_line_break_is_still_one_line(capsys):
     assert err.count("\n") == 1
 
 
-def test_an_out_file_that_cannot_be_opened_is_exit_2_not_a_crash(tmp_path, capsys):
-    # A link into a folder that does not exist: its own folder is writable, the open fails.
+def test_an_out_link_into_a_missing_folder_is_refused_before_any_work(tmp_path, capsys):
+    # The link's own folder is writable; the file it names would be made in a folder that does
+    # not exist, so the write at the end would fail after the whole comparison.
     out = tmp_path / "check.json"
     out.symlink_to(tmp_path / "gone" / "check.json")
     assert check_main(["--points", "16", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"mptex-check: error: --out: cannot write {out} (not a writable file location)\n"
+    )
+    assert captured.out == ""
+
+
+def test_an_out_link_into_a_writable_folder_is_written_through(tmp_path, capsys):
+    (tmp_path / "real").mkdir()
+    out = tmp_path / "check.json"
+    out.symlink_to(tmp_path / "real" / "check.json")
+    assert check_main(["--points", "16", "--out", str(out)]) == 0
+    assert json.loads((tmp_path / "real" / "check.json").read_text())
+
+
+def test_an_out_file_that_cannot_be_opened_is_exit_2_not_a_crash(tmp_path, monkeypatch, capsys):
+    # The location passes the check, the open itself fails (a full disk, a file system that
+    # refuses it): one line with exit 2 after the table, not a traceback.
+    out = tmp_path / "check.json"
+    real_open = open
+
+    def refusing_open(file, *args, **kwargs):
+        if str(file) == str(out):
+            raise OSError(28, "No space left on device", str(out))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", refusing_open)
+    assert check_main(["--points", "16", "--out", str(out)]) == 2
     assert capsys.readouterr().err == (
-        f"mptex-check: error: [Errno 2] No such file or directory: '{out}'\n"
+        f"mptex-check: error: [Errno 28] No space left on device: '{out}'\n"
     )
 
 

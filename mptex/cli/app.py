@@ -178,8 +178,9 @@ def stopped_before_start(cfg, run_dir: str | os.PathLike, prog: str) -> bool:
 def unwritable_file(path: str | os.PathLike) -> bool:
     """True where ``path`` cannot be a file this process writes: a folder, in a folder that does
     not exist, or in one it may not write. What a command's output flag checks before its work,
-    whose result a write failing at the end would throw away."""
-    folder = os.path.dirname(os.path.abspath(path))
+    whose result a write failing at the end would throw away. A symbolic link is judged by
+    where it points, since writing through it creates or replaces that file."""
+    folder = os.path.dirname(os.path.realpath(path))
     return os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK)
 
 

@@ -257,6 +257,53 @@ def test_a_stop_signal_to_a_parallel_sweep_stops_its_jobs_cleanly_and_the_sweep_
     assert [r["status"] for r in collect_runs(sweep)] == ["completed"] * 3
 
 
+def test_a_stop_signal_to_one_worker_alone_stops_its_jobs_and_the_sweep_exits_3(
+    site, reference, tmp_path
+):
+    # A SIGTERM to one of joblib's worker processes (an OOM killer's, an operator's kill of the
+    # pid), not to the sweep's process: that worker's job under way checkpoints and returns,
+    # the worker starts no other job, the other worker goes on. The sweep's process saw no
+    # signal, and exited 0 as if every job had run; it exits 3, naming the stopped jobs.
+    sweep = tmp_path / "sweep"
+    command = ["-m", "hydra/launcher=local_parallel", f"hydra.sweep.dir={sweep}", *RUN,
+               "train.seed=0,1,2"]  # fmt: skip
+    proc = cli(site, tmp_path, *command, session=True, iter_sleep_s=0.1)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(sweep.glob("*/checkpoint.pt"))) < 2:  # both jobs are past iteration 10
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        workers = [pid for pid in _descendants(proc.pid)
+                   if b"popen_loky_posix" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # fmt: skip
+        assert len(workers) == 2, workers
+        os.kill(workers[0], signal.SIGTERM)
+        code = proc.wait(timeout=180)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = proc.stderr.read()
+    assert code == EXIT_CODES["interrupted"], err
+    runs = {
+        p.name: read_metrics(p) for p in sorted(sweep.iterdir()) if (p / "metrics.json").is_file()
+    }
+    interrupted = [name for name, m in runs.items() if m["status"] == "interrupted"]
+    assert len(interrupted) == 1 and runs[interrupted[0]]["signal"] == "SIGTERM", err
+    # the third job ran on the other worker (completed) or was refused by the stopped one
+    completed = [name for name, m in runs.items() if m["status"] == "completed"]
+    stopped = 3 - len(completed)
+    assert stopped in (1, 2) and len(runs) == 3 - (stopped - 1), err
+    last = err.splitlines()[-1]
+    assert last.startswith(
+        f"mptex-train: sweep ended with {stopped} of its jobs stopped by a signal to their "
+        f"worker process ({interrupted[0]}: interrupted"
+    ), err
+    assert f"hydra.sweep.dir={sweep} hydra.callbacks.fresh_sweep_dir.enabled=false" in last
+    again = cli(site, tmp_path, *command, "hydra.callbacks.fresh_sweep_dir.enabled=false")
+    code, err = finish(again)
+    assert code == 0, err
+    assert [r["status"] for r in collect_runs(sweep)] == ["completed"] * 3
+
+
 def signal_while_workers_start(proc: subprocess.Popen, marks: Path, name: str
                                ) -> tuple[int, str]:  # fmt: skip
     """Send ``name`` to the process group of ``proc`` (a parallel sweep in a session of its
@@ -682,7 +729,8 @@ def test_a_refused_command_leaves_an_interrupted_run_to_the_right_one(tmp_path, 
     assert after == record and (tmp_path / "checkpoint.pt").read_bytes() == weights
     (run,) = collect_runs(tmp_path)
     assert run["status"] == "failed" and run["error"].endswith(
-        f"and not resumed; 1 attempt to continue it failed at start, the last: {info.value}")
+        f"and not resumed; 1 attempt to continue it failed at start, the last: {info.value}"
+    )
     again = train(tiny_cfg(*ADAM_RUN), tmp_path)
     assert again["status"] == "completed" and again["resume_count"] == 1
     assert again["psnr"] == read_metrics(uninterrupted)["psnr"]

@@ -4,12 +4,14 @@ configs; and the check every command's output-file flag makes before its work.""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shlex
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,8 @@ from mptex.train.runinfo import reproducible_blas
 from mptex.train.signals import DEFAULT_STOP_SIGNALS, STOP_SIGNAL_NAMES, StopSignals
 
 __all__ = ["EXIT_CODES", "job_dirname", "register_experiments", "run_hydra_app",
-           "ParallelSweepStopCallback", "sweep_job_process", "stopped_before_start"]  # fmt: skip
+           "ParallelSweepStopCallback", "sweep_job_process", "stopped_before_start",
+           "record_stopped_job"]  # fmt: skip
 
 # The commands' exit statuses (mptex.cli.train's docstring).
 EXIT_CODES = {"ok": 0, "error": 2, "interrupted": 3}
@@ -61,6 +64,9 @@ _WORKER_LAUNCHERS = ("hydra_plugins.hydra_joblib_launcher.joblib_launcher.Joblib
 SWEEP_PARENT_ENV = "MPTEX_SWEEP_PARENT"
 # Set by such a sweep for its worker processes: the stop signals they start with blocked.
 SWEEP_HELD_ENV = "MPTEX_SWEEP_HELD_SIGNALS"
+# Set by such a sweep for its worker processes: a file where each job a signal stopped in its
+# worker writes one line, so that the sweep's process, which saw no signal, exits 3 too.
+SWEEP_STOPPED_ENV = "MPTEX_SWEEP_STOPPED_JOBS"
 # The sweep process's handler (it records and passes each signal on to the workers), or a
 # worker's, kept installed between its jobs (it records).
 _SWEEP_STOP = StopSignals(relay=True)
@@ -104,6 +110,9 @@ class ParallelSweepStopCallback(Callback):
         if not names:  # train.stop_signals=[]: each signal's default action stays
             return
         os.environ[SWEEP_PARENT_ENV] = str(os.getpid())  # the workers inherit it
+        fd, path = tempfile.mkstemp(prefix="mptex-stopped-jobs-", suffix=".txt")
+        os.close(fd)
+        os.environ[SWEEP_STOPPED_ENV] = path
         _stopped_sweep_dir[:] = [str(config.hydra.sweep.dir)]
         _SWEEP_STOP.install(names, owner="hydra.callbacks.parallel_stop")
         _hold_for_workers(names)
@@ -172,7 +181,38 @@ def stopped_before_start(cfg, run_dir: str | os.PathLike, prog: str) -> bool:
         shutil.rmtree(run_dir, ignore_errors=True)
     print(f"{prog}: not started: the sweep was stopped by {_JOB_PROCESS_STOP.received[0]} "
           f"before this job ({run_dir.name})", file=sys.stderr, flush=True)  # fmt: skip
+    record_stopped_job(run_dir, "not started")
     return True
+
+
+def record_stopped_job(run_dir: str | os.PathLike, what: str) -> None:
+    """In a job process of a parallel sweep, note that a stop signal stopped the job of
+    ``run_dir`` (``what``: "interrupted", "not started") before the job returns to the sweep.
+    A signal sent to a worker process alone never reaches the sweep's process, which would
+    otherwise end with status 0 as if every job had run; it reads these notes at its end
+    (:func:`run_hydra_app`). Elsewhere: nothing."""
+    path = os.environ.get(SWEEP_STOPPED_ENV)
+    if not path or not sweep_job_process():
+        return
+    # One short write in append mode: the workers' lines do not interleave. A note that
+    # cannot be written leaves the job's own line and files to say it.
+    with contextlib.suppress(OSError), open(path, "a") as notes:
+        notes.write(f"{Path(run_dir).name}: {what}\n")
+
+
+def _stopped_jobs() -> list[str]:
+    """The notes of :func:`record_stopped_job` of this sweep's workers, the file removed."""
+    path = os.environ.pop(SWEEP_STOPPED_ENV, None)
+    if not path:
+        return []
+    try:
+        with open(path) as notes:
+            return [line.rstrip("\n") for line in notes if line.strip()]
+    except OSError:
+        return []
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def unwritable_file(path: str | os.PathLike) -> bool:
@@ -235,12 +275,24 @@ def run_hydra_app(task, prog: str, check=None) -> None:
         )
         sys.exit(EXIT_CODES["interrupted"])
     finally:
+        stopped = []
         if os.environ.get(SWEEP_PARENT_ENV) == str(os.getpid()):
             _release_held()
+            stopped = _stopped_jobs()
     if _SWEEP_STOP.received:  # a parallel sweep stopped: its jobs under way checkpointed
         print(
             f"{prog}: sweep stopped by {_SWEEP_STOP.received[0]}: the jobs under way wrote "
             "their checkpoints, the others did not start; the same command with "
+            f"hydra.sweep.dir={shlex.quote(_stopped_sweep_dir[0])} hydra.callbacks."
+            "fresh_sweep_dir.enabled=false continues the sweep (train.resume=auto; its "
+            "completed runs train again)",
+            file=sys.stderr,
+        )
+        sys.exit(EXIT_CODES["interrupted"])
+    if stopped:  # a signal to a worker process alone: the sweep ran on, its report counts them
+        print(
+            f"{prog}: sweep ended with {len(stopped)} of its jobs stopped by a signal to their "
+            f"worker process ({'; '.join(stopped)}): the same command with "
             f"hydra.sweep.dir={shlex.quote(_stopped_sweep_dir[0])} hydra.callbacks."
             "fresh_sweep_dir.enabled=false continues the sweep (train.resume=auto; its "
             "completed runs train again)",

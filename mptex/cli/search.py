@@ -21,7 +21,13 @@ import os
 import sys
 from pathlib import Path
 
-from mptex.cli.app import EXIT_CODES, run_hydra_app, stopped_before_start, sweep_job_process
+from mptex.cli.app import (
+    EXIT_CODES,
+    record_stopped_job,
+    run_hydra_app,
+    stopped_before_start,
+    sweep_job_process,
+)
 
 __all__ = ["search_main", "run_search_command"]
 
@@ -41,6 +47,7 @@ def run_search_command(cfg, run_dir: str | os.PathLike, prog: str = _PROG) -> No
     except SearchInterrupted as exc:
         print(f"{prog}: interrupted: {exc}", file=sys.stderr)
         if sweep_job_process():
+            record_stopped_job(run_dir, "interrupted")
             return  # a parallel sweep's job: the sweep's process exits 3 after its report
         sys.exit(EXIT_CODES["interrupted"])
     row = next(r for r in summary["candidates"] if r["candidate"] == summary["certified"])

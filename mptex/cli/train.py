@@ -21,7 +21,8 @@ job (exit 144 under ``submitit_local``), and the other stop signals end the job 
 the sweep's report lists it. In a sweep whose jobs run in worker processes
 (``hydra/launcher=local_parallel``, joblib) a stopped job returns too, the jobs not yet started
 do not start, and the sweep's process exits 3 after the report
-(:class:`mptex.cli.app.ParallelSweepStopCallback`).
+(:class:`mptex.cli.app.ParallelSweepStopCallback`); so it does where the signal reached one
+worker process alone, which starts no other job (:func:`mptex.cli.app.record_stopped_job`).
 
 The configs are ``configs/`` and ``experiments/`` at the top of a source checkout (an editable
 install reads them there), shipped inside the package by a wheel install (:mod:`mptex._paths`),
@@ -41,6 +42,7 @@ from mptex._paths import CONFIG_DIR, EXPERIMENTS_DIR
 from mptex.cli.app import (
     EXIT_CODES,
     job_dirname,
+    record_stopped_job,
     register_experiments,
     run_hydra_app,
     stopped_before_start,
@@ -176,6 +178,7 @@ def _interrupted(metrics: dict, run_dir: Path, multirun: bool, sweep_dir=None) -
     if multirun and (requeue is not None or sweep_job_process()):
         # a submitit job that ends normally: the sweep's report lists it; or a job of a
         # parallel sweep (joblib), whose own process exits 3 once its jobs under way are done
+        record_stopped_job(run_dir, "interrupted")
         return
     sys.exit(EXIT_CODES["interrupted"])
 

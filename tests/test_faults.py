@@ -210,13 +210,15 @@ def test_device_auto_and_the_device_checks_read_cuda_through_one_seam(monkeypatc
     _no_cuda(monkeypatch)
     assert auto_device() == "cpu"
     assert cuda_device_problem(torch.device("cuda:0"), "train.device: 'cuda:0'") == (
-        "train.device: 'cuda:0' requested but CUDA is not available")
+        "train.device: 'cuda:0' requested but CUDA is not available"
+    )
     monkeypatch.setattr(_backends, "_cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert auto_device() == "cuda"
     assert cuda_device_problem(torch.device("cuda:0"), "cuda:0") is None
     assert cuda_device_problem(torch.device("cuda:1"), "cuda:1") == (
-        "cuda:1 requested, 1 CUDA device(s) here")
+        "cuda:1 requested, 1 CUDA device(s) here"
+    )
 
 
 # Each call that asks for a native backend, the key it asked with, and what runs instead.
@@ -344,14 +346,30 @@ def test_a_relative_mesh_path_is_recorded_absolute(tmp_path, monkeypatch):
     assert recorded == str(tmp_path / "mesh" / "m.obj")
     assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["config"][
         "scene"]["path"] == recorded  # fmt: skip
-    resumed = train(tiny_cfg("scene=mesh", "scene.path=mesh/m.obj", "scene.resolution=16",
-                             "train.iterations=3", "train.resume=true"), tmp_path / "run")
+    resumed = train(
+        tiny_cfg(
+            "scene=mesh",
+            "scene.path=mesh/m.obj",
+            "scene.resolution=16",
+            "train.iterations=3",
+            "train.resume=true",
+        ),
+        tmp_path / "run",
+    )
     assert resumed["status"] == "completed"  # the same path, typed relative again
     ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
     ckpt["config"]["scene"]["path"] = "mesh/m.obj"  # as a run recorded it before
     torch.save(ckpt, tmp_path / "run" / "checkpoint.pt")
-    resumed = train(tiny_cfg("scene=mesh", "scene.path=mesh/m.obj", "scene.resolution=16",
-                             "train.iterations=4", "train.resume=true"), tmp_path / "run")
+    resumed = train(
+        tiny_cfg(
+            "scene=mesh",
+            "scene.path=mesh/m.obj",
+            "scene.resolution=16",
+            "train.iterations=4",
+            "train.resume=true",
+        ),
+        tmp_path / "run",
+    )
     assert resumed["status"] == "completed" and resumed["resumed_from"] == 3
 
 
@@ -552,8 +570,10 @@ def test_resume_on_another_kind_of_device_is_an_error(tmp_path):
     ckpt["config"]["train"]["device"] = "cuda:0"  # as a GPU run writes it
     torch.save(ckpt, path)
     message = start_error(tmp_path, "train.iterations=4", "train.resume=true")
-    assert message == (f"train.resume: checkpoint {path} was trained on cuda, this run is on "
-                       "cpu: a resume continues on the device it started on (train.device)")
+    assert message == (
+        f"train.resume: checkpoint {path} was trained on cuda, this run is on "
+        "cpu: a resume continues on the device it started on (train.device)"
+    )
 
 
 def test_output_files_get_the_umask_mode(tmp_path):
@@ -666,7 +686,8 @@ def test_the_override_check_leaves_what_hydra_accepts_to_hydra():
     assert override_problem(["train.lr=[1,"]).startswith("override syntax: no viable")
     # a key the config lacks but nearly has: named, as a typo is the likelier cause
     assert override_problem(["train.iteratons=5"]) == (
-        "Could not override 'train.iteratons': no such key (did you mean train.iterations?)")
+        "Could not override 'train.iteratons': no such key (did you mean train.iterations?)"
+    )
     assert override_problem(["nothing.like.it=1"]).endswith("+nothing.like.it=1")
 
 
@@ -696,6 +717,7 @@ def test_a_ctrl_c_while_the_check_composes_is_an_interrupt_not_a_config_problem(
         monkeypatch.setattr(hydra, "compose", interrupted(kind))
         with pytest.raises(KeyboardInterrupt):
             override_problem(["-m", "train.seed=0,1"])
+
     # an error of its own (no interrupt behind it) is still the config's or Hydra's
     def failing(*args, **kwargs):
         raise ConfigCompositionException("Could not override 'train.iteratons'.")
@@ -756,10 +778,12 @@ def test_a_sweep_checks_each_value_with_the_runs_own_check_before_its_first_job(
                  ["-m", "+experiment=gpu_main", "train.device=cpu"]):  # fmt: skip
         assert override_problem(argv, check) is None, argv
     assert override_problem(["-m", "train.iterations=5,-5"], check) == (
-        "train.iterations: expected an integer >= 0, got -5")
+        "train.iterations: expected an integer >= 0, got -5"
+    )
     # the scene group too, which a run checks when it builds its scene
     assert override_problem(["-m", "scene=mesh", "train.seed=0,1"], check) == (
-        "scene.path: required for scene 'mesh', not set")
+        "scene.path: required for scene 'mesh', not set"
+    )
     # What a run needs from a machine is not checked here: the jobs may run on other machines
     # (a GPU node of a cluster), whose devices and backends the launcher's machine lacks.
     for argv in (["-m", "train.device=cpu,cuda", "train.seed=0,1"],
@@ -769,7 +793,43 @@ def test_a_sweep_checks_each_value_with_the_runs_own_check_before_its_first_job(
     # an experiment's sweeper params set each job's values of their keys: not checked here;
     # the command line's other values are
     assert override_problem(["-m", "+experiment=quick", "train.iterations=5,-5"], check) == (
-        "train.iterations: expected an integer >= 0, got -5")
+        "train.iterations: expected an integer >= 0, got -5"
+    )
+
+
+def test_a_local_sweep_looks_for_its_scenes_files_before_its_first_job(tmp_path, monkeypatch):
+    from mptex.cli.app import override_problem, register_experiments
+    from mptex.cli.train import _sweep_value_problem
+
+    register_experiments()
+    monkeypatch.chdir(tmp_path)  # relative paths are the user's, as the jobs' (no chdir);
+    # the check resolves them, and says the resolved path
+    (tmp_path / "a.obj").write_text("")
+    sweep = ["-m", "scene=mesh", "scene.path=a.obj,b.obj"]
+    # the launchers that run the jobs here: the second value's file is missing
+    for launcher in ("basic", "local_parallel", "submitit_local"):
+        argv = [*sweep, f"hydra/launcher={launcher}"]
+        assert override_problem(argv, _sweep_value_problem) == (
+            f"scene.path: file not found: {tmp_path / 'b.obj'}"
+        ), launcher
+    # every file there: nothing to say
+    (tmp_path / "b.obj").write_text("")
+    assert override_problem(sweep, _sweep_value_problem) is None
+    # a cluster's nodes may see other files than the machine that submits: left to the job
+    slurm = ["-m", "scene=mesh", "scene.path=a.obj,c.obj", "hydra/launcher=submitit_slurm"]
+    assert override_problem(slurm, _sweep_value_problem) is None
+    # a NeRF-synthetic dataset: its folder, its mesh, each split's transforms file
+    (tmp_path / "data").mkdir()
+    nerf = ["-m", "scene=nerf", "scene.path=data", "scene.mesh=a.obj", "train.seed=0,1"]
+    assert override_problem(nerf, _sweep_value_problem) == (
+        f"scene.train_split: {tmp_path / 'data'}/transforms_train.json not found"
+    )
+    nerf_missing = ["-m", "scene=nerf", "scene.path=data,gone", "scene.mesh=a.obj"]
+    (tmp_path / "data" / "transforms_train.json").write_text("{}")
+    (tmp_path / "data" / "transforms_test.json").write_text("{}")  # the default val_split
+    assert override_problem(nerf_missing, _sweep_value_problem) == (
+        f"scene.path: dataset folder not found: {tmp_path / 'gone'}"
+    )
 
 
 def test_cli_f16_naive_one_iteration_says_diverged(tmp_path):

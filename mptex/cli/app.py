@@ -60,6 +60,13 @@ OmegaConf.register_new_resolver("mptex_asset", suite_path, replace=True)
 # for them: hydra/launcher=joblib (local_parallel), whose loky workers the sweep's process kills
 # (SIGKILL) when it leaves the wait on an exception (a KeyboardInterrupt, a job's SystemExit).
 _WORKER_LAUNCHERS = ("hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher",)
+# Launchers that run a sweep's jobs on this machine, in this folder: a sweep's check of its
+# values (override_problem) can look for their input files before the first job.
+_LOCAL_LAUNCHERS = (
+    "hydra._internal.core_plugins.basic_launcher.BasicLauncher",
+    *_WORKER_LAUNCHERS,
+    "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher",
+)
 # Set by such a sweep for its worker processes: the sweep process's id.
 SWEEP_PARENT_ENV = "MPTEX_SWEEP_PARENT"
 # Set by such a sweep for its worker processes: the stop signals they start with blocked.
@@ -245,8 +252,8 @@ def register_experiments(directory: str | os.PathLike = EXPERIMENTS_DIR) -> list
 def run_hydra_app(task, prog: str, check=None) -> None:
     """Run ``task(cfg)`` as a Hydra app over mptex's ``configs/config.yaml`` with the
     experiments registered; the common start of ``mptex-train`` and ``mptex-search``.
-    ``check(cfg)``: the command's own check of a composed config (one line, or None), run on
-    each value of a sweep before its first job (:func:`override_problem`)."""
+    ``check(cfg, local)``: the command's own check of a composed config (one line, or None),
+    run on each value of a sweep before its first job (:func:`override_problem`)."""
     reproducible_blas()
     if not (CONFIG_DIR / "config.yaml").is_file():
         print(
@@ -315,9 +322,10 @@ def override_problem(argv: list[str], check=None) -> str | None:
     overrides at their first value, before any job starts: a sweep with one bad value runs
     none. Hydra reports these itself, over several lines and with exit status 1, and only once
     a sweep reaches the job. Anything this check cannot read (Hydra's own flags, an error it
-    does not recognise) is left to Hydra. For a multirun (``-m``), ``check(cfg)`` (the
-    command's own check of a composed config, without its ``hydra`` node: one line or None)
-    runs on each of those compositions too, so that a value the command refuses
+    does not recognise) is left to Hydra. For a multirun (``-m``), ``check(cfg, local)`` (the
+    command's own check of a composed config, without its ``hydra`` node: one line or None;
+    ``local``: the launcher runs the jobs on this machine, from this folder) runs on each of
+    those compositions too, so that a value the command refuses
     (``train.seed=0,1,x``) stops the sweep before its first job instead of failing that job
     after the others trained; a single run checks its config itself."""
     from hydra import compose, initialize_config_dir
@@ -366,9 +374,10 @@ def override_problem(argv: list[str], check=None) -> str | None:
                     # keys: this composition has none of them, so what it says of those keys
                     # (or of a group they choose) is not about any job.
                     swept = OmegaConf.select(cfg, "hydra.sweeper.params") or {}
+                    launcher = OmegaConf.select(cfg, "hydra.launcher._target_", default=None)
                     with open_dict(cfg):
                         del cfg["hydra"]
-                    problem = check(cfg)
+                    problem = check(cfg, launcher in _LOCAL_LAUNCHERS)
                     key = (problem or "").split(":", 1)[0]
                     if problem is not None and not any(
                         key == k or key.startswith(f"{k}.") for k in swept

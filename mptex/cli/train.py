@@ -192,17 +192,20 @@ def _arm_available(cfg) -> tuple[bool, str]:
         return True, ""
 
 
-def _sweep_value_problem(cfg) -> str | None:
+def _sweep_value_problem(cfg, local: bool = False) -> str | None:
     """The run's own check of one composed config of a sweep, before its first job: the
     config alone (:func:`mptex.train.validate_config` with ``machine=False``, and the scene
     group, which a run checks when it builds its scene), not what the run needs from a
     machine: the jobs may run elsewhere (a cluster's GPU nodes), and a device, a backend or
-    memory this machine lacks is each job's to say. None where the config passes or is a
+    memory this machine lacks is each job's to say. ``local``: the sweep's launcher runs its
+    jobs on this machine, from this folder, so the scene's input files are looked for too
+    (:func:`mptex.scenes.build.missing_file_problem`). None where the config passes or is a
     precision search (which checks its own)."""
     if "search" in cfg:
         return None
     from mptex.config_schema import plain
     from mptex.scenes.assets import SUITE
+    from mptex.scenes.build import missing_file_problem
     from mptex.scenes.config import check_scene_config
     from mptex.train import validate_config
 
@@ -211,12 +214,12 @@ def _sweep_value_problem(cfg) -> str | None:
     except ValueError as exc:
         return " ".join(str(exc).split())
     try:
-        check_scene_config(config["scene"])
+        scene = check_scene_config(config["scene"])
     except ValueError as exc:
         if config["scene"].get("name") in SUITE:
             return None  # a suite asset's file is in pybullet_data where the job runs
         return " ".join(str(exc).split())
-    return None
+    return missing_file_problem(scene) if local else None
 
 
 def train_main() -> None:

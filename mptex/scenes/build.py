@@ -26,7 +26,7 @@ from mptex.scenes.gbuffer import GBuffer
 from mptex.scenes.nerf import load_nerf_split
 from mptex.scenes.scene import Scene
 
-__all__ = ["build_scene", "raster_backend_problem"]
+__all__ = ["build_scene", "raster_backend_problem", "missing_file_problem"]
 
 # The scene group's check, under the name the tests of the shipped configs call.
 _validate = check_scene_config
@@ -120,13 +120,9 @@ def _build_mesh(cfg: dict, device) -> Scene:
 
 def _build_nerf(cfg: dict, device) -> Scene:
     root, mesh_path = Path(cfg["path"]), Path(cfg["mesh"])
-    if not root.is_dir():
-        raise ValueError(f"scene.path: dataset folder not found: {root}")
-    if not mesh_path.is_file():
-        raise ValueError(f"scene.mesh: file not found: {mesh_path}")
-    for key in ("train_split", "val_split"):
-        if not (root / f"transforms_{cfg[key]}.json").is_file():
-            raise ValueError(f"scene.{key}: {root}/transforms_{cfg[key]}.json not found")
+    problem = missing_file_problem(cfg)
+    if problem is not None:
+        raise ValueError(problem)
     mesh = _load_obj(mesh_path, "mesh")
     _check_extent(mesh, "mesh", mesh_path)
     train, train_rgba = load_nerf_split(root, cfg["train_split"], cfg["near"], cfg["far"])
@@ -163,6 +159,28 @@ def build_scene(cfg: Mapping, device: torch.device | str = "cpu") -> Scene:
     if why is not None:
         raise ValueError(why)
     return _BUILDERS[resolved["name"]](resolved, device)
+
+
+def missing_file_problem(cfg: Mapping) -> str | None:
+    """The first file or folder a checked scene config (:func:`check_scene_config`'s result)
+    reads that this machine lacks, in one line naming its key as :func:`build_scene` says it;
+    None where all are there. A real-asset scene's path is not judged: its build reads this
+    machine's copy of the asset (pybullet_data) where the path is not there."""
+    name = cfg["name"]
+    if name in MESH_SCENES:
+        path = Path(cfg["path"])
+        if name not in SUITE and not path.is_file():
+            return f"scene.path: file not found: {path}"
+    elif name == "nerf":
+        root, mesh_path = Path(cfg["path"]), Path(cfg["mesh"])
+        if not root.is_dir():
+            return f"scene.path: dataset folder not found: {root}"
+        if not mesh_path.is_file():
+            return f"scene.mesh: file not found: {mesh_path}"
+        for key in ("train_split", "val_split"):
+            if not (root / f"transforms_{cfg[key]}.json").is_file():
+                return f"scene.{key}: {root}/transforms_{cfg[key]}.json not found"
+    return None
 
 
 def raster_backend_problem(backend: str, device: torch.device | str) -> str | None:

@@ -3,7 +3,8 @@
 ``scene.name`` picks the schema (:data:`SCENE_SCHEMAS`); the other keys are checked against it
 before any work by :func:`check_scene_config` (unknown key, a required value left unset, a bad
 value: one line naming ``scene.<key>``). Whether a file exists is checked when the scene is
-built (:func:`mptex.scenes.build_scene`).
+built (:func:`mptex.scenes.build_scene`), and by a sweep run on this machine before its first
+job (:func:`mptex.scenes.build.missing_file_problem`).
 """
 
 from __future__ import annotations

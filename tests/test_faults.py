@@ -751,6 +751,47 @@ def test_a_ctrl_c_outside_a_training_loop_is_one_line_and_exit_3(tmp_path, monke
     ]
 
 
+def test_a_ctrl_c_that_hydra_reports_as_its_own_error_is_still_exit_3(tmp_path, monkeypatch,
+                                                                      capsys):  # fmt: skip
+    # A Ctrl-C in the middle of Hydra's work can surface as another exception (a half-built
+    # node's AttributeError), which Hydra prints and ends with status 1: the command still
+    # ends as an interrupted one, with its line after Hydra's.
+    from hydra.core.global_hydra import GlobalHydra
+
+    from mptex.cli.app import EXIT_CODES, run_hydra_app
+
+    def task(cfg):
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt as exc:
+            raise AttributeError("'NoneType' object has no attribute '_get_node'") from exc
+
+    def failing_task(cfg):  # Hydra's status 1 without a Ctrl-C stays 1
+        raise AttributeError("a failure of its own")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["mptex-train", "train=tiny", f"hydra.run.dir={tmp_path}"])
+    codes = []
+    for each in (task, failing_task):
+        try:
+            with pytest.raises(SystemExit) as info:
+                run_hydra_app(each, "mptex-train")
+        finally:
+            GlobalHydra.instance().clear()
+        codes.append(info.value.code)
+        err = capsys.readouterr().err
+        if each is task:
+            assert "AttributeError" in err, err
+            assert err.splitlines()[-1] == (
+                "mptex-train: interrupted by SIGINT outside a training loop: no checkpoint was "
+                "written for it; files written before it are as they were"
+            )
+        else:
+            assert "interrupted" not in err, err
+    assert codes == [EXIT_CODES["interrupted"], 1]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_a_required_scene_path_left_unset_is_named_as_unset(tmp_path):
     # Not as a file "<cwd>/???" that was not found.
     from hydra import compose, initialize_config_dir

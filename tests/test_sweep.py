@@ -61,11 +61,13 @@ def test_plugin_launchers(tmp_path, launcher):
 
 
 def test_a_failing_job_is_listed_and_the_report_still_written(tmp_path):
-    # The mesh scene's file is missing, which only its job finds (the sweep's check before its
-    # first job checks the config alone); tcnn_fused runs on the twin (its backend is "auto");
-    # the unavailable path (a config that needs tinycudann) is test_report's.
+    # The mesh scene's file is there but not a mesh, which only its job finds (the sweep's
+    # check before its first job reads the config and looks for the files, it does not parse
+    # them); tcnn_fused runs on the twin (its backend is "auto"); the unavailable path (a
+    # config that needs tinycudann) is test_report's.
+    (tmp_path / "broken.obj").write_text("v 0 0 0\nv 1 0 0\nf 1 2 3\n")  # no third vertex
     _sweep(tmp_path, "precision=f32,tcnn_fused", "scene=builtin,mesh",
-           f"scene.path={tmp_path / 'missing.obj'}")  # fmt: skip
+           f"scene.path={tmp_path / 'broken.obj'}")  # fmt: skip
     runs = _results(tmp_path)
     status = {(r["scene"], r["precision"]): r["status"] for r in runs}
     assert status[("builtin", "f32")] == "completed"

@@ -249,6 +249,31 @@ def register_experiments(directory: str | os.PathLike = EXPERIMENTS_DIR) -> list
     return names
 
 
+class _CtrlC:
+    """SIGINT's default action (KeyboardInterrupt), noting that it came: a command can tell a
+    failure that a Ctrl-C caused inside Hydra from one of Hydra's own. Installed only over
+    Python's default handler, in the main thread; a handler installed over it later (a run's
+    stop signals) takes SIGINT, and this one is back when that is removed."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous = None
+
+    def install(self) -> None:
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):  # fmt: skip
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.received = True
+        raise KeyboardInterrupt
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
 def run_hydra_app(task, prog: str, check=None) -> None:
     """Run ``task(cfg)`` as a Hydra app over mptex's ``configs/config.yaml`` with the
     experiments registered; the common start of ``mptex-train`` and ``mptex-search``.
@@ -266,6 +291,12 @@ def run_hydra_app(task, prog: str, check=None) -> None:
 
     register_experiments()
     app = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")(task)
+    ctrl_c = _CtrlC()
+    ctrl_c.install()
+    outside_loop = (
+        f"{prog}: interrupted by SIGINT outside a training loop: no checkpoint was written "
+        "for it; files written before it are as they were"
+    )
     try:
         problem = override_problem(sys.argv[1:], check)
         if problem is not None:
@@ -275,13 +306,18 @@ def run_hydra_app(task, prog: str, check=None) -> None:
     except KeyboardInterrupt:
         # Ctrl-C before a run's (or a parallel sweep's) handler took SIGINT over, or after it
         # gave it back: no training loop was under way, so no checkpoint was due.
-        print(
-            f"{prog}: interrupted by SIGINT outside a training loop: no checkpoint was written "
-            "for it; files written before it are as they were",
-            file=sys.stderr,
-        )
+        print(outside_loop, file=sys.stderr)
         sys.exit(EXIT_CODES["interrupted"])
+    except SystemExit as exc:
+        # Hydra reports an error of its own with status 1, also one a Ctrl-C caused in the
+        # middle of its work (an interrupted composition surfaces as another exception):
+        # after its lines, the status of an interrupted command.
+        if exc.code == 1 and ctrl_c.received:
+            print(outside_loop, file=sys.stderr)
+            sys.exit(EXIT_CODES["interrupted"])
+        raise
     finally:
+        ctrl_c.uninstall()
         stopped = []
         if os.environ.get(SWEEP_PARENT_ENV) == str(os.getpid()):
             _release_held()

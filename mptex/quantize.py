@@ -63,10 +63,17 @@ def int8_channel_scales(weight: torch.Tensor) -> torch.Tensor:
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scales)``: ``q`` ``[out, in]`` int8 in [-127, 127] and ``scales`` ``[out]`` f32,
     with ``weight ~ q * scales[:, None]`` (module docstring)."""
+    q, scales = _int8_codes(weight)
+    return q.to(torch.int8), scales
+
+
+def _int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_int8``'s codes as float32 integers (NaN where the weight is NaN, which the
+    int8 cast would turn into some code), and its scales."""
     scales = int8_channel_scales(weight)
     # torch.round rounds half to even, as the IEEE default and int8 engines' conversions.
     q = torch.round(weight.detach().float() / scales[:, None]).clamp(-INT8_MAX, INT8_MAX)
-    return q.to(torch.int8), scales
+    return q, scales
 
 
 def e4m3_values(x: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
@@ -90,8 +97,10 @@ def e4m3_values(x: torch.Tensor, rowwise: bool = False) -> torch.Tensor:
 
 def _quantized_value(weight: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "int8":
-        q, scales = quantize_int8(weight)
-        return q.float() * scales[:, None]
+        # The codes before their int8 cast: the same values, and a NaN weight stays NaN in
+        # the forward, as the FP8 kinds keep it.
+        q, scales = _int8_codes(weight)
+        return q * scales[:, None]
     return e4m3_values(weight, rowwise=kind == "fp8_rowwise")
 
 

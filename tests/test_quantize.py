@@ -40,6 +40,24 @@ def test_int8_clamps_a_quotient_above_127():
     assert scales.item() == 11 * 2.0**-149 and q.tolist() == [[127, 65]]
 
 
+def test_int8_fake_quantisation_keeps_a_nan_weight_nan_and_the_rest_as_the_codes_give():
+    # A NaN master weight stays NaN in the forward (as the FP8 kinds keep it; the int8 cast of
+    # NaN would give some finite code); its row's scale is 1.0 (int8_channel_scales), so the
+    # row's other weights are their own values rounded to integers, clamped to +-127.
+    w = torch.tensor([[0.25, -1.5, float("nan"), 300.0], [1.0, -2.0, 0.5, 127.0]])
+    got = fake_quantize(w, "int8")
+    assert torch.isnan(got[0, 2]) and int(torch.isnan(got).sum()) == 1
+    # row 0, scale 1: round(0.25) = 0, round(-1.5) = -2 (half to even), 300 -> 127
+    assert got[0, [0, 1, 3]].tolist() == [0.0, -2.0, 127.0]
+    # row 1, scale 127 / 127 = 1: every value is already its code except 0.5 -> 0 (even)
+    assert got[1].tolist() == [1.0, -2.0, 0.0, 127.0]
+    # finite weights: the int8 codes times the scales, bit for bit
+    gen = torch.Generator().manual_seed(3)
+    finite = torch.randn(16, 9, generator=gen) * 10.0 ** (torch.rand(16, 1, generator=gen) * 6 - 3)
+    q, scales = quantize_int8(finite)
+    assert torch.equal(fake_quantize(finite, "int8"), q.float() * scales[:, None])
+
+
 def test_int8_row_whose_scale_underflows_gets_scale_one():
     # 63 * 2^-149 / 127 underflows to 0 in float32 (64 * 2^-149 is the smallest amax with a
     # non-zero quotient): such a row is treated as a zero row, scale 1, codes 0 (a scale of 0

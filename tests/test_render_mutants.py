@@ -700,3 +700,19 @@ def test_write_obj_round_trips_several_textured_materials_and_normals_without_uv
 def test_a_non_finite_map_kd_scale_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"m\.mtl:2: map_Kd option -s has a non-finite value"):
         load_obj(_textured(tmp_path, "newmtl a\nmap_Kd -s inf 1 t.png\n"))
+
+
+@pytest.mark.parametrize("resolution", [(2.5, 4), (4, 3.5), ("4", "4")])
+def test_a_resolution_that_is_not_whole_pixels_is_refused(resolution):
+    # 2.5 rows cannot be drawn; truncating them to 2 would hide the caller's mistake.
+    with pytest.raises(ValueError, match="resolution: expected"):
+        rasterize(torch.tensor(HALF), TRI1, resolution, backend="torch")
+
+
+def test_a_whole_float_or_numpy_resolution_is_accepted():
+    import numpy as np
+
+    want, _ = rasterize(torch.tensor(HALF), TRI1, (4, 6), backend="torch")
+    for resolution in [(4.0, 6.0), (np.int64(4), np.int32(6)), torch.Size([4, 6])]:
+        got, _ = rasterize(torch.tensor(HALF), TRI1, resolution, backend="torch")
+        assert torch.equal(got, want)

@@ -78,8 +78,13 @@ _NVDR_CONTEXTS: dict[torch.device, object] = {}
 def _check_resolution(resolution) -> tuple[int, int]:
     try:
         height, width = (int(r) for r in resolution)
+        whole = (height, width) == tuple(resolution)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"resolution: expected (height, width), received {resolution!r}") from exc
+    if not whole:  # int() would truncate 2.5 rows to 2 (or parse "4")
+        raise ValueError(
+            f"resolution: expected whole numbers of pixels (height, width), received {resolution!r}"
+        )
     if height <= 0 or width <= 0:
         raise ValueError(f"resolution: expected positive (height, width), received {resolution!r}")
     return height, width

@@ -26,6 +26,7 @@ from mptex.render import (
     save_image,
     srgb_to_rgb,
     texture,
+    unit_size,
     vertex_normals,
     write_obj,
 )
@@ -716,3 +717,13 @@ def test_a_whole_float_or_numpy_resolution_is_accepted():
     for resolution in [(4.0, 6.0), (np.int64(4), np.int32(6)), torch.Size([4, 6])]:
         got, _ = rasterize(torch.tensor(HALF), TRI1, resolution, backend="torch")
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("points", [[[1.0, 2.0, 3.0]] * 3, []], ids=["one point", "no vertex"])
+def test_unit_size_of_a_mesh_without_extent_is_one_clear_error(points):
+    # No side to scale to 2: a ValueError naming the mesh, not a ZeroDivisionError.
+    mesh = Mesh(
+        v_pos=torch.tensor(points).reshape(-1, 3), t_pos_idx=torch.zeros(0, 3, dtype=torch.int32)
+    )
+    with pytest.raises(ValueError, match="mesh: expected vertices spanning"):
+        unit_size(mesh)

@@ -136,9 +136,19 @@ def vertex_normals(v_pos: torch.Tensor, t_pos_idx: torch.Tensor) -> torch.Tensor
 
 
 def unit_size(mesh: Mesh) -> Mesh:
-    """Centre the mesh's AABB at the origin and scale its longest side to 2 (fits [-1, 1]^3)."""
+    """Centre the mesh's AABB at the origin and scale its longest side to 2 (fits [-1, 1]^3).
+
+    Raises:
+        ValueError: the mesh has no vertices, or all at one point (no side to scale).
+    """
+    side = float((mesh.aabb[1] - mesh.aabb[0]).max()) if mesh.v_pos.shape[0] else 0.0
+    if not side > 0:
+        raise ValueError(
+            "mesh: expected vertices spanning a box of non-zero size, received "
+            f"{mesh.v_pos.shape[0]} vertices whose longest side is {side}"
+        )
     lo, hi = mesh.aabb
-    scale = 2.0 / float((hi - lo).max())
+    scale = 2.0 / side
     return replace(mesh, v_pos=(mesh.v_pos - (lo + hi) / 2) * scale)
 
 

@@ -727,3 +727,15 @@ def test_unit_size_of_a_mesh_without_extent_is_one_clear_error(points):
     )
     with pytest.raises(ValueError, match="mesh: expected vertices spanning"):
         unit_size(mesh)
+
+
+def test_depth_of_a_flat_triangle_that_snapping_opens_is_clamped_like_nvdiffrast():
+    # The triangle of the test above has all three edge functions' sum 0 at pixel (4, 4)
+    # (it is exactly flat), so z/w = 0 / 0. nvdiffrast's output kernel clamps with
+    # fmaxf(fminf(z/w, 1), -1), and fminf(NaN, 1) = 1: the pixel's depth is 1.0, not NaN.
+    sub = [(-20.0, 7.5), (40.0, 9.0), (10.0, 8.25)]
+    for dtype in (torch.float32, torch.float64):
+        pos = torch.tensor([[x / 64, y / 64, 0.0, 1.0] for x, y in sub], dtype=dtype)
+        rast, _ = rasterize(pos, TRI1, (8, 8), backend="torch")
+        assert float(rast[0, 4, 4, 2]) == 1.0
+        assert bool(torch.isfinite(rast).all())

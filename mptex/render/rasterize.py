@@ -482,6 +482,9 @@ def _shade(v0, v1, v2, fx, fy):
     z = fma(v2[:, 2], a[2], fma(v0[:, 2], a[0], v1[:, 2] * a[1]))
     w = fma(v2[:, 3], a[2], fma(v0[:, 3], a[0], v1[:, 3] * a[1]))
     zw = z / w
+    # nvdiffrast clamps with fmaxf(fminf(z/w, 1), -1), where fminf(NaN, 1) = 1: a 0 / 0 (an
+    # exactly flat triangle that snapping opened) comes out 1, where torch's clamp keeps NaN.
+    zw = torch.where(torch.isnan(zw), torch.ones_like(zw), zw)
     b0, b1 = (torch.where(torch.isnan(b), torch.zeros_like(b), b).clamp(0, 1) for b in (b0, b1))
     shrink = 1 / torch.clamp(b0 + b1, min=1)
     return b0 * shrink, b1 * shrink, zw.clamp(-1, 1)

@@ -9,7 +9,9 @@ per-element loops and ``torch.autograd.gradcheck`` in float64.
 from __future__ import annotations
 
 import math
+import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,7 +32,7 @@ from mptex.render import (
     vertex_normals,
     write_obj,
 )
-from mptex.render.camera import random_rotation_translation
+from mptex.render.camera import perspective, random_rotation_translation
 from mptex.render.material import Material, shade_kd
 
 
@@ -739,3 +741,83 @@ def test_depth_of_a_flat_triangle_that_snapping_opens_is_clamped_like_nvdiffrast
         rast, _ = rasterize(pos, TRI1, (8, 8), backend="torch")
         assert float(rast[0, 4, 4, 2]) == 1.0
         assert bool(torch.isfinite(rast).all())
+
+
+# ----------------------------------------------------------------------------- argument checks
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"fovy": 0.0}, "fovy: expected radians in (0, pi), got 0.0"),
+        ({"fovy": math.pi}, f"fovy: expected radians in (0, pi), got {math.pi!r}"),
+        ({"fovy": float("nan")}, "fovy: expected radians in (0, pi), got nan"),
+        ({"aspect": 0.0}, "aspect: expected width / height > 0, got 0.0"),
+        ({"near": 0.0}, "near: expected a clip distance > 0, got 0.0"),
+        ({"near": -0.1}, "near: expected a clip distance > 0, got -0.1"),
+        ({"near": 2.0, "far": 2.0}, "far: expected a clip distance beyond near (2.0), got 2.0"),
+    ],
+)
+def test_a_projection_outside_its_ranges_is_one_line_naming_the_argument(kwargs, message):
+    # Each of these divided by zero (near == far, aspect 0, tan(0)) or flipped the clip volume.
+    with pytest.raises(ValueError) as info:
+        perspective(**kwargs)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("views", [orbit_views, random_views])
+@pytest.mark.parametrize("n_views", [0, -1, 2.0, True])
+def test_a_view_count_that_is_not_a_positive_integer_is_named(views, n_views):
+    with pytest.raises(ValueError) as info:
+        views(n_views)
+    assert str(info.value) == f"n_views: expected an integer >= 1, got {n_views!r}"
+
+
+def test_a_numpy_view_count_is_a_count():
+    assert orbit_views(np.int64(2)).mv.shape == (2, 4, 4)
+
+
+@pytest.mark.parametrize("shape", [(1, 0, 4, 3), (1, 4, 0, 3)])
+def test_a_texture_without_texels_is_one_line_naming_tex(shape):
+    with pytest.raises(ValueError) as info:
+        texture(torch.zeros(shape), torch.zeros(1, 2, 2, 2), backend="torch")
+    assert str(info.value) == (
+        f"tex: expected at least one texel (H, W >= 1), received {list(shape)}"
+    )
+
+
+def test_texture_samples_come_in_the_dtype_tex_and_uv_promote_to():
+    tex = torch.rand(1, 4, 4, 3)
+    uv = torch.rand(1, 2, 2, 2)
+    assert texture(tex, uv.double(), backend="torch").dtype == torch.float64
+    assert texture(tex.half(), uv, backend="torch").dtype == torch.float32
+    assert texture(tex, uv, backend="torch").dtype == torch.float32
+
+
+def test_a_textured_material_without_uvs_is_refused_even_where_no_pixel_shows_it():
+    # Two triangles, the second textured; the view sees only the first. The mesh cannot be
+    # shaded from another view either, so it is refused whatever this one covers.
+    red = Material("red", kd=torch.tensor([1.0, 0.0, 0.0]))
+    textured = Material("wood", kd=torch.tensor([0.5, 0.5, 0.5]), kd_texture=torch.ones(2, 2, 3))
+    mesh = Mesh(
+        v_pos=torch.zeros(4, 3), t_pos_idx=torch.tensor([[0, 1, 2], [1, 3, 2]], dtype=torch.int32),
+        materials=[red, textured], t_mat_idx=torch.tensor([0, 1], dtype=torch.int32),
+    )  # fmt: skip
+    rast = torch.tensor([[[[0.5, 0.25, 0.0, 1.0]]]])  # triangle 0 only
+    with pytest.raises(ValueError) as info:
+        shade_kd(mesh, rast, backend="torch")
+    assert str(info.value) == "mesh: material 'wood' has a texture but no UVs"
+    # a textured material no face uses is no reason to refuse
+    mesh.t_mat_idx = torch.tensor([0, 0], dtype=torch.int32)
+    assert shade_kd(mesh, rast, backend="torch")[0, 0, 0].tolist() == [1.0, 0.0, 0.0]
+
+
+def test_a_usemtl_before_the_mtllib_that_defines_it_does_not_warn(tmp_path):
+    # The material is read from the later library: the file is complete, nothing to warn of.
+    (tmp_path / "m.mtl").write_text("newmtl red\nKd 1 0 0\n")
+    (tmp_path / "m.obj").write_text(
+        "v 0 0 0\nv 1 0 0\nv 0 1 0\nusemtl red\nf 1 2 3\nmtllib m.mtl\n"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mesh = load_obj(tmp_path / "m.obj")
+    assert [m.name for m in mesh.materials] == ["red"]
+    assert mesh.materials[0].kd.tolist() == [1.0, 0.0, 0.0]

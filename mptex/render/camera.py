@@ -8,6 +8,7 @@ rasterized output (NDC y = -1) is the top of the picture a user expects.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -59,13 +60,25 @@ def perspective(
     """OpenGL perspective projection with y flipped, as nvdiffrec's ``util.perspective``.
 
     Args:
-        fovy: vertical field of view in radians.
-        aspect: width / height.
-        near, far: clip plane distances (> 0).
+        fovy: vertical field of view in radians, in (0, pi).
+        aspect: width / height (> 0).
+        near, far: clip plane distances, ``0 < near < far``.
 
     Returns:
         [4, 4] float32 projection matrix.
+
+    Raises:
+        ValueError: naming the argument outside those ranges (the matrix would divide by zero
+            or hold infinities).
     """
+    if not 0 < fovy < math.pi:
+        raise ValueError(f"fovy: expected radians in (0, pi), got {fovy!r}")
+    if not aspect > 0:
+        raise ValueError(f"aspect: expected width / height > 0, got {aspect!r}")
+    if not near > 0:
+        raise ValueError(f"near: expected a clip distance > 0, got {near!r}")
+    if not far > near:
+        raise ValueError(f"far: expected a clip distance beyond near ({near!r}), got {far!r}")
     y = math.tan(fovy / 2)
     return _matrix(
         [
@@ -149,6 +162,15 @@ def cameras_from_mv(mv: torch.Tensor, proj: torch.Tensor) -> Cameras:
     return Cameras(mv=mv.contiguous(), mvp=mvp.contiguous(), campos=campos.contiguous())
 
 
+def _check_views(n_views) -> None:
+    try:
+        count = None if isinstance(n_views, bool) else operator.index(n_views)
+    except TypeError:
+        count = None
+    if count is None or count < 1:
+        raise ValueError(f"n_views: expected an integer >= 1, got {n_views!r}")
+
+
 def random_views(
     n_views: int,
     radius: float = 3.0,
@@ -164,7 +186,9 @@ def random_views(
 
     ``mv = translate(0, 0, -radius) @ random_rotation_translation(0.25)``: the object is rotated
     at random, jittered by up to ``max_translation`` and placed ``radius`` in front of the camera.
+    ``n_views`` >= 1 (a ``ValueError`` naming it otherwise).
     """
+    _check_views(n_views)
     mv = torch.stack(
         [
             translate(0, 0, -radius) @ random_rotation_translation(max_translation, generator)
@@ -186,8 +210,10 @@ def orbit_views(
 ) -> Cameras:
     """Evenly spaced views on an orbit, as nvdiffrec's ``DatasetMesh._rotate_scene``.
 
-    ``mv = translate(0, 0, -radius) @ rotate_x(elevation) @ rotate_y(2 pi k / n_views)``.
+    ``mv = translate(0, 0, -radius) @ rotate_x(elevation) @ rotate_y(2 pi k / n_views)``;
+    ``n_views`` >= 1 (a ``ValueError`` naming it otherwise).
     """
+    _check_views(n_views)
     mv = torch.stack(
         [
             translate(0, 0, -radius) @ rotate_x(elevation) @ rotate_y(2 * math.pi * k / n_views)

@@ -55,6 +55,12 @@ def shade_kd(mesh: Mesh, rast: torch.Tensor, backend: Backend = "auto") -> torch
     if found is None:
         raise ValueError("mesh: no material (Kd or map_Kd) to shade with")
     materials, t_mat_idx = found
+    if mesh.v_tex is None or mesh.t_tex_idx is None:
+        # Said for any face's textured material, whether or not a pixel shows it.
+        used = set(t_mat_idx.unique().tolist())
+        for m, material in enumerate(materials):
+            if material.kd_texture is not None and m in used:
+                raise ValueError(f"mesh: material {material.name!r} has a texture but no UVs")
     tri = rast[..., 3].long() - 1  # [B, H, W]; -1 on background
     covered = tri >= 0
     pixel_mat = torch.full_like(tri, -1)
@@ -68,8 +74,6 @@ def shade_kd(mesh: Mesh, rast: torch.Tensor, backend: Backend = "auto") -> torch
         if material.kd_texture is None:
             rgb[where] = material.kd.to(rgb)
             continue
-        if mesh.v_tex is None or mesh.t_tex_idx is None:
-            raise ValueError(f"mesh: material {material.name!r} has a texture but no UVs")
         if uv is None:
             uv, _ = interpolate(mesh.v_tex, rast, mesh.t_tex_idx, backend=backend)
         # Only this material's pixels are sampled: [1, 1, N, 2].

@@ -367,7 +367,7 @@ def load_obj(path: str | os.PathLike) -> Mesh:
     library: dict[str, dict] = {}
     current: str | None = None
     first_use: dict[str | None, int] = {}  # material -> line of its first face
-    undefined: set[str] = set()  # names of usemtl without a newmtl: warned once each
+    usemtl_at: dict[str, int] = {}  # material -> line of its first usemtl
 
     for lineno, raw in enumerate(_text_lines(path), start=1):
         tokens = raw.split("#", 1)[0].split()
@@ -446,16 +446,7 @@ def load_obj(path: str | os.PathLike) -> Mesh:
             if not args:
                 raise ValueError(f"{path}:{lineno}: 'usemtl' needs a material name")
             current = " ".join(args)
-            if current not in library and current not in undefined:
-                # Exporters write such files (a material renamed in the scene but not in the
-                # MTL); Blender and trimesh load the faces with a default material and warn.
-                undefined.add(current)
-                warnings.warn(
-                    f"{path}:{lineno}: material {current!r} is not defined in the MTL files; its "
-                    "faces get the MTL default (Kd 0.8 grey)",
-                    UndefinedMaterialWarning,
-                    stacklevel=2,
-                )
+            usemtl_at.setdefault(current, lineno)
         elif key in ("o", "g", "s", "l", "p", "vp"):
             continue  # groups, smoothing and non-triangle elements do not affect the mesh
         else:
@@ -463,6 +454,17 @@ def load_obj(path: str | os.PathLike) -> Mesh:
 
     if not faces_pos:
         raise ValueError(f"{path}: no faces")
+    for name in first_use:
+        if name is not None and name not in library:
+            # Exporters write such files (a material renamed in the scene but not in the MTL);
+            # Blender and trimesh load the faces with a default material and warn. Judged once
+            # every library is read: an mtllib may come after the usemtl that names it.
+            warnings.warn(
+                f"{path}:{usemtl_at[name]}: material {name!r} is not defined in the MTL files; "
+                "its faces get the MTL default (Kd 0.8 grey)",
+                UndefinedMaterialWarning,
+                stacklevel=2,
+            )
     for name, lineno in first_use.items():
         if name is not None and "error" in library.get(name, {}):
             raise ValueError(f"{library[name]['error']} (material {name!r}, used at line {lineno})")

@@ -31,7 +31,9 @@ def texture(
         backend: "auto", "torch" or "nvdiffrast" (``nvdiffrast.torch.texture``).
 
     Returns:
-        [B, h, w, C] samples in tex's dtype; differentiable w.r.t. ``tex`` and ``uv``.
+        [B, h, w, C] samples in the dtype ``tex`` and ``uv`` promote to (the torch backend
+        interpolates in it; nvdiffrast takes float32 only); differentiable w.r.t. ``tex`` and
+        ``uv``.
     """
     if filter_mode != "linear":
         raise ValueError(f"filter_mode: expected 'linear', received {filter_mode!r}")
@@ -40,6 +42,10 @@ def texture(
     if not isinstance(tex, torch.Tensor) or tex.dim() != 4:
         got = list(tex.shape) if isinstance(tex, torch.Tensor) else type(tex).__name__
         raise ValueError(f"tex: expected shape [B, H, W, C], received {got}")
+    if tex.shape[1] < 1 or tex.shape[2] < 1:
+        raise ValueError(
+            f"tex: expected at least one texel (H, W >= 1), received {list(tex.shape)}"
+        )
     if not isinstance(uv, torch.Tensor) or uv.dim() != 4 or uv.shape[-1] != 2:
         got = list(uv.shape) if isinstance(uv, torch.Tensor) else type(uv).__name__
         raise ValueError(f"uv: expected shape [B, h, w, 2], received {got}")

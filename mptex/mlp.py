@@ -174,7 +174,9 @@ class QuantizedLinear(CastLinear):
         ||W||``) and ``w_underflow_frac`` (non-zero weights quantised to 0); for
         ``"fp8_rowwise"`` also ``x_rel_error``, ``x_underflow_frac`` (the layer input's) and
         ``<w|x>_scale_spread``, ``<w|x>_tensor_underflow_frac``
-        (:func:`mptex.fp8.rowwise_spread`); empty before."""
+        (:func:`mptex.fp8.rowwise_spread`); empty before. Reading them hands them over: a
+        second read before the next collected forward is empty, so one forward's statistics
+        are never counted twice by the monitor that drains them."""
         stats, self._stats = self._stats or {}, None
         return stats
 

@@ -6,6 +6,7 @@ import copy
 import gc
 import math
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Real
@@ -116,9 +117,30 @@ def check_texture_config(texture: Mapping[str, Any] | None) -> dict[str, Any]:
     ``ValueError``, ``"texture.<key>: ..."``); the constructors check the ranges.
 
     Returns:
-        the group with :class:`TextureConfig`'s defaults filled in (the constructors' own).
+        the group with :class:`TextureConfig`'s defaults filled in (the constructors' own). The
+        encoder's ``type`` and ``per_level_scale``, where left out, follow its ``otype`` and
+        sizes as :meth:`~mptex.HashGridEncoding.from_tcnn_config` fills them (a dense grid's
+        are not the hash grid's); left out still where that would refuse the encoder, which
+        the texture's constructor then says.
     """
-    return check_group(TextureConfig, texture, "texture")
+    checked = check_group(TextureConfig, texture, "texture")
+    given = plain(texture or {}).get("encoder")
+    if checked.get("encoder") is not None and isinstance(given, Mapping):
+        encoder = checked["encoder"]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # unknown keys: the constructor warns of them
+                grid = _grid_kwargs_from_tcnn(given, "texture.encoder")
+        except ValueError:
+            grid = None
+        for key, kwarg in (("type", "grid_type"), ("per_level_scale", "per_level_scale")):
+            if key in given:
+                continue
+            if grid is None:
+                del encoder[key]
+            else:
+                encoder[key] = grid[kwarg]
+    return checked
 
 
 def _float_rows(value: Any) -> torch.Tensor:

@@ -617,3 +617,21 @@ def test_a_float64_grid_encodes_in_float64():
     # products, a sum of 8 corners of |value| <= 1) stay below 1e-6 absolute.
     torch.testing.assert_close(double, single.double(), rtol=0, atol=1e-6)
     assert torch.autograd.gradcheck(lambda p: enc(p), (x.double()[:4].requires_grad_(),))
+
+
+def test_a_dense_grids_left_out_type_and_scale_follow_its_otype():
+    # tcnn's dense-grid default scale reaches resolution 256 from the base:
+    # float32 exp(log(256 / 16) / (2 - 1)) = 16; a hash grid's is 2.
+    dense = check_texture_config({"encoder": {"otype": "DenseGrid", "n_levels": 2}})["encoder"]
+    assert (dense["type"], dense["per_level_scale"]) == ("Dense", 16.0)
+    built = MLPTexture3D(torch.tensor([[0.0] * 3, [1.0] * 3]), encoder=dense)
+    raw = MLPTexture3D(
+        torch.tensor([[0.0] * 3, [1.0] * 3]), encoder={"otype": "DenseGrid", "n_levels": 2}
+    )
+    assert built.encoder.config == raw.encoder.config
+    # given values stay as given
+    given = {"otype": "HashGrid", "type": "Hash", "per_level_scale": 1.5}
+    assert check_texture_config({"encoder": given})["encoder"]["per_level_scale"] == 1.5
+    # a dense grid of one level has no default scale (the constructor says so): left out
+    one = check_texture_config({"encoder": {"otype": "DenseGrid", "n_levels": 1}})["encoder"]
+    assert "per_level_scale" not in one and "type" not in one

@@ -175,8 +175,8 @@ class QuantizedLinear(CastLinear):
         ``"fp8_rowwise"`` also ``x_rel_error``, ``x_underflow_frac`` (the layer input's) and
         ``<w|x>_scale_spread``, ``<w|x>_tensor_underflow_frac``
         (:func:`mptex.fp8.rowwise_spread`); empty before. Reading them hands them over: a
-        second read before the next collected forward is empty, so one forward's statistics
-        are never counted twice by the monitor that drains them."""
+        second read before the next collected forward is empty, so a sampled iteration whose
+        forward collected none never reports an earlier one's."""
         stats, self._stats = self._stats or {}, None
         return stats
 

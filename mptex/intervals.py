@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -165,6 +166,9 @@ def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> dict[str
     return dict(n=n, mean=mean, sd=sd, half_width=half, low=mean - half, high=mean + half)
 
 
+_LOG_FLOAT_MAX = math.log(sys.float_info.max)
+
+
 def ratio_ci(pairs: Sequence[Sequence[float]], confidence: float = CONFIDENCE) -> dict[str, Any]:
     """How many times ``b`` goes into ``a`` over paired measurements, with an interval: for a
     pair of times per iteration ``(slower, faster)``, the speed-up of the second.
@@ -189,9 +193,15 @@ def ratio_ci(pairs: Sequence[Sequence[float]], confidence: float = CONFIDENCE) -
         if not (math.isfinite(a) and math.isfinite(b) and a > 0 and b > 0):
             raise ValueError(f"pairs: expected positive finite numbers, got {tuple(pair)} at "
                              f"index {i}")  # fmt: skip
-        logs.append(math.log(a / b))
+        # The difference of logs: a / b itself overflows for times far apart (1 / 1e-310).
+        logs.append(math.log(a) - math.log(b))
     ci = mean_ci(logs, confidence)
-    exp = lambda v: None if v is None else math.exp(v)  # noqa: E731
+
+    def exp(v: float | None) -> float | None:
+        if v is None:
+            return None
+        return math.exp(v) if v < _LOG_FLOAT_MAX else math.inf  # beyond float64: infinite
+
     return {"n": ci["n"], "ratio": exp(ci["mean"]), "low": exp(ci["low"]),
             "high": exp(ci["high"]), "confidence": confidence}  # fmt: skip
 

@@ -689,3 +689,17 @@ def test_a_recorded_effective_loss_scale_wins_over_the_one_derived_from_the_conf
     run = {"config": {"precision.loss_scaling": "nvdiffrec"}}
     assert _scale(run, {"loss_scale": 2.0}) == 256.0  # 2 * the default 128
     assert _scale(run, {"loss_scale": 2.0, "effective_loss_scale": 64.0}) == 64.0
+
+
+def test_a_speed_ratio_of_times_far_apart_is_a_number_not_a_crash():
+    # 1 / 1e-310 overflows float64 and 1e-320 / 1e10 underflows to 0, where the ratio's log,
+    # ln(a) - ln(b) (about 713.8 and -759.3), is an ordinary number: the report's speed column
+    # gets an infinite or zero ratio instead of a traceback from the interval.
+    from mptex.intervals import ratio_ci
+
+    fast = ratio_ci([(1.0, 1e-310), (1.0, 1e-310)])
+    assert fast["ratio"] == math.inf and fast["n"] == 2
+    slow = ratio_ci([(1e-320, 1e10), (1e-320, 1e10)])
+    assert slow["ratio"] == 0.0
+    # ordinary times are unchanged: (2, 1) and (8, 2) give exp((ln 2 + ln 4) / 2) = sqrt(8)
+    assert ratio_ci([(2.0, 1.0), (8.0, 2.0)])["ratio"] == pytest.approx(math.sqrt(8), rel=1e-15)

@@ -771,25 +771,32 @@ def test_a_ctrl_c_that_hydra_reports_as_its_own_error_is_still_exit_3(tmp_path, 
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["mptex-train", "train=tiny", f"hydra.run.dir={tmp_path}"])
-    codes = []
-    for each in (task, failing_task):
-        try:
-            with pytest.raises(SystemExit) as info:
-                run_hydra_app(each, "mptex-train")
-        finally:
-            GlobalHydra.instance().clear()
-        codes.append(info.value.code)
-        err = capsys.readouterr().err
-        if each is task:
-            assert "AttributeError" in err, err
-            assert err.splitlines()[-1] == (
-                "mptex-train: interrupted by SIGINT outside a training loop: no checkpoint was "
-                "written for it; files written before it are as they were"
-            )
-        else:
-            assert "interrupted" not in err, err
-    assert codes == [EXIT_CODES["interrupted"], 1]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # As a command started in a terminal: Python's own SIGINT handler (a shell's background job
+    # starts with SIGINT ignored, which the command leaves as it is).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        codes = []
+        for each in (task, failing_task):
+            try:
+                with pytest.raises(SystemExit) as info:
+                    run_hydra_app(each, "mptex-train")
+            finally:
+                GlobalHydra.instance().clear()
+            codes.append(info.value.code)
+            err = capsys.readouterr().err
+            if each is task:
+                assert "AttributeError" in err, err
+                assert err.splitlines()[-1] == (
+                    "mptex-train: interrupted by SIGINT outside a training loop: no checkpoint "
+                    "was written for it; files written before it are as they were"
+                )
+            else:
+                assert "interrupted" not in err, err
+        assert codes == [EXIT_CODES["interrupted"], 1]
+        # the command's own handler is gone with it
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_a_required_scene_path_left_unset_is_named_as_unset(tmp_path):

@@ -222,13 +222,16 @@ def _stopped_jobs() -> list[str]:
             os.unlink(path)
 
 
-def unwritable_file(path: str | os.PathLike) -> bool:
-    """True where ``path`` cannot be a file this process writes: a folder, in a folder that does
-    not exist, or in one it may not write. What a command's output flag checks before its work,
-    whose result a write failing at the end would throw away. A symbolic link is judged by
-    where it points, since writing through it creates or replaces that file."""
+def output_file_problem(flag: str, path: str | os.PathLike) -> str | None:
+    """The line a command's output flag ``flag`` says where ``path`` cannot be a file this
+    process writes (a folder, in a folder that does not exist, or in one it may not write), or
+    None. Checked before the command's work, whose result a write failing at the end would
+    throw away. A symbolic link is judged by where it points, since writing through it creates
+    or replaces that file."""
     folder = os.path.dirname(os.path.realpath(path))
-    return os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK)
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        return f"{flag}: cannot write {path} (not a writable file location)"
+    return None
 
 
 def register_experiments(directory: str | os.PathLike = EXPERIMENTS_DIR) -> list[str]:

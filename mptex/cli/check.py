@@ -19,7 +19,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from mptex.cli.app import unwritable_file
+from mptex.cli.app import output_file_problem
 
 __all__ = ["check_main", "build_parser"]
 
@@ -148,8 +148,9 @@ def check_main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError(f"{flag}: {rest}" if flag and rest else str(error)) from None
         if args.points < 1:
             raise ValueError(f"--points: expected a positive integer, got {args.points}")
-        if args.out and unwritable_file(args.out):
-            raise ValueError(f"--out: cannot write {args.out} (not a writable file location)")
+        problem = output_file_problem("--out", args.out) if args.out else None
+        if problem is not None:
+            raise ValueError(problem)
         report = compare_setups(
             _texture_config(args.texture_config), *setups, points=args.points, seed=args.seed,
             cotangent_scale=_cotangent_scale(args.cotangent_scale),

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from mptex.cli.app import unwritable_file
+from mptex.cli.app import output_file_problem
 from mptex.numbers import is_number
 from mptex.report.markdown import markdown_table
 from mptex.train.runinfo import device_name
@@ -135,9 +135,9 @@ def rescore_main(argv: list[str] | None = None) -> int:
         print("mptex-rescore: error: --n-val-views: expected an integer >= 1, got "
               f"{args.n_val_views}", file=sys.stderr)  # fmt: skip
         return 2
-    if args.json and unwritable_file(args.json):
-        print(f"mptex-rescore: error: --json: cannot write {args.json} (not a writable file "
-              "location)", file=sys.stderr)  # fmt: skip
+    problem = output_file_problem("--json", args.json) if args.json else None
+    if problem is not None:
+        print(f"mptex-rescore: error: {problem}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     try:

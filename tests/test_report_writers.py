@@ -395,9 +395,11 @@ def test_an_adjustment_over_a_single_comparison_says_it_changes_nothing(tmp_path
 
 # ----------------------------------------------------------------------------- images.png
 @pytest.mark.slow  # draws a figure: a few seconds
-def test_images_of_a_wide_short_view_are_drawn(tmp_path):
+@pytest.mark.parametrize("height, width", [(8, 64), (4, 4), (3, 5)])
+def test_images_of_a_small_or_short_view_are_drawn(tmp_path, height, width):
     # A view 8 pixels high and 64 wide: the zoom box is max(8, min(8, 64) // 4) = 8 pixels, the
-    # view's height, so that it fits.
+    # view's height, so that it fits. A view under 8 pixels a side (4 x 4, 3 x 5) is zoomed
+    # whole: the box is its shorter side.
     import imageio.v3 as iio
 
     from mptex.report.plots import plot_images
@@ -406,7 +408,7 @@ def test_images_of_a_wide_short_view_are_drawn(tmp_path):
     for arm in ("f32", "bf16"):
         run = _write(tmp_path, f"{arm}0", _run(arm, 0))
         (run / "images").mkdir()
-        side = rng.integers(0, 256, (8, 128, 3), dtype=np.uint8)
+        side = rng.integers(0, 256, (height, 2 * width, 3), dtype=np.uint8)
         iio.imwrite(run / "images" / "val_000.png", side)
     runs, keys, groups, duplicates, unidentified, rows = _tables(tmp_path)
     gain = plot_images(tmp_path / "images.png", tmp_path, stats.sections(rows), rows, groups)

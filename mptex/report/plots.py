@@ -272,7 +272,10 @@ def plot_images(
     for ax in grid.flat:
         ax.axis("off")
     for b, (title, ref, preds) in enumerate(blocks):
-        size = max(8, min(ref.shape[:2]) // 4)
+        # A quarter of the shorter side, at least 8 pixels, at most the whole view (a view
+        # under 8 pixels a side is zoomed whole).
+        side = min(ref.shape[:2])
+        size = min(side, max(8, side // 4))
         top, left = _detail_window(ref, size)
         panels = [("reference", ref, None)] + [
             (f"{_label(row)}\n{run['psnr']:.2f} dB", pred,

@@ -320,7 +320,11 @@ class PrecisionMLP(nn.Module):
         * ``policy.autocast``: f32 layers, no casts, the whole net under
           ``torch.autocast(x.device.type, dtype=policy.mlp_dtypes[0])``;
         * ``policy.loss_scaling == "nvdiffrec"``: the gradient w.r.t. the (cast) input is
-          multiplied by ``policy.static_loss_scale`` (nvdiffrec's backward hook on its ``_MLP``);
+          multiplied by ``policy.static_loss_scale`` (nvdiffrec's backward hook on its ``_MLP``),
+          in the first layer's dtype, before the cast's backward takes it to ``x``'s dtype:
+          nvdiffrec's order (its MLP is f32, so an f16 encoder output gets the x128 in f32,
+          then one rounding to f16). With an f16 first layer and an f32 ``x`` (no nvdiffrec arm
+          has it) the x128 is applied in f16 and can overflow there;
         * ``policy.mlp == "fused"``: a :class:`~mptex.FullyFusedMLP` instead (tcnn's all-f16
           network, its own xavier init and internal loss scale ``policy.fused_loss_scale``;
           backend ``policy.mlp_backend``: tinycudann on CUDA, the torch twin elsewhere with

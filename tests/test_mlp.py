@@ -130,19 +130,27 @@ def test_gradients_reach_every_layer_in_the_master_dtype(arm):
     assert x.grad is not None and x.grad.dtype == x.dtype
 
 
-def test_nvdiffrec_scales_the_input_gradient_by_128():
+def test_nvdiffrec_scales_the_input_gradient_by_128_in_f32_then_rounds_once_to_f16():
+    # nvdiffrec's order: its hook multiplies the f32 gradient w.r.t. enc.float() by 128, and the
+    # cast's backward then rounds it once to f16. Gradients in f16's subnormal range (below
+    # 2^-14, spacing 2^-24) show the order: rounding first keeps only the subnormal bits, and the
+    # x128 after it cannot bring the lost ones back.
     torch.manual_seed(3)
     ours = PrecisionMLP(N_IN, N_OUT, HIDDEN, NEURONS, "nvdiffrec")
     plain = PrecisionMLP(N_IN, N_OUT, HIDDEN, NEURONS, "f32")
     plain.load_state_dict(ours.state_dict())
     x = _inputs(ours.policy, 64)
+    assert x.dtype == torch.float16
     grads = []
-    for mlp in (ours, plain):
-        xi = x.clone().requires_grad_()
-        mlp(xi).sum().backward()
-        grads.append((xi.grad.float(), [layer.weight.grad for layer in mlp.layers]))
-    # The f32 gradient is x128 before the cast back to the f16 input (nvdiffrec's hook order).
-    assert torch.equal(grads[0][0], (grads[1][0].float() * 128).half().float())
+    for mlp, xi in ((ours, x.clone()), (plain, x.float())):
+        xi.requires_grad_()
+        y = mlp(xi)
+        y.backward(torch.full_like(y, 2.0**-20))
+        grads.append((xi.grad, [layer.weight.grad for layer in mlp.layers]))
+    g = grads[1][0]  # the f32 gradient w.r.t. enc.float()
+    assert ((g.abs() < 2.0**-14) & (g != 0)).float().mean() > 0.5
+    assert torch.equal(grads[0][0], (g * 128).half())
+    assert not torch.equal((g * 128).half(), g.half() * 128)
     for g_ours, g_plain in zip(grads[0][1], grads[1][1], strict=True):
         assert torch.equal(g_ours, g_plain)  # weights themselves get the true gradient
 

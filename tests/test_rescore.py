@@ -51,8 +51,10 @@ def test_bad_arguments_fail_with_one_line(tmp_path, capsys):
     assert rescore.rescore_main([str(tmp_path), "--val-spp", "0"]) == 2
     expected = "mptex-rescore: error: --val-spp: expected integers in [1, 16], got [0]"
     assert capsys.readouterr().err.strip() == expected
-    for flag, message in (("--threads", "--threads: expected an integer >= 1, got 0"),
-                          ("--n-val-views", "--n-val-views: expected an integer >= 1, got 0")):
+    for flag, message in (
+        ("--threads", "--threads: expected an integer >= 1, got 0"),
+        ("--n-val-views", "--n-val-views: expected an integer >= 1, got 0"),
+    ):
         assert rescore.rescore_main([str(tmp_path), flag, "0"]) == 2  # fmt: skip
         assert capsys.readouterr().err.strip() == f"mptex-rescore: error: {message}"
     assert rescore.rescore_main([str(tmp_path)]) == 2
@@ -69,7 +71,8 @@ def test_bad_arguments_fail_with_one_line(tmp_path, capsys):
     assert rescore.rescore_main([str(tmp_path), "--device", "gpu"]) == 2
     assert capsys.readouterr().err.strip() == (
         "mptex-rescore: error: --device: expected a torch device such as cpu, cuda or cuda:1, "
-        "got 'gpu'")
+        "got 'gpu'"
+    )
     missing = tmp_path / "nonexistent"
     assert rescore.rescore_main([str(missing)]) == 2
     assert capsys.readouterr().err.strip() == f"mptex-rescore: {missing}: no such run directory"
@@ -130,13 +133,15 @@ def test_a_batch_scores_each_run_once_skips_one_without_checkpoint_and_names_unf
     assert rescore.rescore_main([str(diverged)]) == 2
     assert capsys.readouterr().err.strip() == (
         f"mptex-rescore: {diverged}: the run diverged at iteration 0 before its first "
-        "checkpoint: no weights")
+        "checkpoint: no weights"
+    )
     from mptex.cli.export import export_main
 
     assert export_main([str(diverged)]) == 2
     assert capsys.readouterr().err.strip() == (
         f"mptex-export: error: {diverged}: the run diverged at iteration 0 before its first "
-        "checkpoint: no weights")
+        "checkpoint: no weights"
+    )
     # A run stopped before its last iteration: its checkpoint is scored, and said to be early.
     record = json.loads((run_dir / "metrics.json").read_text())
     record["status"] = "interrupted"
@@ -160,6 +165,14 @@ def test_unfinished_note_says_what_a_checkpoint_holds(tmp_path):
     (tmp_path / "metrics.json").write_text('{"status": "completed"}')
     assert unfinished_note({**ckpt, "iteration": 8}, tmp_path) is None
     assert unfinished_note(ckpt, tmp_path) is not None  # fewer iterations than planned
+    # The caller's reading is judged, not the file: a job that rewrote metrics.json since
+    # (here: interrupted) does not change what the caller scored against.
+    (tmp_path / "metrics.json").write_text('{"status": "interrupted"}')
+    done = {**ckpt, "iteration": 8}
+    assert unfinished_note(done, tmp_path, {"status": "completed"}) is None
+    assert unfinished_note(done, tmp_path, {}).endswith(
+        "(the run is without a readable metrics.json)"
+    )
 
 
 @pytest.mark.parametrize(

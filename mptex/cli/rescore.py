@@ -96,7 +96,7 @@ def rescore(run_dir: str | os.PathLike, spps: list[int], device: torch.device,
     own, status = metrics.get("psnr"), metrics.get("status")
     if not is_number(own):
         own = None
-    note = unfinished_note(ckpt, run_dir)
+    note = unfinished_note(ckpt, run_dir, metrics)
     if note is not None:  # its weights are not the run's result: said
         print(f"mptex-rescore: {run_dir}: scoring {note}", file=sys.stderr)
     rows = []

@@ -323,15 +323,23 @@ def texture_from_checkpoint(
     return texture
 
 
-def unfinished_note(ckpt: Mapping[str, Any], run_dir: str | os.PathLike) -> str | None:
+def unfinished_note(
+    ckpt: Mapping[str, Any],
+    run_dir: str | os.PathLike,
+    metrics: Mapping[str, Any] | None = None,
+) -> str | None:
     """``"a checkpoint of <done> of <planned> iterations (the run is <status>)"`` when the run in
     ``run_dir`` did not complete (its ``metrics.json`` says another status, or is missing or
     unreadable, or the checkpoint holds fewer iterations than planned), else None: what
     ``mptex-export`` and ``mptex-rescore`` say before they use such a checkpoint, whose weights
-    are not the run's result."""
+    are not the run's result. ``metrics``: the ``metrics.json`` the caller already read (its
+    :func:`read_metrics`, None where unreadable), so that both judge one reading of a file a
+    running job may rewrite; without it the file is read here."""
     done = int(ckpt.get("iteration", 0))
     planned = int(((ckpt.get("config") or {}).get("train") or {}).get("iterations", done))
-    status = (read_metrics(run_dir) or {}).get("status")
+    if metrics is None:
+        metrics = read_metrics(run_dir)
+    status = (metrics or {}).get("status")
     if status == "completed" and done >= planned:
         return None
     said = status if isinstance(status, str) else "without a readable metrics.json"

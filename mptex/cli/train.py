@@ -1,7 +1,7 @@
 """``mptex-train``: train one texture, or sweep arms × seeds × scenes (a Hydra app).
 
 ``mptex-train`` (:func:`train_main`) composes ``configs/config.yaml`` (groups ``scene``,
-``precision``, ``texture``, ``train``) and runs :func:`mptex.train.train` in Hydra's run
+``precision``, ``texture``, ``train``, ``export``) and runs :func:`mptex.train.train` in Hydra's run
 directory::
 
     mptex-train                                   # builtin scene, f32, CPU-sized texture

@@ -61,14 +61,25 @@ def read_metrics(run_dir: Path) -> dict:
 
 
 def start_error(run_dir: Path, *overrides: str) -> str:
-    """The one-line error of a run refused at start; checks metrics.json recorded it."""
+    """The one-line error of a run refused at start; checks metrics.json recorded it: as the
+    record, or, in the directory of a run that got past its start, added to that run's record
+    under ``start_failures`` (the record otherwise as it was)."""
+    before = read_metrics(run_dir) if (run_dir / "metrics.json").exists() else None
     with pytest.raises(ConfigError) as info:
         train(tiny_cfg(*overrides), run_dir)
     message = str(info.value)
     assert "\n" not in message
     metrics = read_metrics(run_dir)
-    assert metrics["status"] == "failed" and metrics["failed_at"] == "start"
-    assert metrics["error"] == message
+    if before is None or before.get("failed_at") == "start":
+        assert metrics["status"] == "failed" and metrics["failed_at"] == "start"
+        assert metrics["error"] == message
+    else:
+        tries = metrics.pop("start_failures")
+        assert tries == [
+            *before.pop("start_failures", []),
+            {"error": message, "failed_at": "start"},
+        ]
+        assert metrics == before
     return message
 
 
@@ -498,9 +509,12 @@ def test_resume_after_a_kill_between_final_checkpoint_and_metrics(tmp_path):
 
 
 def test_resume_with_fewer_planned_iterations_is_an_error(tmp_path):
+    # Refused in one line; the completed run's record stays, with the attempt added to it.
     train(tiny_cfg("train.iterations=4"), tmp_path)
+    assert read_metrics(tmp_path)["status"] == "completed"
     message = start_error(tmp_path, "train.iterations=2", "train.resume=true")
     assert message.startswith("train.iterations: expected at least the 4 iterations")
+    assert read_metrics(tmp_path)["status"] == "completed"
 
 
 def test_views_that_cannot_fit_in_memory_are_refused_at_start(tmp_path, monkeypatch):

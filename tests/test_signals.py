@@ -709,6 +709,45 @@ def test_an_adam_state_that_fits_no_texture_is_one_line_naming_the_checkpoint(tm
     assert read_metrics(tmp_path)["status"] == "interrupted"
 
 
+@pytest.mark.parametrize("outcome", ["completed", "diverged"])
+def test_a_refused_command_keeps_a_finished_runs_record(tmp_path, outcome):
+    # A mistyped resume in a finished run's directory (another seed under train.resume=true) is
+    # refused before any work; the run's record (its PSNR, history, status) stays, with the
+    # attempt added, beside the checkpoint it describes. A later start failure is added too.
+    from mptex.train import ConfigError
+
+    extra = ("precision=f16_naive", "train.lr=1e30") if outcome == "diverged" else ()
+    first = train(tiny_cfg(*ADAM_RUN, *extra), tmp_path)
+    assert first["status"] == outcome
+    record = read_metrics(tmp_path)
+    checkpoint = tmp_path / "checkpoint.pt"
+    weights = checkpoint.read_bytes() if checkpoint.exists() else None
+    errors = []
+    for mistake in (("train.resume=true", "train.seed=7"), ("train.lr=-1",)):
+        with pytest.raises(ConfigError) as info:
+            train(tiny_cfg(*ADAM_RUN, *extra, *mistake), tmp_path)
+        errors.append(str(info.value))
+        after = read_metrics(tmp_path)
+        tries = after.pop("start_failures")
+        assert tries == [{"error": e, "failed_at": "start"} for e in errors]
+        assert after == record
+        assert (checkpoint.read_bytes() if checkpoint.exists() else None) == weights
+    (run,) = collect_runs(tmp_path)
+    assert run["status"] == ("completed" if outcome == "completed" else "diverged")
+
+
+def test_a_refused_command_replaces_an_earlier_refusals_record(tmp_path):
+    # A record of a start failure holds no results: the next refusal's record replaces it.
+    from mptex.train import ConfigError
+
+    for mistake in ("train.lr=-1", "train.iterations=-3"):
+        with pytest.raises(ConfigError) as info:
+            train(tiny_cfg(*ADAM_RUN, mistake), tmp_path)
+        after = read_metrics(tmp_path)
+        assert after["status"] == "failed" and after["failed_at"] == "start"
+        assert after["error"] == str(info.value) and "start_failures" not in after
+
+
 @pytest.mark.parametrize("mistake", ["train.iterations=2", "precision=bf16", "train.seed=7",
                                      "train.lr=-1"])  # fmt: skip
 def test_a_refused_command_leaves_an_interrupted_run_to_the_right_one(tmp_path, uninterrupted,
@@ -735,17 +774,6 @@ def test_a_refused_command_leaves_an_interrupted_run_to_the_right_one(tmp_path, 
     assert again["status"] == "completed" and again["resume_count"] == 1
     assert again["psnr"] == read_metrics(uninterrupted)["psnr"]
     assert_same_weights(tmp_path, uninterrupted)
-
-
-def test_a_refused_command_in_a_finished_runs_directory_records_the_failure(tmp_path):
-    # Nothing here would be continued (the run completed): the refusal is the record.
-    from mptex.train import ConfigError
-
-    train(tiny_cfg(*ADAM_RUN), tmp_path)
-    with pytest.raises(ConfigError):
-        train(tiny_cfg(*ADAM_RUN, "train.lr=-1"), tmp_path)
-    record = read_metrics(tmp_path)
-    assert record["status"] == "failed" and record["failed_at"] == "start"
 
 
 def test_the_mlp_rate_ramp_runs_at_the_ramps_rate_and_resumes_mid_ramp_bit_exactly(tmp_path):

@@ -454,8 +454,9 @@ def train(
     Raises:
         ConfigError: (a ``ValueError``) ``"<key>: <message>"`` for a bad config value, before
             any training (``metrics.json`` then says ``status: "failed"``,
-            ``failed_at: "start"``, except in the directory of a stopped run that
-            ``train.resume=auto`` would continue: its record and checkpoint stay as they were).
+            ``failed_at: "start"``, except in the directory of a run that got past its start,
+            such as a stopped run that ``train.resume=auto`` would continue: its record, with
+            the attempt added to ``start_failures``, and its checkpoint stay).
         Exception: anything raised mid-run is re-raised after ``metrics.json`` records
             ``status: "failed"`` and the error.
 
@@ -510,13 +511,19 @@ def _record_start_failure(run_dir: Path, metrics: Mapping[str, Any]) -> None:
     record stays, with this attempt added to its ``start_failures`` (``error``,
     ``failed_at``): a mistyped command (fewer iterations, another arm) or a start that failed
     for a passing reason must not turn an interrupted run into a failed one, after which the
-    right command would start over and overwrite its checkpoint."""
+    right command would start over and overwrite its checkpoint. So does the record of any
+    other run that got past its start (completed, diverged, failed mid-run): an attempt that
+    did nothing (a mistyped ``train.resume=true`` in a finished run's directory) must not
+    replace the results of the run whose checkpoint is still there. A record of an earlier
+    start failure is replaced: it holds no results."""
+    kept = read_metrics(run_dir)
     if auto_resume_path(run_dir) is None:
-        write_metrics(run_dir, metrics)
+        if kept is None or (kept.get("status") == "failed" and kept.get("failed_at") == "start"):
+            write_metrics(run_dir, metrics)
+            return
+    elif kept is None:  # a Slurm requeue without a readable record
         return
-    stopped = read_metrics(run_dir)
-    if stopped is None:  # a Slurm requeue without a readable record
-        return
+    stopped = kept
     attempt = {"error": metrics.get("error"), "failed_at": metrics.get("failed_at")}
     stopped["start_failures"] = [*(stopped.get("start_failures") or []), attempt]
     write_metrics(run_dir, stopped)

@@ -36,11 +36,13 @@ float32, in an order the hardware picks. An entry that receives ``k`` contributi
 with relative error <= 2^-24 of a partial sum bounded by ``sum |c_i|``); the twin's
 ``scatter_add_`` obeys the same bound, so the two differ by at most twice it. The input
 gradient needs no atomics: each level writes its ``d pos`` and the levels are summed in order,
-as in the twin, so it matches the twin to the bit. Under Triton's CPU interpreter the atomics
-run sequentially too, so there the parameter gradient matches the twin to float32 summation
-order only. The bfloat16 mode's backward is the float32 kernels' on the float32 cast of the
-bfloat16 ``dL/dy`` (no loss scale), with the table values rounded to bfloat16 for the input
-gradient, as in the twin: the same claims hold.
+as in the twin, so it matches the twin to the bit, except for the sign of a zero: a
+corner's sum of ``-0.0`` terms (a ``-0.0`` upstream gradient) is ``tl.sum``'s, which gives
+``+0.0`` under the interpreter where the twin's in-order sum keeps ``-0.0``. Under Triton's
+CPU interpreter the atomics run sequentially too, so there the parameter gradient matches the
+twin to float32 summation order only. The bfloat16 mode's backward is the float32 kernels'
+on the float32 cast of the bfloat16 ``dL/dy`` (no loss scale), with the table values rounded
+to bfloat16 for the input gradient, as in the twin: the same claims hold.
 
 Devices: whatever Triton compiles for (CUDA, ROCm, XPU). CPU tensors run only under the
 interpreter, which is selected when ``triton.jit`` decorates the kernels, i.e. when this

@@ -710,6 +710,15 @@ def test_thread_check_compares_nan_as_equal_and_keeps_strides():
     assert copy.data_ptr() != value.data_ptr()
 
 
+def test_thread_check_tells_nan_and_infinities_from_numbers():
+    # NaN equals NaN for this comparison, and nothing else: a NaN or an infinity in one run
+    # where the other has a number is a difference.
+    nan, inf = float("nan"), float("inf")
+    for one, two in ((nan, 1.0), (inf, 2.0), (-inf, 3.0), (nan, inf), (nan, 0.0)):
+        assert not thread_check._same(torch.tensor([one]), torch.tensor([two])), (one, two)
+    assert thread_check._same(torch.tensor([nan, inf, -inf]), torch.tensor([nan, inf, -inf]))
+
+
 def test_thread_check_prints_the_first_show_differing_ops(monkeypatch, capsys):
     threads = torch.get_num_threads()
     monkeypatch.setattr(thread_check, "_same", lambda a, b: False)  # every op differs

@@ -38,7 +38,11 @@ def _same(a, b) -> bool:
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return True
     if a.is_floating_point():  # NaN == NaN for this purpose: compare the bits' meaning
-        a, b = torch.nan_to_num(a, 1.0, 2.0, 3.0), torch.nan_to_num(b, 1.0, 2.0, 3.0)
+        # (the NaNs where they are, then the values elsewhere: a NaN is no number's equal)
+        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+        if not torch.equal(nan_a, nan_b):
+            return False
+        a, b = a.masked_fill(nan_a, 0.0), b.masked_fill(nan_b, 0.0)
     return torch.equal(a, b)
 
 

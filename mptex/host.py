@@ -18,7 +18,8 @@ def to_host(value: Any) -> Any:
     makes one (``tests/test_diagnostics.py`` greps the package for it).
 
     Args:
-        value: a tensor, or a (nested) dict/list/tuple holding tensors; other leaves are kept.
+        value: a tensor, or a (nested) dict/list/tuple (a namedtuple included) holding
+            tensors; other leaves are kept.
 
     Returns:
         The same structure with every tensor detached and on the CPU.
@@ -27,6 +28,8 @@ def to_host(value: Any) -> Any:
         return value.detach().to("cpu")
     if isinstance(value, Mapping):
         return {key: to_host(item) for key, item in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple: by position
+        return type(value)(*(to_host(item) for item in value))
     if isinstance(value, (list, tuple)):
         return type(value)(to_host(item) for item in value)
     return value

@@ -25,6 +25,7 @@ Checked here, each against what its docstring defines:
 
 from __future__ import annotations
 
+import collections
 import inspect
 import io
 import json
@@ -497,6 +498,11 @@ def test_to_host_keeps_tuples_and_detaches_inside_them():
     for tensor in (host[0], host[1][0], host[2]["k"][0]):
         assert not tensor.requires_grad and tensor.device.type == "cpu"
     assert torch.equal(host[0], torch.full((2,), 2.0)) and host[3] is None
+    # a namedtuple keeps its type and fields
+    Pair = collections.namedtuple("Pair", "value grad")
+    pair = to_host(Pair(leaf * 3, None))
+    assert type(pair) is Pair and pair.grad is None and not pair.value.requires_grad
+    assert torch.equal(pair.value, torch.full((2,), 3.0))
 
 
 # ----------------------------------------------------------------------------- backends
@@ -646,7 +652,8 @@ def test_the_counter_on_a_hand_made_sequence_of_ops():
             counter.record_launch("a_triton_kernel")  # op 2 of the validation
             noise + 1  # host data only
             x.tolist()  # the run's data read on the host
-            torch.as_tensor(x, device="cpu")  # already there: no copy
+            torch.as_tensor(x, device="cpu")  # already there: no copy, x stays the run's
+            x.tolist()  # so this read is counted too
     finally:
         undo()
     assert (torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.new_tensor,
@@ -665,8 +672,11 @@ def test_the_counter_on_a_hand_made_sequence_of_ops():
         ("step", "data-sized (masked_select)"): 1,
         ("step", "data-sized (repeat_interleave)"): 1,
         ("step", "host-to-device (torch.tensor)"): 1,
-        ("validate", "copy to host (tolist)"): 1,
+        ("validate", "copy to host (tolist)"): 2,
     }
+    # A sync is sited at its caller's frames in the package (none here), never at the
+    # counter's own wrappers.
+    assert {site for phase, kind, site in counter.sites} == {"(outside mptex)"}
     # Ops are filed under the innermost file of the package that made them (its path alone),
     # and sited at its function; this test file is outside the package.
     assert dict(counter.op_files) == {

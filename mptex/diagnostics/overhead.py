@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["OverheadCounter", "patch_host_reads"]
 
 _REPO = Path(__file__).resolve().parents[2]
+_SELF = Path(__file__).resolve().relative_to(_REPO)
 
 _READS = {"_local_scalar_dense", "is_nonzero", "equal"}
 _DATA_SIZED = {"nonzero", "nonzero_static", "masked_select", "unique_dim", "_unique",
@@ -35,8 +36,8 @@ def _name(func) -> str:
 
 
 def _sites(limit: int = 3) -> str:
-    """The innermost ``limit`` frames of mptex's own code (package and benchmarks) on the
-    stack, innermost first."""
+    """The innermost ``limit`` frames of the mptex package's code on the stack, innermost
+    first, this counter's own frames left out (the factories' wrappers record from here)."""
     frames = []
     for frame in reversed(traceback.extract_stack()[:-3]):
         path = Path(frame.filename)
@@ -44,7 +45,7 @@ def _sites(limit: int = 3) -> str:
             rel = path.resolve().relative_to(_REPO)
         except ValueError:
             continue
-        if rel.parts[0] != "mptex":
+        if rel.parts[0] != "mptex" or rel == _SELF:
             continue
         frames.append(f"{rel.as_posix()}:{frame.lineno} {frame.name}")
         if len(frames) == limit:
@@ -172,11 +173,11 @@ def patch_host_reads(counter_ref: list):
     def factory(original):
         def make(data, *args, **kwargs):
             out = original(data, *args, **kwargs)
-            return sort(
-                out,
-                kwargs.get("device") is not None
-                and not (isinstance(data, torch.Tensor) and data is out),
-            )
+            if isinstance(data, torch.Tensor) and data is out:
+                # as_tensor of a tensor already there: no copy, and the tensor stays what it
+                # was (the run's data is not host data because it passed through here)
+                return out
+            return sort(out, kwargs.get("device") is not None)
 
         return make
 

@@ -416,8 +416,8 @@ class MLPTexture3D(nn.Module):
         """What computes each part now: ``{"encoder": "torch"|"tcnn"|"triton", "mlp":
         "torch"|"tcnn"}``, and for the FP8 arms ``"fp8_gemm": "scaled_mm"|"emulated"|"triton"``
         (FP8 tensor cores, the emulation or mptex's Triton kernels: a timing means little
-        without it); ``"auto"`` resolved
-        from the parameters' device and what imports. The record for metrics.json."""
+        without it); ``"auto"`` resolved from the parameters' device and what imports. The
+        record for metrics.json."""
         backends = {
             "encoder": self.encoder.resolved_backend(),
             "mlp": self.net.resolved_backend(),

@@ -1,8 +1,8 @@
 """``mptex-train``: train one texture, or sweep arms × seeds × scenes (a Hydra app).
 
 ``mptex-train`` (:func:`train_main`) composes ``configs/config.yaml`` (groups ``scene``,
-``precision``, ``texture``, ``train``, ``export``) and runs :func:`mptex.train.train` in Hydra's run
-directory::
+``precision``, ``texture``, ``train``, ``export``) and runs :func:`mptex.train.train` in
+Hydra's run directory::
 
     mptex-train                                   # builtin scene, f32, CPU-sized texture
     mptex-train precision=f16_dynamic train.iterations=1000

@@ -523,10 +523,9 @@ def _record_start_failure(run_dir: Path, metrics: Mapping[str, Any]) -> None:
             return
     elif kept is None:  # a Slurm requeue without a readable record
         return
-    stopped = kept
     attempt = {"error": metrics.get("error"), "failed_at": metrics.get("failed_at")}
-    stopped["start_failures"] = [*(stopped.get("start_failures") or []), attempt]
-    write_metrics(run_dir, stopped)
+    kept["start_failures"] = [*(kept.get("start_failures") or []), attempt]
+    write_metrics(run_dir, kept)
 
 
 def _train_validated(

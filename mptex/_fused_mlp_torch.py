@@ -79,6 +79,7 @@ from mptex._profiler_scope import profiler_scope
 
 __all__ = [
     "FusedMLPSpec",
+    "ACCUMULATE_MODES",
     "ACTIVATIONS",
     "BATCH_GRANULARITY",
     "SPLIT_K_SLICE",
@@ -114,6 +115,10 @@ def _next_multiple(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
+# The accumulator of the twin's matrix products: tcnn's half, or float32 (the ablation switch).
+ACCUMULATE_MODES = ("half", "float")
+
+
 @dataclass
 class FusedMLPSpec:
     """Sizes and switches of one fused network (everything the autograd function needs).
@@ -140,6 +145,14 @@ class FusedMLPSpec:
     split_k: bool = True
     collect_stats: bool = False
     stats: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Every path tests accumulate == "half" and runs float otherwise: a typo must not
+        # silently select the float32 accumulators.
+        if self.accumulate not in ACCUMULATE_MODES:
+            raise ValueError(
+                f"accumulate: expected one of {ACCUMULATE_MODES}, got {self.accumulate!r}"
+            )
 
     @property
     def input_pad(self) -> int:

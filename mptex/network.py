@@ -60,6 +60,7 @@ from torch import nn
 
 from mptex import _backends
 from mptex._fused_mlp_torch import (
+    ACCUMULATE_MODES,
     ACTIVATIONS,
     FusedMLPSpec,
     fused_mlp,
@@ -79,7 +80,6 @@ __all__ = [
 
 Backend = Literal["auto", "torch", "tcnn"]
 FUSED_WIDTHS = (16, 32, 64, 128)
-ACCUMULATE_MODES = ("half", "float")
 _CONFIG_KEYS = {"otype", "n_neurons", "n_hidden_layers", "activation", "output_activation"}
 TCNN_LOSS_SCALE = 128.0
 

@@ -323,6 +323,15 @@ def test_flat_params_layout_and_xavier_bounds_by_hand():
         assert (part > 0).any() and (part < 0).any()
 
 
+@pytest.mark.parametrize("accumulate", ["fast", "Half", "", None])
+def test_a_spec_refuses_an_unknown_accumulator(accumulate):
+    # Every path runs the float32 accumulators unless accumulate == "half": a typo in a spec
+    # built directly would otherwise select them silently.
+    with pytest.raises(ValueError) as info:
+        twin.FusedMLPSpec(3, 2, 16, 1, accumulate=accumulate)
+    assert str(info.value) == (f"accumulate: expected one of ('half', 'float'), got {accumulate!r}")
+
+
 @pytest.mark.parametrize("accumulate", ["float", "half"])
 def test_forward_and_backward_wiring_against_float64(accumulate):
     """A linear network (3 inputs, 2 outputs, width 16, one hidden layer, no activation)

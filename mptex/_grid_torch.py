@@ -739,5 +739,15 @@ def hash_grid_encode(
 
     Returns:
         [N, L * F] in ``out_dtype``, level-major (features of level 0 first).
+
+    Raises:
+        ValueError: ``x`` is not [N, D] or ``params`` does not hold ``geometry.n_params``
+            values (the C kernel would read past them).
     """
+    if x.dim() != 2 or x.shape[1] != geometry.n_input_dims:
+        raise ValueError(f"x: expected shape [N, {geometry.n_input_dims}], got {list(x.shape)}")
+    if params.numel() != geometry.n_params:
+        raise ValueError(
+            f"params: expected {geometry.n_params} values (geometry.n_params), got {params.numel()}"
+        )
     return _HashGridFunction.apply(x, params, geometry, out_dtype)

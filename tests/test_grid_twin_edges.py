@@ -332,3 +332,38 @@ def test_the_compiler_named_by_cc_builds_the_kernel(fake_compiler, monkeypatch, 
     lib = _native_cpu.build_kernels(("-O1",))
     assert fake_compiler.commands[0][0] == "/opt/my-cc"
     assert Path(lib.path).parent == tmp_path / "cache"
+
+
+# ----------------------------------------------------------------------- argument checks
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "n_params_given", "match"),
+    [
+        ((4, 2), None, r"x: expected shape \[N, 3\], got \[4, 2\]"),
+        ((4, 4), None, r"x: expected shape \[N, 3\], got \[4, 4\]"),
+        ((3,), None, r"x: expected shape \[N, 3\], got \[3\]"),
+        ((4, 3), 10, r"params: expected 4080 values \(geometry.n_params\), got 10"),
+        ((4, 3), 4081, r"params: expected 4080 values \(geometry.n_params\), got 4081"),
+    ],
+)
+def test_points_and_table_of_the_wrong_size_are_one_clear_error(
+    x_shape, n_params_given, match, ops
+):
+    # 3-D, scales 4 * 1.5^l - 1 = 3, 5, 8, 12.5 -> resolutions 4, 6, 9, 14; entries 4^3 = 64,
+    # 6^3 = 216, 9^3 = 729 -> 736, 14^3 = 2744 capped at 2^10 = 1024; 64 + 216 + 736 + 1024 =
+    # 2040 entries, 4080 values with 2 features.
+    geometry = grid_geometry(3, 4, 2, 10, 4, 1.5)
+    assert geometry.n_params == 4080
+    params = torch.zeros(n_params_given or geometry.n_params)
+    with pytest.raises(ValueError, match=match):
+        hash_grid_encode(torch.rand(x_shape), params, geometry, torch.float32)
+
+
+def test_a_table_of_the_right_size_in_any_shape_is_taken(ops):
+    geometry = grid_geometry(3, 4, 2, 10, 4, 1.5)
+    params = torch.rand(geometry.n_params, generator=torch.Generator().manual_seed(7))
+    x = torch.rand(5, 3, generator=torch.Generator().manual_seed(8))
+    flat = hash_grid_encode(x, params, geometry, torch.float32)
+    rows = hash_grid_encode(x, params.view(-1, 2), geometry, torch.float32)
+    assert torch.equal(flat, rows)

@@ -229,6 +229,12 @@ def grid_geometry(
     """
     if exp2 not in EXP2_MODES:
         raise ValueError(f"exp2 must be one of {EXP2_MODES}, got {exp2!r}")
+    # Tested by name below (grid_type == "Hash", the interpolation in the kernels): an unknown
+    # name would silently select the dense grid or linear interpolation.
+    if interpolation not in INTERPOLATIONS:
+        raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
+    if grid_type not in GRID_TYPES:
+        raise ValueError(f"grid_type must be one of {GRID_TYPES}, got {grid_type!r}")
     log2_scale = _log2f(np.float32(per_level_scale))
     base = np.float32(base_resolution)
     inputs = [np.float32(np.float32(level) * log2_scale) for level in range(n_levels)]

@@ -367,3 +367,22 @@ def test_a_table_of_the_right_size_in_any_shape_is_taken(ops):
     flat = hash_grid_encode(x, params, geometry, torch.float32)
     rows = hash_grid_encode(x, params.view(-1, 2), geometry, torch.float32)
     assert torch.equal(flat, rows)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(grid_type="hash"), "grid_type must be one of ('Hash', 'Dense'), got 'hash'"),
+        (dict(grid_type="Tiled"), "grid_type must be one of ('Hash', 'Dense'), got 'Tiled'"),
+        (
+            dict(interpolation="linear"),
+            "interpolation must be one of ('Nearest', 'Linear', 'Smoothstep'), got 'linear'",
+        ),
+    ],
+)
+def test_grid_geometry_refuses_unknown_names(kwargs, message):
+    # Tested by name inside (grid_type == "Hash"; the interpolation in the kernels): an unknown
+    # name must not silently become a dense grid or linear interpolation.
+    with pytest.raises(ValueError) as info:
+        grid_geometry(3, 4, 2, 10, 4, 1.5, **kwargs)
+    assert str(info.value) == message

@@ -149,8 +149,10 @@ def _history_entry(completed, loss_value, psnr_value, result, lr, stats) -> dict
 
 
 def _param_groups(texture, mlp_lr_scale: float) -> list[dict[str, Any]]:
-    """Adam's parameter groups: the hash grid (and anything else) at ``lr``, the MLP at
-    ``lr * mlp_lr_scale``; each group's ``lr_scale`` is applied on top of the schedule.
+    """Adam's parameter groups: the hash grid (and anything else) at ``lr`` times its group's
+    ``lr_scale`` (1), the MLP at ``lr`` times :func:`mlp_rate_factor` (``mlp_lr_scale``, or its
+    ramp), both on top of the schedule; the MLP group's ``lr_scale`` records
+    ``mlp_lr_scale``, the ramp's start, in the checkpoint's optimizer state.
 
     Why a separate MLP rate (docs/archive/mlp-learning-rate.md): Adam moves every weight by about
     ``lr`` per step whatever its gradient's size, so a consistent gradient (a colour the

@@ -215,7 +215,9 @@ def faster(ratio: Mapping[str, Any] | None) -> bool:
 def ratio_text(ratio: Mapping[str, Any]) -> str:
     """A :func:`ratio_ci` as printed: ``1.52x [1.48, 1.56], 95% CI over 3 seeds``, the bounds
     with as many decimals (up to six) as it takes for them to say what the exact ones say about
-    1; ``1.52x, one seed: no interval``; ``no seed timed in both``."""
+    1, beyond six the shortest text that reads back as the exact bound (``1.0000001``, not
+    ``1.000000`` for an interval above 1); ``1.52x, one seed: no interval``; ``no seed timed in
+    both``."""
     if ratio["ratio"] is None:
         return "no seed timed in both"
     if ratio["low"] is None:
@@ -225,6 +227,8 @@ def ratio_text(ratio: Mapping[str, Any]) -> str:
         text = [format(v, f".{digits}f") for v in (ratio["ratio"], low, high)]
         if (float(text[1]) > 1, float(text[2]) < 1) == (low > 1, high < 1):
             break
+    else:  # six decimals round a bound onto 1: print it exactly
+        text = [format(ratio["ratio"], ".6f"), repr(float(low)), repr(float(high))]
     return (f"{text[0]}x [{text[1]}, {text[2]}], {percent(ratio['confidence'])} CI over "
             f"{ratio['n']} seeds")  # fmt: skip
 

@@ -3,6 +3,7 @@ references: scipy's Student t, hand-computed values, per-element and float64 bru
 
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -128,6 +129,24 @@ def test_ratio_text_uses_as_many_digits_as_the_bounds_need_up_to_six():
     # 1.00000.
     speed = {"n": 4, "ratio": 1.00001, "low": 1.000004, "high": 1.00002, "confidence": 0.95}
     assert ratio_text(speed) == "1.000010x [1.000004, 1.000020], 95% CI over 4 seeds"
+
+
+@pytest.mark.parametrize(
+    "low, high, expected",
+    [
+        # 1 + 1e-7 is above 1 (faster() holds), but six decimals print it as 1.000000.
+        (1.0000001, 1.02, "1.010000x [1.0000001, 1.02], 95% CI over 3 seeds"),
+        # 1 - 1e-7 is below 1: at six decimals it would print 1.000000 as well.
+        (0.98, 0.9999999, "0.990000x [0.98, 0.9999999], 95% CI over 3 seeds"),
+    ],
+)
+def test_ratio_text_prints_a_bound_within_a_millionth_of_one_exactly(low, high, expected):
+    ratio = 1.01 if low > 1 else 0.99
+    speed = {"n": 3, "ratio": ratio, "low": low, "high": high, "confidence": 0.95}
+    text = ratio_text(speed)
+    assert text == expected
+    printed = [float(v) for v in re.search(r"\[(\S+), (\S+)\]", text).groups()]
+    assert (printed[0] > 1, printed[1] < 1) == (low > 1, high < 1)
 
 
 # ----------------------------------------------------------------------------- families

@@ -217,9 +217,39 @@ def test_an_arm_measurably_faster_is_named_though_another_had_a_lower_mean_time(
     # fastest arm shown to be faster, and bf16 is not told apart from it.
     text = _f32_bf16_amp(tmp_path, [0.05, 0.60, 0.05], [0.25, 0.25, 0.25])
     assert _line(text, "- Fastest arm at `f32`'s quality:").startswith(
-        "- Fastest arm at `f32`'s quality: **`amp`**")
+        "- Fastest arm at `f32`'s quality: **`amp`**"
+    )
     line = _line(text, "- Not told apart by speed:")
     assert line is not None and line.startswith("- Not told apart by speed: `amp` and `bf16` ")
+
+
+def test_an_arm_faster_than_the_named_one_but_not_shown_faster_than_f32_is_not_a_tie(tmp_path):
+    # f32 takes 0.30 s on 10 seeds; bf16 0.15 s on every seed but seed 1 (0.075 s): per seed
+    # 2x, 4x, 2x, ..., shown faster than f32. fp8 ran seeds 0 and 1 only, at 0.06 and 0.03 s:
+    # per seed 5x and 10x f32, an interval of exp((ln 5 + ln 10) / 2 ± 12.706 * 0.490 / √2) =
+    # [0.09, 578], not above 1, so bf16 is the arm named. But per seed bf16 / fp8 is
+    # 0.06 / 0.15 = 0.03 / 0.075 = 0.4 on both seeds: fp8 is shown faster than bf16, and the
+    # reading must not call the two "not told apart".
+    psnrs = [40.0 + 0.1 * (s % 3) for s in range(10)]
+    _arm(tmp_path, "f32", psnrs, [0.30] * 10)
+    _arm(tmp_path, "bf16", [p + 0.01 for p in psnrs], [0.15, 0.075] + [0.15] * 8)
+    _arm(tmp_path, "fp8", [p + 0.01 * s for s, p in enumerate(psnrs[:2])], [0.06, 0.03])
+    text = _report(tmp_path)
+    assert _line(text, "- Fastest arm at `f32`'s quality:").startswith(
+        "- Fastest arm at `f32`'s quality: **`bf16`**"
+    )
+    assert _line(text, "- Not told apart by speed:") is None
+    # t(0.975, 1) = tan(0.475 π) (Cauchy); the sd of two logs is their distance over √2.
+    mean, sd = (math.log(5.0) + math.log(10.0)) / 2, math.log(2.0) / math.sqrt(2.0)
+    half = math.tan(0.475 * math.pi) * sd / math.sqrt(2.0)
+    low, high = math.exp(mean - half), math.exp(mean + half)
+    assert low < 1 < high
+    assert _line(text, "- Faster per seed than `bf16`") == (
+        "- Faster per seed than `bf16`, but not shown faster than `f32`: `fp8` (also at `f32`'s "
+        "quality): `bf16` over `fp8` per seed 0.40x [0.40, 0.40], 95% CI over 2 seeds, while its "
+        f"own speed-up over `f32` per seed is {math.sqrt(50):.2f}x [{low:.2f}, {high:.2f}], 95% "
+        "CI over 2 seeds, not above 1; more seeds may make it the fastest."
+    )
 
 
 def test_one_timed_seed_is_not_read_as_a_speed(tmp_path):

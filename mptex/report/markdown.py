@@ -183,7 +183,8 @@ def _environment(runs: Sequence[Mapping[str, Any]]) -> list[str]:
             parts[1] = f"{parts[1] or '–'} (FP8 GEMMs {run['fp8_gemm_backend']})"
         if any(parts):
             backends.setdefault(str(run.get("precision")), set()).add(
-                " / ".join(part or "–" for part in parts))
+                " / ".join(part or "–" for part in parts)
+            )
     backend_text = "; ".join(f"`{arm}` {', '.join(sorted(b))}" for arm, b in backends.items())
     backend_text = backend_text or "–"
     version_text = ", ".join(f"{k} {' / '.join(sorted(v))}" for k, v in sorted(versions.items()))
@@ -325,10 +326,23 @@ def _headline(
         # The arm with the lowest mean time besides the one named: told apart from it?
         runner = next((r for r in timed if r is not best), None)
         versus = speed_ratio(runner, best, _confidence(ref)) if runner is not None else None
-        if versus is not None and not faster(versus):
+        names = [_name(r) if r is not ref else ref_name for r in (best, runner) if r is not None]
+        if versus is not None and versus["high"] is not None and versus["high"] < 1:
+            # The runner is shown faster than the arm named, though not shown faster than the
+            # reference (on the seeds it shares with each).
+            own = runner["speedup_ci"] or speed_ratio(ref, runner, _confidence(ref))
+            why = (f"its own speed-up over {ref_name} per seed is {ratio_text(own)}, not above 1"
+                   if own["low"] is not None else
+                   f"its speed cannot be compared with {ref_name}'s seed by seed "
+                   f"({ratio_text(own)})")  # fmt: skip
             lines.append(
-                f"- Not told apart by speed: {_name(best) if best is not ref else ref_name} and "
-                f"{_name(runner) if runner is not ref else ref_name} (also at {ref_name}'s "
+                f"- Faster per seed than {names[0]}, but not shown faster than {ref_name}: "
+                f"{names[1]} (also at {ref_name}'s quality): {names[0]} over {names[1]} per "
+                f"seed {ratio_text(versus)}, while {why}; more seeds may make it the fastest."
+            )
+        elif versus is not None and not faster(versus):
+            lines.append(
+                f"- Not told apart by speed: {names[0]} and {names[1]} (also at {ref_name}'s "
                 f"quality): the first over the second per seed {ratio_text(versus)}; either "
                 "may be the faster."
             )
@@ -772,7 +786,8 @@ def render_report(
         "lies above 1 with the intervals' confidence: the ratios of the paired runs' ms / "
         "iteration (same seed), a Student-t interval of their mean logarithm, exponentiated; "
         "the reading names the next arm at that quality when the two are not told apart that "
-        "way.",
+        "way, or when it is faster per seed than the arm named without being shown faster "
+        f"than `{REFERENCE_ARM}`.",
         "- ms / iter: median time per training iteration, averaged over seeds; speed-up > 1: "
         "faster than the reference.",
         f"- Peak memory: the largest over the row's runs ({', '.join(kinds) or 'unknown'}). "

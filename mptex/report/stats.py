@@ -31,7 +31,8 @@ Method (stated in every report.md):
   adjusted or not, but not counted in the Bonferroni family, whose guarantee covers the Δ
   intervals). The fastest arm named is the fastest of those whose interval lies above 1;
   where none's does, the reading says no arm is measurably faster, and it says when the next
-  arm at the reference's quality is not distinguishable from the one named in speed.
+  arm at the reference's quality is not distinguishable from the one named in speed, or is
+  faster per seed than the one named without being shown faster than the reference.
 - Each interval is 95 % for its own comparison, not adjusted for the number of arms compared,
   unless ``adjust="bonferroni"``: then each is at 1 - 0.05/k over the report's k comparisons
   with an interval, and all k hold together with at least 95 % confidence; the verdicts, the

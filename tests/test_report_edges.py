@@ -215,6 +215,19 @@ def test_a_zero_difference_on_every_seed_is_named_identical_not_zero_spread(tmp_
     assert "- `f32` and `bf16` gave bit-identical PSNR for every seed" in text
 
 
+def test_a_small_constant_difference_is_printed_in_the_zero_spread_line_as_in_its_cell(tmp_path):
+    # bf16 is 2^-8 = 0.00390625 dB below f32 on every seed (exact in binary, so the spread is
+    # exactly 0): the interval is the point -0.0039, wholly below 0, and the verdict is worse.
+    # Two decimals print -0.00, which reads as no difference; the cell prints -0.004, and the
+    # zero-spread line must print the same number.
+    _seeds(tmp_path, "f32", [40.0, 41.0, 42.0], t=0.3)
+    _seeds(tmp_path, "bf16", [40.0 - 2**-8, 41.0 - 2**-8, 42.0 - 2**-8], t=0.1)
+    text = _report(tmp_path)
+    assert _rows(tmp_path)["bf16"]["verdict"] == "worse"
+    assert "- Worse than `f32`: `bf16` (-0.004 [-0.004, -0.004] dB)." in text
+    assert "- Zero spread: `bf16` (Δ -0.004 dB on each of 3 seeds)." in text
+
+
 # ----------------------------------------------------------------------------- reading runs
 def test_a_completed_run_is_counted_before_an_unavailable_one_of_its_seed(tmp_path):
     # tcnn_fused refused at start on a machine without tinycudann (unavailable), then run

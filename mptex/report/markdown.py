@@ -421,8 +421,9 @@ def _reading(
                 lines.append(f"- {lead}: {items}.")
         flat = [r for r in compared if r["delta"]["sd"] == 0 and r["delta"]["mean"]]
         if flat:
-            items = ", ".join(f"{_name(r)} (Δ {_signed(r['delta']['mean'])} dB on each of "
-                              f"{r['delta']['n']} seeds)" for r in flat)  # fmt: skip
+            # Printed as the Δ cell prints it: -0.004 is not -0.00 beside a verdict of worse.
+            items = ", ".join(f"{_name(r)} (Δ {interval_text(r['delta'], margin_db)[0]} dB on "
+                              f"each of {r['delta']['n']} seeds)" for r in flat)  # fmt: skip
             lines.append(
                 f"- Zero spread: {items}. Every seed gave the same difference, so the interval "
                 "has no width; check that `train.seed` varies these runs (runs that ignore the "

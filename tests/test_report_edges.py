@@ -333,6 +333,22 @@ def test_nvdiffrec154_arms_with_their_own_loss_scaling_are_one_context(tmp_path)
     assert gap["gap"]["final"]["half_width"] == pytest.approx(4.303 * 0.05 / 3**0.5, abs=1e-3)
 
 
+def test_nvdiffrec154_prints_the_digits_a_small_gap_needs_beside_its_verdict(tmp_path):
+    # The swap is 0.003, 0.004, 0.005 dB above nvdiffrec on seeds 0, 1, 2: mean 0.004, sd
+    # 0.001, half width 4.303 * 0.001 / sqrt(3) = 0.0025, so [+0.0015, +0.0065]: better. At two
+    # decimals the lower end prints +0.00, which reads as touching 0; three say +0.002.
+    for seed in range(3):
+        _write(tmp_path, f"nvdiffrec_{seed}", _metrics("nvdiffrec", seed, psnr=30.0 + seed))
+        psnr = 30.0 + seed + 0.003 + 0.001 * seed
+        _write(tmp_path, f"swap_{seed}", _metrics("tcnn_fused_swap154", seed, psnr=psnr))
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert ("| **the gap: the swap as #154 made it** | `tcnn_fused_swap154` − `nvdiffrec` | 3 | "
+            "+0.004 [+0.002, +0.006] | better |") in text  # fmt: skip
+    # The curve (the same differences at both validations) prints them the same way.
+    assert "| ΔPSNR (dB) | +0.004 [+0.002, +0.006] | +0.004 [+0.002, +0.006] |" in text
+
+
 def test_nvdiffrec154_curve_only_at_iterations_every_pair_has(tmp_path):
     # The swap's seed 2 has no validation at iteration 10: a mean over two of the three pairs
     # there would mix seeds; the curve keeps iteration 20 only.

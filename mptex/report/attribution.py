@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mptex.numbers import is_number
+from mptex.report.markdown import interval_text
 from mptex.report.stats import CONFIDENCE, mean_ci, verdict
 
 __all__ = ["DECOMPOSITION", "SWITCHES", "applies", "contexts", "attribution", "render", "plot_gap"]
@@ -198,19 +199,22 @@ def attribution(runs: Sequence[Mapping[str, Any]], margin_db: float) -> dict[str
     )
 
 
-def _ci(ci: Mapping[str, Any]) -> str:
+def _ci(ci: Mapping[str, Any], margin_db: float) -> str:
+    """An interval as printed, with the digits its bounds need to say what the exact ones say
+    about 0 and ±``margin_db`` (:func:`mptex.report.markdown.interval_text`)."""
     if ci.get("low") is None:
         return f"{ci['mean']:+.2f} (one pair: no interval)"
-    return f"{ci['mean']:+.2f} [{ci['low']:+.2f}, {ci['high']:+.2f}]"
+    mean, low, high = interval_text(ci, margin_db)
+    return f"{mean} [{low}, {high}]"
 
 
-def _row(term: Mapping[str, Any] | None, spec: tuple[str, str, str]) -> str:
+def _row(term: Mapping[str, Any] | None, spec: tuple[str, str, str], margin_db: float) -> str:
     arm, minus, what = spec
     if term is None:
         return f"| {what} | `{arm}` − `{minus}` | – | – | not run (an arm has no completed run) |"
     mixed = term.get("mixed")
     note = f" (not like for like: {mixed})" if mixed else ""
-    return (f"| {what} | `{arm}` − `{minus}` | {term['n']} | {_ci(term['final'])} | "
+    return (f"| {what} | `{arm}` − `{minus}` | {term['n']} | {_ci(term['final'], margin_db)} | "
             f"{term['verdict']}{note} |")  # fmt: skip
 
 
@@ -241,9 +245,9 @@ def render(
         "`tcnn_fused` recovers (switch terms may interact and need not add up).",
         "",
         *header,
-        _row(gap, (SWAP, BASE, "**the gap: the swap as #154 made it**")),
-        *(_row(t, spec) for t, spec in zip(result["decomposition"], DECOMPOSITION)),
-        *(_row(t, spec) for t, spec in zip(result["switches"], SWITCHES)),
+        _row(gap, (SWAP, BASE, "**the gap: the swap as #154 made it**"), margin_db),
+        *(_row(t, spec, margin_db) for t, spec in zip(result["decomposition"], DECOMPOSITION)),
+        *(_row(t, spec, margin_db) for t, spec in zip(result["switches"], SWITCHES)),
         "",
     ]
     if gap["curve"]:
@@ -254,7 +258,8 @@ def render(
                   f"[{CONFIDENCE:.0%} CI] over {gap['n']} seeds):", "",
                   "| iteration | " + " | ".join(str(i) for i in shown) + " |",
                   "|---" * (len(shown) + 1) + "|",
-                  "| ΔPSNR (dB) | " + " | ".join(_ci(gap["curve"][i]) for i in shown) + " |",
+                  "| ΔPSNR (dB) | "
+                  + " | ".join(_ci(gap["curve"][i], margin_db) for i in shown) + " |",
                   ""]  # fmt: skip
         if plotted:
             lines += ["![the gap and its terms over iterations](gap_curves.png)", ""]

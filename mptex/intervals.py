@@ -29,6 +29,7 @@ __all__ = [
     "ADJUSTMENTS",
     "VERDICTS",
     "t_quantile",
+    "finite_mean",
     "mean_ci",
     "family_confidence",
     "ratio_ci",
@@ -140,6 +141,16 @@ def t_quantile(p: float, dof: float) -> float:
     return 0.5 * (lo + hi)
 
 
+def finite_mean(values: Sequence[float]) -> float:
+    """The mean of finite floats, ``fsum / n`` (:func:`statistics.fmean`), or, where their sum
+    overflows float64 (values near 1.8e308), the exact mean rounded once
+    (:func:`statistics.mean`): the mean of finite values is finite, whatever their sum."""
+    try:
+        return statistics.fmean(values)
+    except OverflowError:
+        return float(statistics.mean(values))
+
+
 def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> dict[str, Any]:
     """Mean and two-sided Student-t confidence interval of ``values``.
 
@@ -158,7 +169,7 @@ def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> dict[str
     if bad is not None:
         raise ValueError(f"values: expected finite numbers, got {values[bad]} at index {bad}")
     n = len(values)
-    mean = statistics.fmean(values) if values else None
+    mean = finite_mean(values) if values else None
     if n < 2:
         return dict(n=n, mean=mean, sd=None, half_width=None, low=None, high=None)
     sd = statistics.stdev(values)

@@ -228,6 +228,19 @@ def test_a_small_constant_difference_is_printed_in_the_zero_spread_line_as_in_it
     assert "- Zero spread: `bf16` (Δ -0.004 dB on each of 3 seeds)." in text
 
 
+def test_psnrs_and_times_whose_sum_overflows_float64_are_reported(tmp_path):
+    # Two seeds at PSNR 1e308 dB and 1.5e308 s per iteration (valid JSON, finite numbers): the
+    # sums overflow float64, the means do not. The report is written, not refused; f32 and
+    # bf16 agree on each seed: Δ 0 on both, the speed-up 1 on both.
+    for arm in ("f32", "bf16"):
+        _seeds(tmp_path, arm, [1e308, 1e308], t=1.5e308)
+    text = _report(tmp_path)
+    rows = _rows(tmp_path)
+    assert rows["bf16"]["psnr_mean"] == 1e308 and rows["bf16"]["time_per_iter_s"] == 1.5e308
+    assert rows["bf16"]["delta"]["mean"] == 0.0 and rows["bf16"]["speedup_ci"]["ratio"] == 1.0
+    assert "| `bf16` | 2 | " in text
+
+
 # ----------------------------------------------------------------------------- reading runs
 def test_a_completed_run_is_counted_before_an_unavailable_one_of_its_seed(tmp_path):
     # tcnn_fused refused at start on a machine without tinycudann (unavailable), then run

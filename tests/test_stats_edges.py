@@ -4,6 +4,7 @@ references: scipy's Student t, hand-computed values, per-element and float64 bru
 import math
 import random
 import re
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from mptex.diagnostics import saturation_statistics
 from mptex.intervals import (
     family_confidence,
     faster,
+    finite_mean,
     mean_ci,
     percent,
     ratio_ci,
@@ -61,6 +63,20 @@ def test_mean_ci_is_scipys_student_interval(values, confidence):
     assert ci["low"] == pytest.approx(low, rel=1e-10)
     assert ci["high"] == pytest.approx(high, rel=1e-10)
     assert ci["half_width"] == pytest.approx((high - low) / 2, rel=1e-10)
+
+
+def test_the_mean_of_values_whose_sum_overflows_is_their_exact_mean():
+    # 1.5e308 + 1.2e308 + 1.7e308 is beyond float64's 1.8e308, but the mean is not: the exact
+    # rational mean (Fraction arithmetic) rounded once to a float.
+    values = [1.5e308, 1.2e308, 1.7e308]
+    exact = float(sum(map(Fraction, values)) / 3)
+    assert finite_mean(values) == exact
+    ci = mean_ci(values)
+    assert ci["mean"] == exact and ci["n"] == 3
+    # sd: numpy's on the values scaled by 2^-1000 (exact: a power of two), scaled back; a few
+    # float64 roundings in numpy's sum of squares: 1e-14.
+    scaled = np.std(np.array(values) / 2.0**1000, ddof=1) * 2.0**1000
+    assert ci["sd"] == pytest.approx(scaled, rel=1e-14)
 
 
 def test_two_values_are_enough_for_an_interval():

@@ -56,6 +56,7 @@ from mptex.intervals import (
     EQUIVALENCE_MARGIN_DB,
     VERDICTS,
     family_confidence,
+    finite_mean,
     mean_ci,
     ratio_ci,
     t_quantile,
@@ -91,7 +92,7 @@ __all__ = [
 # ----------------------------------------------------------------------------- rows
 def _mean(values) -> float | None:
     values = [float(v) for v in values if is_number(v)]
-    return statistics.fmean(values) if values else None
+    return finite_mean(values) if values else None
 
 
 def _std(values) -> float | None:

@@ -411,7 +411,9 @@ def _reading(
             # Rows with no completed run are in the diverged / failed / collapsed lines below.
             hit = [r for r in compared if r["verdict"] == name and r["n_seeds"]]
             if hit:
+                # A row without a pair has no Δ to quote (the lines below say why).
                 items = ", ".join(f"{_name(r)} ({delta_cell(r, margin_db)} dB{_settle(r)})"
+                                  if r["delta"]["mean"] is not None else _name(r)
                                   for r in hit)  # fmt: skip
                 lead = {
                     "worse": f"Worse than `{REFERENCE_ARM}`",

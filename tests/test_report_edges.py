@@ -190,6 +190,9 @@ def test_an_arm_sharing_no_seed_with_f32_has_no_paired_seeds(tmp_path):
         "- No seed completed in both the arm and `f32`: `bf16`."
     )
     assert "Cannot judge" not in text
+    # Its verdict cell is "–", and the key under the tables says what that verdict means.
+    assert "| `bf16` | 3 | 44.00 ± 1.00 | – | – |" in text
+    assert "(`–` where no seed completed in both the arm and `f32`)" in text
 
 
 def test_two_pairs_are_enough_for_a_headline_beside_an_arm_with_one(tmp_path):

@@ -778,7 +778,8 @@ def render_report(
         f"(the equivalence margin, `--margin-db`); `inconclusive` otherwise (more seeds "
         "needed: the reading estimates how many paired seeds an interval of the measured mean "
         f"and spread would need to exclude 0 or to fit inside ±{margin_db:g} dB, a planning "
-        "figure, as both move with more seeds); `cannot judge` with fewer than 2 paired seeds; "
+        "figure, as both move with more seeds); `cannot judge` with fewer than 2 paired seeds "
+        f"(`–` where no seed completed in both the arm and `{REFERENCE_ARM}`); "
         f"`, by at most {margin_db:g} dB` after `better` or `worse` when the interval lies inside "
         f"±{margin_db:g} dB too. " + _multiplicity(adjust, family, level),
         f"- The fastest arm at `{REFERENCE_ARM}`'s quality is chosen by mean ms / iteration "

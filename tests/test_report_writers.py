@@ -10,6 +10,7 @@ exact strings where a value is printed.
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -705,3 +706,117 @@ def test_a_speed_ratio_of_times_far_apart_is_a_number_not_a_crash():
     assert slow["ratio"] == 0.0
     # ordinary times are unchanged: (2, 1) and (8, 2) give exp((ln 2 + ln 4) / 2) = sqrt(8)
     assert ratio_ci([(2.0, 1.0), (8.0, 2.0)])["ratio"] == pytest.approx(math.sqrt(8), rel=1e-15)
+
+
+# ----------------------------------------------------------------------------- cross-check
+def _random_sweep(root, rng):
+    """A sweep of random, known runs: two learning rates, f32 and three arms on unequal seed
+    sets, a few runs diverged / failed / stopped / completed without a PSNR, some seeds run
+    twice, and keys that must not split rows (train.progress, export.enabled). Returns
+    ``{(lr, arm): {seed: (status, psnr, time)}}`` of the runs the report must count: the first
+    job of a seed, or its re-run where the first failed to run."""
+    outcomes = ["completed"] * 16 + ["diverged", "failed", "interrupted", "no psnr"]
+    truth, job = {}, 0
+    for lr in (0.01, 0.003):
+        base = {s: 30.0 + rng.gauss(0, 0.3) for s in range(6)}
+        for arm in ("f32", "bf16", "fp8", "f16_dynamic"):
+            effect, speed = rng.choice([0.0, 0.1, -0.8]), rng.choice([1.0, 3.0])
+            n_seeds = rng.randint(4 if arm == "f32" else 1, 6)
+            for seed in sorted(rng.sample(range(6), n_seeds)):
+                for rerun in range(1 + (rng.random() < 0.15)):
+                    job += 1
+                    status = rng.choice(outcomes)
+                    psnr = base[seed] + (arm != "f32") * (effect + rng.gauss(0, 0.2))
+                    t = 0.1 / speed * math.exp(rng.gauss(0, 0.1))
+                    m = _metrics(arm, seed, psnr=psnr, t=t,
+                                 status={"no psnr": "completed"}.get(status, status),
+                                 config={"train.lr": lr, "train.progress": rng.random() < 0.5,
+                                         "export.enabled": rng.random() < 0.5})  # fmt: skip
+                    if status == "no psnr":  # counted as diverged
+                        m["psnr"] = None
+                    # Hydra's job numbers: a re-run gets a later (and longer) one
+                    _write(root, f"{job + 100 * rerun}_{arm}_{lr}_{seed}", m)
+                    kept = truth.setdefault((lr, arm), {}).get(seed)
+                    if kept is None or (kept[0] in ("failed", "interrupted")
+                                        and status not in ("failed", "interrupted")):  # fmt: skip
+                        truth[(lr, arm)][seed] = (status, psnr, t)
+    return truth
+
+
+@pytest.mark.parametrize("sweep_seed", range(4))
+def test_rows_match_an_independent_recomputation_on_random_sweeps(tmp_path, sweep_seed):
+    # Every number of every row, recomputed from the runs as written: numpy means and sample
+    # sds, scipy's Student t, the docs' verdict rule and Bonferroni's 1 - 0.05 / k over the
+    # rows with two pairs or more. Float64 sums in another order: 1e-9.
+    import random
+
+    rng = random.Random(sweep_seed)
+    truth = _random_sweep(tmp_path, rng)
+    adjust, margin = ("bonferroni", 0.25) if sweep_seed % 2 else ("none", 0.5)
+    rows = {(r["keys"]["train.lr"], r["precision"]): r
+            for r in summarize(collect_runs(tmp_path), margin, adjust)}  # fmt: skip
+    assert set(rows) == set(truth)
+    done = {key: {s: v for s, v in runs.items() if v[0] == "completed"}
+            for key, runs in truth.items()}  # fmt: skip
+    pairs = {key: sorted(set(done[key]) & set(done[(key[0], "f32")]))
+             for key in truth if key[1] != "f32"}  # fmt: skip
+    k = sum(len(p) >= 2 for p in pairs.values())
+    level = 1 - 0.05 / k if adjust == "bonferroni" and k > 1 else 0.95
+    for key, row in rows.items():
+        status = {"interrupted": "failed", "no psnr": "diverged"}
+        counts = [status.get(v[0], v[0]) for v in truth[key].values()]
+        assert [row[s] for s in ("completed", "diverged", "failed")] == [
+            counts.count(s) for s in ("completed", "diverged", "failed")
+        ]
+        psnrs = [v[1] for v in done[key].values()]
+        assert row["n_seeds"] == len(psnrs) and row["n_runs"] == len(truth[key])
+        if psnrs:
+            assert row["psnr_mean"] == pytest.approx(np.mean(psnrs), rel=1e-9)
+        if len(psnrs) > 1:
+            assert row["psnr_std"] == pytest.approx(np.std(psnrs, ddof=1), rel=1e-9)
+        if key[1] == "f32":
+            assert row["verdict"] is None
+            continue
+        ref = done[(key[0], "f32")]
+        diffs = [done[key][s][1] - ref[s][1] for s in pairs[key]]
+        assert [s for s, _ in row["pairs"]] == pairs[key]
+        assert sorted(row["unpaired_seeds"]) == sorted(set(done[key]) - set(ref))
+        assert row["confidence"] == pytest.approx(level, rel=1e-15) and row["family"] == k
+        if not diffs:
+            assert row["verdict"] == "no paired seeds"
+            continue
+        assert row["delta"]["mean"] == pytest.approx(np.mean(diffs), rel=1e-9, abs=1e-12)
+        if len(diffs) == 1:
+            assert row["verdict"] == "cannot judge" and row["delta"]["low"] is None
+            continue
+        half = (scipy.stats.t.ppf((1 + level) / 2, len(diffs) - 1)
+                * np.std(diffs, ddof=1) / math.sqrt(len(diffs)))  # fmt: skip
+        low, high = np.mean(diffs) - half, np.mean(diffs) + half
+        assert row["delta"]["low"] == pytest.approx(low, rel=1e-9, abs=1e-12)
+        assert row["delta"]["high"] == pytest.approx(high, rel=1e-9, abs=1e-12)
+        expected = ("better" if low > 0 else "worse" if high < 0 else
+                    "no detectable difference" if -margin <= low and high <= margin else
+                    "inconclusive")  # fmt: skip
+        assert row["verdict"] == expected
+        if expected == "inconclusive":  # the first n whose interval would exclude 0 or fit
+            sd, mean = np.std(diffs, ddof=1), abs(np.mean(diffs))
+            widths = {n: scipy.stats.t.ppf((1 + level) / 2, n - 1) * sd / math.sqrt(n)
+                      for n in range(len(diffs) + 1, 201)}  # fmt: skip
+            settle = [n for n, w in widths.items() if w < mean or mean + w <= margin]
+            assert row["seeds_to_settle"] == (settle[0] if settle else None)
+        # The printed bounds say what the exact ones say about 0 and the margin.
+        printed = re.search(r"\[(\S+), (\S+)\]", delta_cell(row, margin)).groups()
+        lo, hi = map(float, printed)
+        assert (lo > 0, hi < 0, lo >= -margin, hi <= margin) == (
+            low > 0, high < 0, low >= -margin, high <= margin)  # fmt: skip
+        # Speed: f32's time over the arm's, per paired seed; the geometric mean's interval.
+        logs = [math.log(ref[s][2]) - math.log(done[key][s][2]) for s in pairs[key]]
+        half = (scipy.stats.t.ppf((1 + level) / 2, len(logs) - 1)
+                * np.std(logs, ddof=1) / math.sqrt(len(logs)))  # fmt: skip
+        speed = row["speedup_ci"]
+        assert speed["ratio"] == pytest.approx(math.exp(np.mean(logs)), rel=1e-9)
+        assert speed["low"] == pytest.approx(math.exp(np.mean(logs) - half), rel=1e-9)
+        assert speed["high"] == pytest.approx(math.exp(np.mean(logs) + half), rel=1e-9)
+        times = [v[2] for v in done[key].values()]
+        ref_times = [v[2] for v in ref.values()]
+        assert row["speedup"] == pytest.approx(np.mean(ref_times) / np.mean(times), rel=1e-9)

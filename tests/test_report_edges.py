@@ -195,6 +195,16 @@ def test_an_arm_sharing_no_seed_with_f32_has_no_paired_seeds(tmp_path):
     assert "(`–` where no seed completed in both the arm and `f32`)" in text
 
 
+def test_one_pair_for_one_arm_and_none_for_another_is_at_most_one_per_arm(tmp_path):
+    # bf16 shares seed 0 with f32 (one pair); fp8 ran seed 5 only (no pair). No interval
+    # anywhere: the headline counts the pairs per arm, and fp8 has none, not one.
+    _seeds(tmp_path, "f32", [40.0, 41.0], t=0.3)
+    _seeds(tmp_path, "bf16", [40.5], t=0.1)
+    _seeds(tmp_path, "fp8", [40.5], t=0.1, first=5)
+    text = _report(tmp_path)
+    assert "- Cannot judge any arm against `f32`: at most 1 paired seed per arm," in text
+
+
 def test_two_pairs_are_enough_for_a_headline_beside_an_arm_with_one(tmp_path):
     # bf16 has 2 pairs (diffs +0.10, +0.12: mean 0.11, sd 0.01414, half width
     # 12.706 * 0.01414 / sqrt(2) = 0.127: [-0.017, +0.237], within ±0.5); amp has 1 pair only.

@@ -278,10 +278,13 @@ def _headline(
         r["delta"]["n"] >= 2 for r in mine
     ):
         n = max(r["delta"]["n"] for r in mine)
+        # "at most" where some arm has fewer (no seed in common with the reference)
+        most = "at most " if any(r["delta"]["n"] != n for r in mine) else ""
         return ([
-            f"- Cannot judge any arm against {ref_name}: {n} paired seed{'s' * (n != 1)}{after} "
-            "per arm, and a confidence interval needs at least 2 (run 3 or more, e.g. "
-            "`train.seed=0,1,2`). The Δ column is a single difference, not a result."
+            f"- Cannot judge any arm against {ref_name}: {most}{n} paired "
+            f"seed{'s' * (n != 1)}{after} per arm, and a confidence interval needs at least 2 "
+            "(run 3 or more, e.g. `train.seed=0,1,2`). The Δ column is a single difference, not "
+            "a result."
         ], False, False)  # fmt: skip
     lines = []
     timed = speed_candidates(mine, ref, margin_db)

@@ -256,6 +256,17 @@ def test_psnrs_and_times_whose_sum_overflows_float64_are_reported(tmp_path):
     assert "| `bf16` | 2 | " in text
 
 
+def test_a_zero_difference_on_every_paired_seed_beside_an_unpaired_one_is_zero_spread(tmp_path):
+    # bf16 equals f32 to the bit on seeds 0-2 and also ran seed 3, which f32 did not: the rows
+    # are not bit-identical (bf16 has a seed more), yet the interval is [0, 0], without width.
+    # The zero-spread line names it (docs/report.md: a line names every such interval).
+    _seeds(tmp_path, "f32", [40.0, 41.0, 42.0], t=0.3)
+    _seeds(tmp_path, "bf16", [40.0, 41.0, 42.0, 45.0], t=0.1)
+    text = _report(tmp_path)
+    assert "bit-identical" not in text
+    assert "- Zero spread: `bf16` (Δ +0.00 dB on each of 3 seeds)." in text
+
+
 # ----------------------------------------------------------------------------- reading runs
 def test_a_completed_run_is_counted_before_an_unavailable_one_of_its_seed(tmp_path):
     # tcnn_fused refused at start on a machine without tinycudann (unavailable), then run

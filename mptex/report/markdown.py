@@ -424,7 +424,14 @@ def _reading(
                     "no paired seeds": f"No seed completed in both the arm and `{REFERENCE_ARM}`",
                 }.get(name, name.capitalize())
                 lines.append(f"- {lead}: {items}.")
-        flat = [r for r in compared if r["delta"]["sd"] == 0 and r["delta"]["mean"]]
+
+        # A Δ of 0 on every seed is named by the bit-identical line instead, where the two rows
+        # completed exactly the paired seeds (_identical compares all their completed seeds).
+        def identical(r):
+            ref = all_rows[r["reference"]]
+            return r["delta"]["mean"] == 0 and r["n_seeds"] == r["delta"]["n"] == ref["n_seeds"]
+
+        flat = [r for r in compared if r["delta"]["sd"] == 0 and not identical(r)]
         if flat:
             # Printed as the Δ cell prints it: -0.004 is not -0.00 beside a verdict of worse.
             items = ", ".join(f"{_name(r)} (Δ {interval_text(r['delta'], margin_db)[0]} dB on "

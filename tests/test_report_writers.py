@@ -498,6 +498,16 @@ def test_peak_memory_is_printed_in_mebibytes(tmp_path):
     assert _cell(_report_md(tmp_path), "f32", "peak mem (MiB)") == "100"
 
 
+def test_peak_memory_is_the_largest_of_the_completed_runs_as_the_key_says(tmp_path):
+    # seed 0 completed at 100 MiB, seed 1 diverged at 300 MiB: the cell shows 100, and the key
+    # under the tables says whose peak it is.
+    _write(tmp_path, "f0", _run("f32", 0, peak_memory_bytes=100 * 2**20))
+    _write(tmp_path, "f1", _run("f32", 1, peak_memory_bytes=300 * 2**20, status="diverged"))
+    text = _report_md(tmp_path)
+    assert _cell(text, "f32", "peak mem (MiB)") == "100"
+    assert "- Peak memory: the largest over the row's completed runs (" in text
+
+
 def test_a_run_at_the_baseline_is_marked_in_the_psnr_cell(tmp_path):
     _write(tmp_path, "f0", _run("f32", 0, psnr=20.0, baseline=20.0))
     assert _cell(_report_md(tmp_path), "f32", "PSNR") == "20.00 ⚠"

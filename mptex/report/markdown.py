@@ -804,7 +804,8 @@ def render_report(
         f"than `{REFERENCE_ARM}`.",
         "- ms / iter: median time per training iteration, averaged over seeds; speed-up > 1: "
         "faster than the reference.",
-        f"- Peak memory: the largest over the row's runs ({', '.join(kinds) or 'unknown'}). "
+        f"- Peak memory: the largest over the row's completed runs "
+        f"({', '.join(kinds) or 'unknown'}). "
         "cuda_max_allocated: the GPU allocator's peak during the run. run_peak_rss: the "
         "process's resident memory sampled during the run; it includes what the process held "
         "before (Python, torch, earlier jobs under Hydra's basic launcher), so compare arms "

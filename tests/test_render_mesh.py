@@ -437,3 +437,36 @@ def test_a_material_the_mtl_does_not_define_warns_once_and_gets_the_default(tmp_
     grey = srgb_to_rgb(torch.tensor([0.8, 0.8, 0.8]))
     torch.testing.assert_close(mesh.materials[1].kd, grey, rtol=0, atol=0)
     assert mesh.materials[1].kd_texture is None
+
+
+_TRIANGLE = "v 0 0 0\nv 1 0 0\nv 0 1 0\nvt 0 0\nvn 0 0 1\n"
+
+
+@pytest.mark.parametrize(
+    "obj, mtl, match",
+    [
+        # 1e39 is finite as a Python float but beyond float32's largest, 3.40282e38: as a mesh
+        # value it would be inf (a position, a UV) or turn a normal NaN.
+        ("v 1e39 0 0\n" + _TRIANGLE + "f 2 3 4\n", "", r"t\.obj:1: 'v' has a value beyond"),
+        (_TRIANGLE + "vt 0 -4e38\nf 1/2 2/1 3/1\n", "", r"t\.obj:6: 'vt' has a value beyond"),
+        (_TRIANGLE + "vn 0 0 1e39\nf 1//2 2//1 3//1\n", "", r"t\.obj:6: 'vn' has a value beyond"),
+        (_TRIANGLE + "mtllib m.mtl\nusemtl a\nf 1 2 3\n", "newmtl a\nKd 1e39 0 0\n",
+         r"m\.mtl:2: 'Kd' has a value beyond"),
+        (_TRIANGLE + "mtllib m.mtl\nusemtl a\nf 1/1 2/1 3/1\n", "newmtl a\nmap_Kd -s 1e39 t.png\n",
+         r"m\.mtl:2: map_Kd option -s has a value beyond"),
+    ],
+)  # fmt: skip
+def test_values_beyond_float32_are_refused_naming_file_and_line(tmp_path, obj, mtl, match):
+    _solid_png(tmp_path / "t.png")
+    (tmp_path / "m.mtl").write_text(mtl)
+    (tmp_path / "t.obj").write_text(obj)
+    with pytest.raises(ValueError, match=match + r" float32's range") as info:
+        load_obj(tmp_path / "t.obj")
+    assert "\n" not in str(info.value)
+
+
+def test_values_near_the_float32_limit_load_unchanged(tmp_path):
+    # 3.4e38 < 3.40282e38 (float32's largest): stored as the float32 nearest to it, finite.
+    (tmp_path / "t.obj").write_text("v -3.4e38 0 0\nv 3.4e38 0 0\nv 0 1 0\nf 1 2 3\n")
+    mesh = load_obj(tmp_path / "t.obj")
+    assert mesh.v_pos[:, 0].tolist() == [float(np.float32(-3.4e38)), float(np.float32(3.4e38)), 0.0]

@@ -28,6 +28,19 @@ class UndefinedMaterialWarning(UserWarning):
     """A face names a material its MTL files do not define (it gets the MTL default)."""
 
 
+# The mesh holds float32: a larger magnitude, finite as Python's float64, would become inf.
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _finite_float32(values: list[float], where: str, tokens: list[str]) -> None:
+    if not all(math.isfinite(v) for v in values):
+        raise ValueError(f"{where} has a non-finite value: {tokens}")
+    if not all(abs(v) <= _FLOAT32_MAX for v in values):
+        raise ValueError(
+            f"{where} has a value beyond float32's range (|x| <= {_FLOAT32_MAX:.6g}): {tokens}"
+        )
+
+
 def _floats(tokens: list[str], count: int, path: Path, lineno: int, what: str) -> list[float]:
     if len(tokens) < count:
         raise ValueError(f"{path}:{lineno}: '{what}' needs {count} numbers, found {len(tokens)}")
@@ -35,8 +48,7 @@ def _floats(tokens: list[str], count: int, path: Path, lineno: int, what: str) -
         values = [float(t) for t in tokens[:count]]
     except ValueError as exc:
         raise ValueError(f"{path}:{lineno}: '{what}' has a non-numeric value: {exc}") from exc
-    if not all(math.isfinite(v) for v in values):
-        raise ValueError(f"{path}:{lineno}: '{what}' has a non-finite value: {tokens[:count]}")
+    _finite_float32(values, f"{path}:{lineno}: '{what}'", tokens[:count])
     return values
 
 
@@ -190,8 +202,7 @@ def _parse_map_kd(text: str, path: Path, lineno: int) -> dict:
             raise ValueError(f"{where} option {option} needs {_MAP_OPTIONS[option]} value(s)")
         if option in ("-s", "-o", "-t", "-mm"):
             values = [float(a) for a in args]
-            if not all(math.isfinite(v) for v in values):
-                raise ValueError(f"{where} option {option} has a non-finite value")
+            _finite_float32(values, f"{where} option {option}", args)
         if option in ("-clamp", "-blendu", "-blendv", "-cc") and args[0].lower() not in (
             "on",
             "off",

@@ -73,6 +73,16 @@ def test_adam_runs_at_the_configured_rates_betas_and_epsilon(tmp_path):
     assert len(grid["params"]) == 1 and len(mlp["params"]) == 3
 
 
+def test_betas_given_as_integers_run_as_those_numbers(tmp_path):
+    # The command line reads train.betas=[0,0.99] as an int and a float, [0,0] as two ints.
+    for betas in ("[0,0.99]", "[0,0]"):
+        m = train(tiny_cfg("train.iterations=1", f"train.betas={betas}"), tmp_path / betas)
+        assert m["status"] == "completed"
+        groups = load_checkpoint(tmp_path / betas / "checkpoint.pt")["optimizer"]["param_groups"]
+        expected = (0.0, 0.99) if betas == "[0,0.99]" else (0.0, 0.0)
+        assert [tuple(group["betas"]) for group in groups] == [expected, expected]
+
+
 def test_mlp_rate_factor_ramps_linearly_then_holds():
     fixed = {"mlp_lr_scale": 0.3, "mlp_lr_ramp_to": None, "mlp_lr_ramp_iter": 10}
     assert [loop.mlp_rate_factor(fixed, it) for it in (0, 5, 1000)] == [0.3, 0.3, 0.3]

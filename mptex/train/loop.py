@@ -699,9 +699,12 @@ def setup(
     settings = run.settings
     if settings["threads"] is not None:
         torch.set_num_threads(settings["threads"])
+    # As floats: torch's Adam refuses betas that mix an int and a float ([0, 0.99] as the
+    # command line gives train.betas=[0,0.99]).
+    betas = tuple(float(beta) for beta in settings["betas"])
     run.optimizer = torch.optim.Adam(
         _param_groups(texture, settings["mlp_lr_scale"]),
-        lr=settings["lr"], betas=tuple(settings["betas"]), eps=settings["adam_eps"],
+        lr=settings["lr"], betas=betas, eps=settings["adam_eps"],
         **_adam_implementation(texture, device),
     )  # fmt: skip
     # Every training view's G-buffer and covered pixels, now (one rasterization per chunk).

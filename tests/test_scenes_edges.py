@@ -311,8 +311,13 @@ def test_the_nerf_projection_takes_the_scenes_clip_planes_and_horizontal_fov(tmp
          "frame 0 transform_matrix is not 4x4"),
         (lambda meta: meta["frames"][1].update(file_path="./train/r_1x"),
          "frame image .*r_1x\\(\\.\\*\\) does not exist"),
+        (lambda meta: meta.update(frames=5), "frames: expected a list of frames, got 5$"),
+        (lambda meta: meta.update(frames=True), "frames: expected a list of frames, got True$"),
+        (lambda meta: meta.update(frames={"a": 1}),
+         "frames: expected a list of frames, got \\{'a': 1\\}$"),
     ],
-    ids=["no-frames", "no-fov", "pose-3x4", "prefix-of-another-name"],
+    ids=["no-frames", "no-fov", "pose-3x4", "prefix-of-another-name", "frames-a-number",
+         "frames-true", "frames-a-mapping"],
 )  # fmt: skip
 def test_a_malformed_split_is_one_line_naming_its_file(tmp_path, damage, message):
     root = tmp_path / "data"

@@ -59,6 +59,8 @@ def load_nerf_split(
         frames = meta["frames"]
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{json_path}: malformed ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(frames, list):
+        raise ValueError(f"{json_path}: frames: expected a list of frames, got {frames!r:.80}")
     if not frames:
         raise ValueError(f"{json_path}: no frames")
 

@@ -315,9 +315,15 @@ def test_the_nerf_projection_takes_the_scenes_clip_planes_and_horizontal_fov(tmp
         (lambda meta: meta.update(frames=True), "frames: expected a list of frames, got True$"),
         (lambda meta: meta.update(frames={"a": 1}),
          "frames: expected a list of frames, got \\{'a': 1\\}$"),
+        (lambda meta: meta["frames"][1].update(file_path=5),
+         "frame 1 file_path: expected an image path relative to the dataset folder, got 5$"),
+        (lambda meta: meta["frames"][0].update(file_path=None), "frame 0 file_path: .*got None$"),
+        (lambda meta: meta["frames"][0].update(file_path=["r_0"]), "frame 0 file_path: .*\\]$"),
+        (lambda meta: meta["frames"][0].update(file_path=""), "frame 0 file_path: .*got ''$"),
     ],
     ids=["no-frames", "no-fov", "pose-3x4", "prefix-of-another-name", "frames-a-number",
-         "frames-true", "frames-a-mapping"],
+         "frames-true", "frames-a-mapping", "path-a-number", "path-null", "path-a-list",
+         "path-empty"],
 )  # fmt: skip
 def test_a_malformed_split_is_one_line_naming_its_file(tmp_path, damage, message):
     root = tmp_path / "data"

@@ -71,6 +71,11 @@ def load_nerf_split(
             file_path = frame["file_path"]
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{json_path}: frame {n} malformed ({exc})") from exc
+        if not isinstance(file_path, str) or not file_path:
+            raise ValueError(
+                f"{json_path}: frame {n} file_path: expected an image path relative to the "
+                f"dataset folder, got {file_path!r:.80}"
+            )
         if c2w.shape != (4, 4):
             raise ValueError(f"{json_path}: frame {n} transform_matrix is not 4x4")
         if not bool(torch.isfinite(c2w).all()) or abs(float(torch.linalg.det(c2w))) < 1e-12:

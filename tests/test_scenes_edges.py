@@ -320,10 +320,20 @@ def test_the_nerf_projection_takes_the_scenes_clip_planes_and_horizontal_fov(tmp
         (lambda meta: meta["frames"][0].update(file_path=None), "frame 0 file_path: .*got None$"),
         (lambda meta: meta["frames"][0].update(file_path=["r_0"]), "frame 0 file_path: .*\\]$"),
         (lambda meta: meta["frames"][0].update(file_path=""), "frame 0 file_path: .*got ''$"),
+        # 7 rad is past pi: tan(3.5) > 0 would have made it a 0.7 rad field of view
+        (lambda meta: meta.update(camera_angle_x=7), "camera_angle_x: expected the horizontal "
+         "field of view in radians, in \\(0, pi\\), got 7$"),
+        (lambda meta: meta.update(camera_angle_x=3.5), "camera_angle_x: .*got 3.5$"),
+        (lambda meta: meta.update(camera_angle_x=0), "camera_angle_x: .*got 0$"),
+        (lambda meta: meta.update(camera_angle_x=-0.5), "camera_angle_x: .*got -0.5$"),
+        (lambda meta: meta.update(camera_angle_x=float("inf")), "camera_angle_x: .*got inf$"),
+        (lambda meta: meta.update(camera_angle_x=float("nan")), "camera_angle_x: .*got nan$"),
+        (lambda meta: meta.update(camera_angle_x=True), "camera_angle_x: .*got True$"),
     ],
     ids=["no-frames", "no-fov", "pose-3x4", "prefix-of-another-name", "frames-a-number",
          "frames-true", "frames-a-mapping", "path-a-number", "path-null", "path-a-list",
-         "path-empty"],
+         "path-empty", "fov-7", "fov-3.5", "fov-0", "fov-negative", "fov-inf", "fov-nan",
+         "fov-true"],
 )  # fmt: skip
 def test_a_malformed_split_is_one_line_naming_its_file(tmp_path, damage, message):
     root = tmp_path / "data"

@@ -10,6 +10,7 @@ image aspect, ``proj = perspective(fovy, aspect, near, far)``, images sRGB -> li
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -55,10 +56,17 @@ def load_nerf_split(
         raise ValueError(f"{json_path}: file not found")
     try:
         meta = json.loads(json_path.read_text())
-        fovx = float(meta["camera_angle_x"])
+        given_fovx = meta["camera_angle_x"]
+        fovx = float(given_fovx)
         frames = meta["frames"]
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{json_path}: malformed ({type(exc).__name__}: {exc})") from exc
+    # (a field of view past pi would wrap through tan into another, narrower one)
+    if isinstance(given_fovx, bool) or not 0 < fovx < math.pi:
+        raise ValueError(
+            f"{json_path}: camera_angle_x: expected the horizontal field of view in radians, "
+            f"in (0, pi), got {given_fovx!r}"
+        )
     if not isinstance(frames, list):
         raise ValueError(f"{json_path}: frames: expected a list of frames, got {frames!r:.80}")
     if not frames:

@@ -47,6 +47,16 @@ def test_missing_file(tmp_path):
         load_image(tmp_path / "nope.png")
 
 
+def test_a_file_no_reader_decodes_is_one_line_naming_it(tmp_path):
+    # Bytes no format starts with: imageio's "no backend" reason spans several lines.
+    (tmp_path / "notes.png").write_bytes(b"junk")
+    with pytest.raises(RuntimeError) as info:
+        load_image(tmp_path / "notes.png")
+    message = str(info.value)
+    assert message.startswith(f"load_image: cannot read {tmp_path / 'notes.png'} (")
+    assert "\n" not in message
+
+
 def write_png16(path, data: np.ndarray) -> None:
     """A 16-bit grey, grey + alpha, RGB or RGBA PNG ([H, W, 1 to 4]) of uint16 ``data``
     (Pillow writes none but grey)."""

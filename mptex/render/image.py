@@ -160,6 +160,11 @@ def load_image(path: str | os.PathLike, to_linear: bool = False) -> torch.Tensor
 
     Returns:
         [H, W, C] float32 tensor (grey images get C = 1, grey + alpha C = 2).
+
+    Raises:
+        FileNotFoundError: ``path`` is no file.
+        RuntimeError: no installed reader decodes it; one line naming the file and the reader's
+            reason.
     """
     import imageio.v3 as iio
 
@@ -171,7 +176,9 @@ def load_image(path: str | os.PathLike, to_linear: bool = False) -> torch.Tensor
         if data is None:
             data = iio.imread(path)
     except Exception as exc:
-        raise RuntimeError(f"load_image: cannot read {path} ({type(exc).__name__}: {exc})") from exc
+        # One line: imageio's "no backend" message lists plugins over several lines.
+        why = " ".join(str(exc).split())
+        raise RuntimeError(f"load_image: cannot read {path} ({type(exc).__name__}: {why})") from exc
     if data.ndim == 4:  # the frames of an animated GIF / PNG or the pages of a TIFF
         data = data[0]
     if data.dtype == np.uint8:

@@ -1,5 +1,7 @@
 """OBJ/MTL reading and writing, normals."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -470,3 +472,18 @@ def test_values_near_the_float32_limit_load_unchanged(tmp_path):
     (tmp_path / "t.obj").write_text("v -3.4e38 0 0\nv 3.4e38 0 0\nv 0 1 0\nf 1 2 3\n")
     mesh = load_obj(tmp_path / "t.obj")
     assert mesh.v_pos[:, 0].tolist() == [float(np.float32(-3.4e38)), float(np.float32(3.4e38)), 0.0]
+
+
+def test_files_starting_with_a_utf8_byte_order_mark_read_as_without_it(tmp_path):
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "m.mtl").write_bytes(bom + b"newmtl red\nKd 1 0 0\n")
+    obj = b"mtllib m.mtl\nv 0 0 0\nv 1 0 0\nv 0 1 0\nusemtl red\nf 1 2 3\n"
+    for first in (b"", b"# exported\n", b"v 5 5 5\n"):
+        (tmp_path / "m.obj").write_bytes(bom + first + obj)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UndefinedMaterialWarning)  # red is defined
+            mesh = load_obj(tmp_path / "m.obj")
+        assert mesh.v_pos[:, :2].tolist()[-3:] == [[0, 0], [1, 0], [0, 1]]
+        assert mesh.v_pos.shape[0] == (4 if first.startswith(b"v") else 3)
+        # Kd 1 0 0 is linear 1 0 0 (the sRGB curve keeps 0 and 1)
+        assert mesh.kd.tolist() == [1.0, 0.0, 0.0]

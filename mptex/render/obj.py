@@ -9,6 +9,7 @@ coordinate is flipped (``v -> 1 - v``) so that UV (0, 0) addresses row 0 of the 
 
 from __future__ import annotations
 
+import codecs
 import math
 import os
 import re
@@ -54,13 +55,15 @@ def _floats(tokens: list[str], count: int, path: Path, lineno: int, what: str) -
 
 def _text_lines(path: Path) -> list[str]:
     """The lines of an OBJ or MTL file: UTF-8, else Latin-1 (older exporters write material and
-    file names in it); a file with NUL bytes is binary, not OBJ/MTL text."""
+    file names in it), without a leading UTF-8 byte order mark (Windows editors write one); a
+    file with NUL bytes is binary, not OBJ/MTL text."""
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise ValueError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if b"\0" in data:
         raise ValueError(f"{path}: not a text file (NUL bytes): not a Wavefront OBJ/MTL file")
+    data = data.removeprefix(codecs.BOM_UTF8)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:

@@ -487,3 +487,24 @@ def test_files_starting_with_a_utf8_byte_order_mark_read_as_without_it(tmp_path)
         assert mesh.v_pos.shape[0] == (4 if first.startswith(b"v") else 3)
         # Kd 1 0 0 is linear 1 0 0 (the sRGB curve keeps 0 and 1)
         assert mesh.kd.tolist() == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("mtllib_line", [1, 9])
+def test_a_face_without_vt_on_a_textured_material_is_refused_wherever_mtllib_stands(
+    tmp_path, mtllib_line
+):
+    # mtllib first, or last: after the faces that use its materials, as the spec allows. The
+    # last face has no vt and its material a texture: no UV to sample the texture at.
+    _solid_png(tmp_path / "t.png")
+    (tmp_path / "m.mtl").write_text("newmtl tex\nmap_Kd t.png\nnewmtl red\nKd 1 0 0\n")
+    body = ["v 0 0 0", "v 1 0 0", "v 0 1 0", "vt 0.5 0.5", "usemtl red", "f 1/1 2/1 3/1",
+            "usemtl tex", "f 1 2 3"]  # fmt: skip
+    body.insert(mtllib_line - 1, "mtllib m.mtl")
+    (tmp_path / "m.obj").write_text("\n".join(body) + "\n")
+    face_line = 9 if mtllib_line == 1 else 8
+    with pytest.raises(ValueError) as info:
+        load_obj(tmp_path / "m.obj")
+    assert str(info.value) == (
+        f"{tmp_path / 'm.obj'}:{face_line}: face without texcoords (vt) uses material 'tex', "
+        "which has a map_Kd texture"
+    )

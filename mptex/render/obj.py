@@ -382,6 +382,7 @@ def load_obj(path: str | os.PathLike) -> Mesh:
     current: str | None = None
     first_use: dict[str | None, int] = {}  # material -> line of its first face
     usemtl_at: dict[str, int] = {}  # material -> line of its first usemtl
+    without_vt: dict[str | None, int] = {}  # material -> line of its first face without vt
 
     for lineno, raw in enumerate(_text_lines(path), start=1):
         tokens = raw.split("#", 1)[0].split()
@@ -422,11 +423,8 @@ def load_obj(path: str | os.PathLike) -> Mesh:
                 raise ValueError(
                     f"{path}:{lineno}: a face mixes corners with and without texcoords or normals"
                 )
-            if not all(tex_given) and "map_kd" in library.get(current, {}):
-                raise ValueError(
-                    f"{path}:{lineno}: face without texcoords (vt) uses material "
-                    f"{current!r}, which has a map_Kd texture"
-                )
+            if not all(tex_given):
+                without_vt.setdefault(current, lineno)
             first_use.setdefault(current, lineno)
             triangles = _triangulate([positions[c[0]] for c in corners])
             if triangles is None:
@@ -478,6 +476,12 @@ def load_obj(path: str | os.PathLike) -> Mesh:
                 "its faces get the MTL default (Kd 0.8 grey)",
                 UndefinedMaterialWarning,
                 stacklevel=2,
+            )
+    for name, lineno in without_vt.items():
+        if "map_kd" in library.get(name, {}):  # judged once every library is read, as above
+            raise ValueError(
+                f"{path}:{lineno}: face without texcoords (vt) uses material {name!r}, which "
+                "has a map_Kd texture"
             )
     for name, lineno in first_use.items():
         if name is not None and "error" in library.get(name, {}):

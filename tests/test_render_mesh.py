@@ -508,3 +508,20 @@ def test_a_face_without_vt_on_a_textured_material_is_refused_wherever_mtllib_sta
         f"{tmp_path / 'm.obj'}:{face_line}: face without texcoords (vt) uses material 'tex', "
         "which has a map_Kd texture"
     )
+
+
+def test_file_normals_of_any_length_become_unit_normals_of_their_direction(tmp_path):
+    # (1e20, 1e20, 0): its squared length, 2e40, is beyond float32; (1e-30, 0, 0) and the
+    # float32 subnormals (0, 3e-39, 4e-39): theirs vanish in float32. Directions by hand:
+    # (1, 1, 0) / sqrt(2), (1, 0, 0), (0, 3, 4) / 5.
+    normals = ["vn 1e20 1e20 0", "vn 1e-30 0 0", "vn 0 3e-39 4e-39", "vn 0 0 -2"]
+    (tmp_path / "n.obj").write_text(
+        "v 0 0 0\nv 1 0 0\nv 0 1 0\n"
+        + "\n".join(normals)
+        + "\nf 1//1 2//2 3//3\nf 1//4 2//4 3//4\n"
+    )
+    mesh = load_obj(tmp_path / "n.obj")
+    r = 0.5**0.5
+    expected = torch.tensor([[r, r, 0.0], [1.0, 0.0, 0.0], [0.0, 0.6, 0.8], [0.0, 0.0, -1.0]])
+    # float32 rounding of values computed in float64
+    torch.testing.assert_close(mesh.v_nrm, expected, rtol=0, atol=1e-7)

@@ -60,6 +60,15 @@ def test_vertex_normals_are_area_weighted():
     torch.testing.assert_close(n[0], torch.tensor([0.5, 0.0, 2.0]) / (4.25**0.5))
 
 
+@pytest.mark.parametrize("size", [1e20, 3e38, 1e-30, 1e-40])
+def test_vertex_normals_of_huge_and_tiny_triangles_keep_their_direction(size):
+    # (p1 - p0) x (p2 - p0) = size**2 * ((1, 0, 0) x (0, 0, 1)) = size**2 * (0, -1, 0); its
+    # float32 components overflow (size 1e20: 1e40) or vanish (1e-30: 1e-60) unscaled.
+    v_pos = torch.tensor([[0.0, 0, 0], [size, 0, 0], [0, 0, size]])
+    n = vertex_normals(v_pos, torch.tensor([[0, 1, 2]], dtype=torch.int32))
+    assert n.tolist() == [[0.0, -1.0, 0.0]] * 3
+
+
 def test_negative_indices_and_kd_only_material(tmp_path):
     (tmp_path / "m.mtl").write_text("newmtl red\nKd 1 0 0\n")
     (tmp_path / "t.obj").write_text(

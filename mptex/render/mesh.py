@@ -124,6 +124,12 @@ def vertex_normals(v_pos: torch.Tensor, t_pos_idx: torch.Tensor) -> torch.Tensor
         [V, 3] float32 unit normals (a vertex used by no triangle gets (0, 0, 1)).
     """
     idx = t_pos_idx.long()
+    # Scaled by a power of two (exact: the normals are those of v_pos) to a largest coordinate
+    # near 1: cross products of float32 coordinates beyond about 1e19 overflow (NaN normals),
+    # of coordinates below about 1e-19 vanish (the fallback instead of the face's direction).
+    if v_pos.numel():
+        exponent = int(torch.frexp(v_pos.detach().abs().amax().float())[1])
+        v_pos = v_pos * 2.0 ** -max(-125, min(125, exponent))
     p0, p1, p2 = v_pos[idx[:, 0]], v_pos[idx[:, 1]], v_pos[idx[:, 2]]
     # The cross product's length is twice the area: summing it weights faces by area.
     face = torch.linalg.cross(p1 - p0, p2 - p0)

@@ -95,7 +95,9 @@ LOSS_SCALING_MODES = ("none", "static", "dynamic", "nvdiffrec", "tcnn")
 _MLP_KINDS = ("linear", "fused")
 _MLP_BACKENDS = ("torch", "tcnn", "auto")
 _ACCUMULATE = ("half", "float")
-_SCALE = Number(min=0, min_open=True)  # a loss scale: finite and > 0
+# A loss scale: > 0 and a float32 number (a larger one cannot multiply the float32 loss: torch
+# refuses it, "value cannot be converted to type float without overflow").
+_SCALE = Number(0, float(torch.finfo(torch.float32).max), min_open=True, note="a float32 factor")
 
 _DTYPE_ALIASES = {
     "f32": torch.float32,

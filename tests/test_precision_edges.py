@@ -79,6 +79,19 @@ def test_combinations_that_cannot_train_name_their_field_first(cfg, field):
         PrecisionPolicy.from_config(cfg)
 
 
+@pytest.mark.parametrize("field", ["static_loss_scale", "init_scale", "fused_loss_scale"])
+def test_a_loss_scale_is_a_positive_float32_number(field):
+    largest = float(torch.finfo(torch.float32).max)  # 3.40282e+38
+    policy = PrecisionPolicy.from_config({"name": "f16_static", field: largest})
+    assert getattr(policy, field) == largest
+    for value in (1e39, 0.0, -1.0):
+        with pytest.raises(ValueError) as info:
+            PrecisionPolicy.from_config({"name": "f16_static", field: value})
+        assert str(info.value) == (
+            f"{field}: expected a number in (0, 3.40282e+38] (a float32 factor), got {value!r}"
+        )
+
+
 def test_the_fused_network_takes_an_outer_static_scale():
     policy = PrecisionPolicy.from_config({"name": "tcnn_fused", "loss_scaling": "static"})
     assert policy.loss_scaling == "static" and policy.mlp == "fused"

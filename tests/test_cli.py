@@ -43,6 +43,8 @@ def test_cli_diverged_run_is_a_result(tmp_path):
     [
         (["train.iterations=-5"], "train.iterations"),
         (["scene=mesh", "scene.path=/nonexistent/mesh.obj"], "scene.path"),
+        # an interpolation that does not resolve: a variable that is not set
+        (["train.lr=${oc.env:MPTEX_TEST_UNSET_VARIABLE}"], "train.lr"),
         pytest.param(
             ["precision=tcnn_fused", "precision.mlp_backend=tcnn"], "precision.mlp_backend",
             marks=pytest.mark.skipif(_backends.has_tcnn(), reason="tcnn is available here"),

@@ -379,7 +379,9 @@ class PrecisionPolicy:
         cfg = plain(cfg)
         check_keys(cls, cfg)
         name = cfg.get("name")
-        if name not in _ARMS and len(cfg) < len(dataclasses.fields(cls)):
+        # (a list or a mapping is no arm, and no key of _ARMS: the field's check names it)
+        registered = isinstance(name, str) and name in _ARMS
+        if not registered and len(cfg) < len(dataclasses.fields(cls)):
             # A typo keeps the length within one letter and is no extension of the arm's name
             # (f16_dyanmic); a variant's own name (f16_dynamic_100, bf16_nogrid) is neither.
             close = [
@@ -391,7 +393,7 @@ class PrecisionPolicy:
                     f"name: {name!r} is not a registered arm (did you mean {close[0]!r}?); a "
                     "policy of its own under a new name gives every field"
                 )
-        base = _ARMS.get(name, cls())
+        base = _ARMS[name] if registered else cls()
         return dataclasses.replace(base, **cfg)
 
     def to_config(self) -> dict[str, Any]:

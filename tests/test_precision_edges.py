@@ -79,6 +79,13 @@ def test_combinations_that_cannot_train_name_their_field_first(cfg, field):
         PrecisionPolicy.from_config(cfg)
 
 
+@pytest.mark.parametrize("name", [["a", "b"], {"arm": "f32"}, 5])
+def test_a_name_that_is_not_a_string_is_refused_naming_the_field(name):
+    with pytest.raises(ValueError) as info:
+        PrecisionPolicy.from_config({"name": name})
+    assert str(info.value) == f"name: expected a string, got {name!r}"
+
+
 @pytest.mark.parametrize("field", ["static_loss_scale", "init_scale", "fused_loss_scale"])
 def test_a_loss_scale_is_a_positive_float32_number(field):
     largest = float(torch.finfo(torch.float32).max)  # 3.40282e+38

@@ -111,6 +111,24 @@ def test_unit_size_centres_every_axis_and_scales_the_longest_to_two():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize(
+    "v_pos, want",
+    [
+        # x in [-3e38, 3e38] (side 6e38, beyond float32's 3.4e38), y and z in [0, 3e38]: scale
+        # 2 / 6e38, centre (0, 1.5e38, 1.5e38).
+        ([[-3e38, 0, 0], [3e38, 0, 0], [0, 3e38, 0]], [[-1, -0.5, 0], [1, -0.5, 0], [0, 0.5, 0]]),
+        # x in [1e38, 3.4e38] (side 2.4e38, but lo + hi = 4.4e38), y in [0, 1e38]: scale
+        # 2 / 2.4e38, centre (2.2e38, 0.5e38, 0): x -1, 1, -0.2 / 1.2; y -0.5 / 1.2, 0.5 / 1.2.
+        ([[1e38, 0, 0], [3.4e38, 1e38, 0], [2e38, 0, 0]],
+         [[-1, -5 / 12, 0], [1, 5 / 12, 0], [-1 / 6, -5 / 12, 0]]),
+    ],
+)  # fmt: skip
+def test_unit_size_of_coordinates_near_the_float32_limit(v_pos, want):
+    mesh = Mesh(v_pos=torch.tensor(v_pos), t_pos_idx=torch.tensor([[0, 1, 2]], dtype=torch.int32))
+    # float32 rounding of the inputs (3.4e38 and 1e38 are not exact) and of the scaling
+    torch.testing.assert_close(unit_size(mesh).v_pos, torch.tensor(want), rtol=0, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- rasterizer
 def test_depth_is_clamped_where_the_snapped_triangle_covers_a_centre_outside_the_exact_one():
     # 4x4 pixels: a sub-pixel is 1/32 in NDC. The vertical edge at x = -0.249 snaps to -0.25,

@@ -8,6 +8,7 @@ written by :mod:`mptex.render.obj`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -145,17 +146,28 @@ def unit_size(mesh: Mesh) -> Mesh:
     """Centre the mesh's AABB at the origin and scale its longest side to 2 (fits [-1, 1]^3).
 
     Raises:
-        ValueError: the mesh has no vertices, or all at one point (no side to scale).
+        ValueError: the mesh has no vertices, all at one point (no side to scale), or a
+            non-finite one.
     """
-    side = float((mesh.aabb[1] - mesh.aabb[0]).max()) if mesh.v_pos.shape[0] else 0.0
+    v_pos = mesh.v_pos
+    if v_pos.shape[0] and not bool(torch.isfinite(v_pos.amax(dim=0) - v_pos.amin(dim=0)).all()):
+        # A side longer than float32's largest value (coordinates near -3e38 and 3e38) would
+        # be inf and the scale 0, putting every vertex at the origin: halved first (exact).
+        v_pos = v_pos / 2
+    lo, hi = (v_pos.amin(dim=0), v_pos.amax(dim=0)) if v_pos.shape[0] else (v_pos, v_pos)
+    side = float((hi - lo).max()) if v_pos.shape[0] else 0.0
+    if not math.isfinite(side):
+        raise ValueError(
+            f"mesh: expected finite vertex positions, received a longest side of {side}"
+        )
     if not side > 0:
         raise ValueError(
             "mesh: expected vertices spanning a box of non-zero size, received "
             f"{mesh.v_pos.shape[0]} vertices whose longest side is {side}"
         )
-    lo, hi = mesh.aabb
     scale = 2.0 / side
-    return replace(mesh, v_pos=(mesh.v_pos - (lo + hi) / 2) * scale)
+    # lo / 2 + hi / 2, not (lo + hi) / 2: the sum of two coordinates near 3e38 overflows.
+    return replace(mesh, v_pos=(v_pos - (lo / 2 + hi / 2)) * scale)
 
 
 # ---------------------------------------------------------------------------------------------

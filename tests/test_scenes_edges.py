@@ -270,8 +270,25 @@ def test_a_nerf_scene_whose_splits_differ_in_image_size_is_refused(tmp_path):
 def test_a_split_whose_frames_differ_in_size_is_refused(tmp_path):
     root = tmp_path / "data"
     _nerf(root, sizes={"train": [(6, 8), (6, 9)]})
-    with pytest.raises(ValueError, match=r"transforms_train\.json: frame 1 image size differs"):
+    with pytest.raises(ValueError) as info:
         load_nerf_split(root, "train")
+    assert str(info.value) == (
+        f"{root / 'transforms_train.json'}: frame 1 image size differs from frame 0: 6 x 9 "
+        "pixels, expected 6 x 8 (height x width)"
+    )
+
+
+@pytest.mark.parametrize("channels", [1, 2])
+def test_a_grey_frame_is_refused_saying_what_was_expected(tmp_path, channels):
+    root = tmp_path / "data"
+    _nerf(root)
+    save_image(root / "train" / "r_1.png", torch.full((6, 8, channels), 0.5))
+    with pytest.raises(ValueError) as info:
+        load_nerf_split(root, "train")
+    assert str(info.value) == (
+        f"{root / 'transforms_train.json'}: frame 1 image {root / 'train' / 'r_1.png'} has "
+        f"{channels} channel(s); expected RGB or RGBA (3 or 4)"
+    )
 
 
 def test_rgb_frames_are_opaque(tmp_path):

@@ -100,9 +100,16 @@ def load_nerf_split(
         if img.shape[-1] == 3:
             img = torch.cat([img, torch.ones_like(img[..., :1])], -1)
         if img.shape[-1] != 4:
-            raise ValueError(f"{json_path}: frame {n} image has {img.shape[-1]} channels")
+            raise ValueError(
+                f"{json_path}: frame {n} image {image_path} has {img.shape[-1]} channel(s); "
+                "expected RGB or RGBA (3 or 4)"
+            )
         if images and img.shape != images[0].shape:
-            raise ValueError(f"{json_path}: frame {n} image size differs from frame 0")
+            (height, width), (height0, width0) = img.shape[:2], images[0].shape[:2]
+            raise ValueError(
+                f"{json_path}: frame {n} image size differs from frame 0: {height} x {width} "
+                f"pixels, expected {height0} x {width0} (height x width)"
+            )
         images.append(img)
         matrices.append(torch.linalg.inv(c2w))
 

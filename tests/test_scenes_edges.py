@@ -278,6 +278,22 @@ def test_a_split_whose_frames_differ_in_size_is_refused(tmp_path):
     )
 
 
+def test_a_frame_path_without_extension_is_a_name_not_a_pattern(tmp_path):
+    root = tmp_path / "data"
+    _nerf(root, sizes={"train": [(6, 8)]})
+    save_image(root / "train" / "r_[0].png", torch.zeros(6, 8, 4))  # r_0.png holds 0.5
+    path = root / "transforms_train.json"
+    meta = json.loads(path.read_text())
+    meta["frames"][0]["file_path"] = "./train/r_[0]"
+    path.write_text(json.dumps(meta))
+    _, rgba = load_nerf_split(root, "train")
+    assert torch.equal(rgba, torch.zeros(1, 6, 8, 4))
+    meta["frames"][0]["file_path"] = "./train/r_*"
+    path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"frame image .*r_\*\(\.\*\) does not exist$"):
+        load_nerf_split(root, "train")
+
+
 @pytest.mark.parametrize("channels", [1, 2])
 def test_a_grey_frame_is_refused_saying_what_was_expected(tmp_path, channels):
     root = tmp_path / "data"

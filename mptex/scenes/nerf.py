@@ -9,6 +9,7 @@ image aspect, ``proj = perspective(fovy, aspect, near, far)``, images sRGB -> li
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -26,8 +27,9 @@ def _frame_image(root: Path, file_path: str, json_path: Path) -> Path:
     candidate = root / file_path
     if candidate.is_file():
         return candidate
-    # The original dataset omits the extension ("./train/r_0"); take the file it names.
-    matches = sorted(candidate.parent.glob(candidate.name + ".*"))
+    # The original dataset omits the extension ("./train/r_0"); take the file it names (its
+    # name as written: "r_[0]" or "r_*" are names, not patterns matching r_0 or any r_).
+    matches = sorted(candidate.parent.glob(glob.escape(candidate.name) + ".*"))
     if not matches:
         raise ValueError(f"{json_path}: frame image {candidate}(.*) does not exist")
     return matches[0]

@@ -158,6 +158,32 @@ def test_a_bad_train_value_is_one_line_naming_the_key_and_the_expectation(key, v
 
 
 @pytest.mark.parametrize(
+    "given, step",
+    [
+        # lr / (1 - 0.9) = 10 lr (betas [0.9, 0.999] by default)
+        ({"lr": 1e38}, "1e+39"),
+        ({"lr": 1e37, "mlp_lr_scale": 10}, "1e+39"),
+        ({"lr": 1e30, "mlp_lr_scale": 0.5, "mlp_lr_ramp_to": 1e9}, "1e+40"),
+        ({"lr": 1e35, "betas": [0.9999, 0.999]}, "1e+39"),
+    ],
+)
+def test_a_rate_whose_adam_step_is_beyond_float32_is_refused(given, step):
+    with pytest.raises(ConfigError) as info:
+        check_group(TrainConfig, given, "train")
+    assert str(info.value) == (
+        "train.lr: expected a rate whose largest Adam step, lr * max(1, mlp_lr_scale, "
+        f"mlp_lr_ramp_to) / (1 - betas[0]) = {step}, is a float32 number (<= 3.40282e+38), "
+        f"got {given['lr']!r}"
+    )
+
+
+def test_a_rate_whose_adam_step_is_within_float32_is_taken():
+    # 3.3e37 / (1 - 0.9) = 3.3e38 < 3.40282e38; with betas[0] = 0: the rate itself
+    assert check_group(TrainConfig, {"lr": 3.3e37}, "train")["lr"] == 3.3e37
+    assert check_group(TrainConfig, {"lr": 3.4e38, "betas": [0, 0.9]}, "train")["lr"] == 3.4e38
+
+
+@pytest.mark.parametrize(
     "key, value",
     [("light_dir", [0, 1, 0]), ("light_dir", [0.0, 0.0, -2.0]), ("betas", [0.0, 0.0]),
      ("ambient", 0), ("ambient", 1), ("val_spp", 16), ("val_spp", 1), ("threads", 1),

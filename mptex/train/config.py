@@ -65,6 +65,23 @@ _AT_LEAST_0 = Number(min=0)
 _PERIOD = Integer(min=0, note="0: only at the end")
 
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _step_in_float32(s: Mapping[str, Any]) -> str | None:
+    # Adam's first step is rate / (1 - betas[0]) (its bias correction; later steps less), the
+    # rate at most lr * max(1, the MLP's factor); torch refuses a step beyond float32 ("value
+    # cannot be converted to type float without overflow") where NaN weights would be a result.
+    factor = max(1.0, s["mlp_lr_scale"], s["mlp_lr_ramp_to"] or 0.0)
+    step = s["lr"] * factor / (1.0 - s["betas"][0])
+    if step <= _FLOAT32_MAX:
+        return None
+    return (
+        "a rate whose largest Adam step, lr * max(1, mlp_lr_scale, mlp_lr_ramp_to) / "
+        f"(1 - betas[0]) = {step:.6g}, is a float32 number (<= {_FLOAT32_MAX:.6g})"
+    )
+
+
 def _non_zero_light(s: Mapping[str, Any]) -> str | None:
     return None if any(v != 0 for v in s["light_dir"]) else "a non-zero [x, y, z] of numbers"
 
@@ -78,8 +95,9 @@ class TrainConfig:
     """Optimizer steps (nvdiffrec runs thousands; 200 fits a one-minute CPU run)."""
     batch_size: int = setting(2, Integer(min=1))
     """Views per iteration (nvdiffrec's ``FLAGS.batch``)."""
-    lr: float = setting(0.01, _POSITIVE)
-    """Adam's learning rate (nvdiffrec's for the material)."""
+    lr: float = setting(0.01, _POSITIVE, rule=_step_in_float32)
+    """Adam's learning rate (nvdiffrec's for the material); its largest step, with the MLP's
+    factor and Adam's bias correction, must be a float32 number."""
     mlp_lr_scale: float = setting(
         1.0, Number(min=0, min_open=True, note="the MLP's learning rate over the grid's")
     )

@@ -534,3 +534,19 @@ def test_file_normals_of_any_length_become_unit_normals_of_their_direction(tmp_p
     expected = torch.tensor([[r, r, 0.0], [1.0, 0.0, 0.0], [0.0, 0.6, 0.8], [0.0, 0.0, -1.0]])
     # float32 rounding of values computed in float64
     torch.testing.assert_close(mesh.v_nrm, expected, rtol=0, atol=1e-7)
+
+
+def test_file_normals_of_ordinary_length_keep_their_float32_normalisation(tmp_path):
+    # Normals whose squared length float32 holds are divided by their float32 length, as
+    # before the wide path existed, so that meshes' shading keeps its bits; an extreme normal
+    # in the same file does not change that.
+    gen = torch.Generator().manual_seed(7)
+    normals = torch.randn(64, 3, generator=gen) * torch.logspace(-6, 6, 64).unsqueeze(-1)
+    lines = [f"vn {x!r} {y!r} {z!r}" for x, y, z in normals.tolist()] + ["vn 1e20 1e20 0"]
+    faces = [f"f 1//{i + 1} 2//{i + 1} 3//{i + 1}" for i in range(len(lines))]
+    (tmp_path / "n.obj").write_text("v 0 0 0\nv 1 0 0\nv 0 1 0\n" + "\n".join(lines + faces) + "\n")
+    mesh = load_obj(tmp_path / "n.obj")
+    float32 = normals / torch.linalg.norm(normals, dim=-1, keepdim=True)
+    assert torch.equal(mesh.v_nrm[:64], float32)
+    r = 0.5**0.5
+    torch.testing.assert_close(mesh.v_nrm[64], torch.tensor([r, r, 0.0]), rtol=0, atol=1e-7)

@@ -501,12 +501,20 @@ def load_obj(path: str | os.PathLike) -> Mesh:
         mesh.v_nrm, mesh.t_nrm_idx = computed, t_pos_idx.clone()
     else:
         # Faces without vn use the area-weighted vertex normals, appended after the file's.
-        # In float64, each divided by its largest component first: the squares of float32
-        # components as large as 1e20 or as small as 1e-23 overflow or vanish in float32 (and
-        # those below 1e-154 in float64), which left such a normal zero or not of unit length.
-        v_nrm = torch.tensor(normals, dtype=torch.float64)
-        v_nrm = v_nrm / v_nrm.abs().amax(dim=-1, keepdim=True).clamp_min(1e-300)
-        v_nrm = (v_nrm / torch.linalg.norm(v_nrm, dim=-1, keepdim=True).clamp_min(1e-300)).float()
+        v_nrm = torch.tensor(normals, dtype=torch.float32)
+        length = torch.linalg.norm(v_nrm, dim=-1, keepdim=True)
+        v_nrm = v_nrm / length.clamp_min(1e-20)
+        # A float32 length whose square lies outside float32's normal range (components of
+        # 1e20 overflow it, of 1e-23 vanish in it) left such a normal zero or not of unit
+        # length: those normals are divided by their largest component and normalised in
+        # float64 instead. The others keep their float32 bits (the meshes' shading, and so
+        # the training results of runs on them, stay what they were).
+        extreme = ((length < 1e-18) | ~(length <= 1e18)).squeeze(-1)
+        if extreme.any():
+            wide = torch.tensor(normals, dtype=torch.float64)[extreme]
+            wide = wide / wide.abs().amax(dim=-1, keepdim=True).clamp_min(1e-300)
+            wide = wide / torch.linalg.norm(wide, dim=-1, keepdim=True).clamp_min(1e-300)
+            v_nrm[extreme] = wide.float()
         mesh.v_nrm = torch.cat([v_nrm, computed]) if None in faces_nrm else v_nrm
         offset = len(normals)
         mesh.t_nrm_idx = torch.tensor(

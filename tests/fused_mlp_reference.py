@@ -91,10 +91,28 @@ def activation(name: str, v: float) -> float:
 
 
 def activation_backward_factor(name: str, out: float) -> float:
-    """The half factor of warp_activation_backward, from the post-activation half ``out``."""
+    """The factor of warp_activation_backward from the post-activation half ``out``, as a half
+    value: float32 math where tcnn converts to float (each elementary function correctly
+    rounded), half products where it multiplies two halves; the gradient is then
+    ``to_half(grad * factor)``."""
     k = 10.0
+    if name == "None":
+        return 1.0
+    if name == "ReLU":
+        return 1.0 if out > 0 else 0.0
+    if name == "LeakyReLU":
+        return 1.0 if out > 0 else to_half(0.01)
+    if name == "Exponential":
+        return out
+    if name == "Sigmoid":  # out * (half)(1.0f - out): a product of two halves
+        return to_half(out * to_half(1.0 - out))
+    if name == "Squareplus":
+        y = f32(out * k)
+        return to_half(f32(f32(y * y) / f32(f32(y * y) + 1.0)))
     if name == "Softplus":
         return to_half(f32(1.0 - f32(math.exp(f32(-out * k)))))
+    if name == "Tanh":
+        return to_half(f32(1.0 - f32(out * out)))
     raise ValueError(name)
 
 
@@ -116,8 +134,10 @@ def matrices(params: list[float], shapes: list[tuple[int, int]]) -> list[list[li
 
 
 def network(x, params, n_out, width, n_hidden, loss_scale=128.0, grad_out=None,
-            accumulate="half", split_k=True):  # fmt: skip
-    """Forward (and with ``grad_out``, backward) of a ReLU FullyFusedMLP, output activation None.
+            accumulate="half", split_k=True, activation_name="ReLU",
+            output_activation="None"):  # fmt: skip
+    """Forward (and with ``grad_out``, backward) of a FullyFusedMLP (default: ReLU, output
+    activation None).
 
     Args:
         x: N rows of n_in floats (f32 values).
@@ -140,9 +160,9 @@ def network(x, params, n_out, width, n_hidden, loss_scale=128.0, grad_out=None,
         last = index == len(weights) - 1
         kb = 8 if last and out_pad > 16 else 16
         layer = []
+        name = output_activation if last else activation_name
         for r in acts[-1]:
-            vals = [dot(r, w[o], kb, accumulate) for o in range(len(w))]
-            layer.append(vals if last else [relu(v) for v in vals])
+            layer.append([activation(name, dot(r, w[o], kb, accumulate)) for o in range(len(w))])
         acts.append(layer)
     output = [row[:n_out] for row in acts[-1][:n]]
     if grad_out is None:
@@ -153,6 +173,10 @@ def network(x, params, n_out, width, n_hidden, loss_scale=128.0, grad_out=None,
     for i in range(n):
         for o in range(n_out):
             grad[i][o] = to_half(to_half(grad_out[i][o]) * loss_scale)
+    grad = [
+        [to_half(g * activation_backward_factor(output_activation, v)) for g, v in zip(gs, vs)]
+        for gs, vs in zip(grad, acts[-1])
+    ]
     grads_w = [None] * len(weights)
     for index in range(len(weights) - 1, -1, -1):
         w, below = weights[index], acts[index]
@@ -168,8 +192,8 @@ def network(x, params, n_out, width, n_hidden, loss_scale=128.0, grad_out=None,
         new = []
         for b in range(batch):
             new.append([
-                dot(grad[b], [w[o][c] for o in range(n_rows)], kb, accumulate)
-                if below[b][c] > 0 else 0.0
+                to_half(dot(grad[b], [w[o][c] for o in range(n_rows)], kb, accumulate)
+                    * activation_backward_factor(activation_name, below[b][c]))
                 for c in range(n_cols)
             ])  # fmt: skip
         grad = new

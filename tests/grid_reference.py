@@ -136,8 +136,12 @@ def encode_point(x, params, n_features, geometry, interpolation="Linear", half=F
     return result
 
 
-def param_gradient(points, grad_out, n_params, n_features, geometry, interpolation="Linear"):
-    """dL/dparams for L = sum(grad_out * encode(points)), accumulated in float64."""
+def param_gradient(
+    points, grad_out, n_params, n_features, geometry, interpolation="Linear", magnitude=False
+):
+    """dL/dparams for L = sum(grad_out * encode(points)), accumulated in float64. With
+    ``magnitude``, per entry the sum of ``|grad_out|`` over the terms it receives, each weight
+    taken as its bound 1 (the scale of the rounding errors of a float32 computation)."""
     grad = np.zeros(n_params, dtype=np.float64)
     for x, g in zip(points, grad_out):
         dims = len(x)
@@ -161,5 +165,56 @@ def param_gradient(points, grad_out, n_params, n_features, geometry, interpolati
                     coords.append((cell[d] + bit) & U32)
                 row = offset + index(coords, res, size, hashed)
                 for f in range(n_features):
-                    grad[row * n_features + f] += weight * g[level * n_features + f]
+                    term = g[level * n_features + f]
+                    grad[row * n_features + f] += abs(term) if magnitude else weight * term
     return grad
+
+
+def input_gradient(
+    points, grad_out, params, n_features, geometry, interpolation="Linear", magnitude=False
+):
+    """dL/dx [N][D] for L = sum(grad_out * encode(points)) in float64: per level and corner,
+    the corner's value times the derivative of its weight along each axis (the other axes'
+    weights, signed by the corner's bit), times the interpolation's derivative and the level's
+    scale; positions and cells as tcnn's kernel computes them (float32 fmaf). Nearest is
+    piecewise constant: zero. With ``magnitude``, a bound on the sum of the terms' magnitudes
+    instead, each weight factor taken as its bound 1 and the slope as its bound 1.5 (the scale
+    of the rounding errors of a float32 computation)."""
+    table = np.asarray(params, dtype=np.float64)
+    size_of = abs if magnitude else (lambda v: v)
+    out = np.zeros((len(points), len(points[0])), dtype=np.float64)
+    for i, (x, g) in enumerate(zip(points, grad_out)):
+        dims = len(x)
+        if interpolation == "Nearest":
+            continue
+        for level, (scale, res, size, offset, hashed) in enumerate(geometry):
+            weight, slope, cell = [], [], []
+            for d in range(dims):
+                pos = fmaf(scale, np.float32(x[d]), np.float32(0.5))
+                floor = math.floor(float(pos))
+                f = float(pos) - floor
+                if interpolation == "Smoothstep":
+                    weight.append(f * f * (3 - 2 * f))
+                    slope.append(6 * f * (1 - f))
+                else:
+                    weight.append(f)
+                    slope.append(1.0)
+                cell.append(floor & U32)
+            for corner in range(2**dims):
+                bits = [(corner >> d) & 1 for d in range(dims)]
+                coords = [(cell[d] + bits[d]) & U32 for d in range(dims)]
+                row = offset + index(coords, res, size, hashed)
+                value = sum(
+                    size_of(table[row * n_features + f] * g[level * n_features + f])
+                    for f in range(n_features)
+                )
+                for d in range(dims):
+                    d_weight = 1.0 if bits[d] else -1.0
+                    for e in range(dims):
+                        if e != d:
+                            d_weight *= weight[e] if bits[e] else 1 - weight[e]
+                    if magnitude:
+                        out[i, d] += value * 1.5 * float(scale)
+                    else:
+                        out[i, d] += value * d_weight * slope[d] * float(scale)
+    return out

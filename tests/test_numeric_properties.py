@@ -69,6 +69,15 @@ def test_t_quantile_with_huge_dof_tends_to_the_normal_quantile(dof):
     assert t_quantile(0.6, dof) == pytest.approx(stats.t.ppf(0.6, dof), rel=1e-12)
 
 
+@pytest.mark.parametrize("tail", [1e-15, 1e-12, 1e-9])
+@pytest.mark.parametrize("dof", [0.7, 3.0, 41.0, 5000.0])
+def test_t_quantile_far_in_either_tail_matches_scipy(tail, dof):
+    # both signs: p = tail itself, and 1 - tail (exact in float64 only to ~1e-16 absolute, so
+    # scipy is asked for the same float64 p)
+    for p in (tail, 1.0 - tail):
+        assert t_quantile(p, dof) == pytest.approx(stats.t.ppf(p, dof), rel=1e-9), p
+
+
 def test_mean_ci_matches_scipy_over_random_samples():
     rng = random.Random(12)
     for _ in range(200):

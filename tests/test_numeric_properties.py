@@ -32,6 +32,7 @@ from mptex.fp8 import (
     ScalingRecipe,
     ScalingState,
     quantize_fp8_rowwise,
+    rowwise_spread,
 )
 from mptex.intervals import family_confidence, mean_ci, ratio_ci, t_quantile
 from mptex.quantize import e4m3_values, fake_quantize
@@ -556,3 +557,40 @@ def test_the_fused_quantisation_op_and_its_eager_twin_agree_over_random_argument
             got, want = got.float(), want.float()
             assert torch.equal(got.isnan(), want.isnan()), (case, args)
             assert torch.equal(got.nan_to_num(), want.nan_to_num()), (case, args)
+
+
+def test_rowwise_spread_matches_the_per_element_reference_over_random_rows():
+    rng = random.Random(46)
+    for _ in range(150):
+        rows = rng.randint(1, 5)
+        x = _random_rows(rng, rows, rng.randint(1, 6))
+        dtype = rng.choice([E4M3, E5M2])
+        _, _, amax, used = quantize_fp8_rowwise(x, dtype)
+        spread, flushed = rowwise_spread(x, used, amax, dtype).tolist()
+        matrix = x.numpy()
+        live = [i for i in range(rows) if 0 < amax[i].item() < math.inf]
+        scales = [float(_row_scale(matrix[i], dtype)) for i in live]
+        # log2(largest / smallest) row scale, in float64 (the float32 quotient can overflow);
+        # the float32 result is a difference of two float32 log2 values of up to ~150 in size:
+        # a few float32 ulps of each
+        want = math.log2(max(scales) / min(scales)) if len(live) > 1 else 0.0
+        size = abs(math.log2(max(scales))) + abs(math.log2(min(scales))) if live else 0.0
+        assert spread == pytest.approx(want, rel=0, abs=4 * 2.0**-24 * (size + 1)), matrix
+        # one current scale for the tensor, from the largest finite row amax
+        tensor = np.stack([matrix[i] for i in live]) if live else np.zeros((1, 1), np.float32)
+        scale = _row_scale(tensor, dtype)
+        nonzero = [v for v in matrix.ravel() if v != 0]
+        lost = 0
+        for value in nonzero:
+            with np.errstate(all="ignore"):
+                code = _fp8_code(float(np.float32(value * scale)), dtype)
+            lost += code is not None and code & 0x7F == 0
+        assert flushed == pytest.approx(lost / max(len(nonzero), 1), rel=1e-6), matrix
+
+
+def test_rowwise_spread_of_rows_far_apart_is_finite():
+    # row scales 448 / 2^-90 = 448 * 2^90 and 448 / 2^60: 150 binades apart, beyond float32's
+    # largest quotient (2^128)
+    x = torch.tensor([[2.0**-90, 0.0], [2.0**60, -1.0]])
+    _, _, amax, used = quantize_fp8_rowwise(x, E4M3)
+    assert rowwise_spread(x, used, amax, E4M3)[0].item() == 150.0

@@ -167,11 +167,16 @@ class ScalingRecipe:
 @torch.no_grad()
 def quantization_error(original: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
     """``[2]`` f32: ``||q - x||_2 / ||x||_2`` (0 for a zero ``x``) and the fraction of the
-    non-zero elements of ``x`` that became exactly 0 (underflow)."""
+    non-zero elements of ``x`` that became exactly 0 (underflow).
+
+    The norms are taken in float64 (float32 on MPS, which has none): float32's own sums of
+    squares overflow for values beyond ~1e19 (the ratio read inf / inf = NaN) and underflow to
+    0 below ~1e-19 (the ratio read 0 whatever the error)."""
+    wide = torch.float32 if original.device.type == "mps" else torch.float64
     x, q = original.detach().float(), quantized.detach().float()
-    norm = torch.linalg.vector_norm(x)
-    error = torch.linalg.vector_norm(q - x)
-    relative = torch.where(norm > 0, error / norm, torch.zeros_like(norm))
+    norm = torch.linalg.vector_norm(x.to(wide))
+    error = torch.linalg.vector_norm(q.to(wide) - x.to(wide))
+    relative = torch.where(norm > 0, error / norm, torch.zeros_like(norm)).float()
     nonzero = x != 0
     flushed = (nonzero & (q == 0)).sum().float() / nonzero.sum().clamp(min=1).float()
     return torch.stack([relative, flushed])

@@ -35,7 +35,7 @@ from mptex.fp8 import (
     rowwise_spread,
 )
 from mptex.intervals import family_confidence, mean_ci, ratio_ci, t_quantile
-from mptex.quantize import e4m3_values, fake_quantize
+from mptex.quantize import e4m3_values, fake_quantize, quantization_error
 
 # ------------------------------------------------------------------------------ intervals
 
@@ -594,3 +594,32 @@ def test_rowwise_spread_of_rows_far_apart_is_finite():
     x = torch.tensor([[2.0**-90, 0.0], [2.0**60, -1.0]])
     _, _, amax, used = quantize_fp8_rowwise(x, E4M3)
     assert rowwise_spread(x, used, amax, E4M3)[0].item() == 150.0
+
+
+def test_quantization_error_matches_float64_norms_at_any_magnitude():
+    rng = random.Random(47)
+    for _ in range(150):
+        x = _random_rows(rng, 1, rng.randint(1, 12))[0]
+        if not bool(torch.isfinite(x).all()):
+            continue
+        q = fake_quantize(x.view(1, -1), rng.choice(["int8", "fp8"])).view(-1)
+        relative, flushed = quantization_error(x, q).tolist()
+        values, rounded = x.double().tolist(), q.double().tolist()
+        # math.hypot: the Euclidean norm without overflow or underflow of the squares
+        norm = math.hypot(*values)
+        error = math.hypot(*(b - a for a, b in zip(values, rounded, strict=True)))
+        want = error / norm if norm > 0 else 0.0
+        assert relative == pytest.approx(want, rel=2**-20), values  # float64 norms, f32 result
+        nonzero = [b for a, b in zip(values, rounded, strict=True) if a != 0]
+        want = sum(b == 0 for b in nonzero) / max(len(nonzero), 1)
+        assert flushed == pytest.approx(want, rel=2**-23), values
+
+
+@pytest.mark.parametrize("magnitude", [2.0**-80, 2.0**80])
+def test_quantization_error_of_tiny_and_huge_tensors_by_hand(magnitude):
+    # ||(0.5, -0.5)|| / ||(3, 4)|| = sqrt(0.5) / 5, whatever power of two scales both
+    x = torch.tensor([3.0, 4.0]) * magnitude
+    q = torch.tensor([3.5, 3.5]) * magnitude
+    relative, flushed = quantization_error(x, q).tolist()
+    assert relative == pytest.approx(math.sqrt(0.5) / 5, rel=2**-22)
+    assert flushed == 0.0

@@ -747,11 +747,17 @@ def hash_grid_encode(
         [N, L * F] in ``out_dtype``, level-major (features of level 0 first).
 
     Raises:
-        ValueError: ``x`` is not [N, D] or ``params`` does not hold ``geometry.n_params``
-            values (the C kernel would read past them).
+        ValueError: ``x`` is not [N, D], ``params`` does not hold ``geometry.n_params``
+            values (the C kernel would read past them) or is not float32 or float64 (the
+            master table; ``out_dtype`` is the compute dtype).
     """
     if x.dim() != 2 or x.shape[1] != geometry.n_input_dims:
         raise ValueError(f"x: expected shape [N, {geometry.n_input_dims}], got {list(x.shape)}")
+    if params.dtype not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"params: expected float32 or float64 (the master table; out_dtype sets the compute "
+            f"dtype), got {params.dtype}"
+        )
     if params.numel() != geometry.n_params:
         raise ValueError(
             f"params: expected {geometry.n_params} values (geometry.n_params), got {params.numel()}"

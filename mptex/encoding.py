@@ -459,6 +459,15 @@ class HashGridEncoding(nn.Module):
             )
         if x.dim() != 2 or x.shape[1] != self.n_input_dims:
             raise ValueError(f"x must have shape [N, {self.n_input_dims}], got {list(x.shape)}")
+        if self.params.dtype not in (torch.float32, torch.float64):
+            # A module-wide .half() / .to(torch.bfloat16) casts the master table; the backward
+            # cannot scatter float32 gradients into it, and tcnn's contract is an f32 master.
+            raise ValueError(
+                f"params: expected float32 master parameters (float64 after .double(), for "
+                f"gradcheck), got {self.params.dtype}: the grid computes in dtype= "
+                f"({self.dtype}) from an f32 table, so cast the module with .float(), not "
+                ".half() or .to(torch.bfloat16)"
+            )
         allowed = (
             (torch.float32, torch.float64)
             if self.params.dtype == torch.float64
@@ -498,6 +507,11 @@ class HashGridEncoding(nn.Module):
 
         Returns:
             [N, n_output_dims] in ``dtype`` (float64 after ``.double()``), level-major.
+
+        Raises:
+            ValueError: naming ``x`` (shape, dtype, device, values) or ``params`` (a table
+                cast to float16 or bfloat16 by a module-wide ``.half()``: the master stays
+                float32, ``dtype`` is the compute dtype).
         """
         self._check_input(x, check_values)
         x = x.contiguous()

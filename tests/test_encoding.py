@@ -8,6 +8,7 @@ from grid_reference import encode_point, levels, param_gradient
 
 import mptex
 from mptex import HashGridEncoding
+from mptex.encoding import hash_grid_encode
 
 NVDIFFREC_SCALE = float(np.exp(np.log(4096 / 16) / 15))
 NVDIFFREC_CONFIG = {
@@ -533,6 +534,26 @@ def test_bad_tcnn_config_names_the_key(config, match):
 def test_bad_inputs(x, match):
     with pytest.raises(ValueError, match=match):
         HashGridEncoding(3, 2, 2, 8, 4)(x)
+
+
+@pytest.mark.parametrize("cast", ["half", "bfloat16"])
+def test_a_module_cast_to_half_params_is_refused_before_the_forward(cast):
+    # The table is a float32 master (float64 for gradcheck); the compute dtype is dtype=. A
+    # half table would pass the forward and fail in the backward's scatter, so the forward
+    # refuses it, naming params.
+    enc = getattr(HashGridEncoding(3, 2, 2, 8, 4), cast)()
+    x = torch.rand(5, 3)
+    with pytest.raises(ValueError, match=r"^params: expected float32 .*got torch\.(float16|bf)"):
+        enc(x)
+    with pytest.raises(ValueError, match=r"^params: expected float32 or float64"):
+        hash_grid_encode(x, enc.params.detach(), enc.geometry, torch.float32)
+    # The texture built on it says the same at its first sample.
+    aabb = torch.tensor([[-1.0, -1.0, -1.0], [1.0, 1.0, 1.0]])
+    small = {"otype": "HashGrid", "n_levels": 2, "n_features_per_level": 2,
+             "log2_hashmap_size": 8, "base_resolution": 4, "per_level_scale": 2.0}  # fmt: skip
+    tex = getattr(mptex.MLPTexture3D(aabb, precision="f16_dynamic", encoder=small), cast)()
+    with pytest.raises(ValueError, match=r"^params: expected float32"):
+        tex.sample(x * 2 - 1)
 
 
 def test_tcnn_backend_without_tcnn_is_a_clear_error():

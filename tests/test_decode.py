@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -203,3 +204,17 @@ def test_export_mesh_writes_the_decode_table_and_the_neural_export(tmp_path):
     none = export_mesh(texture, mesh, tmp_path / "none", resolution=64, formats="obj",
                        decode_precisions=[])  # fmt: skip
     assert "decode_precision" not in none and "neural" not in none
+
+
+def test_the_neural_file_gets_the_mode_of_every_other_written_file(tmp_path):
+    # A plain open() gives 0o666 less the umask (0o640 under 0o027), as the asset's other files
+    # get: a shared asset folder must not hold one file only its owner can read.
+    texture = _texture("f32")
+    path = tmp_path / "neural.safetensors"
+    old = os.umask(0o027)
+    try:
+        export_neural(texture, path, "f16")
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o640
+    assert neural_decoder.load(path).decode(np.zeros((1, 3), np.float32)).shape == (1, 3)

@@ -330,13 +330,14 @@ def export_neural(
             scales (required for ``fp8``).
 
     Returns:
-        ``{"file", "precision", "bytes", "input_scales" (fp8)}``.
+        ``{"file", "precision", "bytes", "input_scales" (fp8)}``. The file gets the mode a
+        plain ``open()`` gives (``0o666`` less the umask), as the export's other files.
 
     Raises:
         RuntimeError: safetensors is not installed (``pip install safetensors``).
     """
     try:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
     except ImportError:
         raise RuntimeError(
             "export.neural_precision: the neural export needs safetensors, which is not "
@@ -399,7 +400,9 @@ def export_neural(
     }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata=metadata)
+    # safetensors' save_file creates the file with mode 0o600; written as bytes, the file gets
+    # the mode of the asset's other files (0o666 less the umask).
+    path.write_bytes(save(tensors, metadata=metadata))
     out: dict[str, Any] = {"file": path.name, "precision": precision, "bytes": path.stat().st_size}
     if input_scales is not None:
         out["input_scales"] = input_scales

@@ -1327,3 +1327,32 @@ def test_a_sweep_stopped_before_all_its_jobs_ran_says_so(tmp_path):
         _write(tmp_path, f"bf16_{seed}", _metrics("bf16", seed))
     write_report(tmp_path)
     assert "Incomplete sweep" not in (tmp_path / "report.md").read_text()
+
+
+def test_a_sweep_added_to_a_folder_of_finished_runs_counts_its_own_unstarted_jobs(tmp_path):
+    # The first sweep (f32, bf16 x seeds 0, 1) completed; a second one into the same folder
+    # (hydra.callbacks.fresh_sweep_dir.enabled=false) planned seed 2 of both arms and was
+    # stopped after its first job. multirun.yaml is the second sweep's: 2 jobs, 1 of which
+    # (bf16, seed 2) has no run directory, although the folder holds 5 runs.
+    def job(name, arm, seed):
+        run = _write(tmp_path, name, _metrics(arm, seed))
+        (run / ".hydra").mkdir()
+        (run / ".hydra" / "overrides.yaml").write_text(
+            f"- train=tiny\n- precision={arm}\n- train.seed={seed}\n"
+        )
+
+    for number, (arm, seed) in enumerate([("f32", 0), ("f32", 1), ("bf16", 0), ("bf16", 1)]):
+        job(f"{number}_precision={arm},train.seed={seed},train=tiny", arm, seed)
+    job("0_precision=f32,train.seed=2,train=tiny", "f32", 2)
+    (tmp_path / "multirun.yaml").write_text(
+        "hydra:\n"
+        "  sweeper:\n"
+        "    _target_: hydra._internal.core_plugins.basic_sweeper.BasicSweeper\n"
+        "  overrides:\n    task: [train=tiny, 'precision=f32,bf16', train.seed=2]\n"
+    )
+    write_report(tmp_path)
+    assert ("**Incomplete sweep**: 1 of the 2 jobs its multirun.yaml plans have no run "
+            "directory") in (tmp_path / "report.md").read_text()  # fmt: skip
+    job("1_precision=bf16,train.seed=2,train=tiny", "bf16", 2)
+    write_report(tmp_path)
+    assert "Incomplete sweep" not in (tmp_path / "report.md").read_text()

@@ -40,6 +40,7 @@ __all__ = [
     "find_sweeps",
     "collect_runs",
     "planned_jobs",
+    "unstarted_jobs",
     "concurrent_jobs",
     "swept_keys",
     "shown_keys",
@@ -252,15 +253,9 @@ def planned_jobs(sweep_dir: str | os.PathLike) -> int | None:
     product of the value counts of its swept overrides (``hydra.sweeper.params``, then the
     command line's, which win for the same key: Hydra's basic sweeper), or None where that file
     is missing, unreadable or names another sweeper."""
-    hydra = _multirun_hydra(sweep_dir)
-    if hydra is None:
+    lines = _basic_sweep_lines(sweep_dir)
+    if lines is None:
         return None
-    sweeper = hydra.get("sweeper") or {}
-    if not str(sweeper.get("_target_", "")).endswith("BasicSweeper"):
-        return None
-    params = sweeper.get("params") or {}
-    task = (hydra.get("overrides") or {}).get("task") or []
-    lines = [f"{key}={value}" for key, value in params.items()] + list(task)
     try:
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -273,6 +268,59 @@ def planned_jobs(sweep_dir: str | os.PathLike) -> int | None:
     except Exception:  # an override this Hydra cannot parse: unknown, not a guess
         return None
     return math.prod(counts.values())
+
+
+def _basic_sweep_lines(sweep_dir: str | os.PathLike) -> list[str] | None:
+    """The overrides Hydra's basic sweeper expanded into the sweep's jobs (its
+    ``hydra.sweeper.params`` as ``key=value``, then the command line's), from
+    ``multirun.yaml``; None where that file is missing, unreadable or names another sweeper."""
+    hydra = _multirun_hydra(sweep_dir)
+    if hydra is None:
+        return None
+    sweeper = hydra.get("sweeper") or {}
+    if not str(sweeper.get("_target_", "")).endswith("BasicSweeper"):
+        return None
+    params = sweeper.get("params") or {}
+    task = (hydra.get("overrides") or {}).get("task") or []
+    return [f"{key}={value}" for key, value in params.items()] + list(task)
+
+
+def unstarted_jobs(
+    sweep_dir: str | os.PathLike, run_dirs: Sequence[str | os.PathLike]
+) -> tuple[int, int] | None:
+    """``(jobs without a run directory, jobs planned)`` of the sweep whose ``multirun.yaml``
+    is in ``sweep_dir``, or None where :func:`planned_jobs` cannot tell.
+
+    A folder may hold the runs of earlier sweeps too (a seed added with
+    ``hydra.callbacks.fresh_sweep_dir.enabled=false``: ``multirun.yaml`` is the last sweep's),
+    so a planned job counts as started when a run directory's ``.hydra/overrides.yaml`` holds
+    its overrides (Hydra's basic sweeper expands them the same way); a run directory without
+    a readable ``overrides.yaml`` (a hand-made or damaged one) counts as one started job.
+
+    Args:
+        sweep_dir: the sweep's folder.
+        run_dirs: its run directories (relative to ``sweep_dir`` or absolute).
+    """
+    lines = _basic_sweep_lines(sweep_dir)
+    if lines is None:
+        return None
+    try:
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        overrides = OverridesParser.create().parse_overrides(lines)
+        jobs = [frozenset(job) for job in BasicSweeper.split_arguments(overrides, None)[0]]
+    except Exception:  # an override this Hydra cannot parse: unknown, not a guess
+        return None
+    started, anonymous = set(), 0
+    for run_dir in run_dirs:
+        written = _read_yaml(Path(sweep_dir) / run_dir / ".hydra" / "overrides.yaml")
+        if isinstance(written, list) and all(isinstance(item, str) for item in written):
+            started.add(frozenset(written))
+        else:
+            anonymous += 1
+    missing = sum(job not in started for job in jobs)
+    return max(missing - anonymous, 0), len(jobs)
 
 
 def concurrent_jobs(sweep_dir: str | os.PathLike) -> int | None:

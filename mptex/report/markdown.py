@@ -14,8 +14,8 @@ from mptex.report.collect import (
     REFERENCE_ARM,
     STATUSES,
     partial_keys,
-    planned_jobs,
     sorted_seeds,
+    unstarted_jobs,
 )
 from mptex.report.stats import (
     CONFIDENCE,
@@ -674,9 +674,10 @@ def render_report(
             lines.append(f"- {items(several)}: swept among the runs that have it; the runs "
                          "without it are compared only among themselves (their value shown as "
                          "`None` or `–`).")  # fmt: skip
-    planned = planned_jobs(sweep_dir)
-    if planned is not None and planned > len(runs):
-        lines += ["", f"**Incomplete sweep**: {planned - len(runs)} of the {planned} jobs its "
+    unstarted = unstarted_jobs(sweep_dir, [run["run_dir"] for run in runs])
+    if unstarted is not None and unstarted[0] > 0:
+        missing, planned = unstarted
+        lines += ["", f"**Incomplete sweep**: {missing} of the {planned} jobs its "
                   "multirun.yaml plans have no run directory (never started: a sweep stopped "
                   "by a signal continues when the same command runs again with "
                   "`hydra.sweep.dir=<this directory> hydra.callbacks.fresh_sweep_dir.enabled="

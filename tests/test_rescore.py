@@ -47,6 +47,14 @@ def test_more_views_are_scored_when_asked(tmp_path):
     assert rows["n_val_views"] == 3 and len(rows["psnr_per_image"]) == 3 and rows["own"] is None
 
 
+def test_the_runs_own_view_count_given_explicitly_is_still_its_own_setting(tmp_path):
+    # --n-val-views 2 is the run's scene.n_val_views: the same views, so the same score, and
+    # the run's own PSNR is shown beside it as at the default.
+    run_dir, metrics = _run(tmp_path)
+    (rows,) = rescore.rescore(run_dir, [1], torch.device("cpu"), n_val_views=2)
+    assert rows["psnr"] == metrics["psnr"] == rows["own"]
+
+
 def test_bad_arguments_fail_with_one_line(tmp_path, capsys):
     assert rescore.rescore_main([str(tmp_path), "--val-spp", "0"]) == 2
     expected = "mptex-rescore: error: --val-spp: expected integers in [1, 16], got [0]"

@@ -103,7 +103,9 @@ def rescore(run_dir: str | os.PathLike, spps: list[int], device: torch.device,
     for spp in spps:
         start = time.perf_counter()
         scored = evaluate(texture, scene, {**settings, "val_spp": spp}, light_dir)
-        same_setting = spp == int(settings.get("val_spp", 1)) and n_val_views is None
+        # The run's own setting: its val_spp and its views (--n-val-views absent or equal).
+        own_views = scene_cfg.get("n_val_views") == config["scene"].get("n_val_views")
+        same_setting = spp == int(settings.get("val_spp", 1)) and own_views
         rows.append({
             "run": str(run_dir), "scene": scene_cfg["name"], "arm": config["precision"]["name"],
             "seed": settings["seed"], "val_spp": spp, "n_val_views": scene.n_val_views,

@@ -47,6 +47,25 @@ def test_more_views_are_scored_when_asked(tmp_path):
     assert rows["n_val_views"] == 3 and len(rows["psnr_per_image"]) == 3 and rows["own"] is None
 
 
+def test_the_summary_keeps_runs_of_different_configs_apart(tmp_path, capsys):
+    # Two f32 runs of one seed that differ in train.iterations are not two samples of one
+    # setting: each gets its own summary row, which names the key that differs, and its mean
+    # is its own PSNR (one run: no spread).
+    short, short_metrics = _run(tmp_path / "a", "train.iterations=2")
+    long, long_metrics = _run(tmp_path / "b", "train.iterations=4")
+    assert short_metrics["psnr"] != long_metrics["psnr"]
+    assert rescore.rescore_main([str(short), str(long)]) == 0
+    summary = capsys.readouterr().out.strip().split("\n\n")[-1].splitlines()
+    assert [c.strip() for c in summary[0].strip("|").split("|")] == [
+        "scene", "arm", "config", "val_spp", "runs", "mean ± sample std (dB)"
+    ]  # fmt: skip
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in summary[2:]]
+    assert cells == [
+        ["builtin", "f32", "train.iterations=2", "1", "1", f"{short_metrics['psnr']:.2f} ± -"],
+        ["builtin", "f32", "train.iterations=4", "1", "1", f"{long_metrics['psnr']:.2f} ± -"],
+    ]
+
+
 def test_the_runs_own_view_count_given_explicitly_is_still_its_own_setting(tmp_path):
     # --n-val-views 2 is the run's scene.n_val_views: the same views, so the same score, and
     # the run's own PSNR is shown beside it as at the default.

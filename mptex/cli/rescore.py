@@ -13,7 +13,9 @@ docs/archive/torus-lost-side.md)::
     mptex-rescore runs/torus_s* --val-spp 4 --json torus.json
 
 Prints a Markdown table (run, scene, arm, seed, val_spp, PSNR, constant-colour baseline,
-seconds) and per ``(scene, arm, val_spp)`` the mean ± sample std over the runs' seeds;
+seconds) and per ``(scene, arm, val_spp)`` the mean ± sample std over the runs' seeds, runs
+whose configs differ in other keys (the report's swept keys, e.g. ``train.iterations``) in
+rows of their own, with a ``config`` column naming those keys' values;
 ``--json`` also writes every view's PSNR. Runs on the CPU by default (``--device``), one torch
 thread unless ``--threads``. A run directory named twice is scored once; among several, one
 without a checkpoint (a diverged run writes none) is named and skipped; a checkpoint of a run
@@ -38,6 +40,7 @@ import torch
 
 from mptex.cli.app import output_file_problem
 from mptex.numbers import is_number
+from mptex.report.collect import flatten_config, shown_keys, swept_keys
 from mptex.report.markdown import markdown_table
 from mptex.train.runinfo import device_name
 
@@ -113,7 +116,7 @@ def rescore(run_dir: str | os.PathLike, spps: list[int], device: torch.device,
             "psnr_per_image": scored["psnr_per_image"], "seconds": time.perf_counter() - start,
             "iterations": int(ckpt["iteration"]), "status": status,
             # the run's own metrics.json PSNR when this is its own validation setting
-            "own": own if same_setting else None,
+            "own": own if same_setting else None, "config": config,
         })  # fmt: skip
     return rows
 
@@ -199,15 +202,22 @@ def rescore_main(argv: list[str] | None = None) -> int:
           "-" if r["own"] is None else ("equal" if r["own"] == r["psnr"] else f"{r['own']:.2f}"),
           f"{r['seconds']:.1f}"] for r in rows],
     ))  # fmt: skip
+    # Runs whose configs differ in more than the seed (a swept key, as the report reads them)
+    # are not seeds of one setting: the summary keeps them apart and names the keys.
+    runs = [{"config": flatten_config(r.pop("config", {}))} for r in rows]
+    keys = [k for k in swept_keys(runs) if k not in ("scene.name", "precision.name")]
+    keys = shown_keys(runs, ["scene.name", "precision.name", *keys])[2:]
     groups: dict[tuple, list[float]] = {}
-    for r in rows:
-        groups.setdefault((r["scene"], r["arm"], r["val_spp"]), []).append(r["psnr"])
+    for r, run in zip(rows, runs):
+        config = " ".join(f"{k}={run['config'].get(k)}" for k in keys)
+        groups.setdefault((r["scene"], r["arm"], config, r["val_spp"]), []).append(r["psnr"])
     print()
     print(markdown_table(
-        ["scene", "arm", "val_spp", "runs", "mean ± sample std (dB)"],
-        [[scene, arm, spp, len(v), f"{statistics.mean(v):.2f} ± "
+        ["scene", "arm", *(["config"] if keys else []), "val_spp", "runs",
+         "mean ± sample std (dB)"],
+        [[scene, arm, *([config] if keys else []), spp, len(v), f"{statistics.mean(v):.2f} ± "
           + (f"{statistics.stdev(v):.2f}" if len(v) > 1 else "-")]
-         for (scene, arm, spp), v in groups.items()],
+         for (scene, arm, config, spp), v in groups.items()],
     ))  # fmt: skip
     if args.json:
         try:

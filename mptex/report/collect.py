@@ -44,6 +44,7 @@ __all__ = [
     "concurrent_jobs",
     "swept_keys",
     "shown_keys",
+    "flatten_config",
     "group_runs",
     "seed_key",
     "sorted_seeds",
@@ -161,6 +162,11 @@ def _get(mapping: Any, path: Sequence[str]) -> Any:
             return None
         mapping = mapping.get(key)
     return mapping
+
+
+def flatten_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A nested run config as the report reads it: dotted keys (``train.seed``) to values."""
+    return _flatten(config)
 
 
 def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -444,6 +445,25 @@ def test_a_stopped_sweep_jobs_line_quotes_folders_with_spaces(sweep_env, capsys)
         "train again), or mptex-train hydra.run.dir='/o/my sweep/0_a' with this job's overrides "
         "(.hydra/overrides.yaml) continues this run alone (train.resume=auto)"
     ]
+
+
+def test_a_stopped_sweep_jobs_line_gives_hydra_a_job_folder_named_by_its_overrides(
+    sweep_env, capsys
+):
+    # Hydra names a sweep's job folders <n>_<key>=<value>,<key>=<value>: '=' and ',' are
+    # override syntax, so the printed hydra.run.dir must reach Hydra quoted to be one path.
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from mptex.cli.train import _interrupted
+
+    job = Path("/o/sweep/0_precision=f32,train.seed=0")
+    metrics = {"signal": "SIGTERM", "interrupted_at": 3, "iterations_planned": 9}
+    with pytest.raises(SystemExit):
+        _interrupted(metrics, job, True, Path("/o/sweep"))
+    line = capsys.readouterr().err.strip()
+    words = shlex.split(line.split("or mptex-train ", 1)[1].split(" with this job's")[0])
+    (override,) = OverridesParser.create().parse_overrides(words)
+    assert override.key_or_group == "hydra.run.dir" and override.value() == str(job)
 
 
 def test_a_precision_config_that_cannot_be_read_is_not_an_unavailable_arm():

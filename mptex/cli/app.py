@@ -48,6 +48,22 @@ def job_dirname(overrides: str) -> str:
     return name
 
 
+# Characters a Hydra override's unquoted value cannot hold (its grammar's syntax).
+_HYDRA_SYNTAX = frozenset("=,()[]{}'\"")
+
+
+def path_override(key: str, path: str | os.PathLike) -> str:
+    """``key=path`` as a shell word that Hydra reads as that one path: a job folder is named by
+    its overrides (``0_precision=f32,train.seed=0``), whose ``=`` and ``,`` are Hydra's syntax,
+    so such a path goes in Hydra's double quotes (``"`` escaped); then the shell's quoting
+    where it needs any (a space)."""
+    value = str(path)
+    if any(char in _HYDRA_SYNTAX for char in value):
+        value = '"' + value.replace('"', '\\"') + '"'
+        return shlex.quote(f"{key}={value}")
+    return f"{key}={shlex.quote(value)}"
+
+
 # Registered at import: sweep jobs resolve hydra.sweep.subdir in the job's process, which under
 # the submitit and joblib launchers imports this module to unpickle the task, not train_main.
 OmegaConf.register_new_resolver("mptex_dirname", job_dirname, replace=True)
@@ -329,7 +345,7 @@ def run_hydra_app(task, prog: str, check=None) -> None:
         print(
             f"{prog}: sweep stopped by {_SWEEP_STOP.received[0]}: the jobs under way wrote "
             "their checkpoints, the others did not start; the same command with "
-            f"hydra.sweep.dir={shlex.quote(_stopped_sweep_dir[0])} hydra.callbacks."
+            f"{path_override('hydra.sweep.dir', _stopped_sweep_dir[0])} hydra.callbacks."
             "fresh_sweep_dir.enabled=false continues the sweep (train.resume=auto; its "
             "completed runs train again)",
             file=sys.stderr,
@@ -339,7 +355,7 @@ def run_hydra_app(task, prog: str, check=None) -> None:
         print(
             f"{prog}: sweep ended with {len(stopped)} of its jobs stopped by a signal to their "
             f"worker process ({'; '.join(stopped)}): the same command with "
-            f"hydra.sweep.dir={shlex.quote(_stopped_sweep_dir[0])} hydra.callbacks."
+            f"{path_override('hydra.sweep.dir', _stopped_sweep_dir[0])} hydra.callbacks."
             "fresh_sweep_dir.enabled=false continues the sweep (train.resume=auto; its "
             "completed runs train again)",
             file=sys.stderr,

@@ -33,7 +33,6 @@ so ``mptex-train`` runs from any folder. Add your own groups with Hydra's ``--co
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import sys
 from pathlib import Path
@@ -42,6 +41,7 @@ from mptex._paths import CONFIG_DIR, EXPERIMENTS_DIR
 from mptex.cli.app import (
     EXIT_CODES,
     job_dirname,
+    path_override,
     record_stopped_job,
     register_experiments,
     run_hydra_app,
@@ -166,9 +166,9 @@ def _interrupted(metrics: dict, run_dir: Path, multirun: bool, sweep_dir=None) -
         # A sweep's directory refuses a second sweep unless told to continue into it, and a
         # sweep run again trains its completed runs again: the run alone is the other way.
         again = (
-            f"the same command with hydra.sweep.dir={shlex.quote(str(sweep_dir))} "
+            f"the same command with {path_override('hydra.sweep.dir', sweep_dir)} "
             "hydra.callbacks.fresh_sweep_dir.enabled=false continues the sweep (its completed "
-            f"runs train again), or mptex-train hydra.run.dir={shlex.quote(str(run_dir))} with "
+            f"runs train again), or mptex-train {path_override('hydra.run.dir', run_dir)} with "
             "this job's overrides (.hydra/overrides.yaml) continues this run alone "
             "(train.resume=auto)"
         )

@@ -268,7 +268,8 @@ def test_a_checkpoint_that_is_a_folder_is_no_checkpoint(tmp_path, capsys):
 
 def _scored(tmp_path, monkeypatch, runs: dict):
     """Run folders with a checkpoint.pt each, scored as ``runs`` says: per run, a list of
-    (scene, arm, val_spp, psnr) rows, or an exception that scoring it raises."""
+    (scene, arm, val_spp, psnr) rows, or an exception that scoring it raises; each run's seed
+    is its position in ``runs`` (0, 1, ...)."""
     for name in runs:
         (tmp_path / name).mkdir()
         (tmp_path / name / "checkpoint.pt").write_bytes(b"x")
@@ -277,7 +278,8 @@ def _scored(tmp_path, monkeypatch, runs: dict):
         rows = runs[run_dir.name]
         if isinstance(rows, Exception):
             raise rows
-        return [{"run": str(run_dir), "scene": scene, "arm": arm, "seed": 0, "val_spp": spp,
+        seed = list(runs).index(run_dir.name)
+        return [{"run": str(run_dir), "scene": scene, "arm": arm, "seed": seed, "val_spp": spp,
                  "psnr": psnr, "baseline_psnr": 10.004, "own": None, "seconds": 1.26,
                  "psnr_per_image": [psnr]} for scene, arm, spp, psnr in rows]  # fmt: skip
 

@@ -4,6 +4,7 @@ validation settings."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -64,6 +65,20 @@ def test_the_summary_keeps_runs_of_different_configs_apart(tmp_path, capsys):
         ["builtin", "f32", "train.iterations=2", "1", "1", f"{short_metrics['psnr']:.2f} ± -"],
         ["builtin", "f32", "train.iterations=4", "1", "1", f"{long_metrics['psnr']:.2f} ± -"],
     ]
+
+
+def test_a_seed_scored_twice_counts_once_in_the_summary(tmp_path, capsys):
+    # A copy of a run (the same config and seed) is one sample of the setting, not two: the
+    # summary's mean is its PSNR with no spread, as the report counts such a repeat once.
+    first, metrics = _run(tmp_path / "a")
+    copy = tmp_path / "b" / "run"
+    shutil.copytree(first, copy)
+    assert rescore.rescore_main([str(first), str(copy)]) == 0
+    captured = capsys.readouterr()
+    summary = captured.out.strip().split("\n\n")[-1].splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in summary[2:]]
+    assert cells == [["builtin", "f32", "1", "1", f"{metrics['psnr']:.2f} ± -"]]
+    assert f"{copy}: seed 0 again (as {first}): counted once in the summary" in captured.err
 
 
 def test_the_runs_own_view_count_given_explicitly_is_still_its_own_setting(tmp_path):

@@ -15,7 +15,8 @@ docs/archive/torus-lost-side.md)::
 Prints a Markdown table (run, scene, arm, seed, val_spp, PSNR, constant-colour baseline,
 seconds) and per ``(scene, arm, val_spp)`` the mean ± sample std over the runs' seeds, runs
 whose configs differ in other keys (the report's swept keys, e.g. ``train.iterations``) in
-rows of their own, with a ``config`` column naming those keys' values;
+rows of their own, with a ``config`` column naming those keys' values, and a seed scored twice
+in a row (a copied run directory) counted once;
 ``--json`` also writes every view's PSNR. Runs on the CPU by default (``--device``), one torch
 thread unless ``--threads``. A run directory named twice is scored once; among several, one
 without a checkpoint (a diverged run writes none) is named and skipped; a checkpoint of a run
@@ -208,9 +209,18 @@ def rescore_main(argv: list[str] | None = None) -> int:
     keys = [k for k in swept_keys(runs) if k not in ("scene.name", "precision.name")]
     keys = shown_keys(runs, ["scene.name", "precision.name", *keys])[2:]
     groups: dict[tuple, list[float]] = {}
+    # A seed of a setting counts once (a copied or re-run run directory), as in the report.
+    counted: dict[tuple, str] = {}
     for r, run in zip(rows, runs):
         config = " ".join(f"{k}={run['config'].get(k)}" for k in keys)
-        groups.setdefault((r["scene"], r["arm"], config, r["val_spp"]), []).append(r["psnr"])
+        group = (r["scene"], r["arm"], config, r["val_spp"])
+        first = counted.setdefault((*group, str(r["seed"])), r["run"])
+        if first != r["run"]:
+            if r["val_spp"] == rows[0]["val_spp"]:  # said once per run, not per setting
+                print(f"mptex-rescore: {r['run']}: seed {r['seed']} again (as {first}): "
+                      "counted once in the summary", file=sys.stderr)  # fmt: skip
+            continue
+        groups.setdefault(group, []).append(r["psnr"])
     print()
     print(markdown_table(
         ["scene", "arm", *(["config"] if keys else []), "val_spp", "runs",

@@ -1353,6 +1353,10 @@ def test_a_sweep_added_to_a_folder_of_finished_runs_counts_its_own_unstarted_job
     write_report(tmp_path)
     assert ("**Incomplete sweep**: 1 of the 2 jobs its multirun.yaml plans have no run "
             "directory") in (tmp_path / "report.md").read_text()  # fmt: skip
+    # The stopped job continued alone, with an override of its own added, is that job.
     job("1_precision=bf16,train.seed=2,train=tiny", "bf16", 2)
+    run = tmp_path / "1_precision=bf16,train.seed=2,train=tiny"
+    with (run / ".hydra" / "overrides.yaml").open("a") as overrides:
+        overrides.write("- train.resume=true\n")
     write_report(tmp_path)
     assert "Incomplete sweep" not in (tmp_path / "report.md").read_text()

@@ -300,7 +300,8 @@ def unstarted_jobs(
     A folder may hold the runs of earlier sweeps too (a seed added with
     ``hydra.callbacks.fresh_sweep_dir.enabled=false``: ``multirun.yaml`` is the last sweep's),
     so a planned job counts as started when a run directory's ``.hydra/overrides.yaml`` holds
-    its overrides (Hydra's basic sweeper expands them the same way); a run directory without
+    its overrides (Hydra's basic sweeper expands them the same way; more may be there: a job
+    continued alone with ``train.resume=true``); a run directory without
     a readable ``overrides.yaml`` (a hand-made or damaged one) counts as one started job.
 
     Args:
@@ -318,14 +319,16 @@ def unstarted_jobs(
         jobs = [frozenset(job) for job in BasicSweeper.split_arguments(overrides, None)[0]]
     except Exception:  # an override this Hydra cannot parse: unknown, not a guess
         return None
-    started, anonymous = set(), 0
+    started, anonymous = [], 0
     for run_dir in run_dirs:
         written = _read_yaml(Path(sweep_dir) / run_dir / ".hydra" / "overrides.yaml")
         if isinstance(written, list) and all(isinstance(item, str) for item in written):
-            started.add(frozenset(written))
+            started.append(frozenset(written))
         else:
             anonymous += 1
-    missing = sum(job not in started for job in jobs)
+    # A job continued alone may have been given more overrides (train.resume=true): its own
+    # are among them.
+    missing = sum(not any(job <= run for run in started) for job in jobs)
     return max(missing - anonymous, 0), len(jobs)
 
 

@@ -160,7 +160,9 @@ def test_rescore_names_a_run_given_relative_and_absolute_once(tmp_path, monkeypa
 
 def _scored(tmp_path, monkeypatch, psnrs: dict[str, list[tuple[int, float, float | None]]]):
     """Run folders with a checkpoint.pt each, scored as ``psnrs`` says: per run, rows of
-    (val_spp, psnr, own)."""
+    (val_spp, psnr, own); each run its own seed (its place in ``psnrs``), as in a sweep, so
+    that the summary counts every run."""
+    seeds = {name: i for i, name in enumerate(psnrs)}
     for name in psnrs:
         (tmp_path / name).mkdir()
         (tmp_path / name / "checkpoint.pt").write_bytes(b"x")
@@ -169,9 +171,10 @@ def _scored(tmp_path, monkeypatch, psnrs: dict[str, list[tuple[int, float, float
         rows = psnrs[run_dir.name]
         if rows is None:
             raise CheckpointError(f"{run_dir / 'checkpoint.pt'}: not a readable checkpoint")
-        return [{"run": str(run_dir), "scene": "builtin", "arm": "f32", "seed": 0,
-                 "val_spp": spp, "psnr": psnr, "baseline_psnr": 10.0, "own": own,
-                 "seconds": 0.5, "psnr_per_image": [psnr]} for spp, psnr, own in rows]  # fmt: skip
+        return [{"run": str(run_dir), "scene": "builtin", "arm": "f32",
+                 "seed": seeds[run_dir.name], "val_spp": spp, "psnr": psnr,
+                 "baseline_psnr": 10.0, "own": own, "seconds": 0.5, "psnr_per_image": [psnr]}
+                for spp, psnr, own in rows]  # fmt: skip
 
     monkeypatch.setattr(rescore, "rescore", fake)
     return [str(tmp_path / name) for name in psnrs]

@@ -156,6 +156,9 @@ def _bound(value: float) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+_INT64_MAX = 2**63 - 1
+
+
 class _InRange(Check):
     """A value of a numeric type between ``min`` and ``max``, each bound closed unless
     ``min_open`` / ``max_open``; either may be left out. Subclasses say the type."""
@@ -197,6 +200,24 @@ class Integer(_InRange):
 
     def is_type(self, value: Any) -> bool:
         return is_int(value)
+
+    def accepts(self, value: Any) -> bool:
+        # Counts and sizes become torch sizes and int64 tensors: where no bound of its own
+        # says otherwise, a value beyond a 64-bit integer is refused here, not overflowed in
+        # torch's allocators mid-start.
+        if not super().accepts(value):
+            return False
+        return (self.max is not None or value <= _INT64_MAX) and (
+            self.min is not None or value >= -_INT64_MAX - 1
+        )
+
+    def fail(self, value: Any, key: str) -> typing.NoReturn:
+        if super().accepts(value):  # in its own range, beyond int64's
+            raise ConfigError(
+                f"{key}: expected {self.what} and within a 64-bit integer's range "
+                f"(|value| < 2**63), got {value!r}"
+            )
+        super().fail(value, key)
 
     def convert(self, value: Any) -> int:
         return int(value)  # a numpy integer becomes a Python int (JSON, Hydra, tcnn take it)

@@ -157,3 +157,21 @@ def test_training_checks_the_export_group_without_importing_the_bake():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=env, cwd=ROOT)  # fmt: skip
     assert out.stdout.strip() == "[]"
+
+
+def test_an_integer_without_a_bound_of_its_own_stays_within_64_bits():
+    # Counts and sizes become torch sizes: 2**63 overflowed torch's int64 mid-start.
+    assert Integer(min=1)(2**63 - 1, "k") == 2**63 - 1
+    assert Integer(max=0)(-(2**63), "k") == -(2**63)
+    with pytest.raises(ConfigError) as info:
+        Integer(min=1)(2**63, "texture.internal_dims")
+    assert str(info.value) == (
+        "texture.internal_dims: expected an integer >= 1 and within a 64-bit integer's range "
+        "(|value| < 2**63), got 9223372036854775808"
+    )
+    with pytest.raises(ConfigError, match=r"^k: expected an integer <= 0 and within"):
+        Integer(max=0)(-(2**63) - 1, "k")
+    # A bound of its own decides (a generator's seed takes 64 unsigned bits).
+    assert Integer(0, 2**64, max_open=True)(2**63, "k") == 2**63
+    with pytest.raises(ConfigError, match=r"^k: expected an integer >= 1, got 0$"):
+        Integer(min=1)(0, "k")

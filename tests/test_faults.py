@@ -533,6 +533,29 @@ def test_views_that_cannot_fit_in_memory_are_refused_at_start(tmp_path, monkeypa
     train(tiny_cfg("train.iterations=1"), tmp_path / "fits")  # the tiny scene fits in 1 GiB
 
 
+def test_an_mlp_that_cannot_fit_in_memory_is_refused_at_start(tmp_path, monkeypatch):
+    # A width or depth the device cannot hold the MLP's training state for: one line at start,
+    # not the allocator's failure while the texture is built.
+    from mptex.train import config as train_config
+
+    # The tiny texture's 4 levels x 2 features in, 3 channels out, width 8192, hidden 3:
+    # (8 + 1) * 8192 + 2 * (8192 + 1) * 8192 + (8192 + 1) * 3 = 134,332,419 parameters,
+    # x 16 bytes (weight, gradient, Adam's two moments) = 2,149,318,704 bytes = 2.0017 GiB.
+    needed = 2_149_318_704
+    monkeypatch.setattr(train_config, "available_bytes", lambda device: needed - 1)
+    message = start_error(tmp_path, "texture.internal_dims=8192", "texture.hidden=3")
+    assert message == (
+        "texture.internal_dims: an MLP of 4 layers 8192 wide (1.34e+08 parameters) needs 2 GiB "
+        "for its weights, gradients and Adam's moments alone, only 2.0 GiB is free on cpu "
+        "(lower texture.internal_dims or texture.hidden)"
+    )
+    monkeypatch.setattr(train_config, "available_bytes", lambda device: needed)
+    train_config.validate_config(tiny_cfg("texture.internal_dims=8192", "texture.hidden=3"))
+    # Deeper than wide: the depth is named. 10**9 layers of width 16 (the tiny texture's).
+    message = start_error(tmp_path / "deep", "texture.hidden=1000000000")
+    assert message.startswith("texture.hidden: an MLP of 1000000001 layers 16 wide (2.72e+11 ")
+
+
 def test_a_crash_while_starting_is_recorded_then_raised(tmp_path, monkeypatch):
     # Not a config error (e.g. the scene's buffers do not fit in memory): metrics.json says
     # where and why, and the error reaches the caller as it came.

@@ -44,7 +44,7 @@ from mptex.export_config import check_export_config
 from mptex.fp8 import resolve_gemm_backend
 from mptex.precision import PrecisionPolicy
 from mptex.scenes.config import check_scene_config
-from mptex.texture import GridConfig, check_texture_config
+from mptex.texture import NVDIFFREC_ENCODER_CONFIG, GridConfig, check_texture_config
 from mptex.train.losses import LOSSES, LR_SCHEDULES
 from mptex.train.shading import _BACKGROUNDS, _SHADINGS
 from mptex.train.signals import DEFAULT_STOP_SIGNALS, STOP_SIGNAL_LIST, STOP_SIGNAL_NAMES
@@ -275,6 +275,33 @@ def _view_memory_problem(scene: Mapping[str, Any], val_spp: int, device: torch.d
     )
 
 
+# Bytes per MLP parameter in training: the float32 weight, its gradient, Adam's two moments.
+_MLP_BYTES_PER_PARAM = 16
+
+
+def _mlp_memory_problem(texture: Mapping[str, Any], device: torch.device) -> str | None:
+    """One line naming ``texture.internal_dims`` (or ``texture.hidden``, where the MLP is
+    deeper than wide) when the texture's MLP (its weights,
+    gradients and Adam's moments; activations not counted, so a lower bound) cannot fit in
+    what ``device`` has free, else None (None too where the free memory is unknown)."""
+    encoder = texture.get("encoder") or NVDIFFREC_ENCODER_CONFIG
+    inputs = encoder.get("n_levels", 16) * encoder.get("n_features_per_level", 2)
+    width, hidden, channels = texture["internal_dims"], texture["hidden"], texture["channels"]
+    # Layers inputs -> width, (hidden - 1) x width -> width, width -> channels, with biases.
+    params = (inputs + 1) * width + (hidden - 1) * (width + 1) * width + (width + 1) * channels
+    needed = params * _MLP_BYTES_PER_PARAM
+    available = available_bytes(device)
+    if available is None or needed <= available:
+        return None
+    key = "texture.hidden" if hidden > width else "texture.internal_dims"
+    return (
+        f"{key}: an MLP of {hidden + 1} layers {width} wide ({params:.3g} "
+        f"parameters) needs {needed / 2**30:.3g} GiB for its weights, gradients and Adam's "
+        f"moments alone, only {available / 2**30:.1f} GiB is free on {device} (lower "
+        "texture.internal_dims or texture.hidden)"
+    )
+
+
 # The scene keys that name files or folders (a mesh, a dataset).
 _SCENE_PATHS = ("path", "mesh")
 
@@ -372,10 +399,11 @@ def validate_config(cfg: Mapping[str, Any], *, machine: bool = True) -> dict[str
     channels = texture["channels"]
     if channels < 3:
         raise ValueError(f"texture.channels: expected an integer >= 3, got {channels!r}")
-    try:
-        policy.layer_dtypes(texture["hidden"] + 1)
-    except ValueError as exc:
-        raise ValueError(f"precision.{exc} (texture.hidden + 1)") from None
+    if len(policy.mlp_dtypes) != 1:  # one dtype is broadcast to any depth
+        try:
+            policy.layer_dtypes(texture["hidden"] + 1)
+        except ValueError as exc:
+            raise ValueError(f"precision.{exc} (texture.hidden + 1)") from None
     if s["val_spp"] > 1 and cfg["scene"].get("name") == "nerf":
         raise ValueError(
             "train.val_spp: scene=nerf's validation references are images at their own "
@@ -413,7 +441,9 @@ def validate_config(cfg: Mapping[str, Any], *, machine: bool = True) -> dict[str
             f"precision.mlp_backend='tcnn' needs train.device=cuda, got {dev.type}; the arm "
             f"{policy.name} runs on the CPU with mlp_backend='torch'"
         )
-    problem = _view_memory_problem(cfg["scene"], s["val_spp"], dev)
+    problem = _mlp_memory_problem(texture, dev) or _view_memory_problem(
+        cfg["scene"], s["val_spp"], dev
+    )
     if problem is not None:
         raise ValueError(problem)
     # The export group is optional (configs written before it existed); its keys are checked

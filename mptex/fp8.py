@@ -174,12 +174,14 @@ def quantization_error(original: torch.Tensor, quantized: torch.Tensor) -> torch
     0 below ~1e-19 (the ratio read 0 whatever the error)."""
     wide = torch.float32 if original.device.type == "mps" else torch.float64
     x, q = original.detach().float(), quantized.detach().float()
-    norm = torch.linalg.vector_norm(x.to(wide))
-    error = torch.linalg.vector_norm(q.to(wide) - x.to(wide))
-    relative = torch.where(norm > 0, error / norm, torch.zeros_like(norm)).float()
+    # The reductions cast inside themselves (dtype=): no widened copy of x, and no more ops
+    # in the loop's statistics iterations than float32 reductions took (one cast at the end).
+    norm = torch.linalg.vector_norm(x, dtype=wide)
+    error = torch.linalg.vector_norm(q - x, dtype=wide)
+    relative = torch.where(norm > 0, error / norm, torch.zeros_like(norm))
     nonzero = x != 0
-    flushed = (nonzero & (q == 0)).sum().float() / nonzero.sum().clamp(min=1).float()
-    return torch.stack([relative, flushed])
+    flushed = (nonzero & (q == 0)).sum(dtype=wide) / nonzero.sum(dtype=wide).clamp(min=1)
+    return torch.stack([relative, flushed]).float()
 
 
 @torch.no_grad()

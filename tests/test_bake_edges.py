@@ -436,13 +436,40 @@ def test_a_missing_exr_writer_is_one_line_naming_kd_format(tmp_path):
         pytest.skip("this machine writes EXR")
     except RuntimeError:
         pass
-    out = tmp_path / "asset"
+    out = tmp_path / "new" / "asset"
     with pytest.raises(RuntimeError) as err:
         export_mesh(coordinate_texture(SQUARE_AABB), square_mesh(), out, resolution=16,
                     formats="obj", kd_format="exr")  # fmt: skip
-    assert str(err.value).startswith("export.kd_format: save_image: cannot write .exr")
-    assert "\n" not in str(err.value)
-    assert list(out.iterdir()) == []  # the probe's folder is gone, nothing was baked
+    message = str(err.value)
+    assert message.startswith("export.kd_format: 'exr' needs an imageio plugin that writes EXR")
+    assert "\n" not in message and "freeimage" in message and "probe" not in message
+    # the folders the export made for nothing are gone, the one that was there stays
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    with pytest.raises(RuntimeError, match="^export.kd_format: "):
+        export_mesh(coordinate_texture(SQUARE_AABB), square_mesh(), tmp_path / "kept",
+                    resolution=16, formats="obj", kd_format="exr")  # fmt: skip
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == ["notes.txt"]
+
+
+def test_mptex_export_without_an_exr_writer_names_the_flag(tmp_path, monkeypatch, capsys):
+    from test_export import SMALL_KNOT, _train
+
+    from mptex.cli.export import export_main
+
+    def no_exr_writer(path, img, to_srgb=False):
+        raise RuntimeError("save_image: cannot write .exr here (IndexError: no plugin)")
+
+    monkeypatch.setattr(export_module, "save_image", no_exr_writer)
+    run = _train(tmp_path / "run", *SMALL_KNOT, "train.iterations=1")
+    out = tmp_path / "asset"
+    assert export_main([str(run), "--out", str(out), "--kd-format", "exr"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        "mptex-export: error: --kd-format: 'exr' needs an imageio plugin that writes EXR"
+    ), err
+    assert not out.exists()
 
 
 @pytest.mark.requires_trimesh

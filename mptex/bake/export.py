@@ -115,7 +115,8 @@ def preflight_export(
     """Everything that can stop an export, checked before any work (the bake, or the run).
 
     Checks the options (:func:`check_export_config`), the writers (trimesh for ``"glb"``, an
-    EXR plugin for ``kd_format="exr"``), the memory of the resolution
+    EXR plugin for ``kd_format="exr"``, probed by writing one pixel inside ``directory``: a
+    folder made for the probe is removed when it fails), the memory of the resolution
     (:func:`~mptex.bake.check_bake_memory`) and, when the mesh needs new UVs
     (:func:`~mptex.bake.needs_unwrap`), xatlas.
 
@@ -134,12 +135,7 @@ def preflight_export(
         raise RuntimeError("export.neural_precision: the neural export needs safetensors, which "
                            "is not installed (pip install safetensors)")  # fmt: skip
     if options["kd_format"] == "exr":
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            try:
-                save_image(Path(tmp) / "probe.exr", torch.zeros(1, 1, 3))
-            except RuntimeError as exc:
-                raise RuntimeError(f"export.kd_format: {' '.join(str(exc).split())}") from None
+        _probe_exr_writer(Path(directory))
     try:
         check_bake_memory(options["resolution"], channels, device)
     except ValueError as exc:
@@ -150,6 +146,28 @@ def preflight_export(
             f"mesh: {reason}; new UVs need xatlas, which is not installed (pip install xatlas)"
         )
     return {**options, "unwrap_reason": reason}
+
+
+def _probe_exr_writer(directory: Path) -> None:
+    """Write a 1-pixel EXR in a temporary folder inside ``directory`` (the disk the export
+    writes to); a folder made for the probe alone is removed again when no writer works."""
+    created = [p for p in (directory, *directory.parents) if not p.exists()]
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            save_image(Path(tmp) / "probe.exr", torch.zeros(1, 1, 3))
+    except RuntimeError:
+        for folder in created:  # deepest first; never a folder that was there before
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        # imageio's own message names the probe's temporary file, gone by now
+        raise RuntimeError(
+            "export.kd_format: 'exr' needs an imageio plugin that writes EXR, and none is "
+            "installed (python -c 'import imageio; imageio.plugins.freeimage.download()', or "
+            "pip install opencv-python-headless with OPENCV_IO_ENABLE_OPENEXR=1); or use png16"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------

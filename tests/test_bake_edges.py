@@ -336,6 +336,68 @@ def test_channel_groups_need_three_channels_each(tmp_path):
         assert sorted(p.name for p in folder.iterdir()) == sorted(written.values())
 
 
+class ConstantTexture(mptex.MLPTexture3D):
+    """Every point: kd 0.5 grey, ks (0.25, 0.5, 1.0), normal offset (-0.5, 1.5, 0.5): the x and
+    y of the normal outside [0, 1], as a ``min_max`` of [-1, 1] lets a texture give them."""
+
+    def sample(self, texc: torch.Tensor) -> torch.Tensor:
+        value = torch.tensor([0.5, 0.5, 0.5, 0.25, 0.5, 1.0, -0.5, 1.5, 0.5])
+        return value.expand(*texc.shape[:-1], 9)
+
+
+def constant_texture() -> ConstantTexture:
+    grid = {"otype": "HashGrid", "n_levels": 1, "log2_hashmap_size": 8}
+    return ConstantTexture(SQUARE_AABB, channels=9, precision="f32", internal_dims=8, hidden=1,
+                           encoder=grid)  # fmt: skip
+
+
+def test_png_values_outside_0_1_are_recorded_and_named_on_stderr(tmp_path, capsys):
+    # padding 16 on a 16^2 atlas fills every texel (wrapping dilation): 256 texels, each
+    # with x = -0.5 and y = 1.5 in the normal group: 2 * 256 = 512 values outside [0, 1]
+    summary = export_mesh(constant_texture(), square_mesh(), tmp_path, resolution=16,
+                          padding=16, formats="obj", measure=False)  # fmt: skip
+    expected = {
+        "texture_kd.png": {"min": 0.5, "max": 0.5, "outside_0_1": 0, "clamped": 0},
+        "texture_ks.png": {"min": 0.25, "max": 1.0, "outside_0_1": 0, "clamped": 0},
+        "texture_n.png": {"min": -0.5, "max": 1.5, "outside_0_1": 512, "clamped": 512},
+    }
+    written = json.loads((tmp_path / "export.json").read_text())
+    assert summary["value_ranges"] == written["value_ranges"] == expected
+    normal = np.asarray(png_pixels(tmp_path / "texture_n.png"))
+    assert normal[..., 0].max() == 0 and normal[..., 1].min() == 255  # what was clamped
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "mptex export: warning: texture_n.png: 512 values outside [0, 1] written as 0 or 1 "
+        "(the texture's range here is [-0.5, 1.5]; export.json's value_ranges records it; "
+        "kd_format exr keeps them)"
+    ]
+
+
+def test_exr_files_keep_values_outside_0_1(tmp_path, monkeypatch, capsys):
+    written = {}
+
+    def recording_save_image(path, img, to_srgb=False):
+        written[Path(path).name] = img.clone()
+        Path(path).write_bytes(b"")
+
+    monkeypatch.setattr(export_module, "save_image", recording_save_image)
+    summary = export_mesh(constant_texture(), square_mesh(), tmp_path, resolution=16,
+                          padding=16, formats="obj", kd_format="exr", measure=False)  # fmt: skip
+    assert written["texture_n.exr"][..., 0].unique().tolist() == [-0.5]
+    assert written["texture_n.exr"][..., 1].unique().tolist() == [1.5]
+    assert summary["value_ranges"]["texture_n.exr"] == {
+        "min": -0.5, "max": 1.5, "outside_0_1": 512, "clamped": 0
+    }  # fmt: skip
+    assert capsys.readouterr().err == ""
+
+
+def png_pixels(path) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB"))
+
+
 @pytest.mark.parametrize(
     "channels, layout, rest",
     [(5, {"kd": [0, 3]}, [3, 4]), (11, {"kd": [0, 3], "ks": [3, 6], "n": [6, 9]}, [9, 10])],

@@ -24,6 +24,13 @@ Files (channel layout of the texture, nvdiffrec's split for ``channels=9``):
   not reference it;
 * channels beyond 9 are not written (``export.json`` lists them).
 
+8- and 16-bit PNGs (and the GLB's base colour) hold [0, 1]; a texture whose ``min_max`` lets
+values outside it (such as nvdiffrec's normal range [-1, 1]) has them written as 0 or 1, never
+silently: ``export.json``'s ``value_ranges`` holds, per written file, the values' ``min``,
+``max``, how many lay outside [0, 1] (``outside_0_1``) and how many of those were clamped
+(``clamped``; 0 in an EXR, which holds the floats), and each file that clamped is named in one
+line on stderr with the range.
+
 Image row 0 is v = 0 (mptex's, nvdiffrast's and glTF's convention: the top of the image);
 OBJ's ``vt`` counts v from the bottom, so the OBJ gets ``1 - v`` (``load_obj`` flips it back).
 """
@@ -36,6 +43,7 @@ import json
 import math
 import os
 import struct
+import sys
 import tempfile
 import time
 import zlib
@@ -80,6 +88,7 @@ __all__ = [
     "preflight_export",
     "write_png16",
     "write_texture_images",
+    "value_range",
     "write_obj_asset",
     "write_glb",
     "MEASURE_VIEWS",
@@ -201,15 +210,59 @@ def write_png16(path: str | os.PathLike, image: torch.Tensor) -> None:
     )  # fmt: skip
 
 
+def value_range(values: torch.Tensor, clamped: bool) -> dict[str, Any]:
+    """What a file holds of ``values`` outside [0, 1], the range of an 8/16-bit image.
+
+    Args:
+        values: the linear values written to one file, any shape (sRGB encoding maps [0, 1]
+            onto itself and keeps the order, so a value lies outside [0, 1] before it exactly
+            when it does after).
+        clamped: whether the file's format clamps to [0, 1] (PNG) or holds floats (EXR).
+
+    Returns:
+        ``{"min", "max"}`` of the values, ``"outside_0_1"`` (how many lie below 0 or above 1)
+        and ``"clamped"`` (how many of those the file holds as 0 or 1: ``outside_0_1`` for a
+        PNG, 0 for an EXR).
+    """
+    values = values.detach().float()
+    outside = int(((values < 0) | (values > 1)).sum())
+    return {
+        "min": float(values.min()),
+        "max": float(values.max()),
+        "outside_0_1": outside,
+        "clamped": outside if clamped else 0,
+    }
+
+
+def _warn_clamped(file_name: str, record: Mapping[str, Any], instead: str = "") -> None:
+    """One line on stderr for a file that holds some of its values as 0 or 1."""
+    if record["clamped"]:
+        print(
+            f"mptex export: warning: {file_name}: {record['clamped']} values outside [0, 1] "
+            f"written as 0 or 1 (the texture's range here is [{record['min']:.6g}, "
+            f"{record['max']:.6g}]; export.json's value_ranges records it{instead})",
+            file=sys.stderr,
+        )
+
+
 def write_texture_images(
-    directory: str | os.PathLike, texture: torch.Tensor, kd_format: str = "png8"
+    directory: str | os.PathLike,
+    texture: torch.Tensor,
+    kd_format: str = "png8",
+    value_ranges: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, str]:
     """Write the channel groups of a baked texture (layout in the module docstring).
+
+    8- and 16-bit PNGs hold [0, 1]: a value outside it is written as 0 or 1, never silently:
+    each such file is named in one line on stderr with the texture's range, and recorded in
+    ``value_ranges``. EXR holds the floats as they are.
 
     Args:
         directory: output folder.
         texture: [N, N, C] float32, row 0 = v = 0.
         kd_format: ``"png8"``, ``"png16"`` or ``"exr"`` (every group gets that format).
+        value_ranges: when given, filled with ``{file name: value_range(...)}`` for every file
+            written (:func:`value_range`).
 
     Returns:
         ``{"kd": "texture_kd.png", ...}``, the files written (names relative to ``directory``).
@@ -222,6 +275,10 @@ def write_texture_images(
             break
         values = texture[..., first : first + 3].cpu()
         file_name = f"texture_{name}{suffix}"
+        record = value_range(values, clamped=kd_format != "exr")
+        _warn_clamped(file_name, record, "; kd_format exr keeps them")
+        if value_ranges is not None:
+            value_ranges[file_name] = record
         if kd_format == "exr":
             save_image(directory / file_name, values)  # float files hold linear values
         elif kd_format == "png16":
@@ -505,10 +562,11 @@ def export_mesh(
 
     Returns:
         the ``export.json`` contents: ``files``, ``resolution``, ``channels``, ``layout``,
-        ``uv_source``, ``unwrap_reason``, the bake's ``stats`` (``coverage``,
-        ``texels_per_unit``, times, ...), ``texels_per_pixel``, ``measured_on`` and the
-        measurement's PSNRs (or ``measure_skipped``), ``glb`` vertex and face counts,
-        ``decode_precision`` (with ``measure`` and ``decode_precisions``:
+        ``uv_source``, ``unwrap_reason``, ``value_ranges`` (per written image and the GLB:
+        the values outside [0, 1] and how many were clamped), the bake's ``stats``
+        (``coverage``, ``texels_per_unit``, times, ...), ``texels_per_pixel``,
+        ``measured_on`` and the measurement's PSNRs (or ``measure_skipped``), ``glb`` vertex
+        and face counts, ``decode_precision`` (with ``measure`` and ``decode_precisions``:
         :func:`~mptex.bake.decode.decode_precision_table`) and ``neural`` (with
         ``neural_precision``: the file, its precision and size).
 
@@ -544,7 +602,8 @@ def export_mesh(
         pack_options=options["pack_options"], chunk_size=options["chunk_size"], backend=backend,
     )  # fmt: skip
     tick = time.perf_counter()
-    files = write_texture_images(out, result.texture, options["kd_format"])
+    value_ranges: dict[str, dict[str, Any]] = {}
+    files = write_texture_images(out, result.texture, options["kd_format"], value_ranges)
     images = dict(files)
     glb = None
     # The measurement re-reads the OBJ: it is written whenever the bake is measured.
@@ -553,6 +612,9 @@ def export_mesh(
     if "glb" in options["formats"]:
         glb = write_glb(out / "mesh.glb", result.mesh, result.texture[..., :3])
         files["glb"] = "mesh.glb"
+        # its base colour is an 8-bit sRGB PNG of channels 0:3, whatever kd_format is
+        value_ranges["mesh.glb"] = value_range(result.texture[..., :3], clamped=True)
+        _warn_clamped("mesh.glb", value_ranges["mesh.glb"])
     write_time = time.perf_counter() - tick
     channels = result.texture.shape[-1]
     summary: dict[str, Any] = dict(
@@ -561,6 +623,7 @@ def export_mesh(
         layout={name: [first, first + 3] for name, first, _ in _GROUPS if name in images},
         channels_not_written=list(range(3 * len(images), channels)),
         kd_encoding="linear float (EXR)" if options["kd_format"] == "exr" else "sRGB",
+        value_ranges=value_ranges,
         uv_source=result.uv_source,
         unwrap_reason=result.unwrap_reason,
         xatlas_available=has_xatlas(),

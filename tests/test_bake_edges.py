@@ -391,6 +391,43 @@ def test_exr_files_keep_values_outside_0_1(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_an_export_removes_the_files_of_the_earlier_export_it_replaces(tmp_path, capsys):
+    out = tmp_path / "asset"
+    export_mesh(constant_texture(), square_mesh(), out, resolution=16, formats="obj",
+                measure=False, neural_precision="f16")  # fmt: skip
+    first = json.loads((out / "export.json").read_text())["files"]
+    assert sorted(first.values()) == [
+        "mesh.mtl", "mesh.obj", "neural_decoder.py", "texture_kd.png", "texture_ks.png",
+        "texture_n.png", "texture_neural.safetensors",
+    ]  # fmt: skip
+    # Files mptex did not write stay, also where an edited export.json lists them.
+    (out / "notes.txt").write_text("mine")
+    (out / "mesh.fbx").write_text("mine")
+    (tmp_path / "outside.txt").write_text("mine")
+    edited = json.loads((out / "export.json").read_text())
+    edited["files"].update(notes="notes.txt", fbx="mesh.fbx", up="../outside.txt")
+    (out / "export.json").write_text(json.dumps(edited))
+    capsys.readouterr()
+    summary = export_mesh(coordinate_texture(SQUARE_AABB), square_mesh(), out,
+                          resolution=8, formats="obj", measure=False)  # fmt: skip
+    gone = ["neural_decoder.py", "texture_ks.png", "texture_n.png", "texture_neural.safetensors"]
+    assert summary["removed_earlier_files"] == gone
+    assert json.loads((out / "export.json").read_text())["removed_earlier_files"] == gone
+    assert sorted(p.name for p in out.iterdir()) == [
+        "export.json", "mesh.fbx", "mesh.mtl", "mesh.obj", "notes.txt", "texture_kd.png",
+    ]  # fmt: skip
+    assert (tmp_path / "outside.txt").read_text() == "mine"
+    assert capsys.readouterr().err == (
+        f"mptex export: removed {', '.join(gone)}: written by the earlier export in {out}, "
+        "not by this one\n"
+    )
+    # An export.json that is not an export's: nothing is removed.
+    (out / "export.json").write_text("not json")
+    summary = export_mesh(coordinate_texture(SQUARE_AABB), square_mesh(), out,
+                          resolution=8, formats="obj", measure=False)  # fmt: skip
+    assert "removed_earlier_files" not in summary and (out / "notes.txt").is_file()
+
+
 def png_pixels(path) -> np.ndarray:
     from PIL import Image
 

@@ -31,6 +31,12 @@ silently: ``export.json``'s ``value_ranges`` holds, per written file, the values
 (``clamped``; 0 in an EXR, which holds the floats), and each file that clamped is named in one
 line on stderr with the range.
 
+An export into a folder that holds an earlier one replaces it: the files the earlier
+``export.json`` lists that this export does not write are removed (named on stderr and in
+``export.json``'s ``removed_earlier_files``). Only those: a file it does not list, or whose name
+is not one an export writes, stays, and so does everything when there is no readable
+``export.json``.
+
 Image row 0 is v = 0 (mptex's, nvdiffrast's and glTF's convention: the top of the image);
 OBJ's ``vt`` counts v from the bottom, so the OBJ gets ``1 - v`` (``load_obj`` flips it back).
 """
@@ -548,7 +554,8 @@ def export_mesh(
     Args:
         texture: the trained neural texture (its AABB in ``mesh``'s frame).
         mesh: the mesh to texture (UVs kept when usable, else xatlas's).
-        out_dir: output folder (created).
+        out_dir: output folder (created); the files of an earlier export there that this one
+            does not write are removed (module docstring).
         resolution: texels per side; this and ``formats``, ``padding``, ``unwrap``,
             ``kd_format``, ``chunk_size``, ``measure``, ``chart_options``, ``pack_options``,
             ``decode_precisions``, ``neural_precision`` are the ``export`` config group's keys
@@ -594,6 +601,7 @@ def export_mesh(
     checked = preflight_export(options, mesh, texture.channels, texture.AABB.device, out)
     options = {k: v for k, v in checked.items() if k in EXPORT_DEFAULTS and k != "enabled"}
     mesh = mesh.to(texture.AABB.device)
+    earlier = _earlier_files(out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     result: BakeResult = bake_texture(
@@ -663,10 +671,46 @@ def export_mesh(
         summary["files"].update(
             neural=summary["neural"]["file"], neural_decoder="neural_decoder.py"
         )
+    removed = _remove_earlier_files(out, earlier, set(summary["files"].values()))
+    if removed:
+        summary["removed_earlier_files"] = removed
+        print(f"mptex export: removed {', '.join(removed)}: written by the earlier export in "
+              f"{out}, not by this one", file=sys.stderr)  # fmt: skip
     summary["export_time_s"] = time.perf_counter() - start
     text = json.dumps(_json_safe(summary), indent=2, allow_nan=False) + "\n"
     (out / "export.json").write_text(text)
     return summary
+
+
+# Every file name an export writes (besides export.json).
+_EXPORT_FILES = frozenset(
+    ["mesh.obj", "mesh.mtl", "mesh.glb", "texture_neural.safetensors", "neural_decoder.py"]
+    + [f"texture_{name}{suffix}" for name, _, _ in _GROUPS for suffix in (".png", ".exr")]
+)
+
+
+def _earlier_files(out: Path) -> list[str]:
+    """The files an earlier export in ``out`` wrote, as its ``export.json`` lists them: only
+    names an export writes, in ``out`` itself (none when there is no readable export.json)."""
+    try:
+        earlier = json.loads((out / "export.json").read_text())
+    except (OSError, ValueError):
+        return []
+    files = earlier.get("files") if isinstance(earlier, dict) else None
+    if not isinstance(files, dict):
+        return []
+    return sorted({name for name in files.values() if name in _EXPORT_FILES})
+
+
+def _remove_earlier_files(out: Path, earlier: Sequence[str], written: set[str]) -> list[str]:
+    """Remove the files of ``earlier`` that this export did not write; returns their names."""
+    removed = []
+    for name in earlier:
+        path = out / name
+        if name not in written and (path.is_file() or path.is_symlink()):
+            path.unlink()
+            removed.append(name)
+    return removed
 
 
 def _write_neural(texture, result: BakeResult, options, out: Path, backend: str) -> dict[str, Any]:

@@ -448,6 +448,7 @@ def test_export_json_lists_the_channel_layout_and_the_channels_not_written(
     for got in (summary, written):
         assert got["channels"] == channels and got["layout"] == layout
         assert got["channels_not_written"] == rest and got["kd_encoding"] == "sRGB"
+        assert got["source"] is None  # a texture that is not a run's
 
 
 def test_mtl_references_the_albedo_and_the_ks_map(tmp_path):
@@ -892,6 +893,42 @@ def test_mptex_export_keeps_a_runs_measure_false(tmp_path):
     assert export_main([str(run), "--out", str(tmp_path / "out")]) == 0
     summary = json.loads((tmp_path / "out" / "export.json").read_text())
     assert summary["measure_skipped"] == "export.measure=false"
+
+
+def test_export_json_names_the_run_and_the_checkpoint_it_exported(tmp_path, capsys):
+    from test_export import SMALL_KNOT, _train
+
+    from mptex.cli.export import export_main
+
+    # A run stopped after 3 of 10 iterations: its checkpoint and metrics.json say so.
+    run = _train(tmp_path / "run", *SMALL_KNOT, "train.iterations=3", "train.seed=7",
+                 "export.resolution=64", "export.formats=[obj]",
+                 "export.measure=false")  # fmt: skip
+    ckpt = torch.load(run / "checkpoint.pt", weights_only=False)
+    ckpt["config"]["train"]["iterations"] = 10
+    torch.save(ckpt, run / "checkpoint.pt")
+    metrics = json.loads((run / "metrics.json").read_text())
+    (run / "metrics.json").write_text(json.dumps({**metrics, "status": "interrupted"}))
+    assert export_main([str(run), "--out", str(tmp_path / "out")]) == 0
+    assert "exporting a checkpoint of 3 of 10 iterations" in capsys.readouterr().err
+    source = json.loads((tmp_path / "out" / "export.json").read_text())["source"]
+    assert source == {
+        "run_dir": str(run.resolve()),
+        "checkpoint": str(run.resolve() / "checkpoint.pt"),
+        "iterations": 3,
+        "iterations_planned": 10,
+        "status": "interrupted",
+        "final_weights": False,
+        "precision": metrics["precision"],
+        "scene": metrics["scene"],
+        "seed": 7,
+    }
+    assert metrics["seed"] == 7 and isinstance(metrics["precision"], str)
+    # Without a readable metrics.json the status is unknown, and not the run's result.
+    (run / "metrics.json").unlink()
+    assert export_main([str(run), "--out", str(tmp_path / "out")]) == 0
+    source = json.loads((tmp_path / "out" / "export.json").read_text())["source"]
+    assert source["status"] is None and source["final_weights"] is False
 
 
 def test_a_bad_value_from_the_runs_config_names_the_export_key(black_run, tmp_path, monkeypatch,

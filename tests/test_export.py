@@ -354,14 +354,16 @@ def test_mptex_export_without_checkpoint_is_one_line(tmp_path, capsys):
     assert export_main([str(tmp_path / "metrics.json")]) == 2
     assert _one_line_error(capsys).rstrip() == (
         f"mptex-export: error: {tmp_path / 'metrics.json'}: a file, not a run directory (give "
-        "the folder that holds checkpoint.pt)")
+        "the folder that holds checkpoint.pt)"
+    )
 
 
 def test_mptex_export_names_the_flag_that_set_a_bad_value(builtin_run, tmp_path, capsys):
     assert export_main([str(builtin_run), "--out", str(tmp_path), "--format", "OBJ"]) == 2
     assert _one_line_error(capsys).rstrip() == (
         "mptex-export: error: --format: expected a non-empty list of values, each one of "
-        "['obj', 'glb'], got 'OBJ'")
+        "['obj', 'glb'], got 'OBJ'"
+    )
     assert export_main([str(builtin_run), "--out", str(tmp_path), "--decode", "f16,f99"]) == 2
     assert _one_line_error(capsys).startswith("mptex-export: error: --decode: expected a list")
 
@@ -426,6 +428,12 @@ def test_mptex_train_exports_at_the_end_of_a_run(tmp_path):
     assert set(metrics["export"]["decode_precision"]["psnr_vs_f32"]) >= {"f16", "int8", "fp8"}
     assert (tmp_path / "export" / "mesh.obj").is_file()
     assert not (tmp_path / "export" / "mesh.glb").exists()
+    # The weights are the completed run's final ones (TINY: 10 iterations, seed 0).
+    assert export_json["source"] == {
+        "run_dir": str(tmp_path.resolve()), "checkpoint": str(tmp_path.resolve() / "checkpoint.pt"),
+        "iterations": 10, "iterations_planned": 10, "status": "completed", "final_weights": True,
+        "precision": metrics["precision"], "scene": metrics["scene"], "seed": 0,
+    }  # fmt: skip
     # An export that fails after the training (charts that xatlas cannot pack at this size):
     # the run stands, and mptex-train says so instead of only recording it.
     small = [cmd[0], "-m", "mptex.cli", f"hydra.run.dir={tmp_path / 'small'}", *cmd[4:-2],
@@ -434,8 +442,9 @@ def test_mptex_train_exports_at_the_end_of_a_run(tmp_path):
                           timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     error = json.loads((tmp_path / "small" / "metrics.json").read_text())["export"]["error"]
-    assert error == ("ValueError: resolution: xatlas cannot pack the mesh's charts into one 8^2 "
-                     "atlas")
+    assert error == (
+        "ValueError: resolution: xatlas cannot pack the mesh's charts into one 8^2 atlas"
+    )
     assert proc.stderr.strip().splitlines()[-1] == f"mptex-train: export failed: {error}"
     # A bad export key stops the run at start with one line naming it.
     bad = subprocess.run(cmd[:-3] + ["+export.colour=1"], cwd=tmp_path, env=env,

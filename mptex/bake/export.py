@@ -542,6 +542,7 @@ def export_mesh(
     views: ViewBatch | None = None,
     background: str = "white",
     backend: str = "auto",
+    source: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Bake ``texture`` on ``mesh``, write the asset files and ``export.json``: the export of
     ``mptex-export``, from a texture and a mesh alone.
@@ -566,11 +567,14 @@ def export_mesh(
         background: the measurement's background, ``"white"`` or ``"black"``.
         backend: rasterizer backend of the bake and the measurement (``"auto"``, ``"torch"``,
             ``"nvdiffrast"``).
+        source: where the texture's weights came from, written as ``export.json``'s
+            ``source`` (a run's: :func:`mptex.train.checkpoint.export_source`); None (null)
+            for a texture that is not a run's.
 
     Returns:
-        the ``export.json`` contents: ``files``, ``resolution``, ``channels``, ``layout``,
-        ``uv_source``, ``unwrap_reason``, ``value_ranges`` (per written image and the GLB:
-        the values outside [0, 1] and how many were clamped), the bake's ``stats``
+        the ``export.json`` contents: ``source``, ``files``, ``resolution``, ``channels``,
+        ``layout``, ``uv_source``, ``unwrap_reason``, ``value_ranges`` (per written image and
+        the GLB: the values outside [0, 1] and how many were clamped), the bake's ``stats``
         (``coverage``, ``texels_per_unit``, times, ...), ``texels_per_pixel``,
         ``measured_on`` and the measurement's PSNRs (or ``measure_skipped``), ``glb`` vertex
         and face counts, ``decode_precision`` (with ``measure`` and ``decode_precisions``:
@@ -626,6 +630,7 @@ def export_mesh(
     write_time = time.perf_counter() - tick
     channels = result.texture.shape[-1]
     summary: dict[str, Any] = dict(
+        source=dict(source) if source is not None else None,
         files=files,
         channels=channels,
         layout={name: [first, first + 3] for name, first, _ in _GROUPS if name in images},
@@ -737,6 +742,7 @@ def export_asset(
     out_dir: str | os.PathLike,
     options: Mapping[str, Any] | None = None,
     background: str = "white",
+    source: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """:func:`export_mesh` of a texture on the scene it was trained on (``mptex-export``, and
     ``mptex-train`` with ``export.enabled=true``).
@@ -752,6 +758,7 @@ def export_asset(
         out_dir: output folder (created).
         options: the ``export`` group (:data:`EXPORT_DEFAULTS`; ``enabled`` is ignored here).
         background: the measurement's background (the run's ``train.val_background``).
+        source: ``export.json``'s ``source`` (:func:`mptex.train.checkpoint.export_source`).
 
     Returns and Raises: as :func:`export_mesh`.
     """
@@ -759,7 +766,8 @@ def export_asset(
     options.pop("enabled")
     views = scene.val_views() if options["measure"] else None
     return export_mesh(texture, scene.mesh, out_dir, **options, views=views,
-                       background=background, backend=scene.gbuffers.backend)  # fmt: skip
+                       background=background, backend=scene.gbuffers.backend,
+                       source=source)  # fmt: skip
 
 
 class TrainingExport:
@@ -775,6 +783,6 @@ class TrainingExport:
 
     def export(
         self, texture: MLPTexture3D, scene: Scene, out_dir: str | os.PathLike,
-        settings: Mapping[str, Any], background: str,
+        settings: Mapping[str, Any], background: str, source: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
-        return export_asset(texture, scene, out_dir, settings, background)
+        return export_asset(texture, scene, out_dir, settings, background, source)

@@ -6,7 +6,10 @@
     mptex-export outputs/a --out asset --resolution 2048 --format obj,glb --padding 8
 
 The run's ``checkpoint.pt`` gives the texture and the config it was trained with (scene,
-cameras, the run's ``export`` group as defaults); flags override the export keys. Every
+cameras, the run's ``export`` group as defaults); flags override the export keys.
+``export.json``'s ``source`` says which weights were exported: the run directory, the
+checkpoint, its iterations of those planned, the run's status (from ``metrics.json``), arm,
+scene and seed (:func:`mptex.train.checkpoint.export_source`). Every
 problem found before the bake (no checkpoint, a bad flag, a mesh that needs xatlas when it is
 not installed, a resolution whose buffers do not fit in memory) is one line on stderr and
 exit status 2.
@@ -106,7 +109,9 @@ def _export_run(args, run_dir: Path, checkpoint: Path, device: torch.device) -> 
     from mptex.train.checkpoint import (
         TEXTURE_KEYS,
         CheckpointError,
+        export_source,
         load_checkpoint,
+        read_metrics,
         texture_from_checkpoint,
         unfinished_note,
     )
@@ -115,10 +120,14 @@ def _export_run(args, run_dir: Path, checkpoint: Path, device: torch.device) -> 
         ckpt = load_checkpoint(checkpoint, map_location=device, required=TEXTURE_KEYS)
     except CheckpointError as exc:
         return _fail(str(exc))
-    note = unfinished_note(ckpt, run_dir)
+    metrics = read_metrics(run_dir)
+    note = unfinished_note(ckpt, run_dir, metrics)
     if note is not None:  # its weights are not the run's result: said
         print(f"{_PROG}: {run_dir}: exporting {note}", file=sys.stderr)
     config = ckpt["config"]
+    status = (metrics or {}).get("status")
+    source = export_source(run_dir, config, int(ckpt.get("iteration", 0)),
+                           status if isinstance(status, str) else None)  # fmt: skip
     overrides = {
         "resolution": args.resolution, "formats": args.formats, "padding": args.padding,
         "unwrap": args.unwrap, "kd_format": args.kd_format,
@@ -139,12 +148,12 @@ def _export_run(args, run_dir: Path, checkpoint: Path, device: torch.device) -> 
         key = message.split(":", 1)[0].removeprefix("export.")
         if message.startswith("export.") and overrides.get(key) is not None:
             # The value came from a flag, not from the run's config: name the flag.
-            message = _FLAGS[key] + message[len("export." + key):]
+            message = _FLAGS[key] + message[len("export." + key) :]
         return _fail(message)
     options.pop("unwrap_reason")
     background = (config.get("train") or {}).get("val_background", "white")
     try:
-        summary = export_asset(texture, scene, out, options, background)
+        summary = export_asset(texture, scene, out, options, background, source=source)
     except (ValueError, RuntimeError, OSError) as exc:
         # What only the bake finds (charts that do not pack at this resolution) or the disk
         # says (a folder that cannot be made): one line, as the checks before it.

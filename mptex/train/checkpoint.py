@@ -33,6 +33,7 @@ __all__ = [
     "load_texture",
     "texture_from_checkpoint",
     "unfinished_note",
+    "export_source",
     "no_checkpoint_reason",
     "read_metrics",
 ]
@@ -344,6 +345,39 @@ def unfinished_note(
         return None
     said = status if isinstance(status, str) else "without a readable metrics.json"
     return f"a checkpoint of {done} of {planned} iterations (the run is {said})"
+
+
+def export_source(
+    run_dir: str | os.PathLike, config: Mapping[str, Any], iterations: int, status: str | None
+) -> dict[str, Any]:
+    """Where an export's weights came from: ``export.json``'s ``source``.
+
+    Args:
+        run_dir: the run directory (its ``checkpoint.pt`` holds the weights).
+        config: the run's config as the checkpoint holds it.
+        iterations: the iterations the weights were trained for (the checkpoint's).
+        status: the run's status (``metrics.json``'s, None where it is missing or unreadable).
+
+    Returns:
+        ``run_dir`` and ``checkpoint`` (absolute paths), ``iterations``, ``iterations_planned``
+        (``train.iterations``), ``status``, ``final_weights`` (a completed run's weights after
+        all its planned iterations: what :func:`unfinished_note` judges), and the run's arm
+        (``precision``), ``scene`` and ``seed`` where its config names them.
+    """
+    run_dir = Path(run_dir).resolve()
+    train = config.get("train") or {}
+    planned = int(train.get("iterations", iterations))
+    return {
+        "run_dir": str(run_dir),
+        "checkpoint": str(run_dir / CHECKPOINT_FILE),
+        "iterations": int(iterations),
+        "iterations_planned": planned,
+        "status": status,
+        "final_weights": status == "completed" and iterations >= planned,
+        "precision": (config.get("precision") or {}).get("name"),
+        "scene": (config.get("scene") or {}).get("name"),
+        "seed": train.get("seed"),
+    }
 
 
 def no_checkpoint_reason(run_dir: str | os.PathLike) -> str:

@@ -29,7 +29,8 @@ class Exporter(Protocol):
 
     def export(
         self, texture: Any, scene: Any, out_dir: str | os.PathLike, settings: Mapping[str, Any],
-        background: str,
+        background: str, source: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """After the final validation of a completed run: write ``out_dir`` and return the
-        ``export.json`` contents."""
+        ``export.json`` contents; ``source`` (:func:`mptex.train.checkpoint.export_source`)
+        is its ``source`` record, the run the weights came from."""

@@ -62,6 +62,7 @@ from mptex.train.checkpoint import (
     CHECKPOINT_KEYS,
     DiskFullError,
     build_texture,
+    export_source,
     load_checkpoint,
     read_metrics,
     remove_stale_temporaries,
@@ -587,8 +588,9 @@ def _train_validated(
 
 
 def _export(
-    full: dict[str, Any], scene: Scene, texture: MLPTexture3D, run_dir: Path, exporter
-) -> dict[str, Any] | None:
+    full: dict[str, Any], scene: Scene, texture: MLPTexture3D, run_dir: Path, exporter,
+    iterations: int,
+) -> dict[str, Any] | None:  # fmt: skip
     """With ``export.enabled``: bake and write ``run_dir/export/`` (``exporter.export``).
 
     Returns the summary kept in metrics.json (None when not enabled). A failure here (the disk
@@ -597,8 +599,9 @@ def _export(
     if not full["export"]["enabled"]:
         return None
     try:
+        source = export_source(run_dir, full, iterations, "completed")
         summary = exporter.export(texture, scene, run_dir / "export", full["export"],
-                                  full["train"]["val_background"])  # fmt: skip
+                                  full["train"]["val_background"], source)  # fmt: skip
     except (ValueError, RuntimeError, OSError) as exc:
         return {"dir": "export", "error": " ".join(f"{type(exc).__name__}: {exc}".split())}
     return {"dir": "export", **{k: summary.get(k) for k in _EXPORT_SUMMARY}}
@@ -1127,7 +1130,7 @@ def finish(
     if run.writer is not None:
         run.writer.close()
     run.status = status
-    export = (_export(run.full, run.scene, run.texture, run.run_dir, exporter)
+    export = (_export(run.full, run.scene, run.texture, run.run_dir, exporter, completed)
               if status == "completed" else None)  # fmt: skip
     rss.stop()
     peak, peak_kind = peak_memory(device, rss)

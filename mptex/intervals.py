@@ -146,7 +146,7 @@ def t_quantile(p: float, dof: float) -> float:
     if not 0.0 < p < 1.0:
         raise ValueError(f"p: expected a probability in (0, 1), got {p!r}")
     if not (is_number(dof) and dof > 0):
-        raise ValueError(f"dof: expected a number > 0, got {dof!r}")
+        raise ValueError(f"dof: expected a finite number > 0, got {dof!r}")
     if dof > _MANY_DOF:
         return _t_quantile_many_dof(p, dof)
     # The search is on the tail probability beyond |t|, which is exact either way (1 - p is,
@@ -311,7 +311,7 @@ def verdict(ci: Mapping[str, Any], margin_db: float = EQUIVALENCE_MARGIN_DB) -> 
     """The statement an interval supports (the module docstring's rule); one of
     :data:`VERDICTS`."""
     if not (is_number(margin_db) and margin_db > 0):
-        raise ValueError(f"margin_db: expected a number > 0, got {margin_db!r}")
+        raise ValueError(f"margin_db: expected a finite number > 0, got {margin_db!r}")
     low, high = ci.get("low"), ci.get("high")
     if low is None or high is None:
         return "cannot judge"

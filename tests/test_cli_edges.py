@@ -340,7 +340,7 @@ def test_report_refuses_a_margin_that_is_no_finite_positive_number(tmp_path, cap
     assert report_main([str(tmp_path), "--margin-db", margin]) == 2
     captured = capsys.readouterr()
     assert captured.err == (
-        f"mptex-report: error: --margin-db: expected a number > 0, got {float(margin)}\n"
+        f"mptex-report: error: --margin-db: expected a finite number > 0, got {float(margin)}\n"
     )
     assert captured.out == ""
 

@@ -207,7 +207,7 @@ def test_the_interval_functions_name_a_bad_setting():
         with pytest.raises(ValueError, match=r"^confidence: expected a number in \(0, 1\), got "):
             ratio_ci([(2.0, 1.0), (3.0, 1.0)], confidence=bad)
     for bad in (-1, 0, float("inf"), "0.5"):
-        with pytest.raises(ValueError, match=r"^margin_db: expected a number > 0, got "):
+        with pytest.raises(ValueError, match=r"^margin_db: expected a finite number > 0, got "):
             verdict({"low": -0.1, "high": 0.1}, margin_db=bad)
 
 

@@ -137,7 +137,7 @@ def test_an_unavailable_runs_message_is_listed(tmp_path):
 
 @pytest.mark.parametrize("margin", [0, 0.0, -0.5, float("nan"), "0.5", None])
 def test_the_margin_must_be_a_positive_number(margin):
-    with pytest.raises(ValueError, match=r"^margin_db: expected a number > 0, got "):
+    with pytest.raises(ValueError, match=r"^margin_db: expected a finite number > 0, got "):
         stats.check_settings(margin, "none")
 
 

@@ -43,8 +43,8 @@ def report_main(argv: Sequence[str] | None = None) -> int:
                         "1 - 0.05/k each, so that all hold together at 95%%)")  # fmt: skip
     args = parser.parse_args(argv)
     if not (math.isfinite(args.margin_db) and args.margin_db > 0):
-        print(f"mptex-report: error: --margin-db: expected a number > 0, got {args.margin_db}",
-              file=sys.stderr)  # fmt: skip
+        print("mptex-report: error: --margin-db: expected a finite number > 0, got "
+              f"{args.margin_db}", file=sys.stderr)  # fmt: skip
         return 2
     try:
         sweeps = collect.find_sweeps(args.folder)

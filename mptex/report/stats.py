@@ -236,7 +236,7 @@ def check_settings(margin_db: Any, adjust: Any) -> None:
     """The report's settings, checked: ValueError naming the first bad one (``margin_db: ...``,
     ``adjust: ...``) in one line."""
     if not (is_number(margin_db) and margin_db > 0):
-        raise ValueError(f"margin_db: expected a number > 0, got {margin_db!r}")
+        raise ValueError(f"margin_db: expected a finite number > 0, got {margin_db!r}")
     if adjust not in ADJUSTMENTS:
         raise ValueError(f"adjust: expected one of {', '.join(ADJUSTMENTS)}, got {adjust!r}")
 

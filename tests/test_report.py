@@ -1329,6 +1329,31 @@ def test_a_sweep_stopped_before_all_its_jobs_ran_says_so(tmp_path):
     assert "Incomplete sweep" not in (tmp_path / "report.md").read_text()
 
 
+def test_one_run_of_a_planned_sweep_names_the_keys_the_sweep_planned(tmp_path):
+    # multirun.yaml plans precision x train.seed (2 x 3 jobs); only f32 seed 0 ran, so the runs
+    # vary no key, yet the sweep swept two: the header names them rather than "nothing".
+    (tmp_path / "multirun.yaml").write_text(
+        "hydra:\n"
+        "  sweeper:\n"
+        "    _target_: hydra._internal.core_plugins.basic_sweeper.BasicSweeper\n"
+        "  overrides:\n    task: [train=tiny, 'precision=f32,bf16', 'train.seed=0,1,2']\n"
+    )
+    _write(tmp_path, "0", _metrics("f32", 0))
+    assert report.collect.planned_swept_keys(tmp_path) == ["precision", "train.seed"]
+    write_report(tmp_path)
+    text = (tmp_path / "report.md").read_text()
+    assert ("Swept: nothing among these runs (its multirun.yaml plans `precision` x "
+            "`train.seed`)") in text  # fmt: skip
+    assert "Swept: nothing;" not in text
+
+
+def test_a_folder_without_multirun_yaml_whose_runs_vary_nothing_swept_nothing(tmp_path):
+    _write(tmp_path, "0", _metrics("f32", 0))
+    assert report.collect.planned_swept_keys(tmp_path) is None
+    write_report(tmp_path)
+    assert "Swept: nothing; seeds: 0." in (tmp_path / "report.md").read_text()
+
+
 def test_a_sweep_added_to_a_folder_of_finished_runs_counts_its_own_unstarted_jobs(tmp_path):
     # The first sweep (f32, bf16 x seeds 0, 1) completed; a second one into the same folder
     # (hydra.callbacks.fresh_sweep_dir.enabled=false) planned seed 2 of both arms and was

@@ -40,6 +40,7 @@ __all__ = [
     "find_sweeps",
     "collect_runs",
     "planned_jobs",
+    "planned_swept_keys",
     "unstarted_jobs",
     "concurrent_jobs",
     "swept_keys",
@@ -259,6 +260,23 @@ def planned_jobs(sweep_dir: str | os.PathLike) -> int | None:
     product of the value counts of its swept overrides (``hydra.sweeper.params``, then the
     command line's, which win for the same key: Hydra's basic sweeper), or None where that file
     is missing, unreadable or names another sweeper."""
+    counts = _planned_value_counts(sweep_dir)
+    return None if counts is None else math.prod(counts.values())
+
+
+def planned_swept_keys(sweep_dir: str | os.PathLike) -> list[str] | None:
+    """The keys the sweep in ``sweep_dir`` was to sweep over more than one value, as its
+    ``multirun.yaml`` names them (``precision``, ``train.seed``), in their order there; None
+    where :func:`planned_jobs` cannot tell. An incomplete sweep's runs may vary none of them
+    yet (one run of a precision x seed sweep)."""
+    counts = _planned_value_counts(sweep_dir)
+    return None if counts is None else [key for key, n in counts.items() if n > 1]
+
+
+def _planned_value_counts(sweep_dir: str | os.PathLike) -> dict[str, int] | None:
+    """Each override key of the sweep's ``multirun.yaml`` with its number of values (1 for a
+    plain override), or None where that file is missing, unreadable, names another sweeper
+    or holds an override this Hydra cannot parse."""
     lines = _basic_sweep_lines(sweep_dir)
     if lines is None:
         return None
@@ -273,7 +291,7 @@ def planned_jobs(sweep_dir: str | os.PathLike) -> int | None:
             )
     except Exception:  # an override this Hydra cannot parse: unknown, not a guess
         return None
-    return math.prod(counts.values())
+    return counts
 
 
 def _basic_sweep_lines(sweep_dir: str | os.PathLike) -> list[str] | None:

@@ -14,6 +14,7 @@ from mptex.report.collect import (
     REFERENCE_ARM,
     STATUSES,
     partial_keys,
+    planned_swept_keys,
     sorted_seeds,
     unstarted_jobs,
 )
@@ -166,6 +167,18 @@ def _shown_underflow(key: str) -> bool:
     if key.startswith("net"):
         return ".out_grad_" not in key
     return key in ("encoder.out_grad_subnormal_frac", "encoder.grad_subnormal_frac")
+
+
+def _swept(sweep_dir: str | os.PathLike, shown: Sequence[str]) -> str:
+    """The header's swept keys: those the runs vary; where they vary none, what the sweep's
+    multirun.yaml planned (one run of a planned precision x seed sweep swept something)."""
+    if shown:
+        return ", ".join(f"`{k}`" for k in shown)
+    planned = planned_swept_keys(sweep_dir)
+    if planned:
+        return (f"nothing among these runs (its multirun.yaml plans "
+                f"{' x '.join(f'`{k}`' for k in planned)})")  # fmt: skip
+    return "nothing"
 
 
 def _environment(runs: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -640,7 +653,7 @@ def render_report(
         "",
         f"Sweep `{sweep_dir}`: {len(runs)} runs, "
         + ", ".join(f"{n} {status}" for status, n in counts.items())
-        + f". Swept: {', '.join(f'`{k}`' for k in shown) or 'nothing'}"
+        + f". Swept: {_swept(sweep_dir, shown)}"
         + (
             f" (and {len(keys) - len(shown)} key{'s' * (len(keys) - len(shown) != 1)} that "
             f"follow{'s' * (len(keys) - len(shown) == 1)} from the arm or scene)"

@@ -183,6 +183,27 @@ def test_a_rate_whose_adam_step_is_within_float32_is_taken():
     assert check_group(TrainConfig, {"lr": 3.4e38, "betas": [0, 0.9]}, "train")["lr"] == 3.4e38
 
 
+@pytest.mark.parametrize("key", ["inject_signal_at", "inject_nonfinite_at"])
+@pytest.mark.parametrize(
+    "iterations, at, reached",
+    [(200, 200, "0 to 199"), (200, 500, "0 to 199"), (1, 1, "0 to 0"), (0, 0, "none")],
+)
+def test_a_test_hook_beyond_the_last_iteration_is_refused_at_start(key, iterations, at, reached):
+    # The loop runs iterations 0 .. iterations - 1: a hook at iterations or later never fires.
+    with pytest.raises(ConfigError) as info:
+        check_group(TrainConfig, {"iterations": iterations, key: at}, "train")
+    assert str(info.value) == (
+        f"train.{key}: expected null or an iteration the run reaches ({reached}: "
+        f"train.iterations={iterations}; the run would never reach {at}), got {at}"
+    )
+
+
+@pytest.mark.parametrize("key", ["inject_signal_at", "inject_nonfinite_at"])
+def test_a_test_hook_at_the_last_iteration_or_unset_is_taken(key):
+    assert check_group(TrainConfig, {"iterations": 200, key: 199}, "train")[key] == 199
+    assert check_group(TrainConfig, {"iterations": 0, key: None}, "train")[key] is None
+
+
 @pytest.mark.parametrize(
     "key, value",
     [("light_dir", [0, 1, 0]), ("light_dir", [0.0, 0.0, -2.0]), ("betas", [0.0, 0.0]),

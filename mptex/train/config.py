@@ -86,6 +86,22 @@ def _non_zero_light(s: Mapping[str, Any]) -> str | None:
     return None if any(v != 0 for v in s["light_dir"]) else "a non-zero [x, y, z] of numbers"
 
 
+def _reached_iteration(key: str):
+    """The rule of a test hook set at an iteration: one the run reaches (iterations run 0 to
+    ``iterations - 1``), since a hook beyond them would never fire and the test it serves
+    would pass without what it tests having happened."""
+
+    def rule(s: Mapping[str, Any]) -> str | None:
+        at, iterations = s[key], s["iterations"]
+        if at is None or at < iterations:
+            return None
+        reached = f"0 to {iterations - 1}" if iterations > 0 else "none"
+        return (f"null or an iteration the run reaches ({reached}: train.iterations="
+                f"{iterations}; the run would never reach {at})")  # fmt: skip
+
+    return rule
+
+
 @dataclass
 class TrainConfig:
     """The ``train`` group: nvdiffrec's texture-training recipe, and how a run records, stops
@@ -193,16 +209,21 @@ class TrainConfig:
     max_consecutive_skips: int = setting(200, Integer(min=1))
     """A loss-scaled arm that skips this many steps in a row has diverged."""
     inject_nonfinite_at: int | None = setting(
-        None, OrNull(Integer(min=0), what="null or an iteration")
+        None,
+        OrNull(Integer(min=0), what="null or an iteration"),
+        rule=_reached_iteration("inject_nonfinite_at"),
     )
-    """Test hook: multiply the loss by inf at this iteration."""
+    """Test hook: multiply the loss by inf at this iteration (below ``iterations``)."""
     stop_signals: list[str] = setting(list(DEFAULT_STOP_SIGNALS), STOP_SIGNAL_LIST)
     """Signals that stop the run cleanly: it finishes the iteration, writes checkpoint.pt and
     metrics.json (``status: interrupted``); ``[]``: each signal's default action."""
     inject_signal_at: int | None = setting(
-        None, OrNull(Integer(min=0), what="null or an iteration")
+        None,
+        OrNull(Integer(min=0), what="null or an iteration"),
+        rule=_reached_iteration("inject_signal_at"),
     )
-    """Test hook: send ``inject_signal`` to this process during this iteration."""
+    """Test hook: send ``inject_signal`` to this process during this iteration (below
+    ``iterations``)."""
     inject_signal: str = setting(
         "SIGTERM", OneOf(STOP_SIGNAL_NAMES, what=f"a signal name from {list(STOP_SIGNAL_NAMES)}")
     )

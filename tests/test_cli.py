@@ -154,6 +154,25 @@ def test_help_says_what_the_commands_do(tmp_path):
     assert "precision: amp, bf16" in proc.stdout  # Hydra's list of groups follows
 
 
+def test_help_points_to_what_an_installed_user_has(tmp_path):
+    # An installed wheel has no README.md or docs/: the help names the project's site (mkdocs.yml's
+    # repo_url) and the configs' folder inside the installed package (pyproject's package-dir).
+    import tomllib
+    import yaml
+
+    proc = run_cli(tmp_path, "--help")
+    assert proc.returncode == 0, proc.stderr
+    header = proc.stdout.split("== Configuration groups ==")[0]
+    assert "Its README.md and docs/ say more" not in header
+    site = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["repo_url"]
+    assert site in header
+    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ]
+    assert package_dir["mptex.configs"] == "configs"
+    assert "mptex/configs/" in header
+
+
 def test_mptex_search_adds_its_experiment_where_hydras_parser_takes_it():
     # Hydra's parser takes the overrides as one run of words: in front of "-m a=b" the added
     # experiment made "-m" split them ("unrecognized arguments").

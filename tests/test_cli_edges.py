@@ -227,10 +227,34 @@ def test_rescore_counts_the_directories_given_twice_and_names_a_file(tmp_path, m
     assert rescore.rescore_main(argv) == 2
     assert capsys.readouterr().err.splitlines() == [
         "mptex-rescore: 2 run directories given more than once: each is scored once",
+        "mptex-rescore: notes.txt: a file, not a run directory",
         "mptex-rescore: a: no checkpoint.pt (not a finished mptex-train run)",
         "mptex-rescore: b: no checkpoint.pt (not a finished mptex-train run)",
-        "mptex-rescore: notes.txt: a file, not a run directory",
-        "mptex-rescore: error: none of the 3 run directories could be scored",
+        "mptex-rescore: error: none of the 2 run directories could be scored",
+    ]
+
+
+def test_rescore_skips_the_files_a_glob_names_in_one_line(tmp_path, monkeypatch, capsys):
+    # SWEEP/* names the report's files beside the run directories: one line for all of them.
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    files = ["multirun.yaml", "report.md", "results.csv", "results.json", "results.tex",
+             "summary.png"]  # fmt: skip
+    for name in files:
+        (tmp_path / name).write_text("")
+    assert rescore.rescore_main(["a", "b", *files]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "mptex-rescore: 6 files, not run directories, skipped: multirun.yaml, report.md, "
+        "results.csv, results.json, results.tex and 1 more",
+        "mptex-rescore: a: no checkpoint.pt (not a finished mptex-train run)",
+        "mptex-rescore: b: no checkpoint.pt (not a finished mptex-train run)",
+        "mptex-rescore: error: none of the 2 run directories could be scored",
+    ]
+    assert rescore.rescore_main(files[:2]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "mptex-rescore: 2 files, not run directories, skipped: multirun.yaml, report.md",
+        "mptex-rescore: error: no run directory given",
     ]
 
 

@@ -18,7 +18,8 @@ whose configs differ in other keys (the report's swept keys, e.g. ``train.iterat
 rows of their own, with a ``config`` column naming those keys' values, and a seed scored twice
 in a row (a copied run directory) counted once;
 ``--json`` also writes every view's PSNR. Runs on the CPU by default (``--device``), one torch
-thread unless ``--threads``. A run directory named twice is scored once; among several, one
+thread unless ``--threads``. A run directory named twice is scored once; files among the paths
+(a glob such as ``SWEEP/*`` names ``report.md`` too) are skipped, in one line; among several, one
 without a checkpoint (a diverged run writes none) is named and skipped; a checkpoint of a run
 that did not complete (interrupted, or killed before its last iteration), or whose
 ``metrics.json`` is missing or unreadable, is scored with a line saying how many of its
@@ -122,6 +123,16 @@ def rescore(run_dir: str | os.PathLike, spps: list[int], device: torch.device,
     return rows
 
 
+def _files_skipped(files: list[Path]) -> str:
+    """The one line saying which of the paths given are files, not run directories (the
+    first five named)."""
+    if len(files) == 1:
+        return f"{files[0]}: a file, not a run directory"
+    names = ", ".join(str(path) for path in files[:5])
+    more = f" and {len(files) - 5} more" if len(files) > 5 else ""
+    return f"{len(files)} files, not run directories, skipped: {names}{more}"
+
+
 def rescore_main(argv: list[str] | None = None) -> int:
     from mptex._backends import cuda_device_problem
     from mptex._triton_launch import launching_on
@@ -171,10 +182,18 @@ def rescore_main(argv: list[str] | None = None) -> int:
         what = "run directory" if twice == 1 else "run directories"
         print(f"mptex-rescore: {twice} {what} given more than once: each is scored once",
               file=sys.stderr)  # fmt: skip
+    # Files among the paths (a glob such as SWEEP/* also names report.md, results.csv, ...):
+    # skipped, in one line however many there are.
+    files = [path for path in run_dirs if path.is_file()]
+    if files:
+        run_dirs = [path for path in run_dirs if not path.is_file()]
+        print(f"mptex-rescore: {_files_skipped(files)}", file=sys.stderr)
+        if not run_dirs:
+            print("mptex-rescore: error: no run directory given", file=sys.stderr)
+            return 2
     for run_dir in run_dirs:
         if not run_dir.is_dir():
-            what = "a file, not a run directory" if run_dir.is_file() else "no such run directory"
-            print(f"mptex-rescore: {run_dir}: {what}", file=sys.stderr)
+            print(f"mptex-rescore: {run_dir}: no such run directory", file=sys.stderr)
             continue
         if not (run_dir / "checkpoint.pt").is_file():
             print(f"mptex-rescore: {run_dir}: {no_checkpoint_reason(run_dir)}", file=sys.stderr)

@@ -236,3 +236,46 @@ def test_an_unreadable_metrics_file_scores_the_checkpoint_and_says_so(tmp_path, 
         f"mptex-rescore: {run_dir}: scoring a checkpoint of 4 of 4 iterations (the run is "
         "without a readable metrics.json)"
     ]
+
+
+def test_a_sweep_folder_is_scored_as_its_run_directories(tmp_path, capsys):
+    # A sweep folder as mptex-train -m leaves it: multirun.yaml, the report's files and one
+    # directory per job (here two seeds, and a diverged job without checkpoint.pt).
+    sweep = tmp_path / "sweep"
+    runs = {seed: _run(sweep / f"{seed}_train.seed={seed}", f"train.seed={seed}")
+            for seed in (0, 1)}  # fmt: skip
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    (sweep / "report.md").write_text("")
+    diverged = sweep / "2_train.seed=2"
+    diverged.mkdir()
+    (diverged / "metrics.json").write_text(json.dumps({"status": "diverged", "diverged_at": 0}))
+    out = tmp_path / "scores.json"
+    assert rescore.rescore_main([str(sweep), "--json", str(out)]) == 0
+    scores = json.loads(out.read_text())["scores"]
+    assert sorted(row["seed"] for row in scores) == [0, 1]
+    for row in scores:
+        assert row["psnr"] == runs[row["seed"]][1]["psnr"] == row["own"]
+    assert capsys.readouterr().err.splitlines() == [
+        f"mptex-rescore: {sweep}: a sweep folder; scoring its 3 run directories",
+        f"mptex-rescore: {diverged}: the run diverged at iteration 0 before its first "
+        "checkpoint: no weights",
+    ]
+    # Without multirun.yaml (runs copied into a folder): the same runs, so named.
+    (sweep / "multirun.yaml").unlink()
+    assert rescore.rescore_main([str(sweep)]) == 0
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"mptex-rescore: {sweep}: a folder of runs; scoring its 3 run directories"
+    )
+
+
+def test_a_run_directory_without_checkpoint_is_not_taken_for_a_sweep_folder(tmp_path, capsys):
+    # A diverged run's directory holds metrics.json (and Hydra's .hydra/) but no checkpoint.pt:
+    # it is the run, named as such, not a folder of runs.
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text("{}\n")
+    (tmp_path / "metrics.json").write_text(json.dumps({"status": "diverged", "diverged_at": 0}))
+    assert rescore.rescore_main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"mptex-rescore: {tmp_path}: the run diverged at iteration 0 before its first "
+        "checkpoint: no weights",
+    ]

@@ -18,12 +18,13 @@ whose configs differ in other keys (the report's swept keys, e.g. ``train.iterat
 rows of their own, with a ``config`` column naming those keys' values, and a seed scored twice
 in a row (a copied run directory) counted once;
 ``--json`` also writes every view's PSNR. Runs on the CPU by default (``--device``), one torch
-thread unless ``--threads``. A run directory named twice is scored once; files among the paths
-(a glob such as ``SWEEP/*`` names ``report.md`` too) are skipped, in one line; among several, one
-without a checkpoint (a diverged run writes none) is named and skipped; a checkpoint of a run
-that did not complete (interrupted, or killed before its last iteration), or whose
-``metrics.json`` is missing or unreadable, is scored with a line saying how many of its
-iterations it holds.
+thread unless ``--threads``. A sweep folder (Hydra's ``multirun.yaml``, or run directories
+below it) stands for its run directories, as for ``mptex-report``. A run directory named twice
+is scored once; files among the paths (a glob such as ``SWEEP/*`` names ``report.md`` too) are
+skipped, in one line; among several, one without a checkpoint (a diverged run writes none) is
+named and skipped; a checkpoint of a run that did not complete (interrupted, or killed before
+its last iteration), or whose ``metrics.json`` is missing or unreadable, is scored with a line
+saying how many of its iterations it holds.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import torch
 
 from mptex.cli.app import output_file_problem
 from mptex.numbers import is_number
-from mptex.report.collect import flatten_config, shown_keys, swept_keys
+from mptex.report.collect import flatten_config, job_dirs, shown_keys, swept_keys
 from mptex.report.markdown import markdown_table
 from mptex.train.runinfo import device_name
 
@@ -51,7 +52,9 @@ __all__ = ["rescore", "rescore_main"]
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mptex-rescore", description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", help="mptex-train run directories (checkpoint.pt)")
+    parser.add_argument(
+        "runs", nargs="+", help="mptex-train run directories (checkpoint.pt), or sweep folders"
+    )
     parser.add_argument("--val-spp", type=int, nargs="+", default=[1],
                         help="validation samples per pixel along each axis (1-16)")  # fmt: skip
     parser.add_argument("--n-val-views", type=int, default=None,
@@ -123,6 +126,26 @@ def rescore(run_dir: str | os.PathLike, spps: list[int], device: torch.device,
     return rows
 
 
+def _with_sweeps_expanded(paths: list[str]) -> list[Path]:
+    """``paths`` with each sweep folder replaced by its run directories, saying so: a folder
+    that is no run itself (no checkpoint.pt, metrics.json or .hydra/config.yaml) and holds
+    Hydra's ``multirun.yaml`` or run directories below it (as ``mptex-report`` reads one)."""
+    out: list[Path] = []
+    for given in map(Path, paths):
+        markers = ("checkpoint.pt", "metrics.json", ".hydra/config.yaml")
+        is_run = any((given / name).is_file() for name in markers)
+        runs = job_dirs(given) if given.is_dir() and not is_run else []
+        sweep = given.is_dir() and not is_run and (given / "multirun.yaml").is_file()
+        if not (runs or sweep):
+            out.append(given)
+            continue
+        what = "a sweep folder" if sweep else "a folder of runs"
+        count = f"{len(runs)} run director{'y' if len(runs) == 1 else 'ies'}"
+        print(f"mptex-rescore: {given}: {what}; scoring its {count}", file=sys.stderr)
+        out += runs
+    return out
+
+
 def _files_skipped(files: list[Path]) -> str:
     """The one line saying which of the paths given are files, not run directories (the
     first five named)."""
@@ -171,12 +194,12 @@ def rescore_main(argv: list[str] | None = None) -> int:
     # Each run once, as the report counts it (a glob and a path may name the same one).
     unique: dict[Path, Path] = {}
     named = Counter()
-    for run in args.runs:
+    for run in _with_sweeps_expanded(args.runs):
         key = Path(run).resolve()
         unique.setdefault(key, Path(run))
         named[key] += 1
     run_dirs = list(unique.values())
-    if len(run_dirs) < len(args.runs):
+    if len(run_dirs) < sum(named.values()):
         # directories named more than once, each counted once however often it is named
         twice = sum(1 for times in named.values() if times > 1)
         what = "run directory" if twice == 1 else "run directories"

@@ -38,6 +38,7 @@ __all__ = [
     "partial_keys",
     "SweepLayoutError",
     "find_sweeps",
+    "job_dirs",
     "collect_runs",
     "planned_jobs",
     "planned_swept_keys",
@@ -118,6 +119,14 @@ def _job_dirs(root: Path) -> list[Path]:
         elif job != root and (job / ".hydra" / "config.yaml").is_file():
             jobs.append(job)  # crashed before metrics.json (the sweep's own folder is no job)
     return jobs
+
+
+def job_dirs(folder: str | os.PathLike) -> list[Path]:
+    """The job directories under ``folder``, sorted: each holding ``metrics.json``, or
+    ``.hydra/config.yaml`` for a job that crashed before writing it (``folder`` itself only for
+    ``metrics.json``); submitit's own folders are skipped. Paths start with ``folder`` as
+    given."""
+    return _job_dirs(Path(folder))
 
 
 def find_sweeps(folder: str | os.PathLike) -> list[Path]:

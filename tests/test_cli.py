@@ -63,6 +63,28 @@ def test_cli_config_errors_are_one_line_naming_the_key(tmp_path, args, key):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize(
+    "command, prog",
+    [(["mptex.cli.search"], "mptex-search"),
+     # mptex-train's alias of the search, which runs it before training would
+     (["mptex.cli", "+experiment=precision_search"], "mptex-train")],
+)  # fmt: skip
+def test_the_search_says_an_interpolation_that_does_not_resolve_in_one_line(
+    tmp_path, command, prog
+):
+    env = {k: v for k, v in os.environ.items() if k != "MPTEX_TEST_UNSET_VARIABLE"}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [sys.executable, "-m", *command, f"hydra.run.dir={tmp_path}",
+           "train.lr=${oc.env:MPTEX_TEST_UNSET_VARIABLE}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    # OmegaConf's words for an unset variable, after the key it names
+    assert proc.stderr.splitlines() == [
+        f"{prog}: error: train.lr: KeyError raised while resolving interpolation: "
+        "\"Environment variable 'MPTEX_TEST_UNSET_VARIABLE' not found\""
+    ]
+
+
 def test_cli_unsupported_obj_feature_is_one_line_naming_file_and_line(tmp_path):
     Image = pytest.importorskip("PIL.Image")
     folder = tmp_path / "my asset"

@@ -293,9 +293,38 @@ class _CtrlC:
             self._previous = None
 
 
+class _InterpolationErrorsInOneLine:
+    """A Hydra task that says an interpolation that does not resolve in one line naming the
+    key, exit status 2 (a single run; in a sweep the next job goes on), where OmegaConf's
+    report ran over several lines and a traceback: an override such as
+    ``train.lr=${oc.env:LR}`` with ``LR`` unset, or ``${missing.key}``. A class, not a closure,
+    so that a sweep's launcher (joblib, submitit) can pickle it; Hydra reads the task's module
+    through ``__wrapped__``."""
+
+    def __init__(self, task, prog: str) -> None:
+        self.__wrapped__ = task
+        self.prog = prog
+
+    def __call__(self, cfg) -> Any:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+        from omegaconf.errors import InterpolationResolutionError
+
+        try:
+            return self.__wrapped__(cfg)
+        except InterpolationResolutionError as exc:
+            # OmegaConf's message adds lines naming the key and the container's type.
+            print(f"{self.prog}: error: {exc.full_key}: {str(exc).splitlines()[0]}",
+                  file=sys.stderr)  # fmt: skip
+            if HydraConfig.get().mode == RunMode.MULTIRUN:
+                return None
+            sys.exit(EXIT_CODES["error"])
+
+
 def run_hydra_app(task, prog: str, check=None) -> None:
     """Run ``task(cfg)`` as a Hydra app over mptex's ``configs/config.yaml`` with the
-    experiments registered; the common start of ``mptex-train`` and ``mptex-search``.
+    experiments registered; the common start of ``mptex-train`` and ``mptex-search``. An
+    interpolation that does not resolve ends it in one line naming the key, exit status 2.
     ``check(cfg, local)``: the command's own check of a composed config (one line, or None),
     run on each value of a sweep before its first job (:func:`override_problem`)."""
     reproducible_blas()
@@ -309,7 +338,9 @@ def run_hydra_app(task, prog: str, check=None) -> None:
     import hydra
 
     register_experiments()
-    app = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")(task)
+    app = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")(
+        _InterpolationErrorsInOneLine(task, prog)
+    )
     ctrl_c = _CtrlC()
     ctrl_c.install()
     outside_loop = (

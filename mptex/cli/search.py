@@ -37,10 +37,14 @@ _PROG = "mptex-search"
 def run_search_command(cfg, run_dir: str | os.PathLike, prog: str = _PROG) -> None:
     """Run the search of a composed config (with its ``search`` block); print the certified
     assignment, the command that trains it and where the report is; exit 2 / 3 as documented."""
+    from omegaconf.errors import InterpolationResolutionError
+
     from mptex.search import SearchError, SearchInterrupted, run_search
 
     try:
         summary = run_search(cfg, run_dir)
+    except InterpolationResolutionError:
+        raise  # a ValueError too: run_hydra_app's task says it in one line naming the key
     except (SearchError, ValueError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         sys.exit(EXIT_CODES["error"])

@@ -69,7 +69,6 @@ def _error(message: str) -> None:
 def _run(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-    from omegaconf.errors import InterpolationResolutionError
 
     from mptex.bake import TrainingExport
     from mptex.train import ConfigError, train
@@ -90,14 +89,6 @@ def _run(cfg) -> None:
         # metrics.json says failed where it could still be written; the sweep goes on (its
         # report lists the run as failed with this reason).
         _error(str(exc))
-        if hydra_cfg.mode == RunMode.MULTIRUN:
-            return
-        sys.exit(EXIT_CODES["error"])
-    except InterpolationResolutionError as exc:
-        # An override such as train.lr=${oc.env:LR} whose interpolation does not resolve (an
-        # unset variable, a missing key): a config error, in one line (OmegaConf's report adds
-        # lines naming the key and the container's type).
-        _error(f"{exc.full_key}: {str(exc).splitlines()[0]}")
         if hydra_cfg.mode == RunMode.MULTIRUN:
             return
         sys.exit(EXIT_CODES["error"])

@@ -164,6 +164,14 @@ def _grid_kwargs_from_tcnn(config: Mapping[str, Any], arg: str) -> dict[str, Any
         ratio = np.float32(256.0) / np.float32(base_resolution)
         exponent = np.float32(math.log(ratio)) / np.float32(n_levels - 1)
         per_level_scale = float(np.float32(math.exp(exponent)))
+        if per_level_scale < 1.0:  # base_resolution above 256: levels would grow coarser
+            raise ValueError(
+                f"{arg}.per_level_scale: not given, and tcnn's default for a dense grid, "
+                f"exp(log(256 / base_resolution) / (n_levels - 1)) = {per_level_scale:.4g} "
+                f"with base_resolution={base_resolution}, is below 1 (each level would be "
+                "coarser than the one before): set per_level_scale (a number >= 1), or a "
+                "base_resolution of at most 256"
+            )
     else:
         per_level_scale = 2.0
     return dict(
@@ -207,7 +215,9 @@ class HashGridEncoding(nn.Module):
       preferred precision, float16 (tcnn's on every GPU it builds half support for); the
       initial values are drawn from ``torch.Generator().manual_seed(seed)`` in tcnn's range,
       not from tcnn's pcg32 stream, so they are reproducible but not tcnn's own values (copy
-      ``params`` from a tcnn module to get those).
+      ``params`` from a tcnn module to get those). A dense grid with ``base_resolution``
+      above 256 needs ``per_level_scale``: tcnn's default falls below 1 there (refused, in one
+      line saying so).
     * mptex's keyword form below (also :meth:`from_tcnn_config`), whose defaults differ from
       tcnn's on purpose: ``dtype=torch.float32`` (the exact reference; the half mode is tcnn's
       performance choice on tensor cores, emulated and slower on a CPU) and ``seed=None``

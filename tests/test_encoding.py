@@ -480,6 +480,27 @@ def test_dense_grid_default_scale_is_tcnns():
     assert hashed.config["per_level_scale"] == 2.0
 
 
+@pytest.mark.parametrize("base_resolution, n_levels", [(300, 4), (512, 16)])
+def test_a_dense_grids_derived_scale_below_one_names_where_it_came_from(base_resolution, n_levels):
+    # tcnn's default, (256 / base_resolution) ** (1 / (n_levels - 1)), is below 1 above 256:
+    # (256/300)**(1/3) = 0.9485, (256/512)**(1/15) = 0.9548. The user gave no per_level_scale,
+    # so the message says it was derived, from what, and what to set.
+    derived = (256 / base_resolution) ** (1 / (n_levels - 1))
+    config = {"otype": "DenseGrid", "n_levels": n_levels, "base_resolution": base_resolution}
+    expected = (
+        "config.per_level_scale: not given, and tcnn's default for a dense grid, "
+        f"exp(log(256 / base_resolution) / (n_levels - 1)) = {derived:.4g} with "
+        f"base_resolution={base_resolution}, is below 1 (each level would be coarser than the "
+        "one before): set per_level_scale (a number >= 1), or a base_resolution of at most 256"
+    )
+    with pytest.raises(ValueError) as info:
+        HashGridEncoding.from_tcnn_config(3, config)
+    assert str(info.value) == expected
+    # base_resolution 256 derives exactly 1 (exp(0)): taken
+    at_256 = HashGridEncoding.from_tcnn_config(3, {**config, "base_resolution": 256})
+    assert at_256.config["per_level_scale"] == 1.0
+
+
 def test_keys_tcnn_ignores_warn_once_in_one_line():
     with pytest.warns(UserWarning) as record:
         enc = HashGridEncoding(3, {**SMALL_CONFIG, "n_dims_to_encode": 3, "n_level": 16})

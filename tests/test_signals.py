@@ -863,3 +863,174 @@ def test_a_stopped_sweep_job_names_the_command_that_continues_the_sweep(tmp_path
             f"mptex-train: interrupted by SIGTERM after iteration 5 of 20: checkpoint and "
             f"metrics in {tmp_path / 'job'}; {expected}"
         ]
+
+
+# ------------------------------------------------------ a stop signal after the last iteration
+# A run of 4 iterations that validates and checkpoints only at its end.
+SHORT = [*TINY, "train.iterations=4", "train.checkpoint_interval=10"]
+EXPORT = ["export.enabled=true", "export.resolution=64", "export.formats=[obj]",
+          "export.measure=false"]  # fmt: skip
+
+
+def short_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose("config", overrides=[*SHORT, *overrides])
+
+
+@pytest.fixture(scope="module")
+def short_reference(tmp_path_factory) -> Path:
+    """The short run without a signal: a signalled run's results must be these."""
+    run_dir = tmp_path_factory.mktemp("short_reference")
+    assert train(short_cfg(), run_dir)["status"] == "completed"
+    return run_dir
+
+
+class _SignallingExporter:
+    """An exporter that is sent SIGTERM while it exports, and exports nothing."""
+
+    def preflight(self, *args) -> None:
+        pass
+
+    def export(self, *args) -> dict:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return {}
+
+
+def _signal_during(monkeypatch, during: str) -> tuple[list[str], object]:
+    """Overrides and an exporter that make SIGTERM arrive in the part ``during`` of the short
+    run, after its last iteration has begun."""
+    import mptex.train.loop as loop
+
+    def sending(function, when=lambda *args: True):
+        sent = []
+
+        def wrapped(*args, **kwargs):
+            if not sent and when(*args):
+                sent.append(True)
+                os.kill(os.getpid(), signal.SIGTERM)
+            return function(*args, **kwargs)
+
+        return wrapped
+
+    if during == "last iteration":  # the hook sends it in the forward of iteration 3 (0-based)
+        return ["train.inject_signal_at=3"], None
+    if during == "export":
+        return ["export.enabled=true"], _SignallingExporter()
+    name, when = {
+        "final validation": ("validate", lambda run, completed: completed == run.n_iter),
+        "final checkpoint": ("save_checkpoint", lambda path, state: state["iteration"] == 4),
+        "images": ("save_val_images", lambda *args: True),
+        "metrics": ("write_metrics", lambda *args: True),
+    }[during]
+    monkeypatch.setattr(loop, name, sending(getattr(loop, name), when))
+    return [], None
+
+
+@pytest.mark.parametrize("during", ["last iteration", "final validation", "final checkpoint",
+                                    "images", "export", "metrics"])  # fmt: skip
+def test_a_stop_signal_after_the_last_iteration_leaves_the_whole_run_and_records_the_stop(
+    monkeypatch, tmp_path, short_reference, during
+):
+    overrides, exporter = _signal_during(monkeypatch, during)
+    metrics = train(short_cfg(*overrides), tmp_path, exporter=exporter)
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is removed
+    recorded = read_metrics(tmp_path)
+    expected = {"signal": "SIGTERM", "during": during}
+    assert metrics["stop_requested"] == recorded["stop_requested"] == expected
+    # The run is the one without the signal: completed, its weights, PSNR and images.
+    assert recorded["status"] == "completed" and recorded["iterations"] == 4
+    assert recorded["interruptions"] == [] and recorded["interrupted_at"] is None
+    assert recorded["psnr"] == read_metrics(short_reference)["psnr"]
+    assert_same_weights(tmp_path, short_reference)
+    assert load_checkpoint(tmp_path / "checkpoint.pt")["iteration"] == 4
+    assert sorted(p.name for p in (tmp_path / "images").iterdir()) == sorted(
+        p.name for p in (short_reference / "images").iterdir()
+    )
+
+
+def test_a_run_without_a_stop_signal_records_no_stop_request(short_reference):
+    assert read_metrics(short_reference)["stop_requested"] is None
+
+
+def _stopped_after_training_line(during: str, then: str) -> str:
+    return (
+        f"mptex-train: stop requested by SIGTERM during the {during}, after training had "
+        "ended: the run is completed with its results whole (metrics.json: stop_requested); "
+        f"{then}"
+    )
+
+
+_DURING = [
+    pytest.param("validation", "final validation", id="validation"),
+    pytest.param("checkpoint", "final checkpoint", id="checkpoint"),
+    pytest.param("export", "export", id="export"),
+]
+
+
+@pytest.mark.requires_xatlas  # the export at the run's end
+@pytest.mark.requires_trimesh
+@pytest.mark.parametrize("signal_in, during", _DURING)
+def test_a_run_signalled_after_its_last_iteration_completes_and_exits_3(
+    site, tmp_path, signal_in, during
+):
+    # Slurm's SIGTERM (a time limit, scancel) while the run validates, checkpoints or exports
+    # at its end: the run's results stand, and the command stops with the stop status.
+    proc = cli(site, tmp_path, f"hydra.run.dir={tmp_path}", *SHORT, *EXPORT, signal_in=signal_in)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_CODES["interrupted"] == 3, err
+    assert out.splitlines()[0].startswith("mptex-train: completed: PSNR "), out
+    assert err.splitlines()[-1] == _stopped_after_training_line(
+        during, "nothing is left to continue"
+    ), err
+    metrics = read_metrics(tmp_path)
+    assert metrics["status"] == "completed" and metrics["iterations"] == 4
+    assert metrics["stop_requested"] == {"signal": "SIGTERM", "during": during}
+    # the export at the run's end is whole too
+    assert "error" not in metrics["export"] and metrics["export"]["resolution"] == 64
+    assert (tmp_path / "export" / "mesh.obj").is_file()
+
+
+@pytest.mark.requires_xatlas  # the export at the run's end
+@pytest.mark.requires_trimesh
+@pytest.mark.parametrize("signal_in, during", _DURING)
+def test_a_sweep_signalled_after_a_jobs_last_iteration_stops_before_its_next_job(
+    site, tmp_path, signal_in, during
+):
+    # Hydra's basic launcher runs the jobs one after another in this process: a SIGTERM while
+    # job 0 validates, checkpoints or exports at its end stops the sweep as one mid-iteration
+    # does (exit 3), job 0 completed and jobs 1 and 2 never started.
+    sweep = tmp_path / "sweep"
+    proc = cli(site, tmp_path, "-m", f"hydra.sweep.dir={sweep}", *SHORT, *EXPORT,
+               "train.seed=0,1,2", signal_in=signal_in)  # fmt: skip
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_CODES["interrupted"] == 3, err
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert len(jobs) == 1 and jobs[0].startswith("0_"), (jobs, err)  # job 0 only
+    metrics = read_metrics(sweep / jobs[0])
+    assert metrics["status"] == "completed"
+    assert metrics["stop_requested"] == {"signal": "SIGTERM", "during": during}
+    then = (f"the sweep stops here; the same command with hydra.sweep.dir={sweep} "
+            "hydra.callbacks.fresh_sweep_dir.enabled=false continues the sweep (its completed "
+            "runs train again)")  # fmt: skip
+    assert _stopped_after_training_line(during, then) in err.splitlines(), err
+
+
+@pytest.mark.requires_xatlas  # the export at the run's end
+@pytest.mark.requires_trimesh
+def test_submitit_local_does_not_requeue_a_job_signalled_after_its_last_iteration(site, tmp_path):
+    # submitit's own signal (SIGUSR2) while the job exports: the run is done, so the job ends
+    # normally instead of being requeued (a requeue would find a completed run).
+    sweep = tmp_path / "sweep"
+    proc = cli(site, tmp_path, "-m", "hydra/launcher=submitit_local", f"hydra.sweep.dir={sweep}",
+               *SHORT, *EXPORT, signal_in="export", signal="SIGUSR2")  # fmt: skip
+    code, err = finish(proc)
+    assert code == 0, err
+    [run_dir] = [p.parent for p in sweep.glob("*/metrics.json")]
+    metrics = read_metrics(run_dir)
+    assert metrics["status"] == "completed" and metrics["resume_count"] == 0
+    assert metrics["stop_requested"] == {"signal": "SIGUSR2", "during": "export"}
+    logs = "".join(p.read_text() for p in sweep.glob(".submitit/*/*_log.*"))
+    assert "Requeued job" not in logs
+    assert _stopped_after_training_line("export", "this job ends and is not requeued").replace(
+        "SIGTERM", "SIGUSR2") in logs, logs  # fmt: skip

@@ -13,7 +13,11 @@ Exit status (:data:`EXIT_CODES`): 0 the run ended (completed or diverged: ``metr
 says which); 2 a bad config value or input file at start, or a full disk (one line on stderr,
 naming the key or the file); 3 stopped by a stop signal (``train.stop_signals``) after writing
 ``checkpoint.pt`` and ``metrics.json`` (``status: "interrupted"``): run the same command again
-to continue (``train.resume=auto``); also a Ctrl-C while no training loop runs (Hydra
+to continue (``train.resume=auto``); also a stop signal that came once the last iteration
+had begun, after which the run ended as it would have, completed or diverged
+(``metrics.json``'s ``stop_requested``; nothing to
+continue: a sweep under the basic launcher stops before its next job, and a submitit job ends
+normally without a requeue); and a Ctrl-C while no training loop runs (Hydra
 composing the config, before a run's handler is in place), which writes nothing. In a
 submitit job (``hydra/launcher=submitit_local`` or ``submitit_slurm``/``slurm_gpu``) submitit's
 own signal (``SIGUSR2``) is handed back to submitit after the checkpoint, which requeues the
@@ -116,6 +120,10 @@ def _run(cfg) -> None:
         # The training completed and stands; the export at its end did not (metrics.json's
         # export.error): said, not only recorded.
         print(f"{_PROG}: export failed: {export['error']}", file=sys.stderr)
+    if metrics.get("stop_requested"):
+        multirun = hydra_cfg.mode == RunMode.MULTIRUN
+        _stopped_after_training(metrics, run_dir, multirun,
+                                hydra_cfg.sweep.dir if multirun else None)  # fmt: skip
 
 
 def _submitit_signal() -> signal.Signals | None:
@@ -179,6 +187,41 @@ def _interrupted(metrics: dict, run_dir: Path, multirun: bool, sweep_dir=None) -
         # a submitit job that ends normally: the sweep's report lists it; or a job of a
         # parallel sweep (joblib), whose own process exits 3 once its jobs under way are done
         record_stopped_job(run_dir, "interrupted")
+        return
+    sys.exit(EXIT_CODES["interrupted"])
+
+
+# How the line below names each part of a run that ``stop_requested.during`` records.
+_DURING = {"metrics": "metrics.json write", "images": "validation images"}
+
+
+def _stopped_after_training(metrics: dict, run_dir: Path, multirun: bool, sweep_dir=None) -> None:
+    """After a stop signal that came once the run's last iteration had begun (metrics.json's
+    ``stop_requested``): the run ended and its results are whole, so nothing is continued; say
+    so in one line, then exit 3 so that nothing more starts (a sweep under the basic launcher
+    stops before its next job). A submitit job ends normally and is not requeued, whatever
+    the signal (a requeue would train nothing: its run is done); a job of a parallel sweep
+    returns (its worker process starts no other job; the sweep's process exits 3)."""
+    name, during = metrics["stop_requested"]["signal"], metrics["stop_requested"]["during"]
+    submitit = _submitit_signal() is not None
+    if submitit:
+        then = "this job ends and is not requeued"
+    elif multirun:
+        then = (
+            f"the sweep stops here; the same command with "
+            f"{path_override('hydra.sweep.dir', sweep_dir)} hydra.callbacks.fresh_sweep_dir."
+            "enabled=false continues the sweep (its completed runs train again)"
+        )
+    else:
+        then = "nothing is left to continue"
+    print(
+        f"{_PROG}: stop requested by {name} during the {_DURING.get(during, during)}, after "
+        f"training had ended: the run is {metrics['status']} with its results whole "
+        f"(metrics.json: stop_requested); {then}",
+        file=sys.stderr,
+    )
+    if multirun and (submitit or sweep_job_process()):
+        record_stopped_job(run_dir, f"{metrics['status']}, stop requested")
         return
     sys.exit(EXIT_CODES["interrupted"])
 

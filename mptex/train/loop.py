@@ -36,6 +36,7 @@ the loop itself never imports the exporter).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
@@ -112,7 +113,7 @@ METRICS_KEYS = (
     "train_time_s", "time_split_s", "peak_memory_bytes", "peak_memory_kind", "skipped_steps",
     "final_loss_scale",
     "diverged_at", "error", "failed_at", "failed_writing", "interrupted_at", "signal",
-    "resumed_from",
+    "resumed_from", "stop_requested",
     "resume_count", "interruptions", "n_params", "backends", "device",
     "device_name", "torch_threads", "versions", "run_dir", "history", "config", "export",
 )  # fmt: skip
@@ -471,6 +472,11 @@ def train(
     ``train`` runs, then the previous handlers are back): the iteration under way finishes,
     ``checkpoint.pt`` is written and the run returns with ``status: "interrupted"``,
     ``interrupted_at`` (completed iterations) and ``signal``, without the final validation.
+    A stop signal that comes once the last iteration has begun (during it, the final
+    validation, the final checkpoint, the images, the export or the ``metrics.json`` write)
+    stops nothing: the run ends as it would have (``completed``, its results whole) and
+    ``stop_requested`` records ``{"signal", "during"}``, the first such signal and the part of
+    the run it came in; ``mptex-train`` then exits 3 (a sweep stops).
     ``train.resume=auto`` (the default) continues such a run directory; ``resume_count`` and
     ``interruptions`` carry over. A full disk (ENOSPC, EDQUOT) raises
     :class:`~mptex.train.checkpoint.DiskFullError` after ``metrics.json`` records ``status:
@@ -503,9 +509,16 @@ def train(
         # config's check refuses changes nothing, and the check's one-line error comes later
         device = (plain.get("train") or {}).get("device")
         with launching_on(device), float32_gemm_sums():
-            return _train_validated(plain, run_dir, metrics, start_wall, stop, exporter)
+            metrics = _train_validated(plain, run_dir, metrics, start_wall, stop, exporter)
     finally:
         stop.uninstall()
+    if stop.received and metrics["status"] != "interrupted" and not metrics["stop_requested"]:
+        # A stop signal while metrics.json was written: recorded in a second write (a signal
+        # from now on takes its previous handler's action, which nothing swallows).
+        metrics["stop_requested"] = {"signal": stop.received[0], "during": "metrics"}
+        with contextlib.suppress(DiskFullError):  # the returned record still says it
+            write_metrics(run_dir, metrics)
+    return metrics
 
 
 def _record_start_failure(run_dir: Path, metrics: Mapping[str, Any]) -> None:
@@ -642,6 +655,10 @@ class RunState:
         self.iter_times: list[float] = []
         self.loss_value: float | None = None
         self.status, self.diverged_at = "completed", None
+        # The stop signals' handler (set by _iterate), and a stop signal that came after the
+        # last iteration had begun: {"signal", "during"} (_note_stop)
+        self.stop: StopSignals | None = None
+        self.stop_requested: dict[str, str] | None = None
         self.train_time = 0.0
         # Where this process's wall time went (metrics.json's time_split_s): seconds per part,
         # filled by step, validate, checkpoint and _iterate; finish adds start and rest.
@@ -1013,6 +1030,17 @@ def _drop(ahead: _Enqueued | None, kept: list) -> None:
             module.restore(snapshot)
 
 
+def _note_stop(run: RunState, during: str) -> None:
+    """After the part ``during`` of a run whose last iteration had begun (``"last iteration"``,
+    ``"final validation"``, ``"final checkpoint"``, ``"images"``, ``"export"``, ``"metrics"``):
+    the first stop signal received, if one came and none was noted before, as
+    ``run.stop_requested`` (``{"signal", "during"}``). Such a signal does not stop the run (its
+    results are whole a moment later); it is recorded, and ``mptex-train`` exits 3."""
+    stop = run.stop
+    if run.stop_requested is None and stop is not None and stop.received:
+        run.stop_requested = {"signal": stop.received[0], "during": during}
+
+
 def _iterate(run: RunState, stop: StopSignals) -> dict[str, Any] | None:
     """The iterations left: :func:`step`'s parts, then :func:`validate` every
     ``val_interval`` and at the end, the history, :func:`checkpoint` every
@@ -1030,6 +1058,7 @@ def _iterate(run: RunState, stop: StopSignals) -> dict[str, Any] | None:
     during them is taken after iteration ``it + 1``, as it would be without the overlap.
     """
     settings = run.settings
+    run.stop = stop
     progress = Progress(run.n_iter, run.start_iter, settings["progress"])
     evaluated, last_psnr = None, None
     train_start = run.loop_start = time.perf_counter()
@@ -1061,9 +1090,13 @@ def _iterate(run: RunState, stop: StopSignals) -> dict[str, Any] | None:
         last = completed == run.n_iter
         val_interval = settings["val_interval"]
         evaluated = None
+        if last:
+            _note_stop(run, "last iteration")
         if last or (val_interval and completed % val_interval == 0):
             evaluated = validate(run, completed)
             last_psnr = evaluated["psnr"]
+        if last:
+            _note_stop(run, "final validation")
         _record(run, out, completed, evaluated)
         progress.update(loss=f"{out.loss:.4f}", psnr=None if last_psnr is None
                         else f"{last_psnr:.2f}", scale=f"{out.result.loss_scale:g}")  # fmt: skip
@@ -1105,6 +1138,8 @@ def finish(
     completed = metrics["iterations"]
     status = run.status
     written = status in ("completed", "interrupted") and checkpoint(run, completed)
+    if status != "interrupted":  # a diverged run writes none: it stopped at its last iteration
+        _note_stop(run, "final checkpoint" if written else "last iteration")
     if status in ("completed", "interrupted") and not written:
         status, run.diverged_at = "diverged", completed
     if status == "interrupted":
@@ -1120,6 +1155,7 @@ def finish(
         with profiler_scope("mptex.validation"):
             evaluation = evaluate(run.texture, run.scene, settings, run.light_dir)
         run.time_split["validation"] += time.perf_counter() - tick
+        _note_stop(run, "final validation")
     if status == "completed" and not math.isfinite(evaluation["psnr"]):
         # Finite weights can still render a non-finite image (an f16 overflow in the forward):
         # never a completed run.
@@ -1127,11 +1163,14 @@ def finish(
     if status == "completed" or (status != "interrupted" and math.isfinite(evaluation["psnr"])):
         with profiler_scope("mptex.images"):
             save_val_images(run.run_dir / "images", evaluation, settings["n_val_images"])
+        _note_stop(run, "images")
     if run.writer is not None:
         run.writer.close()
     run.status = status
     export = (_export(run.full, run.scene, run.texture, run.run_dir, exporter, completed)
               if status == "completed" else None)  # fmt: skip
+    if status != "interrupted":
+        _note_stop(run, "export")
     rss.stop()
     peak, peak_kind = peak_memory(device, rss)
     wall = time.perf_counter() - start_wall
@@ -1176,6 +1215,7 @@ def finish(
         torch_threads=torch.get_num_threads(),
         history=run.history,
         export=export,
+        stop_requested=run.stop_requested,
     )
     metrics = {k: metrics.get(k) for k in METRICS_KEYS}
     write_metrics(run.run_dir, metrics)

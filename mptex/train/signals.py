@@ -5,7 +5,9 @@ Slurm and its launchers stop a job with a signal and kill it a grace period late
 ``train.stop_signals``, a handler that only records the signal; the training loop looks at
 :attr:`StopSignals.received` after each completed iteration, writes ``checkpoint.pt`` and a
 ``metrics.json`` with ``status: "interrupted"``, and returns. Because the handler never raises,
-a second signal during those writes interrupts nothing: the atomic writes stay atomic.
+a second signal during those writes interrupts nothing: the atomic writes stay atomic. A signal
+that comes once the last iteration has begun stops nothing: the run completes and records it
+(``metrics.json``'s ``stop_requested``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,11 @@ Once ``mptex.train.loop`` is imported it patches, as asked:
   once per iteration) and the first prints ``ITERATING``;
 * ``MPTEX_TEST_SLOW_SAVE_S``: ``torch.save`` writes half, prints ``WRITING``, sleeps, then writes
   the rest, so that a signal lands in the middle of a checkpoint write;
-* ``MPTEX_TEST_ENOSPC_AT``: :func:`failing_writer` from that atomic write on.
+* ``MPTEX_TEST_ENOSPC_AT``: :func:`failing_writer` from that atomic write on;
+* ``MPTEX_TEST_SIGNAL_IN``: the process sends itself ``MPTEX_TEST_SIGNAL`` (default SIGTERM),
+  as a ``kill`` from outside would, at the start of a part of the run after its last
+  iteration: ``validation`` (the final validation), ``checkpoint`` (the final checkpoint's
+  write) or ``export``; once per process.
 
 And at once, in a worker process of a parallel sweep (joblib's loky, started by the sweep's
 process, whose id ``MPTEX_SWEEP_PARENT`` holds):
@@ -28,6 +32,7 @@ import time
 SLEEP = float(os.environ.get("MPTEX_TEST_ITER_SLEEP_S", "0"))
 SLOW_SAVE = float(os.environ.get("MPTEX_TEST_SLOW_SAVE_S", "0"))
 ENOSPC_AT = int(os.environ.get("MPTEX_TEST_ENOSPC_AT", "0"))
+SIGNAL_IN = os.environ.get("MPTEX_TEST_SIGNAL_IN", "")
 WORKER_START = float(os.environ.get("MPTEX_TEST_WORKER_START_S", "0"))
 
 
@@ -101,9 +106,54 @@ def _patch(loop, checkpoint, torch):
         torch.save = slow_save
     if ENOSPC_AT:
         checkpoint.atomic_write_bytes = failing_writer(checkpoint.atomic_write_bytes, ENOSPC_AT)
+    if SIGNAL_IN:
+        _signal_in(loop)
 
 
-if SLEEP or SLOW_SAVE or ENOSPC_AT:
+def _signal_in(loop):
+    import signal
+
+    sent = []
+
+    def send():
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.Signals[os.environ.get("MPTEX_TEST_SIGNAL", "SIGTERM")])
+
+    if SIGNAL_IN == "validation":
+        validate = loop.validate
+
+        def signalled_validate(run, completed):
+            if completed == run.n_iter:
+                send()
+            return validate(run, completed)
+
+        loop.validate = signalled_validate
+    elif SIGNAL_IN == "checkpoint":
+        save = loop.save_checkpoint
+
+        def signalled_save(path, payload):
+            if payload["iteration"] == payload["config"]["train"]["iterations"]:
+                send()
+            return save(path, payload)
+
+        loop.save_checkpoint = signalled_save
+    elif SIGNAL_IN == "export":
+        export = loop._export
+
+        def signalled_export(full, *args):
+            if full["export"]["enabled"]:
+                send()
+            return export(full, *args)
+
+        loop._export = signalled_export
+    else:
+        raise ValueError(
+            f"MPTEX_TEST_SIGNAL_IN: expected validation, checkpoint or export, got {SIGNAL_IN!r}"
+        )
+
+
+if SLEEP or SLOW_SAVE or ENOSPC_AT or SIGNAL_IN:
     _real_import = builtins.__import__
 
     def _hooked_import(*args, **kwargs):

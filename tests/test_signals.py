@@ -1034,3 +1034,25 @@ def test_submitit_local_does_not_requeue_a_job_signalled_after_its_last_iteratio
     assert "Requeued job" not in logs
     assert _stopped_after_training_line("export", "this job ends and is not requeued").replace(
         "SIGTERM", "SIGUSR2") in logs, logs  # fmt: skip
+
+
+def test_a_parallel_sweeps_job_signalled_after_its_last_iteration_returns_to_the_sweep(
+    monkeypatch, tmp_path, capsys
+):
+    # In a worker process of a parallel sweep the completed job returns (a SystemExit there
+    # made joblib end the sweep) and leaves the note the sweep's process reads to exit 3.
+    from mptex.cli.app import SWEEP_PARENT_ENV, SWEEP_STOPPED_ENV
+    from mptex.cli.train import _stopped_after_training
+
+    notes = tmp_path / "notes.txt"
+    monkeypatch.setenv(SWEEP_PARENT_ENV, str(os.getpid() + 1))
+    monkeypatch.setenv(SWEEP_STOPPED_ENV, str(notes))
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+    metrics = {"status": "completed", "stop_requested": {"signal": "SIGINT", "during": "metrics"}}
+    job = tmp_path / "0_train.seed=0"
+    assert _stopped_after_training(metrics, job, True, tmp_path) is None
+    assert notes.read_text() == "0_train.seed=0: completed, stop requested\n"
+    assert capsys.readouterr().err.startswith(
+        "mptex-train: stop requested by SIGINT during the metrics.json write, after training "
+        "had ended: the run is completed with its results whole"
+    )

@@ -512,7 +512,7 @@ def train(
             metrics = _train_validated(plain, run_dir, metrics, start_wall, stop, exporter)
     finally:
         stop.uninstall()
-    if stop.received and metrics["status"] != "interrupted" and not metrics["stop_requested"]:
+    if stop.received and metrics["status"] != "interrupted" and not metrics.get("stop_requested"):
         # A stop signal while metrics.json was written: recorded in a second write (a signal
         # from now on takes its previous handler's action, which nothing swallows).
         metrics["stop_requested"] = {"signal": stop.received[0], "during": "metrics"}

@@ -98,3 +98,16 @@ def no_cuda_toolkit(tmp_path, monkeypatch):
     lt.torch_libdevice.cache_clear()
     yield lt
     lt.torch_libdevice.cache_clear()
+
+
+@pytest.fixture(params=["native", "eager"])
+def grid_ops(request, monkeypatch):
+    """The torch grid twin's two paths, each test run on both: ``"native"`` (the C kernel,
+    skipped where it does not build) and ``"eager"`` (torch ops, the kernel switched off)."""
+    import mptex._grid_torch as grid
+
+    if request.param == "eager":
+        monkeypatch.setattr(grid, "_native", lambda *args: None)
+    elif grid.native_kernels() is None:
+        pytest.skip("the C kernel does not build here (no C compiler)")
+    return request.param

@@ -125,13 +125,10 @@ def test_a_dense_level_is_capped_at_tcnns_maximum():
 # ------------------------------------------------------------------------------ encoding
 
 
-@pytest.fixture(params=["native", "eager"])
-def ops(request, monkeypatch):
-    if request.param == "eager":
-        monkeypatch.setattr(grid, "_native", lambda *args: None)
-    elif grid.native_kernels() is None:
-        pytest.skip("the C kernel does not build here (no C compiler)")
-    return request.param
+@pytest.fixture
+def ops(grid_ops):
+    """The grid twin's path under test (conftest's grid_ops)."""
+    return grid_ops
 
 
 @pytest.mark.parametrize("n_dims", [2, 3])

@@ -204,15 +204,6 @@ def _reference_geometry(config):
     )
 
 
-@pytest.fixture(params=["native", "eager"])
-def grid_ops(request, monkeypatch):
-    if request.param == "eager":
-        monkeypatch.setattr(grid_torch, "_native", lambda *args: None)
-    elif grid_torch.native_kernels() is None:
-        pytest.skip("the C kernel does not build here (no C compiler)")
-    return request.param
-
-
 def test_grid_level_constants_match_the_reference_over_random_configs():
     rng = random.Random(21)
     for _ in range(60):

@@ -303,6 +303,21 @@ def test_a_resumed_run_stays_in_its_arms_row(tmp_path):
     assert len(rows) == 1 and rows[0]["seeds"] == [0, 1, 2]
 
 
+def test_a_rerun_that_only_checkpoints_or_writes_images_differently_stays_in_its_row(tmp_path):
+    # How often a run checkpoints, how many validation images it writes and which signals stop
+    # it change no result (the same weights and PSNR): seed 2 was rerun with other such
+    # settings, and stays a seed of its arm. A learning rate does change the result.
+    default = {"train.checkpoint_interval": 100, "train.n_val_images": 4,
+               "train.stop_signals": ["SIGTERM", "SIGINT"]}  # fmt: skip
+    driven = [default, {**default, "train.checkpoint_interval": 1, "train.n_val_images": 0},
+              {**default, "train.stop_signals": ["SIGTERM"]}]  # fmt: skip
+    for seed in range(3):
+        _write(tmp_path, f"f32_{seed}", _metrics("f32", seed, psnr=40.0, config=driven[seed]))
+    _write(tmp_path, "f32_lr", _metrics("f32", 3, psnr=40.0, config={**default, "train.lr": 0.5}))
+    rows = summarize(collect_runs(tmp_path))
+    assert sorted(r["seeds"] for r in rows) == [[0, 1, 2], [3]]
+
+
 def test_partial_keys_are_the_train_and_texture_groups_only(tmp_path):
     # A mesh scene has scene.path, the built-in one none: that follows from the scene, it is not
     # a key of another mptex version.

@@ -66,9 +66,12 @@ ARM_ORDER = ("f32", "nvdiffrec", "f16_naive", "f16_static", "f16_dynamic", "amp"
              "per_layer", "tcnn_fused", "fp8", "fp8_current", "fp8_rowwise", "int8_qat", "fp8_qat",
              "fp8_rowwise_qat")  # fmt: skip
 # Config keys that never separate rows. train.seed: seeds are what the statistics pair over.
-# train.resume / progress / tensorboard: how a run was driven, not what it computed (a resumed
-# job would otherwise become a row of its own).
-NOT_SWEPT = ("train.seed", "train.resume", "train.progress", "train.tensorboard")
+# train.resume / progress / tensorboard / checkpoint_interval / n_val_images / stop_signals: how
+# a run was driven and what it wrote besides its results, not what it computed (a resumed job,
+# or a rerun that checkpoints more often, would otherwise become a row of its own; a run's
+# weights, Adam state, history and PSNR do not depend on them).
+NOT_SWEPT = ("train.seed", "train.resume", "train.progress", "train.tensorboard",
+             "train.checkpoint_interval", "train.n_val_images", "train.stop_signals")  # fmt: skip
 # Per-run scalars copied from metrics.json into results.csv/json, in column order.
 RUN_FIELDS = (
     "scene", "precision", "seed", "status", "psnr", "baseline_psnr", "time_per_iter_s",

@@ -496,6 +496,25 @@ def test_nan_psnr_is_never_completed(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- 5: resume
+def test_auto_resume_says_when_it_starts_over_a_checkpoint_without_a_record(tmp_path, capsys):
+    # A kill before any metrics.json leaves checkpoint.pt alone: train.resume=auto starts over
+    # (its rule), and says so in one line; after a stop signal it continues, without the line.
+    train(tiny_cfg("train.iterations=2"), tmp_path)
+    (tmp_path / "metrics.json").unlink()
+    capsys.readouterr()
+    again = train(tiny_cfg("train.iterations=2"), tmp_path)
+    assert again["resumed_from"] is None
+    assert capsys.readouterr().err.splitlines() == [
+        f"mptex: {tmp_path / 'checkpoint.pt'} is of a run that ended without a record "
+        "(killed?); train.resume=auto starts over, train.resume=true continues from it"
+    ]
+    record = read_metrics(tmp_path)
+    record["status"] = "interrupted"
+    (tmp_path / "metrics.json").write_text(json.dumps(record))
+    train(tiny_cfg("train.iterations=3"), tmp_path)
+    assert "without a record" not in capsys.readouterr().err
+
+
 def test_resume_after_a_kill_between_final_checkpoint_and_metrics(tmp_path):
     first = train(tiny_cfg("train.iterations=3"), tmp_path)
     (tmp_path / "metrics.json").unlink()

@@ -40,6 +40,7 @@ import contextlib
 import math
 import os
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Mapping
@@ -134,6 +135,19 @@ def _resume_path(setting: Any, run_dir: Path) -> Path | None:
     if not path.is_file():
         raise ValueError(f"train.resume: no checkpoint at {path}")
     return path
+
+
+def _unrecorded_checkpoint(setting: Any, resume_from: Path | None, run_dir: Path) -> bool:
+    """Whether ``train.resume=auto`` starts over beside a checkpoint without a record of how
+    its run ended (no ``metrics.json``, or only a refused start's): a kill (SIGKILL, an OOM
+    kill, power lost) before any record. Starting over is the rule; the loop says so, so that
+    the checkpoint's iterations are not lost without a word."""
+    if setting != "auto" or resume_from is not None:
+        return False
+    if not (run_dir / CHECKPOINT_FILE).is_file():
+        return False
+    kept = read_metrics(run_dir)
+    return kept is None or kept.get("failed_at") == "start"
 
 
 def _history_entry(completed, loss_value, psnr_value, result, lr, stats) -> dict[str, Any]:
@@ -559,7 +573,15 @@ def _train_validated(
         stop.install(settings["stop_signals"])
         device = torch.device(settings["device"])
         resume_from = _resume_path(settings["resume"], run_dir)
+        unrecorded = _unrecorded_checkpoint(settings["resume"], resume_from, run_dir)
         scene, texture, ckpt = _start(full, resume_from, run_dir, exporter)
+        if unrecorded:
+            # Said once the run has started (a refused start says only why it was refused).
+            print(
+                f"mptex: {run_dir / CHECKPOINT_FILE} is of a run that ended without a record "
+                "(killed?); train.resume=auto starts over, train.resume=true continues from it",
+                file=sys.stderr,
+            )
     except ValueError as exc:
         message = " ".join(str(exc).split())  # one line, whatever the source wrote
         # The config as a run that started records it (defaults, the device, the arm's

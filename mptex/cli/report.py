@@ -10,7 +10,6 @@ a folder without jobs, or jobs outside the sweeps of a folder of sweeps (one lin
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,9 +41,11 @@ def report_main(argv: Sequence[str] | None = None) -> int:
                         "own, the default) or bonferroni (the k intervals of a report at "
                         "1 - 0.05/k each, so that all hold together at 95%%)")  # fmt: skip
     args = parser.parse_args(argv)
-    if not (math.isfinite(args.margin_db) and args.margin_db > 0):
-        print("mptex-report: error: --margin-db: expected a finite number > 0, got "
-              f"{args.margin_db}", file=sys.stderr)  # fmt: skip
+    try:  # the report's own check, before any sweep is read; its key named as the flag
+        stats.check_settings(args.margin_db, args.adjust)
+    except ValueError as exc:
+        key, _, why = str(exc).partition(": ")
+        print(f"mptex-report: error: --{key.replace('_', '-')}: {why}", file=sys.stderr)
         return 2
     try:
         sweeps = collect.find_sweeps(args.folder)

@@ -28,13 +28,18 @@ _spec.loader.exec_module(kit)
 
 def _validate(tmp_path, *args, check=True):
     out = tmp_path / "out"
+    # The kit's scratch space (its installs, the stages' and the main job's temporary folders)
+    # goes where TMPDIR says, and nothing of it is left there when the command ends.
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
     proc = subprocess.run(
         [sys.executable, str(VALIDATE), "--device", "cpu", "--out", str(out), *args],
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env={"OMP_WAIT_POLICY": "passive", **os.environ},
+        env={"OMP_WAIT_POLICY": "passive", **os.environ, "TMPDIR": str(scratch)},
     )
+    assert sorted(p.name for p in scratch.iterdir()) == []
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     results_file = out / "results.json"
@@ -220,7 +225,7 @@ def test_the_main_job_stage_runs_only_when_named_and_keeps_its_report(tmp_path):
     arms = {row[0] for row in mainjob["tables"][0]["rows"]}
     assert arms == {"f32", "fp8"}
     # each run's own record kept (a job stopped by its box still says which runs finished); the
-    # sweep itself stays in scratch space, out of the results folder
+    # sweep itself stays out of the results folder (in scratch space, removed at the end)
     records = {(r["precision"], r["seed"], r["status"]) for r in mainjob["data"]["runs"]}
     assert records == {("f32", 0, "completed"), ("fp8", 0, "completed")}
     assert all(r["ms_per_iter"] > 0 and r["wall_s"] > 0 for r in mainjob["data"]["runs"])
@@ -237,7 +242,7 @@ def test_the_main_job_keeps_the_kits_packages_on_the_python_path():
     assert kit.stages_loop.job_env({})["PYTHONPATH"] == str(ROOT)
 
 
-def test_a_pytest_stage_stopped_by_its_box_keeps_the_finished_tests(tmp_path):
+def test_a_pytest_stage_stopped_by_its_box_keeps_the_finished_tests(tmp_path, monkeypatch):
     tests = tmp_path / "test_box.py"
     tests.write_text(
         "import time\n"
@@ -247,7 +252,11 @@ def test_a_pytest_stage_stopped_by_its_box_keeps_the_finished_tests(tmp_path):
     )
     args = kit.argparse.Namespace(device="cpu")
     ctx = kit.StageContext(args, tmp_path / "r.json", kit.time.time() + 15)  # pytest gets 10 s
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(kit.tempfile, "tempdir", str(scratch))
     returncode, rows, last = kit._pytest_rows(ctx, [str(tests)])
+    assert list(scratch.iterdir()) == []  # its JUnit report's folder removed
     names = [(row[0].split("::")[-1], row[1]) for row in rows]
     assert returncode is None, ctx.result["data"]["pytest"]["tail"]
     assert names == [("test_fast", "passed"), ("test_fails", "failed"),

@@ -388,9 +388,13 @@ def job_env(environ) -> dict[str, str]:
 
 def stage_mainjob(ctx) -> None:
     """``mptex-train -m +experiment=gpu_main`` as a user runs it (module docstring)."""
-    # The sweep in scratch space (its checkpoints and images stay on the machine); its table,
-    # its runs' records and its report are what the stage keeps.
-    scratch = Path(tempfile.mkdtemp(prefix="mptex-mainjob-"))
+    # The sweep in scratch space, removed at the end with its checkpoints and images; its
+    # table, its runs' records and its report are what the stage keeps.
+    with tempfile.TemporaryDirectory(prefix="mptex-mainjob-", ignore_cleanup_errors=True) as tmp:
+        _mainjob(ctx, Path(tmp))
+
+
+def _mainjob(ctx, scratch: Path) -> None:
     sweep_dir = scratch / "sweep"
     overrides = [f"hydra.sweep.dir={sweep_dir}"]
     if ctx.small:

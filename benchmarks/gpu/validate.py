@@ -60,6 +60,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -1088,28 +1089,12 @@ def _pytest_rows(ctx: StageContext, args: list[str], env: dict[str, str] | None 
     stage's box runs out first, the rows come from pytest's verbose progress instead (the
     tests that finished), and the test that was running is named; the return code is then
     None."""
-    import xml.etree.ElementTree as ET
-
-    report = Path(tempfile.mkdtemp()) / "junit.xml"
-    # -u: the progress must reach the pipe as it is written, or a killed pytest leaves none.
-    cmd = [sys.executable, "-u", "-m", "pytest", "-v", "-p", "no:cacheprovider",
-           f"--junitxml={report}", *args]  # fmt: skip
-    try:
-        proc = subprocess.run(
-            cmd,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=max(ctx.remaining() - 5, 10),
-            env=None if env is None else dict(os.environ, **env),
-        )
-        returncode, stdout = proc.returncode, proc.stdout
-    except subprocess.TimeoutExpired as exc:
-        returncode, stdout = None, exc.stdout or ""
-        stdout = stdout.decode(errors="replace") if isinstance(stdout, bytes) else stdout
+    with tempfile.TemporaryDirectory(prefix="mptex-pytest-") as scratch:
+        report = Path(scratch) / "junit.xml"
+        returncode, stdout, cases = _run_pytest(ctx, args, env, report)
     rows = []
-    if returncode is not None and report.is_file():
-        for case in ET.parse(report).getroot().iter("testcase"):
+    if cases is not None:
+        for case in cases:
             outcome = "passed"
             for tag in ("failure", "error", "skipped"):
                 node = case.find(tag)
@@ -1132,6 +1117,30 @@ def _pytest_rows(ctx: StageContext, args: list[str], env: dict[str, str] | None 
     return returncode, rows, last
 
 
+def _run_pytest(ctx: StageContext, args: list[str], env: dict[str, str] | None, report: Path):
+    """pytest's (returncode, output, JUnit test cases); returncode None and no cases when the
+    stage's box ran out first."""
+    import xml.etree.ElementTree as ET
+
+    # -u: the progress must reach the pipe as it is written, or a killed pytest leaves none.
+    cmd = [sys.executable, "-u", "-m", "pytest", "-v", "-p", "no:cacheprovider",
+           f"--junitxml={report}", *args]  # fmt: skip
+    try:
+        proc = subprocess.run(
+            cmd,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=max(ctx.remaining() - 5, 10),
+            env=None if env is None else dict(os.environ, **env),
+        )
+    except subprocess.TimeoutExpired as exc:
+        stdout = exc.stdout or ""
+        return None, stdout.decode(errors="replace") if isinstance(stdout, bytes) else stdout, None
+    cases = list(ET.parse(report).getroot().iter("testcase")) if report.is_file() else None
+    return proc.returncode, proc.stdout, cases
+
+
 def _failed_tests(returncode: int | None, rows: list[list[str]]) -> list[str]:
     if returncode in (0, 5):  # 5: nothing collected
         return []
@@ -1151,24 +1160,9 @@ def stage_tests(ctx: StageContext) -> None:
         ctx.result["failed_checks"] = failed
 
 
-def stage_golden(ctx: StageContext) -> None:
-    """Recapture the golden cases with the native libraries, compact them as the committed
-    fixtures were, diff the two folders, and run the twins' golden tests on the new capture."""
-    import shutil
-
-    sys.path.insert(0, str(HERE))
-    import golden  # benchmarks/gpu/golden.py
-
-    # The full capture (about 25 MB) stays in scratch; the compact fixtures (what a commit of a
-    # new golden set would take) come back in the results folder.
-    full = Path(tempfile.mkdtemp(prefix="mptex-golden-capture-"))
-    fixtures = (
-        Path(ctx.args.results_dir) / "golden"
-        if ctx.args.results_dir
-        else Path(tempfile.mkdtemp(prefix="mptex-golden-"))
-    )
-    shutil.rmtree(fixtures, ignore_errors=True)
-    fixtures.mkdir(parents=True)
+def _capture_golden(ctx: StageContext, golden, full: Path, fixtures: Path) -> list:
+    """Capture the golden cases into ``full`` and compact them into ``fixtures``; the raster
+    capture's meshes."""
     duck = ctx.args.mesh
     if duck is None:  # the CPU dry run: the duck of pybullet_data where it is installed
         from mptex.scenes.assets import suite_available, suite_path
@@ -1183,6 +1177,26 @@ def stage_golden(ctx: StageContext) -> None:
     meshes = golden.capture_raster(full, ctx.device, ctx.args.native_raster, duck, stored["raster"])
     for part in golden.PARTS:
         golden.builder(part).compact(full, fixtures)
+    return meshes
+
+
+def stage_golden(ctx: StageContext) -> None:
+    """Recapture the golden cases with the native libraries, compact them as the committed
+    fixtures were, diff the two folders, and run the twins' golden tests on the new capture."""
+    sys.path.insert(0, str(HERE))
+    import golden  # benchmarks/gpu/golden.py
+
+    fixtures = (
+        Path(ctx.args.results_dir) / "golden"
+        if ctx.args.results_dir
+        else Path(tempfile.mkdtemp(prefix="mptex-golden-"))
+    )
+    shutil.rmtree(fixtures, ignore_errors=True)
+    fixtures.mkdir(parents=True)
+    # The full capture (about 25 MB) in scratch, removed once compacted; the compact fixtures
+    # (what a commit of a new golden set would take) come back in the results folder.
+    with tempfile.TemporaryDirectory(prefix="mptex-golden-capture-") as full:
+        meshes = _capture_golden(ctx, golden, Path(full), fixtures)
     rows = golden.compare_fixture_dirs(fixtures, golden.FIXTURES)
     ctx.result["data"].update(arrays=rows, meshes=meshes, fixtures=str(fixtures))
     same = sum(r["status"] == "same" for r in rows)
@@ -1366,12 +1380,24 @@ def write_results(out: Path, results: dict) -> None:
 
 
 def drive(args: argparse.Namespace) -> int:
-    t0 = STARTED
+    """Install the kit and run the chosen stages, each in a process of its own, in a scratch
+    folder that is removed at the end, whatever ends the stages: the kit's installs, and as
+    the stages' ``TMPDIR`` every temporary folder they make (the tests' folders, the full golden
+    capture, the main job's sweep with its checkpoints). What a stage keeps goes to ``--out``."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="mptex-gpu-kit-"))
-    log = open(out / LOG, "a", buffering=1)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    try:
+        with open(out / LOG, "a", buffering=1) as log:
+            return _drive(args, out, work, log)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _drive(args: argparse.Namespace, out: Path, work: Path, log) -> int:
+    t0 = STARTED
+    (work / "tmp").mkdir()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(work / "tmp"))
     installed: list[str] = []
     if args.kit:
         installed = install_kit(Path(args.kit), work / "site", log)

@@ -348,6 +348,59 @@ def test_self_intersecting_polygon_is_one_line(tmp_path):
         load_obj(tmp_path / "x.obj")
 
 
+def test_a_trailing_backslash_continues_a_statement_on_the_next_line(tmp_path):
+    (tmp_path / "c.obj").write_text(
+        "v 0 0 \\\n0\n"  # a vertex on two lines
+        "v 1 0 0\nv 1 1 0\nv 0 1 0\nv -0.5 0.5 0\n"
+        "f 1 2 \\ \t\n"  # spaces and a tab after the backslash
+        "\t3 4 \\  # a comment after the backslash\n"
+        "   5\n"
+        "# a comment ending with a Windows folder is no continuation: C:\\models\\\n"
+        "v 9 9 9 # nor is a statement's comment ending so C:\\models\\\n"
+        "v 8 8 8\n"
+        "f 1 2\\\n3\n"  # no space before the backslash: still two tokens
+        "f -1 1 2 \\\n"  # at the end of the file: the statement ends with the file
+    )
+    mesh = load_obj(tmp_path / "c.obj")
+    assert mesh.v_pos.tolist()[:5] == [[0, 0, 0], [1, 0, 0], [1, 1, 0], [0, 1, 0], [-0.5, 0.5, 0]]
+    assert mesh.v_pos.shape[0] == 7  # neither commented line took the vertex after it
+    assert mesh.t_pos_idx.tolist() == [[0, 1, 2], [0, 2, 3], [0, 3, 4], [0, 1, 2], [6, 0, 1]]
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [  # an error in a continued statement names its first line; later lines keep their own
+        ("v 0 0 0\nv 1 0 0\nv 0 1 0\nf 1 \\\n2 \\\n4\n", r"c\.obj:4: position index 4 out"),
+        ("v 0 0 \\\n0\nv 1 0 0\nv 0 1 0 \\\n\nf 1 2 3 \\\n\nbogus\n", r"c\.obj:8: unknown OBJ"),
+        ("v 0 0 0\nv 1 0 0\nf 1 2 \\\n", r"c\.obj:3: a face needs at least 3 vertices"),
+    ],
+)
+def test_errors_in_continued_statements_name_their_first_line(tmp_path, text, match):
+    (tmp_path / "c.obj").write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_obj(tmp_path / "c.obj")
+
+
+def test_mtl_statements_continue_and_windows_paths_keep_their_backslashes(tmp_path):
+    (tmp_path / "sub").mkdir()
+    _solid_png(tmp_path / "sub" / "t.png", (0, 0, 255))
+    _solid_png(tmp_path / "t.png", (255, 0, 0))
+    (tmp_path / "m.mtl").write_text(
+        "newmtl a\nKd 1 \\\n  0 0\nmap_Kd -s 2 2 1 \\\n  sub\\t.png\n"
+        "newmtl b\nmap_Kd C:\\Users\\someone\\t.png\n"
+        "newmtl c\nKd 0 \\\n1 0\n"
+    )
+    (tmp_path / "t.obj").write_text(
+        QUADS + "mtllib m.mtl\nusemtl a\nf 1/1 2/2 3/3\nusemtl b\nf 1/1 2/2 3/3\n"
+        "usemtl \\\nc\nf 1 2 3\n"
+    )
+    a, b, c = load_obj(tmp_path / "t.obj").materials
+    blue = torch.tensor([0.0, 0, 1]).expand(2, 2, 3)
+    assert a.uv_scale == (2.0, 2.0) and torch.equal(a.kd_texture, blue)
+    assert torch.equal(b.kd_texture, torch.tensor([1.0, 0, 0]).expand(2, 2, 3))
+    assert c.name == "c" and c.kd.tolist() == [0.0, 1.0, 0.0]
+
+
 def test_negative_texcoord_and_normal_indices_count_back_from_the_line(tmp_path):
     (tmp_path / "t.obj").write_text(
         QUADS + "f -4/-4/-1 -3/-3/-1 -2/-2/-1 -1/-1/-1\n"  # v 3..6, vt 1..4 (a quad)

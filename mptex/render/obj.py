@@ -53,10 +53,20 @@ def _floats(tokens: list[str], count: int, path: Path, lineno: int, what: str) -
     return values
 
 
-def _text_lines(path: Path) -> list[str]:
-    """The lines of an OBJ or MTL file: UTF-8, else Latin-1 (older exporters write material and
-    file names in it), without a leading UTF-8 byte order mark (Windows editors write one); a
-    file with NUL bytes is binary, not OBJ/MTL text."""
+def _statements(path: Path) -> list[tuple[int, str]]:
+    r"""The statements of an OBJ or MTL file, each with the number of its first line.
+
+    The text is UTF-8, else Latin-1 (older exporters write material and file names in it),
+    without a leading UTF-8 byte order mark (Windows editors write one); a file with NUL bytes
+    is binary, not OBJ/MTL text.
+
+    A line whose statement (its text before any ``#``) ends with ``\`` (spaces or tabs may
+    follow it) continues on the next line, as in the OBJ specification's examples and as
+    exporters such as Rhino write long faces: the ``\`` becomes a space and the next line is
+    appended, again and again while they end so. A ``\`` anywhere else is kept (Windows paths
+    in ``map_Kd`` and ``mtllib``), and so is one in a comment (a comment ends with its line).
+    A continuation on the last line continues into nothing: the statement ends there.
+    """
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -68,7 +78,20 @@ def _text_lines(path: Path) -> list[str]:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         text = data.decode("latin-1")
-    return text.splitlines()
+    statements: list[tuple[int, str]] = []
+    pending: tuple[int, str] | None = None  # a statement continued on the next line
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if pending is not None:
+            lineno, line = pending[0], pending[1] + line
+        statement = line.split("#", 1)[0].rstrip(" \t")
+        if statement.endswith("\\"):
+            pending = (lineno, statement[:-1] + " ")
+        else:
+            pending = None
+            statements.append((lineno, line))
+    if pending is not None:
+        statements.append(pending)
+    return statements
 
 
 def _index(token: str, n_defined: int, path: Path, lineno: int, what: str) -> int:
@@ -266,7 +289,7 @@ def _load_mtl(path: Path) -> dict[str, dict]:
     """
     materials: dict[str, dict] = {}
     current = None
-    for lineno, raw in enumerate(_text_lines(path), start=1):
+    for lineno, raw in _statements(path):
         text = raw.split("#", 1)[0]
         tokens = text.split()
         if not tokens:
@@ -344,7 +367,8 @@ def load_obj(path: str | os.PathLike) -> Mesh:
     without ``vt`` need a material without ``map_Kd``; faces without ``vn`` get area-weighted
     vertex normals), ``map_Kd`` options ``-s``, ``-o``, ``-clamp``, ``mtllib`` and ``map_Kd``
     file names with spaces, ``\`` separators or another letter case, UVs outside [0, 1]
-    (the texture repeats unless ``-clamp on``).
+    (the texture repeats unless ``-clamp on``), statements continued on the next line by a
+    trailing ``\`` in OBJ and MTL files (see ``_statements``).
 
     Materials: ``Kd`` and ``map_Kd`` are sRGB in the files and linear in the mesh; a texture
     replaces ``Kd``; a material without ``Kd`` gets 0.8 grey (the MTL default), and so do
@@ -384,7 +408,7 @@ def load_obj(path: str | os.PathLike) -> Mesh:
     usemtl_at: dict[str, int] = {}  # material -> line of its first usemtl
     without_vt: dict[str | None, int] = {}  # material -> line of its first face without vt
 
-    for lineno, raw in enumerate(_text_lines(path), start=1):
+    for lineno, raw in _statements(path):
         tokens = raw.split("#", 1)[0].split()
         if not tokens:
             continue

@@ -1213,6 +1213,37 @@ def test_a_run_whose_few_stuck_pixels_hold_most_of_its_error_is_partly_stuck(tmp
     assert "is partly stuck when its stuck pixels (in any channel) hold ≥ 50%" in text
 
 
+def test_a_run_a_stop_signal_reached_after_its_last_iteration_is_named_and_still_compared(
+    tmp_path,
+):
+    # metrics.json's stop_requested: the run completed all its iterations, so it is compared
+    # as any completed run, but the signal (a cluster that wanted it stopped; exit 3, which a
+    # plain sbatch script requeues on) is said beside the table and in results.tex.
+    for seed in (0, 1):
+        _write(tmp_path, f"f32_{seed}", _metrics("f32", seed, psnr=30.0 + seed))
+        stop = {"signal": "SIGTERM", "during": "metrics"} if seed == 1 else None
+        _write(tmp_path, f"bf16_{seed}", _metrics("bf16", seed, psnr=29.0 + seed,
+                                                  stop_requested=stop))  # fmt: skip
+    write_report(tmp_path)
+    rows = _rows(tmp_path)
+    assert rows[("bf16",)]["n_seeds"] == 2 and rows[("bf16",)]["delta"]["n"] == 2
+    assert rows[("bf16",)]["stop_requested_runs"] == [
+        {"run_dir": "bf16_1", "seed": 1, "status": "completed", "signal": "SIGTERM",
+         "during": "metrics"}]  # fmt: skip
+    assert rows[("f32",)]["stop_requested_runs"] == []
+    text = (tmp_path / "report.md").read_text()
+    assert ("- Stop requested after the last iteration had begun (1 run; each ran all its "
+            "iterations and is counted as its status says") in text  # fmt: skip
+    assert "`bf16` seed 1 (completed; SIGTERM during the metrics.json write)." in text
+    tex = (tmp_path / "results.tex").read_text()
+    assert ("% Stop requested after the last iteration had begun (completed all iterations, "
+            "counted as usual; report.md says more): bf16 seed 1 (SIGTERM during metrics).\n"
+            ) in tex  # fmt: skip
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    stops = [r["stop_requested"] for r in runs if r["precision"] == "bf16"]
+    assert stops == [None, {"signal": "SIGTERM", "during": "metrics"}]
+
+
 def test_the_quantisation_table_per_layer(tmp_path):
     def fp8_metrics(seed, overflows):
         m = _metrics("fp8", seed, psnr=40.0)

@@ -191,10 +191,6 @@ def _interrupted(metrics: dict, run_dir: Path, multirun: bool, sweep_dir=None) -
     sys.exit(EXIT_CODES["interrupted"])
 
 
-# How the line below names each part of a run that ``stop_requested.during`` records.
-_DURING = {"metrics": "metrics.json write", "images": "validation images"}
-
-
 def _stopped_after_training(metrics: dict, run_dir: Path, multirun: bool, sweep_dir=None) -> None:
     """After a stop signal that came once the run's last iteration had begun (metrics.json's
     ``stop_requested``): the run ended and its results are whole, so nothing is continued; say
@@ -202,6 +198,8 @@ def _stopped_after_training(metrics: dict, run_dir: Path, multirun: bool, sweep_
     stops before its next job). A submitit job ends normally and is not requeued, whatever
     the signal (a requeue would train nothing: its run is done); a job of a parallel sweep
     returns (its worker process starts no other job; the sweep's process exits 3)."""
+    from mptex.report.markdown import during_text
+
     name, during = metrics["stop_requested"]["signal"], metrics["stop_requested"]["during"]
     submitit = _submitit_signal() is not None
     if submitit:
@@ -215,7 +213,7 @@ def _stopped_after_training(metrics: dict, run_dir: Path, multirun: bool, sweep_
     else:
         then = "nothing is left to continue"
     print(
-        f"{_PROG}: stop requested by {name} during the {_DURING.get(during, during)}, after "
+        f"{_PROG}: stop requested by {name} during {during_text(during)}, after "
         f"training had ended: the run is {metrics['status']} with its results whole "
         f"(metrics.json: stop_requested); {then}",
         file=sys.stderr,

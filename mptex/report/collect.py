@@ -432,7 +432,7 @@ def _empty_run() -> dict[str, Any]:
     run: dict[str, Any] = dict.fromkeys(RUN_FIELDS)
     run.update(history=[], underflow={}, quantization={}, versions={}, config=None, note=None,
                unreadable=False, collapsed=False, collapse=None, partly_stuck=None,
-               saturation=None)  # fmt: skip
+               saturation=None, stop_requested=None)  # fmt: skip
     return run
 
 
@@ -495,6 +495,7 @@ def _read_job(job_dir: Path) -> dict[str, Any]:
         else:  # counted as completed, named by the report
             run["partly_stuck"] = classify_partly_stuck(metrics)
     run["saturation"] = metrics.get("saturation")
+    run["stop_requested"] = _stop_requested(metrics)
     if run["status"] == "unavailable" and not run.get("error"):
         run["error"] = f"needs {_missing_backend(metrics)}"
     config = metrics.get("config")
@@ -509,6 +510,15 @@ def _read_job(job_dir: Path) -> dict[str, Any]:
     run["versions"] = metrics.get("versions") or {}
     run["_from"] = "metrics.json"
     return run
+
+
+def _stop_requested(metrics: Mapping[str, Any]) -> dict[str, str] | None:
+    """metrics.json's ``stop_requested`` (a stop signal that came once the run's last iteration
+    had begun: the run ended as it would have) as ``{"signal", "during"}`` of text, or None."""
+    stop = metrics.get("stop_requested")
+    if not isinstance(stop, Mapping):
+        return None
+    return {key: str(stop.get(key) or "unknown") for key in ("signal", "during")}
 
 
 def _arm_key(arm: Any) -> tuple[int, str]:
@@ -537,8 +547,9 @@ def collect_runs(sweep_dir: str | os.PathLike) -> list[dict[str, Any]]:
         ``history`` (list of dicts), ``underflow`` (name -> value), ``quantization`` (the
         quantised arms' ``net.<i>.q_<name>`` -> value), ``versions``, ``collapsed`` (bool),
         ``collapse`` (the evidence of :func:`mptex.collapse.classify_collapse`, or None),
-        ``partly_stuck`` (:func:`mptex.collapse.classify_partly_stuck`'s evidence, or None) and
-        ``saturation`` (metrics.json's, or None).
+        ``partly_stuck`` (:func:`mptex.collapse.classify_partly_stuck`'s evidence, or None),
+        ``saturation`` (metrics.json's, or None) and ``stop_requested`` (metrics.json's
+        ``{"signal", "during"}``, or None).
     """
     sweep_dir = Path(sweep_dir).resolve()
     runs = []

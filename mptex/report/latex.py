@@ -159,6 +159,16 @@ def render_latex(
         "report.md (the same numbers).",
         r"% Needs \usepackage{booktabs}.",
     ]
+    stopped = [(r, s) for r in rows for s in r.get("stop_requested_runs", [])]
+    if stopped:
+        # Said beside the tables, not in them: the runs' numbers are whole and compared.
+        items = "; ".join(f"{r['precision']} seed {s['seed']} ({s['signal']} during "
+                          f"{s['during']})" for r, s in stopped)  # fmt: skip
+        text = (
+            f"Stop requested after the last iteration had begun (completed all iterations, "
+            f"counted as usual; report.md says more): {items}."
+        )
+        lines.append("% " + " ".join(text.split()))  # one comment line, whatever a name holds
     for title, indices in sections:
         section = [rows[i] for i in indices]
         other = [_other_network(r, rows) for r in section]

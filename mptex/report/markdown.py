@@ -212,6 +212,17 @@ def _environment(runs: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- reading
+# How a line names each part of a run that metrics.json's stop_requested.during records
+# (anything else as it is written: "last iteration", "final validation", "export", ...).
+_DURING = {"metrics": "metrics.json write", "images": "validation images"}
+
+
+def during_text(during: str) -> str:
+    """The part of a run that ``stop_requested.during`` names, as a line says it: ``"the
+    export"``, ``"the metrics.json write"``."""
+    return f"the {_DURING.get(during, during)}"
+
+
 def _name(row: Mapping[str, Any]) -> str:
     extra = [f"{k}={v}" for k, v in row["keys"].items()
              if k.startswith("precision.") and k != "precision.name"]  # fmt: skip
@@ -501,6 +512,18 @@ def _reading(
             f"- Partly stuck ({len(partly)} run{'s' * (len(partly) != 1)}; completed and counted "
             f"in PSNR, Δ and verdict, but a few stuck pixels hold most of the squared error, so "
             f"the run's deficit is those pixels, not the precision's rounding): {items}."
+        )
+    stopped = [(r, s) for r in rows for s in r.get("stop_requested_runs", [])]
+    if stopped:
+        items = "; ".join(f"{_name(r)} seed {s['seed']} ({s['status']}; {s['signal']} during "
+                          f"{during_text(s['during'])})"
+                          for r, s in stopped)  # fmt: skip
+        lines.append(
+            f"- Stop requested after the last iteration had begun ({len(stopped)} "
+            f"run{'s' * (len(stopped) != 1)}; each ran all its iterations and is counted as its "
+            "status says, but a stop signal came (the cluster or a user wanted it stopped) and "
+            "`mptex-train` exited 3, on which a plain sbatch script requeues the job: its "
+            f"requeue repeats the final validation and export): {items}."
         )
     excluded = [(r, e) for r in rows for e in r.get("excluded", [])]
     if excluded:
@@ -830,7 +853,9 @@ def render_report(
         "- runs: completed / collapsed / diverged (non-finite loss or gradient without loss "
         "scaling, too many skipped steps in a row, or recorded as completed without a finite "
         "PSNR) / failed (config error, crash, full disk, stopped by a signal and not resumed, "
-        "or an unreadable metrics.json) / not available on this machine.",
+        "or an unreadable metrics.json) / not available on this machine. A run that a stop "
+        "signal reached once its last iteration had begun (metrics.json's `stop_requested`) "
+        "ran to its end: counted as its status says, and named under the table.",
         "- Raw numbers: `results.csv`, `results.json`. Plots: "
         + (", ".join(f"`{name}`" for name, made in plots.items() if made) or "none")
         + ". The curves: per row, the mean at each logged iteration over its completed and "

@@ -185,6 +185,11 @@ def _row(group: Sequence[Mapping[str, Any]], shown: Sequence[str]) -> dict[str, 
         "partly_stuck_runs": [{"run_dir": r["run_dir"], "seed": r["seed"],
                                "reason": r["partly_stuck"]["reason"]}
                               for r in done if r.get("partly_stuck")],
+        # Runs a stop signal reached once their last iteration had begun: they ran to their
+        # end and are counted as their status says; the report names them.
+        "stop_requested_runs": [{"run_dir": r["run_dir"], "seed": r["seed"], "status": r["status"],
+                                 **r["stop_requested"]}
+                                for r in group if r.get("stop_requested")],
     }  # fmt: skip
 
 
@@ -276,7 +281,9 @@ def summarize_groups(
         ``notes``, ``errors``, ``underflow``, ``quantization`` (per ``net.<i>.q_<name>``, the
         mean over the completed and diverged runs), ``collapsed_runs`` (``run_dir``, ``seed``,
         ``reason`` of each collapsed run), ``partly_stuck_runs`` (the same for its completed
-        runs that :func:`mptex.collapse.classify_partly_stuck` names), ``reference`` (the
+        runs that :func:`mptex.collapse.classify_partly_stuck` names), ``stop_requested_runs``
+        (``run_dir``, ``seed``, ``status``, ``signal``, ``during`` of each run that a stop
+        signal reached once its last iteration had begun), ``reference`` (the
         reference row's index or None),
         ``pairs`` (list of ``[seed, difference]``; empty for the reference itself),
         ``unpaired_seeds`` (the row's completed seeds without a completed reference run of

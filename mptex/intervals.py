@@ -185,7 +185,11 @@ def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> dict[str
     Returns:
         ``{"n", "mean", "sd", "half_width", "low", "high"}``; ``sd`` is the sample standard
         deviation; ``half_width = t_{(1+confidence)/2, n-1} * sd / sqrt(n)``. With fewer than
-        two values ``sd``, ``half_width``, ``low`` and ``high`` are None (no interval).
+        two values ``sd``, ``half_width``, ``low`` and ``high`` are None (no interval). Values
+        whose spread overflows float64 on the way (differences near 1.8e308) are computed
+        scaled by a power of two, which is exact: a finite ``sd``, ``half_width``, ``low`` or
+        ``high`` is returned as such, and one whose true value lies beyond float64's range
+        (e.g. ``high`` of values near 1.7e308) is ``inf`` (``-inf`` for ``low``).
 
     Raises:
         ValueError: a value is NaN or infinite (a diverged run's PSNR has no place in a mean).
@@ -200,9 +204,33 @@ def mean_ci(values: Sequence[float], confidence: float = CONFIDENCE) -> dict[str
     mean = finite_mean(values) if values else None
     if n < 2:
         return dict(n=n, mean=mean, sd=None, half_width=None, low=None, high=None)
-    sd = statistics.stdev(values)
-    half = t_quantile(0.5 + confidence / 2.0, n - 1) * sd / math.sqrt(n)
-    return dict(n=n, mean=mean, sd=sd, half_width=half, low=mean - half, high=mean + half)
+    t = t_quantile(0.5 + confidence / 2.0, n - 1)
+    try:
+        sd = statistics.stdev(values)
+        half = t * sd / math.sqrt(n)
+        low, high = mean - half, mean + half
+        if math.isfinite(low) and math.isfinite(high):
+            return dict(n=n, mean=mean, sd=sd, half_width=half, low=low, high=high)
+    except OverflowError:  # the exact variance, (1.7e308 - -1.7e308)^2 / 2, as a float
+        pass
+    # The same arithmetic on the values scaled below 1 by a power of two (exact both ways), so
+    # that nothing overflows on the way; what is beyond float64 then is so in truth: +-inf.
+    exponent = math.frexp(max(abs(v) for v in values))[1]
+    scaled = [math.ldexp(v, -exponent) for v in values]
+    sd_s = statistics.stdev(scaled)
+    half_s = t * sd_s / math.sqrt(n)
+    mean_s = math.ldexp(mean, -exponent)
+    low_s, high_s = mean_s - half_s, mean_s + half_s
+    sd, half, low, high = (_unscaled(v, exponent) for v in (sd_s, half_s, low_s, high_s))
+    return dict(n=n, mean=mean, sd=sd, half_width=half, low=low, high=high)
+
+
+def _unscaled(value: float, exponent: int) -> float:
+    """``value * 2**exponent``: exact, or +-inf beyond float64's range."""
+    try:
+        return math.ldexp(value, exponent)
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 _LOG_FLOAT_MAX = math.log(sys.float_info.max)

@@ -79,6 +79,44 @@ def test_the_mean_of_values_whose_sum_overflows_is_their_exact_mean():
     assert ci["sd"] == pytest.approx(scaled, rel=1e-14)
 
 
+@pytest.mark.parametrize("values", [
+    [1.7e308, -1.7e308] * 50,  # differences of 3.4e308: sd 1.7e308, half width 3.4e307
+    [1.7e308, -1.6e308, 1.5e308, -1.7e308, 0.0, 1e-300],
+    [-1.7e308, -1.75e308, 1.2e308, -1.79e308, 1.6e308] * 3,
+])  # fmt: skip
+def test_values_whose_differences_overflow_get_their_finite_interval(values):
+    # The variance (or t * sd) of such values is beyond float64, their interval is not.
+    # Reference: scipy's t interval of the values scaled by 2^-1024 (exact: a power of two),
+    # scaled back; numpy's and scipy's float64 sums of squares differ from the exact variance
+    # by a few roundings: 1e-13.
+    n, scale = len(values), 2.0**-1024
+    scaled = np.array(values) * scale
+    low, high = scipy.stats.t.interval(0.95, n - 1, loc=finite_mean(values) * scale,
+                                       scale=scipy.stats.sem(scaled))  # fmt: skip
+    ci = mean_ci(values)
+    assert ci["sd"] == pytest.approx(np.std(scaled, ddof=1) / scale, rel=1e-13)
+    assert ci["half_width"] == pytest.approx((high - low) / 2 / scale, rel=1e-9)
+    assert ci["low"] == pytest.approx(low / scale, rel=1e-9)
+    assert ci["high"] == pytest.approx(high / scale, rel=1e-9)
+    assert all(math.isfinite(ci[k]) for k in ("sd", "half_width", "low", "high"))
+
+
+def test_an_interval_beyond_float64_has_infinite_bounds():
+    # [1.7e308, -1.7e308]: sd 2.4e308, beyond float64, and so is the interval (12.7 sd / 1.41
+    # each side): infinite, not an OverflowError. [1.7e308, 1.6e308]: a finite sd and low end
+    # (scipy's, on the values scaled by 2^-1024), but its high end, 2.3e308, is beyond.
+    assert mean_ci([1.7e308, -1.7e308]) == dict(n=2, mean=0.0, sd=math.inf,
+                                                half_width=math.inf, low=-math.inf,
+                                                high=math.inf)  # fmt: skip
+    ci = mean_ci([1.7e308, 1.6e308])
+    scale = 2.0**-1024
+    scaled = np.array([1.7e308, 1.6e308]) * scale
+    low, high = scipy.stats.t.interval(0.95, 1, loc=scaled.mean(), scale=scipy.stats.sem(scaled))
+    assert ci["low"] == pytest.approx(low / scale, rel=1e-9)
+    assert float(high) / scale == math.inf and ci["high"] == math.inf
+    assert math.isfinite(ci["sd"]) and math.isfinite(ci["half_width"])
+
+
 def test_two_values_are_enough_for_an_interval():
     # [3, 5]: mean 4, sd sqrt(2), t(0.975, 1) = 12.7062 -> 4 ± 12.7062 * sqrt(2) / sqrt(2)
     ci = mean_ci([3.0, 5.0])

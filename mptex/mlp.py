@@ -95,8 +95,10 @@ class CastLinear(nn.Linear):
     tcnn's bindings. ``compute_dtype=None`` casts nothing itself: on a CPU under an enabled
     ``torch.autocast`` whose dtype is f16 or bf16 the layer computes as autocast's linear would
     (operands cast to the autocast dtype, output in it), through :func:`reduced_linear` with
-    autocast switched off for the call; otherwise it is ``nn.Linear``. State-dict keys are
-    ``nn.Linear``'s.
+    autocast switched off for the call; otherwise it is ``nn.Linear``. A layer whose weight is
+    float64 (after ``.double()``: a float64 reference, ``gradcheck``) computes in float64
+    whatever its ``compute_dtype``, as :class:`~mptex.HashGridEncoding` does with a float64
+    table (:attr:`working_dtype`). State-dict keys are ``nn.Linear``'s.
 
     Shapes: ``x [N, in_features]`` (any float dtype) -> ``[N, out_features]`` in
     ``compute_dtype``.
@@ -108,8 +110,14 @@ class CastLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, **kw)
         self.compute_dtype: torch.dtype | None = compute_dtype
 
+    @property
+    def working_dtype(self) -> torch.dtype | None:
+        """The dtype ``forward`` computes in: float64 for a float64 weight, else
+        ``compute_dtype`` (None: the input's, or autocast's)."""
+        return torch.float64 if self.weight.dtype == torch.float64 else self.compute_dtype
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = self.compute_dtype
+        dtype = self.working_dtype
         if dtype is not None:
             return reduced_linear(x, self.weight, self.bias, dtype)
         device = x.device.type
@@ -471,7 +479,7 @@ class PrecisionMLP(nn.Module):
             # nvdiffrec feeds enc.float() and scales the gradient w.r.t. that f32 input by 128,
             # so the f16 encoder backward receives 128 x its true gradient (rounded in f16).
             x = scale_grad(
-                x.to(self.layers[0].compute_dtype or x.dtype), self.policy.static_loss_scale
+                x.to(self.layers[0].working_dtype or x.dtype), self.policy.static_loss_scale
             )
         ctx = (
             torch.autocast(x.device.type, dtype=self.policy.mlp_dtypes[0])

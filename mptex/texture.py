@@ -226,7 +226,15 @@ class MLPTexture3D(nn.Module):
 
     Precision (see :class:`~mptex.PrecisionPolicy`): the encoder computes in
     ``policy.encoder_dtype``, the MLP as the policy says, and the MLP output is cast to f32
-    before the sigmoid, so ``sample`` always returns f32. With ``loss_scaling="nvdiffrec"`` the
+    before the sigmoid, so ``sample`` returns f32. After ``.double()`` (a float64 reference:
+    ``gradcheck``, :func:`mptex.diagnostics.compare_setups`' reference) float64 flows end to
+    end: the positions, the bounds, the grid (:class:`~mptex.HashGridEncoding` computes in
+    float64 with a float64 table), the linear layers (:class:`~mptex.mlp.CastLinear`, whatever
+    their compute dtype: every arm up to ``per_layer``), the sigmoid and the output. Layers
+    without a float64 form keep their arithmetic, their output cast to float64: the fake
+    quantisation of the ``*_qat`` arms, the FP8 GEMMs and tcnn's fused network (its twin's
+    half arithmetic). ``.half()`` or ``.to(torch.bfloat16)`` is refused at the first sample,
+    naming ``params``: the master weights are f32. With ``loss_scaling="nvdiffrec"`` the
     gradient w.r.t. the encoder's input positions is divided by ``static_loss_scale`` (128),
     undoing the x128 the MLP puts on the encoder's output gradient, as nvdiffrec's hooks do; the
     table's own gradient keeps the x128 (nvdiffrec's behaviour; Adam is invariant to it up to
@@ -357,7 +365,8 @@ class MLPTexture3D(nn.Module):
                 positions come from G-buffers; a non-finite loss skips its step).
 
         Returns:
-            ``[..., channels]`` float32, in ``[min_max[0], min_max[1]]`` per channel.
+            ``[..., channels]`` float32 (float64 after ``.double()``, computed in float64 as
+            the class docstring says), in ``[min_max[0], min_max[1]]`` per channel.
         """
         if not isinstance(texc, torch.Tensor) or not texc.is_floating_point():
             tensor = isinstance(texc, torch.Tensor)
@@ -367,7 +376,9 @@ class MLPTexture3D(nn.Module):
             raise ValueError(f"texc: expected shape [..., 3], got {list(texc.shape)}")
         if texc.device != self.AABB.device:
             raise ValueError(f"texc: is on {texc.device} but the texture is on {self.AABB.device}")
-        flat = texc.reshape(-1, 3).to(torch.float32)
+        # float32, whatever the positions' dtype; float64 only in a texture cast to it.
+        dtype = torch.float64 if self.AABB.dtype == torch.float64 else torch.float32
+        flat = texc.reshape(-1, 3).to(dtype)
         lo = self.AABB[0]
         unit = torch.clamp((flat - lo[None]) / self._extent("AABB")[None], min=0, max=1)
         if self.policy.loss_scaling == "nvdiffrec" or self.policy.encoder_hook:
@@ -380,7 +391,7 @@ class MLPTexture3D(nn.Module):
             if "non-finite" not in str(exc):
                 raise
             raise ValueError("texc: contains NaN values") from None
-        out = self.net(features).to(torch.float32)
+        out = self.net(features).to(dtype)
         lo_out = self.min_max[0]
         out = _sigmoid(out) * self._extent("min_max")[None] + lo_out[None]
         return out.view(*texc.shape[:-1], self.channels)

@@ -214,6 +214,32 @@ def test_positions_of_any_float_dtype_sample_as_float32():
     assert torch.equal(texture.sample(points.half()), expected)
 
 
+@pytest.mark.parametrize("arm", ["f32", "f16_dynamic", "bf16"])
+def test_a_float64_texture_samples_in_float64_end_to_end(arm):
+    # .double() (a float64 reference, gradcheck): float64 positions, grid, linear layers
+    # (whatever the arm's compute dtype, as the grid with a float64 table), sigmoid and output.
+    # Cast midway to float32 (positions, MLP output) and computed in the arm's dtype, the
+    # output was float64 in name only: 1e-8-sized errors, and gradcheck failed.
+    torch.manual_seed(0)
+    texture = MLPTexture3D(AABB, precision=arm, encoder=SMALL, backend="torch").double()
+    with torch.no_grad():
+        texture.encoder.params.uniform_(-1, 1)
+    texc = _points(16).double()
+    lo, hi = torch.tensor(AABB, dtype=torch.float64)
+    hidden = texture.encoder(((texc - lo) / (hi - lo)).clamp(0, 1))
+    layers = texture.net.layers
+    for i, layer in enumerate(layers):
+        hidden = torch.nn.functional.linear(hidden, layer.weight, layer.bias)
+        hidden = hidden.relu() if i < len(layers) - 1 else hidden
+    out = texture.sample(texc)
+    assert out.dtype == torch.float64
+    # float64's few roundings on values of order 1 (the grid's 8-corner sums, 3 layers)
+    torch.testing.assert_close(out, torch.sigmoid(hidden), rtol=0, atol=1e-14)
+    assert torch.autograd.gradcheck(texture.sample, (texc[:4].requires_grad_(),))
+    # the float32 texture is unchanged: float32 whatever the positions' dtype
+    assert _texture().sample(texc).dtype == torch.float32
+
+
 # ----------------------------------------------------------------------------- fused network
 def test_fused_network_config_defaults_are_tcnns():
     # tcnn's network.cu: n_neurons 128, n_hidden_layers 5, ReLU, no output activation.

@@ -190,16 +190,13 @@ def _run(
     points: torch.Tensor,
     cotangent: torch.Tensor,
     mode: str,
-    f64: bool,
     loss_scale: float = 1.0,
 ) -> dict[str, torch.Tensor]:
     """Every stage's tensor (forward outputs, output gradients, parameter gradients) on the CPU.
 
     The loss is ``(output * cotangent * loss_scale).sum()``; gradients are divided by
-    ``loss_scale`` (a power of two: exact) before they are returned.
-
-    ``f64``: the float64 reference, whose final output is computed from the last layer's f64
-    output here (``sample`` casts the MLP output to f32 before the sigmoid).
+    ``loss_scale`` (a power of two: exact) before they are returned. The float64 reference is
+    the texture after ``.double()``, whose ``sample`` computes in float64 throughout.
     """
     layers = texture.net.layers
     captured: dict[str, torch.Tensor] = {}
@@ -218,8 +215,6 @@ def _run(
     try:
         with torch.no_grad() if mode == "no_grad" else torch.enable_grad():
             output = texture.sample(points.to(texture.AABB.device))
-            if f64:
-                output = _head(texture, captured[f"net.{len(layers) - 1}"])
     finally:
         for handle in handles:
             handle.remove()
@@ -259,12 +254,12 @@ def _run_scaled(
     policy = setup.precision
     texture = build_texture(source, setup)
     if setup.mode == "no_grad" or policy.loss_scaling not in ("static", "dynamic"):
-        return _run(texture, positions, cotangent, setup.mode, f64=False), 1.0
+        return _run(texture, positions, cotangent, setup.mode), 1.0
     scale = float(
         policy.static_loss_scale if policy.loss_scaling == "static" else policy.init_scale
     )
     while True:
-        stages = _run(texture, positions, cotangent, setup.mode, f64=False, loss_scale=scale)
+        stages = _run(texture, positions, cotangent, setup.mode, loss_scale=scale)
         grads = [t for name, t in stages.items() if name.endswith(".grad")]
         finite = all(bool(torch.isfinite(g).all()) for g in grads)
         if finite or policy.loss_scaling == "static" or scale < 1.0:
@@ -691,7 +686,7 @@ def compare_setups(
     reference = build_texture(source, Setup("f32")).double()
     for layer in reference.net.layers:
         layer.compute_dtype = torch.float64
-    ref_stages = _run(reference, positions, cotangent, "train", f64=True)
+    ref_stages = _run(reference, positions, cotangent, "train")
     n_layers = len(reference.net.layers)
     stage_names = _forward_stages(n_layers) + _backward_stages(n_layers)
 

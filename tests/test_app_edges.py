@@ -431,6 +431,43 @@ def test_a_submitit_job_stopped_by_its_preempt_signal_hands_it_back_to_submitit(
     ]
 
 
+@pytest.fixture
+def held(sweep_env):
+    """mptex-train's hold on submitit's signal, released after the test."""
+    from mptex.cli import train as cli_train
+
+    yield cli_train
+    cli_train._SUBMITIT_HOLD.uninstall()
+    cli_train._SUBMITIT_HOLD.received.clear()
+
+
+def test_submitits_signal_after_a_run_ended_stays_with_the_job_until_a_stopped_run_hands_it_back(
+    submitit_job, held, tmp_path, capsys
+):
+    # A run's handlers are removed at its end; until the job's process exits, submitit's signal
+    # is recorded and dropped (submitit's requeue would run the completed run again). A run it
+    # stopped hands it back to submitit, which requeues the job to continue it.
+    held._hold_submitit_signal(OmegaConf.create({"train": {"stop_signals": ["SIGUSR2"]}}))
+    run = StopSignals()
+    run.install(["SIGTERM", "SIGUSR2"])
+    run.uninstall()
+    send_signal("SIGUSR2")
+    assert submitit_job == [] and held._SUBMITIT_HOLD.received == ["SIGUSR2"]
+    metrics = {"signal": "SIGUSR2", "interrupted_at": 5, "iterations_planned": 20}
+    assert held._interrupted(metrics, tmp_path / "job", True, tmp_path / "sweep") is None
+    assert submitit_job == [signal.SIGUSR2]
+    assert "submitit requeues this job" in capsys.readouterr().err
+
+
+def test_submitits_signal_is_not_held_where_the_run_leaves_it_alone(submitit_job, held):
+    # train.stop_signals=[] (every signal's own action) or without SIGUSR2: submitit's stays.
+    for names in ([], ["SIGTERM"]):
+        held._hold_submitit_signal(OmegaConf.create({"train": {"stop_signals": names}}))
+        assert not held._SUBMITIT_HOLD.installed
+    send_signal("SIGUSR2")
+    assert submitit_job == [signal.SIGUSR2]
+
+
 def test_a_stopped_sweep_jobs_line_quotes_folders_with_spaces(sweep_env, capsys):
     from mptex.cli.train import _interrupted
 

@@ -1016,24 +1016,42 @@ def test_a_sweep_signalled_after_a_jobs_last_iteration_stops_before_its_next_job
     assert _stopped_after_training_line(during, then) in err.splitlines(), err
 
 
-@pytest.mark.requires_xatlas  # the export at the run's end
-@pytest.mark.requires_trimesh
-def test_submitit_local_does_not_requeue_a_job_signalled_after_its_last_iteration(site, tmp_path):
-    # submitit's own signal (SIGUSR2) while the job exports: the run is done, so the job ends
-    # normally instead of being requeued (a requeue would find a completed run).
+def _submitit_sweep_not_requeued(site, tmp_path, *overrides, signal_in):
+    """A one-job SHORT sweep under submitit_local, sent SIGUSR2 at ``signal_in``: it ends with
+    status 0, its run completed without a resume and its job not requeued; returns the run's
+    metrics and the job's logs."""
     sweep = tmp_path / "sweep"
     proc = cli(site, tmp_path, "-m", "hydra/launcher=submitit_local", f"hydra.sweep.dir={sweep}",
-               *SHORT, *EXPORT, signal_in="export", signal="SIGUSR2")  # fmt: skip
+               *SHORT, *overrides, signal_in=signal_in, signal="SIGUSR2")  # fmt: skip
     code, err = finish(proc)
     assert code == 0, err
     [run_dir] = [p.parent for p in sweep.glob("*/metrics.json")]
     metrics = read_metrics(run_dir)
     assert metrics["status"] == "completed" and metrics["resume_count"] == 0
-    assert metrics["stop_requested"] == {"signal": "SIGUSR2", "during": "export"}
     logs = "".join(p.read_text() for p in sweep.glob(".submitit/*/*_log.*"))
     assert "Requeued job" not in logs
+    return metrics, logs
+
+
+@pytest.mark.requires_xatlas  # the export at the run's end
+@pytest.mark.requires_trimesh
+def test_submitit_local_does_not_requeue_a_job_signalled_after_its_last_iteration(site, tmp_path):
+    # submitit's own signal (SIGUSR2) while the job exports: the run is done, so the job ends
+    # normally instead of being requeued (a requeue would find a completed run).
+    metrics, logs = _submitit_sweep_not_requeued(site, tmp_path, *EXPORT, signal_in="export")
+    assert metrics["stop_requested"] == {"signal": "SIGUSR2", "during": "export"}
     assert _stopped_after_training_line("export", "this job ends and is not requeued").replace(
         "SIGTERM", "SIGUSR2") in logs, logs  # fmt: skip
+
+
+def test_submitit_local_does_not_requeue_a_job_signalled_after_its_run_ended(site, tmp_path):
+    # submitit's own signal (SIGUSR2) just after train() has removed its handlers, before the
+    # job's process exits (the local controller's pre-timeout signal as the run completes):
+    # it reached submitit's handler, whose requeue ran the job again, and without
+    # SLURM_RESTART_COUNT train.resume=auto trained the completed run again from the start.
+    metrics, logs = _submitit_sweep_not_requeued(site, tmp_path, signal_in="end")
+    assert metrics["stop_requested"] is None  # it came after the run, which recorded nothing
+    assert logs.count("mptex-train: completed") == 1, logs  # trained once
 
 
 def test_a_parallel_sweeps_job_signalled_after_its_last_iteration_returns_to_the_sweep(

@@ -22,9 +22,10 @@ composing the config, before a run's handler is in place), which writes nothing.
 submitit job (``hydra/launcher=submitit_local`` or ``submitit_slurm``/``slurm_gpu``) submitit's
 own signal (``SIGUSR2``) is handed back to submitit after the checkpoint, which requeues the
 job (exit 144 under ``submitit_local``), and the other stop signals end the job normally, so
-the sweep's report lists it. In a sweep whose jobs run in worker processes
-(``hydra/launcher=local_parallel``, joblib) a stopped job returns too, the jobs not yet started
-do not start, and the sweep's process exits 3 after the report
+the sweep's report lists it; one that comes after the run has ended is recorded and dropped
+until the job's process exits (:func:`_hold_submitit_signal`). In a sweep whose jobs run in
+worker processes (``hydra/launcher=local_parallel``, joblib) a stopped job returns too, the jobs
+not yet started do not start, and the sweep's process exits 3 after the report
 (:class:`mptex.cli.app.ParallelSweepStopCallback`); so it does where the signal reached one
 worker process alone, which starts no other job (:func:`mptex.cli.app.record_stopped_job`).
 
@@ -44,6 +45,7 @@ from pathlib import Path
 from mptex._paths import CONFIG_DIR, EXPERIMENTS_DIR
 from mptex.cli.app import (
     EXIT_CODES,
+    _stop_signal_names,
     job_dirname,
     path_override,
     record_stopped_job,
@@ -52,6 +54,7 @@ from mptex.cli.app import (
     stopped_before_start,
     sweep_job_process,
 )
+from mptex.train.signals import StopSignals
 
 __all__ = [
     "CONFIG_DIR",
@@ -87,6 +90,7 @@ def _run(cfg) -> None:
 
         run_search_command(cfg, run_dir, _PROG)
         return
+    _hold_submitit_signal(cfg)
     try:
         metrics = train(cfg, run_dir, exporter=TrainingExport())
     except DiskFullError as exc:
@@ -137,6 +141,26 @@ def _submitit_signal() -> signal.Signals | None:
     return getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), None)
 
 
+# In a submitit job: a flag-only handler for submitit's own signal, kept from just before the
+# run to the end of the job's process (_hold_submitit_signal).
+_SUBMITIT_HOLD = StopSignals()
+
+
+def _hold_submitit_signal(cfg) -> None:
+    """In a submitit job whose ``train.stop_signals`` names submitit's signal (``SIGUSR2``):
+    install over submitit's handler one that only records the signal, for the rest of the
+    job's process. The run's own handler goes over it and, when the run ends, puts this one
+    back rather than submitit's: a signal between the run's end and the process's exit (the
+    local controller's pre-timeout signal as the run completes) reached submitit, whose
+    requeue ran the job again, and under ``submitit_local`` (no ``SLURM_RESTART_COUNT``, so
+    ``train.resume=auto`` starts over) trained the completed run again from the start. Only
+    :func:`_interrupted` hands the signal back to submitit, for a run it stopped."""
+    signum = _submitit_signal()
+    if signum is None or _SUBMITIT_HOLD.installed or signum.name not in _stop_signal_names(cfg):
+        return
+    _SUBMITIT_HOLD.install([signum.name], owner="a submitit job")
+
+
 def _summary_line(metrics: dict) -> str:
     """The line a finished run ends with: status, PSNR, baseline, iterations and time per
     iteration (none where no iteration was timed: ``train.iterations=0``, or a run that
@@ -157,6 +181,8 @@ def _interrupted(metrics: dict, run_dir: Path, multirun: bool, sweep_dir=None) -
     ``sweep_dir``: the sweep's directory, for a job of a multirun."""
     name = metrics["signal"]
     requeue = _submitit_signal()
+    if requeue is not None and name == requeue.name:
+        _SUBMITIT_HOLD.uninstall()  # submitit's handler is back, for the hand-back below
     requeued = requeue is not None and name == requeue.name and callable(
         signal.getsignal(requeue))  # fmt: skip
     if requeued:

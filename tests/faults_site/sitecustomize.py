@@ -12,7 +12,8 @@ Once ``mptex.train.loop`` is imported it patches, as asked:
 * ``MPTEX_TEST_SIGNAL_IN``: the process sends itself ``MPTEX_TEST_SIGNAL`` (default SIGTERM),
   as a ``kill`` from outside would, at the start of a part of the run after its last
   iteration: ``validation`` (the final validation), ``checkpoint`` (the final checkpoint's
-  write) or ``export``; once per process.
+  write) or ``export``; or ``end``, just after ``train()`` has removed its handlers (the run
+  ended; the process has not exited yet); once per process.
 
 And at once, in a worker process of a parallel sweep (joblib's loky, started by the sweep's
 process, whose id ``MPTEX_SWEEP_PARENT`` holds):
@@ -138,6 +139,14 @@ def _signal_in(loop):
             return save(path, payload)
 
         loop.save_checkpoint = signalled_save
+    elif SIGNAL_IN == "end":
+
+        class SignalledAtEnd(loop.StopSignals):
+            def uninstall(self):
+                super().uninstall()
+                send()
+
+        loop.StopSignals = SignalledAtEnd
     elif SIGNAL_IN == "export":
         export = loop._export
 
@@ -149,7 +158,8 @@ def _signal_in(loop):
         loop._export = signalled_export
     else:
         raise ValueError(
-            f"MPTEX_TEST_SIGNAL_IN: expected validation, checkpoint or export, got {SIGNAL_IN!r}"
+            f"MPTEX_TEST_SIGNAL_IN: expected validation, checkpoint, export or end, got "
+            f"{SIGNAL_IN!r}"
         )
 
 

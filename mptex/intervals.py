@@ -15,6 +15,7 @@ whatever the dependence between them (the union bound).
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import sys
@@ -127,6 +128,11 @@ def _t_quantile_many_dof(p: float, dof: float) -> float:
 _T_SEARCH_MAX = 2.0**500
 
 
+# Cached: a bisection of about 40 incomplete beta functions takes about a millisecond, and the
+# report asks for the same few quantiles again and again (seeds_to_settle tries up to 200 seed
+# counts for each inconclusive row, and a simulated sweep repeats every one of them); typed,
+# so that True is refused as a dof after 1 was asked for.
+@functools.lru_cache(maxsize=4096, typed=True)
 def t_quantile(p: float, dof: float) -> float:
     """Quantile of Student's t distribution: the t with ``P(T <= t) = p``.
 

@@ -39,6 +39,14 @@ def test_t_quantile_matches_scipy_over_probabilities_and_degrees_of_freedom(p, d
     assert t_quantile(p, dof) == pytest.approx(scipy.stats.t.ppf(p, dof), rel=1e-9, abs=1e-12)
 
 
+def test_a_cached_quantile_still_refuses_a_bool_dof():
+    # t_quantile caches its values; True == 1 and hash(True) == hash(1), so an untyped cache
+    # would hand 1's quantile to a dof of True instead of refusing it.
+    assert t_quantile(0.975, 1) == pytest.approx(12.7062, abs=1e-4)
+    with pytest.raises(ValueError, match=r"^dof: expected a finite number > 0, got True$"):
+        t_quantile(0.975, True)
+
+
 def test_a_probability_of_zero_is_refused_as_itself():
     # p = 0 has no quantile; the message names the value given, not its mirror image 1.
     with pytest.raises(ValueError, match=r"^p: expected a probability in \(0, 1\), got 0\.0$"):

@@ -92,7 +92,7 @@ from mptex.train.runinfo import (
     tensorboard_writer,
 )
 from mptex.train.shading import draw_background, light_direction, render_batch
-from mptex.train.signals import StopSignals, auto_resume_path, send_signal
+from mptex.train.signals import StopSignals, auto_resume_path, send_signal, stopped_record
 from mptex.train.validation import evaluate, save_val_images
 
 __all__ = [
@@ -148,6 +148,23 @@ def _unrecorded_checkpoint(setting: Any, resume_from: Path | None, run_dir: Path
         return False
     kept = read_metrics(run_dir)
     return kept is None or kept.get("failed_at") == "start"
+
+
+def _retire_finished_record(run_dir: Path) -> None:
+    """Remove ``metrics.json`` when it records a run that is not to be continued (completed,
+    diverged, failed), before a run that got past its start writes its first file here.
+
+    The record is written last, so a record of a finished run describes the files beside it;
+    a run started over or continued in its directory rewrites them (``checkpoint.pt`` every
+    ``checkpoint_interval``, then the images and the export), and a kill in between would leave
+    that record beside files of another run, a validation image or export cut short, read as
+    the finished run by ``mptex-report``. Without it, the directory reads as a run killed
+    before its record. A stopped run's record (:func:`~mptex.train.signals.stopped_record`)
+    stays: it is what lets ``train.resume=auto`` continue after such a kill, and it claims no
+    results."""
+    kept = read_metrics(run_dir)
+    if kept is not None and not stopped_record(kept):
+        (run_dir / "metrics.json").unlink(missing_ok=True)
 
 
 def _history_entry(completed, loss_value, psnr_value, result, lr, stats) -> dict[str, Any]:
@@ -602,6 +619,7 @@ def _train_validated(
         try:
             # The named steps: setup, the iterations (step, validate, checkpoint), finish.
             run = setup(full, scene, texture, ckpt, run_dir, device, metrics)
+            _retire_finished_record(run_dir)
             evaluated = _iterate(run, stop)
             return finish(run, evaluated, start_wall, rss, exporter)
         finally:

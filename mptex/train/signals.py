@@ -17,8 +17,9 @@ import os
 import signal
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from mptex.config_schema import ListOf, OneOf
 from mptex.train.checkpoint import read_metrics
@@ -149,8 +150,12 @@ def auto_resume_path(run_dir: str | os.PathLike) -> Path | None:
     if os.environ.get("SLURM_RESTART_COUNT", "0").strip() not in ("", "0"):
         return checkpoint
     metrics = read_metrics(run_dir)
-    if metrics is None:
-        return None
+    return checkpoint if metrics is not None and stopped_record(metrics) else None
+
+
+def stopped_record(metrics: Mapping[str, Any]) -> bool:
+    """Whether ``metrics`` (a ``metrics.json``) records a run that stopped to be continued: a
+    stop signal's ``status: "interrupted"``, or a full disk's ``status: "failed"`` with
+    ``failed_writing``. ``train.resume=auto`` continues such a run (:func:`auto_resume_path`)."""
     status = metrics.get("status")
-    stopped = status == "interrupted" or (status == "failed" and metrics.get("failed_writing"))
-    return checkpoint if stopped else None
+    return status == "interrupted" or bool(status == "failed" and metrics.get("failed_writing"))

@@ -1,0 +1,311 @@
+"""Kill a training run at every point where it writes or steps, then resume it (a driver process).
+
+``python tests/kill_points.py <plan.json> <out.json>`` runs the trials of ``plan.json`` and
+writes one record per trial to ``out.json``; ``tests/test_kill_points.py`` judges them. Every
+run is a child forked from this process (one thread, so that a fork is safe) that calls
+:func:`mptex.train.train` with *kill points* installed: before each iteration, around each
+atomic write (temporary created, half of it written, written but not synced, synced but not
+renamed, renamed), before each validation, and half-way through each file written in place
+(validation images, the export's files). The child counts the points it passes and, at the
+N-th, does what a ``kill -9`` leaves (a half-written file stays half-written) and sends itself
+SIGKILL. A child run without a kill lists the points it passed.
+
+A trial is a list of attempts in one run directory, each ``{"kill": N, "<label>@<k>" or
+null, "resume": "auto" | "true"}`` (:class:`_Points`); the last has no kill. ``"true"`` falls
+back to ``false`` where no ``checkpoint.pt`` exists (``train.resume=true`` refuses a directory
+without one, in one line). ``"before": [[overrides], ...]`` runs to the end first, without
+kills (a completed or stopped run already in the directory). The first trial is the reference
+run (one attempt, no kill); with ``"each_point": [modes]`` in the plan, a trial per point the
+reference passed and mode follows it.
+After each killed attempt the record keeps what a reader of the directory would find
+(:func:`_snapshot`); after the last, the files to compare with the reference run's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import imageio.v3 as iio
+import torch
+from hydra import compose, initialize_config_dir
+
+import mptex.train.checkpoint as checkpoint_module
+import mptex.train.loop as loop
+from mptex.cli import CONFIG_DIR
+from mptex.train import train
+
+_real = {
+    "mkstemp": tempfile.mkstemp,
+    "fsync": os.fsync,
+    "replace": os.replace,
+    "imwrite": iio.imwrite,
+    "write_text": Path.write_text,
+    "write_bytes": Path.write_bytes,
+    "forward_backward": loop._forward_backward,
+    "evaluate": loop.evaluate,
+}
+
+
+class _Points:
+    """The kill points one child passes; SIGKILL at ``kill_at``: the N-th point passed
+    (1-based), or ``"<label>@<k>"``, the k-th point of that label."""
+
+    def __init__(self, kill_at: int | str | None, log: Path) -> None:
+        self.kill_at, self.log, self.passed = kill_at, log, []
+
+    def _due(self) -> bool:
+        if isinstance(self.kill_at, str):
+            label, nth = self.kill_at.rsplit("@", 1)
+            return self.passed[-1] == label and self.passed.count(label) == int(nth)
+        return len(self.passed) == self.kill_at
+
+    def __call__(self, label: str, before_kill=None) -> None:
+        self.passed.append(label)
+        if self._due():
+            self.log.write_text(json.dumps(self.passed))
+            if before_kill is not None:
+                before_kill()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fd_path(fd: int) -> Path | None:
+    try:
+        return Path(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        return None
+
+
+def _install(point: _Points, run_dir: Path) -> None:
+    def inside(path) -> bool:
+        return run_dir in Path(path).resolve().parents
+
+    def name(path) -> str:
+        return str(Path(path).resolve().relative_to(run_dir))
+
+    def target(tmp) -> str:  # ".checkpoint.pt.abc123.tmp" -> "checkpoint.pt"
+        return Path(tmp).name[1:].rsplit(".", 2)[0]
+
+    def mkstemp(*args, **kwargs):
+        fd, tmp = _real["mkstemp"](*args, **kwargs)
+        if inside(tmp):
+            point(f"{target(tmp)}: temporary created")
+        return fd, tmp
+
+    def fsync(fd):
+        path = _fd_path(fd)
+        if path is not None and path.is_file() and inside(path):
+            size = os.fstat(fd).st_size
+            point(f"{target(path)}: half written", lambda: os.ftruncate(fd, size // 2))
+            point(f"{target(path)}: written, not synced")
+        return _real["fsync"](fd)
+
+    def replace(src, dst):
+        if inside(dst):
+            point(f"{name(dst)}: synced, not renamed")
+        _real["replace"](src, dst)
+        if inside(dst):
+            point(f"{name(dst)}: renamed")
+
+    def half(path, data: bytes):
+        def write_half():
+            with open(path, "wb") as f:
+                f.write(data[: len(data) // 2])
+
+        return write_half
+
+    def imwrite(uri, image, *args, **kwargs):
+        if isinstance(uri, (str, os.PathLike)) and inside(uri):
+            suffix = kwargs.get("extension") or Path(uri).suffix
+            data = _real["imwrite"]("<bytes>", image, extension=suffix)
+            point(f"{name(uri)}: half written", half(uri, data))
+        return _real["imwrite"](uri, image, *args, **kwargs)
+
+    def write_text(self, data, *args, **kwargs):
+        if inside(self):
+            point(f"{name(self)}: half written", half(self, data.encode()))
+        return _real["write_text"](self, data, *args, **kwargs)
+
+    def write_bytes(self, data):
+        if inside(self):
+            point(f"{name(self)}: half written", half(self, bytes(data)))
+        return _real["write_bytes"](self, data)
+
+    def forward_backward(run, it):
+        point(f"iteration {it}")
+        return _real["forward_backward"](run, it)
+
+    def evaluate(*args, **kwargs):
+        point("validation")
+        return _real["evaluate"](*args, **kwargs)
+
+    tempfile.mkstemp = mkstemp
+    os.fsync, os.replace = fsync, replace
+    iio.imwrite = imwrite
+    Path.write_text, Path.write_bytes = write_text, write_bytes
+    loop._forward_backward, loop.evaluate = forward_backward, evaluate
+
+
+def _attempt(run_dir: Path, overrides: list[str], kill_at: int | None, resume: str,
+             export: bool, work: Path) -> dict:  # fmt: skip
+    """One child run; its outcome: ``killed`` (and the point) or ``returned`` (exit status)."""
+    if resume == "true" and not (run_dir / "checkpoint.pt").is_file():
+        resume = "false"
+    log, error = work / "points.json", work / "error.txt"
+    log.unlink(missing_ok=True)
+    error.unlink(missing_ok=True)
+    pid = os.fork()
+    if pid == 0:  # the child: one run, then out without Python's shutdown
+        status = 1
+        try:
+            point = _Points(kill_at, log)
+            _install(point, run_dir.resolve())
+            with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+                cfg = compose("config", overrides=[*overrides, f"train.resume={resume}"])
+            exporter = None
+            if export:
+                from mptex.bake import TrainingExport
+
+                exporter = TrainingExport()
+            train(cfg, run_dir, exporter=exporter)
+            log.write_text(json.dumps(point.passed))
+            status = 0
+        except BaseException:
+            error.write_text(traceback.format_exc())
+        finally:
+            os._exit(status)
+    _, wait_status = os.waitpid(pid, 0)
+    points = json.loads(log.read_text()) if log.exists() else None
+    outcome = {"resume": resume, "points": points}
+    if os.WIFSIGNALED(wait_status):
+        outcome.update(killed=os.WTERMSIG(wait_status) == signal.SIGKILL,
+                       at=points[-1] if points else None)  # fmt: skip
+    else:
+        outcome.update(killed=False, exit=os.WEXITSTATUS(wait_status))
+        if error.exists():
+            outcome["error"] = error.read_text()
+    return outcome
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _snapshot(run_dir: Path) -> dict:
+    """What a reader finds in ``run_dir``: the record's status, the checkpoint's iteration
+    (or why it cannot be read), each file's digest, and whether each PNG decodes."""
+    found: dict = {"files": {}, "bad_images": []}
+    for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
+        rel = str(path.relative_to(run_dir))
+        if rel.startswith(".hydra"):
+            continue
+        found["files"][rel] = _digest(path)
+        if path.suffix == ".png":
+            try:
+                iio.imread(path)
+            except Exception:  # a torn PNG: imageio raises several types
+                found["bad_images"].append(rel)
+    metrics = checkpoint_module.read_metrics(run_dir)
+    found["metrics_status"] = None if metrics is None else metrics.get("status")
+    found["metrics_unreadable"] = (run_dir / "metrics.json").exists() and metrics is None
+    ckpt_path = run_dir / "checkpoint.pt"
+    if ckpt_path.exists():
+        try:
+            ckpt = checkpoint_module.load_checkpoint(
+                ckpt_path, required=checkpoint_module.CHECKPOINT_KEYS
+            )
+            weights = [t for t in ckpt["texture"].values()
+                       if torch.is_tensor(t) and t.is_floating_point()]  # fmt: skip
+            found["checkpoint"] = {
+                "iteration": int(ckpt["iteration"]),
+                "finite": all(bool(torch.isfinite(t).all()) for t in weights),
+            }
+        except checkpoint_module.CheckpointError as exc:
+            found["checkpoint"] = {"error": str(exc)}
+    export_json = run_dir / "export" / "export.json"
+    if export_json.exists():
+        try:
+            found["export_files"] = json.loads(export_json.read_text())["files"]
+        except (ValueError, KeyError) as exc:
+            found["export_files"] = {"error": repr(exc)}
+    return found
+
+
+def _final(run_dir: Path) -> dict:
+    """What the finished run's files hold, for the comparison with the reference."""
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    ckpt = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    tensors = {}
+
+    def walk(prefix: str, value) -> None:
+        if torch.is_tensor(value):
+            tensors[prefix] = hashlib.sha256(value.cpu().reshape(-1).contiguous().view(torch.uint8)
+                                             .numpy().tobytes()).hexdigest()  # fmt: skip
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{prefix}.{i}", v)
+        else:
+            tensors[prefix] = repr(value)
+
+    for key in ("texture", "optimizer", "stepper", "rng", "history", "iteration",
+                "skipped_steps", "consecutive_skips", "loss"):  # fmt: skip
+        walk(key, ckpt.get(key))
+    files = {}
+    for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
+        rel = str(path.relative_to(run_dir))
+        if rel.startswith(".hydra") or rel in ("metrics.json", "checkpoint.pt"):
+            continue
+        if rel == "export/export.json":
+            export = json.loads(path.read_text())
+            export.pop("source", None)  # names the run directory
+            files[rel] = {k: v for k, v in export.items() if not k.endswith("_time_s")}
+        else:
+            files[rel] = _digest(path)
+    return {"metrics": metrics, "checkpoint": tensors, "files": files,
+            "resume_count_in_checkpoint": ckpt.get("resume_count")}  # fmt: skip
+
+
+def main(plan_path: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    plan = json.loads(Path(plan_path).read_text())
+    root = Path(plan["root"])
+    work = root / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    records, trials = [], list(plan["trials"])
+    for index, trial in enumerate(trials):
+        run_dir = root / f"trial{index}"
+        for setup in trial.get("before", []):  # e.g. a completed run already in the directory
+            _attempt(run_dir, plan["overrides"] + setup, None, "auto", plan["export"], work)
+        record = {"attempts": [], "snapshots": []}
+        for attempt in trial["attempts"]:
+            overrides = plan["overrides"] + trial.get("overrides", [])
+            outcome = _attempt(run_dir, overrides, attempt["kill"], attempt["resume"],
+                               plan["export"], work)  # fmt: skip
+            record["attempts"].append(outcome)
+            if outcome["killed"]:
+                record["snapshots"].append(_snapshot(run_dir))
+        if not record["attempts"][-1]["killed"] and record["attempts"][-1].get("exit") == 0:
+            record["final"] = _final(run_dir)
+        records.append(record)
+        if index == 0 and plan.get("each_point"):
+            # the first trial is the reference run: a kill at each point it passed, then resume
+            points = record["attempts"][0]["points"]
+            trials += [
+                {"attempts": [{"kill": n, "resume": mode}, {"kill": None, "resume": mode}]}
+                for n in range(1, len(points) + 1)
+                for mode in plan["each_point"]
+            ]
+    Path(out_path).write_text(json.dumps(records))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,225 @@
+"""A run killed at any moment (``kill -9``, an OOM kill, a node lost) resumes to the
+uninterrupted run's results, and what a kill leaves in the run directory never reads as a
+finished run that it is not.
+
+The kill points (before each iteration and validation, at every stage of each atomic write,
+half-way through each file written in place) and the driver that forks the runs are in
+``tests/kill_points.py``. A few cases run in-process: a kill there is :class:`_Killed`, which no
+``except`` clause of ``train`` catches, so nothing runs after it but ``finally`` clauses that
+write no file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+import mptex.train.loop as loop
+from mptex.cli import CONFIG_DIR
+from mptex.train import load_checkpoint, train
+from mptex.train.checkpoint import read_metrics
+
+TINY = [
+    "train=tiny", "texture=tiny", "scene.resolution=24", "scene.n_train_views=2",
+    "scene.n_val_views=1", "scene.tubular_segments=32", "scene.radial_segments=6",
+]  # fmt: skip
+
+
+def tiny_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose("config", overrides=[*TINY, *overrides])
+
+
+class _Killed(BaseException):
+    """A kill: no ``except Exception`` of the loop records it."""
+
+
+def _kill_before_iteration(monkeypatch, at: int) -> None:
+    real = loop._forward_backward
+
+    def forward_backward(run, it):
+        if it == at:
+            raise _Killed
+        return real(run, it)
+
+    monkeypatch.setattr(loop, "_forward_backward", forward_backward)
+
+
+@pytest.mark.parametrize(
+    "first, again",
+    [
+        ([], []),  # a completed run started over (train.resume=auto)
+        ([], ["train.iterations=8", "train.resume=true"]),  # a completed run continued
+    ],
+)
+def test_a_finished_runs_record_goes_before_its_files_are_rewritten(
+    tmp_path, monkeypatch, first, again
+):
+    # A rerun writes a new checkpoint.pt (and, at its end, images and the export) beside the
+    # finished run's metrics.json; killed in between, the directory must not read as that
+    # finished run, whose files are no longer there.
+    base = ["train.iterations=4", "train.checkpoint_interval=2"]
+    assert train(tiny_cfg(*base, *first), tmp_path)["status"] == "completed"
+    _kill_before_iteration(monkeypatch, 3 if not again else 7)
+    with pytest.raises(_Killed):
+        train(tiny_cfg(*base, *again), tmp_path)
+    assert load_checkpoint(tmp_path / "checkpoint.pt")["iteration"] == (2 if not again else 6)
+    assert read_metrics(tmp_path) is None
+
+
+def test_a_stopped_runs_record_stays_for_auto_to_continue_it_after_a_kill(tmp_path, monkeypatch):
+    base = ["train.iterations=6", "train.checkpoint_interval=2"]
+    assert train(tiny_cfg(*base, "train.inject_signal_at=0"), tmp_path)["status"] == "interrupted"
+    with monkeypatch.context() as patch:
+        _kill_before_iteration(patch, 3)
+        with pytest.raises(_Killed):
+            train(tiny_cfg(*base), tmp_path)
+    assert read_metrics(tmp_path)["status"] == "interrupted"
+    resumed = train(tiny_cfg(*base), tmp_path)
+    assert resumed["status"] == "completed"
+    assert (resumed["resumed_from"], resumed["resume_count"]) == (2, 2)
+    reference = train(tiny_cfg(*base), tmp_path / "reference")
+    assert resumed["psnr"] == reference["psnr"] and resumed["history"] == reference["history"]
+    a = load_checkpoint(tmp_path / "checkpoint.pt")["texture"]
+    b = load_checkpoint(tmp_path / "reference" / "checkpoint.pt")["texture"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ----------------------------------------------------------------- killed in a child process
+ROOT = Path(__file__).resolve().parents[1]
+# f16_dynamic: a loss scale to restore too; checkpoints after iterations 2, 4 and 6 (the end),
+# validations after 3 and 6.
+RUN = [*TINY, "precision=f16_dynamic", "train.iterations=6", "train.checkpoint_interval=2",
+       "train.val_interval=3"]  # fmt: skip
+EXPORT = ["export.enabled=true", "export.resolution=64", "export.formats=[obj]",
+          "export.measure=false"]  # fmt: skip
+# metrics.json keys that differ between two runs of one config: times, memory, where it ran,
+# how it was resumed (checked on their own)
+_MEASURED = {
+    "wall_time_s", "train_time_s", "time_split_s", "time_per_iter_s", "peak_memory_bytes",
+    "run_dir", "resume_count", "resumed_from", "interruptions",
+}  # fmt: skip
+# train keys that say how a run was started, not what it trains
+_HOW_STARTED = {"resume", "inject_signal_at"}
+
+
+def _drive(tmp_path: Path, trials: list[dict], export: bool = False, **plan) -> list[dict]:
+    """The records of ``tests/kill_points.py`` for the reference run, then ``trials``."""
+    reference = {"attempts": [{"kill": None, "resume": "auto"}]}
+    plan = {"root": str(tmp_path), "overrides": RUN + (EXPORT if export else []),
+            "export": export, "trials": [reference, *trials], **plan}  # fmt: skip
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / "tests" / "kill_points.py"), str(tmp_path / "plan.json"),
+           str(tmp_path / "records.json")]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3000)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads((tmp_path / "records.json").read_text())
+
+
+def _comparable(final: dict) -> dict:
+    metrics = {k: v for k, v in final["metrics"].items() if k not in _MEASURED}
+    train_cfg = {k: v for k, v in metrics["config"]["train"].items() if k not in _HOW_STARTED}
+    metrics["config"] = {**metrics["config"], "train": train_cfg}
+    if metrics.get("export"):
+        metrics["export"] = {k: v for k, v in metrics["export"].items()
+                             if not k.endswith("_time_s")}  # fmt: skip
+    return {**final, "metrics": metrics, "resume_count_in_checkpoint": None}
+
+
+def _judge(records: list[dict]) -> list[str]:
+    """What went wrong in each trial, as lines naming the trial's kill points (none: all held)."""
+    reference = records[0]["final"]
+    expected = _comparable(reference)
+    problems = []
+    for record in records[1:]:
+        kills = [a["at"] for a in record["attempts"] if a["killed"]]
+        name = f"killed at {kills}, resumed with train.resume={record['attempts'][-1]['resume']}"
+        for snapshot in record["snapshots"]:
+            ckpt = snapshot.get("checkpoint")
+            if ckpt is not None and ("error" in ckpt or not ckpt["finite"]):
+                problems.append(f"{name}: checkpoint.pt left unusable: {ckpt}")
+            if snapshot["metrics_unreadable"]:
+                problems.append(f"{name}: metrics.json left unreadable")
+            if snapshot["metrics_status"] == "completed":
+                # a record of a completed run sits beside that run's files: the reference's
+                files = {k: v for k, v in snapshot["files"].items() if k != "metrics.json"}
+                want = {k: v for k, v in reference["files"].items() if k != "export/export.json"}
+                kept = {k: files.get(k) for k in want}
+                if kept != want or snapshot["bad_images"] or (ckpt or {}).get("iteration") != 6:
+                    problems.append(f"{name}: metrics.json says completed beside other files "
+                                    f"({snapshot})")  # fmt: skip
+        if "final" not in record:
+            last = record["attempts"][-1]
+            problems.append(f"{name}: the resumed run failed: {last.get('error') or last}")
+            continue
+        final = record["final"]
+        if _comparable(final) != expected:
+            got = _comparable(final)
+            differ = [f"{part}.{k}" for part in ("metrics", "checkpoint", "files")
+                      for k in sorted(set(got[part]) | set(expected[part]))
+                      if got[part].get(k) != expected[part].get(k)]  # fmt: skip
+            problems.append(f"{name}: ends otherwise than the uninterrupted run: {differ[:10]}")
+        metrics = final["metrics"]
+        if metrics["resume_count"] != final["resume_count_in_checkpoint"]:
+            problems.append(f"{name}: resume_count {metrics['resume_count']} in metrics.json, "
+                            f"{final['resume_count_in_checkpoint']} in checkpoint.pt")  # fmt: skip
+        once = len(kills) == 1 and not metrics["interruptions"]  # one kill, no stop signal
+        if once and metrics["resume_count"] != (metrics["resumed_from"] is not None):
+            problems.append(f"{name}: resume_count {metrics['resume_count']} after one kill "
+                            f"(resumed from {metrics['resumed_from']})")  # fmt: skip
+    return problems
+
+
+def _once(kill: str, resume: str, before: list | None = None) -> dict:
+    trial = {"attempts": [{"kill": kill, "resume": resume}, {"kill": None, "resume": resume}]}
+    return {**trial, "before": before} if before else trial
+
+
+def test_a_kill_at_each_kind_of_point_resumes_to_the_uninterrupted_run(tmp_path):
+    # A kill in an iteration, half-way through a checkpoint's atomic write, after the final
+    # checkpoint's rename, half-way through the record's write, resumed both ways; and a
+    # completed run started over, killed half-way through rewriting its validation image.
+    trials = [
+        _once("iteration 1@1", "auto"),
+        _once("checkpoint.pt: half written@2", "true"),
+        _once("checkpoint.pt: renamed@3", "true"),
+        _once("metrics.json: half written@1", "auto"),
+        _once("images/val_000.png: half written@1", "auto", before=[[]]),
+    ]
+    records = _drive(tmp_path, trials)
+    assert [a["at"] for r in records[1:] for a in r["attempts"] if a["killed"]] == [
+        t["attempts"][0]["kill"].rsplit("@", 1)[0] for t in trials
+    ]  # every kill landed where it was meant to
+    assert _judge(records) == []
+
+
+@pytest.mark.slow
+def test_a_kill_at_every_point_resumes_to_the_uninterrupted_run(tmp_path):
+    # Every kill point of a run that exports, resumed both ways; kills during a resumed run;
+    # a completed run started over and a stopped run continued, killed at their file writes.
+    rng = random.Random(23)
+    points = 33  # the reference run's kill points (checked below)
+    chains = [{"attempts": [{"kill": rng.randint(1, points), "resume": "true"},
+                            {"kill": rng.randint(1, 20), "resume": mode},
+                            {"kill": None, "resume": mode}]}
+              for mode in ("true", "auto", "true", "auto")]  # fmt: skip
+    rerun = [_once(f"{name}: half written@1", "auto", before=[[]])
+             for name in ("images/val_000.png", "export/texture_kd.png", "export/mesh.obj",
+                          "export/export.json", "metrics.json")]  # fmt: skip
+    stopped = [_once(kill, "auto", before=[["train.inject_signal_at=2"]])
+               for kill in ("checkpoint.pt: half written@1", "checkpoint.pt: renamed@1",
+                            "iteration 5@1", "images/val_000.png: half written@1")]  # fmt: skip
+    records = _drive(tmp_path, chains + rerun + stopped, export=True,
+                     each_point=["true", "auto"])  # fmt: skip
+    assert len(records[0]["attempts"][0]["points"]) == points
+    assert len(records) == 1 + len(chains + rerun + stopped) + 2 * points
+    assert _judge(records) == []

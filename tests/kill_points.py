@@ -89,8 +89,8 @@ def _install(point: _Points, run_dir: Path) -> None:
     def name(path) -> str:
         return str(Path(path).resolve().relative_to(run_dir))
 
-    def target(tmp) -> str:  # ".checkpoint.pt.abc123.tmp" -> "checkpoint.pt"
-        return Path(tmp).name[1:].rsplit(".", 2)[0]
+    def target(tmp) -> str:  # "<dir>/.checkpoint.pt.abc123.tmp" -> "<dir>/checkpoint.pt"
+        return name(Path(tmp).parent / Path(tmp).name[1:].rsplit(".", 2)[0])
 
     def mkstemp(*args, **kwargs):
         fd, tmp = _real["mkstemp"](*args, **kwargs)

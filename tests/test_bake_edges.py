@@ -45,7 +45,7 @@ from mptex.bake.decode import (
     export_neural,
 )
 from mptex.export_config import EXPORT_DEFAULTS, check_export_config
-from mptex.render import Mesh, load_obj, orbit_views, save_image
+from mptex.render import Mesh, load_image, load_obj, orbit_views, save_image
 from mptex.scenes.builtin import torus_knot
 
 DECODE_GRID = {"otype": "HashGrid", "n_levels": 4, "n_features_per_level": 2,
@@ -426,6 +426,29 @@ def test_an_export_removes_the_files_of_the_earlier_export_it_replaces(tmp_path,
     summary = export_mesh(coordinate_texture(SQUARE_AABB), square_mesh(), out,
                           resolution=8, formats="obj", measure=False)  # fmt: skip
     assert "removed_earlier_files" not in summary and (out / "notes.txt").is_file()
+
+
+def test_an_export_killed_midway_leaves_no_export_json_of_the_earlier_one(tmp_path, monkeypatch):
+    # export.json says what the files beside it are; a kill (SIGKILL, an OOM kill) after an
+    # export has rewritten some of them must not leave the earlier export's beside them.
+    out = tmp_path / "asset"
+    export_mesh(constant_texture(), square_mesh(), out, resolution=16, formats="obj",
+                measure=False)  # fmt: skip
+    assert json.loads((out / "export.json").read_text())["resolution"] == 16
+
+    class Killed(BaseException):  # no except clause of the export records it, as a kill
+        pass
+
+    def killed(*args, **kwargs):  # after the texture images, before the OBJ
+        raise Killed
+
+    monkeypatch.setattr(export_module, "write_obj_asset", killed)
+    with pytest.raises(Killed):
+        export_mesh(coordinate_texture(SQUARE_AABB), square_mesh(), out, resolution=8,
+                    formats="obj", measure=False)  # fmt: skip
+    assert np.asarray(load_image(out / "texture_kd.png")).shape[:2] == (8, 8)  # the new one
+    assert not (out / "export.json").exists()
+    assert not list(out.glob(".*.tmp"))
 
 
 def png_pixels(path) -> np.ndarray:

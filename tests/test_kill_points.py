@@ -207,7 +207,7 @@ def test_a_kill_at_every_point_resumes_to_the_uninterrupted_run(tmp_path):
     # Every kill point of a run that exports, resumed both ways; kills during a resumed run;
     # a completed run started over and a stopped run continued, killed at their file writes.
     rng = random.Random(23)
-    points = 33  # the reference run's kill points (checked below)
+    points = 37  # the reference run's kill points (checked below)
     chains = [{"attempts": [{"kill": rng.randint(1, points), "resume": "true"},
                             {"kill": rng.randint(1, 20), "resume": mode},
                             {"kill": None, "resume": mode}]}

@@ -84,6 +84,7 @@ from mptex.render.mesh import Mesh
 from mptex.render.obj import load_obj
 from mptex.scenes import GBuffer, Scene, ViewBatch, render_gbuffer
 from mptex.texture import MLPTexture3D
+from mptex.train.checkpoint import atomic_write_bytes, remove_stale_temporaries
 
 __all__ = [
     "ExportConfig",
@@ -614,6 +615,11 @@ def export_mesh(
         pack_options=options["pack_options"], chunk_size=options["chunk_size"], backend=backend,
     )  # fmt: skip
     tick = time.perf_counter()
+    # export.json, written last, says what the files beside it are: the earlier one goes before
+    # the first of them is rewritten, so that a kill in between leaves none (and the
+    # temporaries of an export.json write that a kill cut short go too).
+    remove_stale_temporaries(out, names=(_EXPORT_JSON,))
+    (out / _EXPORT_JSON).unlink(missing_ok=True)
     value_ranges: dict[str, dict[str, Any]] = {}
     files = write_texture_images(out, result.texture, options["kd_format"], value_ranges)
     images = dict(files)
@@ -683,10 +689,12 @@ def export_mesh(
               f"{out}, not by this one", file=sys.stderr)  # fmt: skip
     summary["export_time_s"] = time.perf_counter() - start
     text = json.dumps(_json_safe(summary), indent=2, allow_nan=False) + "\n"
-    (out / "export.json").write_text(text)
+    atomic_write_bytes(out / _EXPORT_JSON, lambda f: f.write(text.encode()))
     return summary
 
 
+# What an export writes last: what it did, which files (export_mesh's return value).
+_EXPORT_JSON = "export.json"
 # Every file name an export writes (besides export.json).
 _EXPORT_FILES = frozenset(
     ["mesh.obj", "mesh.mtl", "mesh.glb", "texture_neural.safetensors", "neural_decoder.py"]
@@ -698,7 +706,7 @@ def _earlier_files(out: Path) -> list[str]:
     """The files an earlier export in ``out`` wrote, as its ``export.json`` lists them: only
     names an export writes, in ``out`` itself (none when there is no readable export.json)."""
     try:
-        earlier = json.loads((out / "export.json").read_text())
+        earlier = json.loads((out / _EXPORT_JSON).read_text())
     except (OSError, ValueError):
         return []
     files = earlier.get("files") if isinstance(earlier, dict) else None

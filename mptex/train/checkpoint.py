@@ -78,16 +78,19 @@ def _file_mode() -> int:
     return 0o666 & ~umask
 
 
-def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
-    """Delete the temporaries a killed :func:`atomic_write_bytes` left in ``run_dir``.
+def remove_stale_temporaries(
+    run_dir: str | os.PathLike, names: tuple[str, ...] = (CHECKPOINT_FILE, _METRICS)
+) -> list[Path]:
+    """Delete the temporaries a killed :func:`atomic_write_bytes` of the files ``names`` left
+    in ``run_dir``.
 
     They are named ``.<file>.<random>.tmp`` (``mkstemp``); a kill between ``mkstemp`` and
     ``os.replace`` leaves one behind (a checkpoint's is as large as the checkpoint). Called
-    when a run starts in ``run_dir``, i.e. when no other writer can be using them. Returns the
-    removed paths.
+    when a run starts in ``run_dir`` (an export in its folder: ``names`` its ``export.json``),
+    i.e. when no other writer can be using them. Returns the removed paths.
     """
     removed = []
-    for name in (CHECKPOINT_FILE, _METRICS):
+    for name in names:
         for tmp in Path(run_dir).glob(f".{name}.*.tmp"):
             with _suppress_oserror():
                 tmp.unlink()

@@ -16,7 +16,8 @@ back to ``false`` where no ``checkpoint.pt`` exists (``train.resume=true`` refus
 without one, in one line). ``"before": [[overrides], ...]`` runs to the end first, without
 kills (a completed or stopped run already in the directory). The first trial is the reference
 run (one attempt, no kill); with ``"each_point": [modes]`` in the plan, a trial per point the
-reference passed and mode follows it.
+reference passed follows it, resumed with the modes in turn (point 1 the first, point 2 the
+second, ...).
 After each killed attempt the record keeps what a reader of the directory would find
 (:func:`_snapshot`); after the last, the files to compare with the reference run's.
 """
@@ -299,10 +300,11 @@ def main(plan_path: str, out_path: str) -> None:
         if index == 0 and plan.get("each_point"):
             # the first trial is the reference run: a kill at each point it passed, then resume
             points = record["attempts"][0]["points"]
+            modes = plan["each_point"]
             trials += [
                 {"attempts": [{"kill": n, "resume": mode}, {"kill": None, "resume": mode}]}
                 for n in range(1, len(points) + 1)
-                for mode in plan["each_point"]
+                for mode in [modes[(n - 1) % len(modes)]]
             ]
     Path(out_path).write_text(json.dumps(records))
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import site as site_module
 import subprocess
 import sys
 from pathlib import Path
@@ -57,20 +58,30 @@ def test_a_wheel_install_runs_the_main_job_from_an_empty_folder(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     python, train = venv / "bin" / "python", venv / "bin" / "mptex-train"
+    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    if sys.prefix != sys.base_prefix:
+        # Run from a venv, --system-site-packages gives the new one its base interpreter's
+        # packages, not this environment's: a .pth adds those, after the venv's own.
+        (site / "site-packages" / "_this_environment.pth").write_text(
+            "\n".join(site_module.getsitepackages()) + "\n"
+        )
+    env = {**os.environ, "OMP_WAIT_POLICY": "passive", "PYTHONPATH": ""}
+    # --force-reinstall: pip skips a wheel whose version it finds installed already, and an
+    # mptex of this version is visible from the new venv where this environment has the
+    # checkout installed editable (or the build's mptex.egg-info is on the PYTHONPATH).
     install = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
-        capture_output=True, text=True,
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+         "--force-reinstall", str(wheel)],
+        env=env, capture_output=True, text=True,
     )  # fmt: skip
     assert install.returncode == 0, install.stderr[-2000:]
     empty = tmp_path / "empty"
     empty.mkdir()
-    env = {**os.environ, "OMP_WAIT_POLICY": "passive", "PYTHONPATH": ""}
     where = subprocess.run(
         [str(python), "-c", "import mptex, mptex._paths as p; print(mptex.__file__); "
          "print(p.CONFIG_DIR); print(p.EXPERIMENTS_DIR)"],
         cwd=empty, env=env, capture_output=True, text=True, check=True,
     ).stdout.split()  # fmt: skip
-    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
     assert [Path(p) for p in where] == [
         site / "site-packages" / "mptex" / "__init__.py",
         site / "site-packages" / "mptex" / "configs",

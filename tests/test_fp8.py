@@ -238,9 +238,13 @@ def _strict_scaled_mm(calls):
     """``torch._scaled_mm`` that first asserts what its CUDA kernels check and this CPU's kernel
     does not (torch's ``_scaled_mm_out_cuda``): a row-major ``a`` with K a multiple of 16, a
     column-major ``b`` with K and N multiples of 16, 16-byte aligned operands, not both E5M2;
-    row-wise scales ``[M, 1]`` and ``N`` values with unit stride, an E4M3 ``b``. Records each
-    call's ``(M, K, N)``."""
+    row-wise scales ``[M, 1]`` and ``N`` values with unit stride, an E4M3 ``b``; then torch's own
+    checks of a CUDA call (its meta function, which takes a meta tensor for a CUDA one), on
+    meta tensors of the operands' shapes, strides and dtypes. Records each call's ``(M, K, N)``."""
     real = torch._scaled_mm
+
+    def as_meta(t):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
     def checked(a, b, scale_a, scale_b, **kwargs):
         (m, k), n = a.shape, b.shape[1]
@@ -253,10 +257,22 @@ def _strict_scaled_mm(calls):
             assert scale_a.shape == (m, 1) and scale_a.stride(1) == 1, scale_a.shape
             assert scale_b.numel() == n and scale_b.stride(-1) == 1, scale_b.shape
             assert b.dtype == E4M3
+        real(as_meta(a), as_meta(b), scale_a=as_meta(scale_a), scale_b=as_meta(scale_b), **kwargs)
         calls.append((m, k, n))
         return real(a, b, scale_a=scale_a, scale_b=scale_b, **kwargs)
 
     return checked
+
+
+def test_the_strict_scaled_mm_applies_torchs_own_cuda_checks():
+    # A row-wise scale_b of shape [N] passes the checks written out above (N values, unit
+    # stride); torch's CUDA path takes only [1, N] and its meta function says so.
+    a = torch.zeros(16, 16).to(E4M3)
+    b = torch.zeros(16, 16).to(E4M3).t()
+    calls = []
+    with pytest.raises(RuntimeError, match="scale tensors must be 2D"):
+        _strict_scaled_mm(calls)(a, b, torch.ones(16, 1), torch.ones(16), out_dtype=torch.float32)
+    assert calls == []
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current", "rowwise"])

@@ -64,6 +64,17 @@ def path_override(key: str, path: str | os.PathLike) -> str:
     return f"{key}={shlex.quote(value)}"
 
 
+def continue_sweep(sweep_dir: str | os.PathLike) -> str:
+    """The words that say how a stopped sweep goes on: ``the same command with
+    hydra.sweep.dir=<sweep_dir> hydra.callbacks.fresh_sweep_dir.enabled=false continues the
+    sweep`` (the folder quoted as :func:`path_override` says); a sweep run again trains its
+    completed runs again, which each message says in its own words."""
+    return (
+        f"the same command with {path_override('hydra.sweep.dir', sweep_dir)} "
+        "hydra.callbacks.fresh_sweep_dir.enabled=false continues the sweep"
+    )
+
+
 # Registered at import: sweep jobs resolve hydra.sweep.subdir in the job's process, which under
 # the submitit and joblib launchers imports this module to unpickle the task, not train_main.
 OmegaConf.register_new_resolver("mptex_dirname", job_dirname, replace=True)
@@ -375,20 +386,16 @@ def run_hydra_app(task, prog: str, check=None) -> None:
     if _SWEEP_STOP.received:  # a parallel sweep stopped: its jobs under way checkpointed
         print(
             f"{prog}: sweep stopped by {_SWEEP_STOP.received[0]}: the jobs under way wrote "
-            "their checkpoints, the others did not start; the same command with "
-            f"{path_override('hydra.sweep.dir', _stopped_sweep_dir[0])} hydra.callbacks."
-            "fresh_sweep_dir.enabled=false continues the sweep (train.resume=auto; its "
-            "completed runs train again)",
+            f"their checkpoints, the others did not start; {continue_sweep(_stopped_sweep_dir[0])} "
+            "(train.resume=auto; its completed runs train again)",
             file=sys.stderr,
         )
         sys.exit(EXIT_CODES["interrupted"])
     if stopped:  # a signal to a worker process alone: the sweep ran on, its report counts them
         print(
             f"{prog}: sweep ended with {len(stopped)} of its jobs stopped by a signal to their "
-            f"worker process ({'; '.join(stopped)}): the same command with "
-            f"{path_override('hydra.sweep.dir', _stopped_sweep_dir[0])} hydra.callbacks."
-            "fresh_sweep_dir.enabled=false continues the sweep (train.resume=auto; its "
-            "completed runs train again)",
+            f"worker process ({'; '.join(stopped)}): {continue_sweep(_stopped_sweep_dir[0])} "
+            "(train.resume=auto; its completed runs train again)",
             file=sys.stderr,
         )
         sys.exit(EXIT_CODES["interrupted"])

@@ -46,6 +46,7 @@ from mptex._paths import CONFIG_DIR, EXPERIMENTS_DIR
 from mptex.cli.app import (
     EXIT_CODES,
     _stop_signal_names,
+    continue_sweep,
     job_dirname,
     path_override,
     record_stopped_job,
@@ -191,9 +192,8 @@ def _interrupted(metrics: dict, run_dir: Path, multirun: bool, sweep_dir=None) -
         # A sweep's directory refuses a second sweep unless told to continue into it, and a
         # sweep run again trains its completed runs again: the run alone is the other way.
         again = (
-            f"the same command with {path_override('hydra.sweep.dir', sweep_dir)} "
-            "hydra.callbacks.fresh_sweep_dir.enabled=false continues the sweep (its completed "
-            f"runs train again), or mptex-train {path_override('hydra.run.dir', run_dir)} with "
+            f"{continue_sweep(sweep_dir)} (its completed runs train again), or mptex-train "
+            f"{path_override('hydra.run.dir', run_dir)} with "
             "this job's overrides (.hydra/overrides.yaml) continues this run alone "
             "(train.resume=auto)"
         )
@@ -231,11 +231,7 @@ def _stopped_after_training(metrics: dict, run_dir: Path, multirun: bool, sweep_
     if submitit:
         then = "this job ends and is not requeued"
     elif multirun:
-        then = (
-            f"the sweep stops here; the same command with "
-            f"{path_override('hydra.sweep.dir', sweep_dir)} hydra.callbacks.fresh_sweep_dir."
-            "enabled=false continues the sweep (its completed runs train again)"
-        )
+        then = f"the sweep stops here; {continue_sweep(sweep_dir)} (its completed runs train again)"
     else:
         then = "nothing is left to continue"
     print(

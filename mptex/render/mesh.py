@@ -150,12 +150,15 @@ def unit_size(mesh: Mesh) -> Mesh:
             non-finite one.
     """
     v_pos = mesh.v_pos
-    if v_pos.shape[0] and not bool(torch.isfinite(v_pos.amax(dim=0) - v_pos.amin(dim=0)).all()):
-        # A side longer than float32's largest value (coordinates near -3e38 and 3e38) would
-        # be inf and the scale 0, putting every vertex at the origin: halved first (exact).
-        v_pos = v_pos / 2
-    lo, hi = (v_pos.amin(dim=0), v_pos.amax(dim=0)) if v_pos.shape[0] else (v_pos, v_pos)
-    side = float((hi - lo).max()) if v_pos.shape[0] else 0.0
+    side = 0.0
+    if v_pos.shape[0]:
+        lo, hi = v_pos.amin(dim=0), v_pos.amax(dim=0)
+        if not bool(torch.isfinite(hi - lo).all()):
+            # A side longer than float32's largest value (coordinates near -3e38 and 3e38)
+            # would be inf and the scale 0, putting every vertex at the origin: halved first
+            # (exact).
+            v_pos, lo, hi = v_pos / 2, lo / 2, hi / 2
+        side = float((hi - lo).max())
     if not math.isfinite(side):
         raise ValueError(
             f"mesh: expected finite vertex positions, received a longest side of {side}"

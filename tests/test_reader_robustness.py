@@ -165,6 +165,15 @@ _BAD_VALUES = [None, True, 0, -1, 7, 1e39, float("nan"), float("inf"), "x", "", 
                "./train/r_*", "./train/notes", "./train/grey", "./train/missing"]  # fmt: skip
 
 
+def _replace_or_remove(rng: random.Random, mapping: dict, keys: list[str], value) -> None:
+    """One of ``keys`` of ``mapping`` removed (one time in five) or set to ``value``."""
+    key = rng.choice(keys)
+    if rng.random() < 0.2:
+        del mapping[key]
+    else:
+        mapping[key] = value
+
+
 def _damage_transforms(rng: random.Random, meta: dict) -> dict:
     """``meta`` with one value (a top-level key, a frame, a frame's key or one matrix entry)
     replaced by a wrong one, or one key removed."""
@@ -172,19 +181,11 @@ def _damage_transforms(rng: random.Random, meta: dict) -> dict:
     where = rng.randrange(5)
     frame = rng.choice(meta["frames"])
     if where == 0:
-        key = rng.choice(["camera_angle_x", "frames"])
-        if rng.random() < 0.2:
-            del meta[key]
-        else:
-            meta[key] = value
+        _replace_or_remove(rng, meta, ["camera_angle_x", "frames"], value)
     elif where == 1:
         meta["frames"][rng.randrange(len(meta["frames"]))] = value
     elif where == 2:
-        key = rng.choice(["file_path", "transform_matrix"])
-        if rng.random() < 0.2:
-            del frame[key]
-        else:
-            frame[key] = value
+        _replace_or_remove(rng, frame, ["file_path", "transform_matrix"], value)
     else:
         row = frame["transform_matrix"][rng.randrange(4)]
         row[rng.randrange(4)] = value

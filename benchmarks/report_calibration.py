@@ -50,7 +50,7 @@ import tempfile
 from pathlib import Path
 
 from mptex.intervals import faster
-from mptex.report import collect, markdown, stats
+from mptex.report import collect, markdown, stats, writer
 
 MARGIN_DB = 0.5
 BASE_PSNR, BASELINE_PSNR, BASE_TIME = 60.0, 10.0, 0.1
@@ -94,11 +94,9 @@ def _write(root: Path, draw: dict) -> None:
 
 def _report(runs, adjust: str, root: Path | None = None):
     """The rows (and, with ``root``, report.md's text) of the runs, as write_report makes them."""
-    keys, groups, duplicates, unidentified = collect.group_runs(runs)
-    shown = collect.shown_keys([r for g in groups for r in g], keys)
-    rows = stats.summarize_groups(groups, shown, MARGIN_DB, adjust)
     if root is None:
-        return rows, None
+        return writer.summarize(runs, MARGIN_DB, adjust), None
+    keys, groups, (duplicates, unidentified), rows = writer._tables(runs, MARGIN_DB, adjust)
     text = markdown.render_report(root, runs, keys, rows, groups, stats.sections(rows),
                                   duplicates, unidentified, {}, MARGIN_DB, 1)  # fmt: skip
     return rows, text

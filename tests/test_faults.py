@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from tiny_runs import TINY, tiny_cfg
 
 import mptex.train.loop as loop
 from mptex import (
@@ -33,7 +33,6 @@ from mptex import (
     PrecisionStepper,
     _backends,
 )
-from mptex.cli import CONFIG_DIR
 from mptex.cli.check import check_main
 from mptex.render import rasterize
 from mptex.scenes import build_scene
@@ -41,16 +40,6 @@ from mptex.train import ConfigError, load_checkpoint, save_checkpoint, train, va
 from mptex.train.checkpoint import CHECKPOINT_KEYS, CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "train=tiny", "texture=tiny", "scene.resolution=24", "scene.n_train_views=2",
-    "scene.n_val_views=1", "scene.tubular_segments=32", "scene.radial_segments=6",
-]  # fmt: skip
-
-
-def tiny_cfg(*overrides: str):
-    base = TINY if "scene=mesh" not in overrides else TINY[:-2]  # the knot's keys
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose("config", overrides=[*base, *overrides])
 
 
 def read_metrics(run_dir: Path) -> dict:

@@ -20,22 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from tiny_runs import TINY, tiny_cfg
 
 import mptex.train.loop as loop
-from mptex.cli import CONFIG_DIR
 from mptex.train import load_checkpoint, train
 from mptex.train.checkpoint import read_metrics
-
-TINY = [
-    "train=tiny", "texture=tiny", "scene.resolution=24", "scene.n_train_views=2",
-    "scene.n_val_views=1", "scene.tubular_segments=32", "scene.radial_segments=6",
-]  # fmt: skip
-
-
-def tiny_cfg(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose("config", overrides=[*TINY, *overrides])
 
 
 class _Killed(BaseException):

@@ -101,7 +101,10 @@ def _install(point: _Points, run_dir: Path) -> None:
 
     def fsync(fd):
         path = _fd_path(fd)
-        if path is not None and path.is_file() and inside(path):
+        # Only an atomic write's temporary: a kill before the fsync of a file written in place
+        # (an image, an export's file) leaves what its write left, a point of its own already.
+        temporary = path is not None and path.name.startswith(".") and path.suffix == ".tmp"
+        if temporary and path.is_file() and inside(path):
             size = os.fstat(fd).st_size
             point(f"{target(path)}: half written", lambda: os.ftruncate(fd, size // 2))
             point(f"{target(path)}: written, not synced")

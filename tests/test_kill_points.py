@@ -23,6 +23,7 @@ import torch
 from tiny_runs import TINY, tiny_cfg
 
 import mptex.train.loop as loop
+from mptex.bake import TrainingExport
 from mptex.train import load_checkpoint, train
 from mptex.train.checkpoint import read_metrics
 
@@ -80,6 +81,63 @@ def test_a_stopped_runs_record_stays_for_auto_to_continue_it_after_a_kill(tmp_pa
     a = load_checkpoint(tmp_path / "checkpoint.pt")["texture"]
     b = load_checkpoint(tmp_path / "reference" / "checkpoint.pt")["texture"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _record_syncs(monkeypatch) -> list[tuple[str, str]]:
+    """The ``os.fsync`` and ``os.replace`` calls from now on, in order: ``("fsync", path of the
+    file or folder)``, ``("replace", destination)`` (real paths)."""
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        calls.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        real_replace(src, dst)
+        calls.append(("replace", os.path.realpath(dst)))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return calls
+
+
+def _unsynced_before(calls: list, record: Path, files: list[Path], folders: list[Path]) -> list:
+    """What was not flushed before the last rename of ``record`` in ``calls``: each of ``files``
+    never fsync'ed before it, each of ``folders`` not fsync'ed after the last of those files."""
+
+    def last(call, end):
+        return max((i for i, c in enumerate(calls[:end]) if c == call), default=-1)
+
+    renamed = last(("replace", str(record)), len(calls))
+    missing = [path for path in files if last(("fsync", str(path)), renamed) < 0]
+    files_synced = max((last(("fsync", str(path)), renamed) for path in files), default=-1)
+    missing += [
+        folder for folder in folders if last(("fsync", str(folder)), renamed) < files_synced
+    ]
+    return missing if renamed >= 0 else [f"{record} never renamed"]
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/fd").is_dir(), reason="reads the fsync'ed files from /proc"
+)
+def test_the_files_a_record_names_reach_the_disk_before_the_record(tmp_path, monkeypatch):
+    # A power loss, unlike a kill, drops what was written and not yet flushed. metrics.json and
+    # export.json are flushed and renamed into place: the validation images and the export's
+    # files they name must be flushed, with their folders' entries, before that rename.
+    calls = _record_syncs(monkeypatch)
+    cfg = tiny_cfg("train.iterations=2", *EXPORT, "export.neural_precision=f16")
+    metrics = train(cfg, tmp_path, exporter=TrainingExport())
+    assert metrics["status"] == "completed" and "error" not in metrics["export"]
+    run_dir = Path(os.path.realpath(tmp_path))
+    images = sorted((run_dir / "images").glob("val_*.png"))
+    export = run_dir / "export"
+    files = sorted(json.loads((export / "export.json").read_text())["files"].values())
+    assert images and "neural_decoder.py" in files and "mesh.obj" in files
+    assert _unsynced_before(calls, run_dir / "metrics.json", images,
+                            [run_dir / "images", run_dir]) == []  # fmt: skip
+    assert _unsynced_before(calls, export / "export.json", [export / name for name in files],
+                            [export, run_dir]) == []  # fmt: skip
 
 
 # ----------------------------------------------------------------- killed in a child process

@@ -84,7 +84,12 @@ from mptex.render.mesh import Mesh
 from mptex.render.obj import load_obj
 from mptex.scenes import GBuffer, Scene, ViewBatch, render_gbuffer
 from mptex.texture import MLPTexture3D
-from mptex.train.checkpoint import atomic_write_bytes, remove_stale_temporaries
+from mptex.train.checkpoint import (
+    atomic_write_bytes,
+    fsync_directory,
+    fsync_file,
+    remove_stale_temporaries,
+)
 
 __all__ = [
     "ExportConfig",
@@ -687,6 +692,12 @@ def export_mesh(
         summary["removed_earlier_files"] = removed
         print(f"mptex export: removed {', '.join(removed)}: written by the earlier export in "
               f"{out}, not by this one", file=sys.stderr)  # fmt: skip
+    # The files export.json names reach the disk before it does (and the removals too): after
+    # a power loss it never sits beside an empty or truncated file of its list.
+    for name in sorted(set(summary["files"].values())):
+        fsync_file(out / name)
+    fsync_directory(out)
+    fsync_directory(out.parent)
     summary["export_time_s"] = time.perf_counter() - start
     text = json.dumps(_json_safe(summary), indent=2, allow_nan=False) + "\n"
     atomic_write_bytes(out / _EXPORT_JSON, lambda f: f.write(text.encode()))

@@ -25,6 +25,8 @@ __all__ = [
     "DiskFullError",
     "remove_stale_temporaries",
     "atomic_write_bytes",
+    "fsync_file",
+    "fsync_directory",
     "disk_full_error",
     "write_metrics",
     "save_checkpoint",
@@ -132,8 +134,29 @@ def atomic_write_bytes(path: str | os.PathLike, write: Callable[[Any], None]) ->
         if full is not None:
             raise full from None
         raise
+    fsync_directory(path.parent)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush a file written in place (not through :func:`atomic_write_bytes`) to the disk.
+
+    Called for each file a record names before that record is written (the validation images
+    before ``metrics.json``, an export's files before its ``export.json``): after a power loss
+    a record never sits beside an empty or truncated file it names. The file's entry in its
+    folder needs :func:`fsync_directory` too. An error (a full disk, which some filesystems
+    report only here) is raised as the ``OSError`` it is.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_directory(path: str | os.PathLike) -> None:
+    """Flush a folder's entries (files created, renamed or removed in it) to the disk."""
     with _suppress_oserror():  # not every platform can fsync a directory
-        dir_fd = os.open(path.parent, os.O_RDONLY)
+        dir_fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:

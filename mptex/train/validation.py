@@ -14,7 +14,7 @@ from mptex.host import to_host
 from mptex.render.image import save_image
 from mptex.scenes import Scene
 from mptex.texture import MLPTexture3D
-from mptex.train.checkpoint import disk_full_error
+from mptex.train.checkpoint import disk_full_error, fsync_directory, fsync_file
 from mptex.train.losses import psnr
 from mptex.train.saturation import saturation_statistics
 from mptex.train.shading import composite, draw_background, render_batch
@@ -135,6 +135,10 @@ def save_val_images(out_dir: str | os.PathLike, evaluation: dict, n_images: int)
     """The first ``n_images`` validation views as ``out_dir/val_<i>.png``, reference | prediction
     side by side in sRGB.
 
+    Each image is written in place and fsync'ed, then ``out_dir`` and the folder above it (the
+    run directory, whose ``metrics.json`` comes next and names them): a record written after
+    this never sits beside an empty or truncated image after a power loss.
+
     Raises:
         DiskFullError: the disk filled up (the partial image is removed).
     """
@@ -147,6 +151,7 @@ def save_val_images(out_dir: str | os.PathLike, evaluation: dict, n_images: int)
         path = out_dir / f"val_{i:03d}.png"
         try:
             save_image(path, side, to_srgb=True)
+            fsync_file(path)
         except Exception as exc:
             # A preview, written in place (not atomically): a full disk leaves no half PNG.
             full = disk_full_error(exc, path, "the partial image was removed")
@@ -154,3 +159,5 @@ def save_val_images(out_dir: str | os.PathLike, evaluation: dict, n_images: int)
                 raise
             path.unlink(missing_ok=True)
             raise full from None
+    fsync_directory(out_dir)
+    fsync_directory(out_dir.parent)

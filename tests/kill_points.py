@@ -11,10 +11,13 @@ N-th, does what a ``kill -9`` leaves (a half-written file stays half-written) an
 SIGKILL. A child run without a kill lists the points it passed.
 
 A trial is a list of attempts in one run directory, each ``{"kill": N, "<label>@<k>" or
-null, "resume": "auto" | "true"}`` (:class:`_Points`); the last has no kill. ``"true"`` falls
+null, "resume": "auto" | "true"}`` (:class:`_Points`), with ``"overrides"`` of its own where it
+runs another config (another export); the last has no kill. ``"true"`` falls
 back to ``false`` where no ``checkpoint.pt`` exists (``train.resume=true`` refuses a directory
 without one, in one line). ``"before": [[overrides], ...]`` runs to the end first, without
-kills (a completed or stopped run already in the directory). The first trial is the reference
+kills (a completed or stopped run already in the directory); ``"user_files"`` are then put in
+the directory (paths in it, as a user would add notes beside an export), and ``"removes"``
+names the files of earlier exports the last export is to remove. The first trial is the reference
 run (one attempt, no kill); with ``"each_point": [modes]`` in the plan, a trial per point the
 reference passed follows it, resumed with the modes in turn (point 1 the first, point 2 the
 second, ...).
@@ -289,9 +292,14 @@ def main(plan_path: str, out_path: str) -> None:
         run_dir = root / f"trial{index}"
         for setup in trial.get("before", []):  # e.g. a completed run already in the directory
             _attempt(run_dir, plan["overrides"] + setup, None, "auto", plan["export"], work)
-        record = {"attempts": [], "snapshots": []}
+        for name in trial.get("user_files", []):
+            (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+            (run_dir / name).write_text("mine")
+        record = {"attempts": [], "snapshots": [], "user_files": trial.get("user_files", []),
+                  "removes": trial.get("removes", [])}  # fmt: skip
         for attempt in trial["attempts"]:
-            overrides = plan["overrides"] + trial.get("overrides", [])
+            overrides = [*plan["overrides"], *trial.get("overrides", []),
+                         *attempt.get("overrides", [])]  # fmt: skip
             outcome = _attempt(run_dir, overrides, attempt["kill"], attempt["resume"],
                                plan["export"], work)  # fmt: skip
             record["attempts"].append(outcome)

@@ -422,10 +422,28 @@ def test_an_export_removes_the_files_of_the_earlier_export_it_replaces(tmp_path,
         "not by this one\n"
     )
     # An export.json that is not an export's: nothing is removed.
-    (out / "export.json").write_text("not json")
-    summary = export_mesh(coordinate_texture(SQUARE_AABB), square_mesh(), out,
-                          resolution=8, formats="obj", measure=False)  # fmt: skip
-    assert "removed_earlier_files" not in summary and (out / "notes.txt").is_file()
+    for text in ("not json", '{"files": {"kd": ["texture_kd.png"], "n": {}}}'):
+        (out / "export.json").write_text(text)
+        summary = export_mesh(coordinate_texture(SQUARE_AABB), square_mesh(), out,
+                              resolution=8, formats="obj", measure=False)  # fmt: skip
+        assert "removed_earlier_files" not in summary and (out / "notes.txt").is_file()
+
+
+class _Killed(BaseException):  # no except clause of the export records it, as a kill
+    pass
+
+
+def _export_killed_at(monkeypatch, out: Path, texture, writer: str, **options) -> None:
+    """``export_mesh`` into ``out``, killed where it calls ``writer`` (an attribute of the
+    export module)."""
+
+    def killed(*args, **kwargs):
+        raise _Killed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(export_module, writer, killed)
+        with pytest.raises(_Killed):
+            export_mesh(texture, square_mesh(), out, resolution=8, **options)
 
 
 def test_an_export_killed_midway_leaves_no_export_json_of_the_earlier_one(tmp_path, monkeypatch):
@@ -435,20 +453,90 @@ def test_an_export_killed_midway_leaves_no_export_json_of_the_earlier_one(tmp_pa
     export_mesh(constant_texture(), square_mesh(), out, resolution=16, formats="obj",
                 measure=False)  # fmt: skip
     assert json.loads((out / "export.json").read_text())["resolution"] == 16
-
-    class Killed(BaseException):  # no except clause of the export records it, as a kill
-        pass
-
-    def killed(*args, **kwargs):  # after the texture images, before the OBJ
-        raise Killed
-
-    monkeypatch.setattr(export_module, "write_obj_asset", killed)
-    with pytest.raises(Killed):
-        export_mesh(coordinate_texture(SQUARE_AABB), square_mesh(), out, resolution=8,
-                    formats="obj", measure=False)  # fmt: skip
+    # after the texture images, before the OBJ
+    _export_killed_at(monkeypatch, out, coordinate_texture(SQUARE_AABB), "write_obj_asset",
+                      formats="obj", measure=False)  # fmt: skip
     assert np.asarray(load_image(out / "texture_kd.png")).shape[:2] == (8, 8)  # the new one
     assert not (out / "export.json").exists()
     assert not list(out.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("kills", [1, 2])
+def test_the_export_after_one_killed_midway_removes_the_earlier_exports_files(
+    tmp_path, monkeypatch, capsys, kills
+):
+    # An OBJ + neural export of 9 channels, then OBJ-only exports of 3 channels killed after
+    # their images (once, twice), then one that completes: no export.json was left to list the
+    # first export's files, and the last export must still remove those it does not write.
+    out = tmp_path / "asset"
+    export_mesh(constant_texture(), square_mesh(), out, resolution=16, formats="obj",
+                measure=False, neural_precision="f16")  # fmt: skip
+    (out / "notes.txt").write_text("mine")
+    obj_only = dict(formats="obj", measure=False)
+    for _ in range(kills):
+        _export_killed_at(monkeypatch, out, coordinate_texture(SQUARE_AABB), "write_obj_asset",
+                          **obj_only)  # fmt: skip
+        assert not (out / "export.json").exists()
+    capsys.readouterr()
+    summary = export_mesh(coordinate_texture(SQUARE_AABB), square_mesh(), out, resolution=8,
+                          **obj_only)  # fmt: skip
+    gone = ["neural_decoder.py", "texture_ks.png", "texture_n.png", "texture_neural.safetensors"]
+    assert summary["removed_earlier_files"] == gone
+    assert sorted(p.name for p in out.iterdir()) == [
+        "export.json", "mesh.mtl", "mesh.obj", "notes.txt", "texture_kd.png",
+    ]  # fmt: skip
+    assert f"mptex export: removed {', '.join(gone)}: " in capsys.readouterr().err
+
+
+def test_the_export_after_one_killed_midway_removes_the_killed_ones_files(tmp_path, monkeypatch):
+    # An OBJ-only export of 3 channels, then one of 9 channels with the neural files killed
+    # before its export.json, then an OBJ-only export of 3 channels: the killed export's files
+    # it does not write go too.
+    out = tmp_path / "asset"
+    export_mesh(coordinate_texture(SQUARE_AABB), square_mesh(), out, resolution=8,
+                formats="obj", measure=False)  # fmt: skip
+    _export_killed_at(monkeypatch, out, constant_texture(), "_remove_earlier_files",
+                      formats="obj", measure=False, neural_precision="f16")  # fmt: skip
+    assert (out / "texture_neural.safetensors").is_file()
+    summary = export_mesh(coordinate_texture(SQUARE_AABB), square_mesh(), out, resolution=8,
+                          formats="obj", measure=False)  # fmt: skip
+    assert summary["removed_earlier_files"] == [
+        "neural_decoder.py", "texture_ks.png", "texture_n.png", "texture_neural.safetensors",
+    ]  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == [
+        "export.json", "mesh.mtl", "mesh.obj", "texture_kd.png",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "channels, options",
+    [
+        (3, dict(formats="obj", measure=False)),
+        (3, dict(formats="glb", measure=False)),  # no OBJ
+        (9, dict(formats="obj", measure=False, kd_format="png16", neural_precision="int8")),
+        (9, dict(formats=["obj", "glb"], measure=True)),
+        (5, dict(formats="glb", measure=True)),  # the measurement writes the OBJ
+    ],
+)
+def test_export_pending_json_lists_the_files_the_export_writes(tmp_path, channels, options):
+    # It names the files of an export killed before its export.json: what the export wrote,
+    # no more (a name listed and not written could be a user's file of that name).
+    if "glb" in str(options["formats"]):
+        pytest.importorskip("trimesh")
+    texture = coordinate_texture(SQUARE_AABB, channels)
+    listed = []
+    real = export_module.atomic_write_bytes
+
+    def atomic_write_bytes(path, write):
+        if Path(path).name == "export.json":  # just before it: the marker as the export left it
+            listed.append(json.loads((Path(path).parent / "export.pending.json").read_text()))
+        real(path, write)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(export_module, "atomic_write_bytes", atomic_write_bytes)
+        summary = export_mesh(texture, square_mesh(), tmp_path, resolution=8, **options)
+    assert listed[0]["files"] == sorted(summary["files"].values())
+    assert not (tmp_path / "export.pending.json").exists()
 
 
 def png_pixels(path) -> np.ndarray:

@@ -172,21 +172,49 @@ def _drive(tmp_path: Path, trials: list[dict], export: bool = False, **plan) -> 
     return json.loads((tmp_path / "records.json").read_text())
 
 
-def _comparable(final: dict) -> dict:
+def _comparable(final: dict, record: dict) -> dict:
+    """``final`` without what differs between two runs of one config, the user's files and the
+    earlier exports' files the export removed (checked by :func:`_export_folder_problems`)."""
     metrics = {k: v for k, v in final["metrics"].items() if k not in _MEASURED}
     train_cfg = {k: v for k, v in metrics["config"]["train"].items() if k not in _HOW_STARTED}
     metrics["config"] = {**metrics["config"], "train": train_cfg}
     if metrics.get("export"):
         metrics["export"] = {k: v for k, v in metrics["export"].items()
                              if not k.endswith("_time_s")}  # fmt: skip
-    return {**final, "metrics": metrics, "resume_count_in_checkpoint": None}
+    files = {k: v for k, v in final["files"].items() if k not in record.get("user_files", [])}
+    if "export/export.json" in files:
+        files["export/export.json"] = {k: v for k, v in files["export/export.json"].items()
+                                       if k != "removed_earlier_files"}  # fmt: skip
+    return {**final, "metrics": metrics, "files": files, "resume_count_in_checkpoint": None}
+
+
+def _export_folder_problems(name: str, record: dict) -> list[str]:
+    """The finished run's export folder holds its export.json, the files that lists and the
+    user's files, no more (none an earlier or a killed export left), and export.json names the
+    earlier exports' files it removed."""
+    export = record["final"]["files"].get("export/export.json")
+    if export is None:
+        return []
+    listed = {f"export/{file}" for file in ["export.json", *export["files"].values()]}
+    user = {file for file in record.get("user_files", []) if file.startswith("export/")}
+    found = {file for file in record["final"]["files"] if file.startswith("export/")}
+    problems = []
+    if found != listed | user:
+        extra, lacking = sorted(found - listed - user), sorted((listed | user) - found)
+        problems.append(f"{name}: the export folder holds {extra} beyond export.json's files "
+                        f"and the user's, lacks {lacking}")  # fmt: skip
+    removed = export.get("removed_earlier_files", [])
+    if removed != record.get("removes", []):
+        problems.append(f"{name}: export.json's removed_earlier_files {removed}, expected "
+                        f"{record.get('removes', [])}")  # fmt: skip
+    return problems
 
 
 def _judge(records: list[dict]) -> list[str]:
     """What went wrong in each trial, as lines naming the trial's kill points (none: all held)."""
     reference = records[0]["final"]
-    expected = _comparable(reference)
-    problems = []
+    expected = _comparable(reference, records[0])
+    problems = _export_folder_problems("the uninterrupted run", records[0])
     for record in records[1:]:
         kills = [a["at"] for a in record["attempts"] if a["killed"]]
         name = f"killed at {kills}, resumed with train.resume={record['attempts'][-1]['resume']}"
@@ -209,8 +237,9 @@ def _judge(records: list[dict]) -> list[str]:
             problems.append(f"{name}: the resumed run failed: {last.get('error') or last}")
             continue
         final = record["final"]
-        if _comparable(final) != expected:
-            got = _comparable(final)
+        problems += _export_folder_problems(name, record)
+        got = _comparable(final, record)
+        if got != expected:
             differ = [f"{part}.{k}" for part in ("metrics", "checkpoint", "files")
                       for k in sorted(set(got[part]) | set(expected[part]))
                       if got[part].get(k) != expected[part].get(k)]  # fmt: skip
@@ -249,13 +278,38 @@ def test_a_kill_at_each_kind_of_point_resumes_to_the_uninterrupted_run(tmp_path)
     assert _judge(records) == []
 
 
+@pytest.mark.requires_trimesh
+def test_a_kill_mid_export_then_another_export_leaves_only_the_last_exports_files(tmp_path):
+    # A completed run's export with a GLB and the neural files, started over with an OBJ-only
+    # export killed midway, then again; and a completed run's OBJ-only export, started over with
+    # a GLB and the neural files killed once it had written them, then again OBJ-only. Each run
+    # ends as the uninterrupted one, its export folder holding the files its export.json lists
+    # and the user's notes, no earlier export's.
+    more = ["export.formats=[obj,glb]", "export.neural_precision=f16"]
+    removes = ["mesh.glb", "neural_decoder.py", "texture_neural.safetensors"]
+    user = {"user_files": ["export/notes.txt"], "removes": removes}
+    killed_after_its_files = [
+        {"kill": "export/neural_decoder.py: half written@1", "resume": "auto", "overrides": more},
+        {"kill": None, "resume": "auto"},
+    ]  # fmt: skip
+    trials = [
+        {**_once("export/mesh.obj: half written@1", "auto", before=[more]), **user},
+        {"before": [[]], "attempts": killed_after_its_files, **user},
+    ]
+    records = _drive(tmp_path, trials, export=True)
+    assert [a["at"] for r in records[1:] for a in r["attempts"] if a["killed"]] == [
+        "export/mesh.obj: half written", "export/neural_decoder.py: half written",
+    ]  # fmt: skip
+    assert _judge(records) == []
+
+
 @pytest.mark.slow
 def test_a_kill_at_every_point_resumes_to_the_uninterrupted_run(tmp_path):
     # Every kill point of a run that exports, resumed with train.resume=true and auto in turn
     # (alternating along the run); kills during a resumed run;
     # a completed run started over and a stopped run continued, killed at their file writes.
     rng = random.Random(23)
-    points = 37  # the reference run's kill points (checked below)
+    points = 42  # the reference run's kill points (checked below)
     chains = [{"attempts": [{"kill": rng.randint(1, points), "resume": "true"},
                             {"kill": rng.randint(1, 20), "resume": mode},
                             {"kill": None, "resume": mode}]}

@@ -35,7 +35,10 @@ An export into a folder that holds an earlier one replaces it: the files the ear
 ``export.json`` lists that this export does not write are removed (named on stderr and in
 ``export.json``'s ``removed_earlier_files``). Only those: a file it does not list, or whose name
 is not one an export writes, stays, and so does everything when there is no readable
-``export.json``.
+``export.json`` or ``export.pending.json``. The latter lists the earlier exports' files and this
+export's while it rewrites them: written before the earlier ``export.json`` is removed, removed
+once the new one is written, so that the export after one killed or failed midway still removes
+the files it does not write.
 
 Image row 0 is v = 0 (mptex's, nvdiffrast's and glTF's convention: the top of the image);
 OBJ's ``vt`` counts v from the bottom, so the OBJ gets ``1 - v`` (``load_obj`` flips it back).
@@ -622,15 +625,20 @@ def export_mesh(
     tick = time.perf_counter()
     # export.json, written last, says what the files beside it are: the earlier one goes before
     # the first of them is rewritten, so that a kill in between leaves none (and the
-    # temporaries of an export.json write that a kill cut short go too).
-    remove_stale_temporaries(out, names=(_EXPORT_JSON,))
+    # temporaries of an export.json or export.pending.json write that a kill cut short go too).
+    # export.pending.json, written first, lists the earlier exports' files and this one's until
+    # export.json is there: the next export after a kill still removes those it does not write.
+    remove_stale_temporaries(out, names=(_EXPORT_JSON, _EXPORT_PENDING))
+    pending = {"files": sorted(set(earlier) | _files_to_write(options, result.texture.shape[-1])),
+               "about": _PENDING_ABOUT}  # fmt: skip
+    pending_text = json.dumps(pending, indent=2) + "\n"
+    atomic_write_bytes(out / _EXPORT_PENDING, lambda f: f.write(pending_text.encode()))
     (out / _EXPORT_JSON).unlink(missing_ok=True)
     value_ranges: dict[str, dict[str, Any]] = {}
     files = write_texture_images(out, result.texture, options["kd_format"], value_ranges)
     images = dict(files)
     glb = None
-    # The measurement re-reads the OBJ: it is written whenever the bake is measured.
-    if "obj" in options["formats"] or options["measure"]:
+    if _writes_obj(options):
         files.update(write_obj_asset(out, result.mesh, images))
     if "glb" in options["formats"]:
         glb = write_glb(out / "mesh.glb", result.mesh, result.texture[..., :3])
@@ -701,6 +709,7 @@ def export_mesh(
     summary["export_time_s"] = time.perf_counter() - start
     text = json.dumps(_json_safe(summary), indent=2, allow_nan=False) + "\n"
     atomic_write_bytes(out / _EXPORT_JSON, lambda f: f.write(text.encode()))
+    (out / _EXPORT_PENDING).unlink(missing_ok=True)
     return summary
 
 
@@ -713,17 +722,54 @@ _EXPORT_FILES = frozenset(
 )
 
 
-def _earlier_files(out: Path) -> list[str]:
-    """The files an earlier export in ``out`` wrote, as its ``export.json`` lists them: only
-    names an export writes, in ``out`` itself (none when there is no readable export.json)."""
+# What an export writes first and removes last: the files of the earlier exports and its own.
+_EXPORT_PENDING = "export.pending.json"
+_PENDING_ABOUT = (
+    "an export in progress, or one killed or failed midway: no export.json describes the files "
+    "here; the next export removes those of these files it does not write"
+)
+
+
+def _writes_obj(options: Mapping[str, Any]) -> bool:
+    # The measurement re-reads the OBJ: it is written whenever the bake is measured.
+    return "obj" in options["formats"] or options["measure"]
+
+
+def _files_to_write(options: Mapping[str, Any], channels: int) -> set[str]:
+    """The names of the files an export with ``options`` writes for a texture of ``channels``
+    (``export.json``'s ``files``)."""
+    suffix = KD_FORMATS[options["kd_format"]]
+    names = {f"texture_{name}{suffix}" for name, first, _ in _GROUPS if channels >= first + 3}
+    if _writes_obj(options):
+        names |= {"mesh.obj", "mesh.mtl"}
+    if "glb" in options["formats"]:
+        names.add("mesh.glb")
+    if options["neural_precision"] is not None:
+        names |= {"texture_neural.safetensors", "neural_decoder.py"}
+    return names
+
+
+def _listed_files(record: Path) -> set[str]:
+    """The names ``record`` (an ``export.json`` or ``export.pending.json``) lists under
+    ``files``: only names an export writes, in its folder itself (none when it is missing or
+    unreadable)."""
     try:
-        earlier = json.loads((out / _EXPORT_JSON).read_text())
+        content = json.loads(record.read_text())
     except (OSError, ValueError):
-        return []
-    files = earlier.get("files") if isinstance(earlier, dict) else None
-    if not isinstance(files, dict):
-        return []
-    return sorted({name for name in files.values() if name in _EXPORT_FILES})
+        return set()
+    files = content.get("files") if isinstance(content, dict) else None
+    if isinstance(files, dict):
+        files = list(files.values())
+    if not isinstance(files, list):
+        return set()
+    return {name for name in files if isinstance(name, str) and name in _EXPORT_FILES}
+
+
+def _earlier_files(out: Path) -> list[str]:
+    """The files earlier exports in ``out`` wrote: those its ``export.json`` lists, and those
+    an ``export.pending.json`` lists (an export killed or failed midway, and the exports
+    before it)."""
+    return sorted(_listed_files(out / _EXPORT_JSON) | _listed_files(out / _EXPORT_PENDING))
 
 
 def _remove_earlier_files(out: Path, earlier: Sequence[str], written: set[str]) -> list[str]:

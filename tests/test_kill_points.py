@@ -73,9 +73,15 @@ def test_a_stopped_runs_record_stays_for_auto_to_continue_it_after_a_kill(tmp_pa
         with pytest.raises(_Killed):
             train(tiny_cfg(*base), tmp_path)
     assert read_metrics(tmp_path)["status"] == "interrupted"
+    # the killed process's time up to its checkpoint (after iteration 2) is in that checkpoint;
+    # after it, not known
+    carried = load_checkpoint(tmp_path / "checkpoint.pt")["wall_time_total_s"]
+    assert carried > read_metrics(tmp_path)["wall_time_s"]
     resumed = train(tiny_cfg(*base), tmp_path)
     assert resumed["status"] == "completed"
     assert (resumed["resumed_from"], resumed["resume_count"]) == (2, 2)
+    assert resumed["wall_time_total_s"] == carried + resumed["wall_time_s"]
+    assert resumed["time_total_complete"] is False
     reference = train(tiny_cfg(*base), tmp_path / "reference")
     assert resumed["psnr"] == reference["psnr"] and resumed["history"] == reference["history"]
     a = load_checkpoint(tmp_path / "checkpoint.pt")["texture"]
@@ -140,6 +146,25 @@ def test_the_files_a_record_names_reach_the_disk_before_the_record(tmp_path, mon
                             [export, run_dir]) == []  # fmt: skip
 
 
+def test_a_process_killed_before_it_checkpointed_leaves_the_total_partial(tmp_path, monkeypatch):
+    # Stopped after iteration 1 (its record holds all of that process's time), then resumed
+    # and killed before it wrote a checkpoint: the next resume continues from the same
+    # checkpoint beside the same record, but the killed process's time is known nowhere.
+    base = ["train.iterations=6", "train.checkpoint_interval=2"]
+    stopped = train(tiny_cfg(*base, "train.inject_signal_at=0"), tmp_path)
+    assert stopped["status"] == "interrupted"
+    carried = load_checkpoint(tmp_path / "checkpoint.pt")["wall_time_total_s"]
+    with monkeypatch.context() as patch:
+        _kill_before_iteration(patch, 1)
+        with pytest.raises(_Killed):
+            train(tiny_cfg(*base), tmp_path)
+    assert read_metrics(tmp_path)["status"] == "interrupted"
+    resumed = train(tiny_cfg(*base), tmp_path)
+    assert (resumed["resumed_from"], resumed["resume_count"]) == (1, 1)
+    assert resumed["wall_time_total_s"] == carried + resumed["wall_time_s"]
+    assert resumed["time_total_complete"] is False
+
+
 # ----------------------------------------------------------------- killed in a child process
 ROOT = Path(__file__).resolve().parents[1]
 # f16_dynamic: a loss scale to restore too; checkpoints after iterations 2, 4 and 6 (the end),
@@ -152,7 +177,8 @@ EXPORT = ["export.enabled=true", "export.resolution=64", "export.formats=[obj]",
 # how it was resumed (checked on their own)
 _MEASURED = {
     "wall_time_s", "train_time_s", "time_split_s", "time_per_iter_s", "peak_memory_bytes",
-    "run_dir", "resume_count", "resumed_from", "interruptions",
+    "run_dir", "resume_count", "resumed_from", "interruptions", "wall_time_total_s",
+    "train_time_total_s", "time_total_complete",
 }  # fmt: skip
 # train keys that say how a run was started, not what it trains
 _HOW_STARTED = {"resume", "inject_signal_at"}
@@ -248,10 +274,28 @@ def _judge(records: list[dict]) -> list[str]:
         if metrics["resume_count"] != final["resume_count_in_checkpoint"]:
             problems.append(f"{name}: resume_count {metrics['resume_count']} in metrics.json, "
                             f"{final['resume_count_in_checkpoint']} in checkpoint.pt")  # fmt: skip
+        problems += _time_total_problems(name, record, metrics)
         once = len(kills) == 1 and not metrics["interruptions"]  # one kill, no stop signal
         if once and metrics["resume_count"] != (metrics["resumed_from"] is not None):
             problems.append(f"{name}: resume_count {metrics['resume_count']} after one kill "
                             f"(resumed from {metrics['resumed_from']})")  # fmt: skip
+    return problems
+
+
+def _time_total_problems(name: str, record: dict, metrics: dict) -> list[str]:
+    """A resumed run calls its time complete only where no process it continued was killed
+    while it held time that no file records: a kill counts after that process's record was
+    written, or before it trained (its start, which the totals leave out)."""
+    problems = []
+    if not (metrics["wall_time_total_s"] >= metrics["wall_time_s"] > 0
+            and metrics["train_time_total_s"] >= metrics["train_time_s"] > 0):  # fmt: skip
+        problems.append(f"{name}: total times below this process's: {metrics}")
+    if metrics["resumed_from"] is None or not metrics["time_total_complete"]:
+        return problems
+    for attempt in record["attempts"]:
+        trained = any(p.startswith("iteration ") for p in attempt["points"] or [])
+        if attempt["killed"] and trained and attempt["at"] != "metrics.json: renamed":
+            problems.append(f"{name}: time_total_complete after a kill at {attempt['at']}")
     return problems
 
 

@@ -170,14 +170,63 @@ def test_signals_during_checkpoint_writes_keep_the_writes_atomic(
 
 
 def test_two_interruptions_are_both_counted(site, reference, tmp_path):
-    stops = []
+    stops, walls = [], []
     for name in ("SIGUSR1", "SIGTERM"):
         proc = cli(site, tmp_path, f"hydra.run.dir={tmp_path}", *RUN, slow_save_s=0.2)
         wait_for(proc, "WRITING")  # the first interval checkpoint after this start
         proc.send_signal(signal.Signals[name])
         stops.append((assert_interrupted(tmp_path, *finish(proc), name), name))
+        walls.append(read_metrics(tmp_path)["wall_time_s"])
     assert [at for at, _ in stops] == [10, 20]
     assert_resumes_to_reference(site, tmp_path, reference, stops)
+    # the three processes' times, each whole (their records say it), added in their order
+    metrics = read_metrics(tmp_path)
+    assert metrics["wall_time_total_s"] == sum(walls) + metrics["wall_time_s"]
+    assert metrics["time_total_complete"] is True
+
+
+_TIME_TOTALS = ("wall_time_total_s", "train_time_total_s", "time_total_complete")
+
+
+def _own_time(metrics: dict) -> tuple:
+    return metrics["wall_time_s"], metrics["train_time_s"], True
+
+
+def test_a_stopped_and_resumed_run_adds_up_both_processes_time(tmp_path):
+    # metrics.json's wall_time_s and train_time_s are the last process's; the totals are the
+    # run's: what it cost, however often it stopped.
+    alone = train(tiny_cfg(), tmp_path / "alone")
+    assert alone["resume_count"] == 0
+    assert tuple(alone[k] for k in _TIME_TOTALS) == _own_time(alone)
+    first = train(tiny_cfg("train.inject_signal_at=4"), tmp_path / "run")
+    assert first["status"] == "interrupted" and first["interrupted_at"] == 5
+    assert tuple(first[k] for k in _TIME_TOTALS) == _own_time(first)
+    ckpt = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    # the checkpoint holds the time up to its write; the record all of the stopped process's
+    assert 0 < ckpt["wall_time_total_s"] < first["wall_time_s"]
+    assert ckpt["train_time_total_s"] == first["train_time_s"]
+    second = train(tiny_cfg(), tmp_path / "run")
+    assert (second["status"], second["resume_count"]) == ("completed", 1)
+    assert second["wall_time_total_s"] == first["wall_time_s"] + second["wall_time_s"]
+    assert second["train_time_total_s"] == first["train_time_s"] + second["train_time_s"]
+    assert second["time_total_complete"] is True
+
+
+def test_a_checkpoint_without_time_totals_resumes_and_says_its_total_is_partial(tmp_path):
+    # A run stopped before checkpoints carried the totals: neither its checkpoint nor its
+    # record holds them, so what it trained before is not known and is not made up.
+    train(tiny_cfg("train.inject_signal_at=4"), tmp_path)
+    ckpt = load_checkpoint(tmp_path / "checkpoint.pt")
+    record = read_metrics(tmp_path)
+    for key in _TIME_TOTALS:
+        del ckpt[key], record[key]
+    torch.save(ckpt, tmp_path / "checkpoint.pt")
+    (tmp_path / "metrics.json").write_text(json.dumps(record))
+    resumed = train(tiny_cfg(), tmp_path)
+    assert (resumed["status"], resumed["resume_count"]) == ("completed", 1)
+    assert resumed["wall_time_total_s"] == resumed["wall_time_s"]
+    assert resumed["train_time_total_s"] == resumed["train_time_s"]
+    assert resumed["time_total_complete"] is False
 
 
 def test_an_interrupted_run_is_failed_in_the_report_with_its_reason(tmp_path):
@@ -497,10 +546,11 @@ def uninterrupted(tmp_path_factory) -> Path:
     return run_dir
 
 
-# The resumed run (iterations 3..5) writes: 1 the checkpoint after iteration 4, 2 the final
-# checkpoint, 3 metrics.json.
-@pytest.mark.parametrize("at, name", [(1, "checkpoint.pt"), (2, "checkpoint.pt"),
-                                      (3, "metrics.json")])  # fmt: skip
+# The resumed run (iterations 3..5) writes: 1 metrics.json, the interrupted run's record
+# marked as counted (time_total_taken), 2 the checkpoint after iteration 4, 3 the final
+# checkpoint, 4 metrics.json.
+@pytest.mark.parametrize("at, name", [(2, "checkpoint.pt"), (3, "checkpoint.pt"),
+                                      (4, "metrics.json")])  # fmt: skip
 @pytest.mark.parametrize("sticky", [True, False], ids=["stays-full", "room-for-metrics"])
 def test_a_full_disk_keeps_the_last_good_files_and_resumes(
     monkeypatch, tmp_path, uninterrupted, at, name, sticky
@@ -518,12 +568,13 @@ def test_a_full_disk_keeps_the_last_good_files_and_resumes(
     assert str(info.value) == f"{path}: no space left on device (ENOSPC); {path} is unchanged"
     assert not temporaries(tmp_path)
     # The last good checkpoint: the interrupted run's, or the last one written before.
-    if at == 1:
+    if at == 2:
         assert (run_dir / "checkpoint.pt").read_bytes() == good["checkpoint.pt"]
     else:
-        assert load_checkpoint(run_dir / "checkpoint.pt")["iteration"] == {2: 4, 3: 6}[at]
+        assert load_checkpoint(run_dir / "checkpoint.pt")["iteration"] == {3: 4, 4: 6}[at]
     if sticky:  # nothing more could be written: metrics.json is the interrupted run's
-        assert (run_dir / "metrics.json").read_bytes() == good["metrics.json"]
+        kept = {**json.loads(good["metrics.json"]), "time_total_taken": True}
+        assert read_metrics(run_dir) == kept
     else:  # a small file still fits: the failure is recorded for the report
         metrics = read_metrics(run_dir)
         assert metrics["status"] == "failed" and metrics["failed_writing"] == str(path)
@@ -535,6 +586,19 @@ def test_a_full_disk_keeps_the_last_good_files_and_resumes(
     assert again["status"] == "completed" and again["resume_count"] >= 1
     assert again["psnr"] == read_metrics(uninterrupted)["psnr"]
     assert_same_weights(run_dir, uninterrupted)
+
+
+def test_a_full_disk_that_keeps_the_record_unmarked_leaves_the_total_partial(monkeypatch, tmp_path):
+    # The interrupted run's record, not marked as counted, would be counted again by a resume
+    # after this process were killed: its total is not known whole, and says so.
+    cfg = ("train.iterations=6", "train.checkpoint_interval=2")
+    assert train(tiny_cfg(*cfg, "train.inject_signal_at=2"), tmp_path)["status"] == "interrupted"
+    carried = load_checkpoint(tmp_path / "checkpoint.pt")["wall_time_total_s"]
+    _failing_writes(monkeypatch, 1, sticky=False)
+    again = train(tiny_cfg(*cfg), tmp_path)
+    assert (again["status"], again["resume_count"]) == ("completed", 1)
+    assert again["wall_time_total_s"] == carried + again["wall_time_s"]
+    assert again["time_total_complete"] is False
 
 
 def test_a_full_disk_while_saving_a_val_image_names_it_and_leaves_no_half_png(

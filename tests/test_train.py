@@ -64,7 +64,9 @@ _TYPES = {
     "saturation": dict,
     "precision": str, "scene": str, "seed": int, "iterations": int,
     "iterations_planned": int, "final_loss": float, "time_per_iter_s": float,
-    "wall_time_s": float, "train_time_s": float, "time_split_s": dict, "peak_memory_bytes": int,
+    "wall_time_s": float, "train_time_s": float, "time_split_s": dict,
+    "wall_time_total_s": float, "train_time_total_s": float, "time_total_complete": bool,
+    "peak_memory_bytes": int,
     "peak_memory_kind": str, "skipped_steps": int, "final_loss_scale": float,
     "n_params": int, "device": str, "device_name": str, "torch_threads": int,
     "versions": dict, "run_dir": str, "history": list, "config": dict,
@@ -194,7 +196,8 @@ def test_a_run_forced_to_saturate_is_reported_collapsed(tmp_path, monkeypatch):
 
 def test_two_runs_give_identical_metrics_except_timings(tmp_path):
     timing = {"time_per_iter_s", "wall_time_s", "train_time_s", "time_split_s",
-              "peak_memory_bytes", "run_dir"}  # fmt: skip
+              "wall_time_total_s", "train_time_total_s", "peak_memory_bytes",
+              "run_dir"}  # fmt: skip
     runs = []
     for name in ("a", "b"):
         train(tiny_cfg("precision=f16_dynamic", "train.iterations=8"), tmp_path / name)

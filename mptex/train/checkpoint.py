@@ -45,7 +45,7 @@ _METRICS = "metrics.json"
 # What a checkpoint needs to rebuild its texture (load_texture, texture_from_checkpoint).
 TEXTURE_KEYS = ("texture", "aabb", "config", "precision")
 # What train() writes into a checkpoint and reads back on resume (older checkpoints lack the
-# optional ones: ``loss`` and ``time_per_iter_s`` of the run so far).
+# optional ones: ``loss``, ``time_per_iter_s`` and the time totals of the run so far).
 CHECKPOINT_KEYS = (
     "texture", "optimizer", "stepper", "iteration", "rng", "history", "skipped_steps",
     "consecutive_skips", "aabb", "precision", "config",

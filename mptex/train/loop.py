@@ -111,7 +111,8 @@ __all__ = [
 METRICS_KEYS = (
     "status", "psnr", "baseline_psnr", "psnr_per_image", "saturation", "precision", "scene", "seed",
     "iterations", "iterations_planned", "final_loss", "time_per_iter_s", "wall_time_s",
-    "train_time_s", "time_split_s", "peak_memory_bytes", "peak_memory_kind", "skipped_steps",
+    "train_time_s", "time_split_s", "wall_time_total_s", "train_time_total_s",
+    "time_total_complete", "peak_memory_bytes", "peak_memory_kind", "skipped_steps",
     "final_loss_scale",
     "diverged_at", "error", "failed_at", "failed_writing", "interrupted_at", "signal",
     "resumed_from", "stop_requested",
@@ -165,6 +166,46 @@ def _retire_finished_record(run_dir: Path) -> None:
     kept = read_metrics(run_dir)
     if kept is not None and not stopped_record(kept):
         (run_dir / "metrics.json").unlink(missing_ok=True)
+
+
+_TIME_TOTALS = ("wall_time_total_s", "train_time_total_s", "time_total_complete")
+
+
+def _take_recorded_time(ckpt: dict[str, Any], resume_from: Path, run_dir: Path) -> None:
+    """The run's time before this process, into ``ckpt``'s :data:`_TIME_TOTALS`: the whole
+    time of the process that wrote the checkpoint where its record says it, else the
+    checkpoint's (up to its write) with ``time_total_complete`` False.
+
+    The checkpoint carries the run's time up to its write; what its writer did after it is
+    known only from that writer's ``metrics.json`` (a stop signal's ``interrupted`` record, a
+    completed or diverged run's), which is taken when it is ``run_dir``'s, the checkpoint is
+    ``run_dir``'s, it holds the totals, it is of the same process (its ``resume_count`` is the
+    checkpoint's) and no resume took it before. Taking it marks it (``time_total_taken``), so
+    that a later resume from the same checkpoint, after this process was killed without a
+    record, does not count this process's time as known. A writer killed without a record
+    (SIGKILL, an OOM kill), one whose record holds no times (a failure), and a checkpoint
+    written before these keys leave the time after the checkpoint (or all of it) unknown.
+    """
+    kept = read_metrics(run_dir)
+    ours = Path(resume_from).resolve() == (run_dir / CHECKPOINT_FILE).resolve()
+    recorded = (
+        ours
+        and kept is not None
+        and not kept.get("time_total_taken")
+        and kept.get("resume_count", 0) == ckpt.get("resume_count", 0)
+        and all(isinstance(kept.get(key), float) for key in _TIME_TOTALS[:2])
+        and isinstance(kept.get("time_total_complete"), bool)
+    )
+    if not recorded:
+        ckpt["time_total_complete"] = False
+        return
+    try:
+        write_metrics(run_dir, {**kept, "time_total_taken": True})
+    except DiskFullError:
+        # Unmarked, the record could be counted again after a kill: not known.
+        ckpt["time_total_complete"] = False
+        return
+    ckpt.update({key: kept[key] for key in _TIME_TOTALS})
 
 
 def _history_entry(completed, loss_value, psnr_value, result, lr, stats) -> dict[str, Any]:
@@ -516,7 +557,10 @@ def train(
     The checkpoint (every ``checkpoint_interval`` iterations and at the end) holds ``texture``
     (state dict), ``optimizer``, ``stepper`` (GradScaler state), ``iteration`` (completed),
     ``rng`` (python, numpy, torch, view and noise generators), ``history``, ``skipped_steps``,
-    ``consecutive_skips``, ``aabb``, ``precision`` and ``config``.
+    ``consecutive_skips``, ``aabb``, ``precision`` and ``config``, and the run so far:
+    ``loss``, ``time_per_iter_s``, ``resume_count``, ``interruptions``, and
+    ``wall_time_total_s``, ``train_time_total_s``, ``time_total_complete`` (the run's time over
+    its processes up to this write; metrics.json's totals, :func:`_take_recorded_time`).
     """
     start_wall = time.perf_counter()
     run_dir = Path(run_dir)
@@ -618,7 +662,9 @@ def _train_validated(
         rss = RunPeakRss(enabled=device.type != "cuda").start()
         try:
             # The named steps: setup, the iterations (step, validate, checkpoint), finish.
-            run = setup(full, scene, texture, ckpt, run_dir, device, metrics)
+            if ckpt is not None:
+                _take_recorded_time(ckpt, resume_from, run_dir)
+            run = setup(full, scene, texture, ckpt, run_dir, device, metrics, start_wall)
             _retire_finished_record(run_dir)
             evaluated = _iterate(run, stop)
             return finish(run, evaluated, start_wall, rss, exporter)
@@ -700,6 +746,12 @@ class RunState:
         self.stop: StopSignals | None = None
         self.stop_requested: dict[str, str] | None = None
         self.train_time = 0.0
+        # The run's time before this process (the checkpoint's or its writer's record's
+        # wall_time_total_s and train_time_total_s; setup), and whether that is all of it
+        # (time_total_complete); when this process's run began and its training loop ended.
+        self.earlier_wall, self.earlier_train, self.time_total_complete = 0.0, 0.0, True
+        self.start_wall = time.perf_counter()
+        self.loop_end: float | None = None
         # Where this process's wall time went (metrics.json's time_split_s): seconds per part,
         # filled by step, validate, checkpoint and _iterate; finish adds start and rest.
         self.time_split = {"iterations": 0.0, "sampled_iterations": 0.0, "validation": 0.0,
@@ -718,6 +770,17 @@ class RunState:
         """``points`` moved by ``N(0, kd_jitter_std)`` noise: the kd smoothness term's samples."""
         noise = torch.randn(points.shape, device=points.device, generator=self.generators["noise"])
         return points + noise * float(self.settings["kd_jitter_std"])
+
+    def time_totals(self, wall: float, train: float) -> dict[str, Any]:
+        """The run's time over all its processes, given this process's ``wall`` and ``train``
+        (its training loop's) seconds so far: ``wall_time_total_s``, ``train_time_total_s``
+        and ``time_total_complete`` (False where an earlier process's time is known only up
+        to the checkpoint this run continued from: :func:`_take_recorded_time`)."""
+        return {
+            "wall_time_total_s": self.earlier_wall + wall,
+            "train_time_total_s": self.earlier_train + train,
+            "time_total_complete": self.time_total_complete,
+        }
 
     def time_per_iter(self) -> float | None:
         """The median time of this run's iterations (the checkpoint's when none ran)."""
@@ -752,10 +815,15 @@ def setup(
     run_dir: str | os.PathLike,
     device: torch.device,
     metrics: dict[str, Any],
+    start_wall: float | None = None,
 ) -> RunState:
     """The run's optimizer (:func:`_param_groups`), stepper, precision monitor, light and
-    generators, with a checkpoint's state restored when ``ckpt`` is given."""
+    generators, with a checkpoint's state restored when ``ckpt`` is given. ``start_wall``:
+    when this process's run began (``time.perf_counter()``; default now), from which its
+    wall time counts."""
     run = RunState(full, scene, texture, run_dir, device, metrics)
+    if start_wall is not None:
+        run.start_wall = start_wall
     settings = run.settings
     if settings["threads"] is not None:
         torch.set_num_threads(settings["threads"])
@@ -800,6 +868,10 @@ def setup(
         run.resumed_time = ckpt.get("time_per_iter_s")
         run.resume_count = ckpt.get("resume_count", 0) + 1
         run.interruptions = list(ckpt.get("interruptions", []))
+        # A checkpoint written before these keys: its run's earlier time is not known.
+        run.earlier_wall = float(ckpt.get("wall_time_total_s") or 0.0)
+        run.earlier_train = float(ckpt.get("train_time_total_s") or 0.0)
+        run.time_total_complete = ckpt.get("time_total_complete") is True
     metrics["resumed_from"] = run.start_iter if ckpt is not None else None
     metrics.update(iterations=run.start_iter, iterations_planned=run.n_iter)
     run.writer = tensorboard_writer(run.run_dir, bool(settings["tensorboard"]))
@@ -997,6 +1069,9 @@ def checkpoint(run: RunState, completed: int) -> bool:
     if not all_finite(list(run.texture.parameters())):
         run.time_split["checkpoints"] += time.perf_counter() - tick
         return False
+    # This process's time up to the write (the write itself is not in the file it writes).
+    loop_end = tick if run.loop_end is None else run.loop_end
+    trained = 0.0 if run.loop_start is None else loop_end - run.loop_start
     with profiler_scope("mptex.checkpoint"):
         save_checkpoint(run.run_dir / CHECKPOINT_FILE, {
             "texture": run.texture.state_dict(),
@@ -1014,6 +1089,7 @@ def checkpoint(run: RunState, completed: int) -> bool:
             "time_per_iter_s": run.time_per_iter(),
             "resume_count": run.resume_count,
             "interruptions": run.interruptions,
+            **run.time_totals(tick - run.start_wall, trained),
         })  # fmt: skip
     # the state dicts were copied to the host before the write: the device has finished
     run.time_split["checkpoints"] += time.perf_counter() - tick
@@ -1155,7 +1231,8 @@ def _iterate(run: RunState, stop: StopSignals) -> dict[str, Any] | None:
             run.interruptions.append({"iteration": completed, "signal": stop.received[0]})
             break
     progress.close()
-    run.train_time = time.perf_counter() - train_start
+    run.loop_end = time.perf_counter()
+    run.train_time = run.loop_end - train_start
     return evaluated
 
 
@@ -1233,6 +1310,7 @@ def finish(
         train_time_s=run.train_time,
         wall_time_s=wall,
         time_split_s=time_split,
+        **run.time_totals(wall, run.train_time),
         peak_memory_bytes=peak,
         peak_memory_kind=peak_kind,
         skipped_steps=run.skipped_steps,

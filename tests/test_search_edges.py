@@ -221,7 +221,8 @@ class _Runs:
             self.results[(c.name, seed)] = {"status": "completed", "psnr": 30.0 + seed,
                                             "time_per_iter_s": 0.01, "device": "cpu",
                                             "ran_beside": 0, "iterations": 6,
-                                            "wall_time_s": 1.5, **entry}  # fmt: skip
+                                            "wall_time_s": 1.5, "wall_time_total_s": 1.5,
+                                            "time_total_complete": True, **entry}  # fmt: skip
             self.trained += 1
 
 
@@ -424,6 +425,35 @@ def test_earlier_wall_time_is_read_only_when_it_is_a_time(tmp_path):
         assert results._earlier_wall_s(tmp_path) == expected, value
     (tmp_path / "search.json").write_text("{")
     assert results._earlier_wall_s(tmp_path) == 0.0
+
+
+@pytest.mark.parametrize("complete", [True, False])
+def test_the_budgets_run_time_counts_every_process_of_a_continued_run(tmp_path, complete):
+    # _L1's runs were stopped and continued: 1.5 s in their last process, 4.0 s in all; with
+    # complete false a process of theirs was killed without a record (its time not known)
+    entry = {"wall_time_total_s": 4.0, "time_total_complete": complete}
+    table = {(_L1, s): {"psnr": 30.0 + s, **entry} for s in (0, 1, 2)}
+    state, written = _written(tmp_path, table, _SINGLES)
+    continued = sum(1 for name, _ in state.pool.jobs if name == _L1)
+    budget = written["budget"]
+    assert continued > 0
+    assert budget["run_wall_s"] == 4.0 * continued + 1.5 * (budget["runs"] - continued)
+    assert budget["run_wall_complete"] is complete
+    said = f"{'' if complete else 'at least '}{budget['run_wall_s']:.0f} s of run time"
+    assert f"iterations, {said}," in (tmp_path / "search.md").read_text()
+
+
+def test_a_runs_summary_holds_its_total_time_where_it_is_known():
+    summary = pool_module.run_summary
+    timed = {"status": "diverged", "wall_time_s": 1.5, "resume_count": 1}
+    total = {"wall_time_total_s": 4.0, "time_total_complete": True}
+    assert summary({**timed, **total})["wall_time_total_s"] == 4.0
+    # a record from before the totals: a run never resumed took its one process's time; a
+    # resumed one, more than its last process's, and how much is not known
+    old = summary({**timed, "resume_count": 0})
+    assert (old["wall_time_total_s"], old["time_total_complete"]) == (1.5, True)
+    old = summary(timed)
+    assert (old["wall_time_total_s"], old["time_total_complete"]) == (None, False)
 
 
 def test_the_reproduce_command_repeats_the_scene_train_and_texture_overrides(monkeypatch):

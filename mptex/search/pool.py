@@ -54,6 +54,12 @@ def run_summary(metrics: Mapping[str, Any]) -> dict[str, Any]:
 
     status = metrics.get("status")
     note = None
+    # What the run cost over all its processes (an interrupted run continued is several);
+    # a record from before the totals, of a run never resumed: its one process's time.
+    total, complete = metrics.get("wall_time_total_s"), metrics.get("time_total_complete")
+    if total is None and metrics.get("resume_count") == 0:
+        total = metrics.get("wall_time_s")
+        complete = total is not None
     if status == "completed":
         collapse = classify_collapse(metrics)
         if collapse is not None:
@@ -64,6 +70,8 @@ def run_summary(metrics: Mapping[str, Any]) -> dict[str, Any]:
         "baseline_psnr": metrics.get("baseline_psnr"),
         "time_per_iter_s": metrics.get("time_per_iter_s"),
         "wall_time_s": metrics.get("wall_time_s"),
+        "wall_time_total_s": total,
+        "time_total_complete": complete is True,
         "iterations": metrics.get("iterations"),
         "device": metrics.get("device"),
         "error": metrics.get("error"),

@@ -261,11 +261,13 @@ def write_search_report(out: str | os.PathLike, summary: Mapping[str, Any]) -> P
     for (rule, reason), n in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])):
         lines.append(f"- {n} × {rule}: {reason}")
     budget = summary["budget"]
+    # a run killed without a record, or one that failed, left time that no file holds
+    at_least = "" if budget["run_wall_complete"] else "at least "
     lines += [
         "",
         f"Budget: {budget['runs']} runs ({budget['trained']} trained now, {budget['reused']} "
         f"read back from an earlier start), {budget['iterations']} iterations, "
-        f"{budget['run_wall_s']:.0f} s of run time, {budget['search_wall_s']:.0f} s wall "
+        f"{at_least}{budget['run_wall_s']:.0f} s of run time, {budget['search_wall_s']:.0f} s wall "
         f"({budget['workers']} at a time).",
         "",
     ]

@@ -240,7 +240,10 @@ def summarise(state: SearchState, certified: Candidate) -> dict[str, Any]:
             "trained": pool.trained,
             "reused": pool.reused,
             "iterations": sum(int(r.get("iterations") or 0) for r in all_runs),
-            "run_wall_s": sum(float(r.get("wall_time_s") or 0) for r in all_runs),
+            # every process of each run (a run stopped and continued is several), at least:
+            # all of it only where every run's time is known whole (run_wall_complete)
+            "run_wall_s": sum(float(r.get("wall_time_total_s") or 0) for r in all_runs),
+            "run_wall_complete": all(r.get("time_total_complete") is True for r in all_runs),
             # this invocation's added to what the directory's search.json says (a finished
             # search run again, which reads its runs back); an invocation that a stop signal
             # ended wrote no search.json, so its time is not in it

@@ -41,6 +41,17 @@ def _hydra_config(job: Path, arm: str, seed: int) -> None:
 
 
 # ----------------------------------------------------------------------------- jobs and sweeps
+def test_a_runs_time_over_all_its_processes_is_collected(tmp_path):
+    # results.csv / results.json are where "each arm cost X GPU-hours" is read from: a run
+    # stopped and continued cost its totals, not its last process's wall_time_s
+    totals = {"wall_time_total_s": 4.0, "train_time_total_s": 3.0, "time_total_complete": False}
+    _write(tmp_path, "f0", _metrics("f32", 0, wall_time_s=1.5, train_time_s=1.0, **totals))
+    _write(tmp_path, "f1", _metrics("f32", 1))  # a record from before the totals
+    runs = {run["seed"]: run for run in collect_runs(tmp_path)}
+    assert {k: runs[0][k] for k in totals} == totals and runs[0]["wall_time_s"] == 1.5
+    assert [runs[1][k] for k in totals] == [None] * 3
+
+
 def test_the_sweeps_own_hydra_folder_is_not_a_job(tmp_path):
     (tmp_path / "multirun.yaml").write_text("hydra: {}\n")
     _hydra_config(tmp_path, "f32", 0)

@@ -77,7 +77,8 @@ RUN_FIELDS = (
     "scene", "precision", "seed", "status", "psnr", "baseline_psnr", "time_per_iter_s",
     "peak_memory_bytes", "peak_memory_kind", "skipped_steps", "final_loss_scale", "iterations",
     "iterations_planned", "val_views", "val_spp", "diverged_at", "failed_at", "error",
-    "wall_time_s", "train_time_s", "n_params", "device", "device_name", "torch_threads",
+    "wall_time_s", "train_time_s", "wall_time_total_s", "train_time_total_s",
+    "time_total_complete", "n_params", "device", "device_name", "torch_threads",
     "encoder_backend", "mlp_backend", "fp8_gemm_backend", "raster_backend", "bake_psnr",
     "run_dir",
 )  # fmt: skip

@@ -355,10 +355,13 @@ def iteration_rows(scenes: list[str], arms: list[str], rounds: int, iterations: 
 # ----------------------------------------------------------------------------- sweep
 def sweep_rows(sweep_dir: Path) -> tuple[list[list[str]], str]:
     per_arm: dict[str, list[float]] = {}
-    walls = []
+    walls, partial = [], False
     for path in sorted(sweep_dir.glob("*/metrics.json")):
         metrics = json.loads(path.read_text())
-        walls.append(metrics.get("wall_time_s") or 0.0)
+        # every process of a run stopped and continued (a record from before the totals: its
+        # last process's)
+        walls.append(metrics.get("wall_time_total_s", metrics.get("wall_time_s")) or 0.0)
+        partial = partial or metrics.get("time_total_complete") is False
         if metrics.get("status") == "completed" and metrics.get("time_per_iter_s"):
             per_arm.setdefault(metrics["precision"], []).append(metrics["time_per_iter_s"])
     base = statistics.median(per_arm["f32"]) if "f32" in per_arm else None
@@ -368,7 +371,8 @@ def sweep_rows(sweep_dir: Path) -> tuple[list[list[str]], str]:
         ratio = f"{median / base:.2f}x" if base else "–"
         rows.append([f"{arm} time per iteration", f"{len(values)} runs",
                      f"{median * 1e3:.1f} ms", ratio])  # fmt: skip
-    note = f"sum of the runs' wall times: {sum(walls):.0f} s over {len(walls)} runs"
+    at_least = "at least " if partial else ""  # a process killed without a record
+    note = f"sum of the runs' wall times: {at_least}{sum(walls):.0f} s over {len(walls)} runs"
     return rows, note
 
 

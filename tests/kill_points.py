@@ -23,6 +23,9 @@ reference passed follows it, resumed with the modes in turn (point 1 the first, 
 second, ...).
 After each killed attempt the record keeps what a reader of the directory would find
 (:func:`_snapshot`); after the last, the files to compare with the reference run's.
+The trials after the reference run in forked worker processes, two at once where this process
+may use two cores (``"workers"`` in the plan sets how many): each has its own run directory and
+work folder, and every run is a single-threaded child, so they give what they give one at a time.
 """
 
 from __future__ import annotations
@@ -281,42 +284,84 @@ def _final(run_dir: Path) -> dict:
             "resume_count_in_checkpoint": ckpt.get("resume_count")}  # fmt: skip
 
 
+def _trial(plan: dict, index: int, trial: dict, work: Path) -> dict:
+    """Run one trial in ``plan["root"]/trial<index>``; its record."""
+    run_dir = Path(plan["root"]) / f"trial{index}"
+    for setup in trial.get("before", []):  # e.g. a completed run already in the directory
+        _attempt(run_dir, plan["overrides"] + setup, None, "auto", plan["export"], work)
+    for name in trial.get("user_files", []):
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text("mine")
+    record = {"attempts": [], "snapshots": [], "user_files": trial.get("user_files", []),
+              "removes": trial.get("removes", [])}  # fmt: skip
+    for attempt in trial["attempts"]:
+        overrides = [*plan["overrides"], *trial.get("overrides", []),
+                     *attempt.get("overrides", [])]  # fmt: skip
+        outcome = _attempt(run_dir, overrides, attempt["kill"], attempt["resume"],
+                           plan["export"], work)  # fmt: skip
+        record["attempts"].append(outcome)
+        if outcome["killed"]:
+            record["snapshots"].append(_snapshot(run_dir))
+    if not record["attempts"][-1]["killed"] and record["attempts"][-1].get("exit") == 0:
+        record["final"] = _final(run_dir)
+    return record
+
+
+def _trials_in_workers(plan: dict, trials: list[tuple[int, dict]], workers: int) -> dict:
+    """Run ``trials`` (index, trial) in ``workers`` forked driver processes, trial ``k`` of the
+    list in worker ``k % workers``; their records by index. The trials share nothing (a run
+    directory and a work folder each), and every run is a single-threaded child, so that on
+    a machine with two cores two trials run at once and give what they give one at a time."""
+    root = Path(plan["root"])
+    children = {}
+    for worker in range(workers):
+        share = trials[worker::workers]
+        out, error = root / f"records{worker}.json", root / f"error{worker}.txt"
+        pid = os.fork()
+        if pid == 0:  # a worker: its share of the trials, then out without Python's shutdown
+            status = 1
+            try:
+                work = root / f"work{worker}"
+                work.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps({i: _trial(plan, i, t, work) for i, t in share}))
+                status = 0
+            except BaseException:
+                error.write_text(traceback.format_exc())
+            finally:
+                os._exit(status)
+        children[pid] = (out, error)
+    records, failures = {}, []
+    for pid, (out, error) in children.items():
+        _, wait_status = os.waitpid(pid, 0)
+        if os.WIFEXITED(wait_status) and os.WEXITSTATUS(wait_status) == 0:
+            records.update({int(i): r for i, r in json.loads(out.read_text()).items()})
+        else:
+            failures.append(error.read_text() if error.exists() else f"status {wait_status}")
+    if failures:
+        raise RuntimeError("a trial worker failed:\n" + "\n".join(failures))
+    return records
+
+
 def main(plan_path: str, out_path: str) -> None:
     torch.set_num_threads(1)
     plan = json.loads(Path(plan_path).read_text())
-    root = Path(plan["root"])
-    work = root / "work"
+    work = Path(plan["root"]) / "work"
     work.mkdir(parents=True, exist_ok=True)
-    records, trials = [], list(plan["trials"])
-    for index, trial in enumerate(trials):
-        run_dir = root / f"trial{index}"
-        for setup in trial.get("before", []):  # e.g. a completed run already in the directory
-            _attempt(run_dir, plan["overrides"] + setup, None, "auto", plan["export"], work)
-        for name in trial.get("user_files", []):
-            (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
-            (run_dir / name).write_text("mine")
-        record = {"attempts": [], "snapshots": [], "user_files": trial.get("user_files", []),
-                  "removes": trial.get("removes", [])}  # fmt: skip
-        for attempt in trial["attempts"]:
-            overrides = [*plan["overrides"], *trial.get("overrides", []),
-                         *attempt.get("overrides", [])]  # fmt: skip
-            outcome = _attempt(run_dir, overrides, attempt["kill"], attempt["resume"],
-                               plan["export"], work)  # fmt: skip
-            record["attempts"].append(outcome)
-            if outcome["killed"]:
-                record["snapshots"].append(_snapshot(run_dir))
-        if not record["attempts"][-1]["killed"] and record["attempts"][-1].get("exit") == 0:
-            record["final"] = _final(run_dir)
-        records.append(record)
-        if index == 0 and plan.get("each_point"):
-            # the first trial is the reference run: a kill at each point it passed, then resume
-            points = record["attempts"][0]["points"]
-            modes = plan["each_point"]
-            trials += [
-                {"attempts": [{"kill": n, "resume": mode}, {"kill": None, "resume": mode}]}
-                for n in range(1, len(points) + 1)
-                for mode in [modes[(n - 1) % len(modes)]]
-            ]
+    trials = list(plan["trials"])
+    reference = _trial(plan, 0, trials[0], work)
+    if plan.get("each_point"):
+        # the first trial is the reference run: a kill at each point it passed, then resume
+        points = reference["attempts"][0]["points"]
+        modes = plan["each_point"]
+        trials += [
+            {"attempts": [{"kill": n, "resume": mode}, {"kill": None, "resume": mode}]}
+            for n in range(1, len(points) + 1)
+            for mode in [modes[(n - 1) % len(modes)]]
+        ]
+    # one worker per core this process may use, at most two (the trials' runs are small)
+    workers = int(plan.get("workers") or min(2, len(os.sched_getaffinity(0))))
+    rest = _trials_in_workers(plan, list(enumerate(trials))[1:], workers)
+    records = [reference, *(rest[i] for i in range(1, len(trials)))]
     Path(out_path).write_text(json.dumps(records))
 
 

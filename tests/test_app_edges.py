@@ -670,3 +670,43 @@ def test_a_precision_search_config_is_left_to_the_search_s_own_check():
     with open_dict(cfg):
         cfg.search = {"certify_seeds": 2}
     assert _sweep_value_problem(cfg) is None
+
+
+@pytest.mark.parametrize("path", [
+    "/runs/plain",
+    "/runs/with space",
+    "/runs/a,b",  # a comma alone: Hydra's sweep syntax, a list of two paths unquoted
+    '/runs/say "hi"=1',  # a double quote inside Hydra's double quotes
+    "/runs/0_precision=f32,train.seed=0",
+    "/runs/it's",
+    "/runs/a,b\\",  # a backslash before the closing quote: Hydra reads it as escaping it
+    "/runs/a=b\\\\",  # two: Hydra's quoted string reads them as one
+    '/runs/x\\"y=1',  # a backslash before a quote of the path
+    "/runs/a\\,b",  # a backslash elsewhere stays as it is
+    "/runs/a\\\\b",  # two backslashes without other syntax: unquoted, Hydra reads one
+    "/home/josé/runs",  # a non-ASCII letter: refused by Hydra's lexer unquoted
+    "~/runs",  # a leading ~: refused unquoted
+    "/runs/trailing ",  # a space at the end: stripped unquoted
+])  # fmt: skip
+def test_a_path_override_reads_back_through_the_shell_and_hydra_as_that_one_path(path):
+    # The reference: the shell's word splitting (shlex), then Hydra's own override parser.
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    words = shlex.split(app.path_override("hydra.sweep.dir", path))
+    (override,) = OverridesParser.create().parse_overrides(words)
+    assert override.key_or_group == "hydra.sweep.dir" and override.value() == path
+
+
+def test_random_paths_read_back_through_the_shell_and_hydra_as_themselves():
+    # Paths drawn from Hydra's syntax, the shell's, backslashes, spaces and non-ASCII letters.
+    import random
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    rng = random.Random(3)
+    alphabet = "ab0_/.-=,()[]{}'\"\\ ~$%@:+*?é\t"
+    parser = OverridesParser.create()
+    for _ in range(300):
+        path = "/" + "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+        (override,) = parser.parse_overrides(shlex.split(app.path_override("k", path)))
+        assert override.value() == path, path

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -48,20 +49,32 @@ def job_dirname(overrides: str) -> str:
     return name
 
 
-# Characters a Hydra override's unquoted value cannot hold (its grammar's syntax).
-_HYDRA_SYNTAX = frozenset("=,()[]{}'\"")
+# A value Hydra's override grammar reads unquoted as itself: ASCII letters, digits and a few
+# marks, spaces only between them (Hydra strips them at the ends). Anything else (its syntax's
+# = , ( ) [ ] { } ' ", a backslash, which escapes, a leading ~, a non-ASCII letter) is quoted.
+_HYDRA_PLAIN = re.compile(r"[A-Za-z0-9_./:@+%-]+(?: +[A-Za-z0-9_./:@+%-]+)*")
+# A run of backslashes before a double quote or the end of a value: inside Hydra's double
+# quotes they would escape the quote (or each other), so they are doubled and the quote escaped.
+_HYDRA_QUOTE_ESCAPES = re.compile(r'(\\*)("|$)')
 
 
 def path_override(key: str, path: str | os.PathLike) -> str:
     """``key=path`` as a shell word that Hydra reads as that one path: a job folder is named by
     its overrides (``0_precision=f32,train.seed=0``), whose ``=`` and ``,`` are Hydra's syntax,
-    so such a path goes in Hydra's double quotes (``"`` escaped); then the shell's quoting
-    where it needs any (a space)."""
+    so such a path (and any other that Hydra does not read unquoted as itself: a backslash, a
+    non-ASCII letter) goes in Hydra's double quotes, ``"`` escaped and the backslashes before
+    a ``"`` or the closing quote doubled, as Hydra's grammar reads them; then the shell's
+    quoting where it needs any (a space)."""
     value = str(path)
-    if any(char in _HYDRA_SYNTAX for char in value):
-        value = '"' + value.replace('"', '\\"') + '"'
-        return shlex.quote(f"{key}={value}")
-    return f"{key}={shlex.quote(value)}"
+    if _HYDRA_PLAIN.fullmatch(value):
+        return f"{key}={shlex.quote(value)}"
+    value = '"' + _HYDRA_QUOTE_ESCAPES.sub(_escape_before_quote, value) + '"'
+    return shlex.quote(f"{key}={value}")
+
+
+def _escape_before_quote(match: re.Match) -> str:
+    backslashes, quote = match.groups()
+    return backslashes * 2 + ("\\" + quote if quote else "")
 
 
 def continue_sweep(sweep_dir: str | os.PathLike) -> str:

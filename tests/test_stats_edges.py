@@ -25,6 +25,7 @@ from mptex.intervals import (
     verdict,
 )
 from mptex.numbers import as_int, is_number
+from mptex.report import stats as report_stats
 from mptex.train import image_loss, lr_schedule
 from mptex.train.rng import rng_state, seed_everything, set_rng_state
 
@@ -79,6 +80,7 @@ def test_the_mean_of_values_whose_sum_overflows_is_their_exact_mean():
     values = [1.5e308, 1.2e308, 1.7e308]
     exact = float(sum(map(Fraction, values)) / 3)
     assert finite_mean(values) == exact
+    assert report_stats._mean([*values, None]) == exact  # the report's row means, too
     ci = mean_ci(values)
     assert ci["mean"] == exact and ci["n"] == 3
     # sd: numpy's on the values scaled by 2^-1000 (exact: a power of two), scaled back; a few
@@ -123,6 +125,34 @@ def test_an_interval_beyond_float64_has_infinite_bounds():
     assert ci["low"] == pytest.approx(low / scale, rel=1e-9)
     assert float(high) / scale == math.inf and ci["high"] == math.inf
     assert math.isfinite(ci["sd"]) and math.isfinite(ci["half_width"])
+
+
+def test_values_whose_largest_magnitude_is_negative_get_their_finite_interval():
+    # [-1.7e308, 0] x 5: t * sd (2.26 * 0.9e308) overflows, the interval does not; the value of
+    # largest magnitude is negative (the scaling must come from |v|, not from the largest, 0).
+    # By hand: mean -0.85e308 (exact), each deviation +-0.85e308, so sd = 0.85e308 *
+    # sqrt(10/9); half width t(0.975, 9) * (sd / sqrt(10)) (t from scipy; t_quantile's
+    # bisection stops within 1e-12 of it, so the half width and bounds to 1e-11; the sd to a
+    # few roundings).
+    values = [-1.7e308, 0.0] * 5
+    sd = 0.85e308 * math.sqrt(10 / 9)
+    half = scipy.stats.t.ppf(0.975, 9) * (sd / math.sqrt(10))
+    ci = mean_ci(values)
+    assert ci["mean"] == -0.85e308
+    assert ci["sd"] == pytest.approx(sd, rel=1e-14)
+    assert ci["half_width"] == pytest.approx(half, rel=1e-11)
+    assert ci["low"] == pytest.approx(-0.85e308 - half, rel=1e-11)
+    assert ci["high"] == pytest.approx(-0.85e308 + half, rel=1e-11)
+
+
+@pytest.mark.parametrize("dof", [1.5e5, 3e5])
+@pytest.mark.parametrize("p", [1e-20, 1e-10, 0.975, 1.0 - 2.0**-40])
+def test_t_quantile_just_above_its_expansion_threshold_matches_scipy_in_both_tails(p, dof):
+    # Above 1e5 degrees of freedom the quantile comes from the expansion about the normal
+    # quantile; its 1/dof^2 term is about 4e-11 relative here at p = 1e-20, and p = 1e-20 has
+    # no float64 complement (1 - p == 1). scipy agrees with a 40-digit mpmath inversion of the
+    # incomplete beta function to 3e-16 at these points, and so does t_quantile: 1e-14.
+    assert t_quantile(p, dof) == pytest.approx(scipy.stats.t.ppf(p, dof), rel=1e-14)
 
 
 def test_two_values_are_enough_for_an_interval():

@@ -27,6 +27,7 @@ from mptex.train.checkpoint import (
     DiskFullError,
     atomic_write_bytes,
     disk_full_error,
+    export_source,
     save_checkpoint,
     unfinished_note,
     write_metrics,
@@ -399,3 +400,22 @@ def test_a_resume_continues_from_the_loss_scale_the_checkpoint_had(tmp_path, mon
     assert scales == [65536.0, 32768.0, 32768.0, 32768.0, 32768.0]
     assert scales == [h["loss_scale"] for h in full["history"]]
     assert resumed["final_loss_scale"] == full["final_loss_scale"] == 32768.0
+
+
+@pytest.mark.parametrize("iterations, status, final", [
+    (4, "completed", True),  # the weights after all 4 planned iterations
+    (3, "completed", False),  # a checkpoint of 3 of them (the run went on past it)
+    (4, "interrupted", False),
+    (4, None, False),  # no readable metrics.json
+])  # fmt: skip
+def test_an_exports_source_calls_only_a_completed_runs_last_weights_final(
+    tmp_path, iterations, status, final
+):
+    config = {"train": {"iterations": 4, "seed": 7}, "precision": {"name": "bf16"},
+              "scene": {"name": "spot"}}  # fmt: skip
+    run_dir = tmp_path.resolve()
+    assert export_source(tmp_path, config, iterations, status) == {
+        "run_dir": str(run_dir), "checkpoint": str(run_dir / "checkpoint.pt"),
+        "iterations": iterations, "iterations_planned": 4, "status": status,
+        "final_weights": final, "precision": "bf16", "scene": "spot", "seed": 7,
+    }  # fmt: skip

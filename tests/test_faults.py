@@ -459,6 +459,32 @@ def test_inf_gradient_ends_the_run_at_that_iteration_keeping_the_last_good_check
     assert read_metrics(tmp_path)["status"] == "diverged"
 
 
+@pytest.mark.parametrize("during", ["last iteration", "final validation"])
+def test_a_stop_signal_as_a_run_diverges_is_recorded_with_the_part_it_came_in(
+    tmp_path, monkeypatch, during
+):
+    # The inf gradient of backward 3 (0-based) ends the 4-iteration run as diverged at 3, its
+    # last iteration. A SIGTERM in that iteration's forward (train.inject_signal_at=3), or in
+    # the final validation finish() then runs for it, stops nothing: it is recorded with the
+    # part of the run it came in.
+    _inject_inf_gradient_at(monkeypatch, 3)
+    overrides = ["precision=f32", "train.iterations=4"]
+    if during == "last iteration":
+        overrides.append("train.inject_signal_at=3")
+    else:
+        real = loop.evaluate
+
+        def evaluate(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(loop, "evaluate", evaluate)
+    m = train(tiny_cfg(*overrides), tmp_path)
+    assert m["status"] == "diverged" and m["diverged_at"] == 3
+    expected = {"signal": "SIGTERM", "during": during}
+    assert m["stop_requested"] == read_metrics(tmp_path)["stop_requested"] == expected
+
+
 def test_f16_naive_one_iteration_is_diverged_with_no_nan_checkpoint(tmp_path):
     m = train(tiny_cfg("precision=f16_naive", "train.iterations=1"), tmp_path)
     assert m["status"] == "diverged" and m["diverged_at"] == 0
@@ -502,6 +528,24 @@ def test_auto_resume_says_when_it_starts_over_a_checkpoint_without_a_record(tmp_
     (tmp_path / "metrics.json").write_text(json.dumps(record))
     train(tiny_cfg("train.iterations=3"), tmp_path)
     assert "without a record" not in capsys.readouterr().err
+
+
+def test_auto_resume_says_it_only_beside_a_checkpoint_it_starts_over(tmp_path, capsys,
+                                                                     monkeypatch):  # fmt: skip
+    line = "ended without a record"
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    train(tiny_cfg("train.iterations=2"), tmp_path)  # an empty directory: nothing to say
+    assert line not in capsys.readouterr().err
+    # A refused start's record tells no more of how the checkpoint's run ended than none does.
+    refused = {**read_metrics(tmp_path), "status": "failed", "failed_at": "start"}
+    (tmp_path / "metrics.json").write_text(json.dumps(refused))
+    assert train(tiny_cfg("train.iterations=2"), tmp_path)["resumed_from"] is None
+    assert line in capsys.readouterr().err
+    # A Slurm requeue continues the checkpoint without a record: nothing to say.
+    (tmp_path / "metrics.json").unlink()
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert train(tiny_cfg("train.iterations=3"), tmp_path)["resumed_from"] == 2
+    assert line not in capsys.readouterr().err
 
 
 def test_resume_after_a_kill_between_final_checkpoint_and_metrics(tmp_path):

@@ -26,6 +26,7 @@ import mptex.train.loop as loop
 from mptex.bake import TrainingExport
 from mptex.train import load_checkpoint, train
 from mptex.train.checkpoint import read_metrics
+from mptex.train.signals import auto_resume_path, stopped_record
 
 
 class _Killed(BaseException):
@@ -163,6 +164,28 @@ def test_a_process_killed_before_it_checkpointed_leaves_the_total_partial(tmp_pa
     assert (resumed["resumed_from"], resumed["resume_count"]) == (1, 1)
     assert resumed["wall_time_total_s"] == carried + resumed["wall_time_s"]
     assert resumed["time_total_complete"] is False
+
+
+@pytest.mark.parametrize("record, stopped", [
+    ({"status": "completed"}, False),
+    ({"status": "diverged", "diverged_at": 3}, False),
+    ({"status": "failed", "failed_at": "start", "error": "ValueError: x"}, False),
+    ({"status": "failed", "failed_at": 3, "error": "RuntimeError: x"}, False),
+    ({"status": "interrupted", "interrupted_at": 2, "signal": "SIGTERM"}, True),
+    ({"status": "failed", "failed_at": 3, "failed_writing": "checkpoint.pt"}, True),  # full disk
+])  # fmt: skip
+def test_only_a_stopped_runs_record_outlives_the_start_of_a_run_in_its_directory(
+    tmp_path, monkeypatch, record, stopped
+):
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)  # a requeue resumes whatever
+    # A stop signal's record and a full disk's are continued by train.resume=auto (with a
+    # checkpoint beside them) and stay when a run starts there; any other record goes.
+    (tmp_path / "metrics.json").write_text(json.dumps(record))
+    (tmp_path / "checkpoint.pt").write_bytes(b"")
+    assert stopped_record(record) is stopped
+    assert auto_resume_path(tmp_path) == (tmp_path / "checkpoint.pt" if stopped else None)
+    loop._retire_finished_record(tmp_path)
+    assert read_metrics(tmp_path) == (record if stopped else None)
 
 
 # ----------------------------------------------------------------- killed in a child process

@@ -391,6 +391,45 @@ def test_exr_files_keep_values_outside_0_1(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+class HdrAlbedoTexture(ConstantTexture):
+    """Every point: kd (1.5, 0.5, -0.25), beyond [0, 1] in two channels (an EXR keeps them),
+    ks and the normal inside it."""
+
+    def sample(self, texc: torch.Tensor) -> torch.Tensor:
+        value = torch.tensor([1.5, 0.5, -0.25, 0.25, 0.5, 1.0, 0.5, 0.5, 0.5])
+        return value.expand(*texc.shape[:-1], 9)
+
+
+@pytest.mark.requires_trimesh
+def test_the_glbs_base_colour_clamps_whatever_kd_format_and_a_new_format_replaces_the_old(
+    tmp_path, monkeypatch, capsys
+):
+    def recording_save_image(path, img, to_srgb=False):
+        Path(path).write_bytes(b"")
+
+    monkeypatch.setattr(export_module, "save_image", recording_save_image)
+    grid = {"otype": "HashGrid", "n_levels": 1, "log2_hashmap_size": 8}
+    texture = HdrAlbedoTexture(SQUARE_AABB, channels=9, precision="f32", internal_dims=8,
+                               hidden=1, encoder=grid)  # fmt: skip
+    # 16^2 texels (padding 16 fills the atlas), 2 kd channels outside [0, 1]: 512 values. The
+    # EXR keeps them; mesh.glb's base colour is an 8-bit PNG of the same channels: 512 clamped.
+    summary = export_mesh(texture, square_mesh(), tmp_path, resolution=16, padding=16,
+                          formats=["obj", "glb"], kd_format="exr", measure=False)  # fmt: skip
+    kd = {"min": -0.25, "max": 1.5, "outside_0_1": 512}
+    assert summary["value_ranges"]["texture_kd.exr"] == {**kd, "clamped": 0}
+    assert summary["value_ranges"]["mesh.glb"] == {**kd, "clamped": 512}
+    assert capsys.readouterr().err.splitlines() == [
+        "mptex export: warning: mesh.glb: 512 values outside [0, 1] written as 0 or 1 (the "
+        "texture's range here is [-0.25, 1.5]; export.json's value_ranges records it)"
+    ]
+    # The same folder exported as PNGs: the EXRs of the earlier export go.
+    summary = export_mesh(texture, square_mesh(), tmp_path, resolution=16, padding=16,
+                          formats="obj", kd_format="png8", measure=False)  # fmt: skip
+    exrs = ["texture_kd.exr", "texture_ks.exr", "texture_n.exr"]
+    assert summary["removed_earlier_files"] == ["mesh.glb", *exrs]  # sorted by name
+    assert not any((tmp_path / name).exists() for name in [*exrs, "mesh.glb"])
+
+
 def test_an_export_removes_the_files_of_the_earlier_export_it_replaces(tmp_path, capsys):
     out = tmp_path / "asset"
     export_mesh(constant_texture(), square_mesh(), out, resolution=16, formats="obj",
@@ -453,6 +492,8 @@ def test_an_export_killed_midway_leaves_no_export_json_of_the_earlier_one(tmp_pa
     export_mesh(constant_texture(), square_mesh(), out, resolution=16, formats="obj",
                 measure=False)  # fmt: skip
     assert json.loads((out / "export.json").read_text())["resolution"] == 16
+    # and the temporary an earlier kill left in the middle of an export.json write goes too
+    (out / ".export.json.k3j9x0.tmp").write_text('{"files": {"kd": "tex')
     # after the texture images, before the OBJ
     _export_killed_at(monkeypatch, out, coordinate_texture(SQUARE_AABB), "write_obj_asset",
                       formats="obj", measure=False)  # fmt: skip
@@ -1040,6 +1081,24 @@ def test_export_json_names_the_run_and_the_checkpoint_it_exported(tmp_path, caps
     assert export_main([str(run), "--out", str(tmp_path / "out")]) == 0
     source = json.loads((tmp_path / "out" / "export.json").read_text())["source"]
     assert source["status"] is None and source["final_weights"] is False
+
+
+@pytest.mark.requires_xatlas  # the knot's mesh gets its UVs from xatlas
+def test_a_runs_own_export_names_its_final_weights_as_such(tmp_path):
+    from tiny_runs import tiny_cfg
+
+    from mptex.bake import TrainingExport
+    from mptex.train import train
+    from mptex.train.checkpoint import export_source, load_checkpoint
+
+    cfg = tiny_cfg("train.iterations=2", "export.enabled=true", "export.resolution=32",
+                   "export.formats=[obj]", "export.measure=false")  # fmt: skip
+    metrics = train(cfg, tmp_path, exporter=TrainingExport())
+    assert metrics["status"] == "completed" and metrics["export"].get("error") is None
+    source = json.loads((tmp_path / "export" / "export.json").read_text())["source"]
+    config = load_checkpoint(tmp_path / "checkpoint.pt")["config"]
+    assert source == export_source(tmp_path, config, 2, "completed")
+    assert source["status"] == "completed" and source["final_weights"] is True
 
 
 def test_a_bad_value_from_the_runs_config_names_the_export_key(black_run, tmp_path, monkeypatch,

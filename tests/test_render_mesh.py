@@ -572,6 +572,32 @@ def test_a_face_without_vt_on_a_textured_material_is_refused_wherever_mtllib_sta
     )
 
 
+def test_of_several_faces_without_vt_on_a_textured_material_the_first_is_named(tmp_path):
+    # Lines 6 and 7 are both such faces: the error names line 6, where a reader starts.
+    _solid_png(tmp_path / "t.png")
+    (tmp_path / "m.mtl").write_text("newmtl tex\nmap_Kd t.png\n")
+    (tmp_path / "m.obj").write_text(
+        "mtllib m.mtl\nv 0 0 0\nv 1 0 0\nv 0 1 0\nusemtl tex\nf 1 2 3\nf 3 2 1\n"
+    )
+    with pytest.raises(ValueError, match=r"m\.obj:6: face without texcoords \(vt\) uses "):
+        load_obj(tmp_path / "m.obj")
+
+
+def test_a_value_of_exactly_float32s_largest_is_in_range(tmp_path):
+    # 3.4028234663852886e38 is float32's largest finite value (torch.finfo): held exactly, so
+    # the normal (it, 0, 0) loads as the unit normal (1, 0, 0); 4e38 beyond it is refused.
+    largest = float(torch.finfo(torch.float32).max)
+    for value, loads in ((repr(largest), True), ("4e38", False)):
+        (tmp_path / "n.obj").write_text(
+            f"v 0 0 0\nv 1 0 0\nv 0 1 0\nvn {value} 0 0\nf 1//1 2//1 3//1\n"
+        )
+        if loads:
+            assert load_obj(tmp_path / "n.obj").v_nrm.tolist() == [[1.0, 0.0, 0.0]]
+        else:
+            with pytest.raises(ValueError, match=r"n\.obj:4: 'vn' has a value beyond float32"):
+                load_obj(tmp_path / "n.obj")
+
+
 def test_file_normals_of_any_length_become_unit_normals_of_their_direction(tmp_path):
     # (1e20, 1e20, 0): its squared length, 2e40, is beyond float32; (1e-30, 0, 0) and the
     # float32 subnormals (0, 3e-39, 4e-39): theirs vanish in float32. Directions by hand:

@@ -710,3 +710,28 @@ def test_random_paths_read_back_through_the_shell_and_hydra_as_themselves():
         path = "/" + "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
         (override,) = parser.parse_overrides(shlex.split(app.path_override("k", path)))
         assert override.value() == path, path
+
+
+@pytest.mark.parametrize("mode", ["RUN", "MULTIRUN"])
+def test_an_interpolation_that_does_not_resolve_is_one_line_and_a_sweep_goes_on(
+    monkeypatch, capsys, mode
+):
+    # A single run exits 2; a sweep's job returns, so that the sweep's next job runs.
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    monkeypatch.delenv("MPTEX_TEST_UNSET_VARIABLE", raising=False)
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: SimpleNamespace(
+        mode=RunMode[mode])))  # fmt: skip
+    cfg = OmegaConf.create({"train": {"lr": "${oc.env:MPTEX_TEST_UNSET_VARIABLE}"}})
+    task = app._InterpolationErrorsInOneLine(lambda cfg: cfg.train.lr, "mptex-train")
+    if mode == "RUN":
+        with pytest.raises(SystemExit) as info:
+            task(cfg)
+        assert info.value.code == 2
+    else:
+        assert task(cfg) is None
+    assert capsys.readouterr().err.splitlines() == [
+        "mptex-train: error: train.lr: KeyError raised while resolving interpolation: "
+        "\"Environment variable 'MPTEX_TEST_UNSET_VARIABLE' not found\""
+    ]

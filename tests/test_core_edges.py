@@ -214,7 +214,8 @@ def test_positions_of_any_float_dtype_sample_as_float32():
     assert torch.equal(texture.sample(points.half()), expected)
 
 
-@pytest.mark.parametrize("arm", ["f32", "f16_dynamic", "bf16"])
+# nvdiffrec: its MLP casts its input to the first layer's dtype before the gradient scaling
+@pytest.mark.parametrize("arm", ["f32", "f16_dynamic", "bf16", "nvdiffrec"])
 def test_a_float64_texture_samples_in_float64_end_to_end(arm):
     # .double() (a float64 reference, gradcheck): float64 positions, grid, linear layers
     # (whatever the arm's compute dtype, as the grid with a float64 table), sigmoid and output.

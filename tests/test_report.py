@@ -1244,6 +1244,40 @@ def test_a_run_a_stop_signal_reached_after_its_last_iteration_is_named_and_still
     assert stops == [None, {"signal": "SIGTERM", "during": "metrics"}]
 
 
+def test_a_diverged_run_a_stop_signal_reached_at_its_end_is_named_too(tmp_path):
+    # finish() records stop_requested for a diverged run as well (the signal came as its last
+    # iteration ran): the row names it with its status, though it is not a completed run.
+    for seed in (0, 1):
+        _write(tmp_path, f"f32_{seed}", _metrics("f32", seed, psnr=30.0 + seed))
+    late = {"signal": "SIGTERM", "during": "metrics"}
+    _write(tmp_path, "bf16_0", _metrics("bf16", 0, psnr=29.0, stop_requested=late))
+    stop = {"signal": "SIGINT", "during": "last iteration"}
+    _write(tmp_path, "bf16_1", _metrics("bf16", 1, status="diverged", diverged_at=3,
+                                        stop_requested=stop))  # fmt: skip
+    write_report(tmp_path)
+    assert _rows(tmp_path)[("bf16",)]["stop_requested_runs"] == [
+        {"run_dir": "bf16_0", "seed": 0, "status": "completed", **late},
+        {"run_dir": "bf16_1", "seed": 1, "status": "diverged", **stop},
+    ]
+    text = (tmp_path / "report.md").read_text()
+    assert "- Stop requested after the last iteration had begun (2 runs; " in text
+    assert ("`bf16` seed 0 (completed; SIGTERM during the metrics.json write); `bf16` seed 1 "
+            "(diverged; SIGINT during the last iteration).") in text  # fmt: skip
+
+
+def test_each_part_of_a_run_a_stop_can_come_in_is_named_as_a_line_says_it():
+    # The parts the training loop records (mptex.train.loop._note_stop's list), as read in
+    # report.md's and mptex-train's lines: "... SIGTERM during the validation images".
+    from mptex.report.markdown import during_text
+
+    parts = ["last iteration", "final validation", "final checkpoint", "images", "export",
+             "metrics"]  # fmt: skip
+    assert [during_text(part) for part in parts] == [
+        "the last iteration", "the final validation", "the final checkpoint",
+        "the validation images", "the export", "the metrics.json write",
+    ]  # fmt: skip
+
+
 def test_the_quantisation_table_per_layer(tmp_path):
     def fp8_metrics(seed, overflows):
         m = _metrics("fp8", seed, psnr=40.0)

@@ -1232,11 +1232,11 @@ def test_a_run_a_stop_signal_reached_after_its_last_iteration_is_named_and_still
          "during": "metrics"}]  # fmt: skip
     assert rows[("f32",)]["stop_requested_runs"] == []
     text = (tmp_path / "report.md").read_text()
-    assert ("- Stop requested after the last iteration had begun (1 run; each ran all its "
-            "iterations and is counted as its status says") in text  # fmt: skip
+    assert ("- Stop requested after the last iteration had begun (1 run; the signal cut none "
+            "of them short: each ended where it would have without it") in text  # fmt: skip
     assert "`bf16` seed 1 (completed; SIGTERM during the metrics.json write)." in text
     tex = (tmp_path / "results.tex").read_text()
-    assert ("% Stop requested after the last iteration had begun (completed all iterations, "
+    assert ("% Stop requested after the last iteration had begun (none cut short by it, "
             "counted as usual; report.md says more): bf16 seed 1 (SIGTERM during metrics).\n"
             ) in tex  # fmt: skip
     runs = json.loads((tmp_path / "results.json").read_text())["runs"]
@@ -1263,6 +1263,9 @@ def test_a_diverged_run_a_stop_signal_reached_at_its_end_is_named_too(tmp_path):
     assert "- Stop requested after the last iteration had begun (2 runs; " in text
     assert ("`bf16` seed 0 (completed; SIGTERM during the metrics.json write); `bf16` seed 1 "
             "(diverged; SIGINT during the last iteration).") in text  # fmt: skip
+    # a diverged run did not run all its iterations: no line may say it did
+    assert "all its iterations" not in text.replace("a completed run after all its iterations", "")
+    assert "completed all iterations" not in (tmp_path / "results.tex").read_text()
 
 
 def test_each_part_of_a_run_a_stop_can_come_in_is_named_as_a_line_says_it():

@@ -165,7 +165,7 @@ def render_latex(
         items = "; ".join(f"{r['precision']} seed {s['seed']} ({s['signal']} during "
                           f"{s['during']})" for r, s in stopped)  # fmt: skip
         text = (
-            f"Stop requested after the last iteration had begun (completed all iterations, "
+            f"Stop requested after the last iteration had begun (none cut short by it, "
             f"counted as usual; report.md says more): {items}."
         )
         lines.append("% " + " ".join(text.split()))  # one comment line, whatever a name holds

@@ -520,8 +520,10 @@ def _reading(
                           for r, s in stopped)  # fmt: skip
         lines.append(
             f"- Stop requested after the last iteration had begun ({len(stopped)} "
-            f"run{'s' * (len(stopped) != 1)}; each ran all its iterations and is counted as its "
-            "status says, but a stop signal came (the cluster or a user wanted it stopped) and "
+            f"run{'s' * (len(stopped) != 1)}; the signal cut none of them short: each ended where "
+            "it would have without it (a completed run after all its iterations, a diverged one "
+            "at the iteration that diverged) and is counted as its status says, but a stop "
+            "signal came (the cluster or a user wanted it stopped) and "
             "`mptex-train` exited 3, on which a plain sbatch script requeues the job: its "
             f"requeue repeats the final validation and export): {items}."
         )

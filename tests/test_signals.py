@@ -601,6 +601,28 @@ def test_a_full_disk_that_keeps_the_record_unmarked_leaves_the_total_partial(mon
     assert again["time_total_complete"] is False
 
 
+def test_a_run_continued_after_a_full_disk_counts_the_failed_process_whole(monkeypatch, tmp_path):
+    # Stopped after iteration 3; continued, it checkpoints iteration 4 and fails writing the
+    # final checkpoint (the disk full, a small file still fits): its record holds its time, so
+    # that the run continued once space is freed counts all three processes.
+    cfg = ("train.iterations=6", "train.checkpoint_interval=2")
+    assert train(tiny_cfg(*cfg, "train.inject_signal_at=2"), tmp_path)["status"] == "interrupted"
+    _failing_writes(monkeypatch, 3, sticky=False)
+    with pytest.raises(DiskFullError):
+        train(tiny_cfg(*cfg), tmp_path)
+    failed = read_metrics(tmp_path)
+    checkpoint = str(tmp_path / "checkpoint.pt")
+    assert (failed["status"], failed["failed_writing"]) == ("failed", checkpoint)
+    assert failed["resume_count"] == 1 and failed["time_total_complete"] is True
+    assert failed["wall_time_total_s"] > failed["wall_time_s"] >= failed["train_time_s"] > 0
+    monkeypatch.undo()
+    again = train(tiny_cfg(*cfg), tmp_path)
+    assert (again["status"], again["resumed_from"], again["resume_count"]) == ("completed", 4, 2)
+    assert again["wall_time_total_s"] == failed["wall_time_total_s"] + again["wall_time_s"]
+    assert again["train_time_total_s"] == failed["train_time_total_s"] + again["train_time_s"]
+    assert again["time_total_complete"] is True
+
+
 def test_a_full_disk_while_saving_a_val_image_names_it_and_leaves_no_half_png(
     monkeypatch, tmp_path
 ):

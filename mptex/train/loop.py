@@ -178,13 +178,14 @@ def _take_recorded_time(ckpt: dict[str, Any], resume_from: Path, run_dir: Path) 
 
     The checkpoint carries the run's time up to its write; what its writer did after it is
     known only from that writer's ``metrics.json`` (a stop signal's ``interrupted`` record, a
-    completed or diverged run's), which is taken when it is ``run_dir``'s, the checkpoint is
+    completed or diverged run's, a mid-run failure's: a full disk freed), which is taken when it is ``run_dir``'s, the checkpoint is
     ``run_dir``'s, it holds the totals, it is of the same process (its ``resume_count`` is the
     checkpoint's) and no resume took it before. Taking it marks it (``time_total_taken``), so
     that a later resume from the same checkpoint, after this process was killed without a
     record, does not count this process's time as known. A writer killed without a record
-    (SIGKILL, an OOM kill), one whose record holds no times (a failure), and a checkpoint
-    written before these keys leave the time after the checkpoint (or all of it) unknown.
+    (SIGKILL, an OOM kill), one whose record could not be written (the disk stayed full), and
+    a checkpoint written before these keys leave the time after the checkpoint (or all of it)
+    unknown.
     """
     kept = read_metrics(run_dir)
     ours = Path(resume_from).resolve() == (run_dir / CHECKPOINT_FILE).resolve()
@@ -658,6 +659,7 @@ def _train_validated(
         _record_start_failure(run_dir, metrics)
         raise
     metrics["config"] = full
+    run: RunState | None = None
     try:
         rss = RunPeakRss(enabled=device.type != "cuda").start()
         try:
@@ -679,11 +681,24 @@ def _train_validated(
         error = str(exc) if full is not None else f"{type(exc).__name__}: {exc}"
         metrics.update(status="failed", error=error, failed_at=metrics.get("iterations", 0),
                        failed_writing=full.filename if full is not None else None)  # fmt: skip
+        if run is not None:
+            # This process's time, for the run's totals: a run continued after a failure
+            # (a full disk, freed) counts it whole when its checkpoint is this process's.
+            metrics.update(_failed_times(run, start_wall), resume_count=run.resume_count)
         try:
             write_metrics(run_dir, metrics)
         except DiskFullError:
             pass  # the disk is still full: metrics.json stays as it was; the error is raised
         raise
+
+
+def _failed_times(run: RunState, start_wall: float) -> dict[str, Any]:
+    """A failed run's ``wall_time_s``, ``train_time_s`` and totals (:meth:`RunState.time_totals`)
+    up to now: its training loop's time is up to the loop's end, or up to now where the failure
+    came inside the loop (none where it came before)."""
+    now = time.perf_counter()
+    trained, wall = run.loop_time(now), now - start_wall
+    return {"wall_time_s": wall, "train_time_s": trained, **run.time_totals(wall, trained)}
 
 
 def _export(
@@ -781,6 +796,13 @@ class RunState:
             "train_time_total_s": self.earlier_train + train,
             "time_total_complete": self.time_total_complete,
         }
+
+    def loop_time(self, now: float) -> float:
+        """This process's training-loop seconds up to ``now`` (``time.perf_counter()``): up to
+        the loop's end once it ended, none before it began."""
+        if self.loop_start is None:
+            return 0.0
+        return (now if self.loop_end is None else self.loop_end) - self.loop_start
 
     def time_per_iter(self) -> float | None:
         """The median time of this run's iterations (the checkpoint's when none ran)."""
@@ -1070,8 +1092,7 @@ def checkpoint(run: RunState, completed: int) -> bool:
         run.time_split["checkpoints"] += time.perf_counter() - tick
         return False
     # This process's time up to the write (the write itself is not in the file it writes).
-    loop_end = tick if run.loop_end is None else run.loop_end
-    trained = 0.0 if run.loop_start is None else loop_end - run.loop_start
+    trained = run.loop_time(tick)
     with profiler_scope("mptex.checkpoint"):
         save_checkpoint(run.run_dir / CHECKPOINT_FILE, {
             "texture": run.texture.state_dict(),

@@ -687,29 +687,42 @@ def test_a_precision_search_config_is_left_to_the_search_s_own_check():
     "/home/josé/runs",  # a non-ASCII letter: refused by Hydra's lexer unquoted
     "~/runs",  # a leading ~: refused unquoted
     "/runs/trailing ",  # a space at the end: stripped unquoted
+    "/runs/${x}",  # OmegaConf's interpolation: resolved (here: a missing key) unescaped
+    "/runs/a\\${x}",  # a backslash before it: OmegaConf's escape of the "${"
+    "/runs/a\\\\${now:%H}",  # two: an escaped backslash, then the interpolation
+    "/runs/${",  # an interpolation never closed: a grammar error unescaped
+    "/runs/$x{y}",  # no "${": as it is
 ])  # fmt: skip
 def test_a_path_override_reads_back_through_the_shell_and_hydra_as_that_one_path(path):
-    # The reference: the shell's word splitting (shlex), then Hydra's own override parser.
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     words = shlex.split(app.path_override("hydra.sweep.dir", path))
+    assert _read_back(words, "hydra.sweep.dir") == path
+
+
+def _read_back(words: list[str], key: str) -> str:
+    """What a command's one override ``words`` sets ``key`` to: the shell's word splitting
+    (done by the caller, shlex), Hydra's own override parser, then OmegaConf's resolution of
+    the value (Hydra resolves its run and sweep folders)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
     (override,) = OverridesParser.create().parse_overrides(words)
-    assert override.key_or_group == "hydra.sweep.dir" and override.value() == path
+    assert override.key_or_group == key
+    return OmegaConf.create({"value": override.value()}).value
 
 
 def test_random_paths_read_back_through_the_shell_and_hydra_as_themselves():
     # Paths drawn from Hydra's syntax, the shell's, backslashes, spaces and non-ASCII letters.
     import random
 
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     rng = random.Random(3)
     alphabet = "ab0_/.-=,()[]{}'\"\\ ~$%@:+*?é\t"
-    parser = OverridesParser.create()
     for _ in range(300):
         path = "/" + "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
-        (override,) = parser.parse_overrides(shlex.split(app.path_override("k", path)))
-        assert override.value() == path, path
+        # and OmegaConf's interpolation start in some: at a random place
+        if rng.random() < 0.3:
+            at = rng.randint(0, len(path))
+            path = path[:at] + "${" + path[at:]
+        assert _read_back(shlex.split(app.path_override("k", path)), "k") == path, path
 
 
 @pytest.mark.parametrize("mode", ["RUN", "MULTIRUN"])

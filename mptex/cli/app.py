@@ -56,6 +56,10 @@ _HYDRA_PLAIN = re.compile(r"[A-Za-z0-9_./:@+%-]+(?: +[A-Za-z0-9_./:@+%-]+)*")
 # A run of backslashes before a double quote or the end of a value: inside Hydra's double
 # quotes they would escape the quote (or each other), so they are doubled and the quote escaped.
 _HYDRA_QUOTE_ESCAPES = re.compile(r'(\\*)("|$)')
+# A run of backslashes before "${": OmegaConf, which resolves the value Hydra read, would take
+# "${" as an interpolation's start (and "\\" before it as one backslash): the backslashes are
+# doubled and one more escapes the "${", so that the path resolves to itself.
+_OMEGACONF_INTERPOLATION = re.compile(r"(\\*)\$\{")
 
 
 def path_override(key: str, path: str | os.PathLike) -> str:
@@ -63,11 +67,13 @@ def path_override(key: str, path: str | os.PathLike) -> str:
     its overrides (``0_precision=f32,train.seed=0``), whose ``=`` and ``,`` are Hydra's syntax,
     so such a path (and any other that Hydra does not read unquoted as itself: a backslash, a
     non-ASCII letter) goes in Hydra's double quotes, ``"`` escaped and the backslashes before
-    a ``"`` or the closing quote doubled, as Hydra's grammar reads them; then the shell's
-    quoting where it needs any (a space)."""
+    a ``"`` or the closing quote doubled, as Hydra's grammar reads them, and a ``${`` escaped
+    as OmegaConf, which resolves the value, reads it; then the shell's quoting where it needs
+    any (a space)."""
     value = str(path)
     if _HYDRA_PLAIN.fullmatch(value):
         return f"{key}={shlex.quote(value)}"
+    value = _OMEGACONF_INTERPOLATION.sub(lambda m: m.group(1) * 2 + "\\${", value)
     value = '"' + _HYDRA_QUOTE_ESCAPES.sub(_escape_before_quote, value) + '"'
     return shlex.quote(f"{key}={value}")
 

@@ -178,14 +178,14 @@ def _take_recorded_time(ckpt: dict[str, Any], resume_from: Path, run_dir: Path) 
 
     The checkpoint carries the run's time up to its write; what its writer did after it is
     known only from that writer's ``metrics.json`` (a stop signal's ``interrupted`` record, a
-    completed or diverged run's, a mid-run failure's: a full disk freed), which is taken when it is ``run_dir``'s, the checkpoint is
-    ``run_dir``'s, it holds the totals, it is of the same process (its ``resume_count`` is the
-    checkpoint's) and no resume took it before. Taking it marks it (``time_total_taken``), so
-    that a later resume from the same checkpoint, after this process was killed without a
-    record, does not count this process's time as known. A writer killed without a record
-    (SIGKILL, an OOM kill), one whose record could not be written (the disk stayed full), and
-    a checkpoint written before these keys leave the time after the checkpoint (or all of it)
-    unknown.
+    completed or diverged run's, a mid-run failure's: a full disk freed), which is taken when
+    it is ``run_dir``'s, the checkpoint is ``run_dir``'s, it holds the totals, it is of the
+    same process (its ``resume_count`` is the checkpoint's) and no resume took it before.
+    Taking it marks it (``time_total_taken``), so that a later resume from the same
+    checkpoint, after this process was killed without a record, does not count this process's
+    time as known. A writer killed without a record (SIGKILL, an OOM kill), one whose record
+    could not be written (the disk stayed full), and a checkpoint written before these keys
+    leave the time after the checkpoint (or all of it) unknown.
     """
     kept = read_metrics(run_dir)
     ours = Path(resume_from).resolve() == (run_dir / CHECKPOINT_FILE).resolve()
@@ -684,7 +684,7 @@ def _train_validated(
         if run is not None:
             # This process's time, for the run's totals: a run continued after a failure
             # (a full disk, freed) counts it whole when its checkpoint is this process's.
-            metrics.update(_failed_times(run, start_wall), resume_count=run.resume_count)
+            metrics.update(_failed_times(run), resume_count=run.resume_count)
         try:
             write_metrics(run_dir, metrics)
         except DiskFullError:
@@ -692,12 +692,12 @@ def _train_validated(
         raise
 
 
-def _failed_times(run: RunState, start_wall: float) -> dict[str, Any]:
+def _failed_times(run: RunState) -> dict[str, Any]:
     """A failed run's ``wall_time_s``, ``train_time_s`` and totals (:meth:`RunState.time_totals`)
     up to now: its training loop's time is up to the loop's end, or up to now where the failure
     came inside the loop (none where it came before)."""
     now = time.perf_counter()
-    trained, wall = run.loop_time(now), now - start_wall
+    trained, wall = run.loop_time(now), now - run.start_wall
     return {"wall_time_s": wall, "train_time_s": trained, **run.time_totals(wall, trained)}
 
 

@@ -88,6 +88,7 @@ __all__ = [
     "dtype_name",
     "scale_grad",
     "all_finite",
+    "optimizer_state_tensors",
     "grid_gradient_factor",
 ]
 
@@ -505,6 +506,21 @@ def all_finite(tensors: Sequence[torch.Tensor | None]) -> bool:
     return bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
 
 
+def optimizer_state_tensors(state: Mapping[Any, Mapping[str, Any]]) -> list[torch.Tensor]:
+    """The floating-point tensors of an optimizer's per-parameter state but its ``step``
+    counters: ``state`` is ``optimizer.state`` or ``optimizer.state_dict()["state"]`` (Adam's
+    ``exp_avg`` and ``exp_avg_sq``). A counter counts steps, and outside a fused or capturable
+    optimizer it sits on the CPU, where a check on the parameters' device cannot take it.
+
+    They are checked beside the weights because a finite gradient can still make them inf:
+    Adam's second moment squares the gradient, which overflows float16 from about 256 (Adam in
+    ``f16_naive``) and float32 from about 1.8e19, and a parameter whose ``exp_avg_sq`` is inf
+    stops moving (its update is ``m / inf = 0``) while it stays finite.
+    """
+    return [value for per_param in state.values() for key, value in per_param.items()
+            if key != "step" and torch.is_tensor(value) and value.is_floating_point()]  # fmt: skip
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What one :meth:`PrecisionStepper.step` did.
@@ -515,8 +531,9 @@ class StepResult:
             :meth:`PrecisionStepper.backward` multiplies the loss by (1.0 without loss scaling).
         diverged: the run cannot go on: a gradient was inf/NaN in an arm without loss scaling
             (no scale to back off; the step was skipped, parameters and optimizer state are
-            untouched), or the step itself turned a parameter inf/NaN (``master_weights=False``:
-            Adam's arithmetic in f16, whose ``eps = 1e-8`` rounds to 0). Loss-scaled arms
+            untouched), or the step itself turned a parameter or Adam's state inf/NaN
+            (``master_weights=False``: Adam's arithmetic in f16, whose ``eps = 1e-8`` rounds to
+            0 and whose squared gradient overflows from about 256). Loss-scaled arms
             never set it: their non-finite gradients are ordinary skipped steps.
     """
 
@@ -609,8 +626,9 @@ class PrecisionStepper:
           the factor 1 (:func:`_non_finite_flag`); only if all are finite ``optimizer.step()``,
           else the step is skipped and ``StepResult.diverged`` is set (nvdiffrec's and tcnn's
           fixed x128 happen inside the autograd graph, not on the loss). With
-          ``master_weights=False`` the parameters are checked after the step as well: f16 Adam
-          can turn finite gradients into NaN weights.
+          ``master_weights=False`` the parameters and the optimizer's state are checked after
+          the step as well: f16 Adam can turn finite gradients into NaN weights or an inf
+          second moment (:func:`optimizer_state_tensors`).
 
     Where the skip is decided: an optimizer built with ``fused=True`` (the training loop's on
     CUDA) takes ``found_inf`` itself (``optimizer.found_inf``, as GradScaler hands it to fused
@@ -624,7 +642,8 @@ class PrecisionStepper:
     scale, the parameters' finiteness). A training loop that reads other values each step too
     calls :meth:`step_async`, reads :attr:`PendingStep.flags` together with them in one copy, and
     passes them to :meth:`finish` (``mptex.train.loop.step`` does). ``master_weights=False`` with
-    a host-decided step reads once more, after the step (the parameters' finiteness).
+    a host-decided step reads once more, after the step (the finiteness of the parameters and
+    the optimizer's state).
 
     GradScaler refuses f16 gradients, which is why the scaled arms keep f32 master weights. The
     device is taken from the optimizer's first parameter.
@@ -670,6 +689,11 @@ class PrecisionStepper:
 
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _stepped(self) -> list[torch.Tensor]:
+        """What an optimizer step writes: the parameters and the optimizer's state."""
+        params = [p.detach() for p in self._params()]
+        return params + optimizer_state_tensors(self.optimizer.state)
 
     def _unscaled(self) -> bool:
         from torch.amp.grad_scaler import OptState
@@ -728,7 +752,7 @@ class PrecisionStepper:
             del self.optimizer.found_inf, self.optimizer.grad_scale
         if self.scaler is None and not self.policy.master_weights:
             with torch.no_grad():  # x * 1.0 in place: the parameters keep their bits
-                parts.append(_non_finite_flag([p.detach() for p in params], device))
+                parts.append(_non_finite_flag(self._stepped(), device))
         return PendingStep(torch.cat(parts) if len(parts) > 1 else found, host_decides=False)
 
     def finish(self, pending: PendingStep, flags: Sequence[float]) -> StepResult:
@@ -744,7 +768,7 @@ class PrecisionStepper:
             return StepResult(skipped=True, loss_scale=1.0, diverged=True)
         if pending.host_decides:
             self.optimizer.step()
-            broken = not self.policy.master_weights and not all_finite(self._params())
+            broken = not self.policy.master_weights and not all_finite(self._stepped())
         else:
             broken = not self.policy.master_weights and flags[1] > 0
         return StepResult(skipped=False, loss_scale=1.0, diverged=broken)

@@ -419,3 +419,27 @@ def test_an_exports_source_calls_only_a_completed_runs_last_weights_final(
         "iterations": iterations, "iterations_planned": 4, "status": status,
         "final_weights": final, "precision": "bf16", "scene": "spot", "seed": 7,
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("moment", ["exp_avg", "exp_avg_sq"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_optimizer_state_is_refused_and_nothing_written(tmp_path, moment, bad):
+    # Adam's second moment goes inf on a finite gradient over about 1.8e19 (float32), and the
+    # weight it belongs to then stops moving while it stays finite: the weights pass, the
+    # optimizer's state must not. The step counters are float tensors too, and finite.
+    texture = {"grid": torch.ones(4, 3), "net.0": torch.ones(2, 2)}
+    state = {i: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(4, 3),
+                 "exp_avg_sq": torch.zeros(4, 3)} for i in range(2)}  # fmt: skip
+    state[1][moment] = state[1][moment].clone()
+    state[1][moment][2, 1] = bad
+    optimizer = {"state": state, "param_groups": [{"params": [0, 1], "lr": 0.01}]}
+    path = tmp_path / "checkpoint.pt"
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(path, {"texture": texture, "optimizer": optimizer, "iteration": 1})
+    assert str(info.value) == (
+        f"{path}: refusing to write a checkpoint with a non-finite optimizer state"
+    )
+    assert os.listdir(tmp_path) == []
+    state[1][moment][2, 1] = 0.0
+    save_checkpoint(path, {"texture": texture, "optimizer": optimizer, "iteration": 1})
+    assert load_checkpoint(path)["optimizer"]["state"][1]["step"] == 3.0

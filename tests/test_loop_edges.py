@@ -291,25 +291,45 @@ def test_the_last_iteration_validates_between_intervals(tmp_path):
     assert m["psnr"] == validated[-1]["psnr"]
 
 
-@pytest.mark.parametrize("poison_at, diverged_at, kept", [(3, 3, None), (7, 8, 4)])
-def test_a_weight_gone_non_finite_is_never_checkpointed_and_ends_the_run(
-    tmp_path, monkeypatch, poison_at, diverged_at, kept
-):
-    # A weight made NaN after iteration poison_at's step (0-based), checkpoints due every 4 of
-    # 8 iterations. Iteration 3: the periodic checkpoint after it finds the NaN, writes nothing
-    # and ends the run as diverged at 3. Iteration 7, the last: no periodic checkpoint there;
-    # the final one finds the NaN and the run ends diverged after its 8 iterations
-    # (diverged_at 8), with the checkpoint after 4 left as the last good one.
+def _poison_weight(it):
+    # The step itself leaves a NaN weight (as f16 Adam can).
     finish_step = loop._finish_step
 
     def poisoned(run, launched, host):
         out = finish_step(run, launched, host)
-        if launched.enqueued.it == poison_at:
+        if launched.enqueued.it == it:
             with torch.no_grad():
                 next(run.texture.parameters()).view(-1)[0] = float("nan")
         return out
 
-    monkeypatch.setattr(loop, "_finish_step", poisoned)
+    return "_finish_step", poisoned
+
+
+def _poison_moment(it):
+    # A finite float32 gradient of 1e21: Adam squares it into an inf exp_avg_sq, and the weight
+    # stays finite but stops moving (m / inf = 0). The weights pass a finiteness check; the
+    # optimizer's state does not.
+    launch_step = loop._launch_step
+
+    def poisoned(run, enqueued):
+        if enqueued.it == it:
+            next(run.texture.parameters()).grad.view(-1)[0] = 1e21
+        return launch_step(run, enqueued)
+
+    return "_launch_step", poisoned
+
+
+@pytest.mark.parametrize("poison", [_poison_weight, _poison_moment])
+@pytest.mark.parametrize("poison_at, diverged_at, kept", [(3, 3, None), (7, 8, 4)])
+def test_a_weight_or_adam_state_gone_non_finite_is_never_checkpointed_and_ends_the_run(
+    tmp_path, monkeypatch, poison, poison_at, diverged_at, kept
+):
+    # A weight made NaN, or Adam's state inf, by iteration poison_at's step (0-based),
+    # checkpoints due every 4 of 8 iterations. Iteration 3: the periodic checkpoint after it
+    # finds it, writes nothing and ends the run as diverged at 3. Iteration 7, the last: no
+    # periodic checkpoint there; the final one finds it and the run ends diverged after its 8
+    # iterations (diverged_at 8), with the checkpoint after 4 left as the last good one.
+    monkeypatch.setattr(loop, *poison(poison_at))
     m = train(tiny_cfg("precision=f32", "train.iterations=8", "train.checkpoint_interval=4",
                        "train.val_interval=0"), tmp_path)  # fmt: skip
     assert (m["status"], m["diverged_at"]) == ("diverged", diverged_at)
@@ -320,7 +340,8 @@ def test_a_weight_gone_non_finite_is_never_checkpointed_and_ends_the_run(
     else:
         ckpt = load_checkpoint(path)
         assert ckpt["iteration"] == kept
-        assert all(bool(torch.isfinite(v).all()) for v in ckpt["texture"].values()
+        moments = [v for s in ckpt["optimizer"]["state"].values() for v in s.values()]
+        assert all(bool(torch.isfinite(v).all()) for v in [*ckpt["texture"].values(), *moments]
                    if torch.is_tensor(v) and v.is_floating_point())  # fmt: skip
 
 

@@ -197,3 +197,24 @@ def test_a_fused_optimizer_steps_once_per_clean_step_and_never_on_an_inf(arm):
     assert stepper.step().skipped
     assert all(float(optimizer.state[p]["step"]) == 1.0 for p in params)
     assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_step_that_makes_adams_half_second_moment_inf_diverges(fused):
+    # Adam in f16 (f16_naive, master weights off) squares the gradient into exp_avg_sq: a
+    # finite gradient of 1e4 gives 0.001 * 1e8 = 1e5 > 65504, an inf second moment, and the
+    # weight's update m / inf = 0 leaves it finite and frozen for the rest of the run. The
+    # check after the step must see that state, host-decided (fused=False) or on the device.
+    weight = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    optimizer = torch.optim.Adam([weight], lr=1e-2, fused=fused)
+    stepper = PrecisionStepper("f16_naive", optimizer)
+    weight.grad = torch.tensor([1.0, 1.0, 1.0, 1e4], dtype=torch.float16)
+    result = stepper.step()
+    assert torch.isfinite(weight).all()  # the weights alone would pass
+    assert torch.isinf(optimizer.state[weight]["exp_avg_sq"][3])
+    assert result.diverged and not result.skipped
+    # The same step with a gradient of 1.0 everywhere: a finite state, no divergence.
+    fresh = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    fresh.grad = torch.ones(4, dtype=torch.float16)
+    clean = PrecisionStepper("f16_naive", torch.optim.Adam([fresh], lr=1e-2, fused=fused))
+    assert not clean.step().diverged

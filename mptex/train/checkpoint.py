@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mptex.precision import all_finite
+from mptex.precision import all_finite, optimizer_state_tensors
 from mptex.texture import MLPTexture3D
 
 __all__ = [
@@ -224,12 +224,18 @@ def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
     """``torch.save(state)`` to ``path`` atomically (:func:`atomic_write_bytes`).
 
     Raises:
-        CheckpointError: when a floating-point tensor of ``state["texture"]`` holds inf/NaN;
-            nothing is written, so the last good checkpoint stays.
+        CheckpointError: when a floating-point tensor of ``state["texture"]``, or of the
+            optimizer's per-parameter state ``state["optimizer"]["state"]``
+            (:func:`mptex.precision.optimizer_state_tensors`), holds inf/NaN; nothing is
+            written, so the last good checkpoint stays.
     """
     weights = (state.get("texture") or {}).values()
     if not all_finite([t for t in weights if torch.is_tensor(t) and t.is_floating_point()]):
         raise CheckpointError(f"{path}: refusing to write a checkpoint with non-finite weights")
+    moments = optimizer_state_tensors((state.get("optimizer") or {}).get("state") or {})
+    if not all_finite(moments):
+        raise CheckpointError(f"{path}: refusing to write a checkpoint with a non-finite "
+                              "optimizer state")  # fmt: skip
     atomic_write_bytes(path, lambda f: torch.save(dict(state), f))
 
 

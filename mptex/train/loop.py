@@ -55,7 +55,7 @@ from mptex._triton_launch import launching_on
 from mptex.config_schema import plain as plain_config
 from mptex.host import to_host
 from mptex.mlp import float32_gemm_sums
-from mptex.precision import PrecisionStepper, all_finite
+from mptex.precision import PrecisionStepper, all_finite, optimizer_state_tensors
 from mptex.render.image import rgb_to_srgb
 from mptex.scenes import MESH_SCENES, Scene, build_scene, same_suite_asset
 from mptex.texture import MLPTexture3D
@@ -1086,9 +1086,12 @@ def validate(run: RunState, completed: int) -> dict[str, Any]:
 
 def checkpoint(run: RunState, completed: int) -> bool:
     """Write ``checkpoint.pt`` (atomically) after ``completed`` iterations; False, and nothing
-    written, when a weight is not finite (a checkpoint never holds one)."""
+    written, when a weight or the optimizer's state is not finite (a checkpoint never holds
+    one; a finite gradient over about 1.8e19 makes Adam's float32 second moment inf, and the
+    weight it belongs to stops moving)."""
     tick = time.perf_counter()
-    if not all_finite(list(run.texture.parameters())):
+    stepped = [*run.texture.parameters(), *optimizer_state_tensors(run.optimizer.state)]
+    if not all_finite(stepped):
         run.time_split["checkpoints"] += time.perf_counter() - tick
         return False
     # This process's time up to the write (the write itself is not in the file it writes).

@@ -218,3 +218,23 @@ def test_a_step_that_makes_adams_half_second_moment_inf_diverges(fused):
     fresh.grad = torch.ones(4, dtype=torch.float16)
     clean = PrecisionStepper("f16_naive", torch.optim.Adam([fresh], lr=1e-2, fused=fused))
     assert not clean.step().diverged
+
+
+@pytest.mark.parametrize("arm", ["f32", "nvdiffrec", "bf16"])
+def test_the_finite_check_of_an_unscaled_arm_leaves_the_gradients_bits(arm):
+    # The check runs GradScaler's unscale kernel at the factor 1: the gradients keep their
+    # bits, and the optimizer steps with them. Plain SGD makes the step exact to check: with
+    # lr 0.5 (a power of two) p - lr * g is the product and one rounding, as torch computes it.
+    torch.manual_seed(0)
+    mlp = PrecisionMLP(8, 3, 2, 16, PrecisionPolicy.named(arm))
+    optimizer = torch.optim.SGD(mlp.parameters(), lr=0.5)
+    stepper = PrecisionStepper(arm, optimizer)
+    loss = _loss(mlp)
+    stepper.backward(loss)
+    params = list(mlp.parameters())
+    before = [p.detach().clone() for p in params]
+    grads = [p.grad.clone() for p in params]
+    assert not stepper.step(loss).skipped
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, grads, strict=True))
+    expected = [b - 0.5 * g for b, g in zip(before, grads, strict=True)]
+    assert all(torch.equal(p, e) for p, e in zip(params, expected, strict=True))

@@ -335,3 +335,18 @@ def test_a_rowwise_layer_applies_the_margin_to_every_operand():
     cg, sg = _codes_with_margin(gn.T, E5M2, margin)
     cx, sx = _codes_with_margin(xn.T, E4M3, 0)
     assert grad_w.tolist() != rowwise_gemm_reference(cg, E5M2, cx.T, E4M3, sg, sx).tolist()
+
+
+@pytest.mark.parametrize("recipe", ["current", "rowwise"])
+def test_a_recipe_without_history_keeps_the_delayed_scale_and_history_untouched(recipe):
+    # Only the delayed recipe reads and moves `scale` and `history`; a current or row-wise
+    # state keeps 1.0 and its zero history through recorded calls, so its checkpoint loads into
+    # a fresh state of the same recipe (the shapes match).
+    state = ScalingState(E4M3, ScalingRecipe(recipe, amax_history_len=4), None)
+    for value in (3.0, 0.5):
+        state.quantize(torch.full((2, 3), value), record=True)
+    assert float(state.last_scale) == 448.0 / 0.5
+    assert float(state.scale) == 1.0 and torch.equal(state.history, torch.zeros(4))
+    fresh = ScalingState(E4M3, ScalingRecipe(recipe, amax_history_len=4), None)
+    fresh.load_state_dict(state.state_dict())
+    assert torch.equal(fresh.history, torch.zeros(4)) and float(fresh.last_scale) == 896.0

@@ -12,6 +12,7 @@ import torch
 
 from mptex import MLPTexture3D
 from mptex.diagnostics import TEXTURE_CONFIGS, PrecisionMonitor, tensor_statistics
+from mptex.precision import StepResult
 from mptex.train.monitor import _fractions, _Tally
 from mptex.train.validation import box_filter, evaluate, save_val_images
 
@@ -289,3 +290,59 @@ def test_stuck_pixels_count_where_the_reference_is_at_least_half_opaque(
     assert max(stuck) > 0.1  # the case is not vacuous
     want = stuck if counted else [0.0, 0.0, 0.0]
     assert got["saturation"]["stuck_fraction"] == pytest.approx(want, abs=1e-12)
+
+
+def test_output_saturation_counts_logits_beyond_eight_and_no_others():
+    # The last layer scaled so that the logits spread over [0, 16]: some lie in (4, 8], where a
+    # smaller threshold would count them, some beyond 8. The monitor counts |z| > 8 only
+    # (SATURATION_LOGIT), as counted here over the logits themselves.
+    texture = _texture()
+    points = _points(256)
+    last = texture.net.layers[-1].weight
+    with torch.no_grad():
+        last.mul_(16.0 / float(texture.net(texture.encoder(points)).abs().max()))
+    logits = []
+    hook = texture.net.register_forward_hook(lambda module, args, out: logits.append(out))
+    monitor = PrecisionMonitor(texture, every=1)
+    monitor.start(0)
+    texture.sample(points).sum().backward()
+    hook.remove()
+    stats = monitor.collect()
+    magnitude = logits[0].detach().abs().double()
+    want = (magnitude > 8).double().mean(0).tolist()
+    assert bool(((magnitude > 4) & (magnitude <= 8)).any()) and max(want) > 0
+    assert [stats[f"output.saturated_frac.{c}"] for c in range(3)] == want
+
+
+@pytest.mark.parametrize("skipped, scale", [(True, 32768.0), (False, 128.0)])
+def test_the_sampled_statistics_carry_the_steps_outcome(skipped, scale):
+    texture = _texture()
+    monitor = PrecisionMonitor(texture, every=1)
+    monitor.start(0)
+    texture.sample(_points(8)).sum().backward()
+    stats = monitor.collect(StepResult(skipped=skipped, loss_scale=scale))
+    assert stats["skipped"] is skipped and stats["loss_scale"] == scale
+
+
+def test_every_sites_statistics_cover_every_forward_of_the_iteration():
+    # Two forwards between start and collect (as the smoothness regulariser's separate
+    # forward): each site's largest activation is that of both calls, here taken over the
+    # outputs themselves; the first call (many points) holds the larger one.
+    texture = _texture()
+    layers = {
+        "encoder": texture.encoder,
+        **{f"net.{i}": m for i, m in enumerate(texture.net.layers)},
+    }
+    outputs = {site: [] for site in layers}
+    hooks = [module.register_forward_hook(lambda m, a, out, site=site: outputs[site].append(out))
+             for site, module in layers.items()]  # fmt: skip
+    monitor = PrecisionMonitor(texture, every=1)
+    monitor.start(0)
+    (texture.sample(_points(2048)).sum() + texture.sample(_points(1, seed=2)).sum()).backward()
+    for hook in hooks:
+        hook.remove()
+    stats = monitor.collect()
+    for site, (first, second) in outputs.items():
+        largest = [float(out.detach().abs().max()) for out in (first, second)]
+        assert largest[0] > largest[1], site
+        assert stats[f"{site}.act_maxabs"] == largest[0], site

@@ -8,6 +8,8 @@ weights at a checkpoint, the collapse rule at its thresholds, and merged monitor
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_train import read_metrics, tiny_cfg
@@ -455,3 +457,86 @@ def test_a_sites_statistics_merged_over_two_calls_are_those_of_all_their_element
     values = [*merged.below.tolist(), float(merged.numel), merged.largest.item()]
     assert _fractions(values) == {"zero_frac": 0.3, "subnormal_frac": 0.1,
                                   "nonfinite_frac": 0.2, "maxabs": 5.0}  # fmt: skip
+
+
+def test_a_non_finite_gradient_without_loss_scaling_ends_the_run_uncounted(tmp_path, monkeypatch):
+    # A finite loss whose gradient holds an inf at iteration 2 (0-based) in an arm without
+    # loss scaling: the step is not taken and the run ends there as diverged, the iteration not
+    # counted (as a non-finite loss's): 2 iterations done, 2 history entries, no skipped step.
+    current: dict[str, int] = {}
+    forward_backward = loop._forward_backward
+
+    def tracked(run, it):
+        current["it"] = it
+        return forward_backward(run, it)
+
+    class Stepper(PrecisionStepper):
+        def backward(self, loss, **kwargs):
+            super().backward(loss, **kwargs)
+            if current.get("it") == 2:
+                next(p for p in self._params() if p.grad is not None).grad.view(-1)[0] = math.inf
+
+    monkeypatch.setattr(loop, "_forward_backward", tracked)
+    monkeypatch.setattr(loop, "PrecisionStepper", Stepper)
+    m = train(tiny_cfg("precision=f32", "train.iterations=4", "train.val_interval=0",
+                       "train.stats_interval=0"), tmp_path)  # fmt: skip
+    assert (m["status"], m["diverged_at"], m["iterations"]) == ("diverged", 2, 2)
+    assert m["skipped_steps"] == 0 and len(m["history"]) == 2
+    assert math.isfinite(m["final_loss"])
+
+
+def test_a_step_decided_on_the_device_skips_a_non_finite_loss_whose_gradients_are_finite(
+    tmp_path, monkeypatch
+):
+    # Fused Adam (the loop's choice on CUDA, forced here on the CPU) takes the skip from the
+    # stepper's flag on the device, before the host has read the loss: the flag must cover the
+    # loss as well as the gradients. Iteration 2's loss is made NaN after its backward (its
+    # gradients finite): the run ends there, and its step changed no weight and no Adam state.
+    monkeypatch.setattr(loop, "_adam_implementation",
+                        lambda texture, device: {"fused": True, "foreach": False})  # fmt: skip
+    current: dict[str, int] = {}
+    forward_backward, launch_step = loop._forward_backward, loop._launch_step
+    seen: dict[str, list] = {}
+
+    def tracked(run, it):
+        current["it"] = it
+        return forward_backward(run, it)
+
+    class Stepper(PrecisionStepper):
+        def backward(self, loss, **kwargs):
+            super().backward(loss, **kwargs)
+            if current.get("it") == 2:
+                with torch.no_grad():
+                    loss.fill_(math.nan)
+
+    def state(run):
+        adam = [v.clone() for s in run.optimizer.state.values() for v in s.values()]
+        return [p.detach().clone() for p in run.texture.parameters()] + adam
+
+    def launched(run, enqueued):
+        if enqueued.it == 2:
+            assert run.optimizer.defaults["fused"]
+            seen["before"] = state(run)
+        out = launch_step(run, enqueued)
+        if enqueued.it == 2:
+            seen["after"] = state(run)
+        return out
+
+    monkeypatch.setattr(loop, "_forward_backward", tracked)
+    monkeypatch.setattr(loop, "_launch_step", launched)
+    monkeypatch.setattr(loop, "PrecisionStepper", Stepper)
+    m = train(tiny_cfg("precision=f32", "train.iterations=4", "train.val_interval=0",
+                       "train.stats_interval=0"), tmp_path)  # fmt: skip
+    assert (m["status"], m["diverged_at"], m["iterations"]) == ("diverged", 2, 2)
+    assert len(seen["before"]) == len(seen["after"]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(seen["before"], seen["after"], strict=True))
+
+
+def test_a_step_that_turns_a_weight_non_finite_ends_the_run_counted(tmp_path):
+    # f16 parameters with f16 Adam (eps 1e-8 rounds to 0 in f16): the first step turns finite
+    # gradients into NaN weights. The step was taken: it is counted and recorded, and the run
+    # ends at it as diverged, not later.
+    m = train(tiny_cfg("precision=f16_naive", "train.iterations=4", "train.val_interval=0",
+                       "train.stats_interval=0"), tmp_path)  # fmt: skip
+    assert (m["status"], m["diverged_at"], m["iterations"]) == ("diverged", 0, 1)
+    assert [h["iteration"] for h in m["history"]] == [1]

@@ -371,3 +371,16 @@ def test_tensorboard_gets_each_iterations_values_at_its_completed_count(tmp_path
     assert by_tag["train/lr"] == [(h["lr"], h["iteration"]) for h in history]
     assert by_tag["val/psnr"] == [(h["psnr"], h["iteration"]) for h in history if h["psnr"]]
     assert [s for _, s in by_tag["val/psnr"]] == [2, 4]
+
+
+def test_a_resumed_run_steps_with_its_own_betas_and_epsilon(tmp_path):
+    # The checkpoint's Adam groups hold the first run's betas and epsilon; a resume may change
+    # train.betas and train.adam_eps (only the seeds of train name the run), and its steps run
+    # at the new values: the final checkpoint's groups hold them.
+    first = train(tiny_cfg("train.iterations=2", "train.val_interval=0"), tmp_path)
+    assert first["status"] == "completed"
+    again = train(tiny_cfg("train.iterations=3", "train.val_interval=0", "train.resume=true",
+                           "train.betas=[0.8,0.95]", "train.adam_eps=1e-6"), tmp_path)  # fmt: skip
+    assert again["status"] == "completed" and again["resumed_from"] == 2
+    for group in load_checkpoint(tmp_path / "checkpoint.pt")["optimizer"]["param_groups"]:
+        assert tuple(group["betas"]) == (0.8, 0.95) and group["eps"] == 1e-6

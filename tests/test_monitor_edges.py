@@ -54,6 +54,17 @@ def test_float64_statistics_match_a_per_element_count():
         }, dtype
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_largest_finite_value_of_a_dtype_is_finite(dtype):
+    # IEEE 754: finfo.max is a finite number; only inf and NaN count as non-finite. Counted by
+    # hand: [max, -max, inf, 1] holds 1 non-finite value of 4, the largest finite |x| max.
+    largest = torch.finfo(dtype).max
+    values = torch.tensor([largest, -largest, math.inf, 1.0], dtype=dtype)
+    assert tensor_statistics(values) == {
+        "zero_frac": 0.0, "subnormal_frac": 0.0, "nonfinite_frac": 0.25, "maxabs": largest
+    }  # fmt: skip
+
+
 def test_an_empty_call_merged_into_a_sites_statistics_changes_nothing_but_the_count():
     # Counted by hand: [0, 2, inf] then nothing: 1 zero, 1 non-finite of 3; largest 2.
     merged = _Tally(torch.tensor([0.0, 2.0, math.inf]), torch.float32).merge(

@@ -131,9 +131,9 @@ def test_a_step_decided_on_the_device_reports_the_weights_it_made_non_finite(lr,
 
 
 # ----------------------------------------------------------------------------- skipped steps
-def _overflow_at(monkeypatch, iterations: set[int]) -> None:
-    """Train with every gradient of the given iterations inf/NaN (the loss's backward times
-    inf): under loss scaling, skipped steps at exactly those iterations."""
+def _at_backward(monkeypatch, iterations: set[int], before=None, after=None) -> None:
+    """Train with the loss of the given iterations changed by ``before(loss)`` (returning the
+    loss to backpropagate) and, after the backward, ``after(stepper, loss)``."""
     current: dict[str, int] = {}
     forward_backward = loop._forward_backward
 
@@ -143,12 +143,19 @@ def _overflow_at(monkeypatch, iterations: set[int]) -> None:
 
     class Stepper(PrecisionStepper):
         def backward(self, loss, **kwargs):
-            if current.get("it") in iterations:
-                loss = loss * float("inf")
-            super().backward(loss, **kwargs)
+            chosen = current.get("it") in iterations
+            super().backward(before(loss) if chosen and before else loss, **kwargs)
+            if chosen and after:
+                after(self, loss)
 
     monkeypatch.setattr(loop, "_forward_backward", tracked)
     monkeypatch.setattr(loop, "PrecisionStepper", Stepper)
+
+
+def _overflow_at(monkeypatch, iterations: set[int]) -> None:
+    """Train with every gradient of the given iterations inf/NaN (the loss's backward times
+    inf): under loss scaling, skipped steps at exactly those iterations."""
+    _at_backward(monkeypatch, iterations, before=lambda loss: loss * float("inf"))
 
 
 _SKIPS = ("precision=f16_dynamic", "train.max_consecutive_skips=2", "train.val_interval=0",
@@ -463,21 +470,10 @@ def test_a_non_finite_gradient_without_loss_scaling_ends_the_run_uncounted(tmp_p
     # A finite loss whose gradient holds an inf at iteration 2 (0-based) in an arm without
     # loss scaling: the step is not taken and the run ends there as diverged, the iteration not
     # counted (as a non-finite loss's): 2 iterations done, 2 history entries, no skipped step.
-    current: dict[str, int] = {}
-    forward_backward = loop._forward_backward
+    def poison(stepper, loss):
+        next(p for p in stepper._params() if p.grad is not None).grad.view(-1)[0] = math.inf
 
-    def tracked(run, it):
-        current["it"] = it
-        return forward_backward(run, it)
-
-    class Stepper(PrecisionStepper):
-        def backward(self, loss, **kwargs):
-            super().backward(loss, **kwargs)
-            if current.get("it") == 2:
-                next(p for p in self._params() if p.grad is not None).grad.view(-1)[0] = math.inf
-
-    monkeypatch.setattr(loop, "_forward_backward", tracked)
-    monkeypatch.setattr(loop, "PrecisionStepper", Stepper)
+    _at_backward(monkeypatch, {2}, after=poison)
     m = train(tiny_cfg("precision=f32", "train.iterations=4", "train.val_interval=0",
                        "train.stats_interval=0"), tmp_path)  # fmt: skip
     assert (m["status"], m["diverged_at"], m["iterations"]) == ("diverged", 2, 2)
@@ -494,20 +490,12 @@ def test_a_step_decided_on_the_device_skips_a_non_finite_loss_whose_gradients_ar
     # gradients finite): the run ends there, and its step changed no weight and no Adam state.
     monkeypatch.setattr(loop, "_adam_implementation",
                         lambda texture, device: {"fused": True, "foreach": False})  # fmt: skip
-    current: dict[str, int] = {}
-    forward_backward, launch_step = loop._forward_backward, loop._launch_step
+    launch_step = loop._launch_step
     seen: dict[str, list] = {}
 
-    def tracked(run, it):
-        current["it"] = it
-        return forward_backward(run, it)
-
-    class Stepper(PrecisionStepper):
-        def backward(self, loss, **kwargs):
-            super().backward(loss, **kwargs)
-            if current.get("it") == 2:
-                with torch.no_grad():
-                    loss.fill_(math.nan)
+    def poison(stepper, loss):
+        with torch.no_grad():
+            loss.fill_(math.nan)
 
     def state(run):
         adam = [v.clone() for s in run.optimizer.state.values() for v in s.values()]
@@ -522,9 +510,8 @@ def test_a_step_decided_on_the_device_skips_a_non_finite_loss_whose_gradients_ar
             seen["after"] = state(run)
         return out
 
-    monkeypatch.setattr(loop, "_forward_backward", tracked)
+    _at_backward(monkeypatch, {2}, after=poison)
     monkeypatch.setattr(loop, "_launch_step", launched)
-    monkeypatch.setattr(loop, "PrecisionStepper", Stepper)
     m = train(tiny_cfg("precision=f32", "train.iterations=4", "train.val_interval=0",
                        "train.stats_interval=0"), tmp_path)  # fmt: skip
     assert (m["status"], m["diverged_at"], m["iterations"]) == ("diverged", 2, 2)

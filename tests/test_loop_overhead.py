@@ -165,12 +165,12 @@ def _loop_overhead(*args: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("arm", ["f32", "tcnn_fused"])
+@pytest.mark.parametrize("arm", ["f32", "tcnn_fused", "f16_dynamic"])
 def test_the_loop_reads_the_host_once_per_iteration(tmp_path, arm):
     # benchmarks/loop_overhead.py's count on a small run: one host read per iteration (the
     # loss, the step's flags and, every stats_interval, the statistics, in one copy; with the
-    # fused network's twin its own statistics too). Reading the loss apart again (float(loss))
-    # makes it 2.
+    # fused network's twin its own statistics too; under GradScaler its found_inf and scale
+    # among the flags). Reading the loss apart again (float(loss)) makes it 2.
     out = tmp_path / "overhead.json"
     run = _loop_overhead("--arms", arm, "--start", "2", "--stop", "8", "--resolution", "24",
                          "--texture", "tiny", "--json", str(out), "--", "scene.n_train_views=4",

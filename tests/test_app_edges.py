@@ -666,7 +666,10 @@ def test_a_precision_search_config_is_left_to_the_search_s_own_check():
     from mptex.cli.train import _sweep_value_problem
 
     cfg = _composed("train.iterations=-5")
-    assert _sweep_value_problem(cfg) == "train.iterations: expected an integer >= 0, got -5"
+    assert _sweep_value_problem(cfg) == (
+        "train.iterations: expected an integer >= 1 (optimizer steps; 0 would train nothing), "
+        "got -5"
+    )
     with open_dict(cfg):
         cfg.search = {"certify_seeds": 2}
     assert _sweep_value_problem(cfg) is None

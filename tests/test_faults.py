@@ -914,8 +914,8 @@ def test_a_sweep_checks_each_value_with_the_runs_own_check_before_its_first_job(
                  ["-m", "+experiment=precision_search"], ["train.seed=x"],
                  ["-m", "+experiment=gpu_main", "train.device=cpu"]):  # fmt: skip
         assert override_problem(argv, check) is None, argv
-    assert override_problem(["-m", "train.iterations=5,-5"], check) == (
-        "train.iterations: expected an integer >= 0, got -5"
+    assert override_problem(["-m", "train.iterations=5,0"], check) == (
+        "train.iterations: expected an integer >= 1 (optimizer steps; 0 would train nothing), got 0"
     )
     # the scene group too, which a run checks when it builds its scene
     assert override_problem(["-m", "scene=mesh", "train.seed=0,1"], check) == (
@@ -930,7 +930,8 @@ def test_a_sweep_checks_each_value_with_the_runs_own_check_before_its_first_job(
     # an experiment's sweeper params set each job's values of their keys: not checked here;
     # the command line's other values are
     assert override_problem(["-m", "+experiment=quick", "train.iterations=5,-5"], check) == (
-        "train.iterations: expected an integer >= 0, got -5"
+        "train.iterations: expected an integer >= 1 (optimizer steps; 0 would train nothing), "
+        "got -5"
     )
 
 
@@ -1083,7 +1084,7 @@ def test_rng_states_are_restored_from_wherever_the_checkpoint_was_loaded():
     "per_iter, timing", [(0.01234, "0.0123 s/iteration"), (None, "no iteration timed")]
 )
 def test_a_runs_last_line_times_an_iteration_only_where_one_was_timed(per_iter, timing):
-    # train.iterations=0, or a run that diverged at its first iteration, times none: the line
+    # A run that diverged at its first iteration times none: the line
     # says so instead of a time of 0.
     from mptex.cli.train import _summary_line
 

@@ -22,6 +22,7 @@ from mptex.train import (
     lr_schedule,
     psnr,
     train,
+    validate_config,
 )
 
 # A seconds-long run: 32 px views, 4 training views, 2 validation views, a 4-level grid.
@@ -325,6 +326,7 @@ def test_nonfinite_loss_with_loss_scaling_is_a_skipped_step(tmp_path):
     "override, key",
     [
         ("train.iterations=-1", "train.iterations"),
+        ("train.iterations=0", "train.iterations"),
         ("train.loss=l3", "train.loss"),
         ("train.background=grey", "train.background"),
         ("train.shading=diffuse", "train.shading"),
@@ -337,6 +339,19 @@ def test_config_errors_name_the_key_and_are_recorded(tmp_path, override, key):
         train(tiny_cfg(override), tmp_path)
     m = read_metrics(tmp_path)
     assert m["status"] == "failed" and m["failed_at"] == "start" and m["error"].startswith(key)
+
+
+def test_a_run_of_no_iterations_is_refused_at_start_in_one_line():
+    # Zero steps would evaluate the initial texture and record it as a completed run: a sweep
+    # of such runs compared every arm's untrained texture with f32's and called the arms
+    # equal ("no detectable difference"), and a search would certify its cheapest candidate.
+    with pytest.raises(ConfigError) as info:
+        validate_config(tiny_cfg("train.iterations=0"), machine=False)
+    assert str(info.value) == (
+        "train.iterations: expected an integer >= 1 (optimizer steps; 0 would train nothing), got 0"
+    )
+    one = validate_config(tiny_cfg("train.iterations=1"), machine=False)
+    assert one["train"]["iterations"] == 1
 
 
 def test_crash_mid_run_is_recorded_then_raised(tmp_path, monkeypatch):

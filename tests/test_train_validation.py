@@ -41,7 +41,7 @@ def test_saved_validation_png_is_upright_for_the_cameras_up_vector(tmp_path):
         "scene.n_val_views=1",  # orbit view 0: the triangle seen from the front
         "texture=tiny",
         "train=tiny",
-        "train.iterations=0",
+        "train.iterations=1",
         "train.n_val_images=1",
         "train.val_background=white",
     ]

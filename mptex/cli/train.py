@@ -164,8 +164,7 @@ def _hold_submitit_signal(cfg) -> None:
 
 def _summary_line(metrics: dict) -> str:
     """The line a finished run ends with: status, PSNR, baseline, iterations and time per
-    iteration (none where no iteration was timed: ``train.iterations=0``, or a run that
-    diverged at its first)."""
+    iteration (none where no iteration was timed: a run that diverged at its first)."""
     status = metrics["status"]
     detail = f" at iteration {metrics['diverged_at']}" if status == "diverged" else ""
     per_iter = metrics.get("time_per_iter_s")

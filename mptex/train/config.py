@@ -95,9 +95,8 @@ def _reached_iteration(key: str):
         at, iterations = s[key], s["iterations"]
         if at is None or at < iterations:
             return None
-        reached = f"0 to {iterations - 1}" if iterations > 0 else "none"
-        return (f"null or an iteration the run reaches ({reached}: train.iterations="
-                f"{iterations}; the run would never reach {at})")  # fmt: skip
+        return (f"null or an iteration the run reaches (0 to {iterations - 1}: "
+                f"train.iterations={iterations}; the run would never reach {at})")  # fmt: skip
 
     return rule
 
@@ -107,8 +106,10 @@ class TrainConfig:
     """The ``train`` group: nvdiffrec's texture-training recipe, and how a run records, stops
     and resumes (``docs/training.md``)."""
 
-    iterations: int = setting(200, Integer(min=0))
-    """Optimizer steps (nvdiffrec runs thousands; 200 fits a one-minute CPU run)."""
+    iterations: int = setting(200, Integer(min=1, note="optimizer steps; 0 would train nothing"))
+    """Optimizer steps (nvdiffrec runs thousands; 200 fits a one-minute CPU run). At least one:
+    a run of none would record its initial texture as a completed run, which a sweep's report
+    would compare with f32's as if trained, and a search would certify."""
     batch_size: int = setting(2, Integer(min=1))
     """Views per iteration (nvdiffrec's ``FLAGS.batch``)."""
     lr: float = setting(0.01, _POSITIVE, rule=_step_in_float32)

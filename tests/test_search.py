@@ -464,6 +464,19 @@ def test_a_config_dir_that_cannot_hold_the_result_is_refused_before_training(tmp
     assert not (tmp_path / "out" / "runs").exists()
 
 
+@pytest.mark.parametrize(
+    "value, got", [("abc", "'abc'"), ("[1,2]", "[1, 2]"), ("null", "None"), ("inf", "inf")]
+)
+def test_a_bad_texture_depth_is_refused_in_one_line_before_training(tmp_path, value, got):
+    # The search sizes its reference arm (f32 in every layer) by texture.hidden: it read the
+    # key with int() before any check, so 'abc' said "invalid literal for int()" without
+    # naming the key, and a list, null or inf ended in a TypeError or OverflowError traceback.
+    with pytest.raises(ValueError) as err:
+        run_search(_cfg(tmp_path, f"texture.hidden={value}"), tmp_path / "out")
+    assert str(err.value) == f"texture.hidden: expected an integer >= 1, got {got}"
+    assert not (tmp_path / "out" / "runs").exists()
+
+
 def test_a_user_precision_config_is_never_overwritten(tmp_path):
     target = tmp_path / "cfg" / "precision" / "mine.yaml"
     target.parent.mkdir(parents=True)

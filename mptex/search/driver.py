@@ -77,6 +77,7 @@ from mptex.search.results import (
     write_results,
 )
 from mptex.search.space import Candidate, enumerate_space, reference_candidate
+from mptex.texture import check_texture_config
 from mptex.train.signals import DEFAULT_STOP_SIGNALS, StopSignals
 
 __all__ = ["certify", "run_search"]
@@ -158,7 +159,9 @@ def run_search(cfg: Mapping[str, Any], out: str | os.PathLike) -> dict[str, Any]
     settings = check_search_config(given.pop("search", None))
     out = Path(out)
     base = {k: v for k, v in given.items() if k in ("scene", "texture", "train", "export")}
-    n_layers = int(base["texture"]["hidden"]) + 1
+    # The reference arm is sized by the texture's depth: its group checked first, so that a
+    # bad texture.hidden is the check's one line, not int()'s error.
+    n_layers = check_texture_config(base.get("texture"))["hidden"] + 1
     ref = reference_candidate(n_layers)
     full = validate_config({**base, "precision": ref.policy_dict()})
     base["train"] = dict(full["train"])

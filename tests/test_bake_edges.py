@@ -1101,6 +1101,42 @@ def test_a_runs_own_export_names_its_final_weights_as_such(tmp_path):
     assert source["status"] == "completed" and source["final_weights"] is True
 
 
+@pytest.mark.requires_xatlas
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("++export.chart_options={bogus:1}",
+         "export.chart_options.bogus: unknown xatlas option; valid: ['fix_winding', "),
+        ("++export.pack_options={resolution:8}",
+         "export.pack_options.resolution: set by the bake (the atlas is the bake resolution)"),
+    ],
+)  # fmt: skip
+def test_a_bad_xatlas_option_stops_the_run_at_start(tmp_path, override, message):
+    # The options were first read by the unwrap at the end: the run trained, then its export
+    # failed ("export failed: ValueError: chart_options.bogus: ..."); now the run's start.
+    from tiny_runs import tiny_cfg
+
+    from mptex.bake import TrainingExport
+    from mptex.train import ConfigError, train
+
+    cfg = tiny_cfg("train.iterations=2", "export.enabled=true", "export.resolution=32",
+                   "export.formats=[obj]", "export.unwrap=always", override)  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        train(cfg, tmp_path, exporter=TrainingExport())
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_a_bad_xatlas_option_is_refused_before_any_work(tmp_path):
+    # export_mesh's own check, on a mesh whose UVs are kept: the options go unused there, but a
+    # misspelt one is still the user's error, said rather than dropped.
+    pytest.importorskip("xatlas")
+    with pytest.raises(ValueError, match=r"^export\.chart_options\.bogus: unknown xatlas option"):
+        export_mesh(constant_texture(), square_mesh(), tmp_path / "a", resolution=16,
+                    formats="obj", chart_options={"bogus": 1})  # fmt: skip
+    assert not (tmp_path / "a").exists()
+
+
 def test_a_bad_value_from_the_runs_config_names_the_export_key(black_run, tmp_path, monkeypatch,
                                                                capsys):  # fmt: skip
     from mptex.cli.export import export_main

@@ -72,7 +72,7 @@ from mptex.bake.bake import (
     texel_positions,
 )
 from mptex.bake.decode import decode_precision_table, export_neural
-from mptex.bake.unwrap import has_xatlas
+from mptex.bake.unwrap import check_xatlas_options, has_xatlas
 from mptex.export_config import (
     EXPORT_DEFAULTS,
     FORMATS,
@@ -152,6 +152,7 @@ def preflight_export(
         RuntimeError: a library the export needs is not installed, one line.
     """
     options = check_export_config(options)
+    check_xatlas_options(options["chart_options"], options["pack_options"], "export.")
     if "glb" in options["formats"] and _import_trimesh() is None:
         raise RuntimeError("export.formats: 'glb' needs trimesh, which is not installed "
                            "(pip install trimesh, or export obj only)")  # fmt: skip

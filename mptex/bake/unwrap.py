@@ -16,7 +16,7 @@ import torch
 from mptex.config_schema import defaults_of
 from mptex.render.mesh import Mesh
 
-__all__ = ["has_xatlas", "unwrap_mesh", "PackDefaults", "PACK_DEFAULTS"]
+__all__ = ["has_xatlas", "check_xatlas_options", "unwrap_mesh", "PackDefaults", "PACK_DEFAULTS"]
 
 
 @dataclass
@@ -50,19 +50,39 @@ def has_xatlas() -> bool:
     return _import_xatlas() is not None
 
 
-def _options(xatlas_cls, given: dict[str, Any] | None, defaults: dict[str, Any], arg: str):
+def _options(xatlas_cls, given: dict[str, Any] | None, defaults: dict[str, Any], arg: str,
+             prefix: str = ""):  # fmt: skip
     options = xatlas_cls()
+    key = f"{prefix}{arg}"
     for name, value in {**defaults, **(given or {})}.items():
         if name in _PACK_RESERVED and arg == "pack_options":
-            raise ValueError(f"{arg}.{name}: set by the bake (the atlas is the bake resolution)")
+            raise ValueError(f"{key}.{name}: set by the bake (the atlas is the bake resolution)")
         if name.startswith("_") or not hasattr(options, name):
             valid = sorted(n for n in dir(options) if not n.startswith("_"))
-            raise ValueError(f"{arg}.{name}: unknown xatlas option; valid: {valid}")
+            raise ValueError(f"{key}.{name}: unknown xatlas option; valid: {valid}")
         try:
             setattr(options, name, value)
         except TypeError as exc:
-            raise ValueError(f"{arg}.{name}: {exc}".splitlines()[0]) from None
+            raise ValueError(f"{key}.{name}: {exc}".splitlines()[0]) from None
     return options
+
+
+def check_xatlas_options(
+    chart_options: dict[str, Any] | None, pack_options: dict[str, Any] | None, prefix: str = ""
+) -> None:
+    """Refuse what :func:`unwrap_mesh` would refuse in ``chart_options`` / ``pack_options``
+    (an unknown name, one the bake sets, a value xatlas does not take) before any work, also
+    where the mesh keeps its UVs and the options go unused. Without xatlas nothing is checked
+    (an unwrap then says that xatlas is missing).
+
+    Raises:
+        ValueError: ``"<prefix>chart_options.<name>: ..."`` (or ``pack_options``), one line.
+    """
+    xatlas = _import_xatlas()
+    if xatlas is None:
+        return
+    _options(xatlas.ChartOptions, chart_options, {}, "chart_options", prefix)
+    _options(xatlas.PackOptions, pack_options, PACK_DEFAULTS, "pack_options", prefix)
 
 
 def unwrap_mesh(

@@ -1137,6 +1137,36 @@ def test_a_bad_xatlas_option_is_refused_before_any_work(tmp_path):
     assert not (tmp_path / "a").exists()
 
 
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"chart_options": {"max_iterations": "abc"}},
+         "export.chart_options.max_iterations: expected an integer in [0, 4294967295] "
+         "(xatlas's uint32), got 'abc'"),
+        ({"chart_options": {"max_iterations": True}},
+         "export.chart_options.max_iterations: expected an integer in [0, 4294967295] "
+         "(xatlas's uint32), got True"),
+        ({"pack_options": {"padding": -1}},
+         "export.pack_options.padding: expected an integer in [0, 4294967295] (xatlas's "
+         "uint32), got -1"),
+        ({"pack_options": {"bilinear": 1}},
+         "export.pack_options.bilinear: expected true or false, got 1"),
+        ({"chart_options": {"max_cost": float("nan")}},
+         "export.chart_options.max_cost: expected a finite number, got nan"),
+    ],
+)  # fmt: skip
+def test_an_xatlas_option_of_the_wrong_kind_says_what_it_expected(options, message):
+    # xatlas's own TypeError spans lines ("(): incompatible function arguments. The following
+    # argument types are supported: ..."), and it took True for 1 and 1 for True, NaN as a cost.
+    pytest.importorskip("xatlas")
+    from mptex.bake.unwrap import check_xatlas_options
+
+    with pytest.raises(ValueError) as err:
+        check_xatlas_options(options.get("chart_options"), options.get("pack_options"),
+                             "export.")  # fmt: skip
+    assert str(err.value) == message
+
+
 def test_a_bad_value_from_the_runs_config_names_the_export_key(black_run, tmp_path, monkeypatch,
                                                                capsys):  # fmt: skip
     from mptex.cli.export import export_main

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mptex.config_schema import defaults_of
+from mptex.config_schema import Flag, Integer, Number, defaults_of
 from mptex.render.mesh import Mesh
 
 __all__ = ["has_xatlas", "check_xatlas_options", "unwrap_mesh", "PackDefaults", "PACK_DEFAULTS"]
@@ -50,6 +50,14 @@ def has_xatlas() -> bool:
     return _import_xatlas() is not None
 
 
+# The kinds of xatlas's option values (its C struct fields: bool, uint32_t, float).
+_XATLAS_KINDS = {
+    bool: Flag(),
+    int: Integer(0, 2**32 - 1, note="xatlas's uint32"),
+    float: Number(),
+}
+
+
 def _options(xatlas_cls, given: dict[str, Any] | None, defaults: dict[str, Any], arg: str,
              prefix: str = ""):  # fmt: skip
     options = xatlas_cls()
@@ -60,10 +68,10 @@ def _options(xatlas_cls, given: dict[str, Any] | None, defaults: dict[str, Any],
         if name.startswith("_") or not hasattr(options, name):
             valid = sorted(n for n in dir(options) if not n.startswith("_"))
             raise ValueError(f"{key}.{name}: unknown xatlas option; valid: {valid}")
-        try:
-            setattr(options, name, value)
-        except TypeError as exc:
-            raise ValueError(f"{key}.{name}: {exc}".splitlines()[0]) from None
+        # xatlas's own TypeError spans lines and names no type, and pybind takes True for 1,
+        # 1 for True and NaN for a number: each value is checked against its default's kind.
+        _XATLAS_KINDS[type(getattr(options, name))](value, f"{key}.{name}")
+        setattr(options, name, value)
     return options
 
 

@@ -350,6 +350,20 @@ def test_an_override_syntax_error_is_one_line():
     assert "\n" not in problem and "  " not in problem
 
 
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.betas={a:1}", "train.betas: expected a list, got {a:1}"),
+        ("train.light_dir={x:1}", "train.light_dir: expected a list, got {x:1}"),
+        ("++export.chart_options=[1,2]", "export.chart_options: expected a mapping, got [1,2]"),
+    ],
+)
+def test_a_value_hydra_cannot_merge_into_its_key_says_what_the_key_holds(override, expected):
+    # Hydra's line was "Error merging override train.betas={a:1}": the key, not what it takes.
+    app.register_experiments()
+    assert app.override_problem([override]) == expected
+
+
 def test_an_interrupt_behind_an_error_is_found_through_its_context_too():
     try:
         try:

@@ -498,11 +498,35 @@ def override_problem(argv: list[str], check=None) -> str | None:
     except (HydraException, OmegaConfBaseException) as exc:
         _reraise_interrupt(exc)
         message = " ".join(str(exc).split())
+        merge = _merge_problem(message, exc.__cause__)
+        if merge is not None:
+            return merge
         return _did_you_mean(message.split(" Config search path:")[0])  # not the search path
     except Exception as exc:  # what this check cannot compose (sweeper params as an override)
         _reraise_interrupt(exc)
         return None
     return None
+
+
+_MERGE_PREFIX = "Error merging override "
+# What a key of each container kind holds, in a config error's words.
+_CONTAINER_KINDS = {list: "a list", dict: "a mapping"}
+
+
+def _merge_problem(message: str, cause: BaseException | None) -> str | None:
+    """``"<key>: expected a list, got <value>"`` for Hydra's ``Error merging override
+    <key>=<value>``, where the value is a mapping given for a list (``train.betas={a:1}``) or
+    the reverse: OmegaConf's cause names the key and the kind it holds, Hydra's line neither
+    what the key takes nor why. None for any other error."""
+    from omegaconf.errors import ConfigTypeError
+
+    if not message.startswith(_MERGE_PREFIX) or not isinstance(cause, ConfigTypeError):
+        return None
+    kind = _CONTAINER_KINDS.get(cause.object_type)
+    override = message.removeprefix(_MERGE_PREFIX)
+    if kind is None or not cause.full_key or "=" not in override:
+        return None
+    return f"{cause.full_key}: expected {kind}, got {override.split('=', 1)[1]}"
 
 
 def _reraise_interrupt(exc: BaseException) -> None:

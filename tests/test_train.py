@@ -354,6 +354,15 @@ def test_a_run_of_no_iterations_is_refused_at_start_in_one_line():
     assert one["train"]["iterations"] == 1
 
 
+@pytest.mark.parametrize("device", ["", "gpu", "cuda:x", "cpu:0:1"])
+def test_a_device_torch_cannot_read_says_what_was_expected(device):
+    # torch's own words were "Device string must not be empty" for '' (no expectation) and a
+    # list of twenty device types (ipu, xpu, mkldnn, ...) for 'gpu'.
+    with pytest.raises(ConfigError) as info:
+        validate_config(tiny_cfg(f"train.device='{device}'"), machine=False)
+    assert str(info.value) == f"train.device: expected auto, cpu, cuda or cuda:N, got {device!r}"
+
+
 def test_crash_mid_run_is_recorded_then_raised(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("boom")

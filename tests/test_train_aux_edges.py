@@ -462,8 +462,10 @@ def test_the_device_callback_refuses_an_unknown_device_in_one_line(monkeypatch, 
         callback.on_run_start(_config("gpu"))
     assert stop.value.code == 2
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("mptex-train: error: train.device: ")
-    assert lines[0].endswith(" (train.device=gpu)")
+    assert lines == [
+        "mptex-train: error: train.device: expected auto, cpu, cuda or cuda:N, got 'gpu' "
+        "(train.device=gpu)"
+    ]
 
     class Exited(Exception):
         pass

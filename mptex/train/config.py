@@ -101,6 +101,23 @@ def _reached_iteration(key: str):
     return rule
 
 
+_DEVICE_WORDS = "auto, cpu, cuda or cuda:N"
+
+
+def torch_device(device: str) -> torch.device:
+    """``train.device`` (not ``auto``) as a torch device.
+
+    Raises:
+        ConfigError: ``"train.device: expected auto, cpu, cuda or cuda:N, got 'gpu'"`` where
+            torch cannot read it (its own words name no expectation for ``''`` and list twenty
+            device types for ``'gpu'``).
+    """
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"train.device: expected {_DEVICE_WORDS}, got {device!r}") from None
+
+
 @dataclass
 class TrainConfig:
     """The ``train`` group: nvdiffrec's texture-training recipe, and how a run records, stops
@@ -188,7 +205,7 @@ class TrainConfig:
     init_seed: int | None = setting(None, OrNull(SEED, "train.seed"))
     """The texture's initial weights only; set apart from ``seed``, it measures the init's
     share of the seed spread."""
-    device: str = setting("auto", Text(what="auto, cpu, cuda or cuda:N"))
+    device: str = setting("auto", Text(what=_DEVICE_WORDS))
     """``auto``: cuda if available, else cpu."""
     resume: Any = setting(
         "auto", AnyOf(Flag(), FilePath(), what="auto, true, false or a checkpoint path")
@@ -401,10 +418,7 @@ def validate_config(cfg: Mapping[str, Any], *, machine: bool = True) -> dict[str
     device = str(s["device"])
     if device == "auto":
         device = auto_device() if machine else "cpu"
-    try:
-        dev = torch.device(device)
-    except RuntimeError as exc:
-        raise ValueError(f"train.device: {exc}") from None
+    dev = torch_device(device)
     problem = cuda_device_problem(dev, repr(device)) if dev.type == "cuda" else None
     if problem is not None and machine:
         raise ValueError(f"train.device: {problem}")

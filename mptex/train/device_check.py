@@ -16,6 +16,7 @@ import torch
 from hydra.experimental.callback import Callback
 
 from mptex._backends import cuda_device_problem
+from mptex.train.config import torch_device
 
 __all__ = ["RequireDeviceCallback", "device_problem"]
 
@@ -23,9 +24,9 @@ __all__ = ["RequireDeviceCallback", "device_problem"]
 def device_problem(device: str) -> str | None:
     """Why ``device`` (``"cuda"``, ``"cuda:N"`` or ``"cpu"``) cannot run here, or None."""
     try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        return f"train.device: {exc}"
+        dev = torch_device(device)
+    except ValueError as exc:
+        return str(exc)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             return "this preset needs a CUDA GPU and none is available here"

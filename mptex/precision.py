@@ -74,7 +74,16 @@ from typing import Any
 
 import torch
 
-from mptex.config_schema import Integer, Number, OneOf, check_fields, check_keys, plain, setting
+from mptex.config_schema import (
+    Integer,
+    Number,
+    OneOf,
+    Text,
+    check_fields,
+    check_keys,
+    plain,
+    setting,
+)
 from mptex.fp8 import AMAX_COMPUTE_ALGOS, RECIPES
 from mptex.quantize import WEIGHT_QUANT
 
@@ -238,7 +247,7 @@ class PrecisionPolicy:
             f16 gradients).
     """
 
-    name: str = "custom"
+    name: str = setting("custom", Text(non_empty=True, note="the arm's name in reports"))
     encoder_dtype: torch.dtype = torch.float32
     mlp_dtypes: tuple[torch.dtype, ...] = (torch.float32,)
     master_weights: bool = True

@@ -83,7 +83,9 @@ def test_combinations_that_cannot_train_name_their_field_first(cfg, field):
 def test_a_name_that_is_not_a_string_is_refused_naming_the_field(name):
     with pytest.raises(ValueError) as info:
         PrecisionPolicy.from_config({"name": name})
-    assert str(info.value) == f"name: expected a string, got {name!r}"
+    assert str(info.value) == (
+        f"name: expected a non-empty string (the arm's name in reports), got {name!r}"
+    )
 
 
 @pytest.mark.parametrize("field", ["static_loss_scale", "init_scale", "fused_loss_scale"])

@@ -363,6 +363,16 @@ def test_a_device_torch_cannot_read_says_what_was_expected(device):
     assert str(info.value) == f"train.device: expected auto, cpu, cuda or cuda:N, got {device!r}"
 
 
+def test_an_empty_arm_name_is_refused_at_start():
+    # An f32 run named '' trained, and its sweep's report listed it as the arm `unknown`, with
+    # no reference to compare with: the name a report groups runs by cannot be empty.
+    with pytest.raises(ValueError) as info:
+        validate_config(tiny_cfg("precision.name=''"), machine=False)
+    assert str(info.value) == (
+        "precision.name: expected a non-empty string (the arm's name in reports), got ''"
+    )
+
+
 def test_crash_mid_run_is_recorded_then_raised(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("boom")

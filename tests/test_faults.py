@@ -606,6 +606,13 @@ def test_an_mlp_that_cannot_fit_in_memory_is_refused_at_start(tmp_path, monkeypa
     # Deeper than wide: the depth is named. 10**9 layers of width 16 (the tiny texture's).
     message = start_error(tmp_path / "deep", "texture.hidden=1000000000")
     assert message.startswith("texture.hidden: an MLP of 1000000001 layers 16 wide (2.72e+11 ")
+    # Its output layer the largest: the channels are named. (16 + 1) x 10**8 of 1.7e9.
+    message = start_error(tmp_path / "wide_out", "texture.channels=100000000")
+    assert message == (
+        "texture.channels: an MLP of 3 layers 16 wide with 100000000 output channels (1.7e+09 "
+        "parameters) needs 25.3 GiB for its weights, gradients and Adam's moments alone, only "
+        "2.0 GiB is free on cpu (lower texture.channels)"
+    )
 
 
 def test_a_crash_while_starting_is_recorded_then_raised(tmp_path, monkeypatch):

@@ -320,9 +320,10 @@ _MLP_BYTES_PER_PARAM = 16
 
 def _mlp_memory_problem(texture: Mapping[str, Any], device: torch.device) -> str | None:
     """One line naming ``texture.internal_dims`` (or ``texture.hidden``, where the MLP is
-    deeper than wide) when the texture's MLP (its weights,
-    gradients and Adam's moments; activations not counted, so a lower bound) cannot fit in
-    what ``device`` has free, else None (None too where the free memory is unknown)."""
+    deeper than wide, or ``texture.channels``, where its output layer holds most of its
+    parameters) when the texture's MLP (its weights, gradients and Adam's moments;
+    activations not counted, so a lower bound) cannot fit in what ``device`` has free, else
+    None (None too where the free memory is unknown)."""
     encoder = texture.get("encoder") or NVDIFFREC_ENCODER_CONFIG
     inputs = encoder.get("n_levels", 16) * encoder.get("n_features_per_level", 2)
     width, hidden, channels = texture["internal_dims"], texture["hidden"], texture["channels"]
@@ -332,6 +333,13 @@ def _mlp_memory_problem(texture: Mapping[str, Any], device: torch.device) -> str
     available = available_bytes(device)
     if available is None or needed <= available:
         return None
+    if (width + 1) * channels > params / 2:  # the output layer holds most of them
+        return (
+            f"texture.channels: an MLP of {hidden + 1} layers {width} wide with {channels} "
+            f"output channels ({params:.3g} parameters) needs {needed / 2**30:.3g} GiB for its "
+            f"weights, gradients and Adam's moments alone, only {available / 2**30:.1f} GiB is "
+            f"free on {device} (lower texture.channels)"
+        )
     key = "texture.hidden" if hidden > width else "texture.internal_dims"
     return (
         f"{key}: an MLP of {hidden + 1} layers {width} wide ({params:.3g} "

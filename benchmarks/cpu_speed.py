@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine, print_table  # noqa: E402
 
 from mptex.report.compare import result_differences  # noqa: E402
+from mptex.train.checkpoint import run_time_total  # noqa: E402
 
 
 def grid_config(name: str) -> dict:
@@ -358,10 +359,10 @@ def sweep_rows(sweep_dir: Path) -> tuple[list[list[str]], str]:
     walls, partial = [], False
     for path in sorted(sweep_dir.glob("*/metrics.json")):
         metrics = json.loads(path.read_text())
-        # every process of a run stopped and continued (a record from before the totals: its
-        # last process's)
-        walls.append(metrics.get("wall_time_total_s", metrics.get("wall_time_s")) or 0.0)
-        partial = partial or metrics.get("time_total_complete") is False
+        # every process of a run stopped and continued, as the precision search counts them
+        total, complete = run_time_total(metrics)
+        walls.append(total or 0.0)
+        partial = partial or not complete
         if metrics.get("status") == "completed" and metrics.get("time_per_iter_s"):
             per_arm.setdefault(metrics["precision"], []).append(metrics["time_per_iter_s"])
     base = statistics.median(per_arm["f32"]) if "f32" in per_arm else None

@@ -443,3 +443,23 @@ def test_a_non_finite_optimizer_state_is_refused_and_nothing_written(tmp_path, m
     state[1][moment][2, 1] = 0.0
     save_checkpoint(path, {"texture": texture, "optimizer": optimizer, "iteration": 1})
     assert load_checkpoint(path)["optimizer"]["state"][1]["step"] == 3.0
+
+
+@pytest.mark.parametrize(
+    "record, expected",
+    [
+        ({"wall_time_s": 1.0, "wall_time_total_s": 5.0, "time_total_complete": True}, (5.0, True)),
+        ({"wall_time_s": 1.0, "wall_time_total_s": 2.0, "time_total_complete": False},
+         (2.0, False)),
+        # from before the totals: never resumed, its one process; resumed (or a record from
+        # before resume_count too), at least its last process's
+        ({"wall_time_s": 2.0, "resume_count": 0}, (2.0, True)),
+        ({"wall_time_s": 2.0, "resume_count": 3}, (2.0, False)),
+        ({"wall_time_s": 2.0}, (2.0, False)),
+        ({"status": "failed"}, (None, False)),  # failed at its start: no time recorded
+    ],
+)  # fmt: skip
+def test_a_runs_total_time_is_read_one_way_for_old_and_new_records(record, expected):
+    from mptex.train.checkpoint import run_time_total
+
+    assert run_time_total(record) == expected

@@ -66,16 +66,23 @@ def test_the_mlp_and_grid_tables_run():
 
 def test_the_sweep_tables_wall_time_counts_every_process_of_a_continued_run(tmp_path):
     # a run stopped and continued: 1 s in its last process, 5 s in all; a record from before
-    # the totals: its wall_time_s
-    for name, times in (("0_f32", {"wall_time_s": 1.0, "wall_time_total_s": 5.0}),
-                        ("1_f32", {"wall_time_s": 2.0})):  # fmt: skip
+    # the totals of a run never resumed: its wall_time_s, whole
+    totals = {"wall_time_s": 1.0, "wall_time_total_s": 5.0, "time_total_complete": True}
+    for name, times in (("0_f32", totals), ("1_f32", {"wall_time_s": 2.0, "resume_count": 0})):
         (tmp_path / name).mkdir()
         record = {"status": "completed", "precision": "f32", "time_per_iter_s": 0.01, **times}
         (tmp_path / name / "metrics.json").write_text(json.dumps(record))
     sweep = _run("sweep", str(tmp_path))
     assert sweep.returncode == 0, sweep.stderr
     assert "sum of the runs' wall times: 7 s over 2 runs" in sweep.stdout
-    record["time_total_complete"] = False  # a process of the run was killed without a record
+    # a record from before the totals of a resumed run: its last process's 2 s, and more
+    # before it that no record holds (the precision search counts it so too)
+    record["resume_count"] = 1
+    (tmp_path / "1_f32" / "metrics.json").write_text(json.dumps(record))
+    sweep = _run("sweep", str(tmp_path))
+    assert "sum of the runs' wall times: at least 7 s over 2 runs" in sweep.stdout
+    # a process of a run killed without a record
+    record = {**record, **totals, "wall_time_total_s": 2.0, "time_total_complete": False}
     (tmp_path / "1_f32" / "metrics.json").write_text(json.dumps(record))
     sweep = _run("sweep", str(tmp_path))
     assert "sum of the runs' wall times: at least 7 s over 2 runs" in sweep.stdout

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mptex.search.space import Candidate
-from mptex.train.checkpoint import atomic_write_bytes
+from mptex.train.checkpoint import atomic_write_bytes, run_time_total
 from mptex.train.signals import StopSignals
 
 __all__ = ["SearchInterrupted", "RunPool", "run_summary"]
@@ -54,12 +54,8 @@ def run_summary(metrics: Mapping[str, Any]) -> dict[str, Any]:
 
     status = metrics.get("status")
     note = None
-    # What the run cost over all its processes (an interrupted run continued is several);
-    # a record from before the totals, of a run never resumed: its one process's time.
-    total, complete = metrics.get("wall_time_total_s"), metrics.get("time_total_complete")
-    if total is None and metrics.get("resume_count") == 0:
-        total = metrics.get("wall_time_s")
-        complete = total is not None
+    # What the run cost over all its processes (an interrupted run continued is several).
+    total, complete = run_time_total(metrics)
     if status == "completed":
         collapse = classify_collapse(metrics)
         if collapse is not None:
@@ -71,7 +67,7 @@ def run_summary(metrics: Mapping[str, Any]) -> dict[str, Any]:
         "time_per_iter_s": metrics.get("time_per_iter_s"),
         "wall_time_s": metrics.get("wall_time_s"),
         "wall_time_total_s": total,
-        "time_total_complete": complete is True,
+        "time_total_complete": complete,
         "iterations": metrics.get("iterations"),
         "device": metrics.get("device"),
         "error": metrics.get("error"),

@@ -38,6 +38,7 @@ __all__ = [
     "export_source",
     "no_checkpoint_reason",
     "read_metrics",
+    "run_time_total",
 ]
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -218,6 +219,24 @@ def read_metrics(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         return None
     return metrics if isinstance(metrics, dict) else None
+
+
+def run_time_total(metrics: Mapping[str, Any]) -> tuple[float | None, bool]:
+    """A run's wall time over every process that trained it, from its ``metrics.json``:
+    ``(seconds, complete)``; ``complete`` false means "at least" (``docs/metrics.md``).
+
+    A record with the totals: ``wall_time_total_s`` and ``time_total_complete``. A record from
+    before them: a run never resumed (``resume_count`` 0) took its one process's
+    ``wall_time_s``, whole; a resumed one (or one from before ``resume_count``) at least its
+    last process's ``wall_time_s``, since its earlier processes' time is in no record. A
+    record without times (a run that failed at its start): ``(None, False)``.
+    """
+    if "wall_time_total_s" in metrics:
+        return metrics["wall_time_total_s"], metrics.get("time_total_complete") is True
+    last = metrics.get("wall_time_s")
+    if last is None:
+        return None, False
+    return last, metrics.get("resume_count") == 0
 
 
 def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> None:

@@ -142,3 +142,26 @@ def test_correctly_rounded_scales_are_exact_where_they_agree_with_tcnn(name, fix
             # one ulp of the scale (measured: tcnn's is 0 or +1 ulp above the correctly rounded
             # value): up to 8e-4 where a point changes cell (grid_geometry's docstring)
             assert err[level].item() <= 1e-3, (level, err[level].item())
+
+
+def test_tcnns_coarse_level_that_fills_its_table_is_dense_and_the_next_hashed(fixture):
+    # The coarse config's level 2 has resolution 16: 16^3 = 4096 = 2^12 cells, exactly its
+    # table, which tcnn indexes densely; level 3 (32^3 > 2^12) hashes. tcnn's own outputs on
+    # those levels equal the brute-force reference's (tests/grid_reference.py, written from
+    # tcnn's kernels, no mptex code) with those decisions, and the twin's geometry makes them.
+    import grid_reference
+
+    geometry = grid_geometry(**CONFIGS["coarse"], exp2=_tcnn_exp2())
+    assert geometry.resolutions == (4, 8, 16, 32)
+    assert geometry.table_sizes == (64, 512, 4096, 4096)
+    assert geometry.hashed == (False, False, False, True)
+    levels = grid_reference.levels(3, 4, 12, 4, 2.0)
+    assert [(level[1], level[2], level[4]) for level in levels] == list(
+        zip(geometry.resolutions, geometry.table_sizes, geometry.hashed, strict=True)
+    )
+    key = _key("coarse", torch.float32)
+    params, x, _ = _inputs("coarse", geometry, fixture, key)
+    gold = torch.from_numpy(fixture[f"{key}.out"]).view(-1, 4, 2)
+    for i in range(64):  # the reference is slow: a sample of the 8192 points
+        want = grid_reference.encode_point(x[i].tolist(), params.numpy(), 2, levels)
+        assert torch.equal(gold[i, 2:].flatten(), torch.tensor(want[4:], dtype=torch.float32))

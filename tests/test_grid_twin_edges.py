@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import grid_reference
+import numpy as np
 import pytest
 import torch
 
@@ -148,6 +149,74 @@ def test_a_level_whose_cells_fill_its_table_is_indexed_densely(n_dims, ops):
     )
     # Bit for bit: the reference rounds as tcnn's kernel (fmaf per step, corner order).
     assert torch.equal(out, want.float())
+
+
+def _encode_like_the_reference(geometry, ref_levels, n_points, seed, ops):
+    """The twin's forward and the brute-force reference's on the same points, including the
+    top corner (x = 1, which wraps to row 0 of a dense level) and points on cell edges."""
+    gen = torch.Generator().manual_seed(seed)
+    params = torch.rand(geometry.n_params, generator=gen) * 2 - 1
+    x = torch.rand(n_points, geometry.n_input_dims, generator=gen)
+    x[0] = 1.0
+    x[1] = 0.5  # on a cell edge at every even resolution
+    out = hash_grid_encode(x, params, geometry, torch.float32)
+    want = torch.tensor(
+        [grid_reference.encode_point(p.tolist(), params.numpy(), 2, ref_levels) for p in x]
+    )
+    return out, want.float()
+
+
+def test_a_level_one_cell_past_its_table_is_hashed_the_one_below_dense(ops):
+    # per_level_scale 9/8 from base 8: level 0 has resolution 8 (8^3 = 512 = 2^9: the table
+    # holds it densely), level 1 resolution 9 (9^3 = 729 > 512: hashed into 2^9 rows).
+    geometry = grid_geometry(3, 2, 2, 9, 8, 1.125)
+    ref_levels = _reference_levels(3, 2, 9, 8, 1.125)
+    assert geometry.resolutions == (8, 9) == tuple(level[1] for level in ref_levels)
+    assert geometry.table_sizes == (512, 512) == tuple(level[2] for level in ref_levels)
+    assert geometry.hashed == (False, True) == tuple(level[4] for level in ref_levels)
+    out, want = _encode_like_the_reference(geometry, ref_levels, 48, 5, ops)
+    assert torch.equal(out, want)  # bit for bit: the reference rounds as tcnn's kernel
+
+
+@pytest.mark.parametrize(
+    "log2_size, size, hashed",
+    [(2, 4, False), (1, 2, True)],
+    ids=["table-fits-4-cells", "table-of-2-hashed"],
+)
+def test_a_hash_table_smaller_than_eight_entries_is_not_rounded_up(log2_size, size, hashed, ops):
+    # 2-D, resolution 2: 2^2 = 4 cells, 8 entries once aligned to 8; tcnn's hash grid then
+    # takes min(8, 2^log2_hashmap_size): 4 entries indexed densely (4 cells fill them), or 2
+    # entries hashed (4 > 2).
+    geometry = grid_geometry(2, 1, 2, log2_size, 2, 1.0)
+    ref_levels = _reference_levels(2, 1, log2_size, 2, 1.0)
+    assert (geometry.table_sizes, geometry.hashed) == ((size,), (hashed,))
+    assert [(level[2], level[4]) for level in ref_levels] == [(size, hashed)]
+    out, want = _encode_like_the_reference(geometry, ref_levels, 24, 6, ops)
+    assert torch.equal(out, want)
+
+
+def test_the_hash_decision_takes_the_kernels_resolution_and_the_hosts_table(monkeypatch, ops):
+    # tcnn's kernel hashes a level where its own resolution's cells outnumber the table the
+    # host sized: with a kernel 2^x one float32 ulp above the host's (as ex2.approx can be),
+    # base 16 and per_level_scale 1 give the host scale 16 - 1 = 15 (resolution 16, 16^3 =
+    # 4096 = 2^12 entries) and the kernel scale fmaf(1 + 2^-23, 16, -1) = 15 + 2^-19
+    # (resolution 17): 17^3 = 4913 > 4096, hashed; the host's resolution would say dense.
+    real = grid._level_exponentials
+
+    def one_ulp_above(inputs, exp2):
+        pows = real(inputs, "correctly-rounded")
+        if exp2 == "correctly-rounded":
+            return pows
+        return [np.nextafter(p, np.float32(np.inf)) for p in pows]
+
+    monkeypatch.setattr(grid, "_level_exponentials", one_ulp_above)
+    geometry = grid_geometry(3, 1, 2, 12, 16, 1.0, exp2="h100-table")
+    assert geometry.scales == (15.0 + 2.0**-19,)
+    assert geometry.resolutions == (17,)
+    assert (geometry.table_sizes, geometry.hashed) == ((4096,), (True,))
+    ref_levels = [(np.float32(15.0 + 2.0**-19), 17, 4096, 0, True)]
+    out, want = _encode_like_the_reference(geometry, ref_levels, 24, 7, ops)
+    assert torch.equal(out, want)
 
 
 def test_input_gradient_alone_matches_finite_differences_in_float64():

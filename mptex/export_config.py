@@ -40,6 +40,13 @@ KD_FORMATS = {"png8": ".png", "png16": ".png", "exr": ".exr"}
 _XATLAS_OPTIONS = Table(what="a mapping of xatlas option names to values")
 
 
+def _padding_within_the_atlas(s: Mapping[str, Any]) -> str | None:
+    if s["padding"] <= s["resolution"]:
+        return None
+    return (f"at most export.resolution ({s['resolution']}: a padding wider than the atlas "
+            "fills no more texels)")  # fmt: skip
+
+
 @dataclass
 class ExportConfig:
     """The ``export`` group (files under ``<run dir>/export/``: mesh.obj + mesh.mtl +
@@ -54,8 +61,10 @@ class ExportConfig:
     )
     """``obj``: OBJ + MTL + PNG; ``glb``: binary glTF (needs trimesh). A list, or
     ``"obj,glb"``."""
-    padding: int = setting(4, Integer(min=0))
-    """Seam padding in texels (nearest-texel dilation): bilinear filtering and mip levels 0-2."""
+    padding: int = setting(4, Integer(min=0), rule=_padding_within_the_atlas)
+    """Seam padding in texels (nearest-texel dilation): bilinear filtering and mip levels 0-2.
+    At most ``resolution``: a wider padding fills no more texels (the bake's cost grows as its
+    square)."""
     unwrap: str = setting("auto", OneOf(("auto", "always")))
     """``auto``: the mesh's own UVs when usable, else xatlas's; ``always``: xatlas's."""
     kd_format: str = setting("png8", OneOf(tuple(KD_FORMATS)))

@@ -158,6 +158,19 @@ def test_export_config_errors_name_the_key():
             check_export_config(bad)
 
 
+def test_a_padding_wider_than_the_atlas_is_refused():
+    # The dilation visits (2 padding + 1)^2 offsets: export.padding=99999999999 (at resolution
+    # 1024) was taken, and the bake's list of offsets exhausted the memory (the process was
+    # killed); beyond the atlas's width a padding fills no more texels.
+    with pytest.raises(ValueError) as err:
+        check_export_config({"resolution": 1024, "padding": 99999999999})
+    assert str(err.value) == (
+        "export.padding: expected at most export.resolution (1024: a padding wider than the "
+        "atlas fills no more texels), got 99999999999"
+    )
+    assert check_export_config({"resolution": 16, "padding": 16})["padding"] == 16
+
+
 # ----------------------------------------------------------------------------- runs and CLI
 def _train(run_dir: Path, *overrides: str) -> Path:
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):

@@ -615,6 +615,23 @@ def test_an_mlp_that_cannot_fit_in_memory_is_refused_at_start(tmp_path, monkeypa
     )
 
 
+def test_an_fp8_amax_history_that_cannot_fit_is_refused_at_start(tmp_path, monkeypatch):
+    # Each FP8 layer keeps 3 scaling states (input, weight, gradient), each a float32 history
+    # of fp8_amax_history_len amaxes: 10**12 of them in the tiny texture's 3 layers need
+    # 9 x 4e12 bytes, and the allocator's multi-line error came while the texture was built.
+    from mptex.train import config as train_config
+
+    monkeypatch.setattr(train_config, "available_bytes", lambda device: 2 << 30)
+    message = start_error(tmp_path, "precision=fp8", "precision.fp8_amax_history_len=1000000000000")
+    assert message == (
+        "precision.fp8_amax_history_len: 9 FP8 scaling states (input, weight and gradient of "
+        "3 layers) of 1000000000000 float32 amaxes each need 3.35e+04 GiB, only 2.0 GiB is "
+        "free on cpu (Transformer Engine's default: 1024)"
+    )
+    # 2 GiB hold 2**31 / 36 = 59,652,323 amaxes per state; the default fits
+    train_config.validate_config(tiny_cfg("precision=fp8", "precision.fp8_amax_history_len=1024"))
+
+
 def test_a_crash_while_starting_is_recorded_then_raised(tmp_path, monkeypatch):
     # Not a config error (e.g. the scene's buffers do not fit in memory): metrics.json says
     # where and why, and the error reaches the caller as it came.

@@ -349,6 +349,30 @@ def _mlp_memory_problem(texture: Mapping[str, Any], device: torch.device) -> str
     )
 
 
+# FP8 scaling states per layer of an FP8 MLP (mptex.mlp.FP8Linear: input, weight, gradient),
+# each a float32 history of precision.fp8_amax_history_len amaxes.
+_FP8_STATES_PER_LAYER = 3
+
+
+def _fp8_history_problem(policy: PrecisionPolicy, hidden: int, device: torch.device):
+    """One line naming ``precision.fp8_amax_history_len`` when the FP8 layers' amax histories
+    cannot fit in what ``device`` has free, else None (None too where it is unknown)."""
+    if not policy.fp8_gemm:
+        return None
+    layers = hidden + 1
+    states = _FP8_STATES_PER_LAYER * layers
+    needed = states * policy.fp8_amax_history_len * 4
+    available = available_bytes(device)
+    if available is None or needed <= available:
+        return None
+    return (
+        f"precision.fp8_amax_history_len: {states} FP8 scaling states (input, weight and "
+        f"gradient of {layers} layers) of {policy.fp8_amax_history_len} float32 amaxes each "
+        f"need {needed / 2**30:.3g} GiB, only {available / 2**30:.1f} GiB is free on {device} "
+        "(Transformer Engine's default: 1024)"
+    )
+
+
 # The scene keys that name files or folders (a mesh, a dataset).
 _SCENE_PATHS = ("path", "mesh")
 
@@ -485,8 +509,10 @@ def validate_config(cfg: Mapping[str, Any], *, machine: bool = True) -> dict[str
             f"precision.mlp_backend='tcnn' needs train.device=cuda, got {dev.type}; the arm "
             f"{policy.name} runs on the CPU with mlp_backend='torch'"
         )
-    problem = _mlp_memory_problem(texture, dev) or _view_memory_problem(
-        cfg["scene"], s["val_spp"], dev
+    problem = (
+        _mlp_memory_problem(texture, dev)
+        or _fp8_history_problem(policy, texture["hidden"], dev)
+        or _view_memory_problem(cfg["scene"], s["val_spp"], dev)
     )
     if problem is not None:
         raise ValueError(problem)

@@ -177,6 +177,18 @@ def test_a_rate_whose_adam_step_is_beyond_float32_is_refused(given, step):
     )
 
 
+def test_an_adam_epsilon_beyond_float32_is_refused():
+    # Adam adds epsilon to float32 tensors: 1e300 became inf there, every step m / inf = 0,
+    # and the run trained nothing without a word. The largest float32 is still taken.
+    with pytest.raises(ConfigError) as info:
+        check_group(TrainConfig, {"adam_eps": 1e300}, "train")
+    assert str(info.value) == (
+        "train.adam_eps: expected a number in (0, 3.40282e+38] (a float32 number), got 1e+300"
+    )
+    largest = 3.4028234663852886e38  # float32's largest finite number
+    assert check_group(TrainConfig, {"adam_eps": largest}, "train")["adam_eps"] == largest
+
+
 def test_a_rate_whose_adam_step_is_within_float32_is_taken():
     # 3.3e37 / (1 - 0.9) = 3.3e38 < 3.40282e38; with betas[0] = 0: the rate itself
     assert check_group(TrainConfig, {"lr": 3.3e37}, "train")["lr"] == 3.3e37

@@ -146,8 +146,9 @@ class TrainConfig:
         [0.9, 0.999], ListOf(Number(0, 1, max_open=True), length=2, what="two numbers in [0, 1)")
     )
     """Adam's betas."""
-    adam_eps: float = setting(1e-8, _POSITIVE)
-    """Adam's epsilon (torch's default, nvdiffrec's)."""
+    adam_eps: float = setting(1e-8, Number(0, _FLOAT32_MAX, min_open=True, note="a float32 number"))
+    """Adam's epsilon (torch's default, nvdiffrec's); added to float32 tensors, so a float32
+    number (beyond it, inf: every step would be 0)."""
     warmup_iter: int = setting(0, Integer(min=0))
     """Learning-rate factor ``it / warmup_iter`` during the warm-up."""
     lr_decay: float = setting(0.0002, _AT_LEAST_0)

@@ -155,6 +155,15 @@ def test_t_quantile_just_above_its_expansion_threshold_matches_scipy_in_both_tai
     assert t_quantile(p, dof) == pytest.approx(scipy.stats.t.ppf(p, dof), rel=1e-14)
 
 
+@pytest.mark.parametrize("p", [1e-15, 1.0 - 2.0**-40])
+def test_t_quantile_below_its_expansion_threshold_is_the_bisections_far_in_either_tail(p):
+    # At 1001 degrees of freedom the expansion about the normal quantile would be 9e-11 off
+    # at p = 1e-15 (its first omitted term grows with |z|^11 / dof^5); the bisection on the
+    # incomplete beta function is good to its 1e-12 stopping width, which bounds the
+    # tolerance.
+    assert t_quantile(p, 1001.0) == pytest.approx(scipy.stats.t.ppf(p, 1001.0), rel=1e-11)
+
+
 def test_two_values_are_enough_for_an_interval():
     # [3, 5]: mean 4, sd sqrt(2), t(0.975, 1) = 12.7062 -> 4 ± 12.7062 * sqrt(2) / sqrt(2)
     ci = mean_ci([3.0, 5.0])

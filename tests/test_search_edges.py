@@ -348,6 +348,49 @@ def test_a_candidate_as_dear_as_f32_is_not_certified(tmp_path, monkeypatch):
     assert [job for job in state.pool.jobs if job[0] != _REF and job[1] > 0] == []
 
 
+def test_no_combination_dearer_than_f32_is_screened_when_every_pass_is_dearer(
+    tmp_path, monkeypatch
+):
+    # The grid's (12) and layer 0's (13) lowerings pass but cost more than f32 (10); their
+    # combination (11) is cheaper than either, yet dearer than f32: it could never be
+    # certified (only candidates cheaper than f32 are), so it is not screened.
+    costs = {**_SINGLES, _ENC: 12.0, _L0: 13.0, _ENC_L0: 11.0}
+    state = _state(tmp_path, {(_L1, 0): -2.0}, costs, max_combinations=1)
+    assert _answer(state, monkeypatch) == _REF
+    assert _screened(state, "screen: combination") == []
+    assert _ENC_L0 not in {name for name, _ in state.pool.jobs}
+
+
+def test_at_most_max_certify_candidates_are_run_at_the_certification_seeds(tmp_path, monkeypatch):
+    # All three one-part lowerings pass their screen (Δ 0 at seed 0) and fail certification
+    # (Δ -2 at seeds 1 and 2); max_certify = 2: the two cheapest (grid 7, layer 0 8) are run
+    # at the certification seeds, layer 1 (9) never, and the answer is f32.
+    table = {(name, s): -2.0 for name in (_ENC, _L0, _L1) for s in (1, 2)}
+    state = _state(tmp_path, table, _SINGLES, max_certify=2)
+    assert _answer(state, monkeypatch) == _REF
+    certified = [name for name, seed in state.pool.jobs if name != _REF and seed > 0]
+    assert certified == [_ENC, _ENC, _L0, _L0]
+
+
+def test_each_certification_interval_is_at_the_searchs_share_over_max_certify(
+    tmp_path, monkeypatch
+):
+    # Bonferroni over the max_certify = 2 candidates the search may certify, not over its 3
+    # certification seeds: each interval at 1 - 0.05 / 2 = 0.975. Δ at seeds 1, 2, 3 of the
+    # grid's lowering: 0.1, 0.2, 0.3 (mean 0.2, sd 0.1), half width t(0.9875, 2) * 0.1 / sqrt(3)
+    # with t(q, 2) = (2q - 1) / sqrt(2q(1 - q)) = 6.2053: 0.35826.
+    table = {(_ENC, 1): 0.1, (_ENC, 2): 0.2, (_ENC, 3): 0.3}
+    state = _state(tmp_path, table, _SINGLES, certify_seeds=3, max_certify=2,
+                   adjust="bonferroni")  # fmt: skip
+    _answer(state, monkeypatch)
+    assert state.confidence == pytest.approx(0.975, abs=1e-15)
+    cert = state.certificate(_candidate(state, _ENC))
+    q = 0.9875
+    half = (2 * q - 1) / (2 * q * (1 - q)) ** 0.5 * 0.1 / 3**0.5
+    assert cert["half_width"] == pytest.approx(half, rel=1e-9)
+    assert cert["confidence"] == state.confidence and not cert["certified"]
+
+
 def _compose(*overrides):
     register_experiments()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
@@ -417,6 +460,21 @@ def test_a_gpu_time_of_zero_is_not_a_measurement(tmp_path, monkeypatch):
                if r["candidate"] == _L1)  # fmt: skip
     assert row["measured_s"] is None and row["cost_source"] == "modelled"
     assert row["cost_s"] == row["model_s"] == 9.0
+
+
+def test_a_measured_cost_is_the_median_of_its_seeds_gpu_times(tmp_path, monkeypatch):
+    # Layer 1's lowering alone passes and certifies, timed alone on the GPU at seeds 0, 1, 2:
+    # 0.03, 0.01, 0.02 s per iteration; its cost is their median, 0.02 (not the first, the
+    # fastest or the mean of an outlier).
+    times = {0: 0.03, 1: 0.01, 2: 0.02}
+    table = {(_L1, s): {"device": "cuda:0", "time_per_iter_s": t, "psnr": 30.0 + s}
+             for s, t in times.items()}  # fmt: skip
+    table.update({(_ENC, 0): -2.0, (_L0, 0): -2.0})
+    state = _state(tmp_path, table, _SINGLES)
+    assert _answer(state, monkeypatch) == _L1
+    row = next(r for r in results.summarise(state, state.ref)["candidates"]
+               if r["candidate"] == _L1)  # fmt: skip
+    assert row["measured_s"] == 0.02 and row["cost_source"] == "measured"
 
 
 def test_earlier_wall_time_is_read_only_when_it_is_a_time(tmp_path):

@@ -477,6 +477,26 @@ def test_a_measured_cost_is_the_median_of_its_seeds_gpu_times(tmp_path, monkeypa
     assert row["measured_s"] == 0.02 and row["cost_source"] == "measured"
 
 
+def test_a_measured_cost_over_an_even_count_of_seeds_is_the_mean_of_the_middle_two(
+    tmp_path, monkeypatch
+):
+    # Three certification seeds and the screens' make four timed runs (the default): 0.04,
+    # 0.01, 0.03, 0.02 s per iteration. Their median is (0.02 + 0.03) / 2 = 0.025, not the
+    # larger middle value 0.03; f32's four runs, each 0.05, have the median 0.05.
+    times = {0: 0.04, 1: 0.01, 2: 0.03, 3: 0.02}
+    table = {(_L1, s): {"device": "cuda:0", "time_per_iter_s": t, "psnr": 30.0 + s}
+             for s, t in times.items()}  # fmt: skip
+    table.update({(_REF, s): {"device": "cuda:0", "time_per_iter_s": 0.05, "psnr": 30.0 + s}
+                  for s in times})  # fmt: skip
+    table.update({(_ENC, 0): -2.0, (_L0, 0): -2.0})
+    state = _state(tmp_path, table, _SINGLES, certify_seeds=3)
+    assert _answer(state, monkeypatch) == _L1
+    rows = {r["candidate"]: r for r in results.summarise(state, state.ref)["candidates"]}
+    assert rows[_L1]["measured_s"] == pytest.approx(0.025, rel=1e-15)
+    assert rows[_L1]["cost_s"] == rows[_L1]["measured_s"]
+    assert rows[_REF]["measured_s"] == 0.05
+
+
 def test_earlier_wall_time_is_read_only_when_it_is_a_time(tmp_path):
     for value, expected in ((12.5, 12.5), (0, 0.0), (-3.0, 0.0), ("12", 0.0), (None, 0.0)):
         (tmp_path / "search.json").write_text(json.dumps({"budget": {"search_wall_s": value}}))

@@ -131,6 +131,40 @@ def test_a_diverged_run_whose_f32_partner_collapsed_is_not_listed_as_excluded(tm
     assert "- Excluded from the paired differences: `f32` seed 1 (collapsed). A collapse" in text
 
 
+def test_a_completed_run_whose_f32_partner_collapsed_is_left_out_of_the_pairs(tmp_path):
+    # f32 seed 1 collapsed at 20.04 dB; bf16 completed every seed. Seed 1's difference (+20.9
+    # dB, a collapse, not a precision effect) is not a pair: Δ over seeds 0, 2, 3 is -0.1,
+    # -0.2, 0.0: mean -0.1, sd 0.1, half 4.3027 * 0.1 / sqrt(3) = 0.2484, [-0.348, +0.148].
+    for seed in (0, 2, 3):
+        _write(tmp_path, f"f32_{seed}", _metrics("f32", seed, psnr=40.0 + seed))
+    _write(tmp_path, "f32_1", _collapsed("f32", 1))
+    for seed, psnr in enumerate((39.9, 40.95, 41.8, 43.0)):
+        _write(tmp_path, f"bf16_{seed}", _metrics("bf16", seed, psnr=psnr))
+    bf16 = _rows(tmp_path)["bf16"]
+    assert [s for s, _ in bf16["pairs"]] == [0, 2, 3]
+    assert bf16["excluded"] == [{"seed": 1, "run_dir": "bf16_1", "why": "its f32 run collapsed"}]
+    assert bf16["delta"]["n"] == 3
+    assert bf16["delta"]["mean"] == pytest.approx(-0.1, abs=1e-9)
+    assert bf16["delta"]["low"] == pytest.approx(-0.1 - 4.302653 * 0.1 / 3**0.5, abs=1e-6)
+    assert bf16["verdict"] == "no detectable difference"
+
+
+def test_only_an_inconclusive_row_gets_a_count_of_seeds_to_settle_it(tmp_path):
+    # bf16: Δ -1.0, -1.1, -1.2, [-1.348, -0.852]: worse, settled (one more seed would also
+    # exclude 0, but nothing is left to settle); amp: Δ -0.6, +0.4, -0.3, mean -0.1667, sd 0.513,
+    # half 1.274: inconclusive, and it gets its estimate.
+    for seed in range(3):
+        _write(tmp_path, f"f32_{seed}", _metrics("f32", seed, psnr=40.0 + seed))
+        _write(tmp_path, f"bf16_{seed}", _metrics("bf16", seed, psnr=39.0 + seed - 0.1 * seed))
+        amp = 40.0 + seed + (-0.6, 0.4, -0.3)[seed]
+        _write(tmp_path, f"amp_{seed}", _metrics("amp", seed, psnr=amp))
+    rows = _rows(tmp_path)
+    assert rows["bf16"]["verdict"] == "worse" and rows["bf16"]["seeds_to_settle"] is None
+    assert rows["amp"]["verdict"] == "inconclusive"
+    assert rows["amp"]["seeds_to_settle"] == stats.seeds_to_settle(rows["amp"]["delta"], 0.5)
+    assert rows["amp"]["seeds_to_settle"] is not None
+
+
 def test_an_arm_is_never_paired_with_f32_of_another_scene(tmp_path):
     # bf16 ran on two meshes, f32 only on the cube: the duck's bf16 row has no reference (it
     # is "not compared"), and the cube's is paired with the cube's f32 (diffs -1.0 each).
@@ -686,3 +720,18 @@ def test_unpaired_seeds_are_named_when_no_arm_can_be_judged(tmp_path):
         "- Completed but not paired (no completed `f32` run with that seed): `bf16` seeds 1, 2; "
         "in the row's seeds and PSNR, not in its Δ."
     )
+
+
+def test_a_section_title_names_its_scene_once(tmp_path):
+    # Two scenes, learning rate swept too: each section's title is "scene <name>" and the
+    # shown keys outside the precision group, scene.name not repeated as a key.
+    for scene in ("duck", "spot"):
+        for lr in (0.01, 0.02):
+            for arm in ("f32", "bf16"):
+                _write(tmp_path, f"{scene}_{lr}_{arm}",
+                       _metrics(arm, 0, scene=scene, config={"train.lr": lr}))  # fmt: skip
+    rows = summarize(collect_runs(tmp_path))
+    assert [(title, len(indices)) for title, indices in stats.sections(rows)] == [
+        ("scene duck, train.lr=0.01", 2), ("scene duck, train.lr=0.02", 2),
+        ("scene spot, train.lr=0.01", 2), ("scene spot, train.lr=0.02", 2),
+    ]  # fmt: skip

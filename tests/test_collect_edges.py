@@ -307,3 +307,22 @@ def test_the_gap_pairs_every_shared_seed_and_its_table_ends_at_the_last_validati
     assert list(result["gap"]["curve"]) == its
     lines = attr.render(result, 0.5, plotted=False)
     assert "| iteration | 10 | 30 | 50 | 70 | 90 | 110 | 130 | 140 |" in lines
+
+
+def test_rows_are_grouped_by_their_context_first_then_by_arm(tmp_path):
+    # Two scenes and two arms: the rows of one scene come together (the reference first, then
+    # the arms in ARM_ORDER), whatever the order of the folders; arm-major order would
+    # interleave the scenes (duck f32, spot f32, duck bf16, spot bf16).
+    from mptex.report.collect import group_runs
+
+    for arm in ("bf16", "f32"):
+        for scene in ("spot", "duck"):
+            for seed in range(2):
+                _write(tmp_path, f"{arm}_{scene}_{seed}", _metrics(arm, seed, scene=scene))
+    keys, groups, duplicates, unidentified = group_runs(collect_runs(tmp_path))
+    assert keys == ["precision.name", "scene.name"]
+    assert [(g[0]["scene"], g[0]["precision"]) for g in groups] == [
+        ("duck", "f32"), ("duck", "bf16"), ("spot", "f32"), ("spot", "bf16")
+    ]  # fmt: skip
+    assert [[r["seed"] for r in g] for g in groups] == [[0, 1]] * 4
+    assert duplicates == [] and unidentified == []

@@ -158,23 +158,49 @@ def test_a_bad_train_value_is_one_line_naming_the_key_and_the_expectation(key, v
 
 
 @pytest.mark.parametrize(
-    "given, step",
+    "given, step, beside",
     [
         # lr / (1 - 0.9) = 10 lr (betas [0.9, 0.999] by default)
-        ({"lr": 1e38}, "1e+39"),
-        ({"lr": 1e37, "mlp_lr_scale": 10}, "1e+39"),
-        ({"lr": 1e30, "mlp_lr_scale": 0.5, "mlp_lr_ramp_to": 1e9}, "1e+40"),
-        ({"lr": 1e35, "betas": [0.9999, 0.999]}, "1e+39"),
+        ({"lr": 1e38}, "1e+39", ""),
+        ({"lr": 1e37, "mlp_lr_scale": 10}, "1e+39", "with train.mlp_lr_scale=10, "),
+        (
+            {"lr": 1e30, "mlp_lr_scale": 0.5, "mlp_lr_ramp_to": 1e9},
+            "1e+40",
+            "with train.mlp_lr_ramp_to=1000000000.0, ",
+        ),
+        ({"lr": 1e35, "betas": [0.9999, 0.999]}, "1e+39", ""),
     ],
 )
-def test_a_rate_whose_adam_step_is_beyond_float32_is_refused(given, step):
+def test_a_rate_whose_adam_step_is_beyond_float32_is_refused(given, step, beside):
     with pytest.raises(ConfigError) as info:
         check_group(TrainConfig, given, "train")
     assert str(info.value) == (
-        "train.lr: expected a rate whose largest Adam step, lr * max(1, mlp_lr_scale, "
+        f"train.lr: expected {beside}a rate whose largest Adam step, lr * max(1, mlp_lr_scale, "
         f"mlp_lr_ramp_to) / (1 - betas[0]) = {step}, is a float32 number (<= 3.40282e+38), "
         f"got {given['lr']!r}"
     )
+
+
+@pytest.mark.parametrize(
+    "given, key, step",
+    [
+        # The learning rate left at its default 0.01: the MLP's factor set is what is named,
+        # since lr x factor is what overflows (0.01 x 1e300 / (1 - 0.9) = 1e299).
+        ({"mlp_lr_scale": 1e300}, "mlp_lr_scale", "1e+299"),
+        ({"mlp_lr_ramp_to": 1e300}, "mlp_lr_ramp_to", "1e+299"),
+        ({"mlp_lr_scale": 2.0, "mlp_lr_ramp_to": 1e300}, "mlp_lr_ramp_to", "1e+299"),
+    ],
+)
+def test_an_mlp_rate_factor_beyond_float32_names_its_own_key(given, key, step):
+    with pytest.raises(ConfigError) as info:
+        check_group(TrainConfig, given, "train")
+    assert str(info.value) == (
+        f"train.{key}: expected a rate whose largest Adam step, lr * max(1, mlp_lr_scale, "
+        f"mlp_lr_ramp_to) / (1 - betas[0]) = {step}, is a float32 number (<= 3.40282e+38), "
+        f"got {given[key]!r}"
+    )
+    # The product is what is checked: a large factor with a rate small enough is taken.
+    check_group(TrainConfig, {**given, "lr": 1e-270}, "train")
 
 
 def test_an_adam_epsilon_beyond_float32_is_refused():

@@ -68,18 +68,46 @@ _PERIOD = Integer(min=0, note="0: only at the end")
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
-def _step_in_float32(s: Mapping[str, Any]) -> str | None:
+def _largest_step(s: Mapping[str, Any]) -> float:
     # Adam's first step is rate / (1 - betas[0]) (its bias correction; later steps less), the
     # rate at most lr * max(1, the MLP's factor); torch refuses a step beyond float32 ("value
     # cannot be converted to type float without overflow") where NaN weights would be a result.
     factor = max(1.0, s["mlp_lr_scale"], s["mlp_lr_ramp_to"] or 0.0)
-    step = s["lr"] * factor / (1.0 - s["betas"][0])
-    if step <= _FLOAT32_MAX:
-        return None
-    return (
-        "a rate whose largest Adam step, lr * max(1, mlp_lr_scale, mlp_lr_ramp_to) / "
-        f"(1 - betas[0]) = {step:.6g}, is a float32 number (<= {_FLOAT32_MAX:.6g})"
-    )
+    return s["lr"] * factor / (1.0 - s["betas"][0])
+
+
+# The MLP's factors, with their defaults: a factor the user left as it was is not to blame.
+_MLP_FACTORS = {"mlp_lr_scale": 1.0, "mlp_lr_ramp_to": None}
+_DEFAULT_LR = 0.01
+
+
+def _factor_set(s: Mapping[str, Any]) -> str | None:
+    """The MLP factor the user set that makes the largest rate (None: neither, or <= 1)."""
+    chosen = [k for k, default in _MLP_FACTORS.items() if s[k] != default and (s[k] or 0) > 1]
+    return max(chosen, key=lambda k: s[k], default=None)
+
+
+def _step_in_float32(key: str):
+    """The rule on ``key`` (lr or one of the MLP's factors) that the largest Adam step is a
+    float32 number: the product lr x factor is what is checked, and the line names the key
+    the user set (lr where both were, with the factor beside it)."""
+
+    def rule(s: Mapping[str, Any]) -> str | None:
+        step = _largest_step(s)
+        if step <= _FLOAT32_MAX:
+            return None
+        factor = _factor_set(s)
+        lr_set = s["lr"] != _DEFAULT_LR or factor is None
+        if (key == "lr") != lr_set or (key != "lr" and key != factor):
+            return None
+        beside = f"with train.{factor}={s[factor]!r}, " if key == "lr" and factor else ""
+        return (
+            f"{beside}a rate whose largest Adam step, lr * max(1, mlp_lr_scale, "
+            f"mlp_lr_ramp_to) / (1 - betas[0]) = {step:.6g}, is a float32 number "
+            f"(<= {_FLOAT32_MAX:.6g})"
+        )
+
+    return rule
 
 
 def _non_zero_light(s: Mapping[str, Any]) -> str | None:
@@ -129,15 +157,19 @@ class TrainConfig:
     would compare with f32's as if trained, and a search would certify."""
     batch_size: int = setting(2, Integer(min=1))
     """Views per iteration (nvdiffrec's ``FLAGS.batch``)."""
-    lr: float = setting(0.01, _POSITIVE, rule=_step_in_float32)
+    lr: float = setting(_DEFAULT_LR, _POSITIVE, rule=_step_in_float32("lr"))
     """Adam's learning rate (nvdiffrec's for the material); its largest step, with the MLP's
     factor and Adam's bias correction, must be a float32 number."""
     mlp_lr_scale: float = setting(
-        1.0, Number(min=0, min_open=True, note="the MLP's learning rate over the grid's")
+        1.0,
+        Number(min=0, min_open=True, note="the MLP's learning rate over the grid's"),
+        rule=_step_in_float32("mlp_lr_scale"),
     )
     """The MLP learns at ``lr * mlp_lr_scale``."""
     mlp_lr_ramp_to: float | None = setting(
-        None, OrNull(_POSITIVE, "the MLP keeps mlp_lr_scale")
+        None,
+        OrNull(_POSITIVE, "the MLP keeps mlp_lr_scale"),
+        rule=_step_in_float32("mlp_lr_ramp_to"),
     )
     """A number: the MLP's factor ramps linearly from ``mlp_lr_scale`` to it."""
     mlp_lr_ramp_iter: int = setting(100, Integer(min=1, note="iterations of the MLP rate's ramp"))

@@ -320,11 +320,29 @@ def test_views_that_exactly_fill_the_free_memory_fit(monkeypatch):
 
     # tiny_cfg: 4 training and 2 validation views of 32 x 32 pixels, 57 bytes each
     needed = 32 * 32 * (4 + 2) * 57
-    monkeypatch.setattr(train_config, "available_bytes", lambda device: needed)
+    # and an iteration of train.batch_size=1 view of them, 56 bytes per pixel
+    monkeypatch.setattr(train_config, "available_bytes", lambda device: needed + 32 * 32 * 56)
     validate_config(tiny_cfg())
     monkeypatch.setattr(train_config, "available_bytes", lambda device: needed - 1)
     assert _start_message().startswith("scene.resolution: 4 training and 2 validation views of "
                                        "32 x 32 pixels need 0.0 GiB")  # fmt: skip
+
+
+def test_an_iteration_that_exactly_fills_the_free_memory_fits(monkeypatch):
+    from mptex.train import config as train_config
+
+    # tiny_cfg's views (32 x 32 pixels, 4 + 2 views, 57 bytes each) and an iteration of
+    # train.batch_size=8 views of 32 x 32 pixels (56 bytes each: reference, coverage,
+    # background, the composite's product, the prediction)
+    needed = 32 * 32 * (4 + 2) * 57 + 8 * 32 * 32 * 56
+    monkeypatch.setattr(train_config, "available_bytes", lambda device: needed)
+    validate_config(tiny_cfg("train.batch_size=8"))
+    monkeypatch.setattr(train_config, "available_bytes", lambda device: needed - 1)
+    assert _start_message("train.batch_size=8") == (
+        "train.batch_size: an iteration of 8 views of 32 x 32 pixels needs 0.000427 GiB for its "
+        "images alone (0.000753 GiB with the views' buffers), only 0.0 GiB is free on cpu "
+        "(lower train.batch_size or scene.resolution)"
+    )
 
 
 def test_missing_groups_and_keys_that_are_not_text_are_refused():

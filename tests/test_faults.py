@@ -585,6 +585,26 @@ def test_views_that_cannot_fit_in_memory_are_refused_at_start(tmp_path, monkeypa
     train(tiny_cfg("train.iterations=1"), tmp_path / "fits")  # the tiny scene fits in 1 GiB
 
 
+def test_an_iteration_that_cannot_fit_in_memory_is_refused_at_start(tmp_path, monkeypatch):
+    # train.batch_size=10**9 passed the start checks (the views fit) and ran out of memory in
+    # the first iteration, whose images are batch_size x the resolution. The estimate is a
+    # lower bound: 56 bytes per pixel of the batch (reference RGBA, coverage, background, the
+    # composite's product, the prediction, all float32 and alive at once), where one
+    # iteration of train.batch_size=2048 at 24 x 24 measured 614 MB more peak RSS on a CPU
+    # than one of 32 (about 530 bytes per pixel: the image, the loss, the activations too).
+    from mptex.train import config as train_config
+
+    monkeypatch.setattr(train_config, "available_bytes", lambda device: 2 << 30)
+    message = start_error(tmp_path, "train.batch_size=1000000000")
+    # 10**9 x 24 x 24 x 56 bytes = 3.0e4 GiB
+    assert message == (
+        "train.batch_size: an iteration of 1000000000 views of 24 x 24 pixels needs 3e+04 GiB "
+        "for its images alone (3e+04 GiB with the views' buffers), only 2.0 GiB is free on "
+        "cpu (lower train.batch_size or scene.resolution)"
+    )
+    train(tiny_cfg("train.iterations=1", "train.batch_size=64"), tmp_path / "fits")
+
+
 def test_an_mlp_that_cannot_fit_in_memory_is_refused_at_start(tmp_path, monkeypatch):
     # A width or depth the device cannot hold the MLP's training state for: one line at start,
     # not the allocator's failure while the texture is built.

@@ -316,6 +316,26 @@ def config_key(message: str) -> str:
     return f"{_ARGUMENT_KEYS[name]}{inner}:{rest if sep == ':' else ' must' + rest}"
 
 
+def _rendered_scene(scene: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The checked config of a scene whose views mptex renders at ``scene.resolution``, else
+    None (a bad scene config, which ``build_scene`` reports; a scene of images at their own
+    resolution, NeRF)."""
+    try:
+        checked = check_scene_config(scene)
+    except ValueError:
+        return None
+    if not isinstance(checked.get("resolution"), tuple) or "n_train_views" not in checked:
+        return None
+    return checked
+
+
+def _view_pixels(checked: Mapping[str, Any], val_spp: int) -> int:
+    """Pixels of a rendered scene's views: the training views, the validation views at
+    ``val_spp`` x the resolution."""
+    height, width = checked["resolution"]
+    return height * width * (checked["n_train_views"] + checked["n_val_views"] * val_spp**2)
+
+
 # What a scene holds per pixel of each view it draws: the G-buffer (rast 16 bytes, position
 # 12, normal 12, mask 1) and the reference RGBA (16); the rasterizer's temporaries come on top.
 _VIEW_BYTES_PER_PIXEL = 57
@@ -326,15 +346,11 @@ def _view_memory_problem(scene: Mapping[str, Any], val_spp: int, device: torch.d
     the validation views at ``val_spp`` x the resolution) cannot fit in what ``device`` has
     free, else None; None too where the scene's config or the free memory cannot be read
     (``build_scene`` reports a bad scene config)."""
-    try:
-        checked = check_scene_config(scene)
-    except ValueError:
+    checked = _rendered_scene(scene)
+    if checked is None:
         return None
-    size = checked.get("resolution")
-    if not isinstance(size, tuple) or "n_train_views" not in checked:
-        return None  # a scene of images at their own resolution (NeRF)
-    pixels = size[0] * size[1] * (checked["n_train_views"] + checked["n_val_views"] * val_spp**2)
-    needed = pixels * _VIEW_BYTES_PER_PIXEL
+    size = checked["resolution"]
+    needed = _view_pixels(checked, val_spp) * _VIEW_BYTES_PER_PIXEL
     available = available_bytes(device)
     if available is None or needed <= available:
         return None
@@ -344,6 +360,39 @@ def _view_memory_problem(scene: Mapping[str, Any], val_spp: int, device: torch.d
         f"validation views of {size[0]} x {size[1]} pixels{supersampled} need "
         f"{needed / 2**30:.1f} GiB for their buffers alone, only {available / 2**30:.1f} GiB "
         f"is free on {device} (lower scene.resolution, the view counts or train.val_spp)"
+    )
+
+
+# What a training iteration holds per pixel of its batch at once (mptex.train.loop.step,
+# mptex.train.shading.render_batch), float32: the batch's reference RGBA (16 bytes) and
+# coverage (4) gathered from the prepared views, the background (12), the composite's
+# (rgb - background) x alpha (12) and the prediction (12); the texture's image, the loss's
+# temporaries and the MLP's activations at the covered points come on top.
+_ITERATION_BYTES_PER_PIXEL = 56
+
+
+def _iteration_memory_problem(scene: Mapping[str, Any], s: Mapping[str, Any], device):
+    """One line naming ``train.batch_size`` when the scene's views (as
+    :func:`_view_memory_problem` counts them) and one training iteration's per-pixel buffers
+    at ``batch_size`` x the resolution cannot fit together in what ``device`` has free, else
+    None; None too where the scene's config or the free memory cannot be read, or its images
+    have their own resolution (NeRF)."""
+    checked = _rendered_scene(scene)
+    if checked is None:
+        return None
+    size = checked["resolution"]
+    views = _view_pixels(checked, s["val_spp"])
+    batch = s["batch_size"] * size[0] * size[1]
+    needed = views * _VIEW_BYTES_PER_PIXEL + batch * _ITERATION_BYTES_PER_PIXEL
+    available = available_bytes(device)
+    if available is None or needed <= available:
+        return None
+    return (
+        f"train.batch_size: an iteration of {s['batch_size']} views of {size[0]} x {size[1]} "
+        f"pixels needs {batch * _ITERATION_BYTES_PER_PIXEL / 2**30:.3g} GiB for its images "
+        f"alone ({needed / 2**30:.3g} GiB with the views' buffers), only "
+        f"{available / 2**30:.1f} GiB is free on {device} (lower train.batch_size or "
+        "scene.resolution)"
     )
 
 
@@ -546,6 +595,7 @@ def validate_config(cfg: Mapping[str, Any], *, machine: bool = True) -> dict[str
         _mlp_memory_problem(texture, dev)
         or _fp8_history_problem(policy, texture["hidden"], dev)
         or _view_memory_problem(cfg["scene"], s["val_spp"], dev)
+        or _iteration_memory_problem(cfg["scene"], s, dev)
     )
     if problem is not None:
         raise ValueError(problem)

@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 from omegaconf import OmegaConf
 from test_train import tiny_cfg
 
@@ -343,6 +344,34 @@ def test_an_iteration_that_exactly_fills_the_free_memory_fits(monkeypatch):
         "images alone (0.000753 GiB with the views' buffers), only 0.0 GiB is free on cpu "
         "(lower train.batch_size or scene.resolution)"
     )
+
+
+@pytest.mark.parametrize(
+    "tubular, radial, n_train_views, measured",
+    [
+        # Peak RSS over the process's start, building the builtin scene at 24 x 24 pixels
+        # with one validation view, preparing its training views and rendering the
+        # validation view (torch rasterizer, one CPU thread, torch 2.13), in bytes.
+        (1000, 8, 16, 235_175_936),
+        (4000, 8, 16, 883_908_608),
+        (16000, 8, 16, 3_245_297_664),
+        (16000, 8, 4, 943_915_008),
+        (16000, 8, 1, 260_108_288),
+    ],
+)
+def test_the_knot_memory_estimate_stays_below_measured_peaks(
+    tubular, radial, n_train_views, measured
+):
+    # A lower bound: a knot that fits is never refused (the estimate counts what the
+    # rasterizer holds at once, not its clipping, binning or samples).
+    from mptex.scenes.config import check_scene_config
+    from mptex.train.config import _builtin_mesh_bytes
+
+    scene = {"name": "builtin", "tubular_segments": tubular, "radial_segments": radial,
+             "resolution": 24, "n_train_views": n_train_views, "n_val_views": 1,
+             "raster_backend": "torch"}  # fmt: skip
+    estimate = _builtin_mesh_bytes(check_scene_config(scene), torch.device("cpu"))
+    assert measured / 10 < estimate < measured
 
 
 def test_missing_groups_and_keys_that_are_not_text_are_refused():

@@ -43,6 +43,7 @@ from mptex.config_schema import (
 from mptex.export_config import check_export_config
 from mptex.fp8 import resolve_gemm_backend
 from mptex.precision import PrecisionPolicy
+from mptex.render.rasterize import resolved_backend
 from mptex.scenes.config import check_scene_config
 from mptex.texture import NVDIFFREC_ENCODER_CONFIG, GridConfig, check_texture_config
 from mptex.train.losses import LOSSES, LR_SCHEDULES
@@ -363,6 +364,62 @@ def _view_memory_problem(scene: Mapping[str, Any], val_spp: int, device: torch.d
     )
 
 
+# Views the scene rasterizes in one call: the training views in chunks of this many
+# (mptex.scenes.Scene.prepare_training's default), the validation views all at once.
+_TRAIN_VIEWS_PER_RASTER_CALL = 16
+# The torch rasterizer's work per triangle of each view it draws (mptex.render.rasterize's
+# _setup_triangles), all float32 or bool and alive at once while it culls: the gathered
+# clip-space corners [3, 4] (48 bytes), their |x, y, z| [3, 3] (36), the outside and culled
+# flags (2); clipping, binning and the tiles' samples come on top.
+_RASTER_BYTES_PER_FACE_VIEW = 86
+# And per vertex of each view: its clip-space position (4 float32); the mesh itself holds
+# 12 bytes per vertex (float32 position) and 12 per triangle (int32 corners).
+_RASTER_BYTES_PER_VERTEX_VIEW = 16
+_MESH_BYTES_PER_VERTEX, _MESH_BYTES_PER_FACE = 12, 12
+
+
+def _views_per_raster_call(checked: Mapping[str, Any]) -> int:
+    return max(min(_TRAIN_VIEWS_PER_RASTER_CALL, checked["n_train_views"]), checked["n_val_views"])
+
+
+def _builtin_mesh_bytes(checked: Mapping[str, Any], device: torch.device) -> int:
+    """A lower bound of the memory the builtin scene's knot takes while its views are
+    rasterized: the mesh, and the rasterizer's per-vertex and (torch rasterizer) per-triangle
+    work for the largest number of views drawn in one call."""
+    tubular, radial = checked["tubular_segments"], checked["radial_segments"]
+    vertices, faces = tubular * radial, 2 * tubular * radial
+    views = _views_per_raster_call(checked)
+    per_face = _MESH_BYTES_PER_FACE
+    if resolved_backend(checked["raster_backend"], device) == "torch":
+        per_face += views * _RASTER_BYTES_PER_FACE_VIEW
+    per_vertex = _MESH_BYTES_PER_VERTEX + views * _RASTER_BYTES_PER_VERTEX_VIEW
+    return faces * per_face + vertices * per_vertex
+
+
+def _mesh_memory_problem(scene: Mapping[str, Any], device: torch.device) -> str | None:
+    """One line naming ``scene.tubular_segments`` (or ``scene.radial_segments``, the larger)
+    when the builtin scene's knot and its rasterization (:func:`_builtin_mesh_bytes`) cannot
+    fit in what ``device`` has free, else None (None too for other scenes, a bad scene config
+    or where the free memory is unknown)."""
+    checked = _rendered_scene(scene)
+    if checked is None or "tubular_segments" not in checked:
+        return None
+    needed = _builtin_mesh_bytes(checked, device)
+    available = available_bytes(device)
+    if available is None or needed <= available:
+        return None
+    tubular, radial = checked["tubular_segments"], checked["radial_segments"]
+    key = "scene.tubular_segments" if tubular >= radial else "scene.radial_segments"
+    views = _views_per_raster_call(checked)
+    return (
+        f"{key}: the builtin knot of {tubular} x {radial} segments ({2 * tubular * radial} "
+        f"triangles), rasterized {views} views at a time, needs {needed / 2**30:.3g} GiB "
+        f"for the mesh and the rasterizer's per-triangle work alone, only "
+        f"{available / 2**30:.1f} GiB is free on {device} (lower scene.tubular_segments or "
+        "scene.radial_segments)"
+    )
+
+
 # What a training iteration holds per pixel of its batch at once (mptex.train.loop.step,
 # mptex.train.shading.render_batch), float32: the batch's reference RGBA (16 bytes) and
 # coverage (4) gathered from the prepared views, the background (12), the composite's
@@ -595,6 +652,7 @@ def validate_config(cfg: Mapping[str, Any], *, machine: bool = True) -> dict[str
         _mlp_memory_problem(texture, dev)
         or _fp8_history_problem(policy, texture["hidden"], dev)
         or _view_memory_problem(cfg["scene"], s["val_spp"], dev)
+        or _mesh_memory_problem(cfg["scene"], dev)
         or _iteration_memory_problem(cfg["scene"], s, dev)
     )
     if problem is not None:

@@ -374,6 +374,30 @@ def test_the_knot_memory_estimate_stays_below_measured_peaks(
     assert measured / 10 < estimate < measured
 
 
+def test_mlp_activations_that_exactly_fill_the_free_memory_fit(monkeypatch):
+    from mptex.precision import PrecisionPolicy
+    from mptex.train import config as train_config
+    from mptex.train.config import _MODULE_BYTES, TRAIN_DEFAULTS, mlp_activation_problem
+
+    texture = {"internal_dims": 32, "hidden": 2, "channels": 3}  # nvdiffrec's encoder: 32 in
+    settings = {**TRAIN_DEFAULTS, "batch_size": 1000}
+    # (32 + 1) * 32 + (32 + 1) * 32 + (32 + 1) * 3 = 2211 parameters x 16 bytes, and
+    # 2 layers x 32 x (1000 views x 100 pixels x 2) points x 4 bytes (f32), and 5 modules
+    # (3 linear layers, 2 activations) of an empty torch module's Python objects at least
+    needed = 2211 * 16 + 2 * 32 * 200_000 * 4 + 5 * _MODULE_BYTES
+    monkeypatch.setattr(train_config, "available_bytes", lambda device: needed)
+    policy = PrecisionPolicy.from_config("f32")
+    assert mlp_activation_problem(texture, policy, settings, 100, torch.device("cpu")) is None
+    monkeypatch.setattr(train_config, "available_bytes", lambda device: needed - 1)
+    message = mlp_activation_problem(texture, policy, settings, 100, torch.device("cpu"))
+    assert message.startswith("train.batch_size: an MLP of 3 layers 32 wide keeps 0.0477 GiB")
+    # Half the bytes per value in bf16: fits again; no smoothness term: half the points.
+    assert mlp_activation_problem(texture, PrecisionPolicy.from_config("bf16"), settings, 100,
+                                  torch.device("cpu")) is None  # fmt: skip
+    plain = {**settings, "kd_smooth": False}
+    assert mlp_activation_problem(texture, policy, plain, 100, torch.device("cpu")) is None
+
+
 def test_missing_groups_and_keys_that_are_not_text_are_refused():
     full = OmegaConf.to_container(tiny_cfg())
     for group in ("scene", "precision", "texture"):

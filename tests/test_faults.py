@@ -628,6 +628,32 @@ def test_a_knot_whose_rasterization_cannot_fit_is_refused_at_start(tmp_path, mon
     train_config.validate_config(tiny_cfg("scene.tubular_segments=1000", "scene.radial_segments=8"))
 
 
+def test_mlp_activations_that_cannot_fit_are_refused_before_the_texture_is_built(
+    tmp_path, monkeypatch
+):
+    # texture.hidden=10**6 passed the parameter estimate (4.35 GB of training state) and
+    # ended in a MemoryError minutes later, in the first iteration: each hidden layer's
+    # backward keeps its input at every covered point. The tiny run's views cover 128 and 183
+    # pixels: an iteration of 1 view has 128 x 2 points at least (the kd smoothness term's
+    # jittered copies), 10**6 layers x 16 x 256 x 4 bytes = 16,384,000,000 bytes, a lower
+    # bound: one iteration at texture.hidden=8000 measured 798 MB more peak RSS on a CPU than
+    # at 2, where this counts 201 MB (activations, training state, 2 x 7998 more modules of
+    # 2212 bytes: an empty torch module's Python objects under Python 3.11).
+    from mptex.train import config as train_config
+
+    monkeypatch.setattr(train_config, "available_bytes", lambda device: 8 << 30)
+    message = start_error(tmp_path, "texture.hidden=1000000")
+    assert message == (
+        "texture.hidden: an MLP of 1000001 layers 16 wide keeps 15.3 GiB of activations for "
+        "the backward of an iteration (256 points at least: train.batch_size=1 views, the "
+        "fewest covered pixels of a training view 128), 23.4 GiB with its training state "
+        "and its 2000001 modules, only 8.0 GiB is free on cpu (lower texture.hidden, "
+        "texture.internal_dims or "
+        "train.batch_size)"
+    )
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
 def test_an_mlp_that_cannot_fit_in_memory_is_refused_at_start(tmp_path, monkeypatch):
     # A width or depth the device cannot hold the MLP's training state for: one line at start,
     # not the allocator's failure while the texture is built.

@@ -236,6 +236,12 @@ class Scene:
                 prepared.append(view)
         self._training, self._training_normals = prepared, normals
 
+    def covered_pixels(self, normals: bool = False) -> list[int]:
+        """Covered pixels of each training view (the texture's points each one gives an
+        iteration), from the prepared views (:meth:`prepare_training`, run on first use)."""
+        self.prepare_training(normals)
+        return [int(view["covered"].shape[0]) for view in self._training]
+
     def training_batch(
         self, batch_size: int, generator: torch.Generator, normals: bool = False
     ) -> TrainingBatch:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -56,6 +57,7 @@ __all__ = [
     "ConfigError",
     "check_texture_config",
     "config_key",
+    "mlp_activation_problem",
     "normalized_config",
     "absolute_scene_paths",
     "validate_config",
@@ -283,6 +285,8 @@ class TrainConfig:
 
 
 TRAIN_DEFAULTS = defaults_of(TrainConfig)
+# The texture group's width and depth as configs/texture/default.yaml sets them (nvdiffrec's).
+_TEXTURE_DEFAULTS = {"internal_dims": 32, "hidden": 2}
 
 # Constructor argument -> config key, for errors raised while building the run's objects.
 _ARGUMENT_KEYS = {
@@ -457,17 +461,23 @@ def _iteration_memory_problem(scene: Mapping[str, Any], s: Mapping[str, Any], de
 _MLP_BYTES_PER_PARAM = 16
 
 
+def _mlp_params(texture: Mapping[str, Any]) -> int:
+    """Parameters of the texture's MLP (an upper count: with biases)."""
+    encoder = texture.get("encoder") or NVDIFFREC_ENCODER_CONFIG
+    inputs = encoder.get("n_levels", 16) * encoder.get("n_features_per_level", 2)
+    width, hidden, channels = texture["internal_dims"], texture["hidden"], texture["channels"]
+    # Layers inputs -> width, (hidden - 1) x width -> width, width -> channels, with biases.
+    return (inputs + 1) * width + (hidden - 1) * (width + 1) * width + (width + 1) * channels
+
+
 def _mlp_memory_problem(texture: Mapping[str, Any], device: torch.device) -> str | None:
     """One line naming ``texture.internal_dims`` (or ``texture.hidden``, where the MLP is
     deeper than wide, or ``texture.channels``, where its output layer holds most of its
     parameters) when the texture's MLP (its weights, gradients and Adam's moments;
     activations not counted, so a lower bound) cannot fit in what ``device`` has free, else
     None (None too where the free memory is unknown)."""
-    encoder = texture.get("encoder") or NVDIFFREC_ENCODER_CONFIG
-    inputs = encoder.get("n_levels", 16) * encoder.get("n_features_per_level", 2)
     width, hidden, channels = texture["internal_dims"], texture["hidden"], texture["channels"]
-    # Layers inputs -> width, (hidden - 1) x width -> width, width -> channels, with biases.
-    params = (inputs + 1) * width + (hidden - 1) * (width + 1) * width + (width + 1) * channels
+    params = _mlp_params(texture)
     needed = params * _MLP_BYTES_PER_PARAM
     available = available_bytes(device)
     if available is None or needed <= available:
@@ -485,6 +495,69 @@ def _mlp_memory_problem(texture: Mapping[str, Any], device: torch.device) -> str
         f"parameters) needs {needed / 2**30:.3g} GiB for its weights, gradients and Adam's "
         f"moments alone, only {available / 2**30:.1f} GiB is free on {device} (lower "
         "texture.internal_dims or texture.hidden)"
+    )
+
+
+def _module_bytes() -> int:
+    # An empty torch module's Python objects on this interpreter (itself, its __dict__ and the
+    # hook and parameter tables in it, shallow): what each layer and activation of the MLP
+    # holds at least (tracemalloc counts about 4.6 kB per hidden layer, Linear and ReLU).
+    module = torch.nn.Module()
+    return (
+        sys.getsizeof(module)
+        + sys.getsizeof(vars(module))
+        + sum(sys.getsizeof(value) for value in vars(module).values())
+    )
+
+
+_MODULE_BYTES = _module_bytes()
+
+
+def mlp_activation_problem(
+    texture: Mapping[str, Any],
+    policy: PrecisionPolicy,
+    settings: Mapping[str, Any],
+    fewest_covered: int,
+    device: torch.device,
+) -> str | None:
+    """One line naming ``texture.hidden``, ``texture.internal_dims`` or ``train.batch_size``
+    (whichever is furthest above its default) when the MLP's training state and the
+    activations one iteration keeps for the backward cannot fit together in what ``device``
+    has free, else None (None too where it is unknown).
+
+    A lower bound: an iteration samples the texture at ``batch_size`` x ``fewest_covered``
+    points at least (the training view covering the fewest pixels), twice that with the kd
+    smoothness term (its jittered copies), and each hidden layer's backward keeps its input,
+    ``width`` values per point in the MLP's narrowest compute dtype (one byte for the FP8
+    arms, whose GEMMs may keep FP8 copies); each of its torch modules holds at least an empty
+    module's Python objects.
+    """
+    jittered = settings["kd_smooth"] and settings["kd_smooth_weight"] > 0
+    points = settings["batch_size"] * fewest_covered * (2 if jittered else 1)
+    width, hidden = texture["internal_dims"], texture["hidden"]
+    itemsize = 1 if policy.fp8_gemm else min(dtype.itemsize for dtype in policy.mlp_dtypes)
+    activations = hidden * width * points * itemsize
+    # hidden + 1 linear layers, an activation after each but the last; tcnn's fused network
+    # (and its torch twin) is one module
+    modules = 1 if policy.mlp == "fused" else 2 * hidden + 1
+    needed = _mlp_params(texture) * _MLP_BYTES_PER_PARAM + activations + modules * _MODULE_BYTES
+    available = available_bytes(device)
+    if available is None or needed <= available:
+        return None
+    growth = {
+        "texture.hidden": hidden / _TEXTURE_DEFAULTS["hidden"],
+        "texture.internal_dims": width / _TEXTURE_DEFAULTS["internal_dims"],
+        "train.batch_size": settings["batch_size"] / TRAIN_DEFAULTS["batch_size"],
+    }
+    key = max(growth, key=growth.get)
+    return (
+        f"{key}: an MLP of {hidden + 1} layers {width} wide keeps {activations / 2**30:.3g} GiB "
+        f"of activations for the backward of an iteration ({points} points at least: "
+        f"train.batch_size={settings['batch_size']} views, the fewest covered pixels of a "
+        f"training view {fewest_covered}), {needed / 2**30:.3g} GiB with its training state "
+        f"and its {modules} modules, "
+        f"only {available / 2**30:.1f} GiB is free on {device} (lower texture.hidden, "
+        "texture.internal_dims or train.batch_size)"
     )
 
 

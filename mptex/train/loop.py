@@ -55,7 +55,12 @@ from mptex._triton_launch import launching_on
 from mptex.config_schema import plain as plain_config
 from mptex.host import to_host
 from mptex.mlp import float32_gemm_sums
-from mptex.precision import PrecisionStepper, all_finite, optimizer_state_tensors
+from mptex.precision import (
+    PrecisionPolicy,
+    PrecisionStepper,
+    all_finite,
+    optimizer_state_tensors,
+)
 from mptex.render.image import rgb_to_srgb
 from mptex.scenes import MESH_SCENES, Scene, build_scene, same_suite_asset
 from mptex.texture import MLPTexture3D
@@ -75,7 +80,9 @@ from mptex.train.config import (
     TRAIN_DEFAULTS,
     ConfigError,
     absolute_scene_paths,
+    check_texture_config,
     config_key,
+    mlp_activation_problem,
     normalized_config,
     validate_config,
 )
@@ -424,6 +431,14 @@ def _start(
             f"has zero extent along {', '.join(flat)}; a 3D texture needs a mesh with a volume"
         )
     _check_coverage(scene)
+    # The training views are prepared now (setup would), so that an MLP whose activations
+    # cannot fit at their covered points is refused before it is built.
+    fewest = min(scene.covered_pixels(normals=settings["shading"] != "kd"))
+    policy = PrecisionPolicy.from_config(full["precision"])
+    texture_cfg = check_texture_config(full["texture"])
+    problem = mlp_activation_problem(texture_cfg, policy, settings, fewest, device)
+    if problem is not None:
+        raise ValueError(problem)
     init_seed = settings["init_seed"]
     seed_everything(int(settings["seed"] if init_seed is None else init_seed))
     try:

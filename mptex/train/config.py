@@ -346,6 +346,13 @@ def _view_pixels(checked: Mapping[str, Any], val_spp: int) -> int:
 _VIEW_BYTES_PER_PIXEL = 57
 
 
+def _short_of(needed: int | float, device: torch.device) -> int | None:
+    """What ``device`` has free (:func:`available_bytes`) when ``needed`` bytes do not fit in
+    it; None when they fit or where the free memory is unknown (nothing is refused then)."""
+    available = available_bytes(device)
+    return None if available is None or needed <= available else available
+
+
 def _view_memory_problem(scene: Mapping[str, Any], val_spp: int, device: torch.device):
     """One line naming ``scene.resolution`` when the scene's views (the training views, and
     the validation views at ``val_spp`` x the resolution) cannot fit in what ``device`` has
@@ -356,8 +363,8 @@ def _view_memory_problem(scene: Mapping[str, Any], val_spp: int, device: torch.d
         return None
     size = checked["resolution"]
     needed = _view_pixels(checked, val_spp) * _VIEW_BYTES_PER_PIXEL
-    available = available_bytes(device)
-    if available is None or needed <= available:
+    available = _short_of(needed, device)
+    if available is None:
         return None
     supersampled = f" (validation at train.val_spp={val_spp} x that)" if val_spp > 1 else ""
     return (
@@ -409,8 +416,8 @@ def _mesh_memory_problem(scene: Mapping[str, Any], device: torch.device) -> str 
     if checked is None or "tubular_segments" not in checked:
         return None
     needed = _builtin_mesh_bytes(checked, device)
-    available = available_bytes(device)
-    if available is None or needed <= available:
+    available = _short_of(needed, device)
+    if available is None:
         return None
     tubular, radial = checked["tubular_segments"], checked["radial_segments"]
     key = "scene.tubular_segments" if tubular >= radial else "scene.radial_segments"
@@ -445,8 +452,8 @@ def _iteration_memory_problem(scene: Mapping[str, Any], s: Mapping[str, Any], de
     views = _view_pixels(checked, s["val_spp"])
     batch = s["batch_size"] * size[0] * size[1]
     needed = views * _VIEW_BYTES_PER_PIXEL + batch * _ITERATION_BYTES_PER_PIXEL
-    available = available_bytes(device)
-    if available is None or needed <= available:
+    available = _short_of(needed, device)
+    if available is None:
         return None
     return (
         f"train.batch_size: an iteration of {s['batch_size']} views of {size[0]} x {size[1]} "
@@ -479,8 +486,8 @@ def _mlp_memory_problem(texture: Mapping[str, Any], device: torch.device) -> str
     width, hidden, channels = texture["internal_dims"], texture["hidden"], texture["channels"]
     params = _mlp_params(texture)
     needed = params * _MLP_BYTES_PER_PARAM
-    available = available_bytes(device)
-    if available is None or needed <= available:
+    available = _short_of(needed, device)
+    if available is None:
         return None
     if (width + 1) * channels > params / 2:  # the output layer holds most of them
         return (
@@ -541,8 +548,8 @@ def mlp_activation_problem(
     # (and its torch twin) is one module
     modules = 1 if policy.mlp == "fused" else 2 * hidden + 1
     needed = _mlp_params(texture) * _MLP_BYTES_PER_PARAM + activations + modules * _MODULE_BYTES
-    available = available_bytes(device)
-    if available is None or needed <= available:
+    available = _short_of(needed, device)
+    if available is None:
         return None
     growth = {
         "texture.hidden": hidden / _TEXTURE_DEFAULTS["hidden"],
@@ -574,8 +581,8 @@ def _fp8_history_problem(policy: PrecisionPolicy, hidden: int, device: torch.dev
     layers = hidden + 1
     states = _FP8_STATES_PER_LAYER * layers
     needed = states * policy.fp8_amax_history_len * 4
-    available = available_bytes(device)
-    if available is None or needed <= available:
+    available = _short_of(needed, device)
+    if available is None:
         return None
     return (
         f"precision.fp8_amax_history_len: {states} FP8 scaling states (input, weight and "

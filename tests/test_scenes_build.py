@@ -2,9 +2,9 @@
 
 The projection of the views against OpenGL's perspective matrix written out here (with the
 y flip of nvdiffrec's ``util.perspective``), ``normalize`` against the box the file's vertices
-span, ``seed`` against the training views it draws. Each test names the mutant of
-``mptex/scenes`` (build.py, builtin.py) it was written against, which the quick scene tests let
-pass.
+span, ``seed`` against the training views it draws, supersampled views against a direct
+rasterization at their size. Each test names the mutant of ``mptex/scenes`` (build.py,
+builtin.py, scene.py) it was written against, which the quick scene tests let pass.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from mptex.render import Mesh, write_obj
-from mptex.scenes import build_scene, torus_knot
+from mptex.scenes import build_scene, render_gbuffer, torus_knot
 
 
 def _quad_obj(tmp_path: Path) -> Path:
@@ -93,3 +93,14 @@ def test_the_torus_knot_is_wound_counter_clockwise_seen_from_outside():
     # UVs: u = i / 64 along the tube, v = j / 8 around it (mutant caught: v = j / 64).
     assert mesh.v_tex[:, 0].unique().tolist() == [i / 64 for i in range(64)]
     assert mesh.v_tex[:, 1].unique().tolist() == [j / 8 for j in range(8)]
+
+
+def test_supersampled_views_of_a_wide_scene_are_spp_times_its_height_and_width(tmp_path):
+    # Mutant caught: the supersampled G-buffers sized (W * spp, H * spp), which only a scene
+    # whose views are not square shows. Their coverage is the rasterization at 24 x 40 itself.
+    scene = _scene(tmp_path)
+    views = scene.views("val", [0, 1], spp=2)
+    assert views.rgba.shape == (2, 24, 40, 4)
+    direct = render_gbuffer(scene.mesh, views.mvp, (24, 40), "torch")
+    assert torch.equal(views.gbuffer.mask, direct.mask)
+    assert bool(direct.mask.any())

@@ -396,6 +396,14 @@ def test_mlp_activations_that_exactly_fill_the_free_memory_fit(monkeypatch):
                                   torch.device("cpu")) is None  # fmt: skip
     plain = {**settings, "kd_smooth": False}
     assert mlp_activation_problem(texture, policy, plain, 100, torch.device("cpu")) is None
+    # On a GPU the modules' Python objects live in the host's memory: not counted against the
+    # device's free memory, nor named in the line.
+    on_gpu = needed - 5 * _MODULE_BYTES
+    monkeypatch.setattr(train_config, "available_bytes", lambda device: on_gpu)
+    assert mlp_activation_problem(texture, policy, settings, 100, torch.device("cuda")) is None
+    monkeypatch.setattr(train_config, "available_bytes", lambda device: on_gpu - 1)
+    message = mlp_activation_problem(texture, policy, settings, 100, torch.device("cuda"))
+    assert "GiB with its training state, only " in message and "modules" not in message
 
 
 def test_missing_groups_and_keys_that_are_not_text_are_refused():

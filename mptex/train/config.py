@@ -536,8 +536,9 @@ def mlp_activation_problem(
     points at least (the training view covering the fewest pixels), twice that with the kd
     smoothness term (its jittered copies), and each hidden layer's backward keeps its input,
     ``width`` values per point in the MLP's narrowest compute dtype (one byte for the FP8
-    arms, whose GEMMs may keep FP8 copies); each of its torch modules holds at least an empty
-    module's Python objects.
+    arms, whose GEMMs may keep FP8 copies); on the CPU each of its torch modules holds at
+    least an empty module's Python objects too (in the host's memory, so not counted against
+    a GPU's).
     """
     jittered = settings["kd_smooth"] and settings["kd_smooth_weight"] > 0
     points = settings["batch_size"] * fewest_covered * (2 if jittered else 1)
@@ -547,7 +548,9 @@ def mlp_activation_problem(
     # hidden + 1 linear layers, an activation after each but the last; tcnn's fused network
     # (and its torch twin) is one module
     modules = 1 if policy.mlp == "fused" else 2 * hidden + 1
-    needed = _mlp_params(texture) * _MLP_BYTES_PER_PARAM + activations + modules * _MODULE_BYTES
+    on_host = device.type == "cpu"
+    objects = modules * _MODULE_BYTES if on_host else 0
+    needed = _mlp_params(texture) * _MLP_BYTES_PER_PARAM + activations + objects
     available = _short_of(needed, device)
     if available is None:
         return None
@@ -561,8 +564,8 @@ def mlp_activation_problem(
         f"{key}: an MLP of {hidden + 1} layers {width} wide keeps {activations / 2**30:.3g} GiB "
         f"of activations for the backward of an iteration ({points} points at least: "
         f"train.batch_size={settings['batch_size']} views, the fewest covered pixels of a "
-        f"training view {fewest_covered}), {needed / 2**30:.3g} GiB with its training state "
-        f"and its {modules} modules, "
+        f"training view {fewest_covered}), {needed / 2**30:.3g} GiB with its training state"
+        f"{f' and its {modules} modules' if on_host else ''}, "
         f"only {available / 2**30:.1f} GiB is free on {device} (lower texture.hidden, "
         "texture.internal_dims or train.batch_size)"
     )

@@ -522,9 +522,10 @@ def optimizer_state_tensors(state: Mapping[Any, Mapping[str, Any]]) -> list[torc
     optimizer it sits on the CPU, where a check on the parameters' device cannot take it.
 
     They are checked beside the weights because a finite gradient can still make them inf:
-    Adam's second moment squares the gradient, which overflows float16 from about 256 (Adam in
-    ``f16_naive``) and float32 from about 1.8e19, and a parameter whose ``exp_avg_sq`` is inf
-    stops moving (its update is ``m / inf = 0``) while it stays finite.
+    Adam's second moment adds ``(1 - beta2) g^2``, which overflows float16 from a gradient of
+    about 8.1e3 (Adam in ``f16_naive``) and float32 from about 5.8e20 (torch 2.13's Adam at
+    ``beta2 = 0.999``, measured), and a parameter whose ``exp_avg_sq`` is inf stops moving (its
+    update is ``m / inf = 0``) while it stays finite.
     """
     return [value for per_param in state.values() for key, value in per_param.items()
             if key != "step" and torch.is_tensor(value) and value.is_floating_point()]  # fmt: skip
@@ -542,7 +543,7 @@ class StepResult:
             (no scale to back off; the step was skipped, parameters and optimizer state are
             untouched), or the step itself turned a parameter or Adam's state inf/NaN
             (``master_weights=False``: Adam's arithmetic in f16, whose ``eps = 1e-8`` rounds to
-            0 and whose squared gradient overflows from about 256). Loss-scaled arms
+            0 and whose second moment overflows from a gradient of about 8.1e3). Loss-scaled arms
             never set it: their non-finite gradients are ordinary skipped steps.
     """
 

@@ -424,7 +424,7 @@ def test_an_exports_source_calls_only_a_completed_runs_last_weights_final(
 @pytest.mark.parametrize("moment", ["exp_avg", "exp_avg_sq"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_non_finite_optimizer_state_is_refused_and_nothing_written(tmp_path, moment, bad):
-    # Adam's second moment goes inf on a finite gradient over about 1.8e19 (float32), and the
+    # Adam's second moment goes inf on a finite gradient over about 5.8e20 (float32), and the
     # weight it belongs to then stops moving while it stays finite: the weights pass, the
     # optimizer's state must not. The step counters are float tensors too, and finite.
     texture = {"grid": torch.ones(4, 3), "net.0": torch.ones(2, 2)}

@@ -1102,7 +1102,7 @@ def validate(run: RunState, completed: int) -> dict[str, Any]:
 def checkpoint(run: RunState, completed: int) -> bool:
     """Write ``checkpoint.pt`` (atomically) after ``completed`` iterations; False, and nothing
     written, when a weight or the optimizer's state is not finite (a checkpoint never holds
-    one; a finite gradient over about 1.8e19 makes Adam's float32 second moment inf, and the
+    one; a finite gradient over about 5.8e20 makes Adam's float32 second moment inf, and the
     weight it belongs to stops moving)."""
     tick = time.perf_counter()
     stepped = [*run.texture.parameters(), *optimizer_state_tensors(run.optimizer.state)]

@@ -354,6 +354,29 @@ def test_a_weight_or_adam_state_gone_non_finite_is_never_checkpointed_and_ends_t
                    if torch.is_tensor(v) and v.is_floating_point())  # fmt: skip
 
 
+def test_a_checkpoint_checks_its_weights_and_adams_state_in_one_reduction(tmp_path, monkeypatch):
+    # The check is one fused reduction, i.e. one host read per checkpoint: a run of 8
+    # iterations that also checkpoints after 4 makes exactly one more than a run that only
+    # writes its final checkpoint, and everything else in the two runs is the same.
+    calls = []
+    foreach_norm = torch._foreach_norm
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return foreach_norm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_norm", counted)
+    counts = []
+    for interval in (0, 4):
+        calls.clear()
+        cfg = tiny_cfg("precision=f32", "train.iterations=8", "train.val_interval=0",
+                       f"train.checkpoint_interval={interval}")  # fmt: skip
+        m = train(cfg, tmp_path / str(interval))
+        assert m["status"] == "completed"
+        counts.append(len(calls))
+    assert counts[1] - counts[0] == 1, counts
+
+
 # ----------------------------------------------------------------------------- collapse rule
 def _run(psnr, baseline, stuck=0.0, history=(), iterations=300, status="completed"):
     """A metrics.json of a run: ``history`` as (iteration, psnr[, stuck in channel 2])."""

@@ -58,8 +58,6 @@ from mptex.mlp import float32_gemm_sums
 from mptex.precision import (
     PrecisionPolicy,
     PrecisionStepper,
-    all_finite,
-    optimizer_state_tensors,
 )
 from mptex.render.image import rgb_to_srgb
 from mptex.scenes import MESH_SCENES, Scene, build_scene, same_suite_asset
@@ -67,6 +65,7 @@ from mptex.texture import MLPTexture3D
 from mptex.train.checkpoint import (
     CHECKPOINT_FILE,
     CHECKPOINT_KEYS,
+    CheckpointError,
     DiskFullError,
     build_texture,
     export_source,
@@ -1105,31 +1104,33 @@ def checkpoint(run: RunState, completed: int) -> bool:
     one; a finite gradient over about 5.8e20 makes Adam's float32 second moment inf, and the
     weight it belongs to stops moving)."""
     tick = time.perf_counter()
-    stepped = [*run.texture.parameters(), *optimizer_state_tensors(run.optimizer.state)]
-    if not all_finite(stepped):
-        run.time_split["checkpoints"] += time.perf_counter() - tick
-        return False
     # This process's time up to the write (the write itself is not in the file it writes).
     trained = run.loop_time(tick)
-    with profiler_scope("mptex.checkpoint"):
-        save_checkpoint(run.run_dir / CHECKPOINT_FILE, {
-            "texture": run.texture.state_dict(),
-            "optimizer": run.optimizer.state_dict(),
-            "stepper": run.stepper.state_dict(),
-            "iteration": completed,
-            "rng": rng_state(run.generators),
-            "history": run.history,
-            "skipped_steps": run.skipped_steps,
-            "consecutive_skips": run.consecutive_skips,
-            "aabb": run.scene.aabb.cpu(),
-            "precision": run.full["precision"],
-            "config": run.full,
-            "loss": run.loss_value if run.loss_value is not None else run.resumed_loss,
-            "time_per_iter_s": run.time_per_iter(),
-            "resume_count": run.resume_count,
-            "interruptions": run.interruptions,
-            **run.time_totals(tick - run.start_wall, trained),
-        })  # fmt: skip
+    # save_checkpoint checks the weights and the optimizer's state (one reduction) and refuses
+    # a non-finite one before it writes anything.
+    try:
+        with profiler_scope("mptex.checkpoint"):
+            save_checkpoint(run.run_dir / CHECKPOINT_FILE, {
+                "texture": run.texture.state_dict(),
+                "optimizer": run.optimizer.state_dict(),
+                "stepper": run.stepper.state_dict(),
+                "iteration": completed,
+                "rng": rng_state(run.generators),
+                "history": run.history,
+                "skipped_steps": run.skipped_steps,
+                "consecutive_skips": run.consecutive_skips,
+                "aabb": run.scene.aabb.cpu(),
+                "precision": run.full["precision"],
+                "config": run.full,
+                "loss": run.loss_value if run.loss_value is not None else run.resumed_loss,
+                "time_per_iter_s": run.time_per_iter(),
+                "resume_count": run.resume_count,
+                "interruptions": run.interruptions,
+                **run.time_totals(tick - run.start_wall, trained),
+            })  # fmt: skip
+    except CheckpointError:
+        run.time_split["checkpoints"] += time.perf_counter() - tick
+        return False
     # the state dicts were copied to the host before the write: the device has finished
     run.time_split["checkpoints"] += time.perf_counter() - tick
     return True

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from test_faults import _inject_inf_gradient_at
 from test_train import read_metrics, tiny_cfg
 
 import mptex.train.loop as loop
@@ -27,6 +28,7 @@ from mptex.collapse import (
 from mptex.mlp import PrecisionMLP
 from mptex.precision import PrecisionPolicy, PrecisionStepper, StepResult
 from mptex.train import load_checkpoint, train
+from mptex.train.checkpoint import write_metrics
 from mptex.train.monitor import _fractions, _Tally
 
 
@@ -375,6 +377,67 @@ def test_a_checkpoint_checks_its_weights_and_adams_state_in_one_reduction(tmp_pa
         assert m["status"] == "completed"
         counts.append(len(calls))
     assert counts[1] - counts[0] == 1, counts
+
+
+def test_a_diverged_run_keeps_validation_images_of_its_last_good_weights_only_when_finite(
+    tmp_path, monkeypatch
+):
+    # An inf gradient in backward 2 of 4 ends the f32 run as diverged at 2 with the weights
+    # before that step, whose render is finite: its validation images are written, as a
+    # completed run's. f16_naive's first step makes its weights non-finite: no image.
+    _inject_inf_gradient_at(monkeypatch, 2)
+    kept = train(tiny_cfg("precision=f32", "train.iterations=4", "train.n_val_images=2"),
+                 tmp_path / "kept")  # fmt: skip
+    assert kept["status"] == "diverged" and math.isfinite(kept["psnr"])
+    assert sorted(p.name for p in (tmp_path / "kept" / "images").iterdir()) == [
+        "val_000.png", "val_001.png"]  # fmt: skip
+    monkeypatch.undo()
+    lost = train(tiny_cfg("precision=f16_naive", "train.iterations=1"), tmp_path / "lost")
+    assert lost["status"] == "diverged" and math.isnan(lost["psnr"])
+    assert not (tmp_path / "lost" / "images").exists()
+
+
+def _recorded(run_dir, resume_count=0, **extra):
+    """A stopped run's metrics.json in ``run_dir`` with its time totals (5 s, 3 s, whole)."""
+    record = {"status": "interrupted", "resume_count": resume_count, "wall_time_total_s": 5.0,
+              "train_time_total_s": 3.0, "time_total_complete": True, **extra}  # fmt: skip
+    write_metrics(run_dir, record)
+    return record
+
+
+def _carried(resume_count=0):
+    """A checkpoint's time totals up to its write (2 s, 1 s)."""
+    return {"resume_count": resume_count, "wall_time_total_s": 2.0, "train_time_total_s": 1.0,
+            "time_total_complete": True}  # fmt: skip
+
+
+def test_a_resume_takes_its_checkpoints_writers_record_once(tmp_path):
+    # The record of the process that wrote the checkpoint (same resume_count), in the
+    # checkpoint's own run directory: its totals replace the checkpoint's, and it is marked
+    # taken, so that a later resume from that checkpoint does not take it again.
+    record = _recorded(tmp_path)
+    ckpt = _carried()
+    loop._take_recorded_time(ckpt, tmp_path / "checkpoint.pt", tmp_path)
+    assert ckpt == {**_carried(), "wall_time_total_s": 5.0, "train_time_total_s": 3.0}
+    assert read_metrics(tmp_path) == {**record, "time_total_taken": True}
+    again = _carried()
+    loop._take_recorded_time(again, tmp_path / "checkpoint.pt", tmp_path)
+    assert again == {**_carried(), "time_total_complete": False}
+
+
+@pytest.mark.parametrize("case", ["taken", "another process", "another run's checkpoint"])
+def test_a_resume_leaves_a_record_it_cannot_count_and_says_its_total_is_partial(tmp_path, case):
+    # A record already taken (the process that took it was killed without one of its own), a
+    # record of another process than the checkpoint's writer (a later one that failed before
+    # its own checkpoint) or a checkpoint from elsewhere: the time after the checkpoint's
+    # write is not known, so the checkpoint's totals stay, marked partial.
+    record = _recorded(tmp_path, resume_count=1 if case == "another process" else 0,
+                       **({"time_total_taken": True} if case == "taken" else {}))  # fmt: skip
+    source = tmp_path / "elsewhere" if case == "another run's checkpoint" else tmp_path
+    ckpt = _carried()
+    loop._take_recorded_time(ckpt, source / "checkpoint.pt", tmp_path)
+    assert ckpt == {**_carried(), "time_total_complete": False}
+    assert read_metrics(tmp_path) == record
 
 
 # ----------------------------------------------------------------------------- collapse rule

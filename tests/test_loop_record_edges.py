@@ -173,6 +173,30 @@ def test_the_fused_loss_on_auto_stays_eager_on_a_cpu_without_a_warning():
         loop._resolve_fused_loss(True, cpu, "logl1")
 
 
+def test_the_fused_loss_that_runs_but_differs_from_eager_is_refused_or_warned(monkeypatch):
+    # Where the kernels can run (fused_loss_problem None) their gradients must still be the
+    # eager ones bit for bit (fused_loss_check): a difference found there is a warning on
+    # auto, which stays eager, and a refusal on true; no difference, and the kernels run.
+    cpu = torch.device("cpu")
+    checks = []
+    monkeypatch.setattr(loop, "fused_loss_problem", lambda device, loss: None)
+
+    def differs(device, loss):
+        checks.append((device, loss))
+        return "the same bits"
+
+    monkeypatch.setattr(loop, "fused_loss_check", differs)
+    with pytest.warns(UserWarning, match=r"^train\.fused_loss: the fused loss needs the same bits; "
+                                         r"it runs eager$"):  # fmt: skip
+        assert loop._resolve_fused_loss("auto", cpu, "l1") is False
+    with pytest.raises(ConfigError, match=r"^train\.fused_loss: true needs the same bits; use "):
+        loop._resolve_fused_loss(True, cpu, "l1")
+    assert checks == [("cpu", "l1"), ("cpu", "l1")]
+    monkeypatch.setattr(loop, "fused_loss_check", lambda device, loss: None)
+    assert loop._resolve_fused_loss("auto", cpu, "l1") is True
+    assert loop._resolve_fused_loss(True, cpu, "l1") is True
+
+
 # ----------------------------------------------------------------------------- per iteration
 def test_the_smoothness_jitter_is_the_noise_generators_normal_draws_times_the_spread():
     run = object.__new__(loop.RunState)

@@ -7,6 +7,10 @@ The delayed recipe keeps its scale unless ``amax * scale > fp8_max``. With amax 
 scale 1.965512 the float32 product rounds to exactly 448: no overflow, so the scale used is the
 given one, although ``448 / amax`` rounds to its neighbour 1.9655119; a ``>=`` in its place
 would use that neighbour (and its reciprocal) instead.
+
+The padded layouts (``q_pad``, ``t_pad``) of a per-tensor recipe hold zeros past the matrix
+whatever scale the cast used: a delayed scale of NaN, or of inf on a zero tensor (whose amax
+is 0, so the scale is kept), makes ``0 * used`` a NaN, whose code must not reach the padding.
 """
 
 import numpy as np
@@ -62,13 +66,44 @@ def test_c_kernel_keeps_the_scale():
     _check(torch.ops.mptex.fp8_quantize(*_case()["args"]))
 
 
-@pytest.mark.requires_triton
-@pytest.mark.slow
-def test_triton_kernels_keep_the_scale(tmp_path):
+def _padding_cases():
+    x = torch.linspace(-3.0, 5.0, 35).view(5, 7)
+    nan, inf = torch.tensor(float("nan")), torch.tensor(float("inf"))
+    return [_op("padding-nan-scale", x, 0, 0, E4M3, scale=nan, q_pad=16, t_pad=16),
+            _op("padding-inf-scale-zeros", torch.zeros(3, 5), 1, 0, torch.float32, scale=inf,
+                q_pad=16, t_pad=16)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
     if not mptex.has_triton():
         pytest.skip("needs triton importable")
-    case = _case()
-    got = run_cases("fp8_triton_interpreted.py", [case], tmp_path, 600)[case["name"]]
-    _check(got)
+    cases = [_case(), *_padding_cases()]
+    return run_cases("fp8_triton_interpreted.py", cases, tmp_path_factory.mktemp("fp8"), 600)
+
+
+def _assert_twins_bits(got, case):
     for output, g, w in zip(OUTPUTS, got, fp8_quantize_reference(*case["args"])):
         assert torch.equal(bits(g), bits(w)), output
+
+
+@pytest.mark.requires_triton
+@pytest.mark.slow
+def test_triton_kernels_keep_the_scale(interpreted):
+    case = _case()
+    got = interpreted[case["name"]]
+    _check(got)
+    _assert_twins_bits(got, case)
+
+
+@pytest.mark.requires_triton
+@pytest.mark.slow
+@pytest.mark.parametrize("index", [0, 1])
+def test_triton_padding_is_zero_whatever_the_scale(interpreted, index):
+    case = _padding_cases()[index]
+    got = interpreted[case["name"]]
+    q, q_t = got[0], got[6]
+    rows, cols = case["args"][0].shape
+    assert torch.isnan(got[3]).item() or torch.isinf(got[3]).item()  # the scale used
+    assert not bits(q[:, cols:]).any() and not bits(q_t[:, rows:]).any()  # +0 codes or values
+    _assert_twins_bits(got, case)

@@ -259,6 +259,21 @@ def test_float_accumulation_rounds_each_block_to_float32(loops):
     assert twin.half_matmul(a, b, 32, "float").item() == 2.0**-13
 
 
+@pytest.mark.parametrize("columns", [8, 41])
+def test_float_accumulation_rounds_each_block_in_every_column_loop(loops, columns):
+    # The case above in each output column: the C kernel takes 32 columns at a time, then 8,
+    # then one by one (41: all three loops; 8: the 8-wide one alone), each rounding per block.
+    a = torch.zeros(1, 24, dtype=torch.float16)
+    b = torch.zeros(24, columns, dtype=torch.float16)
+    a[0, 0], b[0] = 2.0**4, 2.0**7
+    a[0, 8], b[8] = 2.0**-6, 2.0**-7
+    a[0, 16], b[16] = -(2.0**4), 2.0**7
+    assert torch.equal(twin.half_matmul(a, b, 8, "float"), torch.zeros(1, columns).half())
+    assert torch.equal(
+        twin.half_matmul(a, b, 32, "float"), torch.full((1, columns), 2.0**-13).half()
+    )
+
+
 def test_precision_statistics_by_hand():
     tiny = 2.0**-14  # half's smallest normal
     grad = torch.tensor([0.0, tiny, 2.0**-15, 1.0, 2.0**-20], dtype=torch.float16)

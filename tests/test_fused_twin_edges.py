@@ -274,6 +274,23 @@ def test_float_accumulation_rounds_each_block_in_every_column_loop(loops, column
     )
 
 
+@pytest.mark.parametrize("columns", [1, 8])
+def test_half_accumulator_of_a_subnormal_truncates_at_exponent_minus_14(loops, columns):
+    # The tensor core's half step: terms truncated to multiples of 2^(E - 25), E the largest
+    # exponent among the accumulator and the products, a half subnormal's counted as -14. Block
+    # 1 leaves the accumulator at 2^-23 (a subnormal); block 2 adds 2^-25 and 2^-40: E = -14,
+    # so 2^-40 truncates to 0 (an E of -15 would keep it), and 2^-23 + 2^-25, a tie between
+    # the subnormals 2 and 3 units of 2^-24, rounds to the even 2^-23 (with 2^-40 on top it
+    # would round up). 8 columns: the C kernel's 8-wide step; 1: its scalar one.
+    a = torch.zeros(1, 16, dtype=torch.float16)
+    b = torch.zeros(16, columns, dtype=torch.float16)
+    a[0, 0], b[0] = 2.0**-12, 2.0**-11
+    a[0, 8], b[8] = 2.0**-12, 2.0**-13
+    a[0, 9], b[9] = 2.0**-20, 2.0**-20
+    want = torch.full((1, columns), 2.0**-23).half()
+    assert torch.equal(twin.half_matmul(a, b, 8, "half"), want)
+
+
 def test_precision_statistics_by_hand():
     tiny = 2.0**-14  # half's smallest normal
     grad = torch.tensor([0.0, tiny, 2.0**-15, 1.0, 2.0**-20], dtype=torch.float16)

@@ -206,7 +206,9 @@ TEXTURE = dict(
 def _layout_cases():
     """torch._scaled_mm's operand copies: every byte value (every FP8 code, NaNs included) in
     operands row-major and transposed (a strided view), padded in rows, columns or both, to a
-    row-major or a column-major output; and no rows."""
+    row-major or a column-major output; and no rows; and a width that is a whole number of
+    the kernel's 64-byte tiles, over several rows of tiles (the tiles' numbering wraps at
+    exactly the column tile count)."""
     codes = torch.arange(256, dtype=torch.uint8).repeat(40)
     cases = []
     for i, ((r, c), (rows, cols), transposed, column_major) in enumerate([
@@ -214,7 +216,7 @@ def _layout_cases():
         ((40, 32), (48, 32), True, True), ((32, 40), (32, 48), True, False),
         ((70, 9), (70, 16), False, False), ((9, 70), (16, 70), True, True),
         ((130, 65), (144, 80), False, True), ((0, 32), (0, 32), False, False),
-        ((3, 200), (3, 208), True, False),
+        ((3, 200), (3, 208), True, False), ((100, 64), (136, 64), False, False),
     ]):  # fmt: skip
         source = codes[i : i + r * c].reshape((c, r) if transposed else (r, c))
         x = (source.t() if transposed else source).view(torch.float8_e4m3fn if i % 2

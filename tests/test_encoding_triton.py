@@ -151,14 +151,17 @@ def _bf16_ties_case():
 CASE_NAMES = [c["name"] for c in _cases()]
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    """{case name: (case, triton results)} from one interpreter subprocess."""
+def interpret(cases, folder):
+    """{case name: (case, triton results)} of ``cases`` from one interpreter subprocess."""
     if not mptex.has_triton():
         pytest.skip("needs triton importable")
-    cases = _cases()
-    results = run_cases("triton_interpreted.py", cases, tmp_path_factory.mktemp("triton"), 300)
+    results = run_cases("triton_interpreted.py", cases, folder, 300)
     return {case["name"]: (case, results[case["name"]]) for case in cases}
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    return interpret(_cases(), tmp_path_factory.mktemp("triton"))
 
 
 def _twin_results(case):

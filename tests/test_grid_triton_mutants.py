@@ -14,10 +14,7 @@ Triton's CPU interpreter in ONE subprocess (tests/triton_interpreted.py).
 
 import pytest
 import torch
-from test_encoding_triton import _case, _twin, _twin_results
-from triton_subprocess import run_cases
-
-import mptex
+from test_encoding_triton import _case, _twin, _twin_results, interpret
 
 pytestmark = pytest.mark.requires_triton
 
@@ -36,11 +33,7 @@ def _cases():
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    if not mptex.has_triton():
-        pytest.skip("needs triton importable")
-    cases = _cases()
-    results = run_cases("triton_interpreted.py", cases, tmp_path_factory.mktemp("grid"), 300)
-    return {case["name"]: (case, results[case["name"]]) for case in cases}
+    return interpret(_cases(), tmp_path_factory.mktemp("grid"))
 
 
 def test_levels_are_summed_in_order(interpreted):

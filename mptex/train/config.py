@@ -353,14 +353,26 @@ def _short_of(needed: int | float, device: torch.device) -> int | None:
     return None if available is None or needed <= available else available
 
 
-def _view_memory_problem(scene: Mapping[str, Any], val_spp: int, device: torch.device):
-    """One line naming ``scene.resolution`` when the scene's views (the training views, and
-    the validation views at ``val_spp`` x the resolution) cannot fit in what ``device`` has
-    free, else None; None too where the scene's config or the free memory cannot be read
-    (``build_scene`` reports a bad scene config)."""
+def _scene_memory_problem(scene: Mapping[str, Any], s: Mapping[str, Any], device: torch.device):
+    """The first of the rendered scene's memory problems (:func:`_view_memory_problem`,
+    :func:`_mesh_memory_problem`, :func:`_iteration_memory_problem`), else None; None too
+    where the scene's config cannot be read (``build_scene`` reports it) or its images have
+    their own resolution (NeRF). The scene's config is checked once for the three."""
     checked = _rendered_scene(scene)
     if checked is None:
         return None
+    return (
+        _view_memory_problem(checked, s["val_spp"], device)
+        or _mesh_memory_problem(checked, device)
+        or _iteration_memory_problem(checked, s, device)
+    )
+
+
+def _view_memory_problem(checked: Mapping[str, Any], val_spp: int, device: torch.device):
+    """One line naming ``scene.resolution`` when the rendered scene's views (``checked``: its
+    config from :func:`_rendered_scene`; the training views, and the validation views at
+    ``val_spp`` x the resolution) cannot fit in what ``device`` has free, else None; None too
+    where the free memory cannot be read."""
     size = checked["resolution"]
     needed = _view_pixels(checked, val_spp) * _VIEW_BYTES_PER_PIXEL
     available = _short_of(needed, device)
@@ -407,13 +419,12 @@ def _builtin_mesh_bytes(checked: Mapping[str, Any], device: torch.device) -> int
     return faces * per_face + vertices * per_vertex
 
 
-def _mesh_memory_problem(scene: Mapping[str, Any], device: torch.device) -> str | None:
+def _mesh_memory_problem(checked: Mapping[str, Any], device: torch.device) -> str | None:
     """One line naming ``scene.tubular_segments`` (or ``scene.radial_segments``, the larger)
     when the builtin scene's knot and its rasterization (:func:`_builtin_mesh_bytes`) cannot
-    fit in what ``device`` has free, else None (None too for other scenes, a bad scene config
-    or where the free memory is unknown)."""
-    checked = _rendered_scene(scene)
-    if checked is None or "tubular_segments" not in checked:
+    fit in what ``device`` has free, else None (None too for other scenes or where the free
+    memory is unknown); ``checked``: the scene's config from :func:`_rendered_scene`."""
+    if "tubular_segments" not in checked:
         return None
     needed = _builtin_mesh_bytes(checked, device)
     available = _short_of(needed, device)
@@ -439,15 +450,12 @@ def _mesh_memory_problem(scene: Mapping[str, Any], device: torch.device) -> str 
 _ITERATION_BYTES_PER_PIXEL = 56
 
 
-def _iteration_memory_problem(scene: Mapping[str, Any], s: Mapping[str, Any], device):
-    """One line naming ``train.batch_size`` when the scene's views (as
-    :func:`_view_memory_problem` counts them) and one training iteration's per-pixel buffers
-    at ``batch_size`` x the resolution cannot fit together in what ``device`` has free, else
-    None; None too where the scene's config or the free memory cannot be read, or its images
-    have their own resolution (NeRF)."""
-    checked = _rendered_scene(scene)
-    if checked is None:
-        return None
+def _iteration_memory_problem(checked: Mapping[str, Any], s: Mapping[str, Any], device):
+    """One line naming ``train.batch_size`` when the rendered scene's views (``checked``: its
+    config from :func:`_rendered_scene`, the views as :func:`_view_memory_problem` counts
+    them) and one training iteration's per-pixel buffers at ``batch_size`` x the resolution
+    cannot fit together in what ``device`` has free, else None; None too where the free
+    memory cannot be read."""
     size = checked["resolution"]
     views = _view_pixels(checked, s["val_spp"])
     batch = s["batch_size"] * size[0] * size[1]
@@ -734,9 +742,7 @@ def validate_config(cfg: Mapping[str, Any], *, machine: bool = True) -> dict[str
     problem = (
         _mlp_memory_problem(texture, dev)
         or _fp8_history_problem(policy, texture["hidden"], dev)
-        or _view_memory_problem(cfg["scene"], s["val_spp"], dev)
-        or _mesh_memory_problem(cfg["scene"], dev)
-        or _iteration_memory_problem(cfg["scene"], s, dev)
+        or _scene_memory_problem(cfg["scene"], s, dev)
     )
     if problem is not None:
         raise ValueError(problem)

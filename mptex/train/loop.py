@@ -55,10 +55,7 @@ from mptex._triton_launch import launching_on
 from mptex.config_schema import plain as plain_config
 from mptex.host import to_host
 from mptex.mlp import float32_gemm_sums
-from mptex.precision import (
-    PrecisionPolicy,
-    PrecisionStepper,
-)
+from mptex.precision import PrecisionPolicy, PrecisionStepper
 from mptex.render.image import rgb_to_srgb
 from mptex.scenes import MESH_SCENES, Scene, build_scene, same_suite_asset
 from mptex.texture import MLPTexture3D

@@ -158,6 +158,18 @@ def test_a_bad_train_value_is_one_line_naming_the_key_and_the_expectation(key, v
     assert str(info.value) == f"train.{key}: expected {message}, got {value!r}"
 
 
+def _refused_step(given, key, step, beside=""):
+    """The one line refusing ``given`` (a train group), naming ``key``, whose largest Adam
+    step is ``step``."""
+    with pytest.raises(ConfigError) as info:
+        check_group(TrainConfig, given, "train")
+    assert str(info.value) == (
+        f"train.{key}: expected {beside}a rate whose largest Adam step, lr * max(1, "
+        f"mlp_lr_scale, mlp_lr_ramp_to) / (1 - betas[0]) = {step}, is a float32 number "
+        f"(<= 3.40282e+38), got {given[key]!r}"
+    )
+
+
 @pytest.mark.parametrize(
     "given, step, beside",
     [
@@ -173,13 +185,7 @@ def test_a_bad_train_value_is_one_line_naming_the_key_and_the_expectation(key, v
     ],
 )
 def test_a_rate_whose_adam_step_is_beyond_float32_is_refused(given, step, beside):
-    with pytest.raises(ConfigError) as info:
-        check_group(TrainConfig, given, "train")
-    assert str(info.value) == (
-        f"train.lr: expected {beside}a rate whose largest Adam step, lr * max(1, mlp_lr_scale, "
-        f"mlp_lr_ramp_to) / (1 - betas[0]) = {step}, is a float32 number (<= 3.40282e+38), "
-        f"got {given['lr']!r}"
-    )
+    _refused_step(given, "lr", step, beside)
 
 
 @pytest.mark.parametrize(
@@ -193,13 +199,7 @@ def test_a_rate_whose_adam_step_is_beyond_float32_is_refused(given, step, beside
     ],
 )
 def test_an_mlp_rate_factor_beyond_float32_names_its_own_key(given, key, step):
-    with pytest.raises(ConfigError) as info:
-        check_group(TrainConfig, given, "train")
-    assert str(info.value) == (
-        f"train.{key}: expected a rate whose largest Adam step, lr * max(1, mlp_lr_scale, "
-        f"mlp_lr_ramp_to) / (1 - betas[0]) = {step}, is a float32 number (<= 3.40282e+38), "
-        f"got {given[key]!r}"
-    )
+    _refused_step(given, key, step)
     # The product is what is checked: a large factor with a rate small enough is taken.
     check_group(TrainConfig, {**given, "lr": 1e-270}, "train")
 

@@ -247,3 +247,101 @@ def test_on_cuda_the_overlapped_read_returns_each_iterations_own_values(tmp_path
     losses = [[h["loss"] for h in m["history"][:6]] for m in (plain, overlapped)]
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
     assert [h["iteration"] for h in overlapped["history"]] == list(range(1, 13))
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on ``cuda:0`` (this machine may have no CUDA)."""
+
+    @property
+    def device(self):
+        return torch.device("cuda:0")
+
+
+def test_the_overlapped_read_waits_for_its_own_iterations_event_on_the_side_stream(
+    tmp_path, monkeypatch, fused_adam, trace
+):  # fmt: skip
+    # On CUDA, an iteration read after the next one was queued records an event behind its
+    # packed values on the main stream, and its read copies them on the side stream after
+    # waiting for that event only; any other read copies on the main stream. Here torch.cuda's
+    # events and streams are stand-ins that log what the loop asks of them, and the packed
+    # tensor says it is on CUDA: each wait must name the event recorded for the same
+    # iteration before the next one's forward, and the copy must run inside the side stream.
+    log: list[tuple] = []
+    state = {"stream": "main", "n": 0}
+
+    class Event:
+        def __init__(self, *args, **kwargs):
+            self.name = None
+
+        def record(self, stream):
+            assert stream == "main"
+            state["n"] += 1
+            self.name = state["n"]
+            log.append(("record", self.name))
+
+    class Stream:
+        def __init__(self, device=None):
+            assert torch.device(device).type == "cuda"
+
+        def wait_event(self, event):
+            assert event.name is not None, "a wait for an event never recorded"
+            log.append(("wait", event.name))
+
+    class StreamContext:
+        def __init__(self, stream):
+            assert isinstance(stream, Stream)
+
+        def __enter__(self):
+            state["stream"] = "side"
+
+        def __exit__(self, *exc):
+            state["stream"] = "main"
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "main")
+    to_host = loop.to_host
+
+    def copy(value):
+        log.append(("copy", state["stream"]))
+        return to_host(value)
+
+    monkeypatch.setattr(loop, "to_host", copy)
+    launch, setup = loop._launch_step, loop.setup
+
+    def launched(run, enqueued):
+        out = launch(run, enqueued)
+        log.append(("launched", enqueued.it))
+        out.packed = out.packed.as_subclass(_OnCuda)
+        return out
+
+    def on_cuda(*args, **kwargs):
+        run = setup(*args, **kwargs)
+        if run.overlap:
+            run.read_stream = torch.cuda.Stream("cuda")  # as setup makes it on CUDA
+        return run
+
+    overrides = CASES["f16_dynamic_skips"]
+    plain = _run(tmp_path, monkeypatch, "plain", *overrides, "train.overlap=false")
+    monkeypatch.setattr(loop, "_launch_step", launched)
+    monkeypatch.setattr(loop, "setup", on_cuda)
+    trace.clear()
+    log.clear()
+    overlapped = _run(tmp_path, monkeypatch, "overlap", *overrides, "train.overlap=true")
+    assert overlapped[0]["backends"].pop("loop") == "overlap"
+    _same(plain, overlapped)
+    ahead = _pairs(trace)
+    # all but the last and the one before configs/train/tiny.yaml's validation at 10
+    assert ahead == [0, 1, 2, 3, 4, 5, 6, 7, 8, 10]
+    # Per iteration: launched, (record), the next forward, (wait), copy.
+    reads = [i for i, e in enumerate(log) if e[0] == "copy"]
+    assert len(reads) == 12
+    for it, at in enumerate(reads):
+        start = log.index(("launched", it))
+        if it in ahead:
+            recorded = log[start + 1]
+            assert recorded[0] == "record", (it, log[start : at + 1])
+            assert log[at - 1] == ("wait", recorded[1]) and log[at] == ("copy", "side")
+        else:
+            assert log[start + 1] == ("copy", "main"), (it, log[start : at + 1])

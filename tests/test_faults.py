@@ -1179,6 +1179,33 @@ def test_rng_states_are_restored_from_wherever_the_checkpoint_was_loaded():
     assert torch.equal(torch.rand(4), want[1])
 
 
+def test_cuda_rng_states_are_saved_per_device_and_restored_on_the_devices_here(monkeypatch):
+    # On CUDA a checkpoint keeps every device's generator state; a resume puts back those of
+    # the devices this machine has (here one of the two saved), each from a CPU byte tensor
+    # whatever device map_location put it on. torch.cuda's functions are stand-ins.
+    from unittest import mock
+
+    from mptex.train.rng import rng_state, set_rng_state
+
+    states = [torch.tensor([1, 2], dtype=torch.uint8), torch.tensor([3, 4], dtype=torch.uint8)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: list(states))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda state, device="cuda": restored.append((state, device)))  # fmt: skip
+    saved = rng_state({})
+    assert saved["cuda"] == states
+    on_gpu = [mock.Mock(cpu=mock.Mock(return_value=s)) for s in saved["cuda"]]
+    set_rng_state({**saved, "cuda": on_gpu}, {})
+    assert len(restored) == 1 and restored[0][1] == 0
+    assert torch.equal(restored[0][0], states[0])
+    # a checkpoint of a CPU run has no CUDA states: nothing is set
+    restored.clear()
+    set_rng_state({k: v for k, v in saved.items() if k != "cuda"}, {})
+    assert restored == []
+
+
 @pytest.mark.parametrize(
     "per_iter, timing", [(0.01234, "0.0123 s/iteration"), (None, "no iteration timed")]
 )

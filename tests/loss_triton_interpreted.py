@@ -3,6 +3,7 @@
 Usage: python tests/loss_triton_interpreted.py CASES.pt RESULTS.pt
    or: python tests/loss_triton_interpreted.py --compile-check (compile for sm_90, no GPU needed)
    or: python tests/loss_triton_interpreted.py --check (fused_loss_check on the CPU)
+   or: python tests/loss_triton_interpreted.py --train OUT (the training loop, eager and fused)
 
 Run in a subprocess by tests/test_fused_loss.py: the interpreter is chosen when ``triton.jit``
 decorates the kernels, so ``TRITON_INTERPRET=1`` must be in the environment before the module is
@@ -137,10 +138,58 @@ def run_check() -> None:
     print(json.dumps({loss: fused_loss_check("cpu", loss) for loss in FUSED_LOSSES}))
 
 
+# The training runs of --train: every arm's loss in l1 (logl1's log and pow are torch's CPU
+# functions eager and correctly rounded interpreted); the smoothness term from the first
+# iterations on, over 24 x 24 pixels (a count whose reciprocal is not a power of two: the
+# means' divisions must be the eager ones); fused Adam and the overlapped loop, as on CUDA.
+TRAIN_RUNS = {
+    "f32": ["precision=f32", "train.stats_interval=3"],
+    # loss scaling with a skipped step; the texture evaluated twice per iteration
+    "f16_dynamic": ["precision=f16_dynamic", "train.kd_smooth_joint=false",
+                    "train.inject_nonfinite_at=5", "train.stats_interval=2"],
+    # the grid and the FP8 GEMMs in their Triton kernels too, as auto picks them on CUDA
+    "fp8_triton": ["precision=fp8", "texture.backend=triton", "texture.fp8_gemm=triton",
+                   "train.iterations=6", "train.stats_interval=2"],
+}  # fmt: skip
+
+
+def run_training(out: str) -> None:
+    """Each of :data:`TRAIN_RUNS` with ``train.fused_loss`` false and true, on the CPU with the
+    kernels interpreted (the loop's CUDA requirement of the fused path lifted; its start-up
+    check runs): ``OUT/<run>_<fused>.pt``, the checkpoint at the end, and ``OUT/<run>_<fused>
+    .json``, metrics.json."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from test_train import tiny_cfg
+
+    import mptex.train.fused_loss as fused_loss
+    import mptex.train.loop as loop
+    from mptex.train import train
+
+    def problem(device, loss):
+        return None if loss is None or loss in fused_loss.FUSED_LOSSES else "a fused loss"
+
+    fused_loss.fused_loss_problem = loop.fused_loss_problem = problem
+    loop._adam_implementation = lambda texture, device: {"fused": True, "foreach": False}
+    for name, overrides in TRAIN_RUNS.items():
+        for fused in ("false", "true"):
+            run_dir = Path(out) / f"{name}_{fused}"
+            cfg = tiny_cfg("scene.resolution=24", "train.loss=l1", "train.iterations=12",
+                           "train.kd_smooth_ramp=4", *overrides,
+                           f"train.fused_loss={fused}")  # fmt: skip
+            metrics = train(cfg, run_dir)
+            shutil.copy(run_dir / "checkpoint.pt", Path(out) / f"{name}_{fused}.pt")
+            (Path(out) / f"{name}_{fused}.json").write_text(json.dumps(metrics, default=str))
+
+
 if __name__ == "__main__":
     from triton_subprocess import script_main
 
     if sys.argv[1] == "--check":
         run_check()
+    elif sys.argv[1] == "--train":
+        run_training(sys.argv[2])
     else:
         script_main(compile_check, run_cases)

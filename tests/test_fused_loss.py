@@ -371,6 +371,43 @@ def test_the_check_passes_bit_equal_gradients_and_names_a_difference():
     assert answers["logl1"].startswith("the eager gradients bit for bit on cpu: dL/dpred differs")
 
 
+@pytest.mark.requires_triton
+@pytest.mark.slow
+def test_the_loop_with_the_fused_loss_trains_the_eager_loops_bits(tmp_path):
+    # On CUDA the loop runs the loss's terms in the kernels (train.fused_loss=auto), with fused
+    # Adam and the overlapped loop. Interpreted on the CPU with the same loop (l1: bit-equal to
+    # autograd here), every arm of tests/loss_triton_interpreted.py's TRAIN_RUNS must end with
+    # the eager run's weights, Adam state, loss scale and step outcomes; only the loss values,
+    # the fused forward's sum taken in another order, may differ in their last bits.
+    proc = run_script("loss_triton_interpreted.py", "--train", str(tmp_path), interpret=True,
+                      timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    from loss_triton_interpreted import TRAIN_RUNS
+
+    for name in TRAIN_RUNS:
+        eager, fused = (torch.load(tmp_path / f"{name}_{f}.pt", weights_only=False)
+                        for f in ("false", "true"))  # fmt: skip
+        metrics = {f: json.loads((tmp_path / f"{name}_{f}.json").read_text())
+                   for f in ("false", "true")}  # fmt: skip
+        assert metrics["true"]["backends"]["loss"] == "triton", name
+        assert metrics["true"]["backends"]["loop"] == "overlap", name
+        assert "loss" not in metrics["false"]["backends"], name
+        assert metrics["true"]["status"] == metrics["false"]["status"] == "completed", name
+        for key, value in eager["texture"].items():
+            if torch.is_tensor(value):
+                assert torch.equal(value, fused["texture"][key]), (name, key)
+        moments = [[t for t in s.values() if torch.is_tensor(t)]
+                   for s in (eager["optimizer"]["state"], fused["optimizer"]["state"])]  # fmt: skip
+        assert all(torch.equal(a, b) for a, b in zip(*moments, strict=True)), name
+        assert eager["stepper"] == fused["stepper"], name
+        for a, b in zip(eager["history"], fused["history"], strict=True):
+            assert (a["iteration"], a.get("skipped"), a.get("loss_scale")) == (
+                b["iteration"], b.get("skipped"), b.get("loss_scale")), name  # fmt: skip
+            # float32 sums of a few thousand terms in two orders
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), name
+    assert json.loads((tmp_path / "f16_dynamic_true.json").read_text())["skipped_steps"] == 1
+
+
 @pytest.mark.parametrize(
     "error, raised",
     [("the kernel's compile failed", False), ("CUDA error: an illegal memory access", True),

@@ -3,6 +3,8 @@
 Usage: python tests/loss_triton_interpreted.py CASES.pt RESULTS.pt
    or: python tests/loss_triton_interpreted.py --compile-check (compile for sm_90, no GPU needed)
    or: python tests/loss_triton_interpreted.py --check (fused_loss_check on the CPU)
+   or: python tests/loss_triton_interpreted.py --check-flipped (the same, the kernels dividing
+       the means' gradients as CUDA torch does: a machine where they would not be torch's)
    or: python tests/loss_triton_interpreted.py --train OUT (the training loop, eager and fused)
 
 Run in a subprocess by tests/test_fused_loss.py: the interpreter is chosen when ``triton.jit``
@@ -128,14 +130,18 @@ def run_cases(cases_path: str, results_path: str) -> None:
     torch.save(results, results_path)
 
 
-def run_check() -> None:
+def run_check(flipped: bool = False) -> None:
     """``mptex.train.fused_loss.fused_loss_check`` on the CPU, interpreted: a JSON object of its
-    answer per fused loss."""
+    answer per fused loss. With ``flipped`` the kernels divide the means' gradients by a
+    multiplication by the reciprocal, as on CUDA, where CPU torch divides."""
     import json
 
-    from mptex.train.fused_loss import FUSED_LOSSES, fused_loss_check
+    import mptex.train.fused_loss as fused_loss
 
-    print(json.dumps({loss: fused_loss_check("cpu", loss) for loss in FUSED_LOSSES}))
+    if flipped:
+        fused_loss._mean_by_reciprocal = lambda device: True
+    answers = {loss: fused_loss.fused_loss_check("cpu", loss) for loss in fused_loss.FUSED_LOSSES}
+    print(json.dumps(answers))
 
 
 # The training runs of --train: every arm's loss in l1 (logl1's log and pow are torch's CPU
@@ -187,8 +193,8 @@ def run_training(out: str) -> None:
 if __name__ == "__main__":
     from triton_subprocess import script_main
 
-    if sys.argv[1] == "--check":
-        run_check()
+    if sys.argv[1] in ("--check", "--check-flipped"):
+        run_check(flipped=sys.argv[1] == "--check-flipped")
     elif sys.argv[1] == "--train":
         run_training(sys.argv[2])
     else:

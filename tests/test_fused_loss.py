@@ -408,6 +408,22 @@ def test_the_loop_with_the_fused_loss_trains_the_eager_loops_bits(tmp_path):
     assert json.loads((tmp_path / "f16_dynamic_true.json").read_text())["skipped_steps"] == 1
 
 
+@pytest.mark.requires_triton
+@pytest.mark.slow
+def test_the_check_tells_whether_the_kernels_divide_as_torch_does_on_the_device():
+    # The kernels divide the means' gradients by the count (CPU torch) or multiply by its
+    # float32 reciprocal (CUDA torch), chosen by the device type. Where that choice were not
+    # torch's (another torch, another device), the check must say so: with the CUDA way on
+    # the CPU, interpreted, l1's gradients differ from the eager ones. A gradient of 128 over
+    # 2 x 16 x 16 pixels could not tell: both ways round to the same bits there.
+    proc = run_script("loss_triton_interpreted.py", "--check-flipped", interpret=True,
+                      timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    answers = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert answers["l1"] is not None
+    assert answers["l1"].startswith("the eager gradients bit for bit on cpu: dL/dpred differs")
+
+
 @pytest.mark.parametrize(
     "error, raised",
     [("the kernel's compile failed", False), ("CUDA error: an illegal memory access", True),

@@ -35,6 +35,7 @@ of a CUDA toolkit of torch's CUDA version
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -77,6 +78,13 @@ def fused_loss_problem(device: torch.device | str, loss: str | None) -> str | No
     return None
 
 
+def _mean_by_reciprocal(device: torch.device) -> bool:
+    """Whether torch divides by a host scalar (a mean's count) on ``device`` as a multiplication
+    by its float32 reciprocal (CUDA) rather than by a division (the CPU): how the eager
+    backward divides, which the kernels repeat (:func:`fused_loss_check` verifies it)."""
+    return device.type == "cuda"
+
+
 class _FusedMaskedLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pred, rgba, background, tonemap):
@@ -91,9 +99,7 @@ class _FusedMaskedLoss(torch.autograd.Function):
         from mptex.train._loss_triton import loss_grad
 
         pred, rgba, background = ctx.saved_tensors
-        # torch divides by a host scalar (the mean's count) as a multiplication by its float32
-        # reciprocal on CUDA, by a true division on the CPU: the eager backward's arithmetic.
-        reciprocal = pred.device.type == "cuda"
+        reciprocal = _mean_by_reciprocal(pred.device)
         return loss_grad(pred, rgba, background, grad, ctx.tonemap, reciprocal), None, None, None
 
 
@@ -142,7 +148,7 @@ class _FusedSmoothness(torch.autograd.Function):
         from mptex.train._loss_triton import kd_grad
 
         tex, tex_jitter = ctx.saved_tensors
-        reciprocal = tex.device.type == "cuda"  # as in _FusedMaskedLoss.backward
+        reciprocal = _mean_by_reciprocal(tex.device)
         grad_jitter, grad_tex = kd_grad(tex, tex_jitter, grad, ctx.pixels, reciprocal)
         return grad_tex, grad_jitter, None
 
@@ -187,15 +193,26 @@ def _device_fault(device: str, exc: Exception) -> bool:
     return False
 
 
+# fused_loss_check's gradient: over its 2 x 17 x 19 pixels, 120 / count and 120 * float32(1 /
+# count) differ in float32 for both terms' counts (the image term's 1938 elements; the
+# smoothness term's 646 pixels, then its division by 3).
+_CHECK_GRADIENT = 120.0
+
+
 @functools.cache
 def fused_loss_check(device: str, loss: str) -> str | None:
     """Both terms of the loss for ``loss`` eager and fused on ``device``, once, on a small batch
-    (two 16 x 16 views with a fractional alpha, a random background, 200 texture points of 9
-    channels; a gradient of 128): None when every gradient is the eager one bit for bit, else
+    (two 17 x 19 views with a fractional alpha, a random background, 200 texture points of 9
+    channels; a gradient of 120): None when every gradient is the eager one bit for bit, else
     what differs or what the kernels raised, in words that complete "needs ...". Cached per
-    device and loss. The kernels must be able to run there (:func:`fused_loss_problem`)."""
+    device and loss. The kernels must be able to run there (:func:`fused_loss_problem`).
+
+    The sizes and the gradient are chosen so that dividing by the means' counts and multiplying
+    by their float32 reciprocals round apart in both terms: the check tells whether the kernels
+    divide as torch does on the device (:func:`_mean_by_reciprocal`). A power-of-two gradient
+    over power-of-two counts (128 over 2 x 16 x 16 pixels) gives the same bits either way."""
     gen = torch.Generator().manual_seed(0)
-    shape = (2, 16, 16)
+    shape = (2, 17, 19)
     pred = torch.rand(*shape, 3, generator=gen) * 1.9 - 0.3
     rgba = torch.rand(*shape, 4, generator=gen)
     background = torch.rand(*shape, 3, generator=gen)
@@ -203,8 +220,8 @@ def fused_loss_check(device: str, loss: str) -> str | None:
     tex_jitter = tex + torch.randn(200, 9, generator=gen) * 0.01
     inputs = [t.to(device) for t in (pred, rgba, background, tex, tex_jitter)]
     pred, rgba, background, tex, tex_jitter = inputs
-    scale = torch.tensor(128.0, device=device)
-    pixels = 2 * 16 * 16
+    scale = torch.tensor(_CHECK_GRADIENT, device=device)
+    pixels = math.prod(shape)
 
     def gradients(fused: bool) -> list[torch.Tensor]:
         x, a, b = (t.clone().requires_grad_() for t in (pred, tex, tex_jitter))

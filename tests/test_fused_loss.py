@@ -489,7 +489,8 @@ def _skip_without_the_fused_loss(loss):
 def test_matches_eager_autograd_on_cuda(loss):
     _skip_without_the_fused_loss(loss)
     pred, rgba, background = (t.cuda() for t in _inputs((4, 64, 96), seed=8))
-    grad = torch.tensor(128.0, device="cuda")
+    # not 128: a power of two over this count gives the same bits whichever way it divides
+    grad = _distinguishing_grad(pred.numel()).cuda()
     want_value, want = _autograd(pred, rgba, background, grad, loss)
     pred = pred.clone().requires_grad_()
     value = masked_image_loss(pred, rgba, background, loss, fused=True)

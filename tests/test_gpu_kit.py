@@ -452,3 +452,26 @@ def test_host_costs_run_every_block_on_the_cpu():
     assert all("error" not in c for c in ran), costs
     assert all(c["host_us"] > 0 and c["device_us"] is None for c in ran)
     assert all("'triton' cannot run on cpu" in c["error"] for c in triton), triton
+
+
+def _kit_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"gpu_kit_{name}", VALIDATE.parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("small", [False, True])
+def test_the_loss_stages_gradient_tells_the_two_divisions_apart(small):
+    # The loss stage holds the fused loss's gradients to the eager ones bit for bit on the GPU,
+    # where torch divides a mean's gradient by multiplying with the count's float32 reciprocal
+    # and the kernels must do the same. Its gradient and sizes must make that visible: for the
+    # image term's element count and for the smoothness term's pixel count followed by its
+    # division by 3, dividing and multiplying by the reciprocal must round apart in float32.
+    fused_loss = _kit_module("fused_loss")
+    shape = fused_loss.DRY_RUN_SHAPE if small else fused_loss.SHAPE
+    f32 = np.float32
+    grad, pixels = f32(fused_loss.GRADIENT), f32(np.prod(shape))
+    elements = pixels * f32(3)
+    assert grad / elements != grad * (f32(1) / elements)
+    assert (grad / pixels) / f32(3) != (grad * (f32(1) / pixels)) * (f32(1) / f32(3))

@@ -2,7 +2,7 @@
 
 :func:`compare_fused_loss` runs :func:`mptex.train.fused_loss.masked_image_loss` both ways on
 the same inputs, nvdiffrec's batch at 512² (a prediction, a reference with alpha, a random
-background), with a loss scale of 128 as the gradient: the share of ``dL/dpred`` elements that
+background), with a gradient of :data:`GRADIENT`: the share of ``dL/dpred`` elements that
 are bit-equal (the claim: all of them on CUDA), the largest difference, both loss values and
 the median time of a forward and backward each way, the host's launches included; then the
 same for the kd smoothness term (:func:`mptex.train.fused_loss.kd_smoothness`).
@@ -17,6 +17,15 @@ from __future__ import annotations
 import os
 import sys
 from typing import Any
+
+# The stage's batch on a GPU (nvdiffrec's: 4 views at 512²) and on the CPU dry run.
+SHAPE = (4, 512, 512)
+DRY_RUN_SHAPE = (1, 8, 8)
+# dL/dloss: for both batches' element and pixel counts, 100 / count and 100 * float32(1 /
+# count) round apart (as do the smoothness term's next division by 3 and its reciprocal), so
+# the comparison tells whether the kernels divide the means' gradients as torch does on the
+# device. A power of two (128) gives the same bits either way at these counts.
+GRADIENT = 100.0
 
 
 def compare_fused_loss(device: str, shape: tuple[int, ...], repeats: int = 20) -> list[dict]:
@@ -37,7 +46,7 @@ def compare_fused_loss(device: str, shape: tuple[int, ...], repeats: int = 20) -
     rgba[..., 3] = torch.where(torch.rand(shape, generator=gen) > 0.4, 1.0, 0.0)
     rgba = rgba.to(device)
     background = torch.rand(*shape, 3, generator=gen).to(device)
-    scale = torch.tensor(128.0, device=device)
+    scale = torch.tensor(GRADIENT, device=device)
     rows: list[dict[str, Any]] = []
     for loss in fused_loss.FUSED_LOSSES:
 

@@ -441,13 +441,14 @@ class HashGridEncoding(nn.Module):
         CUDA, Triton where it imports and ``params`` are float32 (nvdiffrec's grid on an
         H100: 1.51-1.65x tcnn's throughput in float32 and 1.13-1.22x in half, and the only
         fast bfloat16 grid: 4.4-6.4x the torch twin; docs/gpu.md), else tcnn (float32 and
-        half), else the torch twin (with a warning); the twin off CUDA.
+        half), else the torch twin (with a warning); the twin off CUDA, and for float64
+        ``params`` (after ``.double()``, for gradcheck), which neither kernel computes in.
         """
         if self.backend != "auto":
             return self.backend
-        if self.params.device.type != "cuda":
+        if self.params.device.type != "cuda" or self.params.dtype != torch.float32:
             return "torch"
-        if self.params.dtype == torch.float32 and _backends.has_triton():
+        if _backends.has_triton():
             return "triton"
         if self.dtype == torch.bfloat16:
             _backends.warn_fallback_once(

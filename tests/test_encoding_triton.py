@@ -329,6 +329,38 @@ def test_float64_is_refused_with_a_pointer_to_the_twin():
         enc(torch.rand(4, 3, dtype=torch.float64))
 
 
+class _OnCuda(torch.nn.Parameter):
+    """A CPU parameter that says it is on ``cuda:0`` (this machine may have no CUDA)."""
+
+    @property
+    def device(self):
+        return torch.device("cuda:0")
+
+
+@pytest.mark.parametrize("triton, tcnn", [(True, True), (False, True), (False, False)])
+def test_auto_on_cuda_takes_the_fastest_backend_that_runs_the_parameters_dtype(
+    monkeypatch, recwarn, triton, tcnn
+):  # fmt: skip
+    # On CUDA, "auto" picks triton for float32 master parameters, else tcnn, else the twin
+    # with a warning. Neither kernel computes in float64 (a .double() grid, for gradcheck):
+    # there the twin is the only path, taken without a warning, not tcnn, whose forward
+    # refuses float64 parameters. torch's CUDA state is not consulted: the parameter says
+    # where it is.
+    from mptex import _backends
+
+    monkeypatch.setattr(_backends, "has_triton", lambda: triton)
+    monkeypatch.setattr(_backends, "has_tcnn", lambda: tcnn)
+    enc = HashGridEncoding(3, 2, 2, 8, 4)
+    enc.params = _OnCuda(enc.params.detach())
+    fastest = "triton" if triton else "tcnn" if tcnn else "torch"
+    assert enc.resolved_backend() == fastest
+    enc.params = _OnCuda(enc.params.detach().double())
+    _backends.warn_fallback_once.cache_clear()  # (a warning is given once per process)
+    recwarn.clear()
+    assert enc.resolved_backend() == "torch"
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
 def test_missing_triton_is_a_clear_error(monkeypatch):
     from mptex import _backends
 

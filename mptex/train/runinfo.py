@@ -14,7 +14,6 @@ import torch
 from mptex._backends import has_nvdiffrast, has_tcnn
 
 __all__ = [
-    "sync_device",
     "device_name",
     "cpu_model",
     "package_versions",
@@ -22,12 +21,6 @@ __all__ = [
     "tensorboard_writer",
     "reproducible_blas",
 ]
-
-
-def sync_device(device: torch.device) -> None:
-    """Wait for ``device``'s queued work (CUDA); a no-op on the CPU. Timings take it first."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def device_name(device: torch.device) -> str:

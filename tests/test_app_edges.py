@@ -334,6 +334,103 @@ def test_a_run_whose_process_is_a_sweeps_worker_leaves_the_notes_to_the_sweep(
     assert "sweep" not in capsys.readouterr().err
 
 
+def test_a_sweep_with_one_worker_stopped_alone_exits_3_naming_it(sweep_env, tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("1_train.seed=1: completed, stop requested\n")
+    sweep_env.setenv(app.SWEEP_PARENT_ENV, str(os.getpid()))
+    sweep_env.setenv(app.SWEEP_STOPPED_ENV, str(notes))
+    sweep_env.setattr(app, "_SWEEP_STOP", StopSignals(relay=True))
+    sweep_env.setattr(app, "_stopped_sweep_dir", ["/data/my sweep"])
+    assert _run_app(tmp_path, sweep_env) == 3
+    assert capsys.readouterr().err.splitlines() == [
+        "mptex-train: sweep ended with 1 of its jobs stopped by a signal to their worker "
+        "process (1_train.seed=1: completed, stop requested): " + CONTINUES
+    ]
+
+
+def _run_app_with(tmp_path, monkeypatch, *overrides, task=lambda cfg: None):
+    """``run_hydra_app(task)`` as ``mptex-train <overrides>`` into ``tmp_path``: its exit
+    code (None where it returned)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["mptex-train", *overrides, f"hydra.run.dir={tmp_path}"])
+    try:
+        app.run_hydra_app(task, "mptex-train")
+    except SystemExit as exc:
+        return exc.code
+    finally:
+        GlobalHydra.instance().clear()
+    return None
+
+
+def test_hydras_own_error_keeps_its_status_1_without_a_ctrl_c_line(sweep_env, tmp_path, capsys):
+    # A task that raises is Hydra's to report (status 1); no Ctrl-C came, so nothing says the
+    # command was interrupted.
+    def fails(cfg):
+        raise RuntimeError("boom")
+
+    assert _run_app_with(tmp_path, sweep_env, "train=tiny", task=fails) == 1
+    err = capsys.readouterr().err
+    assert "boom" in err and "interrupted" not in err and "SIGINT" not in err
+
+
+def test_a_bad_value_of_a_sweep_is_one_line_and_exit_2_before_any_job(sweep_env, tmp_path,
+                                                                      capsys):  # fmt: skip
+    ran = []
+    code = _run_app_with(tmp_path, sweep_env, "-m", "train=tiny", "precision=f32,f12",
+                         task=ran.append)  # fmt: skip
+    assert code == 2 and ran == []
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("mptex-train: error: "), err
+    assert "precision/f12" in err[0]
+
+
+def test_the_sweeps_report_is_written_once_when_the_sweep_ends(tmp_path, monkeypatch, capsys):
+    from mptex.report import writer
+
+    calls = []
+    report = tmp_path / "report.md"
+    monkeypatch.setattr(writer, "write_report",
+                        lambda *args: calls.append(args) or {"report.md": report})  # fmt: skip
+    registered = []
+    monkeypatch.setattr(writer.atexit, "register", registered.append)
+    callback = writer.ReportCallback(margin_db=0.25, adjust="bonferroni")
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    callback.on_multirun_start(config)
+    callback.on_multirun_end(config)
+    for at_exit in registered:  # the interpreter's exit after a sweep that ended normally
+        at_exit()
+    assert calls == [(tmp_path.resolve(), 0.25, "bonferroni")]
+    assert capsys.readouterr().out == f"mptex-report: report in {report}\n"
+    # hydra.callbacks.report.enabled=false: no report, also at the interpreter's exit
+    registered.clear()
+    disabled = writer.ReportCallback(enabled=False)
+    disabled.on_multirun_start(config)
+    disabled.on_multirun_end(config)
+    for at_exit in registered:
+        at_exit()
+    assert len(calls) == 1 and capsys.readouterr().out == ""
+
+
+def test_a_report_that_cannot_be_written_is_one_line_naming_the_sweep(tmp_path, monkeypatch,
+                                                                      capsys):  # fmt: skip
+    from mptex.report import writer
+
+    def fails(*args):
+        raise ValueError("no runs with metrics.json")
+
+    monkeypatch.setattr(writer, "write_report", fails)
+    callback = writer.ReportCallback()
+    callback._pending = tmp_path
+    callback._write_pending()
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        f"mptex-report: no report for {tmp_path}: ValueError: no runs with metrics.json\n"
+    )
+
+
 # ----------------------------------------------------------------------------- override check
 def test_a_key_not_close_to_any_keeps_hydras_advice_to_append_it():
     # difflib's ratio of "train.qqq" (9 characters) to its nearest key "train.lr" (8): the

@@ -468,6 +468,54 @@ def test_an_export_removes_the_files_of_the_earlier_export_it_replaces(tmp_path,
         assert "removed_earlier_files" not in summary and (out / "notes.txt").is_file()
 
 
+def test_an_earlier_exports_name_that_is_now_a_folder_stays_and_a_link_goes_not_its_target(
+    tmp_path, capsys
+):
+    # The earlier export.json lists mesh.glb, texture_ks.png and texture_n.png; since then the
+    # user made mesh.glb a folder, texture_ks.png a link to a file of theirs and texture_n.png
+    # a link to nothing. The next export removes the links (a name it wrote), never a folder
+    # or what a link points to.
+    out = tmp_path / "asset"
+    export_mesh(constant_texture(), square_mesh(), out, resolution=8, formats="obj",
+                measure=False)  # fmt: skip
+    edited = json.loads((out / "export.json").read_text())
+    edited["files"]["glb"] = "mesh.glb"
+    (out / "export.json").write_text(json.dumps(edited))
+    (out / "mesh.glb").mkdir()
+    (out / "mesh.glb" / "mine.txt").write_text("mine")
+    (tmp_path / "mine.png").write_text("mine")
+    (out / "texture_ks.png").unlink()
+    (out / "texture_ks.png").symlink_to(tmp_path / "mine.png")
+    (out / "texture_n.png").unlink()
+    (out / "texture_n.png").symlink_to(tmp_path / "gone.png")
+    summary = export_mesh(coordinate_texture(SQUARE_AABB), square_mesh(), out, resolution=8,
+                          formats="obj", measure=False)  # fmt: skip
+    assert summary["removed_earlier_files"] == ["texture_ks.png", "texture_n.png"]
+    assert (out / "mesh.glb" / "mine.txt").read_text() == "mine"
+    assert (tmp_path / "mine.png").read_text() == "mine"
+    assert not (out / "texture_ks.png").is_symlink() and not (out / "texture_n.png").is_symlink()
+
+
+def test_every_file_export_json_lists_reaches_the_disk_before_it(tmp_path, monkeypatch):
+    synced = []
+    monkeypatch.setattr(export_module, "fsync_file", lambda path: synced.append(Path(path).name))
+    real = export_module.atomic_write_bytes
+
+    def atomic_write_bytes(path, write):
+        if Path(path).name == "export.json":
+            synced.append("export.json")
+        real(path, write)
+
+    monkeypatch.setattr(export_module, "atomic_write_bytes", atomic_write_bytes)
+    summary = export_mesh(constant_texture(), square_mesh(), tmp_path, resolution=8,
+                          formats="obj", measure=False, neural_precision="f16")  # fmt: skip
+    files = sorted(summary["files"].values())
+    assert synced == [*files, "export.json"] and len(files) == 7
+    # The decoder beside the weights is mptex's own, byte for byte.
+    source = Path(export_module.__file__).with_name("neural_decoder.py")
+    assert (tmp_path / "neural_decoder.py").read_bytes() == source.read_bytes()
+
+
 class _Killed(BaseException):  # no except clause of the export records it, as a kill
     pass
 

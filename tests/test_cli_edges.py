@@ -431,6 +431,46 @@ def test_export_problems_the_bake_finds_are_one_line(tiny_run, tmp_path, monkeyp
     assert capsys.readouterr().err == f"mptex-export: error: {said}\n"
 
 
+def test_export_prints_the_files_the_texels_and_the_psnrs_it_wrote(
+    tiny_run, tmp_path, monkeypatch, capsys
+):
+    import mptex.bake.export as export_module
+
+    given = {}
+    summary = {
+        "files": {"kd": "texture_kd.png", "obj": "mesh.obj", "mtl": "mesh.mtl"},
+        "resolution": 64, "uv_source": "xatlas", "coverage": 0.29049, "texels_per_unit": 12.34,
+        "bake_time_s": 3.66, "psnr_baked_vs_neural": 57.634, "psnr_baked_vs_reference": 56.566,
+        "psnr_neural_vs_reference": 55.255,
+    }  # fmt: skip
+
+    def export_asset(texture, scene, out, options, background, source=None):
+        given.update(out=out, options=options, background=background, source=source)
+        return summary
+
+    monkeypatch.setattr(export_module, "export_asset", export_asset)
+    out = tmp_path / "asset"
+    argv = [str(tiny_run[0]), "--out", str(out), "--resolution", "64", "--format", "obj"]
+    assert export_main(argv) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"mptex-export: wrote texture_kd.png, mesh.obj, mesh.mtl and export.json to {out}",
+        "mptex-export: 64^2 texels, UVs from xatlas, coverage 0.290, 12.3 texels/unit, bake 3.7 s",
+        "mptex-export: PSNR baked vs neural 57.63 dB, baked vs reference 56.57 dB (neural vs "
+        "reference 55.26 dB)",
+    ]
+    assert given["out"] == out and given["background"] == "white"
+    assert given["options"]["resolution"] == 64 and given["options"]["formats"] == ["obj"]
+    assert given["source"]["checkpoint"] == str((tiny_run[0] / "checkpoint.pt").resolve())
+    assert given["source"]["iterations"] == 4 and given["source"]["status"] == "completed"
+    # Measured without reference views: the first PSNR alone.
+    for key in ("psnr_baked_vs_reference", "psnr_neural_vs_reference"):
+        del summary[key]
+    assert export_main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[2:] == [
+        "mptex-export: PSNR baked vs neural 57.63 dB"
+    ]
+
+
 @pytest.mark.requires_xatlas
 def test_export_takes_a_zero_padding_and_no_measure_from_its_flags(tiny_run, tmp_path, capsys):
     pytest.importorskip("xatlas")

@@ -662,6 +662,39 @@ def test_pareto_front_keeps_one_of_points_equal_in_cost_and_distance():
     assert pareto_front([(1.0, 0.2), (1.0, -0.2), (2.0, 0.0)]) == [0, 2]
 
 
+def test_the_fused_network_keeps_its_outer_loss_scales_over_an_f32_grid():
+    # tcnn's network computes in f16 whatever the grid's dtype: a static or dynamic scale over
+    # its own is not redundant there, also with an f32 grid.
+    kept, pruned = enumerate_space(2, 32, {"encoder_dtypes": ["f32"], "quantized": []})
+    names = {c.name for c in kept}
+    assert {"e32-fused-tcnn", "e32-fused-s128", "e32-fused-dyn"} <= names
+    # only the fused network with no scale at all, which tcnn's network always has
+    assert [p["candidate"] for p in pruned if "fused" in p["candidate"]] == ["e32-fused-none"]
+
+
+@pytest.mark.parametrize(
+    "space, key, says",
+    [
+        ({"static_loss_scale": 0}, "static_loss_scale", "0"),
+        ({"encoder_dtypes": []}, "encoder_dtypes", "[]"),
+    ],
+)
+def test_a_bad_space_value_is_one_line_naming_its_key(space, key, says):
+    with pytest.raises(ValueError) as info:
+        enumerate_space(2, 32, space)
+    message = str(info.value)
+    assert message.startswith(f"search.space.{key}: ") and "\n" not in message, message
+    assert says in message
+
+
+def test_an_iterations_flops_are_its_gemms_by_hand():
+    # 4 -> 16 -> 3, N = 1000: forward 2 N (64 + 48), backward twice that: 6 x 1000 x 112.
+    cost = iteration_cost(Candidate("f32", ("f32", "f32")), _SHAPE, _GPU)
+    assert cost["flops"] == 6 * 1000 * (4 * 16 + 16 * 3) == 672000
+    assert cost["bytes"] == sum(p["bytes"] for p in cost["parts"])
+    assert cost["syncs"] == 0
+
+
 # ----------------------------------------------------------------------------- the run pool
 def _pool(tmp_path, workers=1, received=()):
     settings = {"workers": workers, "threads": 3}
@@ -744,6 +777,23 @@ def test_a_run_that_raises_is_a_failed_result(monkeypatch):
         "RuntimeError: boom",
         None,
     )
+
+
+def test_a_failed_run_is_a_result_and_the_search_goes_on(tmp_path, monkeypatch):
+    # A run that raised (its metrics say failed) is not a stopped one: nothing is interrupted,
+    # and a later search trains it again (only completed and diverged runs are read back).
+    calls = _fake_training(monkeypatch, status="failed")
+    pool, ref = _pool(tmp_path), reference_candidate(2)
+    pool.run([(ref, 0), (ref, 1)])
+    assert [pool.results[(ref.name, s)]["status"] for s in (0, 1)] == ["failed", "failed"]
+    assert (pool.trained, pool.reused, len(calls)) == (2, 0, 2)
+
+
+def test_a_stopped_search_names_the_first_signal_it_received(tmp_path, monkeypatch):
+    _fake_training(monkeypatch)
+    pool, ref = _pool(tmp_path, received=["SIGTERM", "SIGINT"]), reference_candidate(2)
+    with pytest.raises(SearchInterrupted, match="^stopped by SIGTERM; the same command"):
+        pool.run([(ref, 0)])
 
 
 # ----------------------------------------------------------------------------- the command

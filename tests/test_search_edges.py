@@ -695,6 +695,24 @@ def test_an_iterations_flops_are_its_gemms_by_hand():
     assert cost["syncs"] == 0
 
 
+def test_a_bf16_grid_zeroes_and_casts_what_its_consumers_read_by_hand():
+    # N = 1000, 4 features, 1000 grid entries (the _SHAPE of these tests).
+    bf16 = _parts(Candidate("bf16", ("f32", "f32")))
+    f16 = _parts(Candidate("f16", ("f32", "f32")))
+    # The gradient zeroed each step is the one the backward adds to: f32 for the bf16 grid
+    # (4 B an entry), f16 for tcnn's half grid (2 B).
+    assert bf16["grid gradient zero"]["bytes"] == 1000 * 4
+    assert f16["grid gradient zero"]["bytes"] == 1000 * 2
+    # FP8 GEMMs take f32 inputs: the bf16 features are cast (read 2 B, write 4 B), forward
+    # and backward, over N x 4 values.
+    fp8 = _parts(Candidate("bf16", ("f32", "f32"), quant="fp8"))
+    assert fp8["layer 0 input cast"]["bytes"] == 2 * 1000 * 4 * (2 + 4)
+    # tcnn's network takes f16 inputs: the bf16 features are cast too (2 B -> 2 B).
+    fused = _parts(Candidate("bf16", ("f16",), True, "tcnn", mlp="fused"))
+    assert fused["fused input cast"]["bytes"] == 2 * 1000 * 4 * (2 + 2)
+    assert "fused input cast" not in _parts(Candidate("f16", ("f16",), True, "tcnn", mlp="fused"))
+
+
 # ----------------------------------------------------------------------------- the run pool
 def _pool(tmp_path, workers=1, received=()):
     settings = {"workers": workers, "threads": 3}
@@ -787,6 +805,11 @@ def test_a_failed_run_is_a_result_and_the_search_goes_on(tmp_path, monkeypatch):
     pool.run([(ref, 0), (ref, 1)])
     assert [pool.results[(ref.name, s)]["status"] for s in (0, 1)] == ["failed", "failed"]
     assert (pool.trained, pool.reused, len(calls)) == (2, 0, 2)
+
+
+def test_a_runs_directory_is_its_candidates_name_and_seed(tmp_path):
+    pool, ref = _pool(tmp_path), reference_candidate(2)
+    assert pool.run_dir(ref, 3) == tmp_path / "runs" / "e32-f32.f32-none" / "seed3"
 
 
 def test_a_stopped_search_names_the_first_signal_it_received(tmp_path, monkeypatch):

@@ -205,3 +205,17 @@ def test_the_decode_table_scores_against_the_reference_over_its_background():
     f16 = decode_texture(texture, positions[mask], "f16")
     largest = float((f16 - covered).abs().max())
     assert white["max_abs_error"]["f16"] == largest > float((f16 - covered).abs().mean())
+
+
+def test_views_that_cover_no_pixel_decode_nothing_in_every_precision():
+    # A decode of no points gives no values (fp8 calibrates no activations: amax 0, scale 1),
+    # and the decode table of views with no covered pixel differs from f32 nowhere.
+    texture = _texture("f32")
+    none = torch.zeros(0, 3)
+    for precision in DECODE_PRECISIONS:
+        assert decode_texture(texture, none, precision).shape == (0, 3), precision
+    assert calibrate_fp8(texture, none) == [1.0] * len(decoder_weights(texture).matrices)
+    positions = torch.zeros(1, 4, 4, 3)
+    mask = torch.zeros(1, 4, 4, dtype=torch.bool)
+    table = decode_precision_table(texture, positions, mask, "white")
+    assert table["max_abs_error"] == {p: 0.0 for p in DECODE_PRECISIONS if p != "f32"}

@@ -219,3 +219,15 @@ def test_views_that_cover_no_pixel_decode_nothing_in_every_precision():
     mask = torch.zeros(1, 4, 4, dtype=torch.bool)
     table = decode_precision_table(texture, positions, mask, "white")
     assert table["max_abs_error"] == {p: 0.0 for p in DECODE_PRECISIONS if p != "f32"}
+
+
+def test_the_neural_export_refuses_a_grid_its_decoder_does_not_interpolate(tmp_path):
+    import mptex
+
+    encoder = {**SMALL, "interpolation": "Smoothstep"}
+    texture = mptex.MLPTexture3D(AABB, precision="f32", encoder=encoder, backend="torch")
+    path = tmp_path / "neural.safetensors"
+    with pytest.raises(ValueError, match="^texture: the neural export's decoder interpolates "
+                       "linearly .*got interpolation 'Smoothstep'$"):  # fmt: skip
+        export_neural(texture, path, "f16")
+    assert not path.exists()

@@ -269,13 +269,13 @@ def test_the_ctrl_c_handler_is_only_installed_over_pythons_own(sweep_env):
 
 
 # ----------------------------------------------------------------------------- a sweep's end
-def _run_app(tmp_path, monkeypatch, task=lambda cfg: None):
-    """``run_hydra_app(task)`` as ``mptex-train train=tiny`` into ``tmp_path``: its exit code
-    (None where it returned)."""
+def _run_app_with(tmp_path, monkeypatch, *overrides, task=lambda cfg: None):
+    """``run_hydra_app(task)`` as ``mptex-train <overrides>`` into ``tmp_path``: its exit
+    code (None where it returned)."""
     from hydra.core.global_hydra import GlobalHydra
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["mptex-train", "train=tiny", f"hydra.run.dir={tmp_path}"])
+    monkeypatch.setattr(sys, "argv", ["mptex-train", *overrides, f"hydra.run.dir={tmp_path}"])
     try:
         app.run_hydra_app(task, "mptex-train")
     except SystemExit as exc:
@@ -283,6 +283,11 @@ def _run_app(tmp_path, monkeypatch, task=lambda cfg: None):
     finally:
         GlobalHydra.instance().clear()
     return None
+
+
+def _run_app(tmp_path, monkeypatch, task=lambda cfg: None):
+    """``run_hydra_app(task)`` as ``mptex-train train=tiny`` into ``tmp_path``."""
+    return _run_app_with(tmp_path, monkeypatch, "train=tiny", task=task)
 
 
 CONTINUES = (
@@ -346,22 +351,6 @@ def test_a_sweep_with_one_worker_stopped_alone_exits_3_naming_it(sweep_env, tmp_
         "mptex-train: sweep ended with 1 of its jobs stopped by a signal to their worker "
         "process (1_train.seed=1: completed, stop requested): " + CONTINUES
     ]
-
-
-def _run_app_with(tmp_path, monkeypatch, *overrides, task=lambda cfg: None):
-    """``run_hydra_app(task)`` as ``mptex-train <overrides>`` into ``tmp_path``: its exit
-    code (None where it returned)."""
-    from hydra.core.global_hydra import GlobalHydra
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["mptex-train", *overrides, f"hydra.run.dir={tmp_path}"])
-    try:
-        app.run_hydra_app(task, "mptex-train")
-    except SystemExit as exc:
-        return exc.code
-    finally:
-        GlobalHydra.instance().clear()
-    return None
 
 
 def test_hydras_own_error_keeps_its_status_1_without_a_ctrl_c_line(sweep_env, tmp_path, capsys):

@@ -807,6 +807,18 @@ def test_a_failed_run_is_a_result_and_the_search_goes_on(tmp_path, monkeypatch):
     assert (pool.trained, pool.reused, len(calls)) == (2, 0, 2)
 
 
+@pytest.mark.parametrize("text", ['{"status": "compl', "[]", "null", '"completed"'])
+def test_a_metrics_json_that_is_no_runs_record_is_trained_again(tmp_path, monkeypatch, text):
+    # A torn file, or JSON that is not an object: no finished run to read back.
+    calls = _fake_training(monkeypatch)
+    pool, ref = _pool(tmp_path), reference_candidate(2)
+    pool.run_dir(ref, 0).mkdir(parents=True)
+    (pool.run_dir(ref, 0) / "metrics.json").write_text(text)
+    pool.run([(ref, 0)])
+    assert len(calls) == 1 and (pool.trained, pool.reused) == (1, 0)
+    assert pool.results[(ref.name, 0)]["status"] == "completed"
+
+
 def test_a_runs_directory_is_its_candidates_name_and_seed(tmp_path):
     pool, ref = _pool(tmp_path), reference_candidate(2)
     assert pool.run_dir(ref, 3) == tmp_path / "runs" / "e32-f32.f32-none" / "seed3"

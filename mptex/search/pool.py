@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mptex.search.space import Candidate
-from mptex.train.checkpoint import atomic_write_bytes, run_time_total
+from mptex.train.checkpoint import atomic_write_bytes, read_metrics, run_time_total
 from mptex.train.signals import StopSignals
 
 __all__ = ["SearchInterrupted", "RunPool", "run_summary"]
@@ -114,14 +114,8 @@ class RunPool:
         return cfg
 
     def _finished(self, run_dir: Path) -> dict[str, Any] | None:
-        path = run_dir / "metrics.json"
-        if not path.is_file():
-            return None
-        try:
-            metrics = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-        if metrics.get("status") not in _DONE:
+        metrics = read_metrics(run_dir)  # None: missing, torn, or JSON that is no record
+        if metrics is None or metrics.get("status") not in _DONE:
             return None
         summary = run_summary(metrics)
         try:  # unknown (a run trained before this record existed): None

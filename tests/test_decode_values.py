@@ -231,3 +231,10 @@ def test_the_neural_export_refuses_a_grid_its_decoder_does_not_interpolate(tmp_p
                        "linearly .*got interpolation 'Smoothstep'$"):  # fmt: skip
         export_neural(texture, path, "f16")
     assert not path.exists()
+
+
+def test_the_decoder_refuses_a_safetensors_file_that_is_not_a_neural_export(tmp_path):
+    path = tmp_path / "model.safetensors"
+    safetensors_torch.save_file({"w": torch.zeros(2)}, str(path), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="^metadata: not an mptex neural export: 'pt'$"):
+        neural_decoder.load(path)

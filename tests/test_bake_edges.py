@@ -496,6 +496,22 @@ def test_an_earlier_exports_name_that_is_now_a_folder_stays_and_a_link_goes_not_
     assert not (out / "texture_ks.png").is_symlink() and not (out / "texture_n.png").is_symlink()
 
 
+def test_a_record_that_is_a_list_of_names_removes_nothing_and_old_temporaries_go(tmp_path):
+    # An export.json or export.pending.json that is a bare list is not an export's record:
+    # texture_ks.png, which it names, stays. The temporary a killed write of either left goes.
+    out = tmp_path / "asset"
+    export_mesh(constant_texture(), square_mesh(), out, resolution=8, formats="obj",
+                measure=False)  # fmt: skip
+    for record in ("export.json", "export.pending.json"):
+        (out / record).write_text('["texture_ks.png", "texture_n.png"]')
+    (out / ".export.pending.json.x1y2z3.tmp").write_text('{"files": ["tex')
+    summary = export_mesh(coordinate_texture(SQUARE_AABB), square_mesh(), out, resolution=8,
+                          formats="obj", measure=False)  # fmt: skip
+    assert "removed_earlier_files" not in summary
+    assert (out / "texture_ks.png").is_file() and (out / "texture_n.png").is_file()
+    assert not list(out.glob(".*.tmp")) and not (out / "export.pending.json").exists()
+
+
 def test_every_file_export_json_lists_reaches_the_disk_before_it(tmp_path, monkeypatch):
     synced = []
     monkeypatch.setattr(export_module, "fsync_file", lambda path: synced.append(Path(path).name))

@@ -63,3 +63,45 @@ def test_the_table_names_every_site(probed):
     results, stdout = probed
     for site in results:
         assert f"| {site}" in stdout
+
+
+# Each site's kernels and the most compile variants each may take over the test's 24 batch
+# sizes (500,000 .. 500,019 and the multiples of 16, 1024 and 2^19 among ``sizes``), per kernel:
+# a kernel that compiles one variant where its site's other kernel compiles two (an argument
+# that only bounds a loop specialised again) passes the per-site bound above, not this one.
+# 1: no batch-dependent integer of the kernel is specialised; 2: one bound of a contiguous axis
+# is (a multiple of 16 or not).
+_PER_TENSOR = {"_amax_partials_kernel": 1, "_scale_cast_kernel": 1}
+_PER_TENSOR_SITES = (
+    ("activation [M, 32], both layouts", _PER_TENSOR),
+    ("gradient [M, 3] E5M2, both layouts", {"_amax_partials_kernel": 2, "_scale_cast_kernel": 2}),
+    ("activation [M, 32], as it lies", _PER_TENSOR),
+    ("weight [32, 32], both layouts", {"_scale_cast_kernel": 1}),
+)
+VARIANTS = {
+    **{f"quantise {recipe}: {what}": kernels
+       for recipe in ("delayed", "current") for what, kernels in _PER_TENSOR_SITES},
+    **{f"quantise rowwise: {what}": {"_rowwise_both_kernel": 1, "_rowwise_kernel": 2}
+       for what in ("activation [M, 32], both layouts", "gradient [M, 3] E5M2, both layouts")},
+    "quantise rowwise: activation [M, 32], as it lies":
+        {"_rowwise_kernel": 2, "_row_statistics_kernel": 1},
+    "quantise rowwise: weight [32, 32], both layouts": {"_rowwise_both_kernel": 1},
+    "FP8 GEMM (triton): forward [M, 32] x [32, 32]": {"_mm_kernel": 2},
+    "FP8 GEMM (triton): weight gradient [32, M] x [M, 32]":
+        {"_mm_kernel": 2, "_split_sum_kernel": 1},
+    "padded copy: [M, 3] to [pad(M), 16]": {"_padded_copy_kernel": 1},
+    "hash grid (triton): forward, M points": {"_forward_kernel": 1},
+    "hash grid (triton): backward, M points": {"_backward_kernel": 1},
+    "fused loss: smoothness partials [M, 4]": {"_kd_partials_kernel": 2},
+    "fused loss: smoothness gradient [M, 4]": {"_kd_grad_kernel": 2},
+    "fused loss: image partials (l1), 512^2 x 4": {"_partials_kernel": 1},
+}  # fmt: skip
+
+
+def test_each_kernel_compiles_the_variants_its_specialised_arguments_allow(probed):
+    results, _ = probed
+    assert set(results) == set(VARIANTS)
+    for site, result in results.items():
+        assert set(result["variants"]) == set(VARIANTS[site]), site
+        for kernel, variants in result["variants"].items():
+            assert variants <= VARIANTS[site][kernel], (site, kernel, variants)

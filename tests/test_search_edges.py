@@ -752,10 +752,10 @@ def test_a_run_already_in_the_pool_is_not_trained_again(tmp_path, monkeypatch):
 def test_a_single_run_with_two_workers_trains_in_process_and_alone(tmp_path, monkeypatch):
     _fake_training(monkeypatch)
 
-    def no_pool(*args, **kwargs):
-        raise AssertionError("a process pool for one run")
+    def no_process(*args, **kwargs):
+        raise AssertionError("a worker process for one run")
 
-    monkeypatch.setattr(pool_module, "ProcessPoolExecutor", no_pool)
+    monkeypatch.setattr(pool_module, "_run_in_process", no_process)
     pool, ref = _pool(tmp_path, workers=2), reference_candidate(2)
     pool.run([(ref, 0)])
     assert pool.results[(ref.name, 0)]["ran_beside"] == 0
@@ -871,3 +871,77 @@ def test_the_command_exits_3_when_stopped_and_2_on_a_bad_search(
         run_search_command({}, tmp_path)
     assert info.value.code == code
     assert capsys.readouterr().err == f"mptex-search: {word}: {error}\n"
+
+
+# ------------------------------------------------------------- a worker process that dies
+def test_a_run_in_its_own_process_sends_its_summary_back(tmp_path):
+    from search_pool_children import send_summary
+
+    result = pool_module._run_in_process({"train": {"seed": 3}}, str(tmp_path), send_summary)
+    assert result == {"status": "completed", "psnr": 30.0, "error": None,
+                      "run_dir": str(tmp_path), "cfg": {"train": {"seed": 3}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("child, how", [("killed", "killed by SIGKILL"),
+                                        ("exits_3", "exited with status 3")])  # fmt: skip
+def test_a_process_that_ends_without_a_summary_is_a_lost_run_saying_how(tmp_path, child, how):
+    import search_pool_children
+
+    body = getattr(search_pool_children, child)
+    result = pool_module._run_in_process({}, str(tmp_path), body)
+    assert (result["status"], result["error"], result["psnr"]) == ("lost", how, None)
+
+
+def test_a_lost_worker_costs_only_its_run_and_the_same_command_trains_it_again(tmp_path,
+                                                                               monkeypatch):
+    ref = reference_candidate(2)
+    pool = _pool(tmp_path, workers=2)
+    lost_dir = str(pool.run_dir(ref, 1))
+    calls = []
+
+    def run_in_process(cfg, run_dir):  # seed 1's process is killed; the others finish
+        calls.append(run_dir)
+        if run_dir == lost_dir:
+            return {**pool_module.run_summary({}), "status": "lost", "error": "killed by SIGKILL"}
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        return {**pool_module.run_summary({}), "status": "completed", "psnr": 30.0}
+
+    monkeypatch.setattr(pool_module, "_run_in_process", run_in_process)
+    with pytest.raises(SearchInterrupted) as info:
+        pool.run([(ref, 0), (ref, 1), (ref, 2)])
+    assert str(info.value) == (
+        f"the worker process of 1 run(s) ended without a result ({lost_dir}: killed by SIGKILL; "
+        "the out-of-memory killer, for one: fewer search.workers use less memory); the finished "
+        f"runs are kept, and the same command continues the search in {tmp_path}"
+    )
+    # the two that finished are results, with their sharing record; the lost one is neither
+    assert sorted(pool.results) == [(ref.name, 0), (ref.name, 2)] and pool.trained == 2
+    assert (pool.run_dir(ref, 2) / "search_sharing.json").exists()
+    assert not (pool.run_dir(ref, 1) / "search_sharing.json").exists()
+    # the same runs again: only the lost one trains (alone, in this process)
+    _fake_training(monkeypatch)
+    pool.run([(ref, 0), (ref, 1), (ref, 2)])
+    assert pool.results[(ref.name, 1)]["status"] == "completed" and pool.trained == 3
+
+
+def test_a_worker_ended_by_a_relayed_stop_signal_is_part_of_the_stop(tmp_path, monkeypatch):
+    # The search's handler relays a stop signal to its workers; one still starting (its run's
+    # handlers not yet installed) dies of it: the search says it stopped, naming that run too.
+    ref = reference_candidate(2)
+    pool = _pool(tmp_path, workers=2, received=[])
+
+    def run_in_process(cfg, run_dir):
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        if run_dir.endswith("seed0"):
+            pool.stop.received.append("SIGTERM")
+            return {**pool_module.run_summary({}), "status": "interrupted"}
+        return {**pool_module.run_summary({}), "status": "lost", "error": "killed by SIGTERM"}
+
+    monkeypatch.setattr(pool_module, "_run_in_process", run_in_process)
+    with pytest.raises(SearchInterrupted) as info:
+        pool.run([(ref, 0), (ref, 1)])
+    assert str(info.value) == (
+        f"stopped by SIGTERM (1 run(s) checkpointed; 1 ended without a result: "
+        f"{pool.run_dir(ref, 1)}: killed by SIGTERM); the same command continues the search "
+        f"in {tmp_path}"
+    )

@@ -6,15 +6,18 @@ again; an interrupted one continues from its checkpoint (``train.resume=auto``).
 are :class:`mptex.train.signals.StopSignals`' with ``relay``: the search's own handler records
 the signal and passes it on to the worker processes, whose runs checkpoint and stop as any
 ``mptex-train`` run does; the pool then starts nothing new and raises
-:class:`SearchInterrupted`.
+:class:`SearchInterrupted`. A worker process that dies without a result (killed by the
+out-of-memory killer, say) costs only its own run: the others finish, and the pool then raises
+:class:`SearchInterrupted` naming the run and how its process ended.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,45 @@ def _train_run(cfg: dict[str, Any], run_dir: str) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - a failed run is a result (metrics.json has it)
         return {**run_summary({}), "status": "failed", "error": f"{type(exc).__name__}: {exc}"}
     return run_summary(metrics)
+
+
+def _child(conn, cfg: dict[str, Any], run_dir: str) -> None:
+    """A worker process's body: one run, its summary sent back through ``conn``."""
+    try:
+        conn.send(_train_run(cfg, run_dir))
+    finally:
+        conn.close()
+
+
+def _run_in_process(cfg: dict[str, Any], run_dir: str, child=_child) -> dict[str, Any]:
+    """One run in a fresh spawned interpreter: no torch state (threads, seeds) leaks between
+    runs, and a run is the same whichever worker trains it. A process that ends without sending
+    its summary gives status ``"lost"`` and how it ended as ``error`` (``"killed by SIGKILL"``).
+    ``child`` is the process's body, called with the pipe's sending end, ``cfg`` and ``run_dir``
+    (default: train the run)."""
+    context = get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=child, args=(send, cfg, run_dir), name="mptex-search-run")
+    process.start()
+    send.close()  # the child's end: recv raises EOFError once the child has closed it too
+    try:
+        result = receive.recv()
+    except EOFError:
+        result = None
+    finally:
+        receive.close()
+    process.join()
+    if result is not None:
+        return result
+    code = process.exitcode
+    if code is not None and code < 0:
+        try:
+            how = f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"killed by signal {-code}"
+    else:
+        how = f"exited with status {code}"
+    return {**run_summary({}), "status": "lost", "error": how}
 
 
 def run_summary(metrics: Mapping[str, Any]) -> dict[str, Any]:
@@ -158,28 +200,33 @@ class RunPool:
         if workers == 1:
             outputs = [_train_run(*a) for a in args]
         else:
-            # spawn: a fresh interpreter per job, so no torch state (threads, seeds) leaks between
-            # runs and a run is the same whichever worker trains it.
-            with ProcessPoolExecutor(
-                workers, mp_context=get_context("spawn"), max_tasks_per_child=1
-            ) as pool:
-                outputs = list(pool.map(_train_run, *zip(*args, strict=True)))
+            # A thread per worker waits on one spawned process per run.
+            with ThreadPoolExecutor(workers, thread_name_prefix="mptex-search") as threads:
+                outputs = list(threads.map(_run_in_process, *zip(*args, strict=True)))
+        ended = list(zip(todo, outputs, strict=True))
+        lost = [(self.run_dir(c, s), r["error"]) for (c, s), r in ended if r["status"] == "lost"]
+        ended = [(job, r) for job, r in ended if r["status"] != "lost"]
         # How many runs shared the device while each trained: its time per iteration is its
         # own only where it ran alone (kept beside metrics.json for a search that reuses it).
         record = json.dumps({"ran_beside": workers - 1}).encode()
-        for (candidate, seed), result in zip(todo, outputs, strict=True):
+        for (candidate, seed), result in ended:
             result["ran_beside"] = workers - 1
             atomic_write_bytes(self.run_dir(candidate, seed) / _SHARING,
                                lambda f: f.write(record))  # fmt: skip
             self.results[(candidate.name, seed)] = result
             self.trained += 1
-        stopped = [
-            self.run_dir(c, s)
-            for (c, s), r in zip(todo, outputs, strict=True)
-            if r["status"] == "interrupted"
-        ]
+        stopped = [self.run_dir(c, s) for (c, s), r in ended if r["status"] == "interrupted"]
+        runs = "; ".join(f"{path}: {how}" for path, how in lost)
         if stopped or self._stopped_by():
+            # A relayed signal ends a worker that has not yet installed its run's handlers.
+            ended = f"; {len(lost)} ended without a result: {runs}" if lost else ""
             raise SearchInterrupted(
                 f"stopped by {self._stopped_by() or 'a signal'} ({len(stopped)} run(s) "
-                f"checkpointed); the same command continues the search in {self.out}"
+                f"checkpointed{ended}); the same command continues the search in {self.out}"
+            )
+        if lost:
+            raise SearchInterrupted(
+                f"the worker process of {len(lost)} run(s) ended without a result ({runs}; the "
+                f"out-of-memory killer, for one: fewer search.workers use less memory); the "
+                f"finished runs are kept, and the same command continues the search in {self.out}"
             )

@@ -26,7 +26,7 @@ Pruning (:func:`enumerate_space`), in this order, each with its reason recorded:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -267,15 +267,3 @@ def enumerate_space(
             pruned.append({"candidate": c.name, "rule": reason[0], "reason": reason[1]})
     kept.sort(key=lambda c: c.name)
     return kept, pruned
-
-
-def layer_lowerings(kept: Iterable[Candidate], n_layers: int) -> dict[tuple[str, int], list[str]]:
-    """The one-part changes from f32 that the kept space allows: ``{("encoder", 0): ["f16"],
-    ("layer", i): ["bf16", "f16"], ...}`` (the components the greedy stage screens)."""
-    linear = [c for c in kept if c.mlp == "linear" and c.quant == "none"]
-    encs = sorted({c.encoder for c in linear} - {"f32"})
-    options: dict[tuple[str, int], list[str]] = {("encoder", 0): encs}
-    for i in range(n_layers):
-        dtypes = {c.layers[i] for c in linear} - {"f32"}
-        options[("layer", i)] = sorted(dtypes)
-    return {k: v for k, v in options.items() if v}

@@ -179,8 +179,8 @@ def test_help_says_what_the_commands_do(tmp_path):
 def test_help_points_to_what_an_installed_user_has(tmp_path):
     # An installed wheel has no README.md or docs/: the help names the project's site (mkdocs.yml's
     # repo_url) and the configs' folder inside the installed package (pyproject's package-dir).
-    import tomllib
     import yaml
+    from pyproject_toml import pyproject
 
     proc = run_cli(tmp_path, "--help")
     assert proc.returncode == 0, proc.stderr
@@ -188,9 +188,7 @@ def test_help_points_to_what_an_installed_user_has(tmp_path):
     assert "Its README.md and docs/ say more" not in header
     site = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["repo_url"]
     assert site in header
-    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "package-dir"
-    ]
+    package_dir = pyproject()["tool"]["setuptools"]["package-dir"]
     assert package_dir["mptex.configs"] == "configs"
     assert "mptex/configs/" in header
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pyproject_toml import pyproject
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,8 +86,7 @@ def test_the_cycle_finder_finds_a_planted_cycle():
 
 def test_every_module_is_in_a_layer():
     # A module that no layer names is not checked by the contract: new ones must be placed.
-    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    config = pyproject()["tool"]["importlinter"]
     (contract,) = config["contracts"]
     placed = {name.strip() for layer in contract["layers"] for name in re.split(r"[|:]", layer)}
     top = {p.stem for p in (ROOT / "mptex").glob("*.py") if p.stem != "__init__"}

@@ -8,17 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from pyproject_toml import pyproject
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _pyproject() -> dict:
-    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())
-
-
 def test_pyproject_lists_every_package_and_maps_the_configs():
-    setuptools = _pyproject()["tool"]["setuptools"]
+    setuptools = pyproject()["tool"]["setuptools"]
     found = {
         ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "mptex").rglob("__init__.py")
     }

@@ -29,6 +29,10 @@ from mptex.report import stats as report_stats
 from mptex.train import image_loss, lr_schedule
 from mptex.train.rng import rng_state, seed_everything, set_rng_state
 
+# t(0.975, 9) by a 50-digit mpmath inversion of the incomplete beta function; scipy 1.17.1's
+# t.ppf agrees to the last bit, scipy 1.15.3's (the last for Python 3.10) is 2.5e-11 off.
+_T_975_9 = 2.2621571627982055
+
 
 # ----------------------------------------------------------------------------- Student t
 @pytest.mark.parametrize("dof", [1, 2, 3, 7, 30, 1000, 1e5])
@@ -131,12 +135,12 @@ def test_values_whose_largest_magnitude_is_negative_get_their_finite_interval():
     # [-1.7e308, 0] x 5: t * sd (2.26 * 0.9e308) overflows, the interval does not; the value of
     # largest magnitude is negative (the scaling must come from |v|, not from the largest, 0).
     # By hand: mean -0.85e308 (exact), each deviation +-0.85e308, so sd = 0.85e308 *
-    # sqrt(10/9); half width t(0.975, 9) * (sd / sqrt(10)) (t from scipy; t_quantile's
+    # sqrt(10/9); half width t(0.975, 9) * (sd / sqrt(10)) (t: _T_975_9; t_quantile's
     # bisection stops within 1e-12 of it, so the half width and bounds to 1e-11; the sd to a
     # few roundings).
     values = [-1.7e308, 0.0] * 5
     sd = 0.85e308 * math.sqrt(10 / 9)
-    half = scipy.stats.t.ppf(0.975, 9) * (sd / math.sqrt(10))
+    half = _T_975_9 * (sd / math.sqrt(10))
     ci = mean_ci(values)
     assert ci["mean"] == -0.85e308
     assert ci["sd"] == pytest.approx(sd, rel=1e-14)
@@ -155,13 +159,19 @@ def test_t_quantile_just_above_its_expansion_threshold_matches_scipy_in_both_tai
     assert t_quantile(p, dof) == pytest.approx(scipy.stats.t.ppf(p, dof), rel=1e-14)
 
 
-@pytest.mark.parametrize("p", [1e-15, 1.0 - 2.0**-40])
-def test_t_quantile_below_its_expansion_threshold_is_the_bisections_far_in_either_tail(p):
+@pytest.mark.parametrize(
+    ("p", "reference"),
+    [(1e-15, -8.070151264738689),  # scipy's t.ppf (1.15.3 and 1.17.1 alike)
+     (1.0 - 2.0**-40, 7.1378578322607968)],  # 50-digit mpmath (scipy 1.15.3: 7.137857832420)
+)  # fmt: skip
+def test_t_quantile_below_its_expansion_threshold_is_the_bisections_far_in_either_tail(
+    p, reference
+):
     # At 1001 degrees of freedom the expansion about the normal quantile would be 9e-11 off
     # at p = 1e-15 (its first omitted term grows with |z|^11 / dof^5); the bisection on the
     # incomplete beta function is good to its 1e-12 stopping width, which bounds the
     # tolerance.
-    assert t_quantile(p, 1001.0) == pytest.approx(scipy.stats.t.ppf(p, 1001.0), rel=1e-11)
+    assert t_quantile(p, 1001.0) == pytest.approx(reference, rel=1e-11)
 
 
 def test_two_values_are_enough_for_an_interval():
@@ -586,6 +596,8 @@ def test_t_quantile_beyond_its_search_says_so_instead_of_a_wrong_number():
     # With 0.01 degrees of freedom the 0.975 quantile is about 6.4e128, within the search's
     # 2^500 (3.3e150); the 0.99 one is about 6.7e152, beyond it, where t^2 would overflow and
     # the CDF read 1: an error naming dof, not a number that is no quantile.
-    assert t_quantile(0.975, 0.01) == pytest.approx(scipy.stats.t.ppf(0.975, 0.01), rel=1e-9)
+    # Reference: a 50-digit mpmath inversion (scipy 1.17.1 agrees to 1e-13; scipy 1.15.3, the
+    # last for Python 3.10, returns 1e100, its t.ppf's cap).
+    assert t_quantile(0.975, 0.01) == pytest.approx(6.3641819284006163e128, rel=1e-9)
     with pytest.raises(ValueError, match=r"^dof: the 0\.99 quantile .* exceeds 3\.27e\+150"):
         t_quantile(0.99, 0.01)

@@ -186,12 +186,36 @@ def test_to_linear_converts_the_colour_of_rgba_images_and_keeps_alpha(tmp_path):
 
 def test_ycbcr_tiff_reads_as_rgb(tmp_path):
     Image = pytest.importorskip("PIL.Image")
+    Image.new("RGB", (1, 1)).convert("YCbCr").save(tmp_path / "probe.tif")
+    with Image.open(tmp_path / "probe.tif") as probe:
+        if probe.mode != "YCbCr":  # the refusal's test below covers this Pillow
+            pytest.skip(f"Pillow {Image.__version__} opens an uncompressed YCbCr TIFF as RGB")
     # Pillow stores pure red as (Y, Cb, Cr) = (76, 84, 255); read as RGB it is red again
     # (within the 8-bit YCbCr round trip: 2 / 255), not the raw (76, 84, 255) / 255.
     Image.new("RGB", (4, 3), (255, 0, 0)).convert("YCbCr").save(tmp_path / "a.tif")
     got = load_image(tmp_path / "a.tif")
     assert got.shape == (3, 4, 3)
     torch.testing.assert_close(got, torch.tensor([1.0, 0, 0]).expand(3, 4, 3), rtol=0, atol=2 / 255)
+
+
+def test_ycbcr_tiff_that_pillow_opens_as_rgb_is_refused_in_one_line(tmp_path, monkeypatch):
+    Image = pytest.importorskip("PIL.Image")
+    from PIL import TiffImagePlugin
+
+    # Pillow 12.3.0 (the newest for Python 3.10) maps 8-bit YCbCr TIFFs to ("RGB", "RGBX"),
+    # which decodes uncompressed Y, Cb, Cr samples as colours; imageio then read pure red as
+    # (76, 84, 255) / 255. Pillow 13.0.0 maps them to YCbCr: its table patched back here.
+    for order in (b"II", b"MM"):
+        monkeypatch.setitem(TiffImagePlugin.OPEN_INFO, (order, 6, (1,), 1, (8, 8, 8), ()),
+                            ("RGB", "RGBX"))  # fmt: skip
+    Image.new("RGB", (4, 3), (255, 0, 0)).convert("YCbCr").save(tmp_path / "a.tif")
+    with pytest.raises(RuntimeError) as info:
+        load_image(tmp_path / "a.tif")
+    assert str(info.value) == (
+        f"load_image: cannot read {tmp_path / 'a.tif'} (ValueError: Pillow {Image.__version__} "
+        "opens this uncompressed YCbCr TIFF as RGB, its Y, Cb, Cr samples as colours (Pillow "
+        ">= 13.0 reads it))"
+    )
 
 
 def test_float_format_suffix_is_recognised_in_any_letter_case(tmp_path):

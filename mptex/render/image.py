@@ -16,6 +16,8 @@ import torch
 __all__ = ["rgb_to_srgb", "srgb_to_rgb", "psnr", "save_image", "load_image"]
 
 _FLOAT_FORMATS = (".exr", ".hdr")
+# TIFF's PhotometricInterpretation tag and its value for YCbCr samples.
+_TIFF_PHOTOMETRIC, _TIFF_YCBCR = 262, 6
 
 
 def _linear_to_srgb(f: torch.Tensor) -> torch.Tensor:
@@ -118,8 +120,13 @@ def _pillow_special(path: Path) -> np.ndarray | None:
       full depth by Pillow itself.)
     * CMYK / YCbCr / LAB / HSV JPEGs and TIFFs: four or three channels that are not RGB(A);
       converted to RGB by Pillow: [H, W, 3] uint8.
+
+    Raises ValueError for an uncompressed YCbCr TIFF that Pillow opens as RGB (Pillow 12.3.0,
+    the newest for Python 3.10, does; 13.0.0 opens it as YCbCr): its Y, Cb, Cr samples would
+    come back as R, G, B.
     """
     try:
+        import PIL
         from PIL import Image
     except ImportError:  # imageio's Pillow plugin is then missing too; imageio reports it
         return None
@@ -128,6 +135,16 @@ def _pillow_special(path: Path) -> np.ndarray | None:
     except Exception:  # not a Pillow format (EXR, HDR, ...): imageio's other plugins decide
         return None
     with image:
+        if (
+            image.format == "TIFF"
+            and image.tag_v2.get(_TIFF_PHOTOMETRIC) == _TIFF_YCBCR
+            and image.mode != "YCbCr"
+            and image.tile[0][0] == "raw"
+        ):
+            raise ValueError(
+                f"Pillow {PIL.__version__} opens this uncompressed YCbCr TIFF as {image.mode}, "
+                "its Y, Cb, Cr samples as colours (Pillow >= 13.0 reads it)"
+            )
         if image.mode in ("CMYK", "YCbCr", "LAB", "HSV"):
             return np.asarray(image.convert("RGB"))
         tile = image.tile

@@ -911,8 +911,8 @@ def test_a_lost_worker_costs_only_its_run_and_the_same_command_trains_it_again(t
         pool.run([(ref, 0), (ref, 1), (ref, 2)])
     assert str(info.value) == (
         f"the worker process of 1 run(s) ended without a result ({lost_dir}: killed by SIGKILL; "
-        "the out-of-memory killer, for one: fewer search.workers use less memory); the finished "
-        f"runs are kept, and the same command continues the search in {tmp_path}"
+        "the out-of-memory killer sends SIGKILL: fewer search.workers use less memory); the "
+        f"finished runs are kept, and the same command continues the search in {tmp_path}"
     )
     # the two that finished are results, with their sharing record; the lost one is neither
     assert sorted(pool.results) == [(ref.name, 0), (ref.name, 2)] and pool.trained == 2
@@ -945,3 +945,21 @@ def test_a_worker_ended_by_a_relayed_stop_signal_is_part_of_the_stop(tmp_path, m
         f"{pool.run_dir(ref, 1)}: killed by SIGTERM); the same command continues the search "
         f"in {tmp_path}"
     )
+
+
+def test_a_worker_that_exits_without_a_result_gets_no_out_of_memory_hint(tmp_path, monkeypatch):
+    ref = reference_candidate(2)
+    pool = _pool(tmp_path, workers=2)
+
+    def run_in_process(cfg, run_dir):
+        return {**pool_module.run_summary({}), "status": "lost", "error": "exited with status 1"}
+
+    monkeypatch.setattr(pool_module, "_run_in_process", run_in_process)
+    with pytest.raises(SearchInterrupted) as info:
+        pool.run([(ref, 0), (ref, 1)])
+    assert str(info.value) == (
+        f"the worker process of 2 run(s) ended without a result ({pool.run_dir(ref, 0)}: exited "
+        f"with status 1; {pool.run_dir(ref, 1)}: exited with status 1); the finished runs are "
+        f"kept, and the same command continues the search in {tmp_path}"
+    )
+    assert pool.results == {} and pool.trained == 0

@@ -219,14 +219,18 @@ class RunPool:
         runs = "; ".join(f"{path}: {how}" for path, how in lost)
         if stopped or self._stopped_by():
             # A relayed signal ends a worker that has not yet installed its run's handlers.
-            ended = f"; {len(lost)} ended without a result: {runs}" if lost else ""
+            also = f"; {len(lost)} ended without a result: {runs}" if lost else ""
             raise SearchInterrupted(
                 f"stopped by {self._stopped_by() or 'a signal'} ({len(stopped)} run(s) "
-                f"checkpointed{ended}); the same command continues the search in {self.out}"
+                f"checkpointed{also}); the same command continues the search in {self.out}"
             )
         if lost:
+            hint = ""
+            if any(how == "killed by SIGKILL" for _, how in lost):
+                hint = "; the out-of-memory killer sends SIGKILL: fewer search.workers use less"
+                hint += " memory"
             raise SearchInterrupted(
-                f"the worker process of {len(lost)} run(s) ended without a result ({runs}; the "
-                f"out-of-memory killer, for one: fewer search.workers use less memory); the "
-                f"finished runs are kept, and the same command continues the search in {self.out}"
+                f"the worker process of {len(lost)} run(s) ended without a result ({runs}{hint}); "
+                f"the finished runs are kept, and the same command continues the search in "
+                f"{self.out}"
             )

@@ -892,8 +892,22 @@ def test_a_process_that_ends_without_a_summary_is_a_lost_run_saying_how(tmp_path
     assert (result["status"], result["error"], result["psnr"]) == ("lost", how, None)
 
 
-def test_a_lost_worker_costs_only_its_run_and_the_same_command_trains_it_again(tmp_path,
-                                                                               monkeypatch):
+def _lost(how):
+    return {**pool_module.run_summary({}), "status": "lost", "error": how}
+
+
+def _search_stop(monkeypatch, pool, jobs, run_in_process):
+    """The line of the SearchInterrupted that ``pool.run(jobs)`` raises, its runs trained by
+    ``run_in_process`` in place of worker processes."""
+    monkeypatch.setattr(pool_module, "_run_in_process", run_in_process)
+    with pytest.raises(SearchInterrupted) as info:
+        pool.run(jobs)
+    return str(info.value)
+
+
+def test_a_lost_worker_costs_only_its_run_and_the_same_command_trains_it_again(
+    tmp_path, monkeypatch
+):
     ref = reference_candidate(2)
     pool = _pool(tmp_path, workers=2)
     lost_dir = str(pool.run_dir(ref, 1))
@@ -902,14 +916,12 @@ def test_a_lost_worker_costs_only_its_run_and_the_same_command_trains_it_again(t
     def run_in_process(cfg, run_dir):  # seed 1's process is killed; the others finish
         calls.append(run_dir)
         if run_dir == lost_dir:
-            return {**pool_module.run_summary({}), "status": "lost", "error": "killed by SIGKILL"}
+            return _lost("killed by SIGKILL")
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         return {**pool_module.run_summary({}), "status": "completed", "psnr": 30.0}
 
-    monkeypatch.setattr(pool_module, "_run_in_process", run_in_process)
-    with pytest.raises(SearchInterrupted) as info:
-        pool.run([(ref, 0), (ref, 1), (ref, 2)])
-    assert str(info.value) == (
+    stop = _search_stop(monkeypatch, pool, [(ref, 0), (ref, 1), (ref, 2)], run_in_process)
+    assert stop == (
         f"the worker process of 1 run(s) ended without a result ({lost_dir}: killed by SIGKILL; "
         "the out-of-memory killer sends SIGKILL: fewer search.workers use less memory); the "
         f"finished runs are kept, and the same command continues the search in {tmp_path}"
@@ -935,12 +947,9 @@ def test_a_worker_ended_by_a_relayed_stop_signal_is_part_of_the_stop(tmp_path, m
         if run_dir.endswith("seed0"):
             pool.stop.received.append("SIGTERM")
             return {**pool_module.run_summary({}), "status": "interrupted"}
-        return {**pool_module.run_summary({}), "status": "lost", "error": "killed by SIGTERM"}
+        return _lost("killed by SIGTERM")
 
-    monkeypatch.setattr(pool_module, "_run_in_process", run_in_process)
-    with pytest.raises(SearchInterrupted) as info:
-        pool.run([(ref, 0), (ref, 1)])
-    assert str(info.value) == (
+    assert _search_stop(monkeypatch, pool, [(ref, 0), (ref, 1)], run_in_process) == (
         f"stopped by SIGTERM (1 run(s) checkpointed; 1 ended without a result: "
         f"{pool.run_dir(ref, 1)}: killed by SIGTERM); the same command continues the search "
         f"in {tmp_path}"
@@ -952,12 +961,9 @@ def test_a_worker_that_exits_without_a_result_gets_no_out_of_memory_hint(tmp_pat
     pool = _pool(tmp_path, workers=2)
 
     def run_in_process(cfg, run_dir):
-        return {**pool_module.run_summary({}), "status": "lost", "error": "exited with status 1"}
+        return _lost("exited with status 1")
 
-    monkeypatch.setattr(pool_module, "_run_in_process", run_in_process)
-    with pytest.raises(SearchInterrupted) as info:
-        pool.run([(ref, 0), (ref, 1)])
-    assert str(info.value) == (
+    assert _search_stop(monkeypatch, pool, [(ref, 0), (ref, 1)], run_in_process) == (
         f"the worker process of 2 run(s) ended without a result ({pool.run_dir(ref, 0)}: exited "
         f"with status 1; {pool.run_dir(ref, 1)}: exited with status 1); the finished runs are "
         f"kept, and the same command continues the search in {tmp_path}"

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from mptex._fp8_scaling import _to_fp8
+from mptex._fp8_scaling import _amax, _to_fp8
 from mptex._grid_torch import hash_grid_encode
 from mptex.export_config import DECODE_PRECISIONS
 from mptex.fp8 import (
@@ -146,12 +146,6 @@ def _fp8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale_inv
 
 
-def _input_scale(h: torch.Tensor) -> torch.Tensor:
-    """The fp8 input scale ``448 / amax`` calibrated on ``h``; no values (views that cover no
-    pixel) have amax 0, for which :func:`mptex.fp8.fp8_scale` keeps its scale 1."""
-    return fp8_scale(h.abs().amax() if h.numel() else h.new_zeros(()), E4M3)
-
-
 def _fp8_input(h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     # A calibrated scale can be exceeded by points outside the calibration set: saturated at
     # 448 (what a decoder's conversion with satfinite does), as mptex's quantisation casts.
@@ -210,7 +204,7 @@ def _layer(h: torch.Tensor, weight: torch.Tensor, precision: str, input_scale) -
         return scaled_mm_rowwise(x_q, w_q.t(), x_inv, w_inv.t(), backend="emulated")
     w_q, w_inv = _fp8_weight(weight)
     if input_scale is None:
-        input_scale = _input_scale(h)
+        input_scale = fp8_scale(_amax(h), E4M3)  # no points: amax 0, scale 1
     scale = torch.as_tensor(input_scale, dtype=torch.float32, device=h.device)
     x_q = _fp8_input(h, scale)
     return (x_q.float() @ w_q.float().t()) * (torch.reciprocal(scale) * w_inv)
@@ -226,7 +220,7 @@ def calibrate_fp8(texture: MLPTexture3D, points: torch.Tensor) -> list[float]:
         if weights.input_padding:
             h = torch.cat([h, h.new_ones(h.shape[0], weights.input_padding)], dim=1)
         for index, weight in enumerate(weights.matrices):
-            scale = _input_scale(h)
+            scale = fp8_scale(_amax(h), E4M3)  # no points: amax 0, scale 1
             scales.append(float(scale))
             h = _layer(h, weight, "fp8", scale)
             if index < len(weights.matrices) - 1:

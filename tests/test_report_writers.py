@@ -505,7 +505,22 @@ def test_peak_memory_is_the_largest_of_the_completed_runs_as_the_key_says(tmp_pa
     _write(tmp_path, "f1", _run("f32", 1, peak_memory_bytes=300 * 2**20, status="diverged"))
     text = _report_md(tmp_path)
     assert _cell(text, "f32", "peak mem (MiB)") == "100"
-    assert "- Peak memory: the largest over the row's completed runs (" in text
+    assert ("- Peak memory: the largest over the row's completed runs, from the end of each "
+            "run's start (") in text  # fmt: skip
+    # runs recorded without their start's peak (written before it was measured): said plainly
+    assert "measured apart, the same way: `metrics.json`'s `start_peak_memory_bytes`." in text
+
+
+def test_the_starts_peak_is_the_largest_over_the_completed_runs(tmp_path):
+    _write(tmp_path, "f0", _run("f32", 0, peak_memory_bytes=100 * 2**20,
+                                 start_peak_memory_bytes=40 * 2**20))  # fmt: skip
+    _write(tmp_path, "f1", _run("f32", 1, peak_memory_bytes=100 * 2**20,
+                                 start_peak_memory_bytes=70 * 2**20))  # fmt: skip
+    _write(tmp_path, "f2", _run("f32", 2, peak_memory_bytes=100 * 2**20, status="diverged",
+                                 start_peak_memory_bytes=900 * 2**20))  # fmt: skip
+    text = " ".join(_report_md(tmp_path).split())
+    # below the column's largest (100): no advice; the diverged run's 900 is not counted
+    assert "the largest over the completed runs is 70 MiB." in text
 
 
 def test_a_run_at_the_baseline_is_marked_in_the_psnr_cell(tmp_path):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 import mmap
+import os
 from pathlib import Path
 
 import pytest
@@ -67,7 +69,7 @@ _TYPES = {
     "iterations_planned": int, "final_loss": float, "time_per_iter_s": float,
     "wall_time_s": float, "train_time_s": float, "time_split_s": dict,
     "wall_time_total_s": float, "train_time_total_s": float, "time_total_complete": bool,
-    "peak_memory_bytes": int,
+    "peak_memory_bytes": int, "start_peak_memory_bytes": int,
     "peak_memory_kind": str, "skipped_steps": int, "final_loss_scale": float,
     "n_params": int, "device": str, "device_name": str, "torch_threads": int,
     "versions": dict, "run_dir": str, "history": list, "config": dict,
@@ -195,9 +197,54 @@ def test_a_run_forced_to_saturate_is_reported_collapsed(tmp_path, monkeypatch):
     assert flags.pop(("f32", "1")) == "True" and set(flags.values()) == {"False"}
 
 
+def test_the_starts_memory_peak_is_recorded_apart_and_the_report_names_it(tmp_path, monkeypatch):
+    """A start whose G-buffers peak above everything after it (a large mesh): the run's
+    peak_memory_bytes is the training's, start_peak_memory_bytes the start's, and the report's
+    notes say that a job needs the start's."""
+    from mptex.report import write_report
+    from mptex.train import memory
+
+    statm = tmp_path / "statm"
+    statm.write_text("3000 300 10 20 0 30 0\n")  # resident: the second column, in pages
+    monkeypatch.setattr(memory.RunPeakRss, "_STATM", str(statm))
+    # sampled at start, split and stop only
+    hourly = functools.partialmethod(memory.RunPeakRss.__init__, interval_s=3600)
+    monkeypatch.setattr(memory.RunPeakRss, "__init__", hourly)
+    samplers = []
+    real_measure, real_build = mtrain.loop.measure_memory, mtrain.loop.build_scene
+
+    def measure(device):
+        samplers.append(real_measure(device))
+        return samplers[-1]
+
+    def build(cfg, device):
+        scene = real_build(cfg, device)
+        statm.write_text("30000 5000 10 20 0 30 0\n")
+        samplers[-1]._sample()  # the start's high point, seen by the sampler
+        statm.write_text("3000 400 10 20 0 30 0\n")  # freed before the start ends
+        return scene
+
+    monkeypatch.setattr(mtrain.loop, "measure_memory", measure)
+    monkeypatch.setattr(mtrain.loop, "build_scene", build)
+    page = os.sysconf("SC_PAGE_SIZE")
+    for seed in (0, 1):
+        train(tiny_cfg("train.iterations=2", f"train.seed={seed}"), tmp_path / f"f32_{seed}")
+        m = read_metrics(tmp_path / f"f32_{seed}")
+        assert m["status"] == "completed"
+        assert (m["start_peak_memory_bytes"], m["peak_memory_bytes"]) == (5000 * page, 400 * page)
+    write_report(tmp_path)
+    text = " ".join((tmp_path / "report.md").read_text().split())
+    assert (f"`start_peak_memory_bytes`; the largest over the completed runs is "
+            f"{5000 * page / 2**20:.0f} MiB, more than the column's largest: a job needs that "
+            "much.") in text  # fmt: skip
+    with (tmp_path / "results.csv").open(newline="") as f:
+        assert {int(r["start_peak_memory_bytes"]) for r in csv.DictReader(f)} == {5000 * page}
+
+
 def test_two_runs_give_identical_metrics_except_timings(tmp_path):
     timing = {"time_per_iter_s", "wall_time_s", "train_time_s", "time_split_s",
               "wall_time_total_s", "train_time_total_s", "peak_memory_bytes",
+              "start_peak_memory_bytes",
               "run_dir"}  # fmt: skip
     runs = []
     for name in ("a", "b"):

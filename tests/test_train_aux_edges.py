@@ -50,7 +50,7 @@ from mptex.scenes import build_scene
 from mptex.train import device_check, fused_loss, memory, runinfo
 from mptex.train.device_check import RequireDeviceCallback
 from mptex.train.fused_loss import kd_smoothness, masked_image_loss
-from mptex.train.memory import RunPeakRss, peak_memory
+from mptex.train.memory import RunPeakRss, measure_memory, peak_memory, start_peak_memory
 from mptex.train.shading import (
     composite,
     draw_background,
@@ -351,6 +351,53 @@ def test_a_cuda_run_reports_the_allocators_peak(monkeypatch):
     device = torch.device("cuda", 0)
     rss = RunPeakRss(enabled=False)
     assert peak_memory(device, rss) == (12345, "cuda_max_allocated") and asked == [device]
+
+
+def test_the_start_peak_is_split_off_and_the_run_peak_starts_from_the_memory_then(
+    tmp_path, monkeypatch
+):
+    statm = tmp_path / "statm"
+    monkeypatch.setattr(RunPeakRss, "_STATM", str(statm))
+    page = os.sysconf("SC_PAGE_SIZE")
+    _write_statm(statm, 300)
+    rss = RunPeakRss(interval_s=3600).start()
+    _write_statm(statm, 2000)
+    rss._sample()  # the start's high point (the G-buffers at their largest)
+    _write_statm(statm, 400)  # freed again when the start ends
+    assert start_peak_memory(torch.device("cpu"), rss) == 2000 * page
+    assert rss.peak == 400 * page  # what the process holds now, not the start's peak
+    _write_statm(statm, 600)
+    rss.stop()
+    assert peak_memory(torch.device("cpu"), rss) == (600 * page, "run_peak_rss")
+    # A split's last sample counts when it is the largest.
+    _write_statm(statm, 300)
+    rising = RunPeakRss(interval_s=3600).start()
+    _write_statm(statm, 800)
+    assert rising.split() == 800 * page and rising.peak == 800 * page
+    rising.stop()
+
+
+def test_without_proc_the_start_peak_is_the_lifetime_peak_so_far(monkeypatch):
+    rss = RunPeakRss(enabled=False).start()
+    assert rss.split() == 0
+    monkeypatch.setattr(memory.resource, "getrusage",
+                        lambda who: types.SimpleNamespace(ru_maxrss=7))  # fmt: skip
+    assert start_peak_memory(torch.device("cpu"), rss) == 7 * 1024
+
+
+def test_a_cuda_start_peak_is_the_allocators_peak_since_the_start_began(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda device=None: calls.append(("reset", device)))  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated",
+                        lambda device=None: calls.append(("max", device)) or 999)  # fmt: skip
+    device = torch.device("cuda", 1)
+    rss = measure_memory(device)
+    assert not rss.available and calls == [("reset", device)]  # no sampling thread on CUDA
+    assert start_peak_memory(device, rss) == 999
+    # read, then reset: the run's own peak starts when the start ends
+    assert calls == [("reset", device), ("max", device), ("reset", device)]
+    rss.stop()
 
 
 # ----------------------------------------------------------------------------- run info

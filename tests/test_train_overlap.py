@@ -19,7 +19,8 @@ from mptex.train import ConfigError, load_checkpoint, train
 FUSED = {"fused": True, "foreach": False}
 # What differs between two runs of the same config besides the results: times and paths.
 _TIMES = {"time_per_iter_s", "wall_time_s", "train_time_s", "time_split_s", "wall_time_total_s",
-          "train_time_total_s", "peak_memory_bytes", "peak_memory_kind", "run_dir", "config",
+          "train_time_total_s", "peak_memory_bytes", "peak_memory_kind",
+          "start_peak_memory_bytes", "run_dir", "config",
           "versions", "device_name"}  # fmt: skip
 
 

@@ -75,7 +75,8 @@ NOT_SWEPT = ("train.seed", "train.resume", "train.progress", "train.tensorboard"
 # Per-run scalars copied from metrics.json into results.csv/json, in column order.
 RUN_FIELDS = (
     "scene", "precision", "seed", "status", "psnr", "baseline_psnr", "time_per_iter_s",
-    "peak_memory_bytes", "peak_memory_kind", "skipped_steps", "final_loss_scale", "iterations",
+    "peak_memory_bytes", "peak_memory_kind", "start_peak_memory_bytes", "skipped_steps",
+    "final_loss_scale", "iterations",
     "iterations_planned", "val_views", "val_spp", "diverged_at", "failed_at", "error",
     "wall_time_s", "train_time_s", "wall_time_total_s", "train_time_total_s",
     "time_total_complete", "n_params", "device", "device_name", "torch_threads",

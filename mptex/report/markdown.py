@@ -181,6 +181,23 @@ def _swept(sweep_dir: str | os.PathLike, shown: Sequence[str]) -> str:
     return "nothing"
 
 
+def _start_memory(runs: Sequence[Mapping[str, Any]]) -> str:
+    """The sentence on what the peak-memory column leaves out: the runs' starts."""
+    done = [r for r in runs if r.get("status") == "completed"]
+    starts = [r["start_peak_memory_bytes"] for r in done
+              if is_number(r.get("start_peak_memory_bytes"))]  # fmt: skip
+    text = ("A run's start (the scene with the training views' G-buffers, the texture, "
+            "set-up) is measured apart, the same way: `metrics.json`'s "
+            "`start_peak_memory_bytes`")  # fmt: skip
+    if not starts:
+        return text + "."
+    text += f"; the largest over the completed runs is {max(starts) / 2**20:.0f} MiB"
+    peaks = [r["peak_memory_bytes"] for r in done if is_number(r.get("peak_memory_bytes"))]
+    if peaks and max(starts) > max(peaks):
+        text += ", more than the column's largest: a job needs that much"
+    return text + "."
+
+
 def _environment(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     def distinct(key):
         return sorted({str(r[key]) for r in runs if r.get(key) is not None})
@@ -843,12 +860,13 @@ def render_report(
         f"than `{REFERENCE_ARM}`.",
         "- ms / iter: median time per training iteration, averaged over seeds; speed-up > 1: "
         "faster than the reference.",
-        f"- Peak memory: the largest over the row's completed runs "
-        f"({', '.join(kinds) or 'unknown'}). "
-        "cuda_max_allocated: the GPU allocator's peak during the run. run_peak_rss: the "
-        "process's resident memory sampled during the run; it includes what the process held "
+        f"- Peak memory: the largest over the row's completed runs, from the end of each "
+        f"run's start ({', '.join(kinds) or 'unknown'}). "
+        "cuda_max_allocated: the GPU allocator's peak. run_peak_rss: the "
+        "process's resident memory, sampled; it includes what the process held "
         "before (Python, torch, earlier jobs under Hydra's basic launcher), so compare arms "
-        "within one sweep. process_peak_rss (no /proc): the process's lifetime peak.",
+        "within one sweep. process_peak_rss (no /proc): the process's lifetime peak. "
+        f"{_start_memory(runs)}",
         "- eff. loss scale: the factor the f16 gradients carried at the end: GradScaler's scale, "
         "times the fixed ×128 inside the graph of the `nvdiffrec` and `tcnn` arms; 1 without "
         "loss scaling.",

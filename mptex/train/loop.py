@@ -85,7 +85,7 @@ from mptex.train.config import (
 from mptex.train.exporter import Exporter
 from mptex.train.fused_loss import fused_loss_check, fused_loss_problem, masked_image_loss
 from mptex.train.losses import lr_schedule
-from mptex.train.memory import RunPeakRss, peak_memory
+from mptex.train.memory import RunPeakRss, measure_memory, peak_memory, start_peak_memory
 from mptex.train.monitor import PrecisionMonitor
 from mptex.train.rng import rng_state, seed_everything, set_rng_state
 from mptex.train.runinfo import (
@@ -115,8 +115,8 @@ METRICS_KEYS = (
     "status", "psnr", "baseline_psnr", "psnr_per_image", "saturation", "precision", "scene", "seed",
     "iterations", "iterations_planned", "final_loss", "time_per_iter_s", "wall_time_s",
     "train_time_s", "time_split_s", "wall_time_total_s", "train_time_total_s",
-    "time_total_complete", "peak_memory_bytes", "peak_memory_kind", "skipped_steps",
-    "final_loss_scale",
+    "time_total_complete", "peak_memory_bytes", "peak_memory_kind", "start_peak_memory_bytes",
+    "skipped_steps", "final_loss_scale",
     "diverged_at", "error", "failed_at", "failed_writing", "interrupted_at", "signal",
     "resumed_from", "stop_requested",
     "resume_count", "interruptions", "n_params", "backends", "device",
@@ -647,7 +647,12 @@ def _train_validated(
         device = torch.device(settings["device"])
         resume_from = _resume_path(settings["resume"], run_dir)
         unrecorded = _unrecorded_checkpoint(settings["resume"], resume_from, run_dir)
-        scene, texture, ckpt = _start(full, resume_from, run_dir, exporter)
+        rss = measure_memory(device)
+        try:
+            scene, texture, ckpt = _start(full, resume_from, run_dir, exporter)
+        except BaseException:
+            rss.stop()
+            raise
         if unrecorded:
             # Said once the run has started (a refused start says only why it was refused).
             print(
@@ -672,12 +677,14 @@ def _train_validated(
     metrics["config"] = full
     run: RunState | None = None
     try:
-        rss = RunPeakRss(enabled=device.type != "cuda").start()
         try:
             # The named steps: setup, the iterations (step, validate, checkpoint), finish.
             if ckpt is not None:
                 _take_recorded_time(ckpt, resume_from, run_dir)
             run = setup(full, scene, texture, ckpt, run_dir, device, metrics, start_wall)
+            # The start's peak (the scene's G-buffers at their largest) apart from the rest:
+            # arms differ in the rest, and a job needs the larger of the two.
+            metrics["start_peak_memory_bytes"] = start_peak_memory(device, rss)
             _retire_finished_record(run_dir)
             evaluated = _iterate(run, stop)
             return finish(run, evaluated, start_wall, rss, exporter)
@@ -881,8 +888,6 @@ def setup(
     stats_every = settings["stats_interval"]
     run.monitor = PrecisionMonitor(texture, every=stats_every) if stats_every else None
     run.light_dir = light_direction(settings, device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     if ckpt is not None:
         texture.load_state_dict(ckpt["texture"])
         own = [(g["lr_scale"], g["betas"], g["eps"]) for g in run.optimizer.param_groups]

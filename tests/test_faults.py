@@ -608,17 +608,18 @@ def test_an_iteration_that_cannot_fit_in_memory_is_refused_at_start(tmp_path, mo
 def test_a_knot_whose_rasterization_cannot_fit_is_refused_at_start(tmp_path, monkeypatch):
     # scene.tubular_segments=100000 with radial_segments=8 passed the start checks and ended
     # in the allocator's traceback while the views were rasterized (5.2 GB at the peak). The
-    # tiny run draws 2 views in one call: 1.6e6 triangles x (12 + 2 x 86) bytes and 8e5
-    # vertices x (12 + 2 x 16) bytes = 329,600,000 bytes, a lower bound (tests/test_config_edges).
+    # tiny run draws 2 views in one call: 1.6e6 triangles x 12 bytes, 8e5 vertices x (12 +
+    # 2 x 16) bytes and one block of 65536 triangle instances x 86 bytes = 60,036,096 bytes, a
+    # lower bound (tests/test_config_edges).
     from mptex.train import config as train_config
 
-    monkeypatch.setattr(train_config, "available_bytes", lambda device: 2**28)  # 256 MiB
+    monkeypatch.setattr(train_config, "available_bytes", lambda device: 2**25)  # 32 MiB
     overrides = ("scene.tubular_segments=100000", "scene.radial_segments=8")
     message = start_error(tmp_path, *overrides, "scene.raster_backend=torch")
     assert message == (
         "scene.tubular_segments: the builtin knot of 100000 x 8 segments (1600000 triangles), "
-        "rasterized 2 views at a time, needs 0.307 GiB for the mesh and the rasterizer's "
-        "per-triangle work alone, only 0.2 GiB is free on cpu (lower scene.tubular_segments or "
+        "rasterized 2 views at a time, needs 0.0559 GiB for the mesh and the rasterizer's "
+        "per-triangle work alone, only 0.0 GiB is free on cpu (lower scene.tubular_segments or "
         "scene.radial_segments)"
     )
     message = start_error(

@@ -44,7 +44,7 @@ from mptex.config_schema import (
 from mptex.export_config import check_export_config
 from mptex.fp8 import resolve_gemm_backend
 from mptex.precision import PrecisionPolicy
-from mptex.render.rasterize import resolved_backend
+from mptex.render.rasterize import _MAX_TRIS_PER_BLOCK, resolved_backend
 from mptex.scenes.config import check_scene_config
 from mptex.texture import NVDIFFREC_ENCODER_CONFIG, GridConfig, check_texture_config
 from mptex.train.losses import LOSSES, LR_SCHEDULES
@@ -390,11 +390,12 @@ def _view_memory_problem(checked: Mapping[str, Any], val_spp: int, device: torch
 # Views the scene rasterizes in one call: the training views in chunks of this many
 # (mptex.scenes.Scene.prepare_training's default), the validation views all at once.
 _TRAIN_VIEWS_PER_RASTER_CALL = 16
-# The torch rasterizer's work per triangle of each view it draws (mptex.render.rasterize's
-# _setup_triangles), all float32 or bool and alive at once while it culls: the gathered
-# clip-space corners [3, 4] (48 bytes), their |x, y, z| [3, 3] (36), the outside and culled
-# flags (2); clipping, binning and the tiles' samples come on top.
-_RASTER_BYTES_PER_FACE_VIEW = 86
+# The torch rasterizer's work per triangle instance (a triangle of one view) it sets up
+# (mptex.render.rasterize's _setup_triangles), all float32 or bool and alive at once while it
+# culls: the gathered clip-space corners [3, 4] (48 bytes), their |x, y, z| [3, 3] (36), the
+# outside and culled flags (2); snapping, clipping, binning and the tiles' samples come on top.
+# It sets up at most _MAX_TRIS_PER_BLOCK instances at once: this does not grow with the mesh.
+_RASTER_BYTES_PER_INSTANCE = 86
 # And per vertex of each view: its clip-space position (4 float32); the mesh itself holds
 # 12 bytes per vertex (float32 position) and 12 per triangle (int32 corners).
 _RASTER_BYTES_PER_VERTEX_VIEW = 16
@@ -407,16 +408,17 @@ def _views_per_raster_call(checked: Mapping[str, Any]) -> int:
 
 def _builtin_mesh_bytes(checked: Mapping[str, Any], device: torch.device) -> int:
     """A lower bound of the memory the builtin scene's knot takes while its views are
-    rasterized: the mesh, and the rasterizer's per-vertex and (torch rasterizer) per-triangle
-    work for the largest number of views drawn in one call."""
+    rasterized: the mesh, the rasterizer's per-vertex work for the largest number of views
+    drawn in one call and (torch rasterizer) its per-triangle work on one block of triangle
+    instances."""
     tubular, radial = checked["tubular_segments"], checked["radial_segments"]
     vertices, faces = tubular * radial, 2 * tubular * radial
     views = _views_per_raster_call(checked)
-    per_face = _MESH_BYTES_PER_FACE
-    if resolved_backend(checked["raster_backend"], device) == "torch":
-        per_face += views * _RASTER_BYTES_PER_FACE_VIEW
     per_vertex = _MESH_BYTES_PER_VERTEX + views * _RASTER_BYTES_PER_VERTEX_VIEW
-    return faces * per_face + vertices * per_vertex
+    needed = faces * _MESH_BYTES_PER_FACE + vertices * per_vertex
+    if resolved_backend(checked["raster_backend"], device) == "torch":
+        needed += min(faces * views, _MAX_TRIS_PER_BLOCK) * _RASTER_BYTES_PER_INSTANCE
+    return needed
 
 
 def _mesh_memory_problem(checked: Mapping[str, Any], device: torch.device) -> str | None:

@@ -109,3 +109,28 @@ def test_triangles_between_the_samples_get_no_integer_setup(monkeypatch):
     ids = rast[..., 3]
     assert (ids > 0).sum() == 28 and torch.all(ids[ids > 0] == tri.shape[0])
     assert planes == [1]
+
+
+def test_a_triangle_over_more_tiles_than_a_chunk_is_split_across_chunks(monkeypatch):
+    # Two triangles over a 64 x 64 view (clipped to it: 256 tiles of 4 x 4 pixels, fanned
+    # sub-triangles of many tiles each); a chunk of 64 evaluations (4 tiles) must not take a
+    # whole sub-triangle.
+    pos = torch.tensor([[-3.0, -3, 0.5, 2], [3, -3, 0.5, 2], [-3, 3, 0.5, 2],
+                        [3, 3, 0.5, 2]])  # fmt: skip
+    tri = torch.tensor([[0, 1, 2], [1, 3, 2]], dtype=torch.int32)
+    whole, _ = rasterize(pos, tri, (64, 64), backend="torch")
+    assert torch.all(whole[..., 3] > 0)
+
+    drawn = []
+    scatter = torch.Tensor.scatter_reduce_
+
+    def spy(self, dim, index, src, **kwargs):
+        drawn.append(index.numel())
+        return scatter(self, dim, index, src, **kwargs)
+
+    monkeypatch.setattr(rz, "_MAX_EVALS_PER_CHUNK", 64)
+    monkeypatch.setattr(torch.Tensor, "scatter_reduce_", spy)
+    chunked, _ = rasterize(pos, tri, (64, 64), backend="torch")
+    monkeypatch.undo()
+    assert max(drawn) <= 64 and sum(drawn) == 64 * 64
+    _assert_same_bits([chunked], [whole])

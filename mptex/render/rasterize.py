@@ -41,9 +41,9 @@ TriangleSetup.inl, FineRaster.inl, Util.inl; its output kernel: common/rasterize
 
 Memory: the torch backend sets up and draws the B x T triangle instances (a triangle of one
 view) in blocks of ``_MAX_TRIS_PER_BLOCK``, and tests their (triangle, tile) pairs in chunks of
-about ``_MAX_EVALS_PER_CHUNK`` pixel evaluations; triangles wholly inside the frustum whose
+at most ``_MAX_EVALS_PER_CHUNK`` pixel evaluations; triangles wholly inside the frustum whose
 snapped bounding box holds no sample are dropped before the integer setup. Its transient memory
-does not grow with the number of triangles and views it draws; what grows is the input, the
+stays near 200 MB however many triangles and views it draws; what grows is the input, the
 float32 copy of ``pos`` and the per-pixel buffers (the outputs and one int64 depth key per
 pixel).
 
@@ -76,9 +76,12 @@ _TILE = 4
 # about 25 MB. 65536 measured fastest (vs 16384 and 262144) on a 1M-triangle mesh x 16 views at
 # 128x128 on a 2-core CPU.
 _MAX_TRIS_PER_BLOCK = 1 << 16
-# Upper bound on (pair, pixel) evaluations per chunk: 2M evaluations hold 50 MB of float64 edge
-# values, and peak memory stays near 200 MB.
-_MAX_EVALS_PER_CHUNK = 1 << 21
+# Upper bound on (pair, pixel) evaluations per chunk (a triangle's tiles are split across chunks
+# where it has more): 1M evaluations hold 25 MB of float64 edge values, and each covered sample
+# some 150 bytes of indices and depth keys: a chunk whose samples are all covered (a quad over
+# a 1024x1024 view) peaks near 150 MB. As fast as 2M on a 20k-triangle mesh at 256 and 512 px,
+# faster at 2048.
+_MAX_EVALS_PER_CHUNK = 1 << 20
 
 _NVDR_CONTEXTS: dict[torch.device, object] = {}
 
@@ -484,20 +487,15 @@ def _draw(
     # minimum is the nearest fragment and, among equal depths, the highest index.
     low = _U32 - owner
 
-    # Chunk the triangles so that no chunk holds more than _MAX_EVALS_PER_CHUNK evaluations.
+    # (triangle, tile) pairs in chunks of max_pairs, a triangle's tiles split across chunks
+    # where it has more, so that no chunk holds more than _MAX_EVALS_PER_CHUNK evaluations.
     max_pairs = max(1, _MAX_EVALS_PER_CHUNK // (_TILE * _TILE))
     cum = torch.cumsum(n_tiles, 0)
-    start = 0
     total = int(cum[-1]) if cum.numel() else 0
-    done = 0
-    while done < total:
-        limit = torch.tensor(done + max_pairs, device=device)
-        end = int(torch.searchsorted(cum, limit, right=True))
-        end = max(end, start + 1)  # a single huge triangle still makes progress
-        counts = n_tiles[start:end]
-        ids = torch.repeat_interleave(torch.arange(start, end, device=device), counts)
-        first = torch.cumsum(counts, 0) - counts
-        local = torch.arange(ids.numel(), device=device) - torch.repeat_interleave(first, counts)
+    for done in range(0, total, max_pairs):
+        pair_index = torch.arange(done, min(done + max_pairs, total), device=device)
+        ids = torch.searchsorted(cum, pair_index, right=True)
+        local = pair_index - (cum[ids] - n_tiles[ids])
         tx = tx0[ids] + local % n_tx[ids]
         ty = ty0[ids] + local // n_tx[ids]
         # Edge functions at the tile's 16 samples, E = E(origin) + (-16 dy) i + (16 dx) j, as one
@@ -519,8 +517,6 @@ def _draw(
         pixel = ((owner[hit] // n_tri) * height + py) * width + px
         key = ((depth - (1 << 31)) << 32) | low[hit]
         best.scatter_reduce_(0, pixel[ok], key[ok], reduce="amin")
-        done = int(cum[end - 1])
-        start = end
 
 
 def _pixel_centres(px, py, height, width, dtype):

@@ -15,6 +15,8 @@ import math
 import os
 import re
 import warnings
+from array import array
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -54,7 +56,7 @@ def _floats(tokens: list[str], count: int, path: Path, lineno: int, what: str) -
     return values
 
 
-def _statements(path: Path) -> list[tuple[int, str]]:
+def _statements(path: Path) -> Iterator[tuple[int, str]]:
     r"""The statements of an OBJ or MTL file, each with the number of its first line.
 
     The text is UTF-8, else Latin-1 (older exporters write material and file names in it),
@@ -67,6 +69,10 @@ def _statements(path: Path) -> list[tuple[int, str]]:
     appended, again and again while they end so. A ``\`` anywhere else is kept (Windows paths
     in ``map_Kd`` and ``mtllib``), and so is one in a comment (a comment ends with its line).
     A continuation on the last line continues into nothing: the statement ends there.
+
+    The statements come one at a time, the text's lines split a block at a time
+    (:func:`_lines`): a reader holds the file's text once, not also a list of its lines and
+    one of its statements (a 1M-face OBJ has some 1.5M lines: 116 MB of Python strings).
     """
     try:
         data = path.read_bytes()
@@ -79,9 +85,9 @@ def _statements(path: Path) -> list[tuple[int, str]]:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         text = data.decode("latin-1")
-    statements: list[tuple[int, str]] = []
+    del data  # the text alone is read from here on
     pending: tuple[int, str] | None = None  # a statement continued on the next line
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(_lines(text, _LINES_BLOCK), start=1):
         if pending is not None:
             lineno, line = pending[0], pending[1] + line
         statement = line.split("#", 1)[0].rstrip(" \t")
@@ -89,10 +95,25 @@ def _statements(path: Path) -> list[tuple[int, str]]:
             pending = (lineno, statement[:-1] + " ")
         else:
             pending = None
-            statements.append((lineno, line))
+            yield lineno, line
     if pending is not None:
-        statements.append(pending)
-    return statements
+        yield pending
+
+
+# Characters per block of :func:`_lines`.
+_LINES_BLOCK = 1 << 20
+
+
+def _lines(text: str, block: int) -> Iterator[str]:
+    r"""``text.splitlines()``, one line at a time: ``text`` is split by ``str.splitlines`` in
+    blocks of at least ``block`` characters, each ending at a ``\n`` (the first one from its
+    ``block``-th character on) or at the end of the text. Every block but the last ends with a
+    line break, and no ``\r\n`` pair is cut in two: the lines are those of the whole text."""
+    start = 0
+    while start < len(text):
+        end = text.find("\n", start + block - 1) + 1 or len(text)
+        yield from text[start:end].splitlines()
+        start = end
 
 
 def _index(token: str, n_defined: int, path: Path, lineno: int, what: str) -> int:
@@ -525,6 +546,15 @@ def _material(name: str | None, info: dict, textures: dict[Path, torch.Tensor]) 
     )  # fmt: skip
 
 
+def _rows(values: array, width: int) -> torch.Tensor:
+    """``[len(values) / width, width]``: a tensor over an array's buffer (float64 for ``"d"``,
+    int32 for ``"i"``), no copy: it shares the array's memory."""
+    dtype = torch.float64 if values.typecode == "d" else torch.int32
+    if not values:
+        return torch.zeros(0, width, dtype=dtype)
+    return torch.frombuffer(values, dtype=dtype).view(-1, width)
+
+
 def load_obj(path: str | os.PathLike) -> Mesh:
     r"""Read a Wavefront OBJ file with its MTL materials and diffuse textures.
 
@@ -563,16 +593,19 @@ def load_obj(path: str | os.PathLike) -> Mesh:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"load_obj: no such file {path}")
-    positions: list[list[float]] = []
-    texcoords: list[list[float]] = []
-    normals: list[list[float]] = []
-    faces_pos: list[list[int]] = []
-    faces_tex: list[list[int] | None] = []  # None: the face has no vt
-    faces_nrm: list[list[int] | None] = []
-    faces_mat: list[str | None] = []  # None: before any usemtl
+    # Flat arrays of C numbers, not a Python list (and float or int object) per value: a
+    # 1M-face file's faces and vertices held ~1 GB as lists, these ~70 MB.
+    positions = array("d")  # x, y, z of each v
+    texcoords = array("d")  # u, 1 - v of each vt
+    normals = array("d")
+    faces_pos = array("i")  # 3 indices per triangle
+    faces_tex = array("i")  # 3 per triangle; -1: the face has no vt
+    faces_nrm = array("i")  # 3 per triangle; -1: the face has no vn
+    faces_mat = array("i")  # the index of the triangle's material in first_use
     library: dict[str, dict] = {}
     current: str | None = None
-    first_use: dict[str | None, int] = {}  # material -> line of its first face
+    first_use: dict[str | None, int] = {}  # material -> its index, in the order faces use them
+    first_line: dict[str | None, int] = {}  # material -> line of its first face
     usemtl_at: dict[str, int] = {}  # material -> line of its first usemtl
     without_vt: dict[str | None, int] = {}  # material -> line of its first face without vt
 
@@ -582,13 +615,13 @@ def load_obj(path: str | os.PathLike) -> Mesh:
             continue
         key, args = tokens[0], tokens[1:]
         if key == "v":
-            positions.append(_floats(args, 3, path, lineno, "v"))
+            positions.extend(_floats(args, 3, path, lineno, "v"))
         elif key == "vt":
             u = _floats(args, 1, path, lineno, "vt")[0]
             v = _floats(args[1:], 1, path, lineno, "vt")[0] if len(args) > 1 else 0.0  # spec
-            texcoords.append([u, 1.0 - v])
+            texcoords.extend((u, 1.0 - v))
         elif key == "vn":
-            normals.append(_floats(args, 3, path, lineno, "vn"))
+            normals.extend(_floats(args, 3, path, lineno, "vn"))
         elif key == "f":
             if len(args) < 3:
                 raise ValueError(f"{path}:{lineno}: a face needs at least 3 vertices")
@@ -597,14 +630,14 @@ def load_obj(path: str | os.PathLike) -> Mesh:
                 parts = token.split("/")
                 if len(parts) > 3 or parts[0] == "":
                     raise ValueError(f"{path}:{lineno}: malformed face vertex {token!r}")
-                p = _index(parts[0], len(positions), path, lineno, "position")
+                p = _index(parts[0], len(positions) // 3, path, lineno, "position")
                 t = (
-                    _index(parts[1], len(texcoords), path, lineno, "texcoord")
+                    _index(parts[1], len(texcoords) // 2, path, lineno, "texcoord")
                     if (len(parts) > 1 and parts[1])
                     else None
                 )
                 n = (
-                    _index(parts[2], len(normals), path, lineno, "normal")
+                    _index(parts[2], len(normals) // 3, path, lineno, "normal")
                     if (len(parts) > 2 and parts[2])
                     else None
                 )
@@ -617,19 +650,24 @@ def load_obj(path: str | os.PathLike) -> Mesh:
                 )
             if not all(tex_given):
                 without_vt.setdefault(current, lineno)
-            first_use.setdefault(current, lineno)
-            triangles = _triangulate([positions[c[0]] for c in corners])
+            material = first_use.setdefault(current, len(first_use))
+            first_line.setdefault(current, lineno)
+            triangles = (
+                [(0, 1, 2)]  # what _triangulate gives a triangle, without its corners' positions
+                if len(corners) == 3
+                else _triangulate([positions[3 * c[0] : 3 * c[0] + 3].tolist() for c in corners])
+            )
             if triangles is None:
                 raise ValueError(
                     f"{path}:{lineno}: a polygon of {len(corners)} vertices cannot be "
                     "triangulated (it intersects itself)"
                 )
-            for i, j, k in triangles:
-                tri = (corners[i], corners[j], corners[k])
-                faces_pos.append([c[0] for c in tri])
-                faces_tex.append([c[1] for c in tri] if all(tex_given) else None)
-                faces_nrm.append([c[2] for c in tri] if all(nrm_given) else None)
-                faces_mat.append(current)
+            for triangle in triangles:
+                tri = [corners[i] for i in triangle]
+                faces_pos.extend(c[0] for c in tri)
+                faces_tex.extend(c[1] if tex_given[0] else -1 for c in tri)
+                faces_nrm.extend(c[2] if nrm_given[0] else -1 for c in tri)
+                faces_mat.append(material)
         elif key == "mtllib":
             if not args:
                 raise ValueError(f"{path}:{lineno}: 'mtllib' needs a file name")
@@ -675,25 +713,30 @@ def load_obj(path: str | os.PathLike) -> Mesh:
                 f"{path}:{lineno}: face without texcoords (vt) uses material {name!r}, which "
                 "has a map_Kd texture"
             )
-    for name, lineno in first_use.items():
+    for name, lineno in first_line.items():
         if name is not None and "error" in library.get(name, {}):
             raise ValueError(f"{library[name]['error']} (material {name!r}, used at line {lineno})")
-    v_pos = torch.tensor(positions, dtype=torch.float32)
-    t_pos_idx = torch.tensor(faces_pos, dtype=torch.int32)
+    # float64 rounded to float32 once, as torch.tensor(list of floats, dtype=float32) rounds
+    v_pos = _rows(positions, 3).float()
+    t_pos_idx = _rows(faces_pos, 3).clone()
     mesh = Mesh(v_pos=v_pos, t_pos_idx=t_pos_idx)
-    if any(f is not None for f in faces_tex):
+    t_tex_idx = _rows(faces_tex, 3)
+    no_vt = t_tex_idx[:, 0] < 0
+    if not no_vt.all():
         # Faces without vt (their material has no texture) get one extra UV vertex (0, 0).
-        none = [len(texcoords)] * 3
-        if any(f is None for f in faces_tex):
-            texcoords.append([0.0, 0.0])
-        mesh.v_tex = torch.tensor(texcoords, dtype=torch.float32)
-        mesh.t_tex_idx = torch.tensor([f or none for f in faces_tex], dtype=torch.int32)
+        t_tex_idx = t_tex_idx.masked_fill(no_vt[:, None], len(texcoords) // 2)
+        if no_vt.any():
+            texcoords.extend((0.0, 0.0))
+        mesh.v_tex = _rows(texcoords, 2).float()
+        mesh.t_tex_idx = t_tex_idx
     computed = vertex_normals(v_pos, t_pos_idx)
-    if all(f is None for f in faces_nrm):
+    t_nrm_idx = _rows(faces_nrm, 3)
+    no_vn = t_nrm_idx[:, 0] < 0
+    if no_vn.all():
         mesh.v_nrm, mesh.t_nrm_idx = computed, t_pos_idx.clone()
     else:
         # Faces without vn use the area-weighted vertex normals, appended after the file's.
-        v_nrm = torch.tensor(normals, dtype=torch.float32)
+        v_nrm = _rows(normals, 3).float()
         length = torch.linalg.norm(v_nrm, dim=-1, keepdim=True)
         v_nrm = v_nrm / length.clamp_min(1e-20)
         # A float32 length whose square lies outside float32's normal range (components of
@@ -703,22 +746,18 @@ def load_obj(path: str | os.PathLike) -> Mesh:
         # the training results of runs on them, stay what they were).
         extreme = ((length < 1e-18) | ~(length <= 1e18)).squeeze(-1)
         if extreme.any():
-            wide = torch.tensor(normals, dtype=torch.float64)[extreme]
+            wide = _rows(normals, 3)[extreme]
             wide = wide / wide.abs().amax(dim=-1, keepdim=True).clamp_min(1e-300)
             wide = wide / torch.linalg.norm(wide, dim=-1, keepdim=True).clamp_min(1e-300)
             v_nrm[extreme] = wide.float()
-        mesh.v_nrm = torch.cat([v_nrm, computed]) if None in faces_nrm else v_nrm
-        offset = len(normals)
-        mesh.t_nrm_idx = torch.tensor(
-            [f if f is not None else [offset + i for i in faces_pos[t]]
-             for t, f in enumerate(faces_nrm)], dtype=torch.int32,
-        )  # fmt: skip
+        mesh.v_nrm = torch.cat([v_nrm, computed]) if no_vn.any() else v_nrm
+        offset = len(normals) // 3
+        mesh.t_nrm_idx = torch.where(no_vn[:, None], t_pos_idx + offset, t_nrm_idx)
 
-    if any(m is not None for m in faces_mat):
-        order = {name: i for i, name in enumerate(first_use)}
+    if any(name is not None for name in first_use):
         textures: dict[Path, torch.Tensor] = {}
         mesh.materials = [_material(n, library.get(n, {}), textures) for n in first_use]
-        mesh.t_mat_idx = torch.tensor([order[m] for m in faces_mat], dtype=torch.int32)
+        mesh.t_mat_idx = _rows(faces_mat, 1).view(-1).clone()
         if len(mesh.materials) == 1:
             mesh.kd, mesh.kd_texture = mesh.materials[0].kd, mesh.materials[0].kd_texture
     return mesh

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import heapq
+import itertools
 import math
 import os
 import re
@@ -779,10 +780,9 @@ def write_obj(path: str | os.PathLike, mesh: Mesh) -> None:
     path = Path(path)
     lines = []
     found = mesh_materials(mesh)
-    t_mat = None
+    t_mat_idx = None
     if found is not None:
         materials, t_mat_idx = found
-        t_mat = t_mat_idx.tolist()
         mtl_path = path.with_suffix(".mtl")
         mtl = []
         for i, material in enumerate(materials):
@@ -801,24 +801,44 @@ def write_obj(path: str | os.PathLike, mesh: Mesh) -> None:
                 mtl.append(f"map_Kd {options}{tex_name}")
         mtl_path.write_text("\n".join(mtl) + "\n")
         lines.append(f"mtllib {mtl_path.name}")
-    lines += [f"v {x:.9g} {y:.9g} {z:.9g}" for x, y, z in mesh.v_pos.tolist()]
-    if mesh.v_tex is not None:
-        lines += [f"vt {u:.9g} {1.0 - v:.9g}" for u, v in mesh.v_tex.tolist()]
-    if mesh.v_nrm is not None:
-        lines += [f"vn {x:.9g} {y:.9g} {z:.9g}" for x, y, z in mesh.v_nrm.tolist()]
-    pos_i = mesh.t_pos_idx.tolist()
-    tex_i = mesh.t_tex_idx.tolist() if mesh.t_tex_idx is not None else None
-    nrm_i = mesh.t_nrm_idx.tolist() if mesh.t_nrm_idx is not None else None
-    used = None
-    for f in range(len(pos_i)):
-        if t_mat is not None and t_mat[f] != used:
-            used = t_mat[f]
-            lines.append(f"usemtl {found[0][used].name}")
-        corners = []
-        for k in range(3):
-            p = str(pos_i[f][k] + 1)
-            t = str(tex_i[f][k] + 1) if tex_i is not None else ""
-            n = str(nrm_i[f][k] + 1) if nrm_i is not None else ""
-            corners.append(p + (f"/{t}" if t or n else "") + (f"/{n}" if n else ""))
-        lines.append("f " + " ".join(corners))
-    path.write_text("\n".join(lines) + "\n")
+    # Written a block of rows at a time: the text of a 1M-face mesh (~95 MB) and the Python
+    # lists of its numbers took ~1 GB held whole.
+    with path.open("w") as out:
+        out.writelines(line + "\n" for line in lines)
+        for rows in _blocks(mesh.v_pos):
+            out.writelines(f"v {x:.9g} {y:.9g} {z:.9g}\n" for x, y, z in rows)
+        for rows in _blocks(mesh.v_tex):
+            out.writelines(f"vt {u:.9g} {1.0 - v:.9g}\n" for u, v in rows)
+        for rows in _blocks(mesh.v_nrm):
+            out.writelines(f"vn {x:.9g} {y:.9g} {z:.9g}\n" for x, y, z in rows)
+        used = None
+        indices = (mesh.t_pos_idx, mesh.t_tex_idx, mesh.t_nrm_idx, t_mat_idx)
+        # a missing index tensor gives a None beside each block of the others
+        blocks = zip(*(_blocks(t) if t is not None else itertools.repeat(None) for t in indices))
+        for pos_i, tex_i, nrm_i, t_mat in blocks:
+            for f in range(len(pos_i)):
+                if t_mat is not None and t_mat[f] != used:
+                    used = t_mat[f]
+                    out.write(f"usemtl {found[0][used].name}\n")
+                corners = []
+                for k in range(3):
+                    p = str(pos_i[f][k] + 1)
+                    t = str(tex_i[f][k] + 1) if tex_i is not None else ""
+                    n = str(nrm_i[f][k] + 1) if nrm_i is not None else ""
+                    corners.append(p + (f"/{t}" if t or n else "") + (f"/{n}" if n else ""))
+                out.write("f " + " ".join(corners) + "\n")
+        if out.tell() == 0:
+            out.write("\n")  # a mesh of nothing: one empty line, as "\n".join([]) + "\n"
+
+
+# Rows of a tensor per .tolist() in write_obj.
+_WRITE_ROWS = 1 << 16
+
+
+def _blocks(values: torch.Tensor | None) -> Iterator[list]:
+    """``values`` as lists (``.tolist()``) of up to ``_WRITE_ROWS`` rows each, in order; none
+    for None."""
+    if values is None:
+        return
+    for start in range(0, values.shape[0], _WRITE_ROWS):
+        yield values[start : start + _WRITE_ROWS].tolist()

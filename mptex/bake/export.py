@@ -58,7 +58,7 @@ import time
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 import torch
@@ -310,10 +310,21 @@ def write_texture_images(
 # ---------------------------------------------------------------------------------------------
 
 
-def _rows(prefix: str, values: np.ndarray) -> str:
+# Rows per block of text in write_obj_asset.
+_WRITE_ROWS = 1 << 16
+
+
+def _write_rows(out: TextIO, line: str, values: np.ndarray) -> None:
+    """``line % tuple(row)`` for every row, formatted and written ``_WRITE_ROWS`` rows at a time:
+    a 1M-face mesh's text (~95 MB) and the Python lists of its numbers are never held whole."""
+    for start in range(0, values.shape[0], _WRITE_ROWS):
+        rows = values[start : start + _WRITE_ROWS].tolist()
+        out.write("".join(line % tuple(row) for row in rows))
+
+
+def _write_vertices(out: TextIO, prefix: str, values: np.ndarray) -> None:
     # 9 significant digits reproduce a float32 exactly.
-    fmt = " ".join(["%.9g"] * values.shape[1])
-    return "".join(f"{prefix} {fmt % tuple(row)}\n" for row in values.tolist())
+    _write_rows(out, f"{prefix} {' '.join(['%.9g'] * values.shape[1])}\n", values)
 
 
 def write_obj_asset(
@@ -344,16 +355,14 @@ def write_obj_asset(
         corners.append(mesh.t_nrm_idx)
     index = torch.stack([c.long().cpu() for c in corners], dim=-1).numpy() + 1  # [T, 3, k]
     corner = "/".join(["%d"] * index.shape[-1])
-    face = f"f {corner} {corner} {corner}\n"
-    parts = [
-        "# mptex baked texture\nmtllib mesh.mtl\n",
-        _rows("v", mesh.v_pos.detach().cpu().double().numpy()),
-        _rows("vt", uv),
-        _rows("vn", mesh.v_nrm.detach().cpu().double().numpy()) if has_normals else "",
-        "usemtl baked\n",
-        "".join(face % tuple(f) for f in index.reshape(index.shape[0], -1).tolist()),
-    ]
-    (directory / "mesh.obj").write_text("".join(parts))
+    with (directory / "mesh.obj").open("w") as out:
+        out.write("# mptex baked texture\nmtllib mesh.mtl\n")
+        _write_vertices(out, "v", mesh.v_pos.detach().cpu().double().numpy())
+        _write_vertices(out, "vt", uv)
+        if has_normals:
+            _write_vertices(out, "vn", mesh.v_nrm.detach().cpu().double().numpy())
+        out.write("usemtl baked\n")
+        _write_rows(out, f"f {corner} {corner} {corner}\n", index.reshape(index.shape[0], -1))
     return {"obj": "mesh.obj", "mtl": "mesh.mtl"}
 
 

@@ -55,6 +55,7 @@ _real = {
     "imwrite": iio.imwrite,
     "write_text": Path.write_text,
     "write_bytes": Path.write_bytes,
+    "open": Path.open,
     "forward_backward": loop._forward_backward,
     "evaluate": loop.evaluate,
 }
@@ -137,15 +138,45 @@ def _install(point: _Points, run_dir: Path) -> None:
             point(f"{name(uri)}: half written", half(uri, data))
         return _real["imwrite"](uri, image, *args, **kwargs)
 
+    # Path.write_text and write_bytes open their file through Path.open: their point is their
+    # own, not a stream's as well.
+    whole = []
+
     def write_text(self, data, *args, **kwargs):
         if inside(self):
             point(f"{name(self)}: half written", half(self, data.encode()))
-        return _real["write_text"](self, data, *args, **kwargs)
+        whole.append(self)
+        try:
+            return _real["write_text"](self, data, *args, **kwargs)
+        finally:
+            whole.pop()
 
     def write_bytes(self, data):
         if inside(self):
             point(f"{name(self)}: half written", half(self, bytes(data)))
-        return _real["write_bytes"](self, data)
+        whole.append(self)
+        try:
+            return _real["write_bytes"](self, data)
+        finally:
+            whole.pop()
+
+    def path_open(self, mode="r", *args, **kwargs):
+        # A file written in place through a stream (mesh.obj, written in blocks of rows): its
+        # point comes once everything was written, before it is closed.
+        stream = _real["open"](self, mode, *args, **kwargs)
+        if "w" in mode and inside(self) and not whole:
+            close = stream.close
+
+            def close_at_point():
+                if not stream.closed:
+                    stream.flush()
+                    size = os.fstat(stream.fileno()).st_size
+                    point(f"{name(self)}: half written",
+                          lambda: os.ftruncate(stream.fileno(), size // 2))  # fmt: skip
+                close()
+
+            stream.close = close_at_point
+        return stream
 
     def forward_backward(run, it):
         point(f"iteration {it}")
@@ -158,7 +189,7 @@ def _install(point: _Points, run_dir: Path) -> None:
     tempfile.mkstemp = mkstemp
     os.fsync, os.replace = fsync, replace
     iio.imwrite = imwrite
-    Path.write_text, Path.write_bytes = write_text, write_bytes
+    Path.write_text, Path.write_bytes, Path.open = write_text, write_bytes, path_open
     loop._forward_backward, loop.evaluate = forward_backward, evaluate
 
 

@@ -14,8 +14,8 @@ memory is its, above the interpreter with mptex imported) and prints one Markdow
 - the precision search's space (:func:`~mptex.search.space.enumerate_space`) and cost model for
   3, 5 and 7 linear layers.
 
-``--quick`` runs the smallest size of each (a smoke check of the script). About 6 minutes and
-1.5 GB at most on a 2-core CPU.
+``--quick`` runs the smallest size of each (a smoke check of the script), ``--obj`` only the
+OBJ rows. About 6 minutes and 1.5 GB at most on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -171,9 +171,38 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.0f} MiB"
 
 
+def _other_rows(tmp: Path, quick: bool) -> list[tuple]:
+    """The rows of mptex-report, export_mesh and the search space."""
+    rows = []
+    real = tmp / "real"
+    train = ["mptex-train", "train=tiny", "scene.resolution=32", "scene.n_train_views=4",
+             "scene.n_val_views=1", f"hydra.run.dir={real}"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run(train, check=True, capture_output=True, env=env)
+    history = json.loads((real / "metrics.json").read_text())["history"]
+    for n_runs in (10,) if quick else (10, 100, 1000):
+        sweep = tmp / f"sweep{n_runs}"
+        fabricate_sweep(sweep, n_runs, 2000, history)
+        size = sum(p.stat().st_size for p in sweep.rglob("metrics.json"))
+        got = measure("report", str(sweep))
+        rows.append(("mptex-report (write_report)", f"{n_runs} runs x 2000 iterations, "
+                     f"{size / 2**20:.0f} MiB of metrics.json", f"{got['seconds']:.1f} s",
+                     _mib(got["peak"]), ""))  # fmt: skip
+    for resolution in (1024,) if quick else (1024, 2048, 4096):
+        got = measure("export", str(resolution))
+        rows.append(("export_mesh (OBJ, no measurement)", f"20k triangles, {resolution}²",
+                     f"{got['seconds']:.1f} s", _mib(got["peak"]), "xatlas UVs"))  # fmt: skip
+    for n_layers in (3,) if quick else (3, 5, 7):
+        got = measure("space", str(n_layers))
+        rows.append(("search space + cost model", f"{n_layers} layers, {got['candidates']}",
+                     f"{got['seconds']:.1f} s", _mib(got["peak"]), ""))  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the smallest size of each path")
+    parser.add_argument("--obj", action="store_true", help="only the OBJ rows (read, write)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -198,28 +227,8 @@ def main() -> None:
                 got = measure("write_obj", str(path))
                 rows.append(("write_obj, triangles, vt + vn", size, f"{got['seconds']:.1f} s",
                              _mib(got["peak"]), ""))  # fmt: skip
-        real = tmp / "real"
-        train = ["mptex-train", "train=tiny", "scene.resolution=32", "scene.n_train_views=4",
-                 "scene.n_val_views=1", f"hydra.run.dir={real}"]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        subprocess.run(train, check=True, capture_output=True, env=env)
-        history = json.loads((real / "metrics.json").read_text())["history"]
-        for n_runs in (10,) if args.quick else (10, 100, 1000):
-            sweep = tmp / f"sweep{n_runs}"
-            fabricate_sweep(sweep, n_runs, 2000, history)
-            size = sum(p.stat().st_size for p in sweep.rglob("metrics.json"))
-            got = measure("report", str(sweep))
-            rows.append(("mptex-report (write_report)", f"{n_runs} runs x 2000 iterations, "
-                         f"{size / 2**20:.0f} MiB of metrics.json", f"{got['seconds']:.1f} s",
-                         _mib(got["peak"]), ""))  # fmt: skip
-        for resolution in (1024,) if args.quick else (1024, 2048, 4096):
-            got = measure("export", str(resolution))
-            rows.append(("export_mesh (OBJ, no measurement)", f"20k triangles, {resolution}²",
-                         f"{got['seconds']:.1f} s", _mib(got["peak"]), "xatlas UVs"))  # fmt: skip
-        for n_layers in (3,) if args.quick else (3, 5, 7):
-            got = measure("space", str(n_layers))
-            rows.append(("search space + cost model", f"{n_layers} layers, {got['candidates']}",
-                         f"{got['seconds']:.1f} s", _mib(got["peak"]), ""))  # fmt: skip
+        if not args.obj:
+            rows += _other_rows(tmp, args.quick)
     print(f"Machine: {machine()}\n")
     print_table(["what", "size", "time", "peak RSS above start", "note"], rows)
 

@@ -20,6 +20,7 @@ from array import array
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from mptex.render.image import load_image, rgb_to_srgb, save_image, srgb_to_rgb
@@ -72,9 +73,15 @@ def _statements(path: Path) -> Iterator[tuple[int, str]]:
     A continuation on the last line continues into nothing: the statement ends there.
 
     The statements come one at a time, the text's lines split a block at a time
-    (:func:`_lines`): a reader holds the file's text once, not also a list of its lines and
+    (:func:`_pieces`): a reader holds the file's text once, not also a list of its lines and
     one of its statements (a 1M-face OBJ has some 1.5M lines: 116 MB of Python strings).
     """
+    for lineno, statement, _ in _pieces(_read_text(path), None):
+        yield lineno, statement
+
+
+def _read_text(path: Path) -> str:
+    """The text of an OBJ or MTL file, as :func:`_statements` states it."""
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -83,22 +90,45 @@ def _statements(path: Path) -> Iterator[tuple[int, str]]:
         raise ValueError(f"{path}: not a text file (NUL bytes): not a Wavefront OBJ/MTL file")
     data = data.removeprefix(codecs.BOM_UTF8)
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError:
-        text = data.decode("latin-1")
-    del data  # the text alone is read from here on
+        return data.decode("latin-1")
+
+
+def _pieces(text: str, runs: re.Pattern | None) -> Iterator[tuple[int, str, str | None]]:
+    """The statements of ``text`` (see :func:`_statements`) as ``(lineno, statement, None)``,
+    except that each match of ``runs`` (whole lines, each ending with a line break, none of
+    them continued from the line before) comes whole as ``(lineno of its first line, its text,
+    the name of its group)``. The matches are looked for a block of :func:`_lines` at a time."""
+    lineno = 1
     pending: tuple[int, str] | None = None  # a statement continued on the next line
-    for lineno, line in enumerate(_lines(text, _LINES_BLOCK), start=1):
-        if pending is not None:
-            lineno, line = pending[0], pending[1] + line
-        statement = line.split("#", 1)[0].rstrip(" \t")
-        if statement.endswith("\\"):
-            pending = (lineno, statement[:-1] + " ")
-        else:
-            pending = None
-            yield lineno, line
+
+    def statements(lines: str) -> Iterator[tuple[int, str, None]]:
+        nonlocal lineno, pending
+        for line in lines.splitlines():
+            start = lineno
+            lineno += 1
+            if pending is not None:
+                start, line = pending[0], pending[1] + line
+            statement = line.split("#", 1)[0].rstrip(" \t")
+            if statement.endswith("\\"):
+                pending = (start, statement[:-1] + " ")
+            else:
+                pending = None
+                yield start, line, None
+
+    for block in _blocks_of(text, _LINES_BLOCK):
+        done = 0  # where the block's text not yet given starts
+        for match in runs.finditer(block) if runs is not None else ():
+            yield from statements(block[done : match.start()])
+            done = match.start()
+            if pending is None:  # else its first line continues a statement: not a run
+                yield lineno, match.group(), match.lastgroup
+                lineno += match.group().count("\n")
+                done = match.end()
+        yield from statements(block[done:])
     if pending is not None:
-        yield pending
+        yield (*pending, None)
 
 
 # Characters per block of :func:`_lines`.
@@ -107,13 +137,19 @@ _LINES_BLOCK = 1 << 20
 
 def _lines(text: str, block: int) -> Iterator[str]:
     r"""``text.splitlines()``, one line at a time: ``text`` is split by ``str.splitlines`` in
-    blocks of at least ``block`` characters, each ending at a ``\n`` (the first one from its
-    ``block``-th character on) or at the end of the text. Every block but the last ends with a
-    line break, and no ``\r\n`` pair is cut in two: the lines are those of the whole text."""
+    the blocks of :func:`_blocks_of`: the lines are those of the whole text."""
+    for piece in _blocks_of(text, block):
+        yield from piece.splitlines()
+
+
+def _blocks_of(text: str, block: int) -> Iterator[str]:
+    r"""``text`` in blocks of at least ``block`` characters, each ending at a ``\n`` (the first
+    one from its ``block``-th character on) or at the end of the text. Every block but the last
+    ends with a line break, and no ``\r\n`` pair is cut in two."""
     start = 0
     while start < len(text):
         end = text.find("\n", start + block - 1) + 1 or len(text)
-        yield from text[start:end].splitlines()
+        yield text[start:end]
         start = end
 
 
@@ -547,6 +583,137 @@ def _material(name: str | None, info: dict, textures: dict[Path, torch.Tensor]) 
     )  # fmt: skip
 
 
+# The plain statements that make up almost all of a large OBJ, read a run of lines at a time
+# by NumPy (:func:`_obj_statements`): ``v`` / ``vn`` with three numbers, ``vt`` with two,
+# triangles and quads whose corners are all ``a``, ``a/b``, ``a/b/c`` or all ``a//c``, single
+# spaces or tabs between tokens, no comment, each line ending with ``\n`` or ``\r\n``. A
+# number token holds only the characters of decimal numbers; an index at most 9 digits.
+_NUMBER = r"[-+.0-9eE]++"
+_INDEX = r"-?+[0-9]{1,9}+"
+_FACE_FORMS = {"p": "{i}", "pt": "{i}/{i}", "ptn": "{i}/{i}/{i}", "pn": "{i}//{i}"}
+_FLOAT_RUNS = {"v": 3, "vt": 2, "vn": 3}
+
+
+def _run_pattern() -> re.Pattern:
+    def lines(name: str, key: str, token: str, count: int, optional: int = 0) -> str:
+        tokens = rf"[ \t]++{token}"
+        line = key + tokens * count + f"(?:{tokens})?+" * optional + r"[ \t]*+\r?+\n"
+        return f"(?P<{name}>(?:{line})++)"
+
+    kinds = [lines(key, key, _NUMBER, count) for key, count in _FLOAT_RUNS.items()]
+    for form, corner in _FACE_FORMS.items():
+        kinds.append(lines(f"f_{form}", "f", corner.format(i=_INDEX), 3, optional=1))
+    return re.compile("^(?:" + "|".join(kinds) + ")", re.MULTILINE)
+
+
+_RUNS = _run_pattern()
+# The keys and the index separators become spaces: the numbers are what is left.
+_RUN_KEYS = str.maketrans("vtnf/", "     ")
+
+
+def _obj_statements(text: str, read_run) -> Iterator[tuple[int, str]]:
+    """The statements of an OBJ file's ``text`` (see :func:`_statements`) but the runs of
+    :data:`_RUNS` that ``read_run(kind, lineno, text)`` reads (it returns True); those it
+    refuses come line by line, for the reader to parse and judge one statement at a time."""
+    for lineno, statement, kind in _pieces(text, _RUNS):
+        if kind is None:
+            yield lineno, statement
+        elif not read_run(kind, lineno, statement):
+            yield from enumerate(statement.splitlines(), start=lineno)
+
+
+def _run_floats(text: str, width: int) -> np.ndarray | None:
+    """``[lines, width]`` float64: the numbers of a run of ``v`` / ``vt`` / ``vn`` lines, or
+    None when one is not a number, not finite or beyond float32's range (the lines then go
+    one at a time, for the error message). NumPy reads each token with Python's ``float``
+    (it accepts and rounds what ``float`` does), as the lines one at a time would."""
+    try:
+        values = np.array(text.translate(_RUN_KEYS).split(), dtype=np.float64)
+    except ValueError:
+        return None
+    if not (np.abs(values) <= _FLOAT32_MAX).all():  # False for nan as well
+        return None
+    return values.reshape(-1, width)
+
+
+def _run_faces(kind: str, text: str, defined: tuple[int, int, int], positions: array):
+    """``(position, texcoord or None, normal or None)`` indices, each ``[triangles, 3]``
+    ``np.intc``, of a run of ``f`` lines (:data:`_RUNS`' ``kind``: triangles and quads), as
+    the lines one at a time would give them; None when an index is out of range (of
+    ``defined``: the counts of ``v``, ``vt``, ``vn`` so far) or a quad's fan is not
+    :func:`_triangulate`'s triangles."""
+    form = kind.removeprefix("f_")
+    raw = np.array(text.translate(_RUN_KEYS).split(), dtype=np.int64).reshape(-1, len(form))
+    found = {}
+    for column, what in enumerate(form):
+        given = raw[:, column]
+        count = defined["ptn".index(what)]
+        # OBJ indices are 1-based; negative ones count back from the last defined element.
+        index = np.where(given > 0, given - 1, given + count)
+        if not ((given != 0) & (index >= 0) & (index < count)).all():
+            return None
+        found[what] = index.astype(np.intc)
+    lines = text.count("\n")
+    if len(raw) in (3 * lines, 4 * lines):  # every line has 3 or 4 corners: all have as many
+        corners = np.full(lines, len(raw) // lines)
+    else:
+        corners = _corners_per_line(text, len(form))
+    first = np.cumsum(corners) - corners  # each line's first corner
+    # Each line's triangles (corners of the line), at most 2 (a quad's): a triangle's
+    # (0, 1, 2); a quad's fan (0, 1, 2), (0, 2, 3), or what _triangulate makes of it.
+    local = np.array([[0, 1, 2], [0, 2, 3]])[None].repeat(len(corners), axis=0)
+    kept = np.stack((np.ones(len(corners), dtype=bool), corners == 4), axis=1)
+    quads = np.flatnonzero(corners == 4)
+    if len(quads):
+        points = np.frombuffer(positions, dtype=np.float64).reshape(-1, 3)
+        points = points[found["p"][first[quads, None] + np.arange(4)]]  # [quads, 4, 3]
+        for quad in np.flatnonzero(~_fans(points)).tolist():
+            triangles = _triangulate(points[quad].tolist())
+            if triangles is None:
+                return None  # the lines one at a time raise the error
+            local[quads[quad], : len(triangles)] = triangles
+            kept[quads[quad]] = np.arange(2) < len(triangles)
+    rows = (first[:, None, None] + local)[kept]
+    return tuple(found[what][rows] if what in found else None for what in "ptn")
+
+
+def _corners_per_line(text: str, per_corner: int) -> np.ndarray:
+    """The number of corners of each line of a run of ``f`` lines (``per_corner`` indices
+    each): the count of its tokens (digits, a leading ``-``) over ``per_corner``."""
+    codes = np.frombuffer(text.encode("ascii"), dtype=np.uint8)
+    in_token = ((codes >= ord("0")) & (codes <= ord("9"))) | (codes == ord("-"))
+    starts = np.flatnonzero(in_token & ~np.concatenate(([False], in_token[:-1])))
+    line_of = np.cumsum(codes == ord("\n")) - (codes == ord("\n"))
+    return np.bincount(line_of[starts]) // per_corner
+
+
+def _fans(corner: np.ndarray) -> np.ndarray:
+    """Per quad (``[quads, 4, 3]`` corner positions), whether :func:`_triangulate` splits it
+    into its fan ``(0, 1, 2), (0, 2, 3)``: its steps 2 and 3 in NumPy, float64 in the same
+    order of operations (the same bits, the same verdicts)."""
+    with np.errstate(all="ignore"):  # overflow and 0/0 as Python floats give them, no warning
+        x, y, z = corner[..., 0], corner[..., 1], corner[..., 2]
+        nx = ny = nz = 0.0
+        for k in range(4):
+            j = (k + 1) % 4
+            nx = nx + (y[:, k] - y[:, j]) * (z[:, k] + z[:, j])
+            ny = ny + (z[:, k] - z[:, j]) * (x[:, k] + x[:, j])
+            nz = nz + (x[:, k] - x[:, j]) * (y[:, k] + y[:, j])
+        area2 = np.sqrt(nx * nx + ny * ny + nz * nz)
+        eps = 1e-9 * area2
+
+        def turn(a: int, b: int, c: int) -> np.ndarray:
+            u = [corner[:, b, k] - corner[:, a, k] for k in range(3)]
+            v = [corner[:, c, k] - corner[:, a, k] for k in range(3)]
+            return (
+                nx * (u[1] * v[2] - u[2] * v[1])
+                + ny * (u[2] * v[0] - u[0] * v[2])
+                + nz * (u[0] * v[1] - u[1] * v[0])
+            ) / area2
+
+        return (area2 == 0.0) | ((turn(0, 1, 2) >= -eps) & (turn(0, 2, 3) >= -eps))
+
+
 def _rows(values: array, width: int) -> torch.Tensor:
     """``[len(values) / width, width]``: a tensor over an array's buffer (float64 for ``"d"``,
     int32 for ``"i"``), no copy: it shares the array's memory."""
@@ -568,6 +735,11 @@ def load_obj(path: str | os.PathLike) -> Mesh:
     file names with spaces, ``\`` separators or another letter case, UVs outside [0, 1]
     (the texture repeats unless ``-clamp on``), statements continued on the next line by a
     trailing ``\`` in OBJ and MTL files (see ``_statements``).
+
+    Runs of plain ``v``, ``vt``, ``vn`` and triangle or quad ``f`` lines (see ``_RUNS``) are
+    read by NumPy a block of lines at a time; any other line, and a run with a value or index
+    that NumPy's reading is not sure of, is read one line at a time: the mesh, the warnings
+    and the errors (and the lines they name) are those of reading every line so.
 
     Materials: ``Kd`` and ``map_Kd`` are sRGB in the files and linear in the mesh; a texture
     replaces ``Kd``; a material without ``Kd`` gets 0.8 grey (the MTL default), and so do
@@ -610,7 +782,32 @@ def load_obj(path: str | os.PathLike) -> Mesh:
     usemtl_at: dict[str, int] = {}  # material -> line of its first usemtl
     without_vt: dict[str | None, int] = {}  # material -> line of its first face without vt
 
-    for lineno, raw in _statements(path):
+    def read_run(kind: str, lineno: int, text: str) -> bool:
+        # one run of plain lines as the lines below would read them; False: not sure, they do
+        if kind in _FLOAT_RUNS:
+            values = _run_floats(text, _FLOAT_RUNS[kind])
+            if values is None:
+                return False
+            if kind == "vt":
+                values[:, 1] = 1.0 - values[:, 1]
+            {"v": positions, "vt": texcoords, "vn": normals}[kind].frombytes(values.tobytes())
+            return True
+        defined = (len(positions) // 3, len(texcoords) // 2, len(normals) // 3)
+        triangles = _run_faces(kind, text, defined, positions)
+        if triangles is None:
+            return False
+        if triangles[1] is None:
+            without_vt.setdefault(current, lineno)
+        material = first_use.setdefault(current, len(first_use))
+        first_line.setdefault(current, lineno)
+        for faces, indices in zip((faces_pos, faces_tex, faces_nrm), triangles):
+            faces.frombytes(
+                indices.tobytes() if indices is not None else b"\xff" * (4 * triangles[0].size)
+            )
+        faces_mat.frombytes(np.full(len(triangles[0]), material, dtype=np.intc).tobytes())
+        return True
+
+    for lineno, raw in _obj_statements(_read_text(path), read_run):
         tokens = raw.split("#", 1)[0].split()
         if not tokens:
             continue

@@ -1,7 +1,9 @@
 """mptex as a wheel: it lists every package, ships its configs, and runs from any folder."""
 
+import importlib
 import json
 import os
+import re
 import site as site_module
 import subprocess
 import sys
@@ -93,3 +95,59 @@ def test_a_wheel_install_runs_the_main_job_from_an_empty_folder(tmp_path):
     assert json.loads(metrics.read_text())["status"] == "completed"
     assert (empty / "sweep" / "report.md").is_file()
     assert sorted(p.name for p in empty.iterdir()) == ["sweep"]  # nothing else written here
+
+
+# re's parser module (3.11 on), where the newer syntax has opcodes of its own.
+_RE_PARSER = getattr(re, "_parser", None)
+_NEEDS_PARSER = pytest.mark.skipif(
+    _RE_PARSER is None, reason="Python 3.10's re has no possessive repeats or atomic groups to find"
+)
+
+
+def _newer_regex_syntax(parsed) -> set[str]:
+    """The opcodes of ``re._parser``'s parse tree that Python 3.10's ``re`` cannot compile:
+    possessive repeats (``a++``, ``a?+``) and atomic groups (``(?>...)``), new in 3.11."""
+    from re import _constants as c
+
+    newer = {c.POSSESSIVE_REPEAT: "possessive repeat", c.ATOMIC_GROUP: "atomic group"}
+    found = set()
+    for op, arg in parsed:
+        if op in newer:
+            found.add(newer[op])
+        for item in arg if isinstance(arg, (tuple, list)) else ():
+            if isinstance(item, _RE_PARSER.SubPattern):
+                found |= _newer_regex_syntax(item)
+            elif isinstance(item, (tuple, list)):  # a branch's alternatives
+                for sub in item:
+                    if isinstance(sub, _RE_PARSER.SubPattern):
+                        found |= _newer_regex_syntax(sub)
+    return found
+
+
+@_NEEDS_PARSER
+def test_the_newer_regex_syntax_is_found():
+    assert _newer_regex_syntax(_RE_PARSER.parse(r"x(?:a[0-9]++|b?+)c")) == {"possessive repeat"}
+    assert _newer_regex_syntax(_RE_PARSER.parse(r"(?>ab|c)*")) == {"atomic group"}
+    assert _newer_regex_syntax(_RE_PARSER.parse(r"(?P<v>(?:v[ \t]+[-+.0-9eE]+\r?\n)+)")) == set()
+
+
+@_NEEDS_PARSER
+def test_no_module_level_regex_needs_a_newer_python_than_the_package_declares():
+    # pyproject declares Python >= 3.10; a pattern compiled at import with 3.11's syntax would
+    # make the module fail to import there ("multiple repeat").
+    import mptex
+
+    root = Path(mptex.__file__).parent
+    offenders = {}
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "__main__.py":  # runs the command line
+            continue
+        module = importlib.import_module(
+            ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+        )
+        for name, value in vars(module).items():
+            if isinstance(value, re.Pattern) and isinstance(value.pattern, str):
+                found = _newer_regex_syntax(_RE_PARSER.parse(value.pattern, value.flags))
+                if found:
+                    offenders[f"{module.__name__}.{name}"] = sorted(found)
+    assert offenders == {}

@@ -588,17 +588,17 @@ def _material(name: str | None, info: dict, textures: dict[Path, torch.Tensor]) 
 # triangles and quads whose corners are all ``a``, ``a/b``, ``a/b/c`` or all ``a//c``, single
 # spaces or tabs between tokens, no comment, each line ending with ``\n`` or ``\r\n``. A
 # number token holds only the characters of decimal numbers; an index at most 9 digits.
-_NUMBER = r"[-+.0-9eE]++"
-_INDEX = r"-?+[0-9]{1,9}+"
+_NUMBER = r"[-+.0-9eE]+"
+_INDEX = r"-?[0-9]{1,9}"
 _FACE_FORMS = {"p": "{i}", "pt": "{i}/{i}", "ptn": "{i}/{i}/{i}", "pn": "{i}//{i}"}
 _FLOAT_RUNS = {"v": 3, "vt": 2, "vn": 3}
 
 
 def _run_pattern() -> re.Pattern:
     def lines(name: str, key: str, token: str, count: int, optional: int = 0) -> str:
-        tokens = rf"[ \t]++{token}"
-        line = key + tokens * count + f"(?:{tokens})?+" * optional + r"[ \t]*+\r?+\n"
-        return f"(?P<{name}>(?:{line})++)"
+        tokens = rf"[ \t]+{token}"
+        line = key + tokens * count + f"(?:{tokens})?" * optional + r"[ \t]*\r?\n"
+        return f"(?P<{name}>(?:{line})+)"
 
     kinds = [lines(key, key, _NUMBER, count) for key, count in _FLOAT_RUNS.items()]
     for form, corner in _FACE_FORMS.items():

@@ -39,13 +39,19 @@ TriangleSetup.inl, FineRaster.inl, Util.inl; its output kernel: common/rasterize
       output kernel's float32 operations (its fused multiply-adds included) and clamps: ``u``
       and ``v`` to [0, 1], then ``u + v <= 1``, z/w to [-1, 1].
 
-Memory: the torch backend sets up and draws the B x T triangle instances (a triangle of one
-view) in blocks of ``_MAX_TRIS_PER_BLOCK``, and tests their (triangle, tile) pairs in chunks of
-at most ``_MAX_EVALS_PER_CHUNK`` pixel evaluations; triangles wholly inside the frustum whose
-snapped bounding box holds no sample are dropped before the integer setup. Its transient memory
-stays near 200 MB however many triangles and views it draws; what grows is the input, the
-float32 copy of ``pos`` and the per-pixel buffers (the outputs and one int64 depth key per
-pixel).
+Work and memory: what the setup computes from one vertex alone (its frustum outcodes, ``1 / w``,
+its snapped position and the first and last pixel samples around it) is computed once per
+vertex of each view, in groups of views holding at most 3 x ``_MAX_TRIS_PER_BLOCK`` vertices
+(or one view), and gathered per triangle corner: each is an elementwise float32 function of the
+vertex, so the bits are those of computing it per corner. The torch backend then sets up and
+draws the B x T triangle instances (a triangle of one view) in blocks of
+``_MAX_TRIS_PER_BLOCK``, and tests their (triangle, tile) pairs in chunks of at most
+``_MAX_EVALS_PER_CHUNK`` pixel evaluations; triangles wholly inside the frustum whose snapped
+bounding box holds no sample are dropped before the integer setup. Its transient memory stays
+near 200 MB however many triangles and views it draws; what grows is the input, the float32
+copy of ``pos``, the per-vertex tables of one group of views (22 bytes a vertex; one view's
+where a view has more vertices) and the per-pixel buffers (the outputs and one int64 depth key
+per pixel).
 
 Measured against nvdiffrast 0.4.0's CUDA context on an NVIDIA H100 (tests/gpu_golden/, the
 built-in torus knot and the duck, 4 views each at 512x512): every triangle id equal, and
@@ -57,6 +63,7 @@ nvdiffrast renders in tiles with their own snapping origin.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -304,11 +311,73 @@ def _setup_plane(values, zv0, d1, d2, area):
     return zx, zy, zb & _U32
 
 
-def _setup_triangles(verts: torch.Tensor, height: int, width: int) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class _Instances:
+    """A block of triangle instances (a triangle of one view) as rows of per-vertex tables.
+
+    cudaraster's setup starts with what depends on one vertex alone: its frustum outcodes,
+    ``1 / w`` and its snapped position. The tables hold these once per vertex of a view (about
+    six corners of a closed mesh share a vertex); each is an elementwise float32 function of
+    the vertex, so gathering it per corner gives the bits computing it per corner gives.
+
+    Attributes:
+        corners: [N, 3] int64 rows of the tables, the instances' vertices.
+        positions: [n, 4] float32 clip-space vertices.
+        cull: [n, 5] int16 (int32 for viewports of 32767 pixels or more) per vertex: frustum
+            flags (bit k, k = 0, 1, 2, set where ``w < x_k``, bit 3 + k where ``w < -x_k``, bit
+            6 where ``w >= max |x_k|``), then pixel (x, y) of the first sample at or after the
+            snapped vertex, clamped to [0, size], and of the last at or before it, clamped to
+            [-1, size - 1] (the clamps change no triangle's ``_sample_span`` from empty to not).
+        snap: [n, 3] float32 per vertex: ``1 / w`` and the snapped position, from ``_snap``.
+    """
+
+    corners: torch.Tensor
+    positions: torch.Tensor
+    cull: torch.Tensor
+    snap: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        """[N, 3], the block's size: that of ``corners``."""
+        return self.corners.shape
+
+
+_OUTSIDE_FLAGS, _INSIDE_FLAG = 0b0111111, 0b1000000
+
+
+def _vertex_setup(
+    verts: torch.Tensor, height: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(cull, snap)`` tables of ``_Instances`` for the [n, 4] float32 clip-space
+    ``verts``, filled ``_MAX_TRIS_PER_BLOCK`` vertices at a time (bounded temporaries)."""
+    device = verts.device
+    cull_dtype = torch.int16 if max(height, width) < 2**15 - 1 else torch.int32
+    cull = torch.empty(verts.shape[0], 5, dtype=cull_dtype, device=device)
+    snap = torch.empty(verts.shape[0], 3, device=device)
+    size = torch.tensor([width, height], device=device)
+    for lo in range(0, verts.shape[0], _MAX_TRIS_PER_BLOCK):
+        chunk = verts[lo : lo + _MAX_TRIS_PER_BLOCK]
+        xyz, w = chunk[:, :3], chunk[:, 3:]
+        flags = (w >= xyz.abs().amax(dim=1, keepdim=True)).to(cull_dtype) << 6
+        for k in range(3):
+            flags |= (w < xyz[:, k : k + 1]).to(cull_dtype) << k
+            flags |= (w < -xyz[:, k : k + 1]).to(cull_dtype) << (3 + k)
+        rcp_w, snapped = _snap(chunk, height, width)
+        first, last = _pixel_bounds(snapped.long(), height, width)
+        rows = slice(lo, lo + chunk.shape[0])
+        cull[rows] = torch.cat(
+            [flags, first.clamp(min=0).minimum(size), last.clamp(min=-1).minimum(size - 1)], dim=1
+        )
+        snap[rows, 0] = rcp_w
+        snap[rows, 1:] = snapped
+    return cull, snap
+
+
+def _setup_triangles(instances: _Instances, height: int, width: int) -> dict[str, torch.Tensor]:
     """cudaraster's triangle setup: frustum cull / clip, snap, orient, edge and depth planes.
 
     Args:
-        verts: [N, 3, 4] float32 clip-space triangles.
+        instances: N triangle instances (see ``_Instances``).
 
     Returns:
         Per drawn (sub-)triangle S: ``owner`` [S] (index into N), ``edges`` [S, 3, 3] int64
@@ -317,32 +386,35 @@ def _setup_triangles(verts: torch.Tensor, height: int, width: int) -> dict[str, 
         ``plane`` [S, 3] int64 depth plane (see ``_setup_plane``), pixel spans ``x0, x1, y0,
         y1`` [S] int64 (inclusive).
     """
-    device = verts.device
-    xyz, w = verts[..., :3], verts[..., 3]
-    # A triangle wholly outside one frustum plane is dropped; one wholly inside goes straight to
-    # setup; the rest are clipped to the frustum first.
-    # (Reductions over the 3 vertices are written out: torch's small-axis reductions are slow.)
-    outside = _all3(w[..., None] < xyz) | _all3(w[..., None] < -xyz)
-    culled = outside[:, 0] | outside[:, 1] | outside[:, 2]
-    inside = _all3(w >= xyz.abs().amax(dim=-1))
-    fast = torch.nonzero(~culled & inside).squeeze(1)
-    slow = torch.nonzero(~culled & ~inside).squeeze(1)
+    device = instances.corners.device
+    # (index_select gathers rows faster than indexing with a 2-D index.)
+    cull = instances.cull.index_select(0, instances.corners.reshape(-1)).reshape(-1, 3, 5)
+    # A triangle wholly outside one frustum plane (all three corners outside it) is dropped;
+    # one wholly inside goes straight to setup; the rest are clipped to the frustum first.
+    # (Reductions over the 3 corners are written out: torch's small-axis reductions are slow.)
+    flags = _all3(cull[..., 0])
+    culled = (flags & _OUTSIDE_FLAGS) != 0
+    inside = (flags & _INSIDE_FLAG) != 0
     # Most triangles of a dense mesh fall between the samples: those wholly inside whose
     # snapped bounding box holds no sample are dropped here, before the integer setup.
-    fast_rcp_w, fast_p = _snap(verts[fast], height, width)
-    hit = torch.nonzero(_any_sample(*_sample_span(fast_p, height, width))).squeeze(1)
-    sub, sub_owner = _clip_to_frustum(verts[slow])
+    first = torch.minimum(torch.minimum(cull[:, 0, 1:3], cull[:, 1, 1:3]), cull[:, 2, 1:3])
+    last = torch.maximum(torch.maximum(cull[:, 0, 3:5], cull[:, 1, 3:5]), cull[:, 2, 3:5])
+    hit = torch.nonzero(~culled & inside & _any_sample(first, last)).squeeze(1)
+    slow = torch.nonzero(~culled & ~inside).squeeze(1)
+    fast = instances.corners[hit]
+    fast_snap = instances.snap[fast]  # [F, 3, 3]
+    sub, sub_owner = _clip_to_frustum(instances.positions[instances.corners[slow]])
     sub_rcp_w, sub_p = _snap(sub, height, width)
-    tris = torch.cat([verts[fast[hit]], sub])
-    owner = torch.cat([fast[hit], slow[sub_owner]])
-    rcp_w = torch.cat([fast_rcp_w[hit], sub_rcp_w])
-    p = torch.cat([fast_p[hit], sub_p]).long()  # [S, 3, 2]
+    z = torch.cat([instances.positions[fast, 2], sub[..., 2]])
+    owner = torch.cat([hit, slow[sub_owner]])
+    rcp_w = torch.cat([fast_snap[..., 0], sub_rcp_w])
+    p = torch.cat([fast_snap[..., 1:], sub_p]).long()  # [S, 3, 2]
 
     d1, d2 = p[:, 1] - p[:, 0], p[:, 2] - p[:, 0]
     area = d1[:, 0] * d2[:, 1] - d1[:, 1] * d2[:, 0]
     first, last = _sample_span(p, height, width)
     keep = torch.nonzero((area != 0) & _any_sample(first, last)).squeeze(1)
-    tris, owner, rcp_w, p = tris[keep], owner[keep], rcp_w[keep], p[keep]
+    z, owner, rcp_w, p = z[keep], owner[keep], rcp_w[keep], p[keep]
     d1, d2, area, first, last = d1[keep], d2[keep], area[keep], first[keep], last[keep]
     # Both windings are drawn: clockwise triangles swap vertices 1 and 2.
     swap = area < 0
@@ -351,7 +423,7 @@ def _setup_triangles(verts: torch.Tensor, height: int, width: int) -> dict[str, 
     )
     p = p.gather(1, order[..., None].expand(-1, -1, 2))
     rcp_w = rcp_w.gather(1, order)
-    z = tris[..., 2].gather(1, order)
+    z = z.gather(1, order)
     d1, d2, area = (
         torch.where(swap[:, None], d2, d1),
         torch.where(swap[:, None], d1, d2),
@@ -386,9 +458,9 @@ def _setup_triangles(verts: torch.Tensor, height: int, width: int) -> dict[str, 
 
 
 def _snap(tris: torch.Tensor, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(1 / w, snapped)``: [S, 3] float32 and [S, 3, 2] float32 whole numbers, the vertices
-    of the [S, 3, 4] clip-space triangles in sub-pixels from the viewport centre, rounded half
-    to even and saturated (exact as int64)."""
+    """``(1 / w, snapped)``: [...] float32 and [..., 2] float32 whole numbers, the [..., 4]
+    clip-space vertices in sub-pixels from the viewport centre, rounded half to even and
+    saturated (exact as int64)."""
     rcp_w = 1.0 / tris[..., 3]
     scale = torch.tensor(
         [float(width << (_SUBPIXEL_LOG2 - 1)), float(height << (_SUBPIXEL_LOG2 - 1))],
@@ -399,7 +471,8 @@ def _snap(tris: torch.Tensor, height: int, width: int) -> tuple[torch.Tensor, to
 
 
 def _all3(flags: torch.Tensor) -> torch.Tensor:
-    """``flags.all(dim=1)`` for [S, 3, ...] flags."""
+    """``flags[:, 0] & flags[:, 1] & flags[:, 2]``: ``flags.all(dim=1)`` for [S, 3, ...] bool
+    flags, the bits set in all three for integer ones."""
     return flags[:, 0] & flags[:, 1] & flags[:, 2]
 
 
@@ -416,20 +489,25 @@ def _sample_bias(height: int, width: int, device: torch.device) -> torch.Tensor:
     return half - (1 << (_SUBPIXEL_LOG2 - 1))
 
 
-def _sample_span(p: torch.Tensor, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(first, last)``: [S, 2] int64 inclusive pixel (x, y) spans of the samples inside the
-    bounding boxes of the snapped triangles ``p`` [S, 3, 2] (int64, or float32 whole numbers
-    from ``_snap``); empty where ``first > last``.
+def _pixel_bounds(p: torch.Tensor, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(first, last)``: [..., 2] int64 pixel (x, y) of the first sample at or after and the
+    last at or before the snapped positions ``p`` [..., 2] (int64), unclamped.
 
     Pixel (i, j)'s sample sits at 16 i + 8 - 8 W sub-pixels from the centre (row 0 at the
     bottom).
     """
     bias = _sample_bias(height, width, p.device)
     step = 1 << _SUBPIXEL_LOG2
-    lo = torch.minimum(torch.minimum(p[:, 0], p[:, 1]), p[:, 2]).long()
-    hi = torch.maximum(torch.maximum(p[:, 0], p[:, 1]), p[:, 2]).long()
-    first = (lo + bias + step - 1) >> _SUBPIXEL_LOG2
-    last = (hi + bias) >> _SUBPIXEL_LOG2
+    return (p + bias + step - 1) >> _SUBPIXEL_LOG2, (p + bias) >> _SUBPIXEL_LOG2
+
+
+def _sample_span(p: torch.Tensor, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(first, last)``: [S, 2] int64 inclusive pixel (x, y) spans of the samples inside the
+    bounding boxes of the snapped triangles ``p`` [S, 3, 2] (int64); empty where ``first >
+    last``."""
+    lo = torch.minimum(torch.minimum(p[:, 0], p[:, 1]), p[:, 2])
+    hi = torch.maximum(torch.maximum(p[:, 0], p[:, 1]), p[:, 2])
+    first, last = _pixel_bounds(lo, height, width)[0], _pixel_bounds(hi, height, width)[1]
     first = torch.maximum(first, torch.zeros_like(first))
     last = torch.minimum(last, torch.tensor([width - 1, height - 1], device=p.device))
     return first, last
@@ -439,15 +517,16 @@ def _sample_span(p: torch.Tensor, height: int, width: int) -> tuple[torch.Tensor
 def _visibility(pos: torch.Tensor, tri: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """Index of the triangle nvdiffrast draws at each pixel (-1 for background), shape [B*H*W].
 
-    The B x T triangle instances (a triangle of one view) go through setup
-    (``_setup_triangles``: integer edge functions and depth planes) and coverage in blocks of
-    at most ``_MAX_TRIS_PER_BLOCK``, so that memory does not grow with B x T. In each block the
-    drawn triangles are binned by their pixel span into TILE x TILE pixel tiles, every
-    (triangle, tile) pair tests all pixels of its tile in one vectorised batch, and one
-    ``scatter_reduce`` keeps, per pixel, the smallest fixed-point depth, the highest triangle
-    index among equal depths (cudaraster draws in index order and a fragment passes the depth
-    test when not farther); a minimum does not depend on the order the blocks come in. The
-    returned indices count over the batch: ``b * T + t``.
+    The views go in groups (see the module docstring): first the per-vertex setup of their
+    vertices (``_vertex_setup``), then their triangle instances (a triangle of one view) go
+    through setup (``_setup_triangles``: integer edge functions and depth planes) and coverage
+    in blocks of at most ``_MAX_TRIS_PER_BLOCK``, so that memory does not grow with B x T (nor
+    with B x V). In each block the drawn triangles are binned by their pixel span into TILE x
+    TILE pixel tiles, every (triangle, tile) pair tests all pixels of its tile in one vectorised
+    batch, and one ``scatter_reduce`` keeps, per pixel, the smallest fixed-point depth, the
+    highest triangle index among equal depths (cudaraster draws in index order and a fragment
+    passes the depth test when not farther); a minimum does not depend on the order the blocks
+    come in. The returned indices count over the batch: ``b * T + t``.
     """
     batch, n_vert = pos.shape[:2]
     n_tri = tri.shape[0]
@@ -455,13 +534,26 @@ def _visibility(pos: torch.Tensor, tri: torch.Tensor, height: int, width: int) -
     flat_pos = pos.float().reshape(batch * n_vert, 4)
     tri_long = tri.long()
     best = torch.full((batch * height * width,), torch.iinfo(torch.int64).max, device=device)
-    for lo in range(0, batch * n_tri, _MAX_TRIS_PER_BLOCK):
-        instance = torch.arange(lo, min(lo + _MAX_TRIS_PER_BLOCK, batch * n_tri), device=device)
-        view = instance // n_tri
-        corners = tri_long[instance - view * n_tri] + (view * n_vert)[:, None]
-        setup = _setup_triangles(flat_pos[corners], height, width)
-        setup["owner"] += lo
-        _draw(best, setup, n_tri, height, width)
+    # The views are set up in groups that hold no more vertices than a block holds corners (or
+    # one view): first their vertices' tables, then their triangle instances in blocks.
+    views_per_group = max(1, 3 * _MAX_TRIS_PER_BLOCK // max(n_vert, 1))
+    for view_lo in range(0, batch if n_tri else 0, views_per_group):
+        view_hi = min(batch, view_lo + views_per_group)
+        positions = flat_pos[view_lo * n_vert : view_hi * n_vert]
+        cull, snap = _vertex_setup(positions, height, width)
+        for lo in range(view_lo * n_tri, view_hi * n_tri, _MAX_TRIS_PER_BLOCK):
+            hi = min(lo + _MAX_TRIS_PER_BLOCK, view_hi * n_tri)
+            view, first = divmod(lo, n_tri)
+            if first + hi - lo <= n_tri:  # one view: its triangles are a slice of tri
+                corners = tri_long[first : first + hi - lo] + (view - view_lo) * n_vert
+            else:
+                instance = torch.arange(lo, hi, device=device)
+                view = instance // n_tri
+                corners = tri_long[instance - view * n_tri] + ((view - view_lo) * n_vert)[:, None]
+            setup = _setup_triangles(_Instances(corners, positions, cull, snap), height, width)
+            setup["owner"] += lo
+            _draw(best, setup, n_tri, height, width)
+        del cull, snap  # before the next group's tables are allocated
     winner = _U32 - (best & _U32)
     return torch.where(best == torch.iinfo(torch.int64).max, torch.full_like(winner, -1), winner)
 

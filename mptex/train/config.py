@@ -391,11 +391,12 @@ def _view_memory_problem(checked: Mapping[str, Any], val_spp: int, device: torch
 # (mptex.scenes.Scene.prepare_training's default), the validation views all at once.
 _TRAIN_VIEWS_PER_RASTER_CALL = 16
 # The torch rasterizer's work per triangle instance (a triangle of one view) it sets up
-# (mptex.render.rasterize's _setup_triangles), all float32 or bool and alive at once while it
-# culls: the gathered clip-space corners [3, 4] (48 bytes), their |x, y, z| [3, 3] (36), the
-# outside and culled flags (2); snapping, clipping, binning and the tiles' samples come on top.
-# It sets up at most _MAX_TRIS_PER_BLOCK instances at once: this does not grow with the mesh.
-_RASTER_BYTES_PER_INSTANCE = 86
+# (mptex.render.rasterize's _setup_triangles), alive at once while it culls: the corners' rows
+# of the per-vertex tables [3] (int64, 24 bytes), the rows gathered [3, 5] (int16, 30), the
+# flags (int16, 2) and the culled, inside and drawn masks (3); the tables themselves (22 bytes
+# per vertex of a few views), clipping, binning and the tiles' samples come on top. It sets up
+# at most _MAX_TRIS_PER_BLOCK instances at once: this does not grow with the mesh.
+_RASTER_BYTES_PER_INSTANCE = 59
 # And per vertex of each view: its clip-space position (4 float32); the mesh itself holds
 # 12 bytes per vertex (float32 position) and 12 per triangle (int32 corners).
 _RASTER_BYTES_PER_VERTEX_VIEW = 16

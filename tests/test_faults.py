@@ -609,7 +609,7 @@ def test_a_knot_whose_rasterization_cannot_fit_is_refused_at_start(tmp_path, mon
     # scene.tubular_segments=100000 with radial_segments=8 passed the start checks and ended
     # in the allocator's traceback while the views were rasterized (5.2 GB at the peak). The
     # tiny run draws 2 views in one call: 1.6e6 triangles x 12 bytes, 8e5 vertices x (12 +
-    # 2 x 16) bytes and one block of 65536 triangle instances x 86 bytes = 60,036,096 bytes, a
+    # 2 x 16) bytes and one block of 65536 triangle instances x 59 bytes = 58,266,624 bytes, a
     # lower bound (tests/test_config_edges).
     from mptex.train import config as train_config
 
@@ -618,7 +618,7 @@ def test_a_knot_whose_rasterization_cannot_fit_is_refused_at_start(tmp_path, mon
     message = start_error(tmp_path, *overrides, "scene.raster_backend=torch")
     assert message == (
         "scene.tubular_segments: the builtin knot of 100000 x 8 segments (1600000 triangles), "
-        "rasterized 2 views at a time, needs 0.0559 GiB for the mesh and the rasterizer's "
+        "rasterized 2 views at a time, needs 0.0543 GiB for the mesh and the rasterizer's "
         "per-triangle work alone, only 0.0 GiB is free on cpu (lower scene.tubular_segments or "
         "scene.radial_segments)"
     )

@@ -661,12 +661,15 @@ def test_load_obj_holds_its_file_a_few_times_over_not_an_object_per_number(tmp_p
 
 
 def test_lines_in_blocks_are_those_of_splitlines():
-    from mptex.render.obj import _lines
+    from mptex.render.obj import _blocks_of
+
+    def lines(text, block):
+        return [line for piece in _blocks_of(text, block) for line in piece.splitlines()]
 
     text = "v 1 2 3\r\nvt 0 0\rvn 0 0 1\n\nf 1 2 3\x0b\x0c\x1c\x85\u2028#\r\n\r\nlast"
     for block in (1, 2, 3, 5, 8, 13, len(text), 1 << 20):
-        assert list(_lines(text, block)) == text.splitlines(), block
-    assert list(_lines("", 4)) == []
+        assert lines(text, block) == text.splitlines(), block
+    assert lines("", 4) == []
 
 
 def test_write_obj_writes_a_block_of_rows_at_a_time(tmp_path, monkeypatch):

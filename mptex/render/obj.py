@@ -99,7 +99,8 @@ def _pieces(text: str, runs: re.Pattern | None) -> Iterator[tuple[int, str, str 
     """The statements of ``text`` (see :func:`_statements`) as ``(lineno, statement, None)``,
     except that each match of ``runs`` (whole lines, each ending with a line break, none of
     them continued from the line before) comes whole as ``(lineno of its first line, its text,
-    the name of its group)``. The matches are looked for a block of :func:`_lines` at a time."""
+    the name of its group)``. The matches are looked for a block of :func:`_blocks_of` at a
+    time."""
     lineno = 1
     pending: tuple[int, str] | None = None  # a statement continued on the next line
 
@@ -131,21 +132,15 @@ def _pieces(text: str, runs: re.Pattern | None) -> Iterator[tuple[int, str, str 
         yield (*pending, None)
 
 
-# Characters per block of :func:`_lines`.
+# Characters per block of :func:`_blocks_of`.
 _LINES_BLOCK = 1 << 20
-
-
-def _lines(text: str, block: int) -> Iterator[str]:
-    r"""``text.splitlines()``, one line at a time: ``text`` is split by ``str.splitlines`` in
-    the blocks of :func:`_blocks_of`: the lines are those of the whole text."""
-    for piece in _blocks_of(text, block):
-        yield from piece.splitlines()
 
 
 def _blocks_of(text: str, block: int) -> Iterator[str]:
     r"""``text`` in blocks of at least ``block`` characters, each ending at a ``\n`` (the first
     one from its ``block``-th character on) or at the end of the text. Every block but the last
-    ends with a line break, and no ``\r\n`` pair is cut in two."""
+    ends with a line break, and no ``\r\n`` pair is cut in two: the blocks' ``splitlines()``,
+    one after the other, are the whole text's."""
     start = 0
     while start < len(text):
         end = text.find("\n", start + block - 1) + 1 or len(text)
@@ -1032,7 +1027,7 @@ def write_obj(path: str | os.PathLike, mesh: Mesh) -> None:
 _WRITE_ROWS = 1 << 16
 
 
-def _blocks(values: torch.Tensor | None) -> Iterator[list]:
+def _blocks(values: torch.Tensor | np.ndarray | None) -> Iterator[list]:
     """``values`` as lists (``.tolist()``) of up to ``_WRITE_ROWS`` rows each, in order; none
     for None."""
     if values is None:

@@ -691,7 +691,9 @@ def test_obj_asset_is_written_a_block_of_rows_at_a_time(tmp_path, monkeypatch):
     (tmp_path / "one").mkdir()
     (tmp_path / "blocks").mkdir()
     write_obj_asset(tmp_path / "one", mesh, {"kd": "texture_kd.png"})
-    monkeypatch.setattr(export_module, "_WRITE_ROWS", 64, raising=False)
+    import mptex.render.obj as obj  # its blocks of rows are the export's too
+
+    monkeypatch.setattr(obj, "_WRITE_ROWS", 64)
     tracemalloc.start()
     try:
         write_obj_asset(tmp_path / "blocks", mesh, {"kd": "texture_kd.png"})

@@ -686,7 +686,7 @@ def test_write_obj_writes_a_block_of_rows_at_a_time(tmp_path, monkeypatch):
                       Material("b", torch.tensor([0.5, 0.5, 0.5]))]  # fmt: skip
     mesh.t_mat_idx = (torch.arange(mesh.t_pos_idx.shape[0]) // 100 % 2).int()
     write_obj(tmp_path / "one.obj", mesh)
-    monkeypatch.setattr(obj, "_WRITE_ROWS", 64, raising=False)
+    monkeypatch.setattr(obj, "_WRITE_ROWS", 64)
     tracemalloc.start()
     try:
         write_obj(tmp_path / "blocks.obj", mesh)

@@ -84,7 +84,7 @@ from mptex.render.camera import orbit_views, translate
 from mptex.render.image import psnr, rgb_to_srgb, save_image
 from mptex.render.material import shade_kd
 from mptex.render.mesh import Mesh
-from mptex.render.obj import load_obj
+from mptex.render.obj import _blocks, load_obj
 from mptex.scenes import GBuffer, Scene, ViewBatch, render_gbuffer
 from mptex.texture import MLPTexture3D
 from mptex.train.checkpoint import (
@@ -310,15 +310,11 @@ def write_texture_images(
 # ---------------------------------------------------------------------------------------------
 
 
-# Rows per block of text in write_obj_asset.
-_WRITE_ROWS = 1 << 16
-
-
 def _write_rows(out: TextIO, line: str, values: np.ndarray) -> None:
-    """``line % tuple(row)`` for every row, formatted and written ``_WRITE_ROWS`` rows at a time:
-    a 1M-face mesh's text (~95 MB) and the Python lists of its numbers are never held whole."""
-    for start in range(0, values.shape[0], _WRITE_ROWS):
-        rows = values[start : start + _WRITE_ROWS].tolist()
+    """``line % tuple(row)`` for every row, formatted and written a block of rows at a time (as
+    ``write_obj`` writes them): a 1M-face mesh's text (~95 MB) and the Python lists of its
+    numbers are never held whole."""
+    for rows in _blocks(values):
         out.write("".join(line % tuple(row) for row in rows))
 
 

@@ -97,10 +97,6 @@ def _child(kind: str, arg: str) -> dict:
 
     from mptex.train.memory import RunPeakRss
 
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
     extra: dict = {}
     if kind == "obj":
         from mptex.render import load_obj
@@ -146,8 +142,8 @@ def _child(kind: str, arg: str) -> dict:
                 iteration_cost(c, shape)
             extra["candidates"] = f"{len(kept) + len(pruned)} ({len(kept)} kept)"
 
-    base = rss()
     monitor = RunPeakRss(0.002).start()
+    base = monitor.peak  # its first sample: the resident memory before the work
     start = time.perf_counter()
     result = work()
     seconds = time.perf_counter() - start

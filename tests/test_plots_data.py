@@ -108,6 +108,62 @@ def test_a_loss_scale_without_a_recorded_effective_scale_carries_nvdiffrecs_x128
     assert list(line.get_ydata()) == [256.0]
 
 
+def _arms(n):
+    """``n`` rows with their one-run groups (names of a sweep's length, 4-13 characters)."""
+    names = [f"arm_{k}" + "x" * (k % 10) for k in range(n)]
+    rows = [{"precision": name, "keys": {"precision.name": name}} for name in names]
+    groups = [[_run("completed", _psnr_history((0, 10 + k), (100, 20 + k)))] for k in range(n)]
+    return rows, groups
+
+
+@pytest.mark.parametrize("n_arms", [2, 8, 9, 20, 30])
+def test_a_legend_too_tall_for_its_panel_goes_beside_it_inside_the_figure(tmp_path, saved, n_arms):
+    rows, groups = _arms(n_arms)
+    sections = [("scene a", list(range(n_arms))), ("scene b", list(range(n_arms)))]
+    assert plots.plot_history(tmp_path / "p.png", sections, rows, groups, "psnr")
+    fig = saved[0][0]
+    fig.canvas.draw()  # places the constrained layout's axes and the legends
+    renderer = fig.canvas.get_renderer()
+    figure_box = fig.bbox
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        assert [t.get_text() for t in legend.get_texts()] == [r["precision"] for r in rows]
+        box, panel = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
+        # every entry on the figure: none cut off at its top or right edge
+        assert figure_box.x0 <= box.x0 and box.x1 <= figure_box.x1 + 0.5
+        assert figure_box.y0 <= box.y0 and box.y1 <= figure_box.y1 + 0.5
+        if n_arms <= plots._LEGEND_INSIDE_MAX:
+            assert panel.x0 <= box.x0 and box.x1 <= panel.x1
+        else:
+            # beside the panel (no curve or title under it), in columns of at most 12 entries
+            assert box.x0 >= panel.x1 and box.y1 <= panel.y1 + 0.5
+            assert legend._ncols == -(-n_arms // 12)
+            assert ax.title.get_window_extent(renderer).x1 <= box.x0
+    # the second panel starts right of the first one's legend
+    first, second = fig.axes
+    assert first.get_legend().get_window_extent(renderer).x1 <= second.get_window_extent(
+        renderer).x0  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "n_sections, shape", [(1, (1, 1)), (3, (1, 3)), (4, (2, 2)), (5, (2, 3)), (7, (3, 3))]
+)
+def test_panels_past_three_wrap_into_a_near_square_grid_in_section_order(
+    tmp_path, saved, n_sections, shape
+):
+    rows, groups = _arms(2)
+    sections = [(f"scene {k}", [0, 1]) for k in range(n_sections)]
+    assert plots.plot_history(tmp_path / "p.png", sections, rows, groups, "psnr")
+    fig = saved[0][0]
+    assert [ax.get_title() for ax in fig.axes] == [title for title, _ in sections]
+    grid = fig.axes[0].get_subplotspec().get_gridspec()
+    assert (grid.nrows, grid.ncols) == shape
+    positions = [ax.get_subplotspec().rowspan.start * shape[1]
+                 + ax.get_subplotspec().colspan.start for ax in fig.axes]  # fmt: skip
+    assert positions == list(range(n_sections))
+    assert tuple(fig.get_size_inches()) == (6.0 * shape[1], 4.0 * shape[0])
+
+
 def test_nothing_is_drawn_from_runs_that_neither_completed_nor_diverged(tmp_path, saved):
     groups = [[_run("failed", _psnr_history((0, 10)))], [_run("collapsed", _psnr_history((0, 9)))]]
     assert plots.plot_history(tmp_path / "p.png", [("s", [0, 1])], ROWS, groups, "psnr") is False
@@ -169,6 +225,32 @@ def test_the_images_show_the_lowest_completed_seed_its_box_zoom_and_error_map(tm
     expected = np.zeros((40, 56))
     expected[1, 1] = 160
     assert np.array_equal(error, expected) and grid[2, 1].get_title() == "|pred - ref| x 16"
+
+
+def test_the_images_of_many_arms_wrap_onto_lines_of_eight_columns_per_section(tmp_path, saved):
+    # 10 arms in scene a (11 panels: lines of 8 and 3), 2 in scene b (one line): 3 lines of
+    # three picture rows each, every panel at its section's place in reading order.
+    reference = _reference()
+    rows, groups, sections = [], [], [("a", []), ("b", [])]
+    for k in range(12):
+        prediction = reference.copy()
+        prediction[0, k] = 101  # tells the arms' panels apart
+        _write_view(tmp_path / f"r{k}", reference, prediction)
+        rows.append({"precision": f"arm{k}", "keys": {"precision.name": f"arm{k}"}})
+        groups.append([{"status": "completed", "run_dir": f"r{k}", "psnr": 20.0 + k}])
+        sections[0 if k < 10 else 1][1].append(k)
+    assert plots.plot_images(tmp_path / "images.png", tmp_path, sections, rows, groups) == 128
+    fig = saved[0][0]
+    assert tuple(fig.get_size_inches()) == (8 * 2.2, 9 * 2.3)
+    grid = np.array(fig.axes).reshape(9, 8)
+    titles = [[ax.get_title() for ax in line] for line in grid[::3]]
+    assert titles[0] == ["a\nreference"] + [f"arm{k}\n{20 + k:.2f} dB" for k in range(7)]
+    assert titles[1] == [f"arm{k}\n{20 + k:.2f} dB" for k in (7, 8, 9)] + [""] * 5
+    assert titles[2] == ["b\nreference", "arm10\n30.00 dB", "arm11\n31.00 dB"] + [""] * 5
+    for r, c, k in ((0, 1, 0), (3, 0, 7), (3, 2, 9), (6, 2, 11)):
+        assert grid[r, c].images[0].get_array()[0, k, 0] == 101
+        assert grid[r + 2, c].images[0].get_array()[0, k] == 128  # error 1 x gain 128
+    assert all(not ax.images for ax in grid[3:6, 3:].flat) and not grid[8, 0].images
 
 
 # ----------------------------------------------------------------------------- pareto.png

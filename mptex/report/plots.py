@@ -30,6 +30,14 @@ ARM_COLORS = {
     "fp8_qat": "#98df8a", "fp8_rowwise": "#dbdb8d", "fp8_rowwise_qat": "#c5b0d5",
 }  # fmt: skip
 _LINESTYLES = ("-", "--", "-.", ":")
+# A legend of more entries than this, drawn inside a panel 4 inches high, covers its curves and
+# runs past its top (20 arms: over the title and off the figure); larger ones go beside the
+# panel, in columns of at most _LEGEND_ROWS entries, and the figure widens to hold them.
+_LEGEND_INSIDE_MAX = 8
+_LEGEND_ROWS = 12
+# Picture columns of images.png: a sweep of 20 arms would otherwise make one line 46 inches
+# wide; more arms wrap onto further lines of view, zoom and error map.
+_IMAGE_COLS = 8
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<")
 
 
@@ -53,6 +61,20 @@ def _figure(n_cols: int, n_rows: int = 1, width: float = 6.0, height: float = 4.
     fig = Figure(figsize=(width * n_cols, height * n_rows), layout="constrained")
     FigureCanvasAgg(fig)
     return fig, fig.subplots(n_rows, n_cols, squeeze=False)
+
+
+def _place_legend(ax) -> float:
+    """Draw ``ax``'s legend inside the panel (up to :data:`_LEGEND_INSIDE_MAX` entries) or
+    beside it; returns the inches it takes beside the panel (0 inside)."""
+    labels = ax.get_legend_handles_labels()[1]
+    if len(labels) <= _LEGEND_INSIDE_MAX:
+        ax.legend(fontsize="small")
+        return 0.0
+    n_cols = -(-len(labels) // _LEGEND_ROWS)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0,
+              ncols=n_cols)  # fmt: skip
+    # about 0.07 inch per character at the "small" size, plus the line sample and the gaps
+    return n_cols * (0.7 + 0.07 * max(len(label) for label in labels))
 
 
 def _label(row: Mapping[str, Any]) -> str:
@@ -93,7 +115,8 @@ def plot_history(
     groups: Sequence[Sequence[Mapping[str, Any]]],
     what: str,
 ) -> bool:
-    """One panel per section: mean over seeds of ``what`` against iteration, band min–max.
+    """One panel per section (up to three in a row, more in a near-square grid): mean over seeds
+    of ``what`` against iteration, band min–max; a legend of many arms beside its panel.
 
     Args:
         what: ``"psnr"`` (validation PSNR) or ``"loss_scale"`` (the effective loss scale: the
@@ -112,8 +135,14 @@ def plot_history(
     value, ylabel = (_psnr, "validation PSNR (dB)") if what == "psnr" else (
         _scale, "effective loss scale")  # fmt: skip
     drawn = False
-    fig, axes = _figure(len(sections))
-    for ax, (title, indices) in zip(axes[0], sections):
+    beside = 0.0
+    # Up to three panels side by side, more in a grid about as wide as high (four scenes: 2 x
+    # 2), so that the figure keeps a page's proportions as scenes are added.
+    n_cols = len(sections) if len(sections) <= 3 else math.ceil(math.sqrt(len(sections)))
+    fig, grid = _figure(n_cols, math.ceil(len(sections) / n_cols))
+    for ax in grid.flat[len(sections) :]:
+        ax.remove()
+    for ax, (title, indices) in zip(grid.flat, sections):
         for k, index in enumerate(indices):
             runs = [r for r in groups[index] if r["status"] in ("completed", "diverged")]
             its, mean, lo, hi = _curve(runs, value)
@@ -136,15 +165,16 @@ def plot_history(
         ax.set(title=title, xlabel="iteration", ylabel=ylabel)
         ax.grid(alpha=0.3)
         if ax.has_data():
-            ax.legend(fontsize="small")
+            beside = max(beside, _place_legend(ax))
     if not drawn:
         return False
+    fig.set_size_inches(fig.get_figwidth() + beside * n_cols, fig.get_figheight())
     note = "; the k-th arm's line is drawn x 2^(0.1 k) so that equal scales stay visible" if (
         what == "loss_scale") else ""  # fmt: skip
     import textwrap
 
     fig.suptitle(textwrap.fill(f"{ylabel}: mean over seeds, band min–max{note}",
-                               55 * len(sections)), fontsize="medium")  # fmt: skip
+                               55 * n_cols), fontsize="medium")  # fmt: skip
     fig.savefig(path, dpi=100)
     # No creation date (the same curves give the same bytes) and TrueType fonts (venues refuse
     # the Type 3 fonts matplotlib embeds by default).
@@ -244,6 +274,8 @@ def plot_images(
     """Per section three picture rows: the reference and each row's first validation view
     (lowest completed seed) with a red box, the box zoomed, and the error map
     ``|prediction - reference| x gain`` (8-bit sRGB, one gain for every arm of the figure).
+    A section's panels fill lines of at most :data:`_IMAGE_COLS` columns, reference first, each
+    line its own three picture rows.
 
     Returns:
         the gain, or None (nothing written) when no completed run has an image.
@@ -267,8 +299,11 @@ def plot_images(
     errors = [np.abs(pred.astype(np.int16) - ref.astype(np.int16)).max(-1)
               for _, ref, preds in blocks for _, _, pred in preds]  # fmt: skip
     gain = error_gain(errors)
-    n_cols = 1 + max(len(preds) for _, _, preds in blocks)
-    fig, grid = _figure(n_cols, 3 * len(blocks), width=2.2, height=2.3)
+    n_cols = min(_IMAGE_COLS, 1 + max(len(preds) for _, _, preds in blocks))
+    # Each block's panels (its reference, then one per arm) fill lines of n_cols; a line is
+    # three picture rows (view, zoom, error map).
+    n_lines = [-(-(1 + len(preds)) // n_cols) for _, _, preds in blocks]
+    fig, grid = _figure(n_cols, 3 * sum(n_lines), width=2.2, height=2.3)
     for ax in grid.flat:
         ax.axis("off")
     for b, (title, ref, preds) in enumerate(blocks):
@@ -282,12 +317,14 @@ def plot_images(
              np.abs(pred.astype(np.int16) - ref.astype(np.int16)))
             for row, run, pred in preds
         ]  # fmt: skip
-        for c, (name, image, error) in enumerate(panels):
-            full, zoom, err = grid[3 * b, c], grid[3 * b + 1, c], grid[3 * b + 2, c]
+        first_row = 3 * sum(n_lines[:b])
+        for k, (name, image, error) in enumerate(panels):
+            r, c = first_row + 3 * (k // n_cols), k % n_cols
+            full, zoom, err = grid[r, c], grid[r + 1, c], grid[r + 2, c]
             full.imshow(image, interpolation="nearest")
             full.add_patch(Rectangle((left - 0.5, top - 0.5), size, size, fill=False,
                                      edgecolor="red", linewidth=1))  # fmt: skip
-            full.set_title(f"{title}\n{name}" if c == 0 else name, fontsize="small")
+            full.set_title(f"{title}\n{name}" if k == 0 else name, fontsize="small")
             zoom.imshow(image[top : top + size, left : left + size], interpolation="nearest")
             zoom.set_title("zoom (red box)", fontsize="x-small")
             if error is not None:

@@ -395,7 +395,8 @@ class PrecisionPolicy:
             # A typo keeps the length within one letter and is no extension of the arm's name
             # (f16_dyanmic); a variant's own name (f16_dynamic_100, bf16_nogrid) is neither.
             close = [
-                arm for arm in difflib.get_close_matches(str(name), list(_ARMS), n=1, cutoff=0.8)
+                arm
+                for arm in difflib.get_close_matches(str(name), list(_ARMS), n=1, cutoff=0.8)
                 if abs(len(arm) - len(str(name))) <= 1 and not str(name).startswith(arm)
             ]
             if close:

@@ -63,9 +63,11 @@ SCHEMAS = [TrainConfig, ExportConfig, SearchConfig, TextureConfig, GridConfig, P
         (Name(), ["tiny_search"], ["a/b", "1a", 3], "a name of letters, digits and _"),
         (ListOf(Integer(), length=2), [[1, 2], (3, 4)], [[1], [1, "2"], "12"],
          "a list of 2 values, each an integer"),
-        (ListOf(Text(), non_empty=True), [["a"]], [[]], "a non-empty list of values, each a string"),
+        (ListOf(Text(), non_empty=True), [["a"]], [[]],
+         "a non-empty list of values, each a string"),
         (Table(), [{}, {"k": 1}], [[], "x"], "a mapping"),
-        (OrNull(Integer(min=1), "the default"), [None, 2], [0], "null (the default) or an integer >= 1"),
+        (OrNull(Integer(min=1), "the default"), [None, 2], [0],
+         "null (the default) or an integer >= 1"),
         (AnyOf(Flag(), FilePath()), [True, "p"], ["", 1], "true or false or a file or folder path"),
     ],
 )  # fmt: skip

@@ -38,11 +38,17 @@ AABB = [[-1.0, -2.0, 0.0], [3.0, 2.0, 1.0]]
 # (|z| < 16 here) by one unit in the last place of the precision, and the sigmoid passes at most
 # a quarter of it: f16 2**-7 * 16 / 4 = 3e-2 at the most, far less in practice; the bound is a
 # few flips. Everything else agrees to float32's sum-order error (1e-6 after the sigmoid).
-FLIP = {"f32": 1e-6, "f16": 2e-2, "bf16": 1.5e-1, "fp8": 2.5e-1, "int8": 2e-2,
-        # Row-wise FP8's sums are exact in both (float64) and every scale a float32 division
-        # or product rounded once in both: bit for bit, up to the grid's f16 sum-order flips
-        # (none expected: the grid's arithmetic is the same per element), so f16's bound.
-        "fp8_rowwise": 2e-2}
+FLIP = {
+    "f32": 1e-6,
+    "f16": 2e-2,
+    "bf16": 1.5e-1,
+    "fp8": 2.5e-1,
+    "int8": 2e-2,
+    # Row-wise FP8's sums are exact in both (float64) and every scale a float32 division
+    # or product rounded once in both: bit for bit, up to the grid's f16 sum-order flips
+    # (none expected: the grid's arithmetic is the same per element), so f16's bound.
+    "fp8_rowwise": 2e-2,
+}
 AGREE = 1e-6  # float32 sum-order error after the sigmoid
 MOST = 0.999  # at least this fraction of the values agree to AGREE
 
@@ -139,7 +145,7 @@ def test_rowwise_fp8_decode_runs_the_network_its_qat_arm_trained():
         w = layer.weight.detach()
         decoded = _layer(h, w, "fp8_rowwise", None).double()
         x_q, w_q = fake_quantize_input(h, "fp8_rowwise"), fake_quantize(w, "fp8_rowwise")
-        trained = (x_q.double() @ w_q.double().t())  # exact in float64
+        trained = x_q.double() @ w_q.double().t()  # exact in float64
         bound = (h.shape[1] + 3) * 2.0**-24 * (x_q.double().abs() @ w_q.double().abs().t())
         assert torch.all((decoded - trained).abs() <= bound)
         assert torch.allclose(layer(h).double(), trained, rtol=0, atol=float(bound.max()))

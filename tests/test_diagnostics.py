@@ -306,6 +306,7 @@ def test_saturation_statistics_hand_computed():
     assert got["stuck_fraction"] == [1 / 4, 2 / 4, 0.0, None]
     assert got["covered_pixels"] == 4 and got["threshold_logit"] == 8.0
     assert got["stuck_tolerance"] == 0.1
+
     # The stuck pixels' share of the squared error, in sRGB clamped to [0, 1] (the PSNR's):
     # rows 1 and 2 hold stuck channels; row 3 is not a valid pixel.
     def srgb(v):

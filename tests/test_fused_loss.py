@@ -426,8 +426,11 @@ def test_the_check_tells_whether_the_kernels_divide_as_torch_does_on_the_device(
 
 @pytest.mark.parametrize(
     "error, raised",
-    [("the kernel's compile failed", False), ("CUDA error: an illegal memory access", True),
-     ("Triton Error [CUDA]: an illegal memory access was encountered", True)],
+    [
+        ("the kernel's compile failed", False),
+        ("CUDA error: an illegal memory access", True),
+        ("Triton Error [CUDA]: an illegal memory access was encountered", True),
+    ],
 )
 def test_the_check_names_a_kernel_failure_and_lets_a_device_fault_through(
     monkeypatch, error, raised

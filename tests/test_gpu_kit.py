@@ -139,8 +139,10 @@ def test_dry_run_runs_every_stage_and_records_why_native_ones_cannot(tmp_path):
     # loop feature off, the FP8 GEMM arms with Triton's GEMMs (not on this CPU), and last the
     # arms not judged by speed.
     judged = [a for a in kit.arm_order() if a not in kit.ARMS_NOT_JUDGED]
-    extra = [*[f"f32, {v}" for v in kit.LOOP_VARIANTS],
-             *[f"{a}, {o}" for a in kit.arm_order() for o in kit.ARM_VARIANTS.get(a, ())]]
+    extra = [
+        *[f"f32, {v}" for v in kit.LOOP_VARIANTS],
+        *[f"{a}, {o}" for a in kit.arm_order() for o in kit.ARM_VARIANTS.get(a, ())],
+    ]
     assert list(rows) == [*judged, *extra, *kit.ARMS_NOT_JUDGED]
     for arm, overrides in kit.ARM_VARIANTS.items():
         assert rows[f"{arm}, {overrides[0]}"][1].startswith("not run: cpu tensors need Triton")

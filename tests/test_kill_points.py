@@ -200,8 +200,8 @@ EXPORT = ["export.enabled=true", "export.resolution=64", "export.formats=[obj]",
 # how it was resumed (checked on their own)
 _MEASURED = {
     "wall_time_s", "train_time_s", "time_split_s", "time_per_iter_s", "peak_memory_bytes",
-    "start_peak_memory_bytes", "run_dir", "resume_count", "resumed_from", "interruptions", "wall_time_total_s",
-    "train_time_total_s", "time_total_complete",
+    "start_peak_memory_bytes", "run_dir", "resume_count", "resumed_from", "interruptions",
+    "wall_time_total_s", "train_time_total_s", "time_total_complete",
 }  # fmt: skip
 # train keys that say how a run was started, not what it trains
 _HOW_STARTED = {"resume", "inject_signal_at"}

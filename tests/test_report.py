@@ -183,8 +183,8 @@ def test_cli_errors_on_missing_directory(tmp_path, capsys):
     assert "no such directory" in capsys.readouterr().err
     (tmp_path / "report.md").write_text("")
     assert report_main([str(tmp_path / "report.md")]) == 2
-    assert capsys.readouterr().err.strip().endswith(
-        "report.md: a file, not a directory (give the sweep's folder)")
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("report.md: a file, not a directory (give the sweep's folder)")
     assert report_main([str(tmp_path), "--margin-db", "-1"]) == 2
 
 
@@ -382,8 +382,11 @@ def test_one_seed_cannot_judge(tmp_path):
 
 
 def test_backends_line_names_the_rasterizer_and_a_dash_for_older_runs(tmp_path):
-    _write(tmp_path, "0", _metrics("f32", 0, backends={"encoder": "tcnn", "mlp": "torch",
-                                                       "raster": "nvdiffrast"}))
+    _write(
+        tmp_path,
+        "0",
+        _metrics("f32", 0, backends={"encoder": "tcnn", "mlp": "torch", "raster": "nvdiffrast"}),
+    )
     # metrics.json written before the rasterizer was recorded
     _write(tmp_path, "1", _metrics("f16", 0, backends={"encoder": "torch", "mlp": "tcnn"}))
     # an FP8 arm says whether its GEMMs ran on the tensor cores
@@ -853,8 +856,11 @@ def test_results_tex_holds_report_mds_numbers_per_section(tmp_path):
         for scale in (64.0, 128.0):
             for seed in range(3):
                 cfg = {"precision.static_loss_scale": scale}
-                _write(tmp_path, f"{scene}_{scale}_f32_{seed}",
-                       _metrics("f32", seed, psnr=base + seed, scene=scene, config=cfg))
+                _write(
+                    tmp_path,
+                    f"{scene}_{scale}_f32_{seed}",
+                    _metrics("f32", seed, psnr=base + seed, scene=scene, config=cfg),
+                )
                 status = "diverged" if (scene, scale, seed) == ("spot", 64.0, 2) else "completed"
                 psnr = base + seed + (-0.2, 0.1, 0.4)[seed]
                 _write(tmp_path, f"{scene}_{scale}_f16_{seed}",
@@ -929,8 +935,10 @@ def test_nvdiffrec154_is_computed_per_scene_never_pooled(tmp_path):
     job = 0
     for scene, gap in (("duck", 1.0), ("torus", -1.0)):
         for seed in range(3):
-            for arm, psnr in (("nvdiffrec", 30.0 + seed),
-                              ("tcnn_fused_swap154", 30.0 + seed + gap + 0.05 * seed)):
+            for arm, psnr in (
+                ("nvdiffrec", 30.0 + seed),
+                ("tcnn_fused_swap154", 30.0 + seed + gap + 0.05 * seed),
+            ):
                 _write(tmp_path, f"{job}", _metrics(arm, seed, psnr=psnr, scene=scene))
                 job += 1
     write_report(tmp_path)
@@ -954,8 +962,10 @@ def test_nvdiffrec154_pairs_runs_of_a_precision_key_swept_within_the_arms(tmp_pa
     # and the runs of one setting never stand in for the other's.
     for scale, gap in ((64, 3.0), (128, 0.0)):
         for seed in range(3):
-            for arm, psnr in (("nvdiffrec", 30.0 + seed),
-                              ("tcnn_fused_swap154", 30.0 + seed + gap + 0.05 * seed)):
+            for arm, psnr in (
+                ("nvdiffrec", 30.0 + seed),
+                ("tcnn_fused_swap154", 30.0 + seed + gap + 0.05 * seed),
+            ):
                 config = {"precision.static_loss_scale": scale}
                 _write(tmp_path, f"{arm}_{scale}_{seed}",
                        _metrics(arm, seed, psnr=psnr, config=config))  # fmt: skip
@@ -1146,8 +1156,10 @@ def test_a_plateau_held_by_stuck_pixels_above_the_baseline_is_a_collapse(tmp_pat
     # tcnn_fused on the real-asset torus, seed 1 (docs/archive/collapse-rule.md)
     got = classify_collapse(_validated([20.03, 20.04, 20.04], stuck=0.1616))
     assert got["rule"] == "plateau, stuck" and got["stuck_channel"] == 2
-    assert got["reason"] == ("16% of covered pixels stuck in channel 2 (since iteration 800), "
-                             "PSNR 20.04 dB > baseline 13.36 dB, flat since iteration 800")
+    assert got["reason"] == (
+        "16% of covered pixels stuck in channel 2 (since iteration 800), "
+        "PSNR 20.04 dB > baseline 13.36 dB, flat since iteration 800"
+    )
     # not a collapse: still learning with the same stuck pixels; flat with few stuck pixels (a
     # run that converged early); and the f32 runs' largest stuck fraction on a plateau
     assert classify_collapse(_validated([20.03, 24.0, 28.0], stuck=0.1616)) is None
@@ -1163,8 +1175,10 @@ def test_a_plateau_held_by_stuck_pixels_above_the_baseline_is_a_collapse(tmp_pat
     row = _rows(tmp_path)[("tcnn_fused",)]
     assert row["collapsed"] == 1 and row["n_seeds"] == 2
     assert [s for s, _ in row["pairs"]] == [0, 2]
-    assert "flat that way with ≥ 10% stuck, above the baseline too" in (
-        tmp_path / "report.md").read_text()
+    assert (
+        "flat that way with ≥ 10% stuck, above the baseline too"
+        in (tmp_path / "report.md").read_text()
+    )
 
 
 # ----------------------------------------------------------------------------- partly stuck

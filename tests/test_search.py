@@ -327,8 +327,17 @@ def test_not_trained_lists_the_cheapest_of_each_kind_by_hand():
     bf16_grid = Candidate("bf16", ("f32",) * 3)
     f16 = Candidate("f16", ("f16",) * 3, loss_scaling="dynamic")
     f32 = Candidate("f32", ("f32",) * 3)
-    model = {c.name: {"seconds": t} for c, t in
-             [(fp8_a, 4.0), (fp8_b, 3.0), (cur, 5.0), (bf16_grid, 4.2), (f16, 2.5), (f32, 4.4)]}
+    model = {
+        c.name: {"seconds": t}
+        for c, t in [
+            (fp8_a, 4.0),
+            (fp8_b, 3.0),
+            (cur, 5.0),
+            (bf16_grid, 4.2),
+            (f16, 2.5),
+            (f32, 4.4),
+        ]
+    }
     got = not_trained([fp8_a, fp8_b, cur, bf16_grid, f16, f32], {f32.name, cur.name}, model)
     assert got["count"] == 4  # fp8_a, fp8_b, bf16_grid, f16 (an f16 one has no kind listed)
     assert got["cheapest_by_kind"] == [
@@ -579,7 +588,7 @@ def test_a_measured_cost_is_compared_with_f32s_seed_by_seed(tmp_path, searched):
 
     def time_runs(name, times):
         for seed_dir in sorted((runs / name).glob("seed*")):
-            seed = int(seed_dir.name[len("seed"):])
+            seed = int(seed_dir.name[len("seed") :])
             metrics = json.loads((seed_dir / "metrics.json").read_text())
             metrics.update(device="cuda:0", time_per_iter_s=times(seed))
             (seed_dir / "metrics.json").write_text(json.dumps(metrics))
@@ -622,6 +631,8 @@ def test_a_cost_texture_that_is_not_a_config_name_lists_the_names():
     for given in ("/nonexist.yaml", "nosuch"):
         with pytest.raises(SearchError) as err:
             _cost_texture({"cost": {"texture": given}}, {})
-        assert str(err.value) == ("search.cost.texture: expected the name of one of mptex's "
-                                  f"texture configs ['cpu', 'default', 'tiny'], got {given!r}")
+        assert str(err.value) == (
+            "search.cost.texture: expected the name of one of mptex's "
+            f"texture configs ['cpu', 'default', 'tiny'], got {given!r}"
+        )
     assert set(_cost_texture({"cost": {"texture": "tiny"}}, {})) == {"texture"}

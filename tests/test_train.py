@@ -615,8 +615,11 @@ def test_a_checkpoint_of_a_gpu_grid_backend_loads_on_the_cpu(tmp_path, backend):
         "    torch.save(tex.sample(torch.load(sys.argv[2])), sys.argv[3])\n"
     )
     root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "TRITON_INTERPRET": "0",
-           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "0",
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
     proc = subprocess.run(
         [sys.executable, "-c", code, str(path), str(tmp_path / "points.pt"),
          str(tmp_path / "got.pt")], capture_output=True, text=True, env=env, timeout=300,

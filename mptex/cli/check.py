@@ -111,8 +111,11 @@ def _texture_config(value: str):
         raise ValueError(f"--texture-config: {value}: {config_key(str(error))}") from None
     if config.get("backend", "auto") not in ("auto", "torch"):
         # The setups choose the grid's backend (--backend-a, --backend-b): said, not dropped.
-        print(f"mptex-check: --texture-config: {value}: its backend {config['backend']!r} is "
-              "not used; --backend-a and --backend-b choose the grid's backend", file=sys.stderr)
+        print(
+            f"mptex-check: --texture-config: {value}: its backend {config['backend']!r} is "
+            "not used; --backend-a and --backend-b choose the grid's backend",
+            file=sys.stderr,
+        )
     return config
 
 

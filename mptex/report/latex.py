@@ -94,8 +94,10 @@ def _speed(devices: Sequence[str], shared: int | None) -> str:
     text = f"ms / iter: the median time per iteration{where}, mean over the completed runs"
     if shared is not None and shared != 1:
         text += f", {runs_at_once(shared)} runs sharing the machine"
-    return text + (". Speed-up: the reference's mean time over the arm's, without an interval "
-                   "(report.md says which arms are faster by a per-seed interval). ")
+    return text + (
+        ". Speed-up: the reference's mean time over the arm's, without an interval "
+        "(report.md says which arms are faster by a per-seed interval). "
+    )
 
 
 def _seeds(section: Sequence[Mapping[str, Any]]) -> str:

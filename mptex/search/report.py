@@ -68,6 +68,7 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
 def _plot(path: Path, summary: Mapping[str, Any]) -> bool:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+
     seed0 = summary["screen_seed"]
     rows = [r for r in summary["candidates"] if _quality(r, seed0) is not None]
     if not rows:

@@ -8,6 +8,8 @@ interprets the kernels with a newer Triton; the kernels must compute the same bi
 import ast
 from pathlib import Path
 
+import pytest
+
 import mptex
 
 PACKAGE = Path(mptex.__file__).resolve().parent
@@ -43,3 +45,55 @@ def test_no_kernel_negates_a_value_with_a_unary_minus():
         and not isinstance(node.operand, ast.Constant)
     ]
     assert not found, found
+
+
+def _launches():
+    """(file, call) for every launch of a Triton kernel in the package: a call of
+    ``<name>_kernel[grid](...)``."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Subscript)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id.endswith("_kernel")
+            ):
+                yield path, node
+
+
+# The dicts of launch options that launches spread into their keywords (``**``), each holding
+# ``enable_fp_fusion``: the fused loss's (mptex.train._loss_triton), checked below.
+_OPTION_SPREADS = ("LAUNCH_OPTIONS", "_options")
+
+
+def test_every_launch_states_whether_multiply_adds_are_contracted():
+    # Triton's default for enable_fp_fusion (contract a * b + c into one rounding) changes from
+    # on to off in Triton 3.10, and 3.9 warns at every process's first launch that leaves it
+    # unset. A kernel whose bits are compared with a twin must not depend on that default, and
+    # a kernel with nothing to contract should not make every CUDA run warn.
+    launches = list(_launches())
+    assert len(launches) >= 15  # the grid's, the loss's, the FP8 kernels', the level scales'
+    unstated = []
+    for path, call in launches:
+        keywords = {k.arg for k in call.keywords if k.arg is not None}
+        spreads = [k.value for k in call.keywords if k.arg is None]
+        spread_names = {
+            (s.func if isinstance(s, ast.Call) else s).id
+            for s in spreads
+            if isinstance(s.func if isinstance(s, ast.Call) else s, ast.Name)
+        }
+        if "enable_fp_fusion" not in keywords and not spread_names & set(_OPTION_SPREADS):
+            unstated.append(f"{path.relative_to(PACKAGE.parent)}:{call.lineno} "
+                            f"{call.func.value.id}")  # fmt: skip
+    assert not unstated, unstated
+
+
+def test_the_fused_losss_launch_options_turn_contraction_off():
+    from mptex.train import _loss_triton
+
+    options = _loss_triton._launch_options()
+    if not options:
+        pytest.skip("this Triton cannot compile the fused loss (None) or interprets it ({})")
+    assert options["enable_fp_fusion"] is False
+    assert _loss_triton._options(False)["enable_fp_fusion"] is False

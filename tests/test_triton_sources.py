@@ -15,10 +15,15 @@ import mptex
 PACKAGE = Path(mptex.__file__).resolve().parent
 
 
+def _modules():
+    """(file, parsed module) for every module of the package."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield path, ast.parse(path.read_text(), filename=str(path))
+
+
 def _kernels():
     """(file, function) for every ``@triton.jit`` function in the package."""
-    for path in sorted(PACKAGE.rglob("*.py")):
-        tree = ast.parse(path.read_text(), filename=str(path))
+    for path, tree in _modules():
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and any(
                 "jit" in ast.unparse(d) for d in node.decorator_list
@@ -50,8 +55,7 @@ def test_no_kernel_negates_a_value_with_a_unary_minus():
 def _launches():
     """(file, call) for every launch of a Triton kernel in the package: a call of
     ``<name>_kernel[grid](...)``."""
-    for path in sorted(PACKAGE.rglob("*.py")):
-        tree = ast.parse(path.read_text(), filename=str(path))
+    for path, tree in _modules():
         for node in ast.walk(tree):
             if (
                 isinstance(node, ast.Call)
@@ -67,6 +71,12 @@ def _launches():
 _OPTION_SPREADS = ("LAUNCH_OPTIONS", "_options")
 
 
+def _spread_name(expr: ast.expr) -> str | None:
+    """The name spread by ``**expr``: a dict's (``NAME``) or its maker's (``NAME(...)``)."""
+    target = expr.func if isinstance(expr, ast.Call) else expr
+    return target.id if isinstance(target, ast.Name) else None
+
+
 def test_every_launch_states_whether_multiply_adds_are_contracted():
     # Triton's default for enable_fp_fusion (contract a * b + c into one rounding) changes from
     # on to off in Triton 3.10, and 3.9 warns at every process's first launch that leaves it
@@ -77,12 +87,7 @@ def test_every_launch_states_whether_multiply_adds_are_contracted():
     unstated = []
     for path, call in launches:
         keywords = {k.arg for k in call.keywords if k.arg is not None}
-        spreads = [k.value for k in call.keywords if k.arg is None]
-        spread_names = {
-            (s.func if isinstance(s, ast.Call) else s).id
-            for s in spreads
-            if isinstance(s.func if isinstance(s, ast.Call) else s, ast.Name)
-        }
+        spread_names = {_spread_name(k.value) for k in call.keywords if k.arg is None}
         if "enable_fp_fusion" not in keywords and not spread_names & set(_OPTION_SPREADS):
             unstated.append(f"{path.relative_to(PACKAGE.parent)}:{call.lineno} "
                             f"{call.func.value.id}")  # fmt: skip

@@ -281,10 +281,11 @@ def _fma_f32(a: torch.Tensor, b: torch.Tensor, c, nonnegative_product=False):
     ``c`` is a float or a float32 tensor. The product is exact in float64 (24 + 24 bits) and
     the float64 sum ``s`` is rounded once. Rounding ``s`` to float32 is then correct unless
     ``s`` sits exactly on a float32 midpoint (or in float32's subnormal range), where the first
-    rounding may have decided the tie; those rare elements are redone with the exact error of
-    the sum (TwoSum), rounding to odd. With ``c = 0.5`` and a product known to be >= 0, ``s``
-    is exact unless the product is below 2^-6 (the sum then spans at most 53 bits), which
-    narrows the suspects further.
+    rounding may have decided the tie; those rare elements take the exact error of the sum
+    (TwoSum) into account, rounding to odd. With ``c = 0.5`` and a product known to be >= 0,
+    ``s`` is exact unless the product is below 2^-6 (the sum then spans at most 53 bits), which
+    narrows the suspects further. No host synchronisation: the correction is selected per
+    element on the tensors' device.
     """
     product = a.double() * b.double()
     addend = c.double() if isinstance(c, torch.Tensor) else c
@@ -294,14 +295,15 @@ def _fma_f32(a: torch.Tensor, b: torch.Tensor, c, nonnegative_product=False):
         suspect = (low_bits == 0x10000000) & (product < 2.0**-6)
     else:
         suspect = (low_bits == 0x10000000) | (total.abs() < 2.0**-125)
-    if bool(suspect.any()):
-        p, t = product.expand_as(total)[suspect], total[suspect]
-        c_s = addend.expand_as(total)[suspect] if isinstance(c, torch.Tensor) else addend
-        b_virtual = t - p
-        error = (p - (t - b_virtual)) + (c_s - b_virtual)
-        towards = torch.where(error > 0, math.inf, -math.inf).to(t.dtype)
-        even = (t.view(torch.int64) & 1) == 0
-        total[suspect] = torch.where((error != 0) & even, torch.nextafter(t, towards), t)
+    # The correction is computed everywhere and kept where suspect: selecting the suspects
+    # first would read back whether there are any, a host synchronisation per call on a GPU
+    # (the torch grid calls this once per corner).
+    b_virtual = total - product
+    error = (product - (total - b_virtual)) + (addend - b_virtual)
+    towards = torch.where(error > 0, math.inf, -math.inf).to(total.dtype)
+    even = (total.view(torch.int64) & 1) == 0
+    fix = suspect & (error != 0) & even
+    total = torch.where(fix, torch.nextafter(total, towards), total)
     return total.float()
 
 
@@ -319,9 +321,9 @@ def _hfma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     error = (product - (total - b_virtual)) + (c - b_virtual)
     even = (total.view(torch.int32) & 1) == 0
     fix = (error != 0) & even
-    if bool(fix.any()):
-        towards = torch.where(error > 0, math.inf, -math.inf).to(total.dtype)
-        total = torch.where(fix, torch.nextafter(total, towards), total)
+    # No "if fix.any()" first: that read would synchronise the host with a GPU on every call.
+    towards = torch.where(error > 0, math.inf, -math.inf).to(total.dtype)
+    total = torch.where(fix, torch.nextafter(total, towards), total)
     return total.to(torch.float16).to(torch.float32)
 
 

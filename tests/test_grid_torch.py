@@ -113,3 +113,53 @@ def test_fma_redoes_a_tie_that_double_rounding_gets_wrong():
     a, b = 48 * (1 + 2**-16), (1 - 2**-16) * 2**-29
     got = grid._fma_f32(torch.tensor([a]), torch.tensor([b]), 0.5, nonnegative_product=True)
     assert got.item() == float(fmaf(a, b, 0.5)) == float.fromhex("0x1.000002p-1")
+
+
+def _midpoint_cases(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(a, b, c)`` float32 whose exact ``a * b + c`` lies just below a float32 midpoint
+    (the case of the test above, at other exponents, odd multiples and signs), with zeros,
+    signed zeros and subnormal sums among them."""
+    g = torch.Generator().manual_seed(5)
+    j = torch.randint(-10, 10, (n,), generator=g).double()
+    r = torch.randint(0, 1 << 22, (n,), generator=g).double()
+    odd = (torch.randint(0, 8, (n,), generator=g) * 2 + 1).double()
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
+    a = (sign * odd * 16 * (1 + 2**-16)).float()
+    b = ((1 - 2**-16) * 2 ** (j - 28)).float()
+    c = (sign * 2**j * (1 + r * 2**-23)).float()
+    c[::9], a[1::9] = 0.0, -0.0  # a product alone; a signed-zero product
+    b[2::9], c[2::9] = 2.0**-140, 0.0  # a subnormal product and sum
+    return a, b, c
+
+
+def test_fma_helpers_round_once_and_never_synchronise():
+    # The exact per-element value (fractions) against the twin's fmaf and __hfma2, with the
+    # overhead counter watching: deciding on the device which elements to redo, instead of
+    # reading back whether any need it, keeps a GPU's queue running (the torch grid calls
+    # these once per corner).
+    from grid_reference import fmaf, hfma
+
+    from mptex.diagnostics.overhead import OverheadCounter
+
+    a, b, c = _midpoint_cases(360)
+    g = torch.Generator().manual_seed(6)
+    half = [(torch.randn(len(a), generator=g) * 8).half().float() for _ in range(3)]
+    half[2][::7], half[0][1::7] = 0.0, -0.0
+    counter = OverheadCounter(torch.device("cpu"))
+    with counter:
+        got = grid._fma_f32(a, b, c)
+        got_unit = grid._fma_f32(a.abs(), b, 0.5, nonnegative_product=True)
+        got_half = grid._hfma(*half)
+    assert sum(counter.syncs.values()) == 0, dict(counter.syncs)
+    naive = (a.double() * b.double() + c.double()).float()
+    assert (naive != got).any()  # the cases do need the second look
+    for i in range(len(a)):
+        x, y, z = a[i].item(), b[i].item(), c[i].item()
+        assert got[i].item() == float(fmaf(x, y, z)), (x, y, z)
+        assert got_unit[i].item() == float(fmaf(abs(x), y, 0.5)), (x, y)
+        hx, hy, hz = (t[i].item() for t in half)
+        assert got_half[i].item() == float(hfma(hx, hy, hz)), (hx, hy, hz)
+    # Signs of zero as fmaf gives them: (-0) * b + 0 is +0, a * b + (-0) keeps the product's.
+    assert torch.equal(got.view(torch.int32), torch.tensor(
+        [float(fmaf(x, y, z)) for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())]
+    ).view(torch.int32))  # fmt: skip
